@@ -1,0 +1,79 @@
+"""Pure-torch references of the kernel ops: the semantics every CUDA kernel must match.
+
+Multi-LoRA (ATMM's contract): tokens are sorted into contiguous segments, one adapter slot
+per segment; for each segment s with slot k = seg_slots[s] (k < 0: no LoRA),
+
+    y[seg_starts[s]:seg_starts[s+1]] += scales[k] * (x[seg] @ A[k]) @ B[k]
+
+with A[k]: (in_features, r_k), B[k]: (r_k, out_features), ranks exact per slot (no padding),
+accumulated in fp32 and rounded once into y's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SegmentPlan:
+    """Token segments of one engine step, built once per step and shared by every layer.
+
+    seg_starts: S+1 token offsets (first 0, last = number of tokens); seg_slots: S adapter
+    slots, -1 for tokens without LoRA. Host lists for the reference; kernels keep device copies.
+    """
+
+    seg_starts: list[int]
+    seg_slots: list[int]
+
+    @classmethod
+    def from_token_slots(cls, token_slots: Sequence[int]) -> "SegmentPlan":
+        """Plan for tokens already grouped by slot (equal slots adjacent)."""
+        starts, slots = [0], []
+        for i, slot in enumerate(token_slots):
+            if not slots or slot != slots[-1]:
+                if slots:
+                    starts.append(i)
+                slots.append(slot)
+        starts.append(len(token_slots))
+        if not slots:
+            starts = [0, 0][:1]
+        return cls(starts, slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seg_starts[-1]
+
+
+def multi_lora_reference_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    plan: SegmentPlan,
+    a: Sequence[torch.Tensor | None],
+    b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> torch.Tensor:
+    """In place: y[seg] += scales[k] * (x[seg] @ a[k]) @ b[k] for every segment (see module doc)."""
+    if x.shape[0] != plan.num_tokens or y.shape[0] != plan.num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens, x has {x.shape[0]}, y has {y.shape[0]}")
+    for s, k in enumerate(plan.seg_slots):
+        if k < 0:
+            continue
+        lo, hi = plan.seg_starts[s], plan.seg_starts[s + 1]
+        if hi == lo:
+            continue
+        delta = (x[lo:hi].float() @ a[k].float()) @ b[k].float()
+        y[lo:hi] = (y[lo:hi].float() + scales[k] * delta).to(y.dtype)
+    return y
+
+
+def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor) -> torch.Tensor:
+    """In place W += B_cat @ A_cat, fp32 accumulate (the switcher's one-pass merge/unmerge/switch).
+
+    W: (out, in); B_cat: (out, R); A_cat: (R, in). Unmerge m and merge n in one pass with
+    B_cat = [s_n*B_n, -s_m*B_m], A_cat = [A_n; A_m] (PEFT layout: B (out, r), A (r, in)).
+    """
+    w.copy_((w.float() + b_cat.float() @ a_cat.float()).to(w.dtype))
+    return w

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv with every dependency, pinned. torch comes first from the CPU wheel on disk,
+# so nothing below pulls a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[dev]"

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs what the tests need, then runs the static checks and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+. .venv/bin/activate
+# PostgreSQL is started by the machine; start it if it is down.
+if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start || true
+fi
+python scripts/gen_protos.py --check
+if [ -d examples/node ]; then (cd examples/node && npm ci --silent --no-audit --no-fund); fi
+if ! command -v buf >/dev/null; then npm install -g --silent @bufbuild/buf@1; fi
+(cd protos && buf lint)
+python -m pytest -q "$@"

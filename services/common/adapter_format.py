@@ -1,0 +1,190 @@
+"""The adapter bundle format, shared by the store (validation), workers (loading) and the CLI.
+
+A bundle is one safetensors file in PEFT's layout plus PEFT's adapter_config.json:
+
+    base_model.model.model.language_model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_A.weight  (r, in)
+    base_model.model.model.language_model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_B.weight  (out, r)
+    base_model.model.model.language_model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+    heads.{name}.weight (num_labels, hidden)   heads.{name}.bias (num_labels,)   -- vision task heads
+
+Scale is lora_alpha / r (PEFT's default). Torch-free: shapes come from the base model's
+config.json, tensors' shapes from the safetensors header.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+from services.common.errors import InvalidAdapter
+
+LM_PREFIX = "base_model.model.model.language_model.layers."
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+_LORA_KEY = re.compile(
+    r"^base_model\.model\.model\.language_model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
+    r"(?P<module>[a-z_]+)\.lora_(?P<which>[AB])\.weight$"
+)
+_HEAD_KEY = re.compile(r"^heads\.(?P<name>[a-z][a-z0-9_-]{0,62})\.(?P<part>weight|bias)$")
+SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
+
+
+def module_parent(module: str) -> str:
+    return "self_attn" if module in ATTENTION_MODULES else "mlp"
+
+
+def lora_key(layer: int, module: str, which: str) -> str:
+    return f"{LM_PREFIX}{layer}.{module_parent(module)}.{module}.lora_{which}.weight"
+
+
+@dataclass(frozen=True)
+class BaseModelShapes:
+    """In/out features of each LoRA-targetable projection of the language model."""
+
+    num_layers: int
+    hidden_size: int
+    features: dict[str, tuple[int, int]]  # module -> (in_features, out_features)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "BaseModelShapes":
+        text = config.get("text_config") or config
+        h = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        kv = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or h // heads)
+        inter = int(text["intermediate_size"])
+        return cls(
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=h,
+            features={
+                "q_proj": (h, heads * head_dim),
+                "k_proj": (h, kv * head_dim),
+                "v_proj": (h, kv * head_dim),
+                "o_proj": (heads * head_dim, h),
+                "gate_proj": (h, inter),
+                "up_proj": (h, inter),
+                "down_proj": (inter, h),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """What validation learned from a bundle: enough to register and to load it."""
+
+    rank: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    layers: tuple[int, ...]
+    heads: dict[str, int]  # head name -> number of labels
+    dtype: str
+
+
+def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dict:
+    """Parse a safetensors header without loading tensors; rejects anything that is not one."""
+    if len(data) < 8:
+        raise InvalidAdapter("bundle is not a safetensors file: shorter than its 8-byte header length",
+                             reason="NOT_SAFETENSORS")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > max_header_bytes:
+        raise InvalidAdapter(f"safetensors header is {n} bytes, over the {max_header_bytes}-byte limit",
+                             reason="HEADER_TOO_LARGE")
+    if 8 + n > len(data):
+        raise InvalidAdapter("bundle is truncated: header runs past the end", reason="TRUNCATED")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidAdapter(f"bundle is not a safetensors file: header is not JSON ({exc})",
+                             reason="NOT_SAFETENSORS") from exc
+    if not isinstance(header, dict):
+        raise InvalidAdapter("bundle is not a safetensors file: header is not an object", reason="NOT_SAFETENSORS")
+    body = len(data) - 8 - n
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(meta, dict) or "shape" not in meta or "data_offsets" not in meta:
+            raise InvalidAdapter(f"tensor {name!r}: malformed header entry", reason="NOT_SAFETENSORS")
+        start, end = meta["data_offsets"]
+        if not (0 <= start <= end <= body):
+            raise InvalidAdapter(f"tensor {name!r}: data runs past the end of the file", reason="TRUNCATED")
+    return header
+
+
+def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_rank: int,
+                    max_header_bytes: int = 1 << 20) -> BundleInfo:
+    """Check a bundle against the base model; raises InvalidAdapter naming what is wrong."""
+    try:
+        config = json.loads(config_json or "{}")
+    except json.JSONDecodeError as exc:
+        raise InvalidAdapter(f"adapter_config_json is not JSON: {exc}", reason="BAD_CONFIG") from exc
+    header = read_safetensors_header(data, max_header_bytes)
+    ranks: set[int] = set()
+    modules: set[str] = set()
+    layers: set[int] = set()
+    dtypes: set[str] = set()
+    pairs: dict[tuple[int, str], set[str]] = {}
+    heads: dict[str, dict[str, list[int]]] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtypes.add(meta.get("dtype"))
+        shape = list(meta["shape"])
+        if m := _HEAD_KEY.match(name):
+            heads.setdefault(m["name"], {})[m["part"]] = shape
+            continue
+        m = _LORA_KEY.match(name)
+        if not m:
+            raise InvalidAdapter(f"tensor {name!r} does not name a LoRA weight of the language model",
+                                 reason="UNKNOWN_TENSOR")
+        layer, module, which = int(m["layer"]), m["module"], m["which"]
+        if module not in shapes.features or layer >= shapes.num_layers:
+            raise InvalidAdapter(f"tensor {name!r}: the base model has no such module", reason="UNKNOWN_TENSOR")
+        fin, fout = shapes.features[module]
+        if len(shape) != 2:
+            raise InvalidAdapter(f"tensor {name!r}: expected 2 dimensions, got {shape}", reason="BAD_SHAPE")
+        rank = shape[0] if which == "A" else shape[1]
+        expected = [rank, fin] if which == "A" else [fout, rank]
+        if shape != expected:
+            raise InvalidAdapter(f"tensor {name!r}: shape {shape}, expected {expected}", reason="BAD_SHAPE")
+        ranks.add(rank)
+        modules.add(module)
+        layers.add(layer)
+        pairs.setdefault((layer, module), set()).add(which)
+    bad_dtypes = dtypes - SAFETENSORS_DTYPES
+    if bad_dtypes:
+        raise InvalidAdapter(f"dtypes {sorted(bad_dtypes)} not allowed; use one of {sorted(SAFETENSORS_DTYPES)}",
+                             reason="BAD_DTYPE")
+    if not pairs:
+        raise InvalidAdapter("bundle holds no LoRA weights", reason="EMPTY_ADAPTER")
+    unpaired = [f"layer {l} {mod}" for (l, mod), w in pairs.items() if w != {"A", "B"}]
+    if unpaired:
+        raise InvalidAdapter(f"lora_A without lora_B (or the reverse): {unpaired[:3]}", reason="BAD_SHAPE")
+    if len(ranks) != 1:
+        raise InvalidAdapter(f"mixed ranks {sorted(ranks)} inside one adapter", reason="BAD_SHAPE")
+    rank = ranks.pop()
+    if not 0 < rank <= max_rank:
+        raise InvalidAdapter(f"rank {rank} is over the limit of {max_rank}", reason="RANK_TOO_LARGE")
+    cfg_rank = config.get("r")
+    if cfg_rank is not None and int(cfg_rank) != rank:
+        raise InvalidAdapter(f"adapter_config r={cfg_rank} but tensors have rank {rank}", reason="BAD_CONFIG")
+    head_labels: dict[str, int] = {}
+    for head, parts in heads.items():
+        w = parts.get("weight")
+        if w is None or len(w) != 2 or w[1] != shapes.hidden_size:
+            raise InvalidAdapter(f"head {head!r}: weight must be (num_labels, {shapes.hidden_size})",
+                                 reason="BAD_SHAPE")
+        b = parts.get("bias")
+        if b is not None and b != [w[0]]:
+            raise InvalidAdapter(f"head {head!r}: bias must be ({w[0]},)", reason="BAD_SHAPE")
+        head_labels[head] = w[0]
+    return BundleInfo(
+        rank=rank,
+        lora_alpha=float(config.get("lora_alpha", rank)),
+        target_modules=tuple(m for m in TARGET_MODULES if m in modules),
+        layers=tuple(sorted(layers)),
+        heads=head_labels,
+        dtype=sorted(dtypes)[0],
+    )

@@ -1,0 +1,20 @@
+"""Typed settings shared by every service. Each service subclasses `ServiceSettings`; every
+field is also settable as VALORA_<FIELD> (e.g. VALORA_PORT=50051). Parsed once in main()."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VALORA_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
+    port: int = Field(0, description="gRPC port; 0 picks a free one (tests).")
+    log_level: str = Field("info", description="structlog level: debug, info, warning, error.")
+    log_json: bool = Field(True, description="JSON log lines (false: human-readable console).")
+    grace_s: float = Field(5.0, description="Graceful-shutdown grace period in seconds.")
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, description="Largest gRPC message accepted or sent, in bytes."
+    )

@@ -1,0 +1,185 @@
+"""The one way every valora service builds, runs and stops its gRPC server.
+
+`build_service()` makes a grpc.aio server with the error interceptor, the standard health
+service and reflection; each service's `create_server(settings)` calls it and returns the
+`Service` (server + bound port). `serve()` runs one until SIGTERM/SIGINT, then drains:
+health NOT_SERVING, `stop(grace)`, then the service's own cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from services.common.config import ServiceSettings
+from services.common.errors import ValoraError
+from services.common.logging import configure_logging
+
+log = structlog.get_logger()
+
+REQUEST_ID_KEY = "x-request-id"
+
+
+def request_id_from(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and value:
+            return value
+    return ""
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to gRPC statuses (with google.rpc details) and binds the request id
+    to every log line of the call. Unexpected exceptions are bugs: logged, then INTERNAL."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        rid = dict(handler_call_details.invocation_metadata or ()).get(REQUEST_ID_KEY, "")
+
+        async def fail(context, exc: BaseException):
+            if isinstance(exc, ValoraError):
+                log.info("rpc_error", method=method, code=exc.code.name, reason=exc.reason, error=exc.message)
+                await context.abort_with_status(rpc_status.to_status(exc.to_status()))
+            log.error("rpc_bug", method=method, error=repr(exc), traceback=traceback.format_exc())
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+        def bind():
+            structlog.contextvars.bind_contextvars(request_id=rid or None, method=method)
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request, context):
+                bind()
+                try:
+                    return await inner_uu(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped in fail()
+                    await fail(context, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                bind()
+                try:
+                    return await inner_su(request_iterator, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await fail(context, exc)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer)
+
+        # Streaming responses: handlers are async generators.
+        inner_stream = handler.unary_stream or handler.stream_stream
+
+        async def streaming(request, context):
+            bind()
+            try:
+                async for item in inner_stream(request, context):
+                    yield item
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await fail(context, exc)
+
+        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+        return make(streaming, handler.request_deserializer, handler.response_serializer)
+
+
+def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ]
+
+
+@dataclass
+class Service:
+    """A built (not yet started) gRPC server and what must be closed after it stops."""
+
+    name: str
+    server: grpc.aio.Server
+    port: int
+    health: HealthServicer
+    service_names: list[str]
+    on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        await self.server.start()
+        for hook in self.on_start:
+            await hook()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+        for hook in reversed(self.on_stop):
+            await hook()
+
+
+def build_service(
+    name: str,
+    settings: ServiceSettings,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> Service:
+    """`register(server)` adds the servicers and returns their full service names."""
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=channel_options(settings))
+    names = list(register(server))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise RuntimeError(f"{name}: could not bind {settings.host}:{settings.port}")
+    return Service(name=name, server=server, port=port, health=health, service_names=names)
+
+
+async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:
+    service = await create(settings)
+    await service.start()
+    log.info("serving", service=service.name, host=settings.host, port=service.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining", service=service.name, grace_s=settings.grace_s)
+    await service.stop(settings.grace_s)
+    log.info("stopped", service=service.name)
+
+
+def serve(name: str, create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:
+    """Entry point of each service's `python -m services.<name>`."""
+    configure_logging(name, settings.log_level, settings.log_json)
+    asyncio.run(_serve(create, settings))
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,34 @@
+from valora.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterRef(_message.Message):
+    __slots__ = ("version", "sha256")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    sha256: str
+    def __init__(self, version: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WorkItem(_message.Message):
+    __slots__ = ("request_id", "images", "prompt", "adapter", "output_kind", "head", "params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_KIND_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[_types_pb2.Image]
+    prompt: str
+    adapter: AdapterRef
+    output_kind: _types_pb2.OutputKind
+    head: str
+    params: _types_pb2.GenerationParams
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., head: _Optional[str] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ...) -> None: ...

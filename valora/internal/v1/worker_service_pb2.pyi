@@ -1,0 +1,72 @@
+from valora.internal.v1 import work_pb2 as _work_pb2
+from valora.v1 import admin_service_pb2 as _admin_service_pb2
+from valora.v1 import inference_service_pb2 as _inference_service_pb2
+from valora.v1 import types_pb2 as _types_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("item",)
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    item: _work_pb2.WorkItem
+    def __init__(self, item: _Optional[_Union[_work_pb2.WorkItem, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text_delta", "result")
+    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    text_delta: str
+    result: _inference_service_pb2.InferResult
+    def __init__(self, text_delta: _Optional[str] = ..., result: _Optional[_Union[_inference_service_pb2.InferResult, _Mapping]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "to_device")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    adapter: _work_pb2.AdapterRef
+    to_device: bool
+    def __init__(self, adapter: _Optional[_Union[_work_pb2.AdapterRef, _Mapping]] = ..., to_device: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("already_loaded",)
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    already_loaded: bool
+    def __init__(self, already_loaded: _Optional[bool] = ...) -> None: ...
+
+class OffloadAdapterRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _work_pb2.AdapterRef
+    def __init__(self, adapter: _Optional[_Union[_work_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+
+class OffloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetModeRequest(_message.Message):
+    __slots__ = ("mode", "merged_adapter")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MERGED_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    mode: _types_pb2.InferenceMode
+    merged_adapter: _work_pb2.AdapterRef
+    def __init__(self, mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ..., merged_adapter: _Optional[_Union[_work_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+
+class SetModeResponse(_message.Message):
+    __slots__ = ("switch_ms",)
+    SWITCH_MS_FIELD_NUMBER: _ClassVar[int]
+    switch_ms: float
+    def __init__(self, switch_ms: _Optional[float] = ...) -> None: ...
+
+class GetWorkerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWorkerStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: _admin_service_pb2.WorkerStatus
+    def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...

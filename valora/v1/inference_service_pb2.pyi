@@ -1,0 +1,78 @@
+from valora.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InferenceInput(_message.Message):
+    __slots__ = ("images", "prompt", "adapter", "task", "output_kind", "params")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_KIND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[_types_pb2.Image]
+    prompt: str
+    adapter: str
+    task: str
+    output_kind: _types_pb2.OutputKind
+    params: _types_pb2.GenerationParams
+    def __init__(self, images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., task: _Optional[str] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ...) -> None: ...
+
+class InferRequest(_message.Message):
+    __slots__ = ("input", "request_id")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    input: InferenceInput
+    request_id: str
+    def __init__(self, input: _Optional[_Union[InferenceInput, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class InferResult(_message.Message):
+    __slots__ = ("request_id", "text", "label", "scores", "finish_reason", "usage", "timing", "mode", "adapter_version", "worker")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    label: str
+    scores: _containers.RepeatedCompositeFieldContainer[_types_pb2.LabelScore]
+    finish_reason: _types_pb2.FinishReason
+    usage: _types_pb2.Usage
+    timing: _types_pb2.Timing
+    mode: _types_pb2.InferenceMode
+    adapter_version: str
+    worker: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., label: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[_types_pb2.LabelScore, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_types_pb2.Timing, _Mapping]] = ..., mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ..., adapter_version: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class InferResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: InferResult
+    def __init__(self, result: _Optional[_Union[InferResult, _Mapping]] = ...) -> None: ...
+
+class InferStreamRequest(_message.Message):
+    __slots__ = ("input", "request_id")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    input: InferenceInput
+    request_id: str
+    def __init__(self, input: _Optional[_Union[InferenceInput, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class InferStreamResponse(_message.Message):
+    __slots__ = ("text_delta", "result")
+    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    text_delta: str
+    result: InferResult
+    def __init__(self, text_delta: _Optional[str] = ..., result: _Optional[_Union[InferResult, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,93 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterVersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_VERSION_STATE_UNSPECIFIED: _ClassVar[AdapterVersionState]
+    ADAPTER_VERSION_STATE_PENDING: _ClassVar[AdapterVersionState]
+    ADAPTER_VERSION_STATE_READY: _ClassVar[AdapterVersionState]
+    ADAPTER_VERSION_STATE_RETIRED: _ClassVar[AdapterVersionState]
+ADAPTER_VERSION_STATE_UNSPECIFIED: AdapterVersionState
+ADAPTER_VERSION_STATE_PENDING: AdapterVersionState
+ADAPTER_VERSION_STATE_READY: AdapterVersionState
+ADAPTER_VERSION_STATE_RETIRED: AdapterVersionState
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "description", "create_time", "aliases", "latest_version")
+    class AliasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    create_time: _timestamp_pb2.Timestamp
+    aliases: _containers.ScalarMap[str, str]
+    latest_version: int
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+
+class AdapterVersion(_message.Message):
+    __slots__ = ("name", "sha256", "rank", "lora_alpha", "target_modules", "base_model", "size_bytes", "state", "create_time", "heads")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: str
+    rank: int
+    lora_alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    base_model: str
+    size_bytes: int
+    state: AdapterVersionState
+    create_time: _timestamp_pb2.Timestamp
+    heads: _containers.RepeatedCompositeFieldContainer[TaskHead]
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., size_bytes: _Optional[int] = ..., state: _Optional[_Union[AdapterVersionState, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., heads: _Optional[_Iterable[_Union[TaskHead, _Mapping]]] = ...) -> None: ...
+
+class TaskHead(_message.Message):
+    __slots__ = ("name", "labels")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapter: str
+    head: str
+    description: str
+    accuracy_threshold: float
+    measured_accuracy: float
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
