@@ -188,3 +188,40 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         heads=head_labels,
         dtype=sorted(dtypes)[0],
     )
+
+
+def make_random_bundle(
+    shapes: BaseModelShapes,
+    rank: int,
+    seed: int,
+    lora_alpha: float | None = None,
+    target_modules: tuple[str, ...] = TARGET_MODULES,
+    heads: dict[str, int] | None = None,
+    gain: float = 1.0,
+) -> tuple[bytes, str]:
+    """A random adapter bundle for the given base model (demos and tests): (safetensors bytes,
+    adapter_config_json). `gain` scales B so the adapter visibly changes the model's outputs
+    (PEFT initialises B to zero, which would make a freshly created adapter a no-op)."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for layer in range(shapes.num_layers):
+        for module in target_modules:
+            fin, fout = shapes.features[module]
+            tensors[lora_key(layer, module, "A")] = (rng.standard_normal((rank, fin)) / np.sqrt(fin)).astype(np.float32)
+            tensors[lora_key(layer, module, "B")] = (gain * rng.standard_normal((fout, rank)) / np.sqrt(rank)).astype(np.float32)
+    for name, num_labels in (heads or {}).items():
+        tensors[f"heads.{name}.weight"] = rng.standard_normal((num_labels, shapes.hidden_size)).astype(np.float32)
+        tensors[f"heads.{name}.bias"] = np.zeros(num_labels, dtype=np.float32)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": float(lora_alpha if lora_alpha is not None else rank),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(target_modules),
+    }
+    return save(tensors), json.dumps(config)

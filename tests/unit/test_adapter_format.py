@@ -1,0 +1,48 @@
+import json
+import pickle
+import struct
+
+import pytest
+
+from services.common.adapter_format import BaseModelShapes, make_random_bundle, validate_bundle
+from services.common.errors import InvalidAdapter
+
+CONFIG = {"text_config": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "intermediate_size": 64, "num_hidden_layers": 2}}
+SHAPES = BaseModelShapes.from_config(CONFIG)
+
+
+def test_random_bundle_validates_with_its_rank_and_heads():
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1, lora_alpha=8, heads={"digit": 10})
+    info = validate_bundle(data, cfg, SHAPES, max_rank=64)
+    assert info.rank == 4 and info.lora_alpha == 8.0
+    assert info.heads == {"digit": 10}
+    assert set(info.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert SHAPES.features["k_proj"] == (32, 16)
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda d: pickle.dumps({"x": 1}), "HEADER_TOO_LARGE"),  # pickle bytes read as a huge header length
+    (lambda d: d[:40], "TRUNCATED"),
+    (lambda d: struct.pack("<Q", 5) + b"notjs", "NOT_SAFETENSORS"),
+    (lambda d: b"", "NOT_SAFETENSORS"),
+])
+def test_rejects_non_safetensors(mutate, reason):
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(mutate(data), cfg, SHAPES, max_rank=64)
+    assert err.value.reason == reason
+
+
+def test_rejects_rank_over_limit_and_wrong_shapes():
+    data, cfg = make_random_bundle(SHAPES, rank=8, seed=1)
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(data, cfg, SHAPES, max_rank=4)
+    assert err.value.reason == "RANK_TOO_LARGE"
+    other = BaseModelShapes.from_config({**CONFIG, "text_config": {**CONFIG["text_config"], "hidden_size": 48}})
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(data, cfg, other, max_rank=64)
+    assert err.value.reason == "BAD_SHAPE"
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(data, json.dumps({"r": 16}), SHAPES, max_rank=64)
+    assert err.value.reason == "BAD_CONFIG"

@@ -1,0 +1,234 @@
+"""`valora` command line: run a local cluster, register adapters, send requests, run the demo."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from valora import cluster as cluster_mod
+from valora.client import ValoraClient
+
+app = typer.Typer(help="valora: multi-LoRA serving for vision applications.", no_args_is_help=True)
+adapters_app = typer.Typer(help="Register and list adapters.", no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
+console = Console()
+
+HOME = typer.Option(cluster_mod.DEFAULT_HOME, "--home", envvar="VALORA_HOME", help="State, logs, model cache.")
+ADDRESS = typer.Option(None, "--address", envvar="VALORA_ADDRESS", help="Gateway host:port (default: the running local cluster).")
+API_KEY = typer.Option(None, "--api-key", envvar="VALORA_API_KEY", help="Inference API key.")
+ADMIN_KEY = typer.Option(None, "--admin-key", envvar="VALORA_ADMIN_KEY", help="Admin API key.")
+
+
+def _address(home: Path, address: str | None) -> str:
+    if address:
+        return address
+    running = cluster_mod.Cluster.load(home)
+    return running.gateway if running else "127.0.0.1:50051"
+
+
+@app.command()
+def up(home: Path = HOME, workers: int = typer.Option(1, help="Worker processes (one per GPU)."),
+       port: int = typer.Option(50051, help="Gateway port (0: any free port)."),
+       model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model).")):
+    """Start the local cluster (adapter_store, workers, scheduler, gateway) and print the ports."""
+    if cluster_mod.Cluster.load(home):
+        console.print(f"[yellow]a cluster is already recorded in {home}; run `valora down` first")
+        raise typer.Exit(1)
+    with console.status("starting valora (building the tiny model on first run)…"):
+        c = cluster_mod.start_cluster(home, workers=workers, gateway_port=port, model_path=model_path)
+    table = Table(title="valora cluster")
+    for col in ("service", "name", "address", "pid", "log"):
+        table.add_column(col)
+    for p in c.processes:
+        table.add_row(p.service, p.name, p.address, str(p.pid), p.log)
+    console.print(table)
+    console.print(f"gateway: [bold]{c.gateway}[/bold]")
+
+
+@app.command()
+def down(home: Path = HOME):
+    """Stop the local cluster (graceful drain, then kill)."""
+    stopped = cluster_mod.stop_cluster(home)
+    console.print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+
+
+@app.command()
+def infer(prompt: str = typer.Option("", "--prompt", "-p"),
+          image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False),
+          adapter: str = typer.Option(None, help="adapters/{a}[/versions/{v}|@{alias}]"),
+          task: str = typer.Option(None, help="tasks/{t}"),
+          label: bool = typer.Option(False, help="Answer with the task head's label."),
+          max_new_tokens: int = typer.Option(0), temperature: float = typer.Option(0.0),
+          stream: bool = typer.Option(False), home: Path = HOME, address: str = ADDRESS, api_key: str = API_KEY):
+    """Send one request."""
+    with ValoraClient(_address(home, address), api_key=api_key) as client:
+        if stream:
+            for part in client.infer_stream(prompt, image, adapter=adapter, task=task,
+                                            max_new_tokens=max_new_tokens, temperature=temperature):
+                if isinstance(part, str):
+                    console.print(part, end="")
+                else:
+                    console.print()
+                    result = part
+        else:
+            result = client.infer(prompt, image, adapter=adapter, task=task, label=label,
+                                  max_new_tokens=max_new_tokens, temperature=temperature)
+            console.print(result.label if label else result.text)
+    console.print(f"[dim]mode={result.mode} adapter={result.adapter_version or '-'} worker={result.worker} "
+                  f"tokens={result.output_tokens} ttft={result.first_token_ms:.1f}ms total={result.total_ms:.1f}ms")
+
+
+@adapters_app.command("register")
+def adapters_register(adapter: str, bundle: Path = typer.Option(..., exists=True, dir_okay=False,
+                                                                help="adapter_model.safetensors"),
+                      config: Path = typer.Option(..., exists=True, dir_okay=False, help="adapter_config.json"),
+                      alias: str = typer.Option(None), home: Path = HOME, address: str = ADDRESS,
+                      admin_key: str = ADMIN_KEY):
+    """Upload a PEFT adapter (safetensors + adapter_config.json) as a new immutable version."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        version = client.upload_adapter_version(adapter, bundle.read_bytes(), config.read_text())
+        if alias:
+            client.set_alias(version.name.split("/versions/")[0], alias, version.name)
+    console.print(f"{version.name} sha256={version.sha256[:12]} rank={version.rank} state={version.state}")
+
+
+@adapters_app.command("list")
+def adapters_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """List adapters with their versions and aliases."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        table = Table(title="adapters")
+        for col in ("adapter", "versions", "aliases"):
+            table.add_column(col)
+        for a in client.list_adapters():
+            versions = client.list_versions(a.name)
+            table.add_row(a.name, ", ".join(f"v{v.name.rsplit('/', 1)[1]} r{v.rank} {v.state}" for v in versions),
+                          ", ".join(f"{k}→{v.rsplit('/', 1)[1]}" for k, v in sorted(a.aliases.items())))
+        console.print(table)
+
+
+@app.command()
+def status(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Workers, their mode and the adapters they hold."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        s = client.cluster_status()
+    table = Table(title=f"workers (queued: {s.queued_requests})")
+    for col in ("worker", "healthy", "mode", "merged", "resident", "running"):
+        table.add_column(col)
+    for w in s.workers:
+        table.add_row(w.address, str(w.healthy), str(w.mode), w.merged_adapter or "-",
+                      ", ".join(w.resident_adapters) or "-", f"{w.running_requests}/{w.max_batch_size}")
+    console.print(table)
+
+
+def _demo_images(n: int, seed: int) -> list[bytes]:
+    """Small synthetic RGB images (PNG) so the demo needs no dataset."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+@app.command()
+def demo(requests: int = typer.Option(48, help="Requests in the mixed workload."),
+         concurrency: int = typer.Option(8), max_new_tokens: int = typer.Option(12),
+         home: Path = HOME, address: str = ADDRESS, api_key: str = API_KEY, admin_key: str = ADMIN_KEY,
+         report: Path = typer.Option(None, help="Write the report JSON here (default: <home>/demo-report.json).")):
+    """Register a few adapters, send a concurrent mixed workload, print a latency table.
+
+    Starts a local cluster first when none is running (and stops it afterwards)."""
+    from services.common.adapter_format import BaseModelShapes, make_random_bundle
+
+    started = None
+    if address is None and cluster_mod.Cluster.load(home) is None:
+        with console.status("starting a local cluster…"):
+            started = cluster_mod.start_cluster(home, gateway_port=0)
+    try:
+        gateway = _address(home, address)
+        model_path = Path(os.environ.get("VALORA_MODEL_PATH", cluster_mod.default_model_path(home)))
+        shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
+        with ValoraClient(gateway, api_key=api_key, admin_key=admin_key) as client:
+            targets: dict[str, dict] = {"base": {}}
+            for i, rank in enumerate((8, 16, 4)):
+                bundle, cfg = make_random_bundle(shapes, rank=rank, seed=100 + i, lora_alpha=2 * rank)
+                v = client.upload_adapter_version(f"demo-{i}", bundle, cfg, request_id=f"demo-{i}-r{rank}")
+                client.set_alias(f"adapters/demo-{i}", "prod", v.name)
+                targets[f"adapters/demo-{i}@prod"] = {"adapter": f"adapters/demo-{i}@prod"}
+                console.print(f"registered {v.name} (rank {rank}, sha256 {v.sha256[:12]})")
+            images = _demo_images(4, seed=0)
+            names = list(targets)
+            # (target, picture) pairs repeat, so determinism under batching can be checked.
+            work = [(names[i % len(names)], i % len(images)) for i in range(requests)]
+
+            def run(item):
+                target, picture = item
+                t0 = time.perf_counter()
+                r = client.infer(f"Describe picture {picture}.", [images[picture]],
+                                 max_new_tokens=max_new_tokens, **targets[target])
+                return item, (time.perf_counter() - t0) * 1000, r
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:
+                results = list(pool.map(run, work))
+            wall_s = time.perf_counter() - t0
+        # Same (target, image, prompt) must give the same text under greedy decoding, however batched.
+        seen: dict[tuple, str] = {}
+        consistent = all(seen.setdefault(item, r.text) == r.text for item, _, r in results)
+        table = Table(title=f"valora demo: {requests} requests, concurrency {concurrency}, via {gateway}")
+        for col in ("target", "n", "mode", "mean ms", "p50 ms", "p99 ms", "ttft ms", "queue ms", "tokens"):
+            table.add_column(col, justify="right" if col not in ("target", "mode") else "left")
+        rows = []
+        for target in names:
+            mine = [(ms, r) for (t, _), ms, r in results if t == target]
+            lat = [ms for ms, _ in mine]
+            row = {
+                "target": target, "n": len(mine), "modes": sorted({r.mode for _, r in mine}),
+                "mean_ms": statistics.mean(lat), "p50_ms": _percentile(lat, 50), "p99_ms": _percentile(lat, 99),
+                "ttft_ms": statistics.mean(r.first_token_ms for _, r in mine),
+                "queue_ms": statistics.mean(r.queue_ms for _, r in mine),
+                "output_tokens": sum(r.output_tokens for _, r in mine),
+            }
+            rows.append(row)
+            table.add_row(target, str(row["n"]), ",".join(row["modes"]), f"{row['mean_ms']:.0f}",
+                          f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['ttft_ms']:.0f}",
+                          f"{row['queue_ms']:.0f}", str(row["output_tokens"]))
+        console.print(table)
+        all_lat = [ms for _, ms, _ in results]
+        summary = {"requests": requests, "concurrency": concurrency, "wall_s": wall_s,
+                   "throughput_rps": requests / wall_s, "p50_ms": _percentile(all_lat, 50),
+                   "p99_ms": _percentile(all_lat, 99), "workers": sorted({r.worker for _, _, r in results}),
+                   "deterministic": consistent, "rows": rows,
+                   "sample": {t: next(r.text for (tt, _), _, r in results if tt == t) for t in names}}
+        console.print(f"throughput {summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']:.0f} ms, "
+                      f"p99 {summary['p99_ms']:.0f} ms, workers {summary['workers']}")
+        for t, text in summary["sample"].items():
+            console.print(f"[dim]{t}: {text!r}")
+        out = report or Path(home) / "demo-report.json"
+        out.write_text(json.dumps(summary, indent=2))
+        console.print(f"report: {out}")
+    finally:
+        if started is not None:
+            cluster_mod.stop_cluster(home)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,227 @@
+"""Typed Python client for valora's public gRPC API.
+
+    from valora.client import ValoraClient
+    with ValoraClient("127.0.0.1:50051", api_key="...") as c:
+        r = c.infer("what digit is this?", images=[png_bytes], adapter="adapters/digits@prod")
+        print(r.text, r.mode)
+
+Retries only UNAVAILABLE (the one status that promises nothing ran), with backoff.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from valora.v1 import admin_service_pb2 as admin_pb
+from valora.v1 import admin_service_pb2_grpc as admin_grpc
+from valora.v1 import inference_service_pb2 as inf_pb
+from valora.v1 import inference_service_pb2_grpc as inf_grpc
+from valora.v1 import resources_pb2, types_pb2
+
+UPLOAD_CHUNK = 1 << 20
+
+
+@dataclass
+class InferResult:
+    request_id: str
+    text: str
+    label: str
+    scores: dict[str, float]
+    finish_reason: str
+    mode: str
+    adapter_version: str
+    worker: str
+    image_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    queue_ms: float
+    first_token_ms: float
+    total_ms: float
+
+    @classmethod
+    def from_pb(cls, r: inf_pb.InferResult) -> "InferResult":
+        return cls(
+            request_id=r.request_id, text=r.text, label=r.label,
+            scores={s.label: s.score for s in r.scores},
+            finish_reason=types_pb2.FinishReason.Name(r.finish_reason).removeprefix("FINISH_REASON_").lower(),
+            mode=types_pb2.InferenceMode.Name(r.mode).removeprefix("INFERENCE_MODE_").lower(),
+            adapter_version=r.adapter_version, worker=r.worker,
+            image_tokens=r.usage.image_tokens, prompt_tokens=r.usage.prompt_tokens,
+            output_tokens=r.usage.output_tokens, queue_ms=r.timing.queue_ms,
+            first_token_ms=r.timing.first_token_ms, total_ms=r.timing.total_ms,
+        )
+
+
+@dataclass
+class AdapterVersion:
+    name: str
+    sha256: str
+    rank: int
+    state: str
+    size_bytes: int
+    heads: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_pb(cls, v: resources_pb2.AdapterVersion) -> "AdapterVersion":
+        return cls(v.name, v.sha256, v.rank,
+                   resources_pb2.AdapterVersionState.Name(v.state).removeprefix("ADAPTER_VERSION_STATE_").lower(),
+                   v.size_bytes, {h.name: list(h.labels) for h in v.heads})
+
+
+def _image_pb(image: bytes | str | Path) -> types_pb2.Image:
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        mime = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
+                ".bmp": "image/bmp"}.get(path.suffix.lower(), "")
+        return types_pb2.Image(data=path.read_bytes(), mime_type=mime)
+    return types_pb2.Image(data=image)
+
+
+class ValoraClient:
+    def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
+                 timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20):
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
+        self._inference = inf_grpc.InferenceServiceStub(self._channel)
+        self._admin = admin_grpc.AdminServiceStub(self._channel)
+        self._api_key, self._admin_key = api_key, admin_key
+        self.timeout_s, self.retries = timeout_s, retries
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ValoraClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _metadata(self, key: str | None, request_id: str = "") -> list[tuple[str, str]]:
+        md = [("authorization", f"Bearer {key}")] if key else []
+        if request_id:
+            md.append(("x-request-id", request_id))
+        return md
+
+    def _call(self, fn, request, key):
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(request, timeout=self.timeout_s, metadata=self._metadata(key))
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise
+                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+
+    # -- inference -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
+               label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
+               stop: Iterable[str]) -> inf_pb.InferenceInput:
+        inp = inf_pb.InferenceInput(
+            prompt=prompt, images=[_image_pb(i) for i in images],
+            output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
+            params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                              top_p=top_p, top_k=top_k, seed=seed, stop=list(stop)))
+        if adapter:
+            inp.adapter = adapter
+        if task:
+            inp.task = task
+        return inp
+
+    def infer(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *, adapter: str | None = None,
+              task: str | None = None, label: bool = False, max_new_tokens: int = 0, temperature: float = 0.0,
+              top_p: float = 0.0, top_k: int = 0, seed: int = 0, stop: Iterable[str] = (),
+              request_id: str = "") -> InferResult:
+        req = inf_pb.InferRequest(
+            input=self._input(prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k,
+                              seed, stop),
+            request_id=request_id or uuid.uuid4().hex)
+        return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
+
+    def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
+                     adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
+                     temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
+                     stop: Iterable[str] = (), request_id: str = "") -> Iterator[str | InferResult]:
+        """Yields text deltas, then the final InferResult. Not retried (it may have started)."""
+        req = inf_pb.InferStreamRequest(
+            input=self._input(prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k,
+                              seed, stop),
+            request_id=request_id or uuid.uuid4().hex)
+        for msg in self._inference.InferStream(req, timeout=self.timeout_s, metadata=self._metadata(self._api_key)):
+            if msg.text_delta:
+                yield msg.text_delta
+            if msg.HasField("result"):
+                yield InferResult.from_pb(msg.result)
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    def create_adapter(self, adapter_id: str, description: str = "", request_id: str = "") -> str:
+        r = self._call(self._admin.CreateAdapter, admin_pb.CreateAdapterRequest(
+            adapter_id=adapter_id, description=description, request_id=request_id), self._admin_key)
+        return r.adapter.name
+
+    def list_adapters(self, page_size: int = 100) -> list[resources_pb2.Adapter]:
+        out, token = [], ""
+        while True:
+            r = self._call(self._admin.ListAdapters,
+                           admin_pb.ListAdaptersRequest(page_size=page_size, page_token=token), self._admin_key)
+            out.extend(r.adapters)
+            token = r.next_page_token
+            if not token:
+                return out
+
+    def upload_adapter_version(self, adapter: str, bundle: bytes, adapter_config_json: str,
+                               heads: dict[str, list[str]] | None = None, request_id: str = "") -> AdapterVersion:
+        """Registers a safetensors bundle under `adapters/{adapter}`; idempotent per request_id."""
+        request_id = request_id or uuid.uuid4().hex
+        import hashlib
+
+        meta = admin_pb.UploadAdapterVersionMetadata(
+            parent=adapter if adapter.startswith("adapters/") else f"adapters/{adapter}",
+            adapter_config_json=adapter_config_json, sha256=hashlib.sha256(bundle).hexdigest(),
+            request_id=request_id,
+            heads=[resources_pb2.TaskHead(name=n, labels=labels) for n, labels in (heads or {}).items()])
+
+        def parts():
+            yield admin_pb.UploadAdapterVersionRequest(metadata=meta)
+            for i in range(0, len(bundle), UPLOAD_CHUNK):
+                yield admin_pb.UploadAdapterVersionRequest(chunk=bundle[i:i + UPLOAD_CHUNK])
+
+        for attempt in range(self.retries + 1):
+            try:
+                r = self._admin.UploadAdapterVersion(parts(), timeout=self.timeout_s,
+                                                     metadata=self._metadata(self._admin_key))
+                return AdapterVersion.from_pb(r.version)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise
+                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+        raise AssertionError("unreachable")
+
+    def list_versions(self, adapter: str) -> list[AdapterVersion]:
+        r = self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
+            parent=adapter if adapter.startswith("adapters/") else f"adapters/{adapter}", page_size=1000),
+            self._admin_key)
+        return [AdapterVersion.from_pb(v) for v in r.versions]
+
+    def set_alias(self, adapter: str, alias: str, version: str, etag: str = "") -> str:
+        r = self._call(self._admin.SetAlias, admin_pb.SetAliasRequest(
+            adapter=adapter, alias=alias, version=version, etag=etag), self._admin_key)
+        return r.etag
+
+    def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
+                    accuracy_threshold: float = 0.0) -> resources_pb2.Task:
+        r = self._call(self._admin.CreateTask, admin_pb.CreateTaskRequest(task_id=task_id, task=resources_pb2.Task(
+            adapter=adapter, head=head, description=description, accuracy_threshold=accuracy_threshold)),
+            self._admin_key)
+        return r.task
+
+    def cluster_status(self) -> admin_pb.GetClusterStatusResponse:
+        return self._call(self._admin.GetClusterStatus, admin_pb.GetClusterStatusRequest(), self._admin_key)

@@ -1,0 +1,178 @@
+"""Starts and stops a local valora cluster: the four services as separate processes on loopback.
+
+Used by `valora up/down` and by the e2e tests. State (pids, ports, logs) lives in
+`<home>/cluster.json`, so `valora down` from another shell finds the processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_HOME = Path(os.environ.get("VALORA_HOME", Path.home() / ".cache" / "valora"))
+STATE_FILE = "cluster.json"
+# Start order; stopped in reverse.
+SERVICES = ("adapter_store", "worker", "scheduler", "gateway")
+
+
+@dataclass
+class ProcessInfo:
+    service: str
+    name: str
+    pid: int
+    port: int
+    log: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Cluster:
+    home: str
+    processes: list[ProcessInfo] = field(default_factory=list)
+
+    @property
+    def gateway(self) -> str:
+        return next(p.address for p in self.processes if p.service == "gateway")
+
+    def by_service(self, service: str) -> list[ProcessInfo]:
+        return [p for p in self.processes if p.service == service]
+
+    def save(self) -> None:
+        Path(self.home, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, home: Path) -> "Cluster | None":
+        path = Path(home, STATE_FILE)
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return cls(home=data["home"], processes=[ProcessInfo(**p) for p in data["processes"]])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None, log: str = "") -> None:
+    """Blocks until the server's overall health is SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                tail = Path(log).read_text()[-3000:] if log else ""
+                raise RuntimeError(f"{address}: process exited with {proc.returncode}\n{tail}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s (log: {log})")
+            time.sleep(0.2)
+
+
+def default_model_path(home: Path) -> Path:
+    return home / "models" / "tiny-qwen2-vl"
+
+
+def ensure_model(model_path: Path) -> None:
+    """The embedded default model: built once from a config with a fixed seed (no download)."""
+    if not (model_path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "services.worker.tiny_model", str(model_path)], check=True)
+
+
+def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
+                  model_path: Path | None = None, env: dict[str, str] | None = None,
+                  startup_timeout_s: float = 180.0) -> Cluster:
+    """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING."""
+    home = Path(home).resolve()
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    model_path = Path(model_path or default_model_path(home)).resolve()
+    ensure_model(model_path)
+    cluster = Cluster(home=str(home))
+    base_env = {**os.environ, "VALORA_MODEL_PATH": str(model_path), "PYTHONUNBUFFERED": "1", **(env or {})}
+    store_port = free_port()
+    worker_ports = [free_port() for _ in range(workers)]
+    scheduler_port = free_port()
+    plan: list[tuple[str, str, int, dict[str, str]]] = [
+        ("adapter_store", "adapter_store", store_port, {
+            "VALORA_DATABASE_URL": base_env.get("VALORA_DATABASE_URL", f"sqlite:///{home / 'registry.db'}"),
+            "VALORA_BLOB_DIR": base_env.get("VALORA_BLOB_DIR", str(home / "blobs")),
+        }),
+        *[("worker", f"worker-{i}", port, {
+            "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
+            "VALORA_WORKER_NAME": f"worker-{i}",
+            "VALORA_ADAPTER_CACHE_DIR": str(home / f"adapter-cache-{i}"),
+        }) for i, port in enumerate(worker_ports)],
+        ("scheduler", "scheduler", scheduler_port, {
+            "VALORA_WORKER_ADDRESSES": ",".join(f"127.0.0.1:{p}" for p in worker_ports),
+        }),
+        ("gateway", "gateway", gateway_port or free_port(), {
+            "VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
+            "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
+        }),
+    ]
+    try:
+        for service, name, port, service_env in plan:
+            log = str(home / "logs" / f"{name}.log")
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", f"services.{service}"],
+                    env={**base_env, **service_env, "VALORA_PORT": str(port)},
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log))
+            cluster.save()
+            wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
+    except BaseException:
+        stop_cluster(home)
+        raise
+    return cluster
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # reap our own children so they do not linger as zombies
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def stop_cluster(home: Path = DEFAULT_HOME, grace_s: float = 15.0) -> list[str]:
+    """SIGTERM every process (gateway first), SIGKILL what is left after the grace period."""
+    cluster = Cluster.load(home)
+    if cluster is None:
+        return []
+    stopped = []
+    for p in reversed(cluster.processes):
+        if _alive(p.pid):
+            os.kill(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while _alive(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _alive(p.pid):
+                os.kill(p.pid, signal.SIGKILL)
+            stopped.append(p.name)
+    Path(home, STATE_FILE).unlink(missing_ok=True)
+    return stopped
