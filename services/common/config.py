@@ -15,6 +15,7 @@ class ServiceSettings(BaseSettings):
     log_level: str = Field("info", description="structlog level: debug, info, warning, error.")
     log_json: bool = Field(True, description="JSON log lines (false: human-readable console).")
     grace_s: float = Field(5.0, description="Graceful-shutdown grace period in seconds.")
+    metrics_port: int = Field(0, description="Prometheus /metrics port; 0 disables it.")
     max_message_bytes: int = Field(
         64 * 1024 * 1024, description="Largest gRPC message accepted or sent, in bytes."
     )

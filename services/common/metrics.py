@@ -1,0 +1,52 @@
+"""Prometheus metrics, named after vLLM's where they mean the same thing (`vllm:` → `valora:`).
+
+Every service calls `start_metrics_server(settings.metrics_port)`; 0 disables the endpoint.
+Adapter labels are bounded: `adapter_label()` folds names past `MAX_ADAPTER_LABELS` into "other".
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+MAX_ADAPTER_LABELS = 64
+
+REQUESTS_RUNNING = Gauge("valora:num_requests_running", "Requests in the engine's running batch.", ["worker"])
+REQUESTS_WAITING = Gauge("valora:num_requests_waiting", "Requests queued in the scheduler.")
+TIME_TO_FIRST_TOKEN = Histogram("valora:time_to_first_token_seconds", "Arrival to first token.",
+                                ["adapter"], buckets=LATENCY_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("valora:inter_token_latency_seconds", "Time between output tokens.",
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+E2E_LATENCY = Histogram("valora:e2e_request_latency_seconds", "Arrival to last token.",
+                        ["adapter", "code"], buckets=LATENCY_BUCKETS)
+QUEUE_TIME = Histogram("valora:request_queue_time_seconds", "Time waiting in the scheduler queue.",
+                       buckets=LATENCY_BUCKETS)
+REQUESTS_TOTAL = Counter("valora:requests_total", "Finished requests by status code.", ["service", "code"])
+MODE = Gauge("valora:mode", "1 for the worker's current inference mode.", ["worker", "mode"])
+MODE_SWITCHES = Counter("valora:mode_switches_total", "Merge/unmerge/switch operations.", ["worker", "kind"])
+ADAPTER_SWAPS = Counter("valora:adapter_swaps_total", "Adapters copied host→device or evicted.",
+                        ["worker", "direction"])
+ATMM_SECONDS = Histogram("valora:atmm_seconds", "Multi-LoRA op time per engine step.", ["worker"],
+                         buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1))
+
+_labels_lock = threading.Lock()
+_adapter_labels: set[str] = set()
+
+
+def adapter_label(adapter: str) -> str:
+    """The adapter's name as a label, or "other" once MAX_ADAPTER_LABELS names are in use."""
+    name = adapter or "base"
+    with _labels_lock:
+        if name in _adapter_labels:
+            return name
+        if len(_adapter_labels) < MAX_ADAPTER_LABELS:
+            _adapter_labels.add(name)
+            return name
+    return "other"
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:
+    if port:
+        start_http_server(port, addr=host)
