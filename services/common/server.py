@@ -25,6 +25,7 @@ from grpc_status import rpc_status
 from services.common.config import ServiceSettings
 from services.common.errors import ValoraError
 from services.common.logging import configure_logging
+from services.common.metrics import start_metrics_server
 
 log = structlog.get_logger()
 
@@ -163,6 +164,7 @@ def build_service(
 
 async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:
     service = await create(settings)
+    start_metrics_server(settings.metrics_port, settings.host)
     await service.start()
     log.info("serving", service=service.name, host=settings.host, port=service.port)
     stop = asyncio.Event()
