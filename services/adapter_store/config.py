@@ -1,0 +1,47 @@
+"""Settings of the adapter store (every field also settable as VALORA_<FIELD>)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.common.config import ServiceSettings
+
+
+class StoreSettings(ServiceSettings):
+    database_url: str = Field(
+        "sqlite:///valora-store.db",
+        description="SQLAlchemy URL of the metadata database: sqlite:///path.db (embedded) or "
+        "postgresql+psycopg://user@host:5432/db.",
+    )
+    blob_dir: str = Field(
+        "valora-blobs", description="Directory of the local blob store (used when s3_endpoint is empty)."
+    )
+    s3_endpoint: str = Field("", description="host:port of an S3/MinIO endpoint; empty selects blob_dir.")
+    s3_bucket: str = Field("valora-adapters", description="Bucket holding the bundles (created if missing).")
+    s3_access_key: str = Field("", description="S3 access key.")
+    s3_secret_key: str = Field("", description="S3 secret key.")
+    s3_secure: bool = Field(False, description="Use HTTPS towards the S3 endpoint.")
+    s3_region: str = Field("us-east-1", description="S3 region (MinIO ignores it).")
+    s3_part_size: int = Field(
+        16 * 1024 * 1024, description="Multipart part size in bytes for bundles larger than one part."
+    )
+    model_path: str = Field(
+        "", description="Local path of the base model; its config.json gives the shapes uploads are checked against."
+    )
+    base_model: str = Field(
+        "", description="Base model id recorded on versions; empty means the name of model_path's directory."
+    )
+    max_rank: int = Field(128, description="Largest LoRA rank accepted.")
+    max_header_bytes: int = Field(1 << 20, description="Largest safetensors header accepted, in bytes.")
+    max_bundle_bytes: int = Field(
+        1 << 30, description="Largest bundle accepted, in bytes (enforced while receiving)."
+    )
+    fetch_chunk_bytes: int = Field(1 << 20, description="Chunk size of FetchAdapter's byte stream.")
+    pending_grace_s: float = Field(
+        3600.0, description="GC removes PENDING versions and unreferenced blobs older than this many seconds."
+    )
+    gc_interval_s: float = Field(
+        600.0, description="Seconds between background GC runs; 0 disables the background GC."
+    )
+    db_workers: int = Field(8, description="Threads running blocking database and blob work.")
+    run_migrations: bool = Field(True, description="Run `alembic upgrade head` when the server starts.")

@@ -1,0 +1,54 @@
+"""Engine creation and migrations of the registry database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`. SQLite gets a busy timeout, foreign keys, and BEGIN IMMEDIATE so
+    concurrent writers queue instead of failing on a read-to-write lock upgrade."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # let SQLAlchemy's "begin" event issue BEGIN
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str | None = None) -> Config:
+    cfg = Config(str(ALEMBIC_INI))
+    cfg.set_main_option("script_location", str(ALEMBIC_INI.parent / "migrations"))
+    if url:
+        cfg.attributes["url"] = url
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """`alembic upgrade head` on the engine's database (blocking)."""
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)

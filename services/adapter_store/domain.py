@@ -1,0 +1,125 @@
+"""Plain domain objects of the registry: what the store's logic returns. Handlers convert them
+to protobuf at the edge (convert.py); nothing below the servicer sees protobuf types."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Generic, TypeVar
+
+from services.common import names
+from services.common.errors import invalid_field
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Head:
+    name: str
+    labels: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    id: str
+    description: str
+    create_time: datetime
+    latest_version: int
+    aliases: dict[str, int] = field(default_factory=dict)  # alias -> version number
+
+    @property
+    def name(self) -> str:
+        return names.adapter_name(self.id)
+
+
+@dataclass(frozen=True)
+class Version:
+    adapter_id: str
+    version: int
+    sha256: str
+    rank: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    base_model: str
+    size_bytes: int
+    state: str  # PENDING | READY | RETIRED
+    create_time: datetime
+    heads: tuple[Head, ...]
+    adapter_config_json: str
+
+    @property
+    def name(self) -> str:
+        return names.version_name(self.adapter_id, self.version)
+
+
+@dataclass(frozen=True)
+class Alias:
+    adapter_id: str
+    alias: str
+    version: int
+    etag: str
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    adapter_ref: str
+    head: str
+    description: str
+    accuracy_threshold: float
+    measured_accuracy: float
+    create_time: datetime | None = None
+
+    @property
+    def name(self) -> str:
+        return names.task_name(self.id)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    version: Version
+    task: Task | None = None
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    items: list[T]
+    next_page_token: str
+
+
+@dataclass(frozen=True)
+class PageRequest:
+    size: int
+    after: str | int | None
+
+    @classmethod
+    def parse(cls, page_size: int, page_token: str) -> "PageRequest":
+        """page_size 0 means 50, larger than 1000 is coerced to 1000 (AIP-158); the token is
+        opaque to clients (base64 of the last key served)."""
+        if page_size < 0:
+            raise invalid_field("page_size", "must not be negative")
+        size = DEFAULT_PAGE_SIZE if page_size == 0 else min(page_size, MAX_PAGE_SIZE)
+        if not page_token:
+            return cls(size, None)
+        try:
+            after = json.loads(base64.urlsafe_b64decode(page_token.encode()))["after"]
+            if not isinstance(after, (str, int)):
+                raise ValueError(after)
+        except Exception as exc:  # noqa: BLE001 - any garbage token is the client's error
+            raise invalid_field("page_token", "not a token returned by a previous List call") from exc
+        return cls(size, after)
+
+
+def page_token(after: str | int) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"after": after}).encode()).decode()
+
+
+@dataclass(frozen=True)
+class GcReport:
+    pending_removed: list[str]
+    blobs_removed: list[str]

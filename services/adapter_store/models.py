@@ -1,0 +1,181 @@
+"""SQLAlchemy models of the registry. Alembic migrations (migrations/versions/) must match
+these exactly; tests compare them with `alembic.autogenerate.compare_metadata`.
+
+Times are naive UTC (`utcnow()`), the same on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ID_LEN = 63
+SHA_LEN = 64
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class VersionState(enum.StrEnum):
+    PENDING = "PENDING"
+    READY = "READY"
+    RETIRED = "RETIRED"
+
+
+class GenerationJobState(enum.StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+class AdapterRow(Base):
+    """`adapters/{id}`. Deleting sets deleted_at; the row stays so version numbers never repeat."""
+
+    __tablename__ = "adapters"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    latest_version: Mapped[int] = mapped_column(Integer, default=0)
+    request_id: Mapped[str | None] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class VersionRow(Base):
+    """`adapters/{adapter_id}/versions/{version}`: immutable once READY."""
+
+    __tablename__ = "adapter_versions"
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "version"),
+        Index(None, "state", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id"))
+    version: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(SHA_LEN), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    lora_alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    base_model: Mapped[str] = mapped_column(String(256))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[VersionState] = mapped_column(
+        Enum(VersionState, name="version_state", native_enum=False, length=16)
+    )
+    # [{"name": str, "labels": [str, ...]}, ...]
+    heads: Mapped[list[dict]] = mapped_column(JSON)
+    adapter_config_json: Mapped[str] = mapped_column(Text)
+    request_id: Mapped[str | None] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class AliasRow(Base):
+    """`adapters/{adapter_id}@{alias}` -> a version; moved only with a matching etag."""
+
+    __tablename__ = "aliases"
+    __table_args__ = (
+        ForeignKeyConstraint(["adapter_id", "version"], ["adapter_versions.adapter_id", "adapter_versions.version"]),
+    )
+
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id"), primary_key=True)
+    alias: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    etag: Mapped[str] = mapped_column(String(64))
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class TaskRow(Base):
+    """`tasks/{id}`: a vision application answered by an adapter reference (+ head)."""
+
+    __tablename__ = "tasks"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    adapter_ref: Mapped[str] = mapped_column(String(256), index=True)
+    head: Mapped[str] = mapped_column(String(ID_LEN), default="")
+    description: Mapped[str] = mapped_column(Text, default="")
+    accuracy_threshold: Mapped[float] = mapped_column(Float, default=0.0)
+    measured_accuracy: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class FusedMemberRow(Base):
+    """Which tasks a fused adapter version was trained to serve (accuracy-aware generation)."""
+
+    __tablename__ = "fused_adapter_members"
+    __table_args__ = (
+        ForeignKeyConstraint(["adapter_id", "version"], ["adapter_versions.adapter_id", "adapter_versions.version"]),
+    )
+
+    adapter_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id"), primary_key=True)
+    head: Mapped[str] = mapped_column(String(ID_LEN), default="")
+    measured_accuracy: Mapped[float] = mapped_column(Float, default=0.0)
+    added_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class TileEntryRow(Base):
+    """One tile-table entry: the ATMM tile config measured fastest for a shape bucket on a GPU."""
+
+    __tablename__ = "tile_entries"
+    __table_args__ = (UniqueConstraint("gpu_name", "gpu_arch", "dtype", "op", "shape_bucket"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    gpu_name: Mapped[str] = mapped_column(String(128))
+    gpu_arch: Mapped[str] = mapped_column(String(32))
+    dtype: Mapped[str] = mapped_column(String(16))
+    op: Mapped[str] = mapped_column(String(32))
+    shape_bucket: Mapped[str] = mapped_column(String(128))
+    tile_config_id: Mapped[int] = mapped_column(Integer)
+    measured_us: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class GenerationJobRow(Base):
+    """An accuracy-aware adapter generation job (offline greedy bin packing of tasks)."""
+
+    __tablename__ = "generation_jobs"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    state: Mapped[GenerationJobState] = mapped_column(
+        Enum(GenerationJobState, name="generation_job_state", native_enum=False, length=16)
+    )
+    spec_json: Mapped[str] = mapped_column(Text, default="{}")
+    result_json: Mapped[str] = mapped_column(Text, default="{}")
+    error: Mapped[str] = mapped_column(Text, default="")
+    request_id: Mapped[str | None] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

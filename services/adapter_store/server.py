@@ -1,0 +1,80 @@
+"""`create_server(settings)`: migrations, blob store, registry, servicers, background GC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from valora.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora.v1 import admin_service_pb2 as admin_pb
+from valora.v1 import admin_service_pb2_grpc as admin_grpc
+
+from services.common.server import Service, build_service
+
+from services.adapter_store import db
+from services.adapter_store.blobs import make_blob_store
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.registry import FaultHook, Registry
+from services.adapter_store.servicer import AdapterStoreServicer, AdminServicer
+from services.adapter_store.validation import BundleChecker
+
+log = structlog.get_logger()
+
+ADMIN_SERVICE = admin_pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+STORE_SERVICE = store_pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name
+
+
+def build_registry(settings: StoreSettings, fault_hook: FaultHook | None = None) -> Registry:
+    """Engine (+ migrations when enabled), blob store and registry; blocking."""
+    engine = db.make_engine(settings.database_url)
+    if settings.run_migrations:
+        db.upgrade(engine)
+    return Registry(db.make_sessionmaker(engine), make_blob_store(settings), fault_hook)
+
+
+async def create_server(settings: StoreSettings) -> Service:
+    executor = ThreadPoolExecutor(max_workers=settings.db_workers, thread_name_prefix="store")
+    loop = asyncio.get_running_loop()
+    registry = await loop.run_in_executor(executor, build_registry, settings)
+    checker = await loop.run_in_executor(executor, BundleChecker.from_settings, settings)
+    admin = AdminServicer(registry, checker, executor)
+    store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes)
+
+    def register(server):
+        admin_grpc.add_AdminServiceServicer_to_server(admin, server)
+        store_grpc.add_AdapterStoreServiceServicer_to_server(store, server)
+        return [ADMIN_SERVICE, STORE_SERVICE]
+
+    service = build_service("adapter_store", settings, register)
+    gc_task: asyncio.Task | None = None
+
+    async def gc_loop():
+        while True:
+            await asyncio.sleep(settings.gc_interval_s)
+            try:
+                report = await loop.run_in_executor(executor, registry.gc, settings.pending_grace_s)
+                if report.pending_removed or report.blobs_removed:
+                    log.info("gc", pending_removed=report.pending_removed, blobs_removed=report.blobs_removed)
+            except Exception as exc:  # noqa: BLE001 - GC retries next round; the error is logged
+                log.warning("gc_failed", error=repr(exc))
+
+    async def on_start():
+        nonlocal gc_task
+        if settings.gc_interval_s > 0:
+            gc_task = asyncio.create_task(gc_loop(), name="adapter-store-gc")
+
+    async def on_stop():
+        if gc_task is not None:
+            gc_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gc_task
+        executor.shutdown(wait=True, cancel_futures=True)
+        registry.close()
+
+    service.on_start.append(on_start)
+    service.on_stop.append(on_stop)
+    return service

@@ -1,0 +1,175 @@
+"""gRPC handlers: valora.v1.AdminService (registry part) and
+valora.internal.v1.AdapterStoreService. They parse names, convert protobuf at the edge and run
+the registry's blocking work in the store's executor."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import TypeVar
+
+import grpc
+
+from valora.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora.v1 import admin_service_pb2 as admin_pb
+from valora.v1 import admin_service_pb2_grpc as admin_grpc
+
+from services.common import names
+from services.common.errors import invalid_field
+
+from services.adapter_store import convert
+from services.adapter_store.domain import PageRequest
+from services.adapter_store.registry import Registry
+from services.adapter_store.validation import BundleChecker
+
+R = TypeVar("R")
+
+
+class _Blocking:
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+
+    async def run(self, fn: Callable[..., R], *args, **kwargs) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+
+class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
+    def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor) -> None:
+        _Blocking.__init__(self, executor)
+        self.registry = registry
+        self.checker = checker
+
+    # adapters
+    async def CreateAdapter(self, request, context):
+        adapter_id = names.check_id(request.adapter_id, "adapter_id")
+        a = await self.run(self.registry.create_adapter, adapter_id, request.description, request.request_id or None)
+        return admin_pb.CreateAdapterResponse(adapter=convert.adapter_to_pb(a))
+
+    async def GetAdapter(self, request, context):
+        a = await self.run(self.registry.get_adapter, names.parse_adapter_name(request.name))
+        return admin_pb.GetAdapterResponse(adapter=convert.adapter_to_pb(a))
+
+    async def ListAdapters(self, request, context):
+        page = await self.run(self.registry.list_adapters, PageRequest.parse(request.page_size, request.page_token))
+        return admin_pb.ListAdaptersResponse(adapters=[convert.adapter_to_pb(a) for a in page.items],
+                                             next_page_token=page.next_page_token)
+
+    async def DeleteAdapter(self, request, context):
+        await self.run(self.registry.delete_adapter, names.parse_adapter_name(request.name))
+        return admin_pb.DeleteAdapterResponse()
+
+    # versions
+    async def UploadAdapterVersion(self, request_iterator, context):
+        req = None
+        data = bytearray()
+        async for msg in request_iterator:
+            part = msg.WhichOneof("part")
+            if req is None:
+                if part != "metadata":
+                    raise invalid_field("metadata", "the first message must carry the metadata")
+                req = convert.upload_from_pb(msg.metadata)
+                if req.request_id:
+                    done = await self.run(self.registry.find_upload, req.request_id)
+                    if done is not None and done.adapter_id == req.adapter_id:
+                        return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done))
+            elif part == "chunk":
+                self.checker.check_size(len(data) + len(msg.chunk))
+                data += msg.chunk
+            else:
+                raise invalid_field("metadata", "sent more than once")
+        if req is None:
+            raise invalid_field("metadata", "the stream carried no metadata")
+        bundle = await self.run(self.checker.check, req, data)
+        version = await self.run(self.registry.register, req, bundle, self.checker.base_model, data)
+        return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(version))
+
+    async def GetAdapterVersion(self, request, context):
+        v = await self.run(self.registry.get_version, *names.parse_version_name(request.name))
+        return admin_pb.GetAdapterVersionResponse(version=convert.version_to_pb(v))
+
+    async def ListAdapterVersions(self, request, context):
+        adapter_id = names.parse_adapter_name(request.parent, "parent")
+        page = await self.run(self.registry.list_versions, adapter_id,
+                              PageRequest.parse(request.page_size, request.page_token))
+        return admin_pb.ListAdapterVersionsResponse(versions=[convert.version_to_pb(v) for v in page.items],
+                                                    next_page_token=page.next_page_token)
+
+    async def DeleteAdapterVersion(self, request, context):
+        await self.run(self.registry.delete_version, *names.parse_version_name(request.name))
+        return admin_pb.DeleteAdapterVersionResponse()
+
+    # aliases
+    async def SetAlias(self, request, context):
+        adapter_id = names.parse_adapter_name(request.adapter, "adapter")
+        alias = names.check_id(request.alias, "alias")
+        target_adapter, version = names.parse_version_name(request.version, "version")
+        if target_adapter != adapter_id:
+            raise invalid_field("version", f"{request.version!r} is not a version of {request.adapter!r}")
+        a = await self.run(self.registry.set_alias, adapter_id, alias, version, request.etag)
+        return admin_pb.SetAliasResponse(alias=a.alias, version=names.version_name(a.adapter_id, a.version),
+                                         etag=a.etag)
+
+    async def DeleteAlias(self, request, context):
+        adapter_id = names.parse_adapter_name(request.adapter, "adapter")
+        await self.run(self.registry.delete_alias, adapter_id, names.check_id(request.alias, "alias"))
+        return admin_pb.DeleteAliasResponse()
+
+    # tasks
+    async def CreateTask(self, request, context):
+        t = await self.run(self.registry.create_task, convert.task_from_pb(request.task_id, request.task))
+        return admin_pb.CreateTaskResponse(task=convert.task_to_pb(t))
+
+    async def GetTask(self, request, context):
+        t = await self.run(self.registry.get_task, names.parse_task_name(request.name, "name"))
+        return admin_pb.GetTaskResponse(task=convert.task_to_pb(t))
+
+    async def ListTasks(self, request, context):
+        page = await self.run(self.registry.list_tasks, PageRequest.parse(request.page_size, request.page_token))
+        return admin_pb.ListTasksResponse(tasks=[convert.task_to_pb(t) for t in page.items],
+                                          next_page_token=page.next_page_token)
+
+    async def DeleteTask(self, request, context):
+        await self.run(self.registry.delete_task, names.parse_task_name(request.name, "name"))
+        return admin_pb.DeleteTaskResponse()
+
+    async def GetClusterStatus(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "cluster status is served by the gateway")
+
+
+class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
+    def __init__(self, registry: Registry, executor: Executor, chunk_bytes: int) -> None:
+        _Blocking.__init__(self, executor)
+        self.registry = registry
+        self.chunk_bytes = chunk_bytes
+
+    async def ResolveReference(self, request, context):
+        r = await self.run(self.registry.resolve, request.reference)
+        return store_pb.ResolveReferenceResponse(
+            version=convert.version_to_pb(r.version), task=convert.task_to_pb(r.task) if r.task else None)
+
+    async def FetchAdapter(self, request, context):
+        adapter_id, version = names.parse_version_name(request.version, "version")
+        v, chunks = await self.run(self.registry.open_ready, adapter_id, version)
+        yield store_pb.FetchAdapterResponse(metadata=store_pb.FetchAdapterMetadata(
+            version=convert.version_to_pb(v), adapter_config_json=v.adapter_config_json))
+        buf = bytearray()
+        sentinel = object()
+        try:
+            while True:
+                piece = await self.run(next, chunks, sentinel)
+                if piece is sentinel:
+                    break
+                buf += piece
+                while len(buf) >= self.chunk_bytes:
+                    yield store_pb.FetchAdapterResponse(chunk=bytes(buf[:self.chunk_bytes]))
+                    del buf[:self.chunk_bytes]
+            if buf:
+                yield store_pb.FetchAdapterResponse(chunk=bytes(buf))
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                await self.run(close)
