@@ -1,0 +1,40 @@
+"""Scheduler settings (env VALORA_<FIELD>, e.g. VALORA_WORKER_ADDRESSES=host1:50061,host2:50061)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
+
+from services.common.config import ServiceSettings
+
+
+def split_list(value: object) -> object:
+    """Lists from the environment: JSON (`["a","b"]`) or comma-separated (`a,b`)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+class SchedulerSettings(ServiceSettings):
+    worker_addresses: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Worker gRPC addresses (host:port), comma-separated or JSON list.")
+    max_queue: int = Field(256, ge=0, description="Requests waiting for a worker; past it Submit is RESOURCE_EXHAUSTED.")
+    retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay suggested when the queue is full.")
+    status_poll_s: float = Field(1.0, gt=0, description="Seconds between GetWorkerStatus polls of each worker.")
+    status_timeout_s: float = Field(2.0, gt=0, description="Deadline of one GetWorkerStatus poll.")
+    max_attempts: int = Field(3, ge=1, description="Workers tried for one request when they fail before the first token.")
+    default_max_batch_size: int = Field(
+        8, ge=1, description="Capacity assumed for a healthy worker that reports max_batch_size 0.")
+    dispatch_tick_s: float = Field(0.25, gt=0, description="Longest the dispatcher sleeps before re-checking deadlines.")
+
+    @field_validator("worker_addresses", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        return split_list(value)

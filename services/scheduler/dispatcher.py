@@ -1,0 +1,179 @@
+"""The bounded request queue and the loop that asks the policy where queued requests go.
+
+Each Submit call holds a `Pending` entry: it waits on `Dispatcher.wait_assigned` until the
+dispatch loop (woken by arrivals, finished requests and status polls) has the policy place it
+on a worker, runs it there, then `release`s the slot. Expired requests are dropped before
+dispatch with DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from services.common.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
+from services.scheduler.policy import SchedulingPolicy, WaitingRequest
+from services.scheduler.workers import MODE_TO_PB, WorkerPool
+from valora.internal.v1 import work_pb2, worker_service_pb2
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Pending:
+    """One request between admission and the end of its run."""
+
+    request_id: str
+    adapter: str | None
+    arrival_s: float
+    # Monotonic deadline; None = none.
+    deadline_s: float | None
+    excluded: set[str] = field(default_factory=set)
+    key: str = ""
+    assigned: asyncio.Future | None = None
+    dispatched_s: float | None = None
+
+    def remaining_s(self, now_s: float) -> float | None:
+        return None if self.deadline_s is None else self.deadline_s - now_s
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, policy: SchedulingPolicy, *, max_queue: int, retry_after_s: float,
+                 tick_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+        self.tick_s = tick_s
+        self.clock = clock
+        self.queue: dict[str, Pending] = {}
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._mode_tasks: set[asyncio.Task] = set()
+
+    # -- the Submit side ------------------------------------------------------------------
+
+    def admit(self, pending: Pending) -> None:
+        """Queue a new request, or refuse it when the queue is full."""
+        if not self.pool.workers:
+            raise WorkerUnavailable("no workers configured", reason="NO_WORKERS")
+        if len(self.queue) >= self.max_queue:
+            raise CapacityExceeded(f"scheduler queue is full ({self.max_queue} waiting)", reason="QUEUE_FULL",
+                                   retry_after_s=self.retry_after_s)
+        self._enqueue(pending)
+
+    def requeue(self, pending: Pending) -> None:
+        """Put a request whose worker failed before its first token back, keeping its arrival time."""
+        if set(self.pool.workers) <= pending.excluded:
+            raise WorkerUnavailable(f"every worker failed request {pending.request_id}", reason="NO_WORKER_LEFT")
+        self._enqueue(pending)
+
+    def _enqueue(self, pending: Pending) -> None:
+        pending.key = f"{next(self._seq)}"
+        pending.assigned = asyncio.get_running_loop().create_future()
+        self.queue[pending.key] = pending
+        self.wake()
+
+    async def wait_assigned(self, pending: Pending) -> str:
+        """The worker address the request was placed on. Leaves the queue on any exit."""
+        fut = pending.assigned
+        assert fut is not None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), pending.remaining_s(self.clock()))
+        except BaseException as exc:
+            # Timed out or cancelled (client gone): a slot granted meanwhile goes back.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result())
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"request {pending.request_id} expired in the queue",
+                                       reason="QUEUE_TIMEOUT") from None
+            raise
+        finally:
+            self.queue.pop(pending.key, None)
+            if not fut.done():
+                fut.cancel()
+
+    def release(self, worker: str) -> None:
+        handle = self.pool.workers.get(worker)
+        if handle is not None:
+            handle.inflight -= 1
+        self.wake()
+
+    # -- the dispatch loop ----------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def dispatch_once(self) -> None:
+        now = self.clock()
+        for key, p in list(self.queue.items()):
+            if p.deadline_s is not None and p.deadline_s <= now:
+                del self.queue[key]
+                if not p.assigned.done():
+                    p.assigned.set_exception(
+                        DeadlineExceeded(f"request {p.request_id} expired in the queue", reason="QUEUE_TIMEOUT"))
+        if not self.queue:
+            return
+        waiting = [WaitingRequest(key, p.arrival_s, p.adapter, frozenset(p.excluded)) for key, p in self.queue.items()]
+        decision = self.policy.decide(now, waiting, self.pool.views())
+        for cmd in decision.mode_commands:
+            self._send_mode(cmd)
+        for a in decision.assignments:
+            p = self.queue.pop(a.request_id, None)
+            if p is None or p.assigned.done():
+                continue
+            self.pool[a.worker].inflight += 1
+            p.dispatched_s = now
+            p.assigned.set_result(a.worker)
+
+    def _send_mode(self, cmd) -> None:
+        handle = self.pool[cmd.worker]
+        req = worker_service_pb2.SetModeRequest(mode=MODE_TO_PB[cmd.mode])
+        if cmd.merged_adapter:
+            req.merged_adapter.CopyFrom(work_pb2.AdapterRef(version=cmd.merged_adapter))
+        if handle.status is not None:
+            # Optimistic until the next poll, so the policy does not repeat the command.
+            handle.status.mode = req.mode
+
+        async def send() -> None:
+            try:
+                await handle.stub.SetMode(req, timeout=self.tick_s * 40)
+                log.info("mode_set", worker=cmd.worker, mode=cmd.mode.value, merged=cmd.merged_adapter)
+            except grpc.RpcError as err:
+                log.warning("mode_set_failed", worker=cmd.worker, mode=cmd.mode.value, code=err.code().name)
+
+        task = asyncio.create_task(send())
+        self._mode_tasks.add(task)
+        task.add_done_callback(self._mode_tasks.discard)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.dispatch_once()
+            except Exception as exc:  # noqa: BLE001 - a policy bug must not stop the loop
+                log.error("dispatch_bug", error=repr(exc))
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="dispatcher")
+
+    async def close(self) -> None:
+        for task in [self._task, *self._mode_tasks]:
+            if task is not None:
+                task.cancel()
+        for p in self.queue.values():
+            if not p.assigned.done():
+                p.assigned.set_exception(WorkerUnavailable("scheduler shutting down", reason="SHUTDOWN"))
+        self.queue.clear()
+

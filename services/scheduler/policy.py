@@ -1,0 +1,141 @@
+"""Placement policy: which waiting request runs on which worker, and in which mode.
+
+The dispatcher (services/scheduler/dispatcher.py) calls `SchedulingPolicy.decide` whenever the
+queue or a worker changes. Policies are pure: plain dataclasses in, a `Decision` out, no
+protobuf, no I/O, no clocks (the caller passes `now_s`). VaLoRA's credit-based policy (paper
+Alg. 1: credits = waiting time + estimated execution time, merged mode preferred, mixture for
+starving requests, unmerged when more than half a batch starves) replaces
+`AffinityLeastLoadedPolicy` behind the same interface.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class Mode(enum.Enum):
+    """A worker's inference mode (mirrors valora.v1.InferenceMode without importing it)."""
+
+    UNKNOWN = "unknown"
+    BASE = "base"
+    MERGED = "merged"
+    UNMERGED = "unmerged"
+    MIXTURE = "mixture"
+
+
+@dataclass(frozen=True)
+class WaitingRequest:
+    """A queued request as the policy sees it."""
+
+    request_id: str
+    arrival_s: float
+    # Adapter version name ("adapters/a/versions/1"); None = base model.
+    adapter: str | None = None
+    # Workers this request already failed on (never placed there again).
+    excluded_workers: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker's state at decision time."""
+
+    address: str
+    healthy: bool
+    # Requests the worker can run at once; the policy never exceeds it.
+    max_batch_size: int
+    # Requests running on it now (dispatched and not finished).
+    running: int
+    mode: Mode = Mode.UNKNOWN
+    merged_adapter: str | None = None
+    resident_adapters: frozenset[str] = frozenset()
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_batch_size - self.running)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    request_id: str
+    worker: str
+
+
+@dataclass(frozen=True)
+class ModeCommand:
+    """Put `worker` into `mode`; `merged_adapter` for MERGED and MIXTURE."""
+
+    worker: str
+    mode: Mode
+    merged_adapter: str | None = None
+
+
+@dataclass
+class Decision:
+    """Assignments in dispatch order; mode commands are sent before those assignments run."""
+
+    assignments: list[Assignment] = field(default_factory=list)
+    mode_commands: list[ModeCommand] = field(default_factory=list)
+
+
+class SchedulingPolicy(ABC):
+    @abstractmethod
+    def decide(self, now_s: float, waiting: Sequence[WaitingRequest], workers: Sequence[WorkerView]) -> Decision:
+        """Place some of `waiting` (any order given) on `workers`. Unplaced requests stay queued."""
+
+
+def _affinity(worker: WorkerView, adapter: str | None) -> int:
+    """0 = adapter merged there, 1 = resident on the device, 2 = must be loaded (or base model)."""
+    if adapter is None:
+        return 0 if worker.mode != Mode.MERGED else 1
+    if worker.merged_adapter == adapter:
+        return 0
+    if adapter in worker.resident_adapters:
+        return 1
+    return 2
+
+
+def _compatible(worker: WorkerView, adapter: str | None) -> bool:
+    """A worker in MERGED mode runs only its merged adapter's requests."""
+    return worker.mode != Mode.MERGED or adapter == worker.merged_adapter
+
+
+class AffinityLeastLoadedPolicy(SchedulingPolicy):
+    """Foundation policy: first come first served; each request goes to the healthy worker with
+    a free slot that (1) already holds its adapter (merged, then resident), then (2) has the
+    lowest load (running / max_batch_size), then (3) the lowest address (deterministic).
+
+    A worker merged with another adapter is skipped; when that leaves a request nowhere to go
+    but a merged worker has room, the worker is moved to MIXTURE mode (keeps its adapter merged
+    at full speed, serves the others through the deLoRA term) and the request placed there.
+    """
+
+    def decide(self, now_s: float, waiting: Sequence[WaitingRequest], workers: Sequence[WorkerView]) -> Decision:
+        decision = Decision()
+        running = {w.address: w.running for w in workers}
+        modes = {w.address: w.mode for w in workers}
+        live = [w for w in workers if w.healthy and w.max_batch_size > 0]
+
+        def free(w: WorkerView) -> int:
+            return w.max_batch_size - running[w.address]
+
+        for req in sorted(waiting, key=lambda r: (r.arrival_s, r.request_id)):
+            if not any(free(w) > 0 for w in live):
+                break
+            candidates = [w for w in live if free(w) > 0 and w.address not in req.excluded_workers]
+            fits = [w for w in candidates if modes[w.address] != Mode.MERGED or _compatible(w, req.adapter)]
+            if not fits:
+                # Only merged workers of other adapters have room: open one up to mixture mode.
+                merged = [w for w in candidates if modes[w.address] == Mode.MERGED]
+                if not merged:
+                    continue
+                target = min(merged, key=lambda w: (running[w.address] / w.max_batch_size, w.address))
+                decision.mode_commands.append(ModeCommand(target.address, Mode.MIXTURE, target.merged_adapter))
+                modes[target.address] = Mode.MIXTURE
+                fits = [target]
+            best = min(fits, key=lambda w: (_affinity(w, req.adapter), running[w.address] / w.max_batch_size, w.address))
+            running[best.address] += 1
+            decision.assignments.append(Assignment(req.request_id, best.address))
+        return decision

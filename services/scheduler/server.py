@@ -1,0 +1,39 @@
+"""Builds the scheduler's gRPC server: worker pool, dispatcher, SchedulerService."""
+
+from __future__ import annotations
+
+from services.common.server import Service, build_service, channel_options
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.policy import AffinityLeastLoadedPolicy, SchedulingPolicy
+from services.scheduler.service import SchedulerServicer
+from services.scheduler.workers import WorkerPool
+from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
+
+
+async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | None = None) -> Service:
+    dispatcher: Dispatcher | None = None
+
+    def on_change() -> None:
+        if dispatcher is not None:
+            dispatcher.wake()
+
+    pool = WorkerPool(settings.worker_addresses, poll_s=settings.status_poll_s,
+                      poll_timeout_s=settings.status_timeout_s,
+                      default_max_batch_size=settings.default_max_batch_size,
+                      channel_options=channel_options(settings), on_change=on_change)
+    dispatcher = Dispatcher(pool, policy or AffinityLeastLoadedPolicy(), max_queue=settings.max_queue,
+                            retry_after_s=settings.retry_after_s, tick_s=settings.dispatch_tick_s)
+    servicer = SchedulerServicer(pool, dispatcher, max_attempts=settings.max_attempts)
+
+    def register(server):
+        scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+        return [scheduler_service_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name]
+
+    service = build_service("scheduler", settings, register)
+    service.on_start.append(pool.start)
+    service.on_start.append(dispatcher.start)
+    # on_stop runs in reverse: the dispatcher fails queued requests, then channels close.
+    service.on_stop.append(pool.close)
+    service.on_stop.append(dispatcher.close)
+    return service

@@ -1,0 +1,219 @@
+"""SchedulerService over real loopback gRPC, against small in-test workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from services.common.server import REQUEST_ID_KEY
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.server import create_server
+from valora.internal.v1 import (
+    scheduler_service_pb2,
+    scheduler_service_pb2_grpc,
+    work_pb2,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
+from valora.v1 import admin_service_pb2, inference_service_pb2, types_pb2
+
+pytestmark = pytest.mark.anyio
+ADAPTER = "adapters/cars/versions/1"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
+    """Streams "hel", "lo" then a result; or fails / hangs as told."""
+
+    def __init__(self, *, healthy=True, max_batch=4, resident=(), fail_before_first=False,
+                 fail_after_first=False, hang=False):
+        self.healthy, self.max_batch, self.resident = healthy, max_batch, list(resident)
+        self.fail_before_first, self.fail_after_first, self.hang = fail_before_first, fail_after_first, hang
+        self.calls: list[tuple[str, str]] = []  # (item.request_id, x-request-id metadata)
+        self.cancelled = asyncio.Event()
+        self.address = ""
+
+    async def Generate(self, request, context):
+        md = dict(context.invocation_metadata())
+        self.calls.append((request.item.request_id, md.get(REQUEST_ID_KEY, "")))
+        if self.fail_before_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died")
+        if self.hang:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        yield worker_service_pb2.GenerateResponse(text_delta="hel")
+        if self.fail_after_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died mid-stream")
+        yield worker_service_pb2.GenerateResponse(text_delta="lo")
+        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
+            text="hello", finish_reason=types_pb2.FINISH_REASON_EOS, timing=types_pb2.Timing(queue_ms=1.0)))
+
+    async def GetWorkerStatus(self, request, context):
+        return worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
+            healthy=self.healthy, max_batch_size=self.max_batch, resident_adapters=self.resident,
+            mode=types_pb2.INFERENCE_MODE_UNMERGED))
+
+
+@contextlib.asynccontextmanager
+async def cluster(*workers: FakeWorker, **settings):
+    servers = []
+    for w in workers:
+        server = grpc.aio.server()
+        worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(w, server)
+        w.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        servers.append(server)
+    cfg = SchedulerSettings(worker_addresses=[w.address for w in workers], status_poll_s=0.05,
+                            dispatch_tick_s=0.05, **settings)
+    service = await create_server(cfg)
+    await service.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    try:
+        yield scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+    finally:
+        await channel.close()
+        await service.stop(0)
+        for server in servers:
+            await server.stop(0)
+
+
+def submit_request(rid="r1", adapter=ADAPTER):
+    item = work_pb2.WorkItem(request_id=rid, prompt="what is it?", output_kind=types_pb2.OUTPUT_KIND_TEXT)
+    if adapter:
+        item.adapter.CopyFrom(work_pb2.AdapterRef(version=adapter, sha256="ab" * 32))
+    return scheduler_service_pb2.SubmitRequest(item=item)
+
+
+async def collect(stub, request, timeout=10):
+    return [r async for r in stub.Submit(request, timeout=timeout)]
+
+
+async def wait_until(predicate, timeout=5.0):
+    async def loop():
+        while not await predicate():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def test_submit_relays_deltas_and_result_with_worker_and_queue_time():
+    w = FakeWorker()
+    async with cluster(w) as stub:
+        out = await collect(stub, submit_request("req-7"))
+    assert [r.text_delta for r in out] == ["hel", "lo", ""]
+    result = out[-1].result
+    assert result.text == "hello" and result.worker == w.address and result.request_id == "req-7"
+    assert result.timing.queue_ms >= 1.0  # the worker's own 1.0 plus the scheduler's queue time
+    assert w.calls == [("req-7", "req-7")]
+
+
+async def test_queue_full_is_resource_exhausted_with_retry_info():
+    w = FakeWorker(healthy=False)  # nothing dispatches: requests stay queued
+    async with cluster(w, max_queue=1, retry_after_s=2.5) as stub:
+        first = stub.Submit(submit_request("r1"), timeout=10)
+        reader = asyncio.ensure_future(first.read())
+
+        async def queued():
+            st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
+            return st.queued_requests == 1
+        await wait_until(queued)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await collect(stub, submit_request("r2"))
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await reader
+    err = exc.value
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(err)
+    retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+    assert retry, status
+    info = error_details_pb2.RetryInfo()
+    retry[0].Unpack(info)
+    assert info.retry_delay.ToNanoseconds() == 2_500_000_000
+
+
+async def test_worker_failing_before_first_token_is_retried_elsewhere():
+    bad = FakeWorker(fail_before_first=True, resident=[ADAPTER])  # affinity sends the request here first
+    good = FakeWorker()
+    async with cluster(bad, good) as stub:
+        out = await collect(stub, submit_request("r1"))
+        status = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
+    assert out[-1].result.worker == good.address and out[-1].result.text == "hello"
+    assert len(bad.calls) == 1 and len(good.calls) == 1
+    assert status.queued_requests == 0
+
+
+async def test_worker_failing_after_first_token_is_unavailable_and_not_replayed():
+    bad = FakeWorker(fail_after_first=True, resident=[ADAPTER])
+    good = FakeWorker()
+    async with cluster(bad, good) as stub:
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for r in stub.Submit(submit_request("r1"), timeout=10):
+                got.append(r.text_delta)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert got == ["hel"] and len(bad.calls) == 1 and good.calls == []
+
+
+async def test_every_worker_failing_is_unavailable():
+    workers = [FakeWorker(fail_before_first=True), FakeWorker(fail_before_first=True)]
+    async with cluster(*workers) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await collect(stub, submit_request("r1"))
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [len(w.calls) for w in workers] == [1, 1]
+
+
+async def test_request_expiring_in_the_queue_is_dropped():
+    w = FakeWorker(healthy=False)
+    async with cluster(w) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await collect(stub, submit_request("r1"), timeout=0.3)
+
+        async def empty():
+            st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
+            return st.queued_requests == 0
+        await wait_until(empty)
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert w.calls == []
+
+
+async def test_cancelling_submit_cancels_the_worker_call():
+    w = FakeWorker(hang=True)
+    async with cluster(w) as stub:
+        call = stub.Submit(submit_request("r1"), timeout=10)
+        reader = asyncio.ensure_future(call.read())
+
+        async def started():
+            return bool(w.calls)
+        await wait_until(started)
+        call.cancel()
+        await asyncio.wait_for(w.cancelled.wait(), 5)
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await reader
+
+        async def freed():
+            st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
+            return st.workers[0].running_requests == 0
+        await wait_until(freed)
+
+
+async def test_status_lists_workers():
+    up, down = FakeWorker(max_batch=6, resident=[ADAPTER]), FakeWorker(healthy=False)
+    async with cluster(up, down) as stub:
+        st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
+    by_addr = {w.address: w for w in st.workers}
+    assert by_addr[up.address].healthy and by_addr[up.address].max_batch_size == 6
+    assert list(by_addr[up.address].resident_adapters) == [ADAPTER]
+    assert not by_addr[down.address].healthy
