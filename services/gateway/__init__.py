@@ -1,0 +1,1 @@
+"""valora gateway: the public gRPC endpoint (inference + admin), auth, validation, deadlines."""

@@ -1,0 +1,61 @@
+"""Gateway settings (env VALORA_<FIELD>; lists as `a,b` or a JSON list)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from services.common.config import ServiceSettings
+
+
+def _split_list(value: object) -> object:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+class GatewaySettings(ServiceSettings):
+    scheduler_address: str = Field("127.0.0.1:50052", description="SchedulerService address (host:port).")
+    adapter_store_address: str = Field(
+        "127.0.0.1:50053", description="Adapter store address (AdapterStoreService + registry AdminService).")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Keys accepted for inference. No keys at all (here and admin_keys) = auth off.")
+    admin_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Keys accepted for admin RPCs (and inference).")
+
+    max_images: int = Field(8, ge=0, description="Images per request.")
+    max_image_bytes: int = Field(10 * 1024 * 1024, gt=0, description="Encoded size of one image, in bytes.")
+    max_image_pixels: int = Field(
+        4096 * 4096, gt=0, description="width*height of one image, read from its header before decoding.")
+    max_prompt_chars: int = Field(32768, gt=0, description="Prompt length in characters (code points).")
+    max_stop_sequences: int = Field(8, ge=0, description="Entries of params.stop.")
+    max_new_tokens_limit: int = Field(4096, gt=0, description="Largest params.max_new_tokens accepted.")
+    default_max_new_tokens: int = Field(256, gt=0, description="params.max_new_tokens when the client sends 0.")
+    default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request whose client set none.")
+    max_deadline_s: float = Field(600.0, gt=0, description="Longest deadline honoured; longer ones are cut to it.")
+    admin_deadline_s: float = Field(300.0, gt=0, description="Default deadline of admin calls (uploads are long).")
+
+    @field_validator("api_keys", "admin_keys", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        return _split_list(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> "GatewaySettings":
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError("default_max_new_tokens exceeds max_new_tokens_limit")
+        if self.default_deadline_s > self.max_deadline_s:
+            raise ValueError("default_deadline_s exceeds max_deadline_s")
+        return self
+
+    def deadline_s(self, client_remaining_s: float | None, default_s: float | None = None) -> float:
+        """The downstream timeout: the client's, else the default, never past the cap."""
+        if client_remaining_s is None:
+            client_remaining_s = default_s or self.default_deadline_s
+        return max(0.0, min(client_remaining_s, self.max_deadline_s))

@@ -1,0 +1,139 @@
+"""valora.v1.InferenceService: validate, resolve the adapter/task, submit to the scheduler.
+
+One flow serves both RPCs: `_submit` yields the scheduler's SubmitResponses; `Infer` collects
+them into one result, `InferStream` relays text deltas as they come. The downstream calls carry
+the request id (`x-request-id`) and the request's deadline (client's, else the default, capped);
+cancelling the client call cancels the scheduler call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from services.common import errors
+from services.common.server import REQUEST_ID_KEY, new_request_id
+from services.gateway.config import GatewaySettings
+from services.gateway.validation import Limits, validate
+from valora.internal.v1 import (
+    adapter_store_service_pb2,
+    adapter_store_service_pb2_grpc,
+    scheduler_service_pb2,
+    scheduler_service_pb2_grpc,
+    work_pb2,
+)
+from valora.v1 import inference_service_pb2, inference_service_pb2_grpc, resources_pb2, types_pb2
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class Target:
+    adapter: work_pb2.AdapterRef | None
+    head: str
+
+
+class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, settings: GatewaySettings, scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub,
+                 store: adapter_store_service_pb2_grpc.AdapterStoreServiceStub) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.store = store
+        self.limits = Limits(
+            max_images=settings.max_images,
+            max_image_bytes=settings.max_image_bytes,
+            max_image_pixels=settings.max_image_pixels,
+            max_prompt_chars=settings.max_prompt_chars,
+            max_new_tokens_limit=settings.max_new_tokens_limit,
+            max_stop_sequences=settings.max_stop_sequences,
+        )
+
+    async def Infer(self, request, context):
+        parts: list[str] = []
+        result = None
+        async for resp in self._submit(request.input, request.request_id, context):
+            parts.append(resp.text_delta)
+            if resp.HasField("result"):
+                result = resp.result
+        if result is None:
+            raise errors.WorkerUnavailable("the scheduler ended the stream without a result", reason="NO_RESULT")
+        if not result.text and result.label == "":
+            result.text = "".join(parts)
+        return inference_service_pb2.InferResponse(result=result)
+
+    async def InferStream(self, request, context):
+        async for resp in self._submit(request.input, request.request_id, context):
+            out = inference_service_pb2.InferStreamResponse(text_delta=resp.text_delta)
+            if resp.HasField("result"):
+                out.result.CopyFrom(resp.result)
+            yield out
+
+    async def _submit(self, inp: inference_service_pb2.InferenceInput, request_id: str,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_service_pb2.SubmitResponse]:
+        await validate(inp, request_id, self.limits)
+        rid = request_id or new_request_id()
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        deadline = time.monotonic() + self.settings.deadline_s(context.time_remaining())
+        metadata = ((REQUEST_ID_KEY, rid),)
+        target = await self._resolve(inp, deadline, metadata)
+        item = self._work_item(inp, rid, target)
+        log.info("infer", adapter=item.adapter.version or None, head=item.head or None,
+                 images=len(item.images), prompt_chars=len(item.prompt))
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise errors.DeadlineExceeded("deadline expired while resolving the adapter", reason="DEADLINE")
+        call = self.scheduler.Submit(scheduler_service_pb2.SubmitRequest(item=item), timeout=timeout,
+                                     metadata=metadata)
+        try:
+            async for resp in call:
+                if resp.HasField("result"):
+                    res = resp.result
+                    res.request_id = rid
+                    if target.adapter is not None and not res.adapter_version:
+                        res.adapter_version = target.adapter.version
+                yield resp
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        finally:
+            call.cancel()  # no-op when finished; frees the request downstream when the client left
+
+    async def _resolve(self, inp: inference_service_pb2.InferenceInput, deadline: float, metadata) -> Target:
+        kind = inp.WhichOneof("target")
+        if kind is None:
+            return Target(adapter=None, head="")
+        reference = inp.adapter if kind == "adapter" else inp.task
+        try:
+            resp = await self.store.ResolveReference(
+                adapter_store_service_pb2.ResolveReferenceRequest(reference=reference),
+                timeout=max(0.0, deadline - time.monotonic()), metadata=metadata)
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        version = resp.version
+        if version.state not in (resources_pb2.ADAPTER_VERSION_STATE_READY,
+                                 resources_pb2.ADAPTER_VERSION_STATE_UNSPECIFIED):
+            raise errors.FailedPrecondition(f"{version.name} is not READY", reason="ADAPTER_VERSION_NOT_READY")
+        adapter = work_pb2.AdapterRef(version=version.name, sha256=version.sha256)
+        head = ""
+        if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL:
+            head = resp.task.head if resp.HasField("task") else ""
+            if not head:
+                raise errors.invalid_field("input.task", f"{reference} has no task head; use OUTPUT_KIND_TEXT")
+            heads = {h.name for h in version.heads}
+            if heads and head not in heads:
+                raise errors.FailedPrecondition(f"{version.name} carries no head {head!r}", reason="HEAD_NOT_IN_VERSION")
+        return Target(adapter=adapter, head=head)
+
+    def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
+        item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head)
+        item.images.extend(inp.images)
+        item.output_kind = inp.output_kind or types_pb2.OUTPUT_KIND_TEXT
+        if target.adapter is not None:
+            item.adapter.CopyFrom(target.adapter)
+        item.params.CopyFrom(inp.params)
+        if item.params.max_new_tokens == 0:
+            item.params.max_new_tokens = self.settings.default_max_new_tokens
+        return item

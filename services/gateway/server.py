@@ -1,0 +1,40 @@
+"""Builds the gateway's gRPC server: auth interceptor, InferenceService, AdminService."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.server import Service, build_service, channel_options
+from services.gateway.admin import AdminServicer
+from services.gateway.auth import ApiKeyAuthInterceptor
+from services.gateway.config import GatewaySettings
+from services.gateway.inference import InferenceServicer
+from valora.internal.v1 import adapter_store_service_pb2_grpc, scheduler_service_pb2_grpc
+from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
+
+
+async def create_server(settings: GatewaySettings) -> Service:
+    options = channel_options(settings)
+    scheduler_channel = grpc.aio.insecure_channel(settings.scheduler_address, options=options)
+    store_channel = grpc.aio.insecure_channel(settings.adapter_store_address, options=options)
+    scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(scheduler_channel)
+    inference = InferenceServicer(settings, scheduler,
+                                  adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
+    admin = AdminServicer(settings, admin_service_pb2_grpc.AdminServiceStub(store_channel), scheduler)
+    auth = ApiKeyAuthInterceptor([k.get_secret_value() for k in settings.api_keys],
+                                 [k.get_secret_value() for k in settings.admin_keys])
+
+    def register(server):
+        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
+        admin_service_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+        return [inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name]
+
+    service = build_service("gateway", settings, register, interceptors=[auth])
+
+    async def close_channels() -> None:
+        await scheduler_channel.close()
+        await store_channel.close()
+
+    service.on_stop.append(close_channels)
+    return service

@@ -1,0 +1,147 @@
+"""Validation of public inference requests: every problem becomes a field violation.
+
+Cheap checks (`check_input`) run first and report every offending field at once; images are
+then decoded with PIL off the event loop (`inspect_image`), after their header-declared pixel
+count has been checked, so a decompression bomb is refused before it is decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import re
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from services.common import names
+from services.common.errors import FieldViolation, InvalidArgument, ValoraError
+from valora.v1 import inference_service_pb2, types_pb2
+
+# PIL format -> canonical MIME type of the formats the model side accepts.
+FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "BMP": "image/bmp"}
+MIME_ALIASES = {"image/jpg": "image/jpeg", "image/x-ms-bmp": "image/bmp"}
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_TEMPERATURE = 2.0
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
+    max_prompt_chars: int
+    max_new_tokens_limit: int
+    max_stop_sequences: int
+
+
+def _bad(violations: list[FieldViolation]) -> InvalidArgument:
+    summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
+    return InvalidArgument(f"invalid request: {summary}", reason="INVALID_ARGUMENT", field_violations=violations)
+
+
+def check_request_id(request_id: str) -> list[FieldViolation]:
+    if request_id and not REQUEST_ID_RE.match(request_id):
+        return [FieldViolation("request_id", "must be 1-128 characters of [A-Za-z0-9._:-]")]
+    return []
+
+
+def _name_violation(fn, value: str, field_path: str) -> list[FieldViolation]:
+    try:
+        fn(value, field_path)
+    except ValoraError as exc:
+        return exc.field_violations
+    return []
+
+
+def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str = "input") -> list[FieldViolation]:
+    """Every violation that needs no decoding and no registry lookup."""
+    out: list[FieldViolation] = []
+    if not inp.prompt and not inp.images:
+        out.append(FieldViolation(prefix, "a prompt or at least one image is required"))
+    if len(inp.prompt) > limits.max_prompt_chars:
+        out.append(FieldViolation(f"{prefix}.prompt",
+                                  f"{len(inp.prompt)} characters; at most {limits.max_prompt_chars}"))
+    if len(inp.images) > limits.max_images:
+        out.append(FieldViolation(f"{prefix}.images", f"{len(inp.images)} images; at most {limits.max_images}"))
+    for i, image in enumerate(inp.images):
+        path = f"{prefix}.images[{i}]"
+        if not image.data:
+            out.append(FieldViolation(f"{path}.data", "empty"))
+        elif len(image.data) > limits.max_image_bytes:
+            out.append(FieldViolation(f"{path}.data",
+                                      f"{len(image.data)} bytes; at most {limits.max_image_bytes}"))
+        mime = MIME_ALIASES.get(image.mime_type.lower(), image.mime_type.lower())
+        if mime and mime not in FORMATS.values():
+            out.append(FieldViolation(f"{path}.mime_type",
+                                      f"{image.mime_type!r} is not one of {sorted(FORMATS.values())}"))
+
+    target = inp.WhichOneof("target")
+    if target == "adapter":
+        out += _name_violation(names.parse_adapter_ref, inp.adapter, f"{prefix}.adapter")
+    elif target == "task":
+        out += _name_violation(names.parse_task_name, inp.task, f"{prefix}.task")
+    if inp.output_kind not in types_pb2.OutputKind.values():
+        out.append(FieldViolation(f"{prefix}.output_kind", f"unknown output kind {inp.output_kind}"))
+    elif inp.output_kind == types_pb2.OUTPUT_KIND_LABEL and target != "task":
+        out.append(FieldViolation(f"{prefix}.output_kind", "OUTPUT_KIND_LABEL needs input.task (a task with a head)"))
+
+    p = inp.params
+    pp = f"{prefix}.params"
+    if p.max_new_tokens < 0 or p.max_new_tokens > limits.max_new_tokens_limit:
+        out.append(FieldViolation(f"{pp}.max_new_tokens",
+                                  f"{p.max_new_tokens} not in [0, {limits.max_new_tokens_limit}] (0 = server default)"))
+    if not math.isfinite(p.temperature) or not 0.0 <= p.temperature <= MAX_TEMPERATURE:
+        out.append(FieldViolation(f"{pp}.temperature", f"{p.temperature} not in [0, {MAX_TEMPERATURE}]"))
+    if not math.isfinite(p.top_p) or not 0.0 <= p.top_p <= 1.0:
+        out.append(FieldViolation(f"{pp}.top_p", f"{p.top_p} not in [0, 1] (0 = 1)"))
+    if p.top_k < 0:
+        out.append(FieldViolation(f"{pp}.top_k", f"{p.top_k} is negative (0 disables top-k)"))
+    if len(p.stop) > limits.max_stop_sequences:
+        out.append(FieldViolation(f"{pp}.stop", f"{len(p.stop)} stop sequences; at most {limits.max_stop_sequences}"))
+    for i, s in enumerate(p.stop):
+        if not s or len(s) > MAX_STOP_CHARS:
+            out.append(FieldViolation(f"{pp}.stop[{i}]", f"must be 1-{MAX_STOP_CHARS} characters"))
+    return out
+
+
+def inspect_image(data: bytes, max_pixels: int) -> str | None:
+    """Why the image is unusable, or None. Reads the header first and refuses more than
+    `max_pixels` before any pixel is decoded; then verifies and decodes it (bounded)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:  # header only
+            fmt = im.format
+            width, height = im.size
+            if fmt not in FORMATS:
+                return f"format {fmt} is not one of {sorted(FORMATS)}"
+            if width <= 0 or height <= 0:
+                return f"bad size {width}x{height}"
+            if width * height > max_pixels:
+                return f"{width}x{height} = {width * height} pixels; at most {max_pixels}"
+            im.verify()
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()  # catches truncated data that verify() lets through
+    except Image.DecompressionBombError as exc:
+        return f"too many pixels: {exc}"
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+        return f"cannot decode image: {type(exc).__name__}: {exc}"
+    return None
+
+
+async def check_images(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str = "input") -> None:
+    loop = asyncio.get_running_loop()
+    problems = await asyncio.gather(*(
+        loop.run_in_executor(None, inspect_image, image.data, limits.max_image_pixels) for image in inp.images))
+    violations = [FieldViolation(f"{prefix}.images[{i}].data", why) for i, why in enumerate(problems) if why]
+    if violations:
+        raise _bad(violations)
+
+
+async def validate(inp: inference_service_pb2.InferenceInput, request_id: str, limits: Limits) -> None:
+    """Raise INVALID_ARGUMENT listing every offending field."""
+    violations = check_request_id(request_id) + check_input(inp, limits)
+    if violations:
+        raise _bad(violations)
+    await check_images(inp, limits)
