@@ -89,7 +89,7 @@ class Registry:
         if row is None or row.deleted_at is not None:
             raise AdapterNotFound(f"{names.adapter_name(adapter_id)} not found", reason="ADAPTER_NOT_FOUND")
         aliases = dict(s.execute(select(AliasRow.alias, AliasRow.version)
-                                 .where(AliasRow.adapter_id == adapter_id)).tuples().all())
+                                 .where(AliasRow.adapter_id == adapter_id)).all())
         return Adapter(row.id, row.description, row.created_at, row.latest_version, aliases)
 
     def _live_adapter_row(self, s: Session, adapter_id: str, lock: bool = False) -> AdapterRow:
@@ -161,7 +161,7 @@ class Registry:
     # ------------------------------------------------------------------ registration
 
     def find_upload(self, request_id: str) -> Version | None:
-        """The version a request_id registered, if it is READY or RETIRED (a finished upload)."""
+        """The version a request_id registered, if that upload finished (READY or RETIRED)."""
         with self._sessions.begin() as s:
             row = s.scalars(select(VersionRow).where(VersionRow.request_id == request_id)).one_or_none()
             if row is None or row.state == VersionState.PENDING:
@@ -171,7 +171,9 @@ class Registry:
     def register(self, req: UploadRequest, bundle: CheckedBundle, base_model: str,
                  data: bytes | bytearray | memoryview) -> Version:
         """PENDING row -> blob PUT -> verify -> READY (see the module docstring)."""
-        row_id = self._begin_version(req, bundle, base_model)
+        row_id, finished = self._begin_version(req, bundle, base_model)
+        if finished is not None:  # a retried request_id whose upload completed before
+            return finished
         self._fault("pending_committed")
         self.blobs.put(bundle.sha256, memoryview(data), bundle.size)
         self._fault("blob_put")
@@ -191,8 +193,10 @@ class Registry:
         self._fault("ready_committed")
         return version
 
-    def _begin_version(self, req: UploadRequest, bundle: CheckedBundle, base_model: str) -> int:
-        """Commit the PENDING row (or find the one a retried request_id left); returns its id."""
+    def _begin_version(self, req: UploadRequest, bundle: CheckedBundle,
+                       base_model: str) -> tuple[int, Version | None]:
+        """Commit the PENDING row, or find the row a retried request_id left: returns its id and,
+        when that upload already finished, its version."""
         for attempt in range(3):
             try:
                 with self._sessions.begin() as s:
@@ -205,7 +209,7 @@ class Registry:
                                     f"request_id {req.request_id!r} already registered a different bundle "
                                     f"({names.version_name(prior.adapter_id, prior.version)})",
                                     reason="REQUEST_ID_REUSED")
-                            return prior.id
+                            return prior.id, None if prior.state == VersionState.PENDING else _version(prior)
                     adapter = s.get(AdapterRow, req.adapter_id, with_for_update=True)
                     if adapter is None:
                         adapter = AdapterRow(id=req.adapter_id, description="", latest_version=0,
@@ -227,7 +231,7 @@ class Registry:
                     )
                     s.add(row)
                     s.flush()
-                    return row.id
+                    return row.id, None
             except IntegrityError:  # a concurrent upload took the version number or request_id
                 if attempt == 2:
                     raise

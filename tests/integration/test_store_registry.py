@@ -1,0 +1,350 @@
+"""The registry suite: the store over a real gRPC channel, on SQLite + local dir and on
+PostgreSQL + S3 (moto_server) — see conftest.store_env."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from datetime import timedelta
+
+import grpc
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from valora.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora.v1 import admin_service_pb2 as admin_pb
+from valora.v1 import resources_pb2 as res_pb
+
+from services.adapter_store import db
+from services.adapter_store.models import Base, utcnow
+from services.adapter_store.server import build_registry
+from services.adapter_store.testing import (
+    TINY_CONFIG,
+    RunningStore,
+    adapter_config,
+    make_bundle,
+    safetensors_bytes,
+    upload_messages,
+)
+
+READY = res_pb.ADAPTER_VERSION_STATE_READY
+RETIRED = res_pb.ADAPTER_VERSION_STATE_RETIRED
+
+
+@pytest.fixture
+def store(store_env):
+    with RunningStore(store_env.settings(fetch_chunk_bytes=4096, max_rank=16, max_header_bytes=64 * 1024,
+                                         max_bundle_bytes=256 * 1024)) as rs:
+        yield rs
+
+
+def upload(rs, parent="adapters/demo", data=None, **kw):
+    data = make_bundle() if data is None else data
+    return rs.admin.UploadAdapterVersion(upload_messages(parent, data, **kw)).version
+
+
+def error_of(call, *args):
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args)
+    err = info.value
+    status = rpc_status.from_call(err)
+    reason, fields = "", []
+    for d in status.details if status else []:
+        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            ei = error_details_pb2.ErrorInfo()
+            d.Unpack(ei)
+            reason = ei.reason
+        elif d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            br = error_details_pb2.BadRequest()
+            d.Unpack(br)
+            fields = [v.field for v in br.field_violations]
+    return err.code(), reason, fields, err.details()
+
+
+def test_migrations_match_models(store_env):
+    engine = db.make_engine(store_env.settings().database_url)
+    try:
+        db.upgrade(engine)
+        db.upgrade(engine)  # idempotent
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        assert diff == []
+    finally:
+        engine.dispose()
+
+
+def test_register_resolve_fetch(store):
+    data = make_bundle(heads={"cls": 3}, seed=1)
+    sha = hashlib.sha256(data).hexdigest()
+    v = upload(store, data=data, sha256=sha, heads={"cls": ["cat", "dog", "bird"]}, request_id="r-1")
+    assert v.name == "adapters/demo/versions/1"
+    assert (v.sha256, v.size_bytes, v.rank, v.lora_alpha, v.state) == (sha, len(data), 4, 8.0, READY)
+    assert list(v.target_modules) == ["q_proj", "v_proj"]
+    assert [(h.name, list(h.labels)) for h in v.heads] == [("cls", ["cat", "dog", "bird"])]
+    assert v.base_model == "model"
+
+    for ref in ("adapters/demo", "adapters/demo/versions/1"):
+        assert store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference=ref)).version == v
+    parts = list(store.store.FetchAdapter(store_pb.FetchAdapterRequest(version=v.name)))
+    assert parts[0].WhichOneof("part") == "metadata"
+    assert parts[0].metadata.version == v
+    assert parts[0].metadata.adapter_config_json == adapter_config()
+    assert len(parts) > 2  # chunked (fetch_chunk_bytes=4096)
+    assert b"".join(p.chunk for p in parts[1:]) == data
+
+    v2 = upload(store, data=make_bundle(seed=2))
+    assert v2.name == "adapters/demo/versions/2"
+    latest = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="adapters/demo")).version
+    assert latest.name == v2.name
+    got = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter
+    assert got.latest_version == 2
+
+
+def test_upload_retry_is_idempotent(store):
+    data = make_bundle(seed=3)
+    first = upload(store, data=data, request_id="same")
+    again = upload(store, data=data, request_id="same")
+    assert again == first
+    assert store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.latest_version == 1
+    sha = hashlib.sha256(data).hexdigest()
+    assert upload(store, data=b"", sha256=sha, request_id="same") == first  # named bytes: no re-send
+    code, reason, _, _ = error_of(lambda: upload(store, data=make_bundle(seed=4), request_id="same"))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "REQUEST_ID_REUSED")
+
+
+def test_create_adapter(store):
+    req = admin_pb.CreateAdapterRequest(adapter_id="vqa", description="visual QA", request_id="c-1")
+    a = store.admin.CreateAdapter(req).adapter
+    assert (a.name, a.description, a.latest_version) == ("adapters/vqa", "visual QA", 0)
+    assert store.admin.CreateAdapter(req).adapter == a  # retry
+    code, reason, _, _ = error_of(store.admin.CreateAdapter, admin_pb.CreateAdapterRequest(adapter_id="vqa"))
+    assert (code, reason) == (grpc.StatusCode.ALREADY_EXISTS, "ADAPTER_EXISTS")
+    code, _, fields, _ = error_of(store.admin.CreateAdapter, admin_pb.CreateAdapterRequest(adapter_id="Bad_Id"))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["adapter_id"])
+    assert store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/vqa")).adapter == a
+
+
+def test_alias_moves_with_etag(store):
+    v1 = upload(store, data=make_bundle(seed=5))
+    v2 = upload(store, data=make_bundle(seed=6))
+    set1 = store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))
+    assert (set1.alias, set1.version) == ("prod", v1.name) and set1.etag
+    resolved = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="adapters/demo@prod"))
+    assert resolved.version.name == v1.name
+
+    moved = store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v2.name,
+                                                          etag=set1.etag))
+    assert moved.version == v2.name and moved.etag != set1.etag
+    code, reason, _, _ = error_of(store.admin.SetAlias, admin_pb.SetAliasRequest(
+        adapter="adapters/demo", alias="prod", version=v1.name, etag=set1.etag))
+    assert (code, reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH")
+    resolved = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="adapters/demo@prod"))
+    assert resolved.version.name == v2.name
+    aliases = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.aliases
+    assert dict(aliases) == {"prod": v2.name}
+
+    # A version an alias points at cannot be retired; once the alias is gone it can.
+    code, reason, _, _ = error_of(store.admin.DeleteAdapterVersion,
+                                  admin_pb.DeleteAdapterVersionRequest(name=v2.name))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "VERSION_IN_USE")
+    store.admin.DeleteAlias(admin_pb.DeleteAliasRequest(adapter="adapters/demo", alias="prod"))
+    store.admin.DeleteAdapterVersion(admin_pb.DeleteAdapterVersionRequest(name=v2.name))
+    got = store.admin.GetAdapterVersion(admin_pb.GetAdapterVersionRequest(name=v2.name)).version
+    assert got.state == RETIRED
+    latest = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="adapters/demo")).version
+    assert latest.name == v1.name
+    code, _, _, _ = error_of(store.store.ResolveReference, store_pb.ResolveReferenceRequest(reference=v2.name))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    code, reason, _, _ = error_of(store.store.ResolveReference,
+                                  store_pb.ResolveReferenceRequest(reference="adapters/demo@prod"))
+    assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "ALIAS_NOT_FOUND")
+    code, _, _, _ = error_of(store.admin.SetAlias, admin_pb.SetAliasRequest(
+        adapter="adapters/demo", alias="prod", version=v2.name))  # retired: not READY
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_pagination(store):
+    ids = [f"a{i}" for i in range(5)]
+    for i in ids:
+        store.admin.CreateAdapter(admin_pb.CreateAdapterRequest(adapter_id=i))
+    seen, token, pages = [], "", 0
+    while True:
+        resp = store.admin.ListAdapters(admin_pb.ListAdaptersRequest(page_size=2, page_token=token))
+        assert len(resp.adapters) <= 2
+        seen += [a.name for a in resp.adapters]
+        pages += 1
+        token = resp.next_page_token
+        if not token:
+            break
+    assert seen == [f"adapters/{i}" for i in ids] and pages == 3
+    assert len(store.admin.ListAdapters(admin_pb.ListAdaptersRequest(page_size=5000)).adapters) == 5
+    assert not store.admin.ListAdapters(admin_pb.ListAdaptersRequest()).next_page_token
+
+    for seed in range(3):
+        upload(store, parent="adapters/a0", data=make_bundle(seed=10 + seed))
+    first = store.admin.ListAdapterVersions(admin_pb.ListAdapterVersionsRequest(parent="adapters/a0", page_size=2))
+    assert [v.name for v in first.versions] == ["adapters/a0/versions/1", "adapters/a0/versions/2"]
+    rest = store.admin.ListAdapterVersions(admin_pb.ListAdapterVersionsRequest(
+        parent="adapters/a0", page_size=2, page_token=first.next_page_token))
+    assert [v.name for v in rest.versions] == ["adapters/a0/versions/3"] and not rest.next_page_token
+
+    code, _, fields, _ = error_of(store.admin.ListAdapters, admin_pb.ListAdaptersRequest(page_token="garbage!"))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["page_token"])
+    code, _, fields, _ = error_of(store.admin.ListTasks, admin_pb.ListTasksRequest(page_size=-1))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["page_size"])
+
+
+def _pickle_bomb(marker) -> bytes:
+    class Bomb:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    return pickle.dumps(Bomb())
+
+
+def test_validation_rejections(store, tmp_path):
+    marker = tmp_path / "unpickled.marker"
+    bad_shapes = dict(TINY_CONFIG, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    cases = {
+        "NOT_SAFETENSORS": dict(data=_pickle_bomb(marker)),
+        "HEADER_TOO_LARGE": dict(data=make_bundle(header_pad=70 * 1024)),
+        "UNKNOWN_TENSOR": dict(data=safetensors_bytes({"model.layers.0.q_proj.weight": ("F32", [4, 4])})),
+        "BAD_SHAPE": dict(data=make_bundle(config=bad_shapes)),
+        "RANK_TOO_LARGE": dict(data=make_bundle(rank=32), config_json=adapter_config(rank=32)),
+        "BAD_DTYPE": dict(data=make_bundle(dtype="F64")),
+        "BUNDLE_TOO_LARGE": dict(data=make_bundle(rank=16, modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj")) * 4,
+                                 config_json=adapter_config(rank=16)),
+        "CHECKSUM_MISMATCH": dict(sha256="0" * 64),
+        "HEAD_MISSING": dict(heads={"nope": ["x"]}),
+        "HEAD_LABELS_MISMATCH": dict(data=make_bundle(heads={"cls": 3}), heads={"cls": ["a", "b"]}),
+        "BAD_CONFIG": dict(config_json="{not json"),
+    }
+    for reason, kw in cases.items():
+        code, got, _, message = error_of(lambda: upload(store, parent="adapters/bad", **kw))
+        assert (code, got) == (grpc.StatusCode.INVALID_ARGUMENT, reason), message
+    assert not marker.exists()
+    # Nothing was registered, and no blob was written.
+    code, _, _, _ = error_of(store.store.ResolveReference,
+                             store_pb.ResolveReferenceRequest(reference="adapters/bad"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    registry = build_registry(store.settings.model_copy(update={"run_migrations": False}))
+    try:
+        assert list(registry.blobs.list()) == []
+    finally:
+        registry.close()
+
+
+def test_names_are_checked(store):
+    code, _, fields, _ = error_of(store.admin.GetAdapter, admin_pb.GetAdapterRequest(name="adapter/x"))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["name"])
+    code, _, fields, _ = error_of(store.store.ResolveReference,
+                                  store_pb.ResolveReferenceRequest(reference="adapters/x/versions/0"))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["reference"])
+    code, _, fields, _ = error_of(lambda: upload(store, parent="adapters/Nope"))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["metadata.parent"])
+    for ref in ("adapters/ghost", "adapters/ghost/versions/3", "adapters/ghost@prod", "tasks/ghost"):
+        code, _, _, _ = error_of(store.store.ResolveReference, store_pb.ResolveReferenceRequest(reference=ref))
+        assert code == grpc.StatusCode.NOT_FOUND, ref
+    code, _, _, _ = error_of(store.admin.GetTask, admin_pb.GetTaskRequest(name="tasks/ghost"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _, _, _ = error_of(store.admin.GetClusterStatus, admin_pb.GetClusterStatusRequest())
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_tasks(store):
+    v1 = upload(store, data=make_bundle(heads={"cls": 2}, seed=20), heads={"cls": ["yes", "no"]})
+    store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))
+    task = res_pb.Task(adapter="adapters/demo@prod", head="cls", description="is there a car",
+                       accuracy_threshold=0.9, measured_accuracy=0.95)
+    created = store.admin.CreateTask(admin_pb.CreateTaskRequest(task_id="car", task=task)).task
+    assert (created.name, created.adapter, created.head) == ("tasks/car", "adapters/demo@prod", "cls")
+    assert abs(created.accuracy_threshold - 0.9) < 1e-6
+    code, _, _, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(task_id="car", task=task))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+
+    r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/car"))
+    assert r.version.name == v1.name and r.task.name == "tasks/car" and r.task.head == "cls"
+
+    code, _, fields, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
+        task_id="t2", task=res_pb.Task(adapter="adapters/demo", head="nohead")))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.head"])
+    code, _, _, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
+        task_id="t3", task=res_pb.Task(adapter="adapters/ghost")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _, fields, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
+        task_id="t4", task=res_pb.Task(adapter="adapters/demo", accuracy_threshold=1.5)))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.accuracy_threshold"])
+    store.admin.CreateTask(admin_pb.CreateTaskRequest(task_id="caption", task=res_pb.Task(adapter=v1.name)))
+
+    listed = store.admin.ListTasks(admin_pb.ListTasksRequest(page_size=1))
+    assert [t.name for t in listed.tasks] == ["tasks/caption"] and listed.next_page_token
+
+    # The alias and the versions tasks resolve to are protected.
+    code, reason, _, _ = error_of(store.admin.DeleteAlias, admin_pb.DeleteAliasRequest(
+        adapter="adapters/demo", alias="prod"))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_IN_USE")
+    code, _, _, _ = error_of(store.admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name="adapters/demo"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    store.admin.DeleteTask(admin_pb.DeleteTaskRequest(name="tasks/car"))
+    store.admin.DeleteTask(admin_pb.DeleteTaskRequest(name="tasks/caption"))
+    code, _, _, _ = error_of(store.admin.GetTask, admin_pb.GetTaskRequest(name="tasks/car"))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_delete_adapter_retires_and_numbers_never_repeat(store):
+    v1 = upload(store, data=make_bundle(seed=30))
+    store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))
+    store.admin.DeleteAdapter(admin_pb.DeleteAdapterRequest(name="adapters/demo"))
+    code, _, _, _ = error_of(store.admin.GetAdapter, admin_pb.GetAdapterRequest(name="adapters/demo"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert store.admin.GetAdapterVersion(admin_pb.GetAdapterVersionRequest(name=v1.name)).version.state == RETIRED
+    v2 = upload(store, data=make_bundle(seed=31))  # re-creates the adapter
+    assert v2.name == "adapters/demo/versions/2"
+    assert dict(store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.aliases) == {}
+
+
+def test_gc_removes_orphans_and_stale_pending(store):
+    keep = upload(store, data=make_bundle(seed=40))
+    settings = store.settings.model_copy(update={"run_migrations": False})
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_put(step):
+        if step == "blob_put":
+            raise Crash(step)
+
+    registry = build_registry(settings, fault_hook=crash_after_put)
+    try:
+        from services.adapter_store.validation import BundleChecker, UploadRequest
+
+        checker = BundleChecker.from_settings(settings)
+        data = make_bundle(seed=41)
+        req = UploadRequest("demo", adapter_config(), "", "crashy", ())
+        with pytest.raises(Crash):
+            registry.register(req, checker.check(req, data), "model", data)
+        orphan = make_bundle(seed=42)
+        orphan_sha = hashlib.sha256(orphan).hexdigest()
+        registry.blobs.put(orphan_sha, orphan, len(orphan))
+        pending_sha = hashlib.sha256(data).hexdigest()
+        assert registry.blobs.exists(pending_sha) and registry.blobs.exists(orphan_sha)
+
+        fresh = registry.gc(grace_s=3600)  # everything is younger than the grace period
+        assert fresh.pending_removed == [] and fresh.blobs_removed == []
+
+        report = registry.gc(grace_s=0, now=utcnow() + timedelta(seconds=5))
+        assert report.pending_removed == ["adapters/demo/versions/2"]
+        assert sorted(report.blobs_removed) == sorted([orphan_sha, pending_sha])
+        assert registry.blobs.exists(keep.sha256)
+        assert not registry.blobs.exists(orphan_sha)
+    finally:
+        registry.close()
+    parts = list(store.store.FetchAdapter(store_pb.FetchAdapterRequest(version=keep.name)))
+    assert hashlib.sha256(b"".join(p.chunk for p in parts[1:])).hexdigest() == keep.sha256
+    # The PENDING row is gone; its request id registers afresh.
+    again = upload(store, data=make_bundle(seed=41), request_id="crashy")
+    assert again.name == "adapters/demo/versions/3" and again.state == READY
