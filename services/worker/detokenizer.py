@@ -1,0 +1,76 @@
+"""Incremental detokenization with stop sequences: text deltas that never split a UTF-8
+character and never leak (part of) a stop sequence.
+
+Decodes a sliding window of tokens (prefix/read offsets, as TGI and vLLM do) so byte-level BPE
+pieces that end mid-character are held until the character completes. Text that might be the
+start of a stop sequence is held back until it is known not to be one; a matched stop sequence
+is cut from the output (OpenAI semantics).
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
+        self._tok = tokenizer
+        self._stop = [s for s in (stop or []) if s]
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""  # stable text so far (stop sequence removed once matched)
+        self._emitted = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        """Adds a token; returns the new text safe to stream now ('' if none)."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._append(new_text[len(prefix_text):])
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._take(final=False)
+
+    def finish(self) -> str:
+        """Flushes what is left (incomplete characters decode as U+FFFD, as a full decode would)."""
+        if not self.stopped:
+            prefix_text = self._decode(self._ids[self._prefix:self._read])
+            new_text = self._decode(self._ids[self._prefix:])
+            if len(new_text) > len(prefix_text):
+                self._append(new_text[len(prefix_text):])
+            self._prefix = self._read = len(self._ids)
+        return self._take(final=True)
+
+    def _append(self, piece: str) -> None:
+        start = len(self.text)
+        self.text += piece
+        for stop in self._stop:
+            idx = self.text.find(stop, max(0, start - len(stop) + 1))
+            if idx >= 0:
+                self.text = self.text[:idx]
+                self.stopped = True
+                return
+
+    def _holdback(self) -> int:
+        if self.stopped or not self._stop:
+            return 0
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
+                if self.text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final else len(self.text) - self._holdback()
+        if end <= self._emitted:
+            return ""
+        out = self.text[self._emitted:end]
+        self._emitted = end
+        return out

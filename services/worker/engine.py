@@ -1,0 +1,499 @@
+"""The iteration-level engine: one thread, one model, continuous batching with multi-LoRA.
+
+Each iteration (a "step boundary") the loop: frees cancelled sequences, admits waiting requests
+(up to max_batch_size running; each pins its adapter's device slot), prefills a few new ones
+alone (image + prompt through the real model into their own KV cache; LABEL requests end here
+with their task head), then decodes every running sequence in ONE forward over the stacked,
+left-padded caches (kv_batch.py), with explicit 3D M-RoPE positions = cached length + the
+sequence's rope delta from prefill. LoRA for the whole step is planned once (lora.StepLora).
+
+Callers (the gRPC server) `prepare()` a request (image decode + processor, any thread), then
+`submit()` it with a sink that receives TextDelta / Finished / Failed events on the engine thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+
+from services.common.adapter_format import BaseModelShapes
+from services.common.errors import (
+    CapacityExceeded,
+    Cancelled,
+    FailedPrecondition,
+    ValoraError,
+    WorkerUnavailable,
+    invalid_field,
+)
+from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
+from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.kv_batch import KV, DecodeBatch, kv_from_cache, kv_nbytes
+from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, StepLora, install_lora
+from services.worker.processor import build_inputs, load_processor
+from services.worker.requests import (
+    EngineStats,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationResult,
+    Mode,
+    OutputKind,
+    RequestHandle,
+    TextDelta,
+    WorkRequest,
+)
+from services.worker.sampling import choose_token
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model_path: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 8
+    max_waiting: int = 256
+    default_max_new_tokens: int = 64
+    max_new_tokens_limit: int = 1024
+    device_slots: int = 4
+    max_rank: int = 256
+    max_prefills_per_step: int = 2
+
+
+@dataclass
+class PreparedRequest:
+    request: WorkRequest
+    inputs: dict
+    max_new_tokens: int
+    image_tokens: int
+    prompt_tokens: int
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Seq:
+    id: int
+    prep: PreparedRequest
+    sink: object
+    handle: RequestHandle
+    detok: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    kv: KV | None = None  # own cache until packed into the decode batch
+    length: int = 0  # tokens in its KV cache
+    rope_delta: int = 0
+    last_token: int = 0
+    tokens: list[int] = field(default_factory=list)
+    pinned: str | None = None  # adapter whose device slot this sequence holds
+    t_prefill: float = 0.0
+    t_first: float = 0.0
+    mode: Mode = Mode.BASE
+
+    @property
+    def req(self) -> WorkRequest:
+        return self.prep.request
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
+        self.dtype = DTYPES[config.dtype]
+        path = Path(config.model_path).expanduser()
+        self.processor = load_processor(path)
+        self.tokenizer = self.processor.tokenizer
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.model_config = json.loads((path / "config.json").read_text())
+        self.shapes = BaseModelShapes.from_config(self.model_config)
+        self.text_config = self.model.config.text_config
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
+        self.runtime = LoraRuntime()
+        self.lora_layers = install_lora(self.model, self.runtime)
+        self.pool = AdapterPool(self.device, self.dtype, config.device_slots)
+        self._wake = threading.Condition()
+        self._incoming: collections.deque[_Seq] = collections.deque()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._prefill: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []  # decoding, packed (or about to be) in self._batch
+        self._batch = DecodeBatch(self.text_config)
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._mode = Mode.UNMERGED
+        self._merged: str | None = None
+        self._stats_lock = threading.Lock()
+        self._kv_bytes = 0
+        self._running_count = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="valora-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # -- adapters ----------------------------------------------------------------------------
+    def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
+                           head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
+        """Validates and adds an adapter bundle; False if that version was already loaded."""
+        if self.pool.has(name):
+            if to_device:
+                self.pool.to_device(name)
+            return False
+        weights = parse_bundle(name, sha256, data, config_json, self.shapes, self.config.max_rank, head_labels)
+        added = self.pool.add(weights)
+        if to_device:
+            self.pool.to_device(name)
+        return added
+
+    def add_adapter(self, weights: AdapterWeights) -> bool:
+        return self.pool.add(weights)
+
+    def offload_adapter(self, name: str) -> None:
+        if name == self._merged:
+            raise FailedPrecondition(f"adapter {name} is merged into the base weights; change mode first",
+                                     reason="ADAPTER_MERGED")
+        self.pool.remove(name)
+
+    # -- requests ----------------------------------------------------------------------------
+    def prepare(self, request: WorkRequest) -> PreparedRequest:
+        """Validates and tokenizes (any thread; CPU work)."""
+        n = request.max_new_tokens or self.config.default_max_new_tokens
+        if n < 0 or n > self.config.max_new_tokens_limit:
+            raise invalid_field("item.params.max_new_tokens",
+                                f"{n} is outside (0, {self.config.max_new_tokens_limit}]")
+        if request.output_kind == OutputKind.LABEL and (not request.adapter or not request.head):
+            raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
+        if request.sampling.temperature < 0 or not 0 <= request.sampling.top_p <= 1 or request.sampling.top_k < 0:
+            raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0")
+        try:
+            inputs = build_inputs(self.processor, request.images, request.prompt)
+        except (ValueError, TypeError) as exc:
+            raise invalid_field("item.images", f"cannot process the request's images: {exc}",
+                                reason="BAD_IMAGE") from exc
+        ids = inputs["input_ids"]
+        image_tokens = int((ids == self.model.config.image_token_id).sum())
+        return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
+                               image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]))
+
+    def submit(self, prep: PreparedRequest, sink) -> RequestHandle:
+        """Queues a prepared request; `sink(event)` is called on the engine thread."""
+        if not self.alive:
+            raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
+        req = prep.request
+        if req.adapter:
+            weights = self.pool.get(req.adapter)  # AdapterNotFound when not loaded
+            if req.output_kind == OutputKind.LABEL and req.head not in weights.heads:
+                raise invalid_field("item.head", f"adapter {req.adapter} has no head {req.head!r} "
+                                    f"(heads: {sorted(weights.heads)})", reason="UNKNOWN_HEAD")
+        with self._wake:
+            if len(self._incoming) + len(self._waiting) >= self.config.max_waiting:
+                raise CapacityExceeded(f"worker queue is full ({self.config.max_waiting} waiting)",
+                                       reason="WORKER_QUEUE_FULL", retry_after_s=0.5)
+            handle = RequestHandle(req.request_id, self._wake)
+            seq = _Seq(id=next(self._ids), prep=prep, sink=sink, handle=handle)
+            self._incoming.append(seq)
+            self._wake.notify_all()
+        return handle
+
+    def generate(self, request: WorkRequest, timeout: float = 120.0) -> tuple[list[str], GenerationResult]:
+        """Blocking convenience (tests, tools): runs one request, returns (deltas, result)."""
+        events: queue.Queue[Event] = queue.Queue()
+        self.submit(self.prepare(request), events.put)
+        deltas = []
+        while True:
+            ev = events.get(timeout=timeout)
+            if isinstance(ev, TextDelta):
+                deltas.append(ev.text)
+            elif isinstance(ev, Finished):
+                return deltas, ev.result
+            else:
+                raise ev.error
+
+    def stats(self) -> EngineStats:
+        with self._wake:
+            waiting = len(self._incoming) + len(self._waiting)
+        with self._stats_lock:
+            running, kv_bytes = self._running_count, self._kv_bytes
+        return EngineStats(
+            running=running, waiting=waiting, kv_cache_bytes=kv_bytes,
+            max_batch_size=self.config.max_batch_size, mode=self._mode, merged_adapter=self._merged or "",
+            resident_adapters=self.pool.resident_names(), host_adapters=self.pool.host_names(),
+            device=str(self.device), alive=self.alive,
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - the engine is dead; health must say so
+            self._error = exc
+            log.error("engine_died", error=repr(exc))
+            raise
+        finally:
+            err = WorkerUnavailable("the worker engine stopped", reason="ENGINE_DOWN")
+            with self._wake:
+                everyone = [*self._incoming, *self._waiting, *self._prefill, *self._running]
+                self._incoming.clear()
+                self._waiting.clear()
+                self._prefill.clear()
+            self._running = []
+            for s in everyone:
+                self._release(s)
+                self._emit(s, Failed(err))
+            self._batch.pack([], {}, {})
+            self._update_stats()
+
+    def _step(self) -> None:
+        self._admit()
+        self._drop_cancelled()
+        if not self._prefill and not self._running:
+            with self._wake:
+                if not self._incoming and not self._stop.is_set():
+                    self._wake.wait(timeout=0.1)
+            return
+        for _ in range(min(self.config.max_prefills_per_step, len(self._prefill))):
+            seq = self._prefill.popleft()
+            self._guard([seq], self._prefill_one, seq)
+        if self._running:
+            self._guard(list(self._running), self._decode_step)
+        self._update_stats()
+
+    def _guard(self, seqs: list[_Seq], fn, *args) -> None:
+        """Runs one unit of work; an exception fails the requests involved, not the engine."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            log.error("engine_step_failed", error=repr(exc), requests=[s.req.request_id for s in seqs])
+            error = exc if isinstance(exc, ValoraError) else ValoraError(
+                f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
+            for s in seqs:
+                self._finish_out(s)
+                self._emit(s, Failed(error))
+
+    def _admit(self) -> None:
+        with self._wake:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            kept: collections.deque[_Seq] = collections.deque()
+            for s in self._waiting:
+                if s.handle.cancelled:
+                    self._emit(s, Failed(Cancelled("request cancelled", reason="CANCELLED")))
+                else:
+                    kept.append(s)
+            self._waiting = kept
+        while self._waiting and len(self._prefill) + len(self._running) < self.config.max_batch_size:
+            seq = self._waiting[0]
+            if seq.req.adapter:
+                try:
+                    slot = self.pool.acquire(seq.req.adapter)
+                except ValoraError as exc:  # offloaded while it waited
+                    self._waiting.popleft()
+                    self._emit(seq, Failed(exc))
+                    continue
+                if slot is None:
+                    break  # every device slot is held: wait for a running request to finish
+                seq.pinned = seq.req.adapter
+            self._waiting.popleft()
+            self._prefill.append(seq)
+
+    def _drop_cancelled(self) -> None:
+        for s in [s for s in (*self._prefill, *self._running) if s.handle.cancelled]:
+            self._finish_out(s)
+            self._emit(s, Failed(Cancelled("request cancelled", reason="CANCELLED")))
+
+    def _finish_out(self, s: _Seq) -> None:
+        """Removes a sequence from the engine and frees its cache and adapter hold."""
+        if s in self._prefill:
+            self._prefill.remove(s)
+        if s in self._running:
+            self._running.remove(s)
+        s.kv = None
+        self._release(s)
+
+    def _release(self, s: _Seq) -> None:
+        if s.pinned:
+            self.pool.release(s.pinned)
+            s.pinned = None
+
+    def _emit(self, s: _Seq, event: Event) -> None:
+        try:
+            s.sink(event)
+        except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
+            log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
+
+    def _update_stats(self) -> None:
+        own = sum(kv_nbytes(s.kv) for s in (*self._prefill, *self._running) if s.kv is not None)
+        if not self._running and self._batch.rows:
+            self._batch.pack([], {}, {})  # the last sequences left: free the stacked cache now
+        with self._stats_lock:
+            self._running_count = len(self._prefill) + len(self._running)
+            self._kv_bytes = own + self._batch.nbytes()
+
+    # -- LoRA planning ---------------------------------------------------------------------------
+    def _lora_key(self, s: _Seq) -> str:
+        """Sort key grouping rows that share a LoRA entry ('' first: no LoRA)."""
+        entry = self._entry_spec(s)
+        return "" if entry is None else entry
+
+    def _entry_spec(self, s: _Seq) -> str | None:
+        if not s.req.adapter:
+            return None
+        return s.req.adapter
+
+    def _plan(self, seqs: list[_Seq], tokens_per_row: int) -> StepLora:
+        entries: list[LoraEntry] = []
+        index: dict[str, int] = {}
+        rows = []
+        for s in seqs:
+            spec = self._entry_spec(s)
+            s.mode = Mode.BASE if not s.req.adapter else Mode.UNMERGED
+            if spec is None:
+                rows.append(-1)
+                continue
+            if spec not in index:
+                slot = self.pool.slot_of(spec)
+                dev = self.pool.slot(slot) if slot is not None else None
+                if dev is None:
+                    raise FailedPrecondition(f"adapter {spec} is not resident", reason="ADAPTER_NOT_RESIDENT")
+                index[spec] = len(entries)
+                entries.append(AdapterEntry(dev.a, dev.b, dev.weights.scale))
+            rows.append(index[spec])
+        return StepLora(entries, rows, tokens_per_row)
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def _prefill_one(self, s: _Seq) -> None:
+        s.t_prefill = time.monotonic()
+        inp = {k: v.to(self.device) for k, v in s.prep.inputs.items()}
+        ids = inp["input_ids"]
+        pixel_values = inp.get("pixel_values")
+        if pixel_values is not None:
+            pixel_values = pixel_values.to(self.dtype)
+        position_ids, deltas = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=inp["mm_token_type_ids"], image_grid_thw=inp.get("image_grid_thw"))
+        cache = DynamicCache(config=self.text_config)
+        self.runtime.step = self._plan([s], ids.shape[1])
+        try:
+            out = self.model.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=inp.get("image_grid_thw"),
+                                   position_ids=position_ids, past_key_values=cache, use_cache=True)
+        finally:
+            self.runtime.step = None
+        hidden = out.last_hidden_state[:, -1]
+        s.length = ids.shape[1]
+        s.rope_delta = int(deltas.view(-1)[0])
+        if s.req.output_kind == OutputKind.LABEL:
+            self._answer_label(s, hidden[0])
+            return
+        s.kv = kv_from_cache(cache)
+        s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
+        s.generator = s.req.sampling.generator()
+        logits = self.model.lm_head(hidden)[0]
+        self._running.append(s)
+        self._accept(s, choose_token(logits, s.req.sampling, s.generator))
+
+    def _answer_label(self, s: _Seq, hidden: torch.Tensor) -> None:
+        weights = self.pool.get(s.req.adapter)
+        w, b = weights.heads[s.req.head]
+        logits = hidden.float() @ w.float().to(self.device).t()
+        if b is not None:
+            logits = logits + b.float().to(self.device)
+        probs = torch.softmax(logits, dim=-1).cpu()
+        labels = weights.head_labels(s.req.head)
+        order = torch.argsort(probs, descending=True).tolist()
+        s.t_first = time.monotonic()
+        scores = [(labels[i], float(probs[i])) for i in order]
+        self._finish_out(s)
+        self._emit(s, Finished(self._result(s, FinishReason.LABEL, label=scores[0][0], scores=scores)))
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        rows = sorted(self._running, key=self._lora_key)
+        if [s.id for s in rows] != self._batch.rows:
+            kvs = self._batch.unpack()
+            for s in rows:
+                if s.kv is not None:
+                    kvs[s.id] = s.kv
+            self._batch.pack([s.id for s in rows], kvs, {s.id: s.length for s in rows})
+            for s in rows:
+                s.kv = None
+        b = len(rows)
+        ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
+        mask = torch.cat([self._batch.mask, self._batch.mask.new_ones((b, 1))], dim=1)
+        pos = torch.tensor([s.length + s.rope_delta for s in rows], dtype=torch.long, device=self.device)
+        pos = pos.view(1, b, 1).expand(3, b, 1)
+        self.runtime.step = self._plan(rows, 1)
+        try:
+            out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                   past_key_values=self._batch.cache, use_cache=True)
+        finally:
+            self.runtime.step = None
+        self._batch.advance()
+        logits = self.model.lm_head(out.last_hidden_state[:, -1])
+        for i, s in enumerate(rows):
+            s.length += 1
+            self._accept(s, choose_token(logits[i], s.req.sampling, s.generator))
+
+    def _accept(self, s: _Seq, token: int) -> None:
+        """A new token for `s`: stream it, and finish the sequence if it is done."""
+        if not s.tokens:
+            s.t_first = time.monotonic()
+        s.tokens.append(token)
+        s.last_token = token
+        reason = None
+        if token in self.eos_ids:
+            reason = FinishReason.EOS
+        else:
+            delta = s.detok.push(token)
+            if delta:
+                self._emit(s, TextDelta(delta))
+            if s.detok.stopped:
+                reason = FinishReason.STOP_SEQUENCE
+        if reason is None and len(s.tokens) >= s.prep.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return
+        tail = s.detok.finish()
+        if tail:
+            self._emit(s, TextDelta(tail))
+        self._finish_out(s)
+        self._emit(s, Finished(self._result(s, reason, text=s.detok.text)))
+
+    def _result(self, s: _Seq, reason: FinishReason, **kw) -> GenerationResult:
+        now = time.monotonic()
+        t0 = s.prep.arrived
+        return GenerationResult(
+            request_id=s.req.request_id, token_ids=list(s.tokens), finish_reason=reason,
+            image_tokens=s.prep.image_tokens, prompt_tokens=s.prep.prompt_tokens, output_tokens=len(s.tokens),
+            queue_ms=(s.t_prefill - t0) * 1e3, first_token_ms=(s.t_first - t0) * 1e3, total_ms=(now - t0) * 1e3,
+            mode=s.mode, adapter=s.req.adapter or "", **kw,
+        )

@@ -1,0 +1,149 @@
+"""LoRA-aware linear layers and the per-step LoRA plan they share.
+
+`install_lora(model)` replaces the language model's q/k/v/o/gate/up/down `nn.Linear`s with
+`LoraLinear`, which computes `base(x)` and then adds, per token segment, `s·(x·A)·B` through the
+one multi-LoRA op (ATMM's contract, `kernels.reference.multi_lora_reference_` on CPU).
+
+The engine builds one `StepLora` per forward (tokens grouped by LoRA entry into a
+`SegmentPlan`) and sets it on the shared `LoraRuntime`; every layer reads it. An entry is
+whatever one segment adds: an adapter's device slot (unmerged), or the rank-2r deLoRA term of
+mixture mode. Rows the engine already sorted by entry need no permutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kernels.reference import SegmentPlan, multi_lora_reference_
+from services.common.adapter_format import TARGET_MODULES, module_parent
+
+LayerModule = tuple[int, str]
+MultiLoraOp = Callable[..., torch.Tensor]
+
+
+class LoraEntry:
+    """What one segment adds in layer `key`: (A (in, r), B (r, out), scale) or None."""
+
+    def tensors(self, key: LayerModule) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterEntry(LoraEntry):
+    """Plain unmerged LoRA of one resident adapter."""
+
+    a: dict
+    b: dict
+    scale: float
+
+    def tensors(self, key):
+        a = self.a.get(key)
+        return None if a is None else (a, self.b[key], self.scale)
+
+
+@dataclass(eq=False)
+class StepLora:
+    """The LoRA plan of one forward: built once, read by every LoraLinear.
+
+    row_entries[i] is the entry index of input row i (-1: no LoRA); each row holds
+    `tokens_per_row` tokens of the flattened (rows * tokens_per_row, features) activations.
+    """
+
+    entries: list[LoraEntry]
+    row_entries: list[int]
+    tokens_per_row: int
+    plan: SegmentPlan = field(init=False)
+    perm: torch.Tensor | None = field(init=False, default=None)
+    _per_key: dict = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        order = sorted(range(len(self.row_entries)), key=lambda i: self.row_entries[i])
+        t = self.tokens_per_row
+        token_entries = [self.row_entries[i] for i in order for _ in range(t)]
+        self.plan = SegmentPlan.from_token_slots(token_entries)
+        if order != list(range(len(order))):
+            self.perm = torch.tensor([i * t + j for i in order for j in range(t)], dtype=torch.long)
+
+    @property
+    def active(self) -> bool:
+        return any(e >= 0 for e in self.row_entries)
+
+    def for_key(self, key: LayerModule):
+        """(plan, a_list, b_list, scales) for one layer/module; entries lacking it are skipped."""
+        got = self._per_key.get(key)
+        if got is None:
+            a_list, b_list, scales = [], [], []
+            for e in self.entries:
+                t = e.tensors(key)
+                a_list.append(None if t is None else t[0])
+                b_list.append(None if t is None else t[1])
+                scales.append(0.0 if t is None else t[2])
+            plan = self.plan
+            if any(a_list[k] is None for k in plan.seg_slots if k >= 0):
+                plan = SegmentPlan(plan.seg_starts, [k if k >= 0 and a_list[k] is not None else -1
+                                                     for k in plan.seg_slots])
+            got = (plan, a_list, b_list, scales)
+            self._per_key[key] = got
+        return got
+
+
+class LoraRuntime:
+    """Shared by every LoraLinear of one model: the current step's plan and the op to run."""
+
+    def __init__(self, op: MultiLoraOp = multi_lora_reference_) -> None:
+        self.op = op
+        self.step: StepLora | None = None
+
+
+class LoraLinear(nn.Module):
+    """`base(x)` plus the segment-wise multi-LoRA term of the current step."""
+
+    def __init__(self, base: nn.Linear, key: LayerModule, runtime: LoraRuntime) -> None:
+        super().__init__()
+        self.base = base
+        self.key = key
+        self.runtime = runtime
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        step = self.runtime.step
+        if step is None or not step.active:
+            return y
+        plan, a_list, b_list, scales = step.for_key(self.key)
+        xf = x.reshape(-1, x.shape[-1])
+        yf = y.reshape(-1, y.shape[-1])
+        if step.perm is None:
+            self.runtime.op(yf, xf, plan, a_list, b_list, scales)
+        else:
+            perm = step.perm.to(x.device)
+            ys = yf.index_select(0, perm)
+            self.runtime.op(ys, xf.index_select(0, perm), plan, a_list, b_list, scales)
+            yf.index_copy_(0, perm, ys)
+        return yf.view_as(y) if yf.data_ptr() == y.data_ptr() else yf.reshape(y.shape)
+
+
+def language_layers(model: nn.Module) -> Sequence[nn.Module]:
+    return model.model.language_model.layers
+
+
+def install_lora(model: nn.Module, runtime: LoraRuntime) -> dict[LayerModule, LoraLinear]:
+    """Wraps every LoRA-targetable projection of the language model; returns them by (layer, module)."""
+    wrapped: dict[LayerModule, LoraLinear] = {}
+    for i, layer in enumerate(language_layers(model)):
+        for module in TARGET_MODULES:
+            parent = getattr(layer, module_parent(module))
+            base = getattr(parent, module)
+            if isinstance(base, LoraLinear):
+                base = base.base
+            lin = LoraLinear(base, (i, module), runtime)
+            setattr(parent, module, lin)
+            wrapped[(i, module)] = lin
+    return wrapped

@@ -1,0 +1,113 @@
+"""The worker's domain objects: what the engine runs and what it reports (no protobuf here)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from services.worker.sampling import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    TEXT = "text"
+    LABEL = "label"
+
+
+class Mode(enum.Enum):
+    """How a request's adapter was applied (valora.v1.InferenceMode without the prefix)."""
+
+    BASE = "base"
+    MERGED = "merged"
+    UNMERGED = "unmerged"
+    MIXTURE = "mixture"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    LABEL = "label"
+
+
+@dataclass
+class WorkRequest:
+    request_id: str
+    prompt: str
+    images: list[Image.Image] = field(default_factory=list)
+    adapter: str | None = None  # "adapters/{a}/versions/{v}"; None = base model
+    output_kind: OutputKind = OutputKind.TEXT
+    head: str = ""
+    max_new_tokens: int = 0  # 0: the engine's default
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    label: str = ""
+    scores: list[tuple[str, float]] = field(default_factory=list)  # best first
+    finish_reason: FinishReason = FinishReason.LENGTH
+    image_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    queue_ms: float = 0.0
+    first_token_ms: float = 0.0
+    total_ms: float = 0.0
+    mode: Mode = Mode.BASE
+    adapter: str = ""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: Exception
+
+
+Event = TextDelta | Finished | Failed
+
+
+class RequestHandle:
+    """Returned by Engine.submit: cancel() frees the sequence at the next step boundary."""
+
+    def __init__(self, request_id: str, wake: threading.Condition) -> None:
+        self.request_id = request_id
+        self._cancelled = threading.Event()
+        self._wake = wake
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._wake:
+            self._wake.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_cache_bytes: int
+    max_batch_size: int
+    mode: Mode
+    merged_adapter: str
+    resident_adapters: list[str]
+    host_adapters: list[str]
+    device: str
+    alive: bool

@@ -1,0 +1,136 @@
+"""Test helpers shared by unit and e2e tests: random PEFT-layout adapter bundles for a model,
+a PEFT directory writer (for `peft.PeftModel.from_pretrained` references), and an in-memory
+AdapterStoreService that serves bundles over gRPC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, lora_key
+from services.common.errors import AdapterNotFound
+
+
+@dataclass(frozen=True)
+class AdapterBundle:
+    """A bundle as the store holds it: safetensors bytes + PEFT adapter_config.json."""
+
+    data: bytes
+    config_json: str
+    rank: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    heads: dict[str, list[str]] = field(default_factory=dict)  # head name -> labels
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def _model_config(model: dict | str | Path) -> dict:
+    if isinstance(model, dict):
+        return model
+    p = Path(model).expanduser()
+    return json.loads((p / "config.json" if p.is_dir() else p).read_text())
+
+
+def peft_config_json(rank: int, lora_alpha: float, target_modules, base_model: str = "") -> str:
+    return json.dumps({
+        "peft_type": "LORA", "task_type": None, "r": rank, "lora_alpha": lora_alpha,
+        "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "base_model_name_or_path": base_model, "inference_mode": True,
+    })
+
+
+def random_adapter_bundle(
+    model: dict | str | Path,
+    rank: int = 4,
+    lora_alpha: float = 8.0,
+    seed: int = 0,
+    target_modules: tuple[str, ...] = TARGET_MODULES,
+    heads: dict[str, list[str]] | None = None,
+    std: float = 0.1,
+    dtype: torch.dtype = torch.float32,
+) -> AdapterBundle:
+    """Random LoRA weights (B non-zero, so the adapter changes outputs) for every layer of the
+    model's language model; `heads` adds task heads {name: labels}. Deterministic per seed."""
+    shapes = BaseModelShapes.from_config(_model_config(model))
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(shapes.num_layers):
+        for module in target_modules:
+            fin, fout = shapes.features[module]
+            tensors[lora_key(layer, module, "A")] = (torch.randn(rank, fin, generator=g) * std).to(dtype)
+            tensors[lora_key(layer, module, "B")] = (torch.randn(fout, rank, generator=g) * std).to(dtype)
+    for name, labels in (heads or {}).items():
+        tensors[f"heads.{name}.weight"] = (torch.randn(len(labels), shapes.hidden_size, generator=g)).to(dtype)
+        tensors[f"heads.{name}.bias"] = (torch.randn(len(labels), generator=g) * 0.1).to(dtype)
+    data = save_safetensors(tensors)
+    return AdapterBundle(data=data, config_json=peft_config_json(rank, lora_alpha, target_modules), rank=rank,
+                         lora_alpha=lora_alpha, target_modules=tuple(target_modules), heads=dict(heads or {}))
+
+
+def write_peft_dir(bundle: AdapterBundle, directory: str | Path) -> Path:
+    """adapter_model.safetensors (LoRA tensors only) + adapter_config.json, for PeftModel.from_pretrained."""
+    from safetensors.torch import load as load_safetensors
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in load_safetensors(bundle.data).items() if not k.startswith("heads.")}
+    (d / "adapter_model.safetensors").write_bytes(save_safetensors(tensors))
+    (d / "adapter_config.json").write_text(bundle.config_json)
+    return d
+
+
+class InMemoryAdapterStore:
+    """An AdapterStoreService servicer over a dict {version name: AdapterBundle} (tests only).
+
+    `register(server)` adds it to a grpc.aio server; FetchAdapter streams metadata then chunks.
+    """
+
+    def __init__(self, bundles: dict[str, AdapterBundle] | None = None, chunk_bytes: int = 64 * 1024) -> None:
+        self.bundles = dict(bundles or {})
+        self.chunk_bytes = chunk_bytes
+        self.fetches = 0
+
+    def version_pb(self, name: str):
+        from valora.v1 import resources_pb2
+
+        b = self.bundles[name]
+        return resources_pb2.AdapterVersion(
+            name=name, sha256=b.sha256, rank=b.rank, lora_alpha=b.lora_alpha,
+            target_modules=list(b.target_modules), size_bytes=len(b.data),
+            heads=[resources_pb2.TaskHead(name=h, labels=labels) for h, labels in b.heads.items()],
+        )
+
+    def register(self, server) -> list[str]:
+        from valora.internal.v1 import adapter_store_service_pb2 as pb
+        from valora.internal.v1 import adapter_store_service_pb2_grpc as pb_grpc
+
+        store = self
+
+        class _Servicer(pb_grpc.AdapterStoreServiceServicer):
+            async def ResolveReference(self, request, context):
+                if request.reference not in store.bundles:
+                    raise AdapterNotFound(f"{request.reference} not found")
+                return pb.ResolveReferenceResponse(version=store.version_pb(request.reference))
+
+            async def FetchAdapter(self, request, context):
+                if request.version not in store.bundles:
+                    raise AdapterNotFound(f"{request.version} not found", reason="ADAPTER_NOT_FOUND")
+                store.fetches += 1
+                b = store.bundles[request.version]
+                yield pb.FetchAdapterResponse(metadata=pb.FetchAdapterMetadata(
+                    version=store.version_pb(request.version), adapter_config_json=b.config_json))
+                for i in range(0, len(b.data), store.chunk_bytes):
+                    yield pb.FetchAdapterResponse(chunk=b.data[i:i + store.chunk_bytes])
+
+        pb_grpc.add_AdapterStoreServiceServicer_to_server(_Servicer(), server)
+        return [pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name]
