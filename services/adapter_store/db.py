@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import structlog
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
+# Any constant works: replicas starting together take turns migrating (PostgreSQL only).
+_MIGRATION_LOCK_ID = 0x76616C6F  # "valo"
+
+log = structlog.get_logger()
 
 
 def make_engine(url: str) -> Engine:
@@ -47,8 +54,17 @@ def alembic_config(url: str | None = None) -> Config:
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """`alembic upgrade head` on the engine's database (blocking)."""
+    """`alembic upgrade head` on the engine's database (blocking). On PostgreSQL an advisory
+    lock serialises replicas that start at the same time."""
     cfg = alembic_config()
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
+        before = MigrationContext.configure(conn).get_current_revision()
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
+        after = MigrationContext.configure(conn).get_current_revision()
+    if before != after:
+        log.info("migrated", database=engine.url.render_as_string(hide_password=True), from_revision=before,
+                 to_revision=after)

@@ -348,3 +348,27 @@ def test_gc_removes_orphans_and_stale_pending(store):
     # The PENDING row is gone; its request id registers afresh.
     again = upload(store, data=make_bundle(seed=41), request_id="crashy")
     assert again.name == "adapters/demo/versions/3" and again.state == READY
+
+
+def test_concurrent_uploads_and_alias_moves(store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        versions = list(pool.map(lambda seed: upload(store, data=make_bundle(seed=seed)), range(50, 56)))
+    assert sorted(v.name for v in versions) == [f"adapters/demo/versions/{n}" for n in range(1, 7)]
+
+    base = store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="canary",
+                                                         version=versions[0].name))
+
+    def move(v):
+        try:
+            store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="canary", version=v.name,
+                                                          etag=base.etag))
+            return "moved"
+        except grpc.RpcError as err:
+            return err.code()
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(move, versions[1:]))
+    assert outcomes.count("moved") == 1
+    assert outcomes.count(grpc.StatusCode.ABORTED) == len(versions) - 2
