@@ -1,0 +1,201 @@
+"""Training LoRA adapters with vision task heads on cached image features (the real `Trainer`).
+
+`AdapterState` is one adapter being generated: LoRA A/B per (layer, module) and one linear head
+per task. `TorchTrainer.fuse(state, tasks)` continues training a copy of `state` on the union of
+the tasks' train splits (each batch from one task, through that task's head, cross-entropy), the
+LoRA weights and all heads jointly; the input state is never modified, so rolling back is
+keeping the old object. `validate` measures accuracy per task on the val (or test) split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from services.generator.datasets import TaskData
+from services.generator.model import BaseModel
+
+LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class AdapterState:
+    """LoRA weights + heads {task: (weight (labels, hidden), bias (labels,))} of one adapter."""
+
+    lora: LoraWeights
+    heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.heads)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 4
+    batch_size: int = 64
+    lr: float = 3e-3  # LoRA A/B
+    head_lr: float = 1e-2
+    weight_decay: float = 0.0
+    seed: int = 0
+    head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
+
+
+Progress = Callable[[int, int], None]  # (done steps, total steps)
+
+
+def _task_seed(seed: int, tasks: Sequence[str]) -> int:
+    return (seed * 1_000_003 + zlib.crc32("|".join(tasks).encode())) % (2**31)
+
+
+class TorchTrainer:
+    """The `fusion.Trainer` over a real base model; image features are encoded once per task."""
+
+    def __init__(self, base: BaseModel, tasks: dict[str, TaskData], config: TrainConfig = TrainConfig(),
+                 progress: Progress | None = None):
+        self.base, self.tasks, self.config = base, tasks, config
+        self.progress = progress
+        self._features: dict[tuple[str, str], torch.Tensor] = {}
+        self._grids: dict[str, tuple[int, int, int]] = {}
+        self._fresh = 0
+
+    # -- data --------------------------------------------------------------------------------
+
+    def features(self, task: str, split: str) -> torch.Tensor:
+        key = (task, split)
+        if key not in self._features:
+            feats, grid = self.base.encode_images(self.tasks[task].images[split])
+            self._features[key] = feats
+            self._grids[task] = grid
+        return self._features[key]
+
+    def targets(self, task: str, split: str) -> torch.Tensor:
+        return torch.as_tensor(self.tasks[task].targets[split], dtype=torch.long)
+
+    def template(self, task: str):
+        self.features(task, "train")
+        return self.base.template(self.tasks[task].prompt, self._grids[task])
+
+    # -- the Trainer protocol ------------------------------------------------------------------
+
+    def empty(self) -> AdapterState:
+        """A new adapter: PEFT-initialised LoRA (B = 0, so it starts as the base model), no heads."""
+        self._fresh += 1
+        return AdapterState(lora=self.base.fresh_lora(self.config.seed * 7919 + self._fresh))
+
+    def fuse(self, state: AdapterState, tasks: Sequence[str]) -> AdapterState:
+        """A copy of `state` trained on the union of `tasks` (new tasks get a fresh zero head)."""
+        cfg = self.config
+        tasks = tuple(tasks)
+        seed = _task_seed(cfg.seed, tasks)
+        self.base.set_lora_enabled(True)
+        self.base.load_lora(state.lora)
+        heads = nn.ModuleDict()
+        for t in tasks:
+            head = nn.Linear(self.base.hidden_size, len(self.tasks[t].labels))
+            # A task new to this adapter starts from a linear probe on the adapter's current
+            # features (LP-FT); the LoRA weights and every head then train jointly.
+            w, b = state.heads[t] if t in state.heads else self.fit_head(t)
+            with torch.no_grad():
+                head.weight.copy_(w)
+                head.bias.copy_(b)
+            heads[t] = head
+        rng = np.random.default_rng(seed)
+        plan: list[tuple[str, np.ndarray]] = []
+        for _ in range(cfg.epochs):
+            epoch = []
+            for t in tasks:
+                n = len(self.tasks[t].targets["train"])
+                perm = rng.permutation(n)
+                epoch.extend((t, perm[i:i + cfg.batch_size]) for i in range(0, n, cfg.batch_size))
+            order = rng.permutation(len(epoch))
+            plan.extend(epoch[i] for i in order)
+        opt = torch.optim.AdamW([
+            {"params": self.base.lora_parameters(), "lr": cfg.lr},
+            {"params": list(heads.parameters()), "lr": cfg.head_lr},
+        ], weight_decay=cfg.weight_decay)
+        total = len(plan)
+        warm = max(1, total // 20)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+        templates = {t: self.template(t) for t in tasks}
+        feats = {t: self.features(t, "train") for t in tasks}
+        ys = {t: self.targets(t, "train") for t in tasks}
+        for step, (t, idx) in enumerate(plan):
+            idx_t = torch.as_tensor(idx)
+            h = self.base.head_features(templates[t], feats[t][idx_t])
+            loss = F.cross_entropy(heads[t](h), ys[t][idx_t])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            if self.progress is not None:
+                self.progress(step + 1, total)
+        new_heads = dict(state.heads)
+        for t in tasks:
+            new_heads[t] = (heads[t].weight.detach().clone(), heads[t].bias.detach().clone())
+        return AdapterState(lora=self.base.read_lora(), heads=new_heads)
+
+    def validate(self, state: AdapterState, tasks: Sequence[str], split: str = "val") -> dict[str, float]:
+        """Accuracy of each task's head with the adapter applied, on `split`."""
+        self.base.set_lora_enabled(True)
+        self.base.load_lora(state.lora)
+        return {t: self._accuracy(t, split, state.heads[t]) for t in tasks}
+
+    # -- evaluation & the no-adapter baseline ---------------------------------------------------
+
+    @torch.no_grad()
+    def _hidden(self, task: str, split: str, batch: int = 256) -> torch.Tensor:
+        feats, tpl = self.features(task, split), self.template(task)
+        return torch.cat([self.base.head_features(tpl, feats[i:i + batch]) for i in range(0, len(feats), batch)])
+
+    @torch.no_grad()
+    def _accuracy(self, task: str, split: str, head: tuple[torch.Tensor, torch.Tensor]) -> float:
+        h = self._hidden(task, split)
+        pred = (h @ head[0].t() + head[1]).argmax(-1)
+        return float((pred == self.targets(task, split)).float().mean())
+
+    def logits(self, state: AdapterState, task: str, split: str) -> torch.Tensor:
+        self.base.set_lora_enabled(True)
+        self.base.load_lora(state.lora)
+        w, b = state.heads[task]
+        return self._hidden(task, split) @ w.t() + b
+
+    def fit_head(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A linear probe: a head trained alone (full batch, standardised inputs, folded back)
+        on the last-token hidden state of the model as currently loaded."""
+        cfg = self.config
+        x = self._hidden(task, "train")
+        mu, sd = x.mean(0), x.std(0) + 1e-6  # standardise for the optimiser, fold back after
+        xs = (x - mu) / sd
+        y = self.targets(task, "train")
+        torch.manual_seed(_task_seed(cfg.seed, (task, "head")))
+        head = nn.Linear(x.shape[1], len(self.tasks[task].labels))
+        opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+        for _ in range(cfg.head_only_steps):
+            loss = F.cross_entropy(head(xs), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            w = head.weight / sd
+            b = head.bias - (w * mu).sum(-1)
+        return w.detach().clone(), b.detach().clone()
+
+    def head_only(self, task: str) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, float]]:
+        """The "no adapter" baseline: a linear head trained alone on the frozen base model's
+        last-token hidden state. Returns (head, {"val": acc, "test": acc})."""
+        self.base.set_lora_enabled(False)
+        try:
+            folded = self.fit_head(task)
+            acc = {s: self._accuracy(task, s, folded) for s in ("val", "test")}
+        finally:
+            self.base.set_lora_enabled(True)
+        return folded, acc
