@@ -75,6 +75,12 @@ class BlobStore(ABC):
     def read_all(self, sha256: str) -> bytes:
         return b"".join(self.open(sha256))
 
+    def remove_partial(self, older_than: datetime) -> int:
+        """Remove leftovers of writes that died midway (older than `older_than`); returns how
+        many. S3 keeps none visible (an unfinished multipart upload is not an object; a bucket
+        lifecycle rule AbortIncompleteMultipartUpload reclaims its parts)."""
+        return 0
+
 
 class LocalBlobStore(BlobStore):
     """Files under `root/blobs/sha256/<hex>`, written to a temp file, hashed, then renamed."""
@@ -129,6 +135,17 @@ class LocalBlobStore(BlobStore):
 
     def delete(self, sha256):
         self._path(sha256).unlink(missing_ok=True)
+
+    def remove_partial(self, older_than):
+        removed = 0
+        for path in self.dir.glob(".tmp-*"):
+            try:
+                if datetime.fromtimestamp(path.stat().st_mtime, UTC).replace(tzinfo=None) < older_than:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def list(self):
         for path in self.dir.iterdir():

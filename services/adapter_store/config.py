@@ -36,6 +36,9 @@ class StoreSettings(ServiceSettings):
     max_bundle_bytes: int = Field(
         1 << 30, description="Largest bundle accepted, in bytes (enforced while receiving)."
     )
+    upload_spool_dir: str = Field(
+        "", description="Directory uploads are spooled to while they arrive; empty: the system temp dir."
+    )
     fetch_chunk_bytes: int = Field(1 << 20, description="Chunk size of FetchAdapter's byte stream.")
     pending_grace_s: float = Field(
         3600.0, description="GC removes PENDING versions and unreferenced blobs older than this many seconds."

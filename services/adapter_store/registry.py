@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from typing import BinaryIO
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -169,13 +170,14 @@ class Registry:
             return _version(row)
 
     def register(self, req: UploadRequest, bundle: CheckedBundle, base_model: str,
-                 data: bytes | bytearray | memoryview) -> Version:
-        """PENDING row -> blob PUT -> verify -> READY (see the module docstring)."""
+                 data: bytes | bytearray | BinaryIO) -> Version:
+        """PENDING row -> blob PUT -> verify -> READY (see the module docstring). `data` is the
+        checked bundle's bytes or a stream positioned at its start."""
         row_id, finished = self._begin_version(req, bundle, base_model)
         if finished is not None:  # a retried request_id whose upload completed before
             return finished
         self._fault("pending_committed")
-        self.blobs.put(bundle.sha256, memoryview(data), bundle.size)
+        self.blobs.put(bundle.sha256, data, bundle.size)
         self._fault("blob_put")
         info = self.blobs.stat(bundle.sha256)
         if info is None or info.size != bundle.size:
@@ -434,6 +436,7 @@ class Registry:
             pending_removed = [names.version_name(r.adapter_id, r.version) for r in stale]
             for r in stale:
                 s.delete(r)
+        self.blobs.remove_partial(cutoff)
         removed = []
         live = self._live_shas()
         for blob in list(self.blobs.list()):

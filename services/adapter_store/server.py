@@ -41,7 +41,7 @@ async def create_server(settings: StoreSettings) -> Service:
     loop = asyncio.get_running_loop()
     registry = await loop.run_in_executor(executor, build_registry, settings)
     checker = await loop.run_in_executor(executor, BundleChecker.from_settings, settings)
-    admin = AdminServicer(registry, checker, executor)
+    admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir)
     store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes)
 
     def register(server):

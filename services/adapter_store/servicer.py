@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import mmap
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TypeVar
@@ -38,10 +40,11 @@ class _Blocking:
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
-    def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor) -> None:
+    def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor, spool_dir: str = "") -> None:
         _Blocking.__init__(self, executor)
         self.registry = registry
         self.checker = checker
+        self.spool_dir = spool_dir
 
     # adapters
     async def CreateAdapter(self, request, context):
@@ -64,28 +67,46 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
     # versions
     async def UploadAdapterVersion(self, request_iterator, context):
+        """Metadata first, then chunks spooled to a temp file (never all in memory) under the
+        size limit; validation and registration read it through mmap in the executor."""
         req = None
-        data = bytearray()
-        async for msg in request_iterator:
-            part = msg.WhichOneof("part")
+        spool = None
+        size = 0
+        try:
+            async for msg in request_iterator:
+                part = msg.WhichOneof("part")
+                if req is None:
+                    if part != "metadata":
+                        raise invalid_field("metadata", "the first message must carry the metadata")
+                    req = convert.upload_from_pb(msg.metadata)
+                    if req.request_id and req.sha256:  # a retry that names its bytes needs no bytes
+                        done = await self.run(self.registry.find_upload, req.request_id)
+                        if done is not None and (done.adapter_id, done.sha256) == (req.adapter_id, req.sha256):
+                            return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done))
+                    spool = await self.run(tempfile.TemporaryFile, prefix="valora-upload-",
+                                           dir=self.spool_dir or None)
+                elif part == "chunk":
+                    size += len(msg.chunk)
+                    self.checker.check_size(size)
+                    await self.run(spool.write, msg.chunk)
+                else:
+                    raise invalid_field("metadata", "sent more than once")
             if req is None:
-                if part != "metadata":
-                    raise invalid_field("metadata", "the first message must carry the metadata")
-                req = convert.upload_from_pb(msg.metadata)
-                if req.request_id and req.sha256:  # a retry that names its bytes needs no bytes
-                    done = await self.run(self.registry.find_upload, req.request_id)
-                    if done is not None and (done.adapter_id, done.sha256) == (req.adapter_id, req.sha256):
-                        return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done))
-            elif part == "chunk":
-                self.checker.check_size(len(data) + len(msg.chunk))
-                data += msg.chunk
-            else:
-                raise invalid_field("metadata", "sent more than once")
-        if req is None:
-            raise invalid_field("metadata", "the stream carried no metadata")
-        bundle = await self.run(self.checker.check, req, data)
-        version = await self.run(self.registry.register, req, bundle, self.checker.base_model, data)
-        return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(version))
+                raise invalid_field("metadata", "the stream carried no metadata")
+            version = await self.run(self._register_spooled, req, spool, size)
+            return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(version))
+        finally:
+            if spool is not None:
+                await self.run(spool.close)
+
+    def _register_spooled(self, req, spool, size: int):
+        spool.flush()
+        if size == 0:
+            return self.registry.register(req, self.checker.check(req, b""), self.checker.base_model, b"")
+        with mmap.mmap(spool.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            bundle = self.checker.check(req, view)
+        spool.seek(0)
+        return self.registry.register(req, bundle, self.checker.base_model, spool)
 
     async def GetAdapterVersion(self, request, context):
         v = await self.run(self.registry.get_version, *names.parse_version_name(request.name))

@@ -35,3 +35,16 @@ def test_local_rejects_bytes_that_do_not_match_the_key(tmp_path):
         store.put("../../etc/passwd", b"x", 1)
     assert list(store.list()) == []
     assert [p.name for p in (tmp_path / "blobs/sha256").iterdir()] == []  # no temp file left
+
+
+def test_local_partial_writes_are_swept(tmp_path):
+    from datetime import timedelta
+
+    from services.adapter_store.models import utcnow
+
+    store = LocalBlobStore(tmp_path)
+    leftover = tmp_path / "blobs/sha256/.tmp-dead"
+    leftover.write_bytes(b"half a bundle")
+    assert store.remove_partial(utcnow() - timedelta(hours=1)) == 0
+    assert store.remove_partial(utcnow() + timedelta(seconds=5)) == 1
+    assert not leftover.exists()
