@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 import torch
-from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+from transformers import DynamicCache
 
 from services.common.adapter_format import BaseModelShapes
 from services.common.errors import (
@@ -38,8 +38,8 @@ from services.common.errors import (
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.kv_batch import KV, DecodeBatch, kv_from_cache, kv_nbytes
-from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, StepLora, install_lora
-from services.worker.processor import build_inputs, load_processor
+from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
+from services.worker.model import build_inputs, load_model, load_processor
 from services.worker.requests import (
     EngineStats,
     Event,
@@ -54,6 +54,7 @@ from services.worker.requests import (
     WorkRequest,
 )
 from services.worker.sampling import choose_token
+from services.worker.switcher import Switcher
 
 log = structlog.get_logger()
 
@@ -72,6 +73,7 @@ class EngineConfig:
     device_slots: int = 4
     max_rank: int = 256
     max_prefills_per_step: int = 2
+    switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
 
 
 @dataclass
@@ -117,8 +119,7 @@ class Engine:
         path = Path(config.model_path).expanduser()
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=self.dtype)
-        self.model.to(self.device).eval()
+        self.model = load_model(path, self.device, self.dtype)
         self.model_config = json.loads((path / "config.json").read_text())
         self.shapes = BaseModelShapes.from_config(self.model_config)
         self.text_config = self.model.config.text_config
@@ -140,9 +141,15 @@ class Engine:
         self._error: BaseException | None = None
         self._mode = Mode.UNMERGED
         self._merged: str | None = None
+        self._switcher: Switcher | None = None
+        self._commands: collections.deque = collections.deque()
+        self._entries: dict = {}
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
         self._running_count = 0
+        # Largest decode batch seen (rows, distinct LoRA entries in one forward): observability + tests.
+        self.peak_decode_rows = 0
+        self.peak_decode_entries = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,6 +189,69 @@ class Engine:
             raise FailedPrecondition(f"adapter {name} is merged into the base weights; change mode first",
                                      reason="ADAPTER_MERGED")
         self.pool.remove(name)
+
+    # -- modes -------------------------------------------------------------------------------
+    def set_mode(self, mode: Mode, merged: str | None = None, timeout: float = 120.0) -> None:
+        """UNMERGED, or MERGED/MIXTURE holding `merged` folded into the base weights. Runs on the
+        engine thread at the next step boundary (running requests keep going: their LoRA term
+        follows the new weights); returns once applied."""
+        if mode not in (Mode.UNMERGED, Mode.MERGED, Mode.MIXTURE):
+            raise invalid_field("mode", f"cannot switch to {mode.value}")
+        if mode != Mode.UNMERGED:
+            if not merged:
+                raise invalid_field("merged_adapter", f"{mode.value} needs the adapter to merge")
+            self.pool.get(merged)
+        self._call(self._apply_mode, mode, merged if mode != Mode.UNMERGED else None, timeout=timeout)
+
+    def _call(self, fn, *args, timeout: float):
+        """Runs fn(*args) on the engine thread between steps; returns its result or raises its error."""
+        if not self.alive:
+            raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
+        done = threading.Event()
+        box: dict = {}
+        with self._wake:
+            self._commands.append((fn, args, done, box))
+            self._wake.notify_all()
+        if not done.wait(timeout):
+            raise WorkerUnavailable("the engine did not apply the command in time", reason="ENGINE_BUSY")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._wake:
+                if not self._commands:
+                    return
+                fn, args, done, box = self._commands.popleft()
+            try:
+                box["result"] = fn(*args)
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                box["error"] = exc
+            done.set()
+
+    def _apply_mode(self, mode: Mode, merged: str | None) -> None:
+        previous = self._merged
+        target = None
+        if merged is not None:
+            slot = self.pool.acquire(merged)  # the merged adapter stays resident while merged
+            if slot is None:
+                raise FailedPrecondition("every device slot is held by running requests; cannot merge",
+                                         reason="NO_DEVICE_SLOT", retry_after_s=0.5)
+            target = self.pool.slot(slot)
+        try:
+            if self._switcher is None and target is not None:
+                self._switcher = Switcher(self.lora_layers, strategy=self.config.switch_strategy)
+            if self._switcher is not None:
+                self._switcher.set(target)
+        except BaseException:
+            if merged is not None:
+                self.pool.release(merged)
+            raise
+        if previous is not None:
+            self.pool.release(previous)
+        self._merged, self._mode = merged, mode
+        self._entries.clear()
 
     # -- requests ----------------------------------------------------------------------------
     def prepare(self, request: WorkRequest) -> PreparedRequest:
@@ -275,11 +345,13 @@ class Engine:
             self._update_stats()
 
     def _step(self) -> None:
+        self._run_commands()
         self._admit()
         self._drop_cancelled()
         if not self._prefill and not self._running:
+            self._update_stats()
             with self._wake:
-                if not self._incoming and not self._stop.is_set():
+                if not self._incoming and not self._commands and not self._stop.is_set():
                     self._wake.wait(timeout=0.1)
             return
         for _ in range(min(self.config.max_prefills_per_step, len(self._prefill))):
@@ -361,33 +433,60 @@ class Engine:
             self._kv_bytes = own + self._batch.nbytes()
 
     # -- LoRA planning ---------------------------------------------------------------------------
+    def _entry_spec(self, s: _Seq) -> tuple | None:
+        """What this request adds on top of the current weights (None: nothing)."""
+        x, m = s.req.adapter or None, self._merged
+        if m is None:
+            return None if x is None else ("lora", x)
+        if x == m:
+            return None
+        return ("mix", x or "", m)
+
+    def _request_mode(self, s: _Seq) -> Mode:
+        if self._merged is None:
+            return Mode.UNMERGED if s.req.adapter else Mode.BASE
+        return Mode.MERGED if s.req.adapter == self._merged else Mode.MIXTURE
+
     def _lora_key(self, s: _Seq) -> str:
         """Sort key grouping rows that share a LoRA entry ('' first: no LoRA)."""
-        entry = self._entry_spec(s)
-        return "" if entry is None else entry
+        spec = self._entry_spec(s)
+        return "" if spec is None else "\0".join(spec)
 
-    def _entry_spec(self, s: _Seq) -> str | None:
-        if not s.req.adapter:
-            return None
-        return s.req.adapter
+    def _adapter_entry(self, name: str) -> AdapterEntry:
+        slot = self.pool.slot_of(name)
+        dev = self.pool.slot(slot) if slot is not None else None
+        if dev is None:
+            raise FailedPrecondition(f"adapter {name} is not resident", reason="ADAPTER_NOT_RESIDENT")
+        entry = self._entries.get(("lora", name))
+        if entry is None or entry.a is not dev.a:  # slot content changed since it was cached
+            entry = self._entries[("lora", name)] = AdapterEntry(dev.a, dev.b, dev.weights.scale)
+        return entry
+
+    def _entry(self, spec: tuple) -> LoraEntry:
+        if spec[0] == "lora":
+            return self._adapter_entry(spec[1])
+        x = self._adapter_entry(spec[1]) if spec[1] else None
+        m = self._adapter_entry(spec[2])
+        entry = self._entries.get(spec)
+        if entry is None or entry.x is not x or entry.m is not m:
+            if len(self._entries) > 256:
+                self._entries.clear()
+            entry = self._entries[spec] = MixtureEntry(x, m)
+        return entry
 
     def _plan(self, seqs: list[_Seq], tokens_per_row: int) -> StepLora:
         entries: list[LoraEntry] = []
-        index: dict[str, int] = {}
+        index: dict[tuple, int] = {}
         rows = []
         for s in seqs:
+            s.mode = self._request_mode(s)
             spec = self._entry_spec(s)
-            s.mode = Mode.BASE if not s.req.adapter else Mode.UNMERGED
             if spec is None:
                 rows.append(-1)
                 continue
             if spec not in index:
-                slot = self.pool.slot_of(spec)
-                dev = self.pool.slot(slot) if slot is not None else None
-                if dev is None:
-                    raise FailedPrecondition(f"adapter {spec} is not resident", reason="ADAPTER_NOT_RESIDENT")
                 index[spec] = len(entries)
-                entries.append(AdapterEntry(dev.a, dev.b, dev.weights.scale))
+                entries.append(self._entry(spec))
             rows.append(index[spec])
         return StepLora(entries, rows, tokens_per_row)
 
@@ -451,7 +550,9 @@ class Engine:
         mask = torch.cat([self._batch.mask, self._batch.mask.new_ones((b, 1))], dim=1)
         pos = torch.tensor([s.length + s.rope_delta for s in rows], dtype=torch.long, device=self.device)
         pos = pos.view(1, b, 1).expand(3, b, 1)
-        self.runtime.step = self._plan(rows, 1)
+        self.runtime.step = step = self._plan(rows, 1)
+        self.peak_decode_rows = max(self.peak_decode_rows, b)
+        self.peak_decode_entries = max(self.peak_decode_entries, len(step.entries))
         try:
             out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                    past_key_values=self._batch.cache, use_cache=True)

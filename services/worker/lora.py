@@ -130,6 +130,32 @@ class LoraLinear(nn.Module):
         return yf.view_as(y) if yf.data_ptr() == y.data_ptr() else yf.reshape(y.shape)
 
 
+@dataclass(eq=False)
+class MixtureEntry(LoraEntry):
+    """deLoRA term of a request for adapter x while adapter m is merged into the base weights:
+    x·([A_x | A_m] · [s_x·B_x ; −s_m·B_m]), rank r_x + r_m (x None: a base request, −m only).
+    Concatenations are built once per layer and kept while the entry lives."""
+
+    x: "AdapterEntry | None"
+    m: AdapterEntry
+    _cache: dict = field(default_factory=dict)
+
+    def tensors(self, key):
+        if key in self._cache:
+            return self._cache[key]
+        parts = []
+        if self.x is not None and (t := self.x.tensors(key)) is not None:
+            parts.append((t[0], t[1] * t[2]))
+        if (t := self.m.tensors(key)) is not None:
+            parts.append((t[0], t[1] * -t[2]))
+        got = None
+        if parts:
+            got = (torch.cat([p[0] for p in parts], dim=1).contiguous(),
+                   torch.cat([p[1] for p in parts], dim=0).contiguous(), 1.0)
+        self._cache[key] = got
+        return got
+
+
 def language_layers(model: nn.Module) -> Sequence[nn.Module]:
     return model.model.language_model.layers
 

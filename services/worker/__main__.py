@@ -1,0 +1,12 @@
+"""`python -m services.worker`: one worker (one GPU, or the CPU) serving WorkerService."""
+
+from services.common.server import serve
+from services.worker.server import WorkerSettings, create_server
+
+
+def main() -> None:
+    serve("worker", create_server, WorkerSettings())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""The worker's gRPC face: `valora.internal.v1.WorkerService` over one Engine.
+
+Protobuf stops here: handlers convert WorkItems into `WorkRequest`s and engine results into
+`InferResult`s. Torch work (model load, image processing, adapter parsing) runs in executors;
+the engine's own thread runs the model. Health is NOT_SERVING until the model is loaded and
+again as soon as the engine thread dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import structlog
+from pydantic import Field
+
+from services.common.config import ServiceSettings
+from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerUnavailable, invalid_field
+from services.common.names import parse_version_name
+from services.common.server import Service, build_service, channel_options
+from services.worker.engine import Engine, EngineConfig
+from services.worker.processor import decode_image
+from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
+from services.worker.sampling import SamplingParams
+from services.worker.store_client import AdapterFetcher
+from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_tiny_model
+from valora.internal.v1 import worker_service_pb2 as pb
+from valora.internal.v1 import worker_service_pb2_grpc as pb_grpc
+from valora.v1 import admin_service_pb2, inference_service_pb2, types_pb2
+
+log = structlog.get_logger()
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class WorkerSettings(ServiceSettings):
+    """Worker settings; every field is also VALORA_<FIELD> (e.g. VALORA_MODEL_PATH)."""
+
+    model_path: str = Field(str(DEFAULT_TINY_MODEL_PATH),
+                            description="Local model directory (Qwen2-VL layout). Never downloaded.")
+    build_tiny_model: bool = Field(True, description="Build the tiny Qwen2-VL into model_path when it is missing.")
+    adapter_store_address: str = Field("", description="host:port of the adapter store (FetchAdapter).")
+    adapter_cache_dir: str = Field("~/.cache/valora/adapters", description="Disk cache of bundles by sha256.")
+    device: str = Field("cpu", description="Torch device: cpu, cuda or cuda:N.")
+    dtype: str = Field("float32", description="Model dtype: float32, bfloat16 or float16.")
+    max_batch_size: int = Field(8, description="Most sequences running (prefill + decode) at once.")
+    max_waiting: int = Field(256, description="Most requests queued on this worker; past it RESOURCE_EXHAUSTED.")
+    default_max_new_tokens: int = Field(64, description="max_new_tokens when a request leaves it 0.")
+    max_new_tokens_limit: int = Field(1024, description="Largest max_new_tokens accepted.")
+    device_slots: int = Field(4, description="Adapters resident on the device at once (LRU).")
+    max_rank: int = Field(256, description="Largest LoRA rank accepted.")
+    worker_name: str = Field("", description="Name reported in results and status (default host:port).")
+    advertise_address: str = Field("", description="Address reported in WorkerStatus (default host:port).")
+
+
+_MODE_PB = {
+    Mode.BASE: types_pb2.INFERENCE_MODE_BASE,
+    Mode.MERGED: types_pb2.INFERENCE_MODE_MERGED,
+    Mode.UNMERGED: types_pb2.INFERENCE_MODE_UNMERGED,
+    Mode.MIXTURE: types_pb2.INFERENCE_MODE_MIXTURE,
+}
+_MODE_FROM_PB = {v: k for k, v in _MODE_PB.items()}
+_FINISH_PB = {
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: types_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP_SEQUENCE: types_pb2.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.LABEL: types_pb2.FINISH_REASON_LABEL,
+}
+
+
+def result_to_pb(r, worker: str) -> inference_service_pb2.InferResult:
+    return inference_service_pb2.InferResult(
+        request_id=r.request_id, text=r.text, label=r.label,
+        scores=[types_pb2.LabelScore(label=lbl, score=s) for lbl, s in r.scores],
+        finish_reason=_FINISH_PB[r.finish_reason],
+        usage=types_pb2.Usage(image_tokens=r.image_tokens, prompt_tokens=r.prompt_tokens,
+                              output_tokens=r.output_tokens),
+        timing=types_pb2.Timing(queue_ms=r.queue_ms, first_token_ms=r.first_token_ms, total_ms=r.total_ms),
+        mode=_MODE_PB[r.mode], adapter_version=r.adapter, worker=worker,
+    )
+
+
+def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
+    """WorkItem -> WorkRequest (decodes images: CPU work, call from an executor)."""
+    p = item.params
+    kind = OutputKind.LABEL if item.output_kind == types_pb2.OUTPUT_KIND_LABEL else OutputKind.TEXT
+    if p.max_new_tokens < 0:
+        raise invalid_field("item.params.max_new_tokens", "must not be negative")
+    return WorkRequest(
+        request_id=item.request_id,
+        prompt=item.prompt,
+        images=[decode_image(img.data, f"item.images[{i}]") for i, img in enumerate(item.images)],
+        adapter=adapter,
+        output_kind=kind,
+        head=item.head,
+        max_new_tokens=p.max_new_tokens,
+        sampling=SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed),
+        stop=list(p.stop),
+    )
+
+
+class WorkerServicer(pb_grpc.WorkerServiceServicer):
+    def __init__(self, settings: WorkerSettings, fetcher: AdapterFetcher) -> None:
+        self.settings = settings
+        self.fetcher = fetcher
+        self.engine: Engine | None = None
+        self.worker_name = settings.worker_name
+        self.address = settings.advertise_address
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
+
+    def _engine(self) -> Engine:
+        if self.engine is None or not self.engine.alive:
+            raise WorkerUnavailable("the worker engine is not running", reason="ENGINE_DOWN")
+        return self.engine
+
+    async def ensure_adapter(self, version: str, sha256: str, to_device: bool = False,
+                             field_path: str = "adapter.version") -> bool:
+        """Loads the adapter version if needed; True when it was already loaded."""
+        engine = self._engine()
+        parse_version_name(version, field_path)
+        if engine.pool.has(version):
+            held = engine.pool.get(version)
+            if sha256 and held.sha256 and sha256 != held.sha256:
+                raise FailedPrecondition(f"{version} is loaded with sha256 {held.sha256}, not {sha256}",
+                                         reason="SHA256_MISMATCH")
+            if to_device:
+                engine.pool.to_device(version)
+            return True
+        lock = self._adapter_locks.setdefault(version, asyncio.Lock())
+        async with lock:
+            if engine.pool.has(version):
+                return True
+            bundle = await self.fetcher.fetch(version, sha256)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: engine.load_adapter_bytes(
+                version, bundle.sha256, bundle.data, bundle.config_json, bundle.head_labels, to_device))
+            log.info("adapter_loaded", adapter=version, sha256=bundle.sha256, bytes=len(bundle.data))
+            return False
+
+    async def Generate(self, request, context):
+        engine = self._engine()
+        item = request.item
+        adapter = None
+        if item.HasField("adapter") and item.adapter.version:
+            adapter = item.adapter.version
+            await self.ensure_adapter(adapter, item.adapter.sha256, field_path="item.adapter.version")
+        loop = asyncio.get_running_loop()
+        prep = await loop.run_in_executor(None, lambda: engine.prepare(work_request_from_pb(item, adapter)))
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev) -> None:  # engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        handle = engine.submit(prep, sink)
+        done = False
+        try:
+            while True:
+                remaining = context.time_remaining()
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=remaining)
+                except TimeoutError:
+                    raise DeadlineExceeded(f"request {item.request_id} ran past its deadline",
+                                           reason="DEADLINE_EXCEEDED") from None
+                if isinstance(ev, TextDelta):
+                    yield pb.GenerateResponse(text_delta=ev.text)
+                elif isinstance(ev, Finished):
+                    done = True
+                    yield pb.GenerateResponse(result=result_to_pb(ev.result, self.worker_name))
+                    return
+                elif isinstance(ev, Failed):
+                    done = True
+                    raise ev.error
+        finally:
+            if not done:
+                handle.cancel()  # client cancelled / deadline: free the sequence at the next step
+
+    async def LoadAdapter(self, request, context):
+        already = await self.ensure_adapter(request.adapter.version, request.adapter.sha256, request.to_device)
+        return pb.LoadAdapterResponse(already_loaded=already)
+
+    async def OffloadAdapter(self, request, context):
+        parse_version_name(request.adapter.version, "adapter.version")
+        self._engine().offload_adapter(request.adapter.version)
+        return pb.OffloadAdapterResponse()
+
+    async def SetMode(self, request, context):
+        engine = self._engine()
+        mode = _MODE_FROM_PB.get(request.mode)
+        if mode is None or mode == Mode.BASE:
+            raise invalid_field("mode", "must be MERGED, UNMERGED or MIXTURE")
+        merged = request.merged_adapter.version if request.HasField("merged_adapter") else ""
+        if mode in (Mode.MERGED, Mode.MIXTURE):
+            if not merged:
+                raise invalid_field("merged_adapter", "MERGED and MIXTURE need the adapter to merge")
+            await self.ensure_adapter(merged, request.merged_adapter.sha256, field_path="merged_adapter.version")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        await loop.run_in_executor(None, engine.set_mode, mode, merged or None)
+        return pb.SetModeResponse(switch_ms=(time.perf_counter() - t0) * 1e3)
+
+    async def GetWorkerStatus(self, request, context):
+        if self.engine is None:
+            return pb.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
+                address=self.address, healthy=False, device=self.settings.device,
+                max_batch_size=self.settings.max_batch_size))
+        s = self.engine.stats()
+        return pb.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
+            address=self.address, healthy=s.alive, mode=_MODE_PB[s.mode], merged_adapter=s.merged_adapter,
+            resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
+            max_batch_size=s.max_batch_size, device=s.device))
+
+
+def engine_config(settings: WorkerSettings) -> EngineConfig:
+    return EngineConfig(
+        model_path=Path(settings.model_path).expanduser(), device=settings.device, dtype=settings.dtype,
+        max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting,
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_new_tokens_limit=settings.max_new_tokens_limit, device_slots=settings.device_slots,
+        max_rank=settings.max_rank,
+    )
+
+
+async def create_server(settings: WorkerSettings) -> Service:
+    """Builds the worker's server; the model loads when the service starts (health NOT_SERVING
+    until then, and again if the engine dies)."""
+    fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings))
+    servicer = WorkerServicer(settings, fetcher)
+
+    def register(server):
+        pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    service = build_service("worker", settings, register)
+    address = f"{settings.host}:{service.port}"
+    servicer.worker_name = settings.worker_name or address
+    servicer.address = settings.advertise_address or address
+    service.servicer = servicer  # tests and tools reach the engine through it
+    await service.set_serving(False)
+    watchdog: list[asyncio.Task] = []
+
+    async def load_engine() -> None:
+        loop = asyncio.get_running_loop()
+
+        def build() -> Engine:
+            path = Path(settings.model_path).expanduser()
+            if not (path / "config.json").exists():
+                if not settings.build_tiny_model:
+                    raise FileNotFoundError(f"no model at {path} (VALORA_MODEL_PATH)")
+                ensure_tiny_model(path)
+            engine = Engine(engine_config(settings))
+            engine.start()
+            return engine
+
+        servicer.engine = await loop.run_in_executor(None, build)
+        log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype)
+        watchdog.append(asyncio.create_task(_watch(service, servicer)))
+
+    async def shutdown() -> None:
+        for t in watchdog:
+            t.cancel()
+        if servicer.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, servicer.engine.stop)
+        await fetcher.close()
+
+    service.on_start.append(load_engine)
+    service.on_stop.append(shutdown)
+    return service
+
+
+async def _watch(service: Service, servicer: WorkerServicer, period_s: float = 0.5) -> None:
+    """Health follows the engine thread: NOT_SERVING as soon as it dies."""
+    while True:
+        await asyncio.sleep(period_s)
+        if servicer.engine is not None and not servicer.engine.alive:
+            log.error("engine_not_alive")
+            await service.set_serving(False)
+            return

@@ -1,0 +1,297 @@
+"""The worker engine on the tiny Qwen2-VL: batched multi-LoRA decoding checked token for token
+against PEFT + HF generate, task heads, cancellation, sampling, stop sequences, the adapter
+pool and the switcher (merged / mixture modes, drift-free switching)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from services.common.errors import AdapterNotFound, CapacityExceeded, FailedPrecondition, InvalidArgument
+from services.worker.adapters import AdapterPool, parse_bundle
+from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.engine import Engine, EngineConfig
+from services.worker.lora import LoraRuntime, install_lora
+from services.worker.model import build_inputs, ensure_tiny_model, load_model
+from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
+from services.worker.sampling import SamplingParams
+from services.worker.switcher import Switcher
+from services.worker.testing import random_adapter_bundle, write_peft_dir
+
+A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
+LABELS = ["red", "green", "blue", "yellow"]
+MAX_NEW = 10
+
+
+def image(seed: int, size: int = 56) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def bundles(model_path):
+    return {
+        A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),
+        B: random_adapter_bundle(model_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS}),
+        C: random_adapter_bundle(model_path, rank=2, lora_alpha=2, seed=3, target_modules=("q_proj", "v_proj")),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(model_path, bundles):
+    eng = Engine(EngineConfig(model_path=model_path, max_batch_size=8, device_slots=3,
+                              default_max_new_tokens=MAX_NEW, max_waiting=64))
+    eng.start()
+    for name, b in bundles.items():
+        assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
+    yield eng
+    eng.stop()
+
+
+def peft_generate(model_path, bundle, img, prompt, tmp_path, max_new=MAX_NEW) -> list[int]:
+    """Greedy tokens from HF generate on a fresh model, PEFT applying `bundle` (None: base)."""
+    model = load_model(model_path)
+    if bundle is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, write_peft_dir(bundle, tmp_path / f"peft-{bundle.sha256[:8]}")).eval()
+    from services.worker.model import load_processor
+
+    inputs = build_inputs(load_processor(model_path), [img], prompt)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def run_concurrently(engine, requests):
+    """Submits every request before waiting on any; returns {request_id: (deltas, result)}."""
+    sinks = {}
+    for r in requests:
+        q: queue.Queue = queue.Queue()
+        engine.submit(engine.prepare(r), q.put)
+        sinks[r.request_id] = q
+    out = {}
+    for rid, q in sinks.items():
+        deltas = []
+        while True:
+            ev = q.get(timeout=60)
+            if isinstance(ev, TextDelta):
+                deltas.append(ev.text)
+            elif isinstance(ev, Finished):
+                out[rid] = (deltas, ev.result)
+                break
+            else:
+                raise ev.error
+    return out
+
+
+def test_batched_requests_of_different_adapters_match_peft(engine, model_path, bundles, tmp_path):
+    prompt = "Describe the image."
+    targets = {"base": None, "a": A, "b": B, "c": C}
+    imgs = {"base": image(1), "a": image(1), "b": image(2, 112), "c": image(1)}
+    reqs = [WorkRequest(f"{name}-{i}", prompt, [imgs[name]], adapter=ad, max_new_tokens=MAX_NEW)
+            for i in range(2) for name, ad in targets.items()]
+    engine.peak_decode_entries = 0
+    results = run_concurrently(engine, reqs)
+    assert engine.peak_decode_entries >= 2, "requests of different adapters never shared a decode step"
+    got = {}
+    for rid, (deltas, r) in results.items():
+        name = rid.split("-")[0]
+        assert "".join(deltas) == r.text
+        assert r.output_tokens == len(r.token_ids) > 0 and r.image_tokens in (4, 16)
+        assert r.prompt_tokens > r.image_tokens
+        assert r.mode == (Mode.BASE if name == "base" else Mode.UNMERGED)
+        assert r.adapter == (targets[name] or "")
+        got.setdefault(name, set()).add(tuple(r.token_ids))
+    assert all(len(v) == 1 for v in got.values()), got
+    for name, ad in targets.items():
+        want = peft_generate(model_path, bundles[ad] if ad else None, imgs[name], prompt, tmp_path)
+        assert list(got[name].pop()) == want, name
+        got[name] = want
+    # An ignored adapter would reproduce the base tokens.
+    assert got["a"] != got["base"] and got["c"] != got["base"]
+
+
+def test_label_request_returns_reference_argmax(engine, model_path, bundles, tmp_path):
+    from peft import PeftModel
+
+    img = image(5)
+    _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B,
+                                       output_kind=OutputKind.LABEL, head="color"))
+    model = PeftModel.from_pretrained(load_model(model_path), write_peft_dir(bundles[B], tmp_path / "b")).eval()
+    from services.worker.model import load_processor
+
+    inputs = build_inputs(load_processor(model_path), [img], "What color is it?")
+    with torch.no_grad():
+        hidden = model.base_model.model.model(**inputs).last_hidden_state[0, -1]
+    w = parse_bundle(B, "", bundles[B].data, bundles[B].config_json, engine.shapes).heads["color"]
+    probs = torch.softmax(hidden @ w[0].t() + w[1], dim=-1)
+    assert r.finish_reason == FinishReason.LABEL and r.mode == Mode.UNMERGED
+    assert r.label == LABELS[int(probs.argmax())]
+    assert [s[0] for s in r.scores][0] == r.label and len(r.scores) == len(LABELS)
+    assert dict(r.scores)[r.label] == pytest.approx(float(probs.max()), abs=1e-4)
+    with pytest.raises(InvalidArgument):
+        engine.submit(engine.prepare(WorkRequest("x", "?", [img], adapter=B, output_kind=OutputKind.LABEL,
+                                                 head="nope")), lambda ev: None)
+    with pytest.raises(AdapterNotFound):
+        engine.submit(engine.prepare(WorkRequest("x", "?", [img], adapter="adapters/zz/versions/1")), lambda ev: None)
+
+
+def test_cancellation_frees_sequence_and_kv_cache(engine):
+    events: queue.Queue = queue.Queue()
+    first = threading.Event()
+
+    def sink(ev):
+        events.put(ev)
+        first.set()
+
+    handle = engine.submit(engine.prepare(WorkRequest("long", "Count the objects.", [image(3)], adapter=A,
+                                                      max_new_tokens=1000)), sink)
+    assert first.wait(30)
+    s = engine.stats()
+    assert s.running == 1 and s.kv_cache_bytes > 0
+    handle.cancel()
+    for _ in range(600):
+        s = engine.stats()
+        if s.running == 0 and s.kv_cache_bytes == 0:
+            break
+        threading.Event().wait(0.05)
+    assert s.running == 0 and s.kv_cache_bytes == 0
+    last = None
+    while not events.empty():
+        last = events.get()
+    assert isinstance(last, Failed) and last.error.reason == "CANCELLED"
+
+
+def test_sampling_is_seeded_and_stop_sequences_cut_text(engine):
+    img = image(4)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    runs = [engine.generate(WorkRequest(f"s{i}", "Hello", [img], sampling=params, max_new_tokens=12))[1]
+            for i in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids
+    greedy = engine.generate(WorkRequest("g", "Describe the image.", [img], max_new_tokens=MAX_NEW))[1]
+    assert len(greedy.text) >= 4
+    stop = greedy.text[2:4]
+    deltas, r = engine.generate(WorkRequest("st", "Describe the image.", [img], stop=[stop],
+                                            max_new_tokens=MAX_NEW))
+    assert r.finish_reason == FinishReason.STOP_SEQUENCE
+    assert r.text == greedy.text[:greedy.text.find(stop)] and "".join(deltas) == r.text
+
+
+def test_incremental_detokenizer_never_splits_characters(engine):
+    tok = engine.tokenizer
+    text = "Ünïcödé 漢字 🚗 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    deltas = [d.push(i) for i in ids] + [d.finish()]
+    assert "".join(deltas) == text and not any("\ufffd" in x for x in deltas)
+    d = IncrementalDetokenizer(tok, stop=["漢字"])
+    out = "".join(d.push(i) for i in ids) + d.finish()
+    assert out == "Ünïcödé " and d.stopped
+
+
+def test_queue_limit_and_bad_params(model_path):
+    eng = Engine(EngineConfig(model_path=model_path, max_waiting=1, max_new_tokens_limit=16))
+    eng.start()
+    try:
+        with pytest.raises(InvalidArgument):
+            eng.prepare(WorkRequest("x", "hi", max_new_tokens=17))
+        prep = eng.prepare(WorkRequest("x", "hi", max_new_tokens=1))
+        with eng._wake:  # hold the loop so the first request stays queued
+            eng.submit(prep, lambda ev: None)
+            with pytest.raises(CapacityExceeded):
+                eng.submit(prep, lambda ev: None)
+    finally:
+        eng.stop()
+    assert not eng.alive
+
+
+def test_adapter_pool_lru_never_evicts_held_slots(model_path, bundles, engine):
+    pool = AdapterPool(torch.device("cpu"), torch.float32, device_slots=2)
+    for name, b in bundles.items():
+        pool.add(parse_bundle(name, b.sha256, b.data, b.config_json, engine.shapes))
+    assert pool.acquire(A) is not None and pool.to_device(B) is not None
+    assert pool.to_device(C) is not None  # evicts B (A is held)
+    assert pool.resident_names() == sorted([A, C])
+    assert pool.acquire(C) is not None and pool.acquire(B) is None  # both slots held
+    with pytest.raises(FailedPrecondition):
+        pool.remove(A)
+    pool.release(A)
+    assert pool.acquire(B) is not None and pool.resident_names() == sorted([B, C])
+    w = pool.get(C)
+    assert w.rank == 2 and set(m for _, m in w.a) == {"q_proj", "v_proj"}
+    assert w.a[(0, "q_proj")].shape == (128, 2) and w.b[(0, "q_proj")].shape == (2, 128)
+
+
+def test_merged_and_mixture_modes_match_unmerged_outputs(engine):
+    img = image(6)
+    reqs = {"base": None, "a": A, "b": B}
+
+    def run_all():
+        return {n: engine.generate(WorkRequest(n, "What is in this picture?", [img], adapter=ad))[1]
+                for n, ad in reqs.items()}
+
+    unmerged = run_all()
+    try:
+        engine.set_mode(Mode.MERGED, A)
+        merged = run_all()
+        assert engine.stats().mode == Mode.MERGED and engine.stats().merged_adapter == A
+        engine.set_mode(Mode.MIXTURE, B)
+        mixture = run_all()
+    finally:
+        engine.set_mode(Mode.UNMERGED)
+    again = run_all()
+    assert merged["a"].mode == Mode.MERGED and merged["b"].mode == Mode.MIXTURE
+    assert merged["base"].mode == Mode.MIXTURE and mixture["b"].mode == Mode.MERGED
+    for n in reqs:
+        assert merged[n].token_ids == unmerged[n].token_ids, n
+        assert mixture[n].token_ids == unmerged[n].token_ids, n
+        assert again[n].token_ids == unmerged[n].token_ids, n
+    with pytest.raises(FailedPrecondition):
+        engine.set_mode(Mode.MERGED, A)
+        try:
+            engine.offload_adapter(A)
+        finally:
+            engine.set_mode(Mode.UNMERGED)
+
+
+@pytest.mark.parametrize("strategy", ["pristine", "delta"])
+def test_repeated_switching_does_not_drift(model_path, bundles, engine, strategy):
+    def fresh():
+        model = load_model(model_path)
+        layers = install_lora(model, LoraRuntime())
+        pool = AdapterPool(torch.device("cpu"), torch.float32, device_slots=2)
+        for name in (A, B):
+            b = bundles[name]
+            pool.add(parse_bundle(name, b.sha256, b.data, b.config_json, engine.shapes))
+        return layers, pool
+
+    layers, pool = fresh()
+    sw = Switcher(layers, strategy=strategy, resync_every=64)
+    da, db = pool.slot(pool.to_device(A)), pool.slot(pool.to_device(B))
+    for _ in range(1000):
+        sw.set(da)
+        sw.set(db)
+    sw.set(da)
+    ref_layers, ref_pool = fresh()
+    Switcher(ref_layers).set(ref_pool.slot(ref_pool.to_device(A)))
+    for key, lin in layers.items():
+        want = ref_layers[key].base.weight
+        if strategy == "pristine":
+            assert torch.equal(lin.base.weight, want), key
+        else:
+            torch.testing.assert_close(lin.base.weight, want, rtol=0, atol=1e-5)
+    sw.set(None)
+    base = load_model(model_path).state_dict()
+    for (i, m), lin in layers.items():
+        parent = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+        assert torch.equal(lin.base.weight, base[f"model.language_model.layers.{i}.{parent}.{m}.weight"])
