@@ -8,6 +8,7 @@ cancelling the client call cancels the scheduler call.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common import errors
+from services.common import errors, metrics
 from services.common.server import REQUEST_ID_KEY, new_request_id
 from services.gateway.config import GatewaySettings
 from services.gateway.validation import Limits, validate
@@ -55,7 +56,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     async def Infer(self, request, context):
         parts: list[str] = []
         result = None
-        async for resp in self._submit(request.input, request.request_id, context):
+        async for resp in self._counted(request.input, request.request_id, context):
             parts.append(resp.text_delta)
             if resp.HasField("result"):
                 result = resp.result
@@ -66,11 +67,29 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         return inference_service_pb2.InferResponse(result=result)
 
     async def InferStream(self, request, context):
-        async for resp in self._submit(request.input, request.request_id, context):
+        async for resp in self._counted(request.input, request.request_id, context):
             out = inference_service_pb2.InferStreamResponse(text_delta=resp.text_delta)
             if resp.HasField("result"):
                 out.result.CopyFrom(resp.result)
             yield out
+
+    async def _counted(self, inp, request_id, context):
+        """`_submit`, counted in valora:requests_total{service="gateway", code}."""
+        code = "OK"
+        try:
+            async for resp in self._submit(inp, request_id, context):
+                yield resp
+        except errors.ValoraError as exc:
+            code = exc.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            metrics.REQUESTS_TOTAL.labels("gateway", code).inc()
 
     async def _submit(self, inp: inference_service_pb2.InferenceInput, request_id: str,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_service_pb2.SubmitResponse]:

@@ -32,6 +32,7 @@ class SchedulerSettings(ServiceSettings):
     max_attempts: int = Field(3, ge=1, description="Workers tried for one request when they fail before the first token.")
     default_max_batch_size: int = Field(
         8, ge=1, description="Capacity assumed for a healthy worker that reports max_batch_size 0.")
+    mode_switch_timeout_s: float = Field(30.0, gt=0, description="Deadline of one SetMode call to a worker.")
     dispatch_tick_s: float = Field(0.25, gt=0, description="Longest the dispatcher sleeps before re-checking deadlines.")
 
     @field_validator("worker_addresses", mode="before")

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from services.common import metrics
 from services.common.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
-from services.scheduler.policy import SchedulingPolicy, WaitingRequest
+from services.scheduler.policy import ModeCommand, SchedulingPolicy, WaitingRequest
 from services.scheduler.workers import MODE_TO_PB, WorkerPool
 from valora.internal.v1 import work_pb2, worker_service_pb2
 
@@ -35,6 +36,9 @@ class Pending:
     # Monotonic deadline; None = none.
     deadline_s: float | None
     excluded: set[str] = field(default_factory=set)
+    max_new_tokens: int = 0
+    images: int = 0
+    label: bool = False
     key: str = ""
     assigned: asyncio.Future | None = None
     dispatched_s: float | None = None
@@ -45,18 +49,21 @@ class Pending:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, policy: SchedulingPolicy, *, max_queue: int, retry_after_s: float,
-                 tick_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 tick_s: float, mode_switch_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.policy = policy
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self.tick_s = tick_s
+        self.mode_switch_timeout_s = mode_switch_timeout_s
         self.clock = clock
         self.queue: dict[str, Pending] = {}
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._mode_tasks: set[asyncio.Task] = set()
+        # The latest SetMode sent to each worker; requests placed after it wait for it.
+        self._mode_tasks: dict[str, asyncio.Task] = {}
 
     # -- the Submit side ------------------------------------------------------------------
 
@@ -79,6 +86,7 @@ class Dispatcher:
         pending.key = f"{next(self._seq)}"
         pending.assigned = asyncio.get_running_loop().create_future()
         self.queue[pending.key] = pending
+        metrics.REQUESTS_WAITING.set(len(self.queue))
         self.wake()
 
     async def wait_assigned(self, pending: Pending) -> str:
@@ -97,8 +105,19 @@ class Dispatcher:
             raise
         finally:
             self.queue.pop(pending.key, None)
+            metrics.REQUESTS_WAITING.set(len(self.queue))
             if not fut.done():
                 fut.cancel()
+
+    async def worker_ready(self, worker: str, pending: Pending) -> None:
+        """Wait for a mode switch the policy ordered on `worker` before running there."""
+        task = self._mode_tasks.get(worker)
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), pending.remaining_s(self.clock()))
+            except TimeoutError:
+                raise DeadlineExceeded(f"request {pending.request_id} expired waiting for a mode switch",
+                                       reason="QUEUE_TIMEOUT") from None
 
     def release(self, worker: str) -> None:
         handle = self.pool.workers.get(worker)
@@ -121,7 +140,8 @@ class Dispatcher:
                         DeadlineExceeded(f"request {p.request_id} expired in the queue", reason="QUEUE_TIMEOUT"))
         if not self.queue:
             return
-        waiting = [WaitingRequest(key, p.arrival_s, p.adapter, frozenset(p.excluded)) for key, p in self.queue.items()]
+        waiting = [WaitingRequest(key, p.arrival_s, p.adapter, frozenset(p.excluded), p.max_new_tokens, p.images,
+                                  p.label) for key, p in self.queue.items()]
         decision = self.policy.decide(now, waiting, self.pool.views())
         for cmd in decision.mode_commands:
             self._send_mode(cmd)
@@ -131,9 +151,11 @@ class Dispatcher:
                 continue
             self.pool[a.worker].inflight += 1
             p.dispatched_s = now
+            metrics.QUEUE_TIME.observe(now - p.arrival_s)
             p.assigned.set_result(a.worker)
+        metrics.REQUESTS_WAITING.set(len(self.queue))
 
-    def _send_mode(self, cmd) -> None:
+    def _send_mode(self, cmd: ModeCommand) -> None:
         handle = self.pool[cmd.worker]
         req = worker_service_pb2.SetModeRequest(mode=MODE_TO_PB[cmd.mode])
         if cmd.merged_adapter:
@@ -142,16 +164,18 @@ class Dispatcher:
             # Optimistic until the next poll, so the policy does not repeat the command.
             handle.status.mode = req.mode
 
+        previous = self._mode_tasks.get(cmd.worker)
+
         async def send() -> None:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])
             try:
-                await handle.stub.SetMode(req, timeout=self.tick_s * 40)
+                await handle.stub.SetMode(req, timeout=self.mode_switch_timeout_s)
                 log.info("mode_set", worker=cmd.worker, mode=cmd.mode.value, merged=cmd.merged_adapter)
             except grpc.RpcError as err:
                 log.warning("mode_set_failed", worker=cmd.worker, mode=cmd.mode.value, code=err.code().name)
 
-        task = asyncio.create_task(send())
-        self._mode_tasks.add(task)
-        task.add_done_callback(self._mode_tasks.discard)
+        self._mode_tasks[cmd.worker] = asyncio.create_task(send(), name=f"set-mode-{cmd.worker}")
 
     async def _run(self) -> None:
         while True:
@@ -169,9 +193,10 @@ class Dispatcher:
         self._task = asyncio.create_task(self._run(), name="dispatcher")
 
     async def close(self) -> None:
-        for task in [self._task, *self._mode_tasks]:
-            if task is not None:
-                task.cancel()
+        tasks = [t for t in (self._task, *self._mode_tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for p in self.queue.values():
             if not p.assigned.done():
                 p.assigned.set_exception(WorkerUnavailable("scheduler shutting down", reason="SHUTDOWN"))

@@ -36,6 +36,11 @@ class WaitingRequest:
     adapter: str | None = None
     # Workers this request already failed on (never placed there again).
     excluded_workers: frozenset[str] = frozenset()
+    # Inputs of an execution-time estimate (the credit policy needs one).
+    max_new_tokens: int = 0
+    images: int = 0
+    # A task-head request: one forward pass, no decoding.
+    label: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
                       default_max_batch_size=settings.default_max_batch_size,
                       channel_options=channel_options(settings), on_change=on_change)
     dispatcher = Dispatcher(pool, policy or AffinityLeastLoadedPolicy(), max_queue=settings.max_queue,
-                            retry_after_s=settings.retry_after_s, tick_s=settings.dispatch_tick_s)
+                            retry_after_s=settings.retry_after_s, tick_s=settings.dispatch_tick_s,
+                            mode_switch_timeout_s=settings.mode_switch_timeout_s)
     servicer = SchedulerServicer(pool, dispatcher, max_attempts=settings.max_attempts)
 
     def register(server):

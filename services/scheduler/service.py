@@ -7,14 +7,17 @@ UNAVAILABLE, never a silent replay.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import structlog
 
-from services.common import errors
+from services.common import errors, metrics
 from services.common.server import REQUEST_ID_KEY, new_request_id, request_id_from
 from services.scheduler.dispatcher import Dispatcher, Pending
 from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2
+from valora.v1 import types_pb2
 
 log = structlog.get_logger()
 
@@ -35,24 +38,53 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self.max_attempts = max_attempts
 
     async def Submit(self, request, context):
+        started = self.dispatcher.clock()
+        adapter = request.item.adapter.version if request.item.HasField("adapter") else ""
+        code = "OK"
+        try:
+            async for out in self._submit(request, context, started):
+                yield out
+        except errors.ValoraError as exc:
+            code = exc.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            metrics.REQUESTS_TOTAL.labels("scheduler", code).inc()
+            metrics.E2E_LATENCY.labels(metrics.adapter_label(adapter), code).observe(
+                self.dispatcher.clock() - started)
+
+    async def _submit(self, request, context, now: float):
         item = request.item
         if not item.request_id:
             item.request_id = request_id_from(context) or new_request_id()
         clock = self.dispatcher.clock
-        now = clock()
         remaining = context.time_remaining()
         pending = Pending(
             request_id=item.request_id,
             adapter=item.adapter.version if item.HasField("adapter") and item.adapter.version else None,
             arrival_s=now,
             deadline_s=None if remaining is None else now + remaining,
+            max_new_tokens=item.params.max_new_tokens,
+            images=len(item.images),
+            label=item.output_kind == types_pb2.OUTPUT_KIND_LABEL,
         )
+        adapter_label = metrics.adapter_label(pending.adapter or "")
         self.dispatcher.admit(pending)
         attempt = 0
         while True:
             attempt += 1
             worker = await self.dispatcher.wait_assigned(pending)
             handle = self.pool[worker]
+            try:
+                await self.dispatcher.worker_ready(worker, pending)
+            except BaseException:
+                self.dispatcher.release(worker)
+                raise
             queue_ms = ((pending.dispatched_s or clock()) - pending.arrival_s) * 1000.0
             timeout = pending.remaining_s(clock())
             if timeout is not None and timeout <= 0:
@@ -64,6 +96,8 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             started = False
             try:
                 async for resp in call:
+                    if not started:
+                        metrics.TIME_TO_FIRST_TOKEN.labels(adapter_label).observe(clock() - pending.arrival_s)
                     started = True
                     out = scheduler_service_pb2.SubmitResponse(text_delta=resp.text_delta)
                     if resp.HasField("result"):

@@ -51,7 +51,7 @@ class WorkerHandle:
             address=self.address,
             healthy=self.healthy,
             max_batch_size=st.max_batch_size or self.default_max_batch_size,
-            # Our own count is exact for what we sent; the worker's covers anything else.
+            # The scheduler is the workers' only client: its own count is exact and current.
             running=max(self.inflight, 0),
             mode=_MODES.get(st.mode, Mode.UNKNOWN),
             merged_adapter=st.merged_adapter or None,

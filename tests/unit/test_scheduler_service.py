@@ -35,8 +35,11 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     """Streams "hel", "lo" then a result; or fails / hangs as told."""
 
     def __init__(self, *, healthy=True, max_batch=4, resident=(), fail_before_first=False,
-                 fail_after_first=False, hang=False):
+                 fail_after_first=False, hang=False, merged=""):
         self.healthy, self.max_batch, self.resident = healthy, max_batch, list(resident)
+        self.mode = types_pb2.INFERENCE_MODE_MERGED if merged else types_pb2.INFERENCE_MODE_UNMERGED
+        self.merged = merged
+        self.events: list[str] = []
         self.fail_before_first, self.fail_after_first, self.hang = fail_before_first, fail_after_first, hang
         self.calls: list[tuple[str, str]] = []  # (item.request_id, x-request-id metadata)
         self.cancelled = asyncio.Event()
@@ -45,6 +48,7 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     async def Generate(self, request, context):
         md = dict(context.invocation_metadata())
         self.calls.append((request.item.request_id, md.get(REQUEST_ID_KEY, "")))
+        self.events.append(f"generate {request.item.adapter.version}")
         if self.fail_before_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died")
         if self.hang:
@@ -63,7 +67,13 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     async def GetWorkerStatus(self, request, context):
         return worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
             healthy=self.healthy, max_batch_size=self.max_batch, resident_adapters=self.resident,
-            mode=types_pb2.INFERENCE_MODE_UNMERGED))
+            mode=self.mode, merged_adapter=self.merged))
+
+    async def SetMode(self, request, context):
+        await asyncio.sleep(0.1)  # a switch takes a while; requests placed after it must wait
+        self.mode, self.merged = request.mode, request.merged_adapter.version
+        self.events.append(f"set_mode {types_pb2.InferenceMode.Name(request.mode)} {self.merged}")
+        return worker_service_pb2.SetModeResponse(switch_ms=100.0)
 
 
 @contextlib.asynccontextmanager
@@ -217,3 +227,12 @@ async def test_status_lists_workers():
     assert by_addr[up.address].healthy and by_addr[up.address].max_batch_size == 6
     assert list(by_addr[up.address].resident_adapters) == [ADAPTER]
     assert not by_addr[down.address].healthy
+
+
+async def test_mode_command_is_applied_before_the_request_runs():
+    other = "adapters/trucks/versions/2"
+    w = FakeWorker(merged=other)  # merged with another adapter: the policy opens it to mixture mode
+    async with cluster(w) as stub:
+        out = await collect(stub, submit_request("r1"))
+    assert out[-1].result.text == "hello"
+    assert w.events == [f"set_mode INFERENCE_MODE_MIXTURE {other}", f"generate {ADAPTER}"]

@@ -1,0 +1,149 @@
+"""Gateway -> real scheduler -> in-test worker over loopback: the request path and hop-by-hop
+errors (status, reason and details survive both hops)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from services.common.server import REQUEST_ID_KEY
+from services.gateway.config import GatewaySettings
+from services.gateway.server import create_server as create_gateway
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.server import create_server as create_scheduler
+from valora.internal.v1 import (
+    adapter_store_service_pb2,
+    adapter_store_service_pb2_grpc,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
+from valora.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    resources_pb2,
+    types_pb2,
+)
+
+pytestmark = pytest.mark.anyio
+VERSION = resources_pb2.AdapterVersion(name="adapters/cars/versions/1", sha256="ef" * 32,
+                                       state=resources_pb2.ADAPTER_VERSION_STATE_READY)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer):
+    async def ResolveReference(self, request, context):
+        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION)
+
+
+class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
+    def __init__(self):
+        self.items, self.request_ids = [], []
+        self.fail_with: grpc.StatusCode | None = None
+        self.healthy = True
+
+    async def Generate(self, request, context):
+        self.items.append(request.item)
+        self.request_ids.append(dict(context.invocation_metadata()).get(REQUEST_ID_KEY))
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, "adapter blob missing")
+        for delta in ("two ", "cars"):
+            yield worker_service_pb2.GenerateResponse(text_delta=delta)
+        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
+            text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS, mode=types_pb2.INFERENCE_MODE_UNMERGED))
+
+    async def GetWorkerStatus(self, request, context):
+        return worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
+            healthy=self.healthy, max_batch_size=4))
+
+
+@contextlib.asynccontextmanager
+async def stack(max_queue=16):
+    worker = Worker()
+    backend = grpc.aio.server()
+    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, backend)
+    adapter_store_service_pb2_grpc.add_AdapterStoreServiceServicer_to_server(Store(), backend)
+    addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
+    await backend.start()
+    scheduler = await create_scheduler(SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05,
+                                                         dispatch_tick_s=0.05, max_queue=max_queue))
+    await scheduler.start()
+    gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
+                                                   adapter_store_address=addr))
+    await gateway.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
+    try:
+        yield worker, inference_service_pb2_grpc.InferenceServiceStub(channel), \
+            admin_service_pb2_grpc.AdminServiceStub(channel)
+    finally:
+        await channel.close()
+        await gateway.stop(0)
+        await scheduler.stop(0)
+        await backend.stop(0)
+
+
+def infer_input():
+    return inference_service_pb2.InferenceInput(prompt="how many cars?", adapter="adapters/cars@prod")
+
+
+async def test_infer_and_stream_through_scheduler_to_worker():
+    async with stack() as (worker, infer, admin):
+        resp = await infer.Infer(inference_service_pb2.InferRequest(input=infer_input(), request_id="flow-1"))
+        chunks = [r async for r in infer.InferStream(inference_service_pb2.InferStreamRequest(input=infer_input()))]
+        status = await admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest())
+    r = resp.result
+    assert (r.text, r.request_id, r.adapter_version) == ("two cars", "flow-1", VERSION.name)
+    assert r.worker == status.workers[0].address and status.workers[0].healthy
+    assert r.timing.queue_ms >= 0.0
+    item = worker.items[0]
+    assert worker.request_ids[0] == "flow-1" and item.request_id == "flow-1"
+    assert item.adapter.version == VERSION.name and item.adapter.sha256 == VERSION.sha256
+    assert [c.text_delta for c in chunks] == ["two ", "cars", ""]
+    assert chunks[-1].result.request_id == worker.request_ids[1] != ""
+
+
+async def test_worker_error_passes_through_both_hops():
+    async with stack() as (worker, infer, _):
+        worker.fail_with = grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await infer.Infer(inference_service_pb2.InferRequest(input=infer_input()))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "adapter blob missing" in exc.value.details()
+    assert len(worker.items) == 1  # NOT_FOUND is about the request: no retry
+
+
+async def test_scheduler_queue_full_reaches_the_client_with_retry_info():
+    async with stack(max_queue=1) as (worker, infer, admin):
+        worker.healthy = False
+        for _ in range(250):  # until a poll sees the worker down; requests then wait in the queue
+            if not (await admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest())).workers[0].healthy:
+                break
+            await asyncio.sleep(0.02)
+        first = infer.InferStream(inference_service_pb2.InferStreamRequest(input=infer_input()), timeout=10)
+        reader = asyncio.ensure_future(first.read())
+        for _ in range(250):
+            if (await admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest())).queued_requests:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await infer.Infer(inference_service_pb2.InferRequest(input=infer_input()))
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await reader
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = rpc_status.from_call(exc.value).details
+    assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in details)
+    infos = [d for d in details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    info = error_details_pb2.ErrorInfo()
+    infos[0].Unpack(info)
+    assert info.reason == "QUEUE_FULL"
