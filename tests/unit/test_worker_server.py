@@ -1,0 +1,167 @@
+"""The worker's gRPC server over a real loopback port: adapters fetched from an in-test adapter
+store, streaming Generate, status, mode switches, errors, deadlines and health."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from services.common.server import build_service
+from services.worker.model import ensure_tiny_model
+from services.worker.server import WorkerSettings, create_server
+from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
+from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
+from valora.v1 import types_pb2
+
+pytestmark = pytest.mark.anyio
+A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+def png(seed: int, size: int = 56) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+async def cluster(tmp_path_factory):
+    model = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+    store = InMemoryAdapterStore({
+        A: random_adapter_bundle(model, rank=4, seed=1),
+        B: random_adapter_bundle(model, rank=8, seed=2, heads={"kind": ["car", "bus", "bike"]}),
+    }, chunk_bytes=4096)
+    settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
+                              default_max_new_tokens=8, max_new_tokens_limit=2000,
+                              adapter_cache_dir=str(tmp_path_factory.mktemp("adapter-cache")))
+    store_service = build_service("store", settings, store.register)
+    await store_service.start()
+    settings.adapter_store_address = f"127.0.0.1:{store_service.port}"
+    worker = await create_server(settings)
+    await worker.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
+    yield worker, store, channel, worker_service_pb2_grpc.WorkerServiceStub(channel)
+    await channel.close()
+    await worker.stop(0)
+    await store_service.stop(0)
+
+
+def ref(name: str, store) -> work_pb2.AdapterRef:
+    return work_pb2.AdapterRef(version=name, sha256=store.bundles[name].sha256)
+
+
+async def generate(stub, **item):
+    deltas, result = [], None
+    async for msg in stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(**item))):
+        if msg.HasField("result"):
+            result = msg.result
+        else:
+            deltas.append(msg.text_delta)
+    return deltas, result
+
+
+async def test_health_load_generate_and_status(cluster):
+    worker, store, channel, stub = cluster
+    health = health_pb2_grpc.HealthStub(channel)
+    resp = await health.Check(health_pb2.HealthCheckRequest(service="valora.internal.v1.WorkerService"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    r = await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(adapter=ref(A, store), to_device=True))
+    assert not r.already_loaded
+    r = await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(adapter=ref(A, store)))
+    assert r.already_loaded and store.fetches == 1
+
+    image = [types_pb2.Image(data=png(1), mime_type="image/png")]
+    # B is not loaded yet: Generate fetches it on demand. Base and adapter requests run together.
+    runs = await asyncio.gather(
+        generate(stub, request_id="r-base", images=image, prompt="Describe the image."),
+        generate(stub, request_id="r-a", images=image, prompt="Describe the image.", adapter=ref(A, store)),
+        generate(stub, request_id="r-b", images=image, prompt="Describe the image.", adapter=ref(B, store),
+                 params=types_pb2.GenerationParams(max_new_tokens=6)),
+    )
+    for (deltas, res), rid in zip(runs, ["r-base", "r-a", "r-b"]):
+        assert res.request_id == rid and "".join(deltas) == res.text
+        assert res.usage.image_tokens == 4 and res.usage.prompt_tokens > 4 and res.usage.output_tokens > 0
+        assert res.timing.total_ms >= res.timing.first_token_ms > 0
+        assert res.worker
+    assert runs[0][1].mode == types_pb2.INFERENCE_MODE_BASE and runs[0][1].adapter_version == ""
+    assert runs[1][1].mode == types_pb2.INFERENCE_MODE_UNMERGED and runs[1][1].adapter_version == A
+    assert runs[2][1].usage.output_tokens <= 6
+    assert runs[1][1].text != runs[0][1].text
+
+    _, label = await generate(stub, request_id="r-l", images=image, prompt="Which vehicle?", adapter=ref(B, store),
+                              output_kind=types_pb2.OUTPUT_KIND_LABEL, head="kind")
+    assert label.finish_reason == types_pb2.FINISH_REASON_LABEL and label.label in ("car", "bus", "bike")
+    assert label.scores[0].label == label.label and abs(sum(s.score for s in label.scores) - 1) < 1e-4
+
+    status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+    assert status.healthy and status.running_requests == 0 and status.max_batch_size == 4
+    assert set(status.host_adapters) == {A, B} and status.device == "cpu"
+
+
+async def test_errors_map_to_status_codes(cluster):
+    worker, store, channel, stub = cluster
+    with pytest.raises(grpc.RpcError) as err:
+        await generate(stub, request_id="bad", images=[types_pb2.Image(data=b"\x89PNG not really")], prompt="hi")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        await generate(stub, request_id="head", prompt="hi", adapter=ref(A, store),
+                       output_kind=types_pb2.OUTPUT_KIND_LABEL, head="nope")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        await generate(stub, request_id="nf", prompt="hi",
+                       adapter=work_pb2.AdapterRef(version="adapters/nope/versions/1"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(
+            adapter=work_pb2.AdapterRef(version=B, sha256="00" * 32)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # loaded with another hash
+
+
+async def test_deadline_frees_the_sequence(cluster):
+    worker, store, channel, stub = cluster
+    call = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
+        request_id="slow", prompt="Count.", params=types_pb2.GenerationParams(max_new_tokens=2000))), timeout=1.0)
+    with pytest.raises(grpc.RpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    engine = worker.servicer.engine
+    for _ in range(200):
+        s = engine.stats()
+        if s.running == 0 and s.kv_cache_bytes == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert s.running == 0 and s.kv_cache_bytes == 0
+
+
+async def test_set_mode_and_offload(cluster):
+    worker, store, channel, stub = cluster
+    r = await stub.SetMode(worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_MERGED,
+                                                             merged_adapter=ref(A, store)))
+    assert r.switch_ms >= 0
+    status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+    assert status.mode == types_pb2.INFERENCE_MODE_MERGED and status.merged_adapter == A
+    _, res = await generate(stub, request_id="m", prompt="hi", adapter=ref(A, store))
+    assert res.mode == types_pb2.INFERENCE_MODE_MERGED
+    with pytest.raises(grpc.RpcError) as err:
+        await stub.OffloadAdapter(worker_service_pb2.OffloadAdapterRequest(adapter=ref(A, store)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await stub.SetMode(worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_UNMERGED))
+    await stub.OffloadAdapter(worker_service_pb2.OffloadAdapterRequest(adapter=ref(A, store)))
+    status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+    assert A not in status.host_adapters and status.mode == types_pb2.INFERENCE_MODE_UNMERGED
+    # Loading it again comes from the worker's disk cache, not the store.
+    fetches = store.fetches
+    r = await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(adapter=ref(A, store)))
+    assert not r.already_loaded and store.fetches == fetches
