@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -101,7 +102,9 @@ class AdapterPool:
     device slots at step boundaries. A slot held by a running request is never evicted.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, device_slots: int) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, device_slots: int,
+                 on_swap: Callable[[str], None] | None = None) -> None:
+        """on_swap("in" | "out") is told about every host->device copy and eviction (metrics)."""
         if device_slots < 1:
             raise ValueError("device_slots must be at least 1")
         self.device = device
@@ -112,6 +115,7 @@ class AdapterPool:
         self._slots: list[DeviceAdapter | None] = [None] * device_slots
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order, most recent last
         self._pins: dict[str, int] = {}
+        self._on_swap = on_swap or (lambda direction: None)
 
     # -- host side -------------------------------------------------------------------------
     def add(self, weights: AdapterWeights) -> bool:
@@ -170,6 +174,7 @@ class AdapterPool:
                 if victim is None:
                     return None
                 slot = self._slot_of.pop(victim)
+                self._on_swap("out")
             conv = dict(device=self.device, dtype=self.dtype, non_blocking=True)
             self._slots[slot] = DeviceAdapter(
                 weights=weights,
@@ -177,6 +182,7 @@ class AdapterPool:
                 b={k: t.to(**conv) for k, t in weights.b.items()},
             )
             self._slot_of[name] = slot
+            self._on_swap("in")
             return slot
 
     def acquire(self, name: str) -> int | None:

@@ -74,6 +74,7 @@ class EngineConfig:
     max_rank: int = 256
     max_prefills_per_step: int = 2
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
+    on_adapter_swap: object = None  # callable("in" | "out"), for metrics
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Engine:
         self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
         self.runtime = LoraRuntime()
         self.lora_layers = install_lora(self.model, self.runtime)
-        self.pool = AdapterPool(self.device, self.dtype, config.device_slots)
+        self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self._wake = threading.Condition()
         self._incoming: collections.deque[_Seq] = collections.deque()
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -270,6 +271,10 @@ class Engine:
             raise invalid_field("item.images", f"cannot process the request's images: {exc}",
                                 reason="BAD_IMAGE") from exc
         ids = inputs["input_ids"]
+        limit = self.text_config.max_position_embeddings
+        if ids.shape[1] + n > limit:
+            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
+                                f"model's {limit} positions", reason="PROMPT_TOO_LONG")
         image_tokens = int((ids == self.model.config.image_token_id).sum())
         return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]))

@@ -145,9 +145,9 @@ class MixtureEntry(LoraEntry):
             return self._cache[key]
         parts = []
         if self.x is not None and (t := self.x.tensors(key)) is not None:
-            parts.append((t[0], t[1] * t[2]))
+            parts.append((t[0], (t[1].float() * t[2]).to(t[1].dtype)))
         if (t := self.m.tensors(key)) is not None:
-            parts.append((t[0], t[1] * -t[2]))
+            parts.append((t[0], (t[1].float() * -t[2]).to(t[1].dtype)))
         got = None
         if parts:
             got = (torch.cat([p[0] for p in parts], dim=1).contiguous(),

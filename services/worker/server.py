@@ -18,6 +18,7 @@ from pydantic import Field
 from services.common.config import ServiceSettings
 from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerUnavailable, invalid_field
 from services.common.names import parse_version_name
+from services.common import metrics
 from services.common.server import Service, build_service, channel_options
 from services.worker.engine import Engine, EngineConfig
 from services.worker.processor import decode_image
@@ -166,6 +167,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     yield pb.GenerateResponse(text_delta=ev.text)
                 elif isinstance(ev, Finished):
                     done = True
+                    self._observe(ev.result)
                     yield pb.GenerateResponse(result=result_to_pb(ev.result, self.worker_name))
                     return
                 elif isinstance(ev, Failed):
@@ -174,6 +176,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         finally:
             if not done:
                 handle.cancel()  # client cancelled / deadline: free the sequence at the next step
+
+    def _observe(self, r) -> None:
+        label = metrics.adapter_label(r.adapter)
+        metrics.TIME_TO_FIRST_TOKEN.labels(label).observe(r.first_token_ms / 1e3)
+        metrics.E2E_LATENCY.labels(label, "OK").observe(r.total_ms / 1e3)
+        if r.output_tokens > 1:
+            metrics.INTER_TOKEN_LATENCY.observe((r.total_ms - r.first_token_ms) / 1e3 / (r.output_tokens - 1))
 
     async def LoadAdapter(self, request, context):
         already = await self.ensure_adapter(request.adapter.version, request.adapter.sha256, request.to_device)
@@ -196,8 +205,17 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             await self.ensure_adapter(merged, request.merged_adapter.sha256, field_path="merged_adapter.version")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        before = engine.stats().merged_adapter
         await loop.run_in_executor(None, engine.set_mode, mode, merged or None)
-        return pb.SetModeResponse(switch_ms=(time.perf_counter() - t0) * 1e3)
+        switch_ms = (time.perf_counter() - t0) * 1e3
+        after = engine.stats().merged_adapter
+        if before != after:
+            kind = "merge" if not before else "unmerge" if not after else "switch"
+            metrics.MODE_SWITCHES.labels(self.worker_name, kind).inc()
+        for m in (Mode.MERGED, Mode.UNMERGED, Mode.MIXTURE):
+            metrics.MODE.labels(self.worker_name, m.value).set(1 if m == mode else 0)
+        log.info("mode_set", mode=mode.value, merged=after, switch_ms=round(switch_ms, 3))
+        return pb.SetModeResponse(switch_ms=switch_ms)
 
     async def GetWorkerStatus(self, request, context):
         if self.engine is None:
@@ -211,8 +229,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             max_batch_size=s.max_batch_size, device=s.device))
 
 
-def engine_config(settings: WorkerSettings) -> EngineConfig:
+def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:
     return EngineConfig(
+        on_adapter_swap=lambda direction: metrics.ADAPTER_SWAPS.labels(worker_name, direction).inc(),
         model_path=Path(settings.model_path).expanduser(), device=settings.device, dtype=settings.dtype,
         max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting,
         default_max_new_tokens=settings.default_max_new_tokens,
@@ -248,7 +267,7 @@ async def create_server(settings: WorkerSettings) -> Service:
                 if not settings.build_tiny_model:
                     raise FileNotFoundError(f"no model at {path} (VALORA_MODEL_PATH)")
                 ensure_tiny_model(path)
-            engine = Engine(engine_config(settings))
+            engine = Engine(engine_config(settings, servicer.worker_name))
             engine.start()
             return engine
 
@@ -272,6 +291,8 @@ async def _watch(service: Service, servicer: WorkerServicer, period_s: float = 0
     """Health follows the engine thread: NOT_SERVING as soon as it dies."""
     while True:
         await asyncio.sleep(period_s)
+        if servicer.engine is not None:
+            metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(servicer.engine.stats().running)
         if servicer.engine is not None and not servicer.engine.alive:
             log.error("engine_not_alive")
             await service.set_serving(False)

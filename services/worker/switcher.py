@@ -32,7 +32,7 @@ def _factors(dev: DeviceAdapter, key: LayerModule, sign: float) -> tuple[torch.T
     a = dev.a.get(key)
     if a is None:
         return None
-    return (sign * dev.weights.scale) * dev.b[key].t(), a.t()
+    return dev.b[key].t().float() * (sign * dev.weights.scale), a.t().float()
 
 
 class Switcher:

@@ -157,7 +157,11 @@ def test_cancellation_frees_sequence_and_kv_cache(engine):
     handle = engine.submit(engine.prepare(WorkRequest("long", "Count the objects.", [image(3)], adapter=A,
                                                       max_new_tokens=1000)), sink)
     assert first.wait(30)
-    s = engine.stats()
+    for _ in range(600):  # stats are published at the end of each step
+        s = engine.stats()
+        if s.kv_cache_bytes > 0:
+            break
+        threading.Event().wait(0.01)
     assert s.running == 1 and s.kv_cache_bytes > 0
     handle.cancel()
     for _ in range(600):

@@ -165,3 +165,19 @@ async def test_set_mode_and_offload(cluster):
     fetches = store.fetches
     r = await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(adapter=ref(A, store)))
     assert not r.already_loaded and store.fetches == fetches
+
+
+async def test_health_follows_the_engine(cluster):
+    """Last in this module: it stops the shared worker's engine."""
+    worker, store, channel, stub = cluster
+    health = health_pb2_grpc.HealthStub(channel)
+    await asyncio.get_running_loop().run_in_executor(None, worker.servicer.engine.stop)
+    for _ in range(100):
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        if resp.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        await asyncio.sleep(0.05)
+    assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        await generate(stub, request_id="dead", prompt="hi")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
