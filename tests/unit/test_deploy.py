@@ -270,6 +270,41 @@ def test_compose_env_names_are_settings_fields(component):
     check_env_names(component, set(env))
 
 
+def env_example() -> dict[str, str]:
+    return dict(
+        line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    )
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} ($$ is a literal $)."""
+    def sub(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"{name}: {arg}")
+        return arg if op == ":-" else ""
+    return re.sub(r"\$\{([A-Za-z0-9_]+)(:[-?])?([^}]*)\}", sub, value).replace("$$", "$")
+
+
+@pytest.mark.parametrize("component", sorted(MODULES))
+def test_compose_env_values_parse_as_settings(component, monkeypatch):
+    cls = settings_class(component)
+    if cls is None:
+        pytest.skip(f"{component}: settings class not importable yet")
+    example = env_example()
+    env = {k: interpolate(v, example) for k, v in env_of(load_compose()["services"][component]).items()}
+    for key in list(os.environ):
+        if key.startswith("VALORA_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = cls()  # pydantic validates every value here
+    assert settings.host == "0.0.0.0" and settings.port == int(env["VALORA_PORT"])
+
+
 def test_env_example_covers_every_required_variable():
     text = COMPOSE.read_text()
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", text))
@@ -340,6 +375,8 @@ def test_dockerfile_stages_and_pinned_bases():
             assert DIGEST.match(image), f"base image {image} not pinned by digest"
     run_lines = " ".join(rest for op, rest in instructions if op == "RUN")
     assert "--exclude torch transformers peft" in run_lines, "the cpu image must not install torch"
+    env_lines = " ".join(rest for op, rest in instructions if op == "ENV")
+    assert "HF_HUB_OFFLINE=1" in env_lines, "weights are never downloaded at run time"
     users = [rest for op, rest in instructions if op == "USER"]
     assert users and all(u.split(":")[0].isdigit() and u != "0" for u in users), users
 
@@ -582,6 +619,31 @@ def test_chart_env_names_are_settings_fields(component):
     workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
     names |= {e["name"] for e in workloads[f"valora-{component}"]["spec"]["template"]["spec"]["containers"][0].get("env", [])}
     check_env_names(component, names)
+
+
+@pytest.mark.parametrize("component", sorted(MODULES))
+def test_chart_env_values_parse_as_settings(component, monkeypatch):
+    cls = settings_class(component)
+    if cls is None:
+        pytest.skip(f"{component}: settings class not importable yet")
+    objs = rendered_objects()
+    env = dict(by_kind(objs, "ConfigMap")[f"valora-{component}"]["data"])
+    secret = by_kind(objs, "Secret")["valora-secrets"]["stringData"]
+    workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
+    for entry in workloads[f"valora-{component}"]["spec"]["template"]["spec"]["containers"][0].get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        elif "secretKeyRef" in entry["valueFrom"]:
+            env[entry["name"]] = secret[entry["valueFrom"]["secretKeyRef"]["key"]]
+        else:
+            env[entry["name"]] = "valora-worker-0"  # downward API: the pod name
+    for key in list(os.environ):
+        if key.startswith("VALORA_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = cls()
+    assert settings.host == "0.0.0.0" and settings.port == int(env["VALORA_PORT"])
 
 
 def test_rendered_objects_match_the_kubernetes_schema():
