@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from concurrent import futures
 from pathlib import Path
 
@@ -76,6 +75,16 @@ DIGEST = re.compile(r"^[^@\s]+:[^@\s]+@sha256:[0-9a-f]{64}$")
 # ---------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------
+
+
+def load_script(path: Path):
+    """Imports a deploy/ script as a module under a private name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_valora_deploy_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_compose() -> dict:
@@ -396,11 +405,7 @@ def test_dockerfile_copies_only_what_the_context_sends():
 
 
 def test_requirements_helper_keeps_pins_and_drops_torch():
-    sys.path.insert(0, str(DEPLOY / "docker"))
-    try:
-        import requirements as helper
-    finally:
-        sys.path.pop(0)
+    helper = load_script(DEPLOY / "docker" / "requirements.py")
     cpu = helper.requirements(str(ROOT / "pyproject.toml"), ["torch", "transformers", "peft"], [])
     names = {helper.dist_name(r) for r in cpu}
     assert not names & {"torch", "transformers", "peft"}
@@ -413,11 +418,7 @@ def test_healthcheck_script_follows_grpc_health():
     grpc = pytest.importorskip("grpc")
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    sys.path.insert(0, str(DEPLOY / "docker"))
-    try:
-        import healthcheck
-    finally:
-        sys.path.pop(0)
+    healthcheck = load_script(DEPLOY / "docker" / "healthcheck.py")
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -680,11 +681,7 @@ def test_prometheus_scrapes_every_metrics_port():
 
 
 def test_grafana_dashboard_is_the_generators_output():
-    sys.path.insert(0, str(DEPLOY / "grafana"))
-    try:
-        import build_dashboard
-    finally:
-        sys.path.pop(0)
+    build_dashboard = load_script(DEPLOY / "grafana" / "build_dashboard.py")
     assert DASHBOARD.read_text() == build_dashboard.render(), "run python deploy/grafana/build_dashboard.py"
 
 
