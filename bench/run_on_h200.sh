@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: build the extension, run the GPU tests, search tiles, benchmark ATMM and the
+# switcher. Logs and JSON land under $OUT (bench/results/ copies are written there too).
+#   bash bench/run_on_h200.sh quick   # build + tests + small runs (validation)
+#   bash bench/run_on_h200.sh full    # build + tests + tile search + full suites
+# Needs the nvidia-cutlass wheel under .whl/ (carried).
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-/tmp/valora_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VALORA_KERNELS_CACHE=/tmp/valora_kernels MAX_JOBS=16
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+t0=$(date +%s)
+python3 -m kernels.build > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"; tail -1 "$OUT/build.log"
+python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py > "$OUT/tests.log" 2>&1
+tail -25 "$OUT/tests.log"
+if [ "$MODE" = quick ]; then
+  timeout 120 python3 -m kernels.tile_search --shapes 4096x4096 --ranks 16 --tokens 16,1024 --segments 16 \
+    --budget-s 30 --validate 2 --out "$OUT/tile_table_quick.json" 2>&1 | grep -v "━" | tail -8
+  timeout 150 python3 -m bench.atmm_bench --suite quick 2>&1 | tail -12
+  timeout 120 python3 -m bench.switch_bench --layers 4 --cycles 20 --reps 3 2>&1 | tail -12
+else
+  timeout 200 python3 -m kernels.tile_search --budget-s 150 --validate 10 2>&1 | grep -v "━" | tail -16
+  cp kernels/tile_tables/*.json "$OUT/" 2>/dev/null
+  timeout 240 python3 -m bench.atmm_bench --suite full 2>&1 | tail -40
+  timeout 150 python3 -m bench.switch_bench 2>&1 | tail -14
+fi
+echo "total: $(( $(date +%s) - t0 )) s"

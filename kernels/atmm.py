@@ -1,0 +1,287 @@
+"""ATMM: multi-LoRA shrink+expand over token segments, on the CUDA extension or the torch reference.
+
+Semantics (same as `kernels.reference.multi_lora_reference_`)::
+
+    for each segment s with slot k = seg_slots[s] >= 0:
+        y[seg_starts[s]:seg_starts[s+1]] += scales[k] * (x[seg] @ A[k]) @ B[k]
+
+x: (T, h_in), y: (T, h_out), both bf16 or fp16 (same dtype), A[k]: (h_in, r_k), B[k]: (r_k, h_out),
+exact per-slot rank r_k (multiple of 8, at most 128; mixed ranks in one batch, no padding),
+accumulated in fp32 and rounded once into y.
+
+How the worker engine uses it (STYLE item 9: plan once per step, run per layer)::
+
+    plan = AtmmPlan(max_segments=64, max_tokens=8192, device="cuda")      # at start-up
+    wq = LoraWeights(num_slots=64, h_in=4096, h_out=4096, dtype=torch.bfloat16, device="cuda")
+    wq.set(slot, a, b, scale)                                             # on adapter load
+    plan.update(seg_starts, seg_slots, ranks=wq.ranks)                    # once per step
+    atmm_(y, x, plan, wq)                                                 # every layer, graph-safe
+
+`plan.update` writes the segment metadata into preallocated device buffers (one async copy from
+pinned memory); `atmm_` does no host synchronisation, so a step can be captured in a CUDA graph
+and replayed for later plans written into the same buffers. The tile configuration comes from
+the GPU's tile table (`kernels.tile_table`), one dict lookup per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.build import load_extension
+from kernels.reference import SegmentPlan, multi_lora_reference_
+from kernels.tile_table import TileConfig, TileTable, find_table, rank_block
+
+BT_MENU = (16, 32, 64, 128)
+MAX_RANK = 128
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def extension():
+    """The compiled extension, or None (no CUDA device, nvcc or headers): torch reference then."""
+    try:
+        return load_extension()
+    except Exception:  # noqa: BLE001 - a failed build must not take the CPU path down
+        return None
+
+
+class AtmmPlan:
+    """Token segments of one engine step in preallocated device buffers, shared by every layer.
+
+    Device layout (int32 `meta`): [S, seg_starts (cap+1), seg_slots (cap), then for each token
+    tile BT in (16, 32, 64, 128) the prefix count of BT-token tiles per segment (cap+1)].
+    Host mirrors (`segment_plan`, `num_tokens`, `tiles`, `rank_stride`) drive the tile choice and
+    the reference fallback. `workspace` holds the fp32 split-K partials of x·A.
+    """
+
+    def __init__(self, max_segments: int, max_tokens: int, device: torch.device | str = "cpu",
+                 workspace_floats: int | None = None):
+        if max_segments < 1 or max_tokens < 1:
+            raise ValueError("max_segments and max_tokens must be >= 1")
+        self.device = torch.device(device)
+        self.seg_cap = max_segments
+        self.max_tokens = max_tokens
+        n = 1 + (max_segments + 1) + max_segments + len(BT_MENU) * (max_segments + 1)
+        on_cuda = self.device.type == "cuda"
+        self.meta = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._host = torch.zeros(n, dtype=torch.int32, pin_memory=on_cuda)
+        self._copied = torch.cuda.Event() if on_cuda else None
+        floats = workspace_floats or max(max_tokens * MAX_RANK * 2, 1 << 20)
+        self.workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
+        self.segment_plan = SegmentPlan([0], [])
+        self.tiles: dict[int, int] = {bt: 0 for bt in BT_MENU}
+        self.rank_stride = 16
+        self.num_segments = 0
+        self.active_segments = 0
+        self.version = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.segment_plan.num_tokens
+
+    def update(self, seg_starts: Sequence[int], seg_slots: Sequence[int], ranks: Sequence[int]) -> "AtmmPlan":
+        """Write this step's segments (offsets, slots; slot -1 = no LoRA) into the device buffers.
+
+        `ranks[k]` is slot k's rank (a `LoraWeights.ranks` list); it sets the workspace's rank
+        stride. Async: one host-to-device copy on the current stream, no synchronisation except
+        waiting for the previous update's copy before reusing the pinned staging buffer.
+        """
+        starts, slots = [int(v) for v in seg_starts], [int(v) for v in seg_slots]
+        s = len(slots)
+        if len(starts) != s + 1 or (s and starts[0] != 0):
+            raise ValueError("seg_starts must have len(seg_slots) + 1 entries starting at 0")
+        if s > self.seg_cap:
+            raise ValueError(f"{s} segments exceed the plan's capacity {self.seg_cap}")
+        if any(b < a for a, b in zip(starts, starts[1:])):
+            raise ValueError("seg_starts must be non-decreasing")
+        if starts[-1] > self.max_tokens:
+            raise ValueError(f"{starts[-1]} tokens exceed the plan's capacity {self.max_tokens}")
+        used = [k for k, lo, hi in zip(slots, starts, starts[1:]) if k >= 0 and hi > lo]
+        for k in used:
+            if k >= len(ranks) or ranks[k] <= 0:
+                raise ValueError(f"segment uses slot {k}, which holds no adapter")
+        rmax = max((ranks[k] for k in used), default=16)
+        if rmax > MAX_RANK:
+            raise ValueError(f"rank {rmax} exceeds {MAX_RANK}")
+        cap = self.seg_cap
+        host = [0] * self.meta.numel()
+        host[0] = s
+        host[1:1 + s + 1] = starts
+        host[2 + cap:2 + cap + s] = slots
+        tiles = {}
+        for i, bt in enumerate(BT_MENU):
+            base = 2 + 2 * cap + i * (cap + 1)
+            acc = 0
+            for j in range(s):
+                host[base + j] = acc
+                if slots[j] >= 0:
+                    acc += -(-(starts[j + 1] - starts[j]) // bt)
+            host[base + s] = acc
+            tiles[bt] = acc
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._host.copy_(torch.tensor(host, dtype=torch.int32))
+        self.meta.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.segment_plan = SegmentPlan(starts, slots)
+        self.tiles = tiles
+        self.rank_stride = max(16, -(-rmax // 16) * 16)
+        self.num_segments = s
+        self.active_segments = len(used)
+        self.version += 1
+        return self
+
+    def update_from_token_slots(self, token_slots: Sequence[int], ranks: Sequence[int]) -> "AtmmPlan":
+        """`update` for tokens already grouped by slot (equal slots adjacent)."""
+        p = SegmentPlan.from_token_slots(token_slots)
+        return self.update(p.seg_starts, p.seg_slots, ranks)
+
+
+class LoraWeights:
+    """Adapter slots of one linear layer: A_k (h_in, r_k), B_k (r_k, h_out), scale s_k.
+
+    Keeps the tensors alive and mirrors their pointers, ranks and scales in small device tables
+    that the kernel indexes by slot (updated when an adapter is set, never per step).
+    """
+
+    def __init__(self, num_slots: int, h_in: int, h_out: int, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu"):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+        self.num_slots, self.h_in, self.h_out, self.dtype = num_slots, h_in, h_out, dtype
+        self.device = torch.device(device)
+        self.a: list[torch.Tensor | None] = [None] * num_slots
+        self.b: list[torch.Tensor | None] = [None] * num_slots
+        self.ranks: list[int] = [0] * num_slots
+        self.scales: list[float] = [0.0] * num_slots
+        self.a_ptrs = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.b_ptrs = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.rank_table = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
+        self.scale_table = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """Place adapter (A: (h_in, r), B: (r, h_out), contiguous, this dtype/device) in `slot`."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        r = a.shape[1] if a.dim() == 2 else -1
+        if a.dim() != 2 or a.shape[0] != self.h_in or r < 1:
+            raise ValueError(f"A must be ({self.h_in}, r), got {tuple(a.shape)}")
+        if b.dim() != 2 or tuple(b.shape) != (r, self.h_out):
+            raise ValueError(f"B must be ({r}, {self.h_out}), got {tuple(b.shape)}")
+        if r % 8 or r > MAX_RANK:
+            raise ValueError(f"rank must be a multiple of 8 and at most {MAX_RANK}, got {r}")
+        for name, t in (("A", a), ("B", b)):
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"{name} must be {self.dtype} on {self.device}, got {t.dtype} on {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        self.a[slot], self.b[slot], self.ranks[slot], self.scales[slot] = a, b, r, float(scale)
+        self._sync_slot(slot)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot] = self.b[slot] = None
+        self.ranks[slot], self.scales[slot] = 0, 0.0
+        self._sync_slot(slot)
+
+    def _sync_slot(self, slot: int) -> None:
+        a, b = self.a[slot], self.b[slot]
+        self.a_ptrs[slot] = a.data_ptr() if a is not None else 0
+        self.b_ptrs[slot] = b.data_ptr() if b is not None else 0
+        self.rank_table[slot] = self.ranks[slot]
+        self.scale_table[slot] = self.scales[slot]
+
+
+_tables: dict[tuple, TileTable] = {}
+
+
+def default_table(device: torch.device, dtype: torch.dtype) -> TileTable:
+    """The committed tile table for this GPU and dtype (cached), or heuristics only."""
+    key = (device.index, dtype)
+    if key not in _tables:
+        props = torch.cuda.get_device_properties(device)
+        _tables[key] = find_table(props.name, f"sm{props.major}{props.minor}", _DTYPES[dtype])
+    return _tables[key]
+
+
+_config_ids: dict[str, int] = {}
+
+
+def config_id(name: str) -> int:
+    """Menu index of a compiled kernel configuration by name."""
+    if not _config_ids:
+        ext = extension()
+        if ext is None:
+            raise RuntimeError("the CUDA extension is not available")
+        _config_ids.update({c["name"]: c["id"] for c in ext.configs()})
+    try:
+        return _config_ids[name]
+    except KeyError:
+        raise ValueError(f"no compiled kernel configuration named {name!r}") from None
+
+
+_resolved: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _resolve(cfg: TileConfig, dtype: str, rank_stride: int, plan: AtmmPlan, tokens: int) -> tuple[int, int, int]:
+    key = (cfg, dtype, rank_stride)
+    ids = _resolved.get(key)
+    if ids is None:
+        ids = (config_id(cfg.shrink_name(dtype, rank_block(rank_stride))), config_id(cfg.expand_name(dtype)),
+               cfg.split_k)
+        _resolved[key] = ids
+    split_k = ids[2]
+    cap = plan.workspace.numel() // max(1, tokens * rank_stride)
+    if split_k > cap:
+        split_k = max(1, 1 << (cap.bit_length() - 1)) if cap >= 1 else 1
+    return ids[0], ids[1], split_k
+
+
+def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights, *,
+          config: TileConfig | None = None, table: TileTable | None = None, pdl: bool = True) -> torch.Tensor:
+    """In place: y[seg] += s_k (x[seg] A_k) B_k for every segment of `plan` (see module doc).
+
+    x: (T, h_in), y: (T, h_out), T = plan.num_tokens; CUDA tensors use the extension (tile from
+    `config`, else `table`, else this GPU's committed table), anything else the torch reference.
+    `pdl` chains the shrink and expand launches with programmatic dependent launch.
+    Returns y.
+    """
+    if x.dim() != 2 or y.dim() != 2:
+        raise ValueError("x and y must be 2-D (tokens, features)")
+    if x.shape[1] != weights.h_in or y.shape[1] != weights.h_out:
+        raise ValueError(f"x/y features ({x.shape[1]}, {y.shape[1]}) do not match the weights "
+                         f"({weights.h_in}, {weights.h_out})")
+    tokens = plan.num_tokens
+    if x.shape[0] != tokens or y.shape[0] != tokens:
+        raise ValueError(f"plan covers {tokens} tokens, x has {x.shape[0]}, y has {y.shape[0]}")
+    ext = extension() if y.is_cuda else None
+    if ext is None:
+        return multi_lora_reference_(y, x, plan.segment_plan, weights.a, weights.b, weights.scales)
+    if tokens == 0 or plan.active_segments == 0:
+        return y
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None:
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    rs = plan.rank_stride
+    if config is None:
+        config = (table or default_table(x.device, x.dtype)).lookup(
+            weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
+    shrink_id, expand_id, split_k = _resolve(config, dtype, rs, plan, tokens)
+    ext.atmm(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
+             weights.scale_table, plan.workspace, shrink_id, expand_id, split_k, rs,
+             plan.tiles[config.shrink_bt], plan.tiles[config.expand_bt], pdl)
+    return y
+
+
+def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scales: Sequence[float],
+                            num_slots: int | None = None) -> LoraWeights:
+    """LoraWeights holding adapters k = 0..n-1 (convenience for tests and benchmarks)."""
+    n = num_slots or len(a)
+    w = LoraWeights(n, a[0].shape[0], b[0].shape[1], a[0].dtype, a[0].device)
+    for k, (ak, bk, sk) in enumerate(zip(a, b, scales)):
+        w.set(k, ak.contiguous(), bk.contiguous(), sk)
+    return w
+
+
+__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "extension", "default_table", "lora_weights_from_lists"]

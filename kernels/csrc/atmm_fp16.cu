@@ -1,0 +1,25 @@
+// Explicit instantiations of the ATMM tile menu for fp16 (shrink: BT x BK x STAGES x rank
+// block RB; expand: BT x BN). Pruned by registers (<= 16 / 8 accumulator fragments per warp)
+// and shared memory (see ShrinkCfg / ExpandCfg); the tile table picks among these at run time.
+#include "launch_util.cuh"
+
+namespace valora {
+
+using T = __half;
+
+#define SHRINK(BT, BK, ST, RB) out.push_back(ShrinkOp<T, BT, BK, ST, RB>::entry("shrink_fp16" "_bt" #BT "_bk" #BK "_s" #ST "_r" #RB, kFP16))
+#define EXPAND(BT, BN) out.push_back(ExpandOp<T, BT, BN>::entry("expand_fp16" "_bt" #BT "_bn" #BN, kFP16))
+
+void register_atmm_fp16(std::vector<OpEntry>& out) {
+  // rank block RB = 2 (r <= 32), 4 (r <= 64), 8 (r <= 128)
+  SHRINK(16, 64, 4, 2);  SHRINK(16, 128, 3, 2);  SHRINK(32, 64, 4, 2);  SHRINK(32, 128, 3, 2);
+  SHRINK(64, 64, 4, 2);  SHRINK(64, 128, 3, 2);
+  SHRINK(16, 64, 4, 4);  SHRINK(16, 128, 3, 4);  SHRINK(32, 64, 4, 4);  SHRINK(32, 128, 3, 4);
+  SHRINK(64, 64, 4, 4);  SHRINK(64, 128, 3, 4);
+  SHRINK(16, 64, 4, 8);  SHRINK(16, 128, 3, 8);  SHRINK(32, 64, 4, 8);  SHRINK(32, 128, 3, 8);
+  EXPAND(16, 64);  EXPAND(16, 128);  EXPAND(16, 256);
+  EXPAND(32, 64);  EXPAND(32, 128);  EXPAND(32, 256);
+  EXPAND(64, 64);  EXPAND(64, 128);  EXPAND(128, 64);
+}
+
+}  // namespace valora

@@ -1,0 +1,226 @@
+"""Offline tile search: time every precompiled ATMM configuration per shape bucket, keep the best.
+
+For each bucket (h_in, h_out, rank stride, token bucket, segment bucket) a representative batch
+is built (T tokens spread uniformly over S adapters) and every shrink kernel of the menu that
+fits (rank block, shared-memory limit, BK multiple of 64, split-K with K chunks >= BK and a
+workspace that fits) is timed in a CUDA graph over rotating inputs; then every expand kernel
+with the winning split-K. The winners form the tile table, written as JSON keyed by GPU/arch/
+dtype (kernels/tile_tables/). A validation pass times shapes between buckets exhaustively and
+reports the gap between the table's pick (and the heuristic's) and the true best.
+
+    python -m kernels.tile_search --budget-s 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.atmm import AtmmPlan, config_id, extension, lora_weights_from_lists
+from kernels.tile_table import (SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable, heuristic_config, rank_block,
+                                segment_bucket, shape_key, table_filename)
+
+# Qwen2-VL-7B (q/o, k/v, gate/up, down) and LLaMA-7B projections
+MODEL_SHAPES = [(3584, 3584), (3584, 512), (3584, 18944), (18944, 3584), (4096, 4096), (4096, 11008),
+                (11008, 4096)]
+
+
+class Bench:
+    """One representative batch (rotating input sets) and timers for shrink/expand candidates."""
+
+    def __init__(self, h_in, h_out, rank, tokens, segments, dtype, seed=0):
+        self.ext = extension()
+        dev = torch.device("cuda")
+        rng = random.Random(seed)
+        slots = sorted(rng.randrange(segments) for _ in range(tokens))
+        slots[: min(tokens, segments)] = list(range(min(tokens, segments)))  # every adapter used
+        slots.sort()
+        set_bytes = 2 * tokens * (h_in + h_out) + 2 * segments * rank * (h_in + h_out)
+        self.nsets = int(min(8, max(2, math.ceil(120e6 / set_bytes))))
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.sets = []
+        for _ in range(self.nsets):
+            a = [(torch.randn(h_in, rank, device=dev, generator=g) / h_in ** 0.5).to(dtype) for _ in range(segments)]
+            b = [torch.randn(rank, h_out, device=dev, generator=g).to(dtype) for _ in range(segments)]
+            w = lora_weights_from_lists(a, b, [1.0] * segments)
+            self.sets.append((w, torch.randn(tokens, h_in, device=dev, dtype=dtype, generator=None),
+                              torch.randn(tokens, h_out, device=dev, dtype=dtype)))
+        self.plan = AtmmPlan(max_segments=max(64, segments), max_tokens=tokens, device=dev)
+        self.plan.update_from_token_slots(slots, self.sets[0][0].ranks)
+        self.h_in, self.tokens = h_in, tokens
+        torch.cuda.synchronize()
+
+    def _time(self, launch, ops=10, reps=10) -> float:
+        calls = [lambda i=i: launch(*self.sets[i % self.nsets]) for i in range(ops)]
+        for c in calls[:2]:
+            c()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        g.replay()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            out.append(s.elapsed_time(e) * 1e3 / ops)
+        return statistics.median(out)
+
+    def _args(self, w, x, y, split_k):
+        p = self.plan
+        return (y, x, p.meta, p.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table, p.workspace)
+
+    def time_shrink(self, cfg: dict, split_k: int) -> float:
+        p = self.plan
+        return self._time(lambda w, x, y: self.ext.atmm_shrink(
+            *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True))
+
+    def time_expand(self, cfg: dict, split_k: int) -> float:
+        p = self.plan
+        return self._time(lambda w, x, y: self.ext.atmm_expand(
+            *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True))
+
+    def time_pair(self, tc: TileConfig, dtype: str) -> float:
+        p = self.plan
+        sid = config_id(tc.shrink_name(dtype, rank_block(p.rank_stride)))
+        eid = config_id(tc.expand_name(dtype))
+        return self._time(lambda w, x, y: self.ext.atmm(
+            *self._args(w, x, y, tc.split_k), sid, eid, tc.split_k, p.rank_stride, p.tiles[tc.shrink_bt],
+            p.tiles[tc.expand_bt], True))
+
+
+def candidates(ext, dtype: str, rank_stride: int, h_in: int, tokens: int, ws_floats: int, smem_limit: int):
+    cfgs = ext.configs()
+    rb = rank_block(rank_stride)
+    shr = [c for c in cfgs if c["kind"] == "shrink" and c["dtype"] == dtype and c["rb"] == rb
+           and c["smem_r16"] <= smem_limit and c["bt"] <= max(16, 2 * tokens)]
+    exp = [c for c in cfgs if c["kind"] == "expand" and c["dtype"] == dtype and c["bt"] <= max(16, 2 * tokens)]
+    splits = [s for s in SPLIT_K_MENU if h_in // s >= 64 and s * tokens * rank_stride <= ws_floats]
+    return shr, exp, splits
+
+
+def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_limit: int):
+    dname = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    b = Bench(h_in, h_out, rank, tokens, segments, dtype)
+    rs = b.plan.rank_stride
+    shr, exp, splits = candidates(b.ext, dname, rs, h_in, tokens, b.plan.workspace.numel(), smem_limit)
+    shrink_times, expand_times = {}, {}
+    for c in shr:
+        for s in splits:
+            try:
+                shrink_times[(c["name"], s)] = (b.time_shrink(c, s), c, s)
+            except RuntimeError:  # e.g. over the shared-memory limit: pruned
+                pass
+    (st, sc, ss) = min(shrink_times.values(), key=lambda v: v[0])
+    for c in exp:
+        try:
+            expand_times[c["name"]] = (b.time_expand(c, ss), c)
+        except RuntimeError:
+            pass
+    (et, ec) = min(expand_times.values(), key=lambda v: v[0])
+    best = TileConfig(sc["bt"], sc["bk"], sc["stages"], ss, ec["bt"], ec["bn"])
+    pair = b.time_pair(best, dname)
+    return best, {"shrink_us": st, "expand_us": et, "pair_us": pair, "candidates": len(shrink_times) + len(expand_times),
+                  "tokens": tokens, "segments": segments, "rank": rank}, b
+
+
+def main() -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--shapes", default=",".join(f"{a}x{b}" for a, b in MODEL_SHAPES))
+    ap.add_argument("--ranks", default="16,64")
+    ap.add_argument("--tokens", default="16,64,256,1024,4096")
+    ap.add_argument("--segments", default="16,64", help="segment buckets (representative: bucket/2 adapters)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="stop searching after this many seconds")
+    ap.add_argument("--validate", type=int, default=12, help="off-bucket shapes to check exhaustively")
+    ap.add_argument("--out", default=None, help="table path (default kernels/tile_tables/<gpu>-<arch>-<dtype>.json)")
+    args = ap.parse_args()
+    if extension() is None:
+        raise SystemExit("needs CUDA and the built extension")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float16
+    props = torch.cuda.get_device_properties(0)
+    arch = f"sm{props.major}{props.minor}"
+    smem_limit = props.shared_memory_per_block_optin
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    toks = [int(t) for t in args.tokens.split(",")]
+    sbs = [int(s) for s in args.segments.split(",")]
+    buckets = [(hi, ho, r, t, s) for (hi, ho) in shapes for r in ranks for t in toks for s in sbs]
+    entries, stats = {}, {}
+    t_start = time.time()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
+        task = prog.add_task("tile search", total=len(buckets))
+        for hi, ho, r, t, sb in buckets:
+            if time.time() - t_start > args.budget_s:
+                prog.update(task, description="tile search (budget spent)")
+                break
+            segs = max(1, min(t, sb // 2))
+            if segment_bucket(segs) != sb:  # e.g. 16 tokens cannot fill the 64-segment bucket
+                prog.advance(task)
+                continue
+            prog.update(task, description=f"{hi}x{ho} r{r} T{t} S{segs}")
+            best, st, _ = search_bucket(hi, ho, r, t, segs, dtype, smem_limit)
+            key = shape_key(hi, ho, max(16, -(-r // 16) * 16), t, segs)
+            entries[key] = best
+            stats[key] = st
+            torch.cuda.empty_cache()
+            prog.advance(task)
+    table = TileTable(props.name, arch, args.dtype, entries,
+                      {"searched_buckets": len(entries), "seconds": round(time.time() - t_start, 1),
+                       "torch": torch.__version__, "cuda": torch.version.cuda, "bucket_stats": stats})
+    path = Path(args.out) if args.out else TABLE_DIR / table_filename(props.name, arch, args.dtype)
+    table.save(path)
+    print(f"table: {len(entries)} buckets -> {path}")
+
+    # validation: shapes between buckets, exhaustive best vs the table's pick and the heuristic
+    rng = random.Random(1)
+    val = []
+    for _ in range(args.validate):
+        hi, ho = rng.choice(shapes)
+        r = rng.choice(ranks)
+        t = rng.choice([24, 48, 96, 192, 384, 768, 1536, 3072])
+        segs = max(1, min(t, rng.choice([3, 6, 12, 24, 48])))
+        best, st, b = search_bucket(hi, ho, r, t, segs, dtype, smem_limit)
+        pick = table.lookup(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
+        heur = heuristic_config(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
+        dname = args.dtype
+        row = {"h_in": hi, "h_out": ho, "rank": r, "tokens": t, "segments": segs, "best": best.__dict__,
+               "best_us": st["pair_us"], "table_pick": pick.__dict__, "table_us": b.time_pair(pick, dname),
+               "heuristic_us": b.time_pair(heur, dname)}
+        row["table_gap"] = row["table_us"] / row["best_us"]
+        row["heuristic_gap"] = row["heuristic_us"] / row["best_us"]
+        val.append(row)
+        print(f"validate {hi}x{ho} r{r} T{t} S{segs}: best {row['best_us']:.2f} us, table {row['table_us']:.2f} "
+              f"({row['table_gap']:.2f}x), heuristic {row['heuristic_us']:.2f} ({row['heuristic_gap']:.2f}x)",
+              flush=True)
+        torch.cuda.empty_cache()
+    if val:
+        gaps = [v["table_gap"] for v in val]
+        hg = [v["heuristic_gap"] for v in val]
+        summary = {"table_gap_median": statistics.median(gaps), "table_gap_max": max(gaps),
+                   "heuristic_gap_median": statistics.median(hg), "heuristic_gap_max": max(hg)}
+        print(f"table pick vs true best: median {summary['table_gap_median']:.3f}x, max {summary['table_gap_max']:.3f}x;"
+              f" heuristic: median {summary['heuristic_gap_median']:.3f}x, max {summary['heuristic_gap_max']:.3f}x")
+        from bench.common import save  # noqa: PLC0415
+
+        save("tile_search", {"table_path": str(path), "buckets": len(entries), "validation": val,
+                             "summary": summary, "bucket_stats": stats})
+    print(json.dumps({"buckets": len(entries)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""ATMM tile table: shape bucket -> precompiled kernel configuration, one hash lookup at run time.
+
+Built offline by `kernels.tile_search` on the target GPU and stored as JSON under
+`kernels/tile_tables/<gpu>-<arch>-<dtype>.json`. Shapes absent from the table fall back to
+`heuristic_config`, which needs no measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TABLE_DIR = Path(__file__).resolve().parent / "tile_tables"
+SPLIT_K_MENU = (1, 2, 4, 8, 16, 32)
+NUM_SMS_DEFAULT = 132  # H100/H200 SXM
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One ATMM launch choice: shrink kernel (BT, BK, stages, RB), split-K, expand kernel (BT, BN)."""
+
+    shrink_bt: int
+    shrink_bk: int
+    shrink_stages: int
+    split_k: int
+    expand_bt: int
+    expand_bn: int
+
+    def shrink_name(self, dtype: str, rank_block: int) -> str:
+        d = "bf16" if dtype == "bfloat16" else "fp16"
+        return f"shrink_{d}_bt{self.shrink_bt}_bk{self.shrink_bk}_s{self.shrink_stages}_r{rank_block}"
+
+    def expand_name(self, dtype: str) -> str:
+        d = "bf16" if dtype == "bfloat16" else "fp16"
+        return f"expand_{d}_bt{self.expand_bt}_bn{self.expand_bn}"
+
+
+def rank_block(rank_stride: int) -> int:
+    """Shrink kernels are compiled for rank blocks of 32, 64 and 128 columns (RB = 2, 4, 8)."""
+    rb = max(2, -(-rank_stride // 16))
+    return 2 if rb <= 2 else 4 if rb <= 4 else 8
+
+
+def token_bucket(tokens: int) -> int:
+    """Next power of two (>= 1)."""
+    return 1 if tokens <= 1 else 1 << (tokens - 1).bit_length()
+
+
+def segment_bucket(segments: int) -> int:
+    """1, 4, 16, 64, 256 ...: next power of four."""
+    b = 1
+    while b < segments:
+        b *= 4
+    return b
+
+
+def shape_key(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int) -> str:
+    """The table's key for one ATMM call shape."""
+    return f"{h_in}x{h_out}/r{rank_stride}/t{token_bucket(tokens)}/s{segment_bucket(segments)}"
+
+
+def heuristic_config(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
+                     num_sms: int = NUM_SMS_DEFAULT) -> TileConfig:
+    """A reasonable config without measurements (used for shapes the table lacks)."""
+    segments = max(1, segments)
+    avg = tokens / segments
+    rb = rank_block(rank_stride)
+    sbt = 16 if avg <= 16 else 32 if avg <= 48 or rb == 8 else 64
+    tiles = max(1, min(math.ceil(tokens / sbt) + segments - 1, segments * math.ceil(max(avg, 1) / sbt)))
+    want = 2 * num_sms / tiles
+    split_k = 1
+    while split_k < want and split_k < 32 and h_in // (split_k * 2) >= 128:
+        split_k *= 2
+    ebt = 16 if avg <= 16 else 32 if avg <= 32 else 64
+    etiles = max(1, math.ceil(tokens / ebt)) * max(1, h_out // 128)
+    ebn = 128 if etiles >= 2 * num_sms else 64
+    return TileConfig(sbt, 64, 4, split_k, ebt, ebn)
+
+
+@dataclass
+class TileTable:
+    """Tile choices for one GPU and dtype, keyed by `shape_key`."""
+
+    gpu: str
+    arch: str
+    dtype: str
+    entries: dict[str, TileConfig]
+    meta: dict
+
+    def __post_init__(self) -> None:
+        # (h_in, h_out, rank_stride, segment bucket) -> sorted token buckets present, for shapes
+        # between measured buckets (the common case is the exact key: one dict lookup)
+        self._near: dict[tuple, list[int]] = {}
+        for key in self.entries:
+            shape, r, t, s = key.split("/")
+            h_in, h_out = shape.split("x")
+            self._near.setdefault((int(h_in), int(h_out), int(r[1:]), int(s[1:])), []).append(int(t[1:]))
+        for v in self._near.values():
+            v.sort()
+
+    def lookup(self, h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int) -> TileConfig:
+        """Entry for the call's bucket; else the nearest measured token bucket of the same shape,
+        rank and segment bucket; else `heuristic_config`."""
+        cfg = self.entries.get(shape_key(h_in, h_out, rank_stride, tokens, segments))
+        if cfg is not None:
+            return cfg
+        sb = segment_bucket(segments)
+        ts = self._near.get((h_in, h_out, rank_stride, sb))
+        if ts:
+            tb = token_bucket(tokens)
+            best = min(ts, key=lambda t: abs(math.log2(t) - math.log2(tb)))
+            return self.entries[shape_key(h_in, h_out, rank_stride, best, sb)]
+        return heuristic_config(h_in, h_out, rank_stride, tokens, segments)
+
+    def to_json(self) -> dict:
+        return {"gpu": self.gpu, "arch": self.arch, "dtype": self.dtype, "meta": self.meta,
+                "entries": {k: asdict(v) for k, v in sorted(self.entries.items())}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TileTable":
+        return cls(d["gpu"], d["arch"], d["dtype"], {k: TileConfig(**v) for k, v in d["entries"].items()},
+                   d.get("meta", {}))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "TileTable":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def table_filename(gpu: str, arch: str, dtype: str) -> str:
+    safe = "".join(c if c.isalnum() else "_" for c in gpu).strip("_").lower()
+    return f"{safe}-{arch}-{dtype}.json"
+
+
+def find_table(gpu: str, arch: str, dtype: str, directory: Path = TABLE_DIR) -> TileTable:
+    """The committed table for this GPU/arch/dtype, or an empty one (heuristics only)."""
+    path = directory / table_filename(gpu, arch, dtype)
+    if path.is_file():
+        return TileTable.load(path)
+    return TileTable(gpu, arch, dtype, {}, {"source": "empty: heuristic_config only"})

@@ -1,0 +1,179 @@
+"""CUDA ATMM and switch kernels vs the torch references on fresh random inputs (small grid).
+
+Skipped without CUDA or the built extension. Every config of the menu that fits is exercised.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kernels.atmm import AtmmPlan, atmm_, config_id, extension, lora_weights_from_lists
+from kernels.reference import SegmentPlan, multi_lora_reference_
+from kernels.switch import LoraTerm, SwitchPlan
+from kernels.tile_table import TileConfig, heuristic_config
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+EXT = extension()
+if EXT is None:
+    pytest.skip("kernels extension not built", allow_module_level=True)
+
+DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_case(tokens, ranks, h_in, h_out, dtype, seed, none_frac=0.1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = random.Random(seed)
+    n = len(ranks)
+    a = [(torch.randn(h_in, r, device="cuda", generator=g) / h_in**0.5).to(dtype) for r in ranks]
+    b = [(torch.randn(r, h_out, device="cuda", generator=g) / r**0.5).to(dtype) for r in ranks]
+    scales = [rnd.choice([0.5, 1.0, 2.0]) for _ in ranks]
+    slots = sorted(rnd.randrange(n) if rnd.random() > none_frac else -1 for _ in range(tokens))
+    rnd.shuffle(slots)
+    slots.sort(key=lambda s: (s < 0, s))  # grouped, -1 tokens at the end
+    x = torch.randn(tokens, h_in, device="cuda", generator=g).to(dtype)
+    y = torch.randn(tokens, h_out, device="cuda", generator=g).to(dtype)
+    return a, b, scales, slots, x, y
+
+
+def reference(y, x, slots, a, b, scales):
+    out = y.float().clone()
+    plan = SegmentPlan.from_token_slots(slots)
+    multi_lora_reference_(out, x.float(), plan, [t.float() for t in a], [t.float() for t in b], scales)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens,ranks,h_in,h_out", [
+    (1, [16], 4096, 4096),
+    (16, [8, 16, 32, 64], 3584, 512),
+    (37, [16] * 8, 1024, 2048),
+    (300, [8, 16, 32, 64], 4096, 1024),
+    (257, [128, 8], 2048, 1024),
+    (1024, [16] * 3, 1024, 4096),
+])
+def test_atmm_matches_reference_default_tiles(dtype, tokens, ranks, h_in, h_out):
+    dt = DT[dtype]
+    a, b, scales, slots, x, y = make_case(tokens, ranks, h_in, h_out, dt, seed=tokens * 7 + len(ranks))
+    w = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(max_segments=16, max_tokens=2048, device="cuda").update_from_token_slots(slots, w.ranks)
+    want = reference(y, x, slots, a, b, scales)
+    got = y.clone()
+    atmm_(got, x, plan, w)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got.float()).all()
+    # y is rounded once (bf16 eps 2^-8): error relative to y stays at rounding level
+    assert rel_err(got, want) < (4e-3 if dt == torch.bfloat16 else 1e-3)
+    # untouched rows (slot -1) are bit-identical
+    none_rows = [i for i, s in enumerate(slots) if s < 0]
+    if none_rows:
+        assert torch.equal(got[none_rows], y[none_rows])
+
+
+def test_atmm_every_config_and_split_k():
+    dt = torch.bfloat16
+    a, b, scales, slots, x, y = make_case(150, [8, 16, 32, 64, 128], 1024, 1024, dt, seed=11)
+    w = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(max_segments=8, max_tokens=256, device="cuda").update_from_token_slots(slots, w.ranks)
+    want = reference(y, x, slots, a, b, scales)
+    delta_ref = want - y.float()
+    cfgs = [c for c in EXT.configs() if c["dtype"] == "bfloat16"]
+    for sh in [c for c in cfgs if c["kind"] == "shrink" and c["rb"] == 8]:
+        for split_k in (1, 3, 8):
+            got = y.clone()
+            EXT.atmm(got, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table,
+                     plan.workspace, sh["id"], config_id("expand_bf16_bt16_bn64"), split_k, plan.rank_stride,
+                     plan.tiles[sh["bt"]], plan.tiles[16], True)
+            torch.cuda.synchronize()
+            assert rel_err(got.float() - y.float(), delta_ref) < 2e-2, (sh["name"], split_k)
+            assert rel_err(got, want) < 4e-3, (sh["name"], split_k)
+    for ex in [c for c in cfgs if c["kind"] == "expand"]:
+        got = y.clone()
+        EXT.atmm(got, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table, plan.workspace,
+                 config_id("shrink_bf16_bt16_bk64_s4_r8"), ex["id"], 2, plan.rank_stride, plan.tiles[16],
+                 plan.tiles[ex["bt"]], False)
+        torch.cuda.synchronize()
+        assert rel_err(got, want) < 4e-3, ex["name"]
+
+
+def test_atmm_cuda_graph_replays_new_plans():
+    dt = torch.bfloat16
+    a, b, scales, slots, x, y = make_case(64, [16, 32, 8], 1024, 768, dt, seed=5)
+    w = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(max_segments=8, max_tokens=64, device="cuda").update_from_token_slots(slots, w.ranks)
+    cfg = heuristic_config(1024, 768, 32, 64, 3)
+    out = y.clone()
+    atmm_(out, x, plan, w, config=cfg)  # warm-up (JIT, attributes)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        atmm_(out, x, plan, w, config=cfg)
+    for seed in range(3):
+        rnd = random.Random(seed)
+        new_slots = sorted(rnd.choice([-1, 0, 1, 2]) for _ in range(64))
+        plan.update_from_token_slots(new_slots, w.ranks)
+        out.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(y, x, new_slots, a, b, scales)) < 4e-3
+
+
+def test_atmm_binding_rejects_bad_inputs():
+    a, b, scales, slots, x, y = make_case(16, [16], 256, 256, torch.bfloat16, seed=1)
+    w = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(max_segments=4, max_tokens=16, device="cuda").update_from_token_slots(slots, w.ranks)
+    args = (plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table, plan.workspace,
+            config_id("shrink_bf16_bt16_bk64_s4_r2"), config_id("expand_bf16_bt16_bn64"), 1, 16, 1, 1, False)
+    with pytest.raises(RuntimeError, match="x is"):
+        EXT.atmm(y, x.half(), *args)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        EXT.atmm(y.cpu(), x.cpu(), *args)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        EXT.atmm(y, x.t().contiguous().t(), *args)
+    with pytest.raises(RuntimeError, match="tokens"):
+        EXT.atmm(y[:8], x, *args)
+    bad = list(args)
+    bad[7] = config_id("expand_bf16_bt16_bn64")
+    with pytest.raises(RuntimeError, match="kind"):
+        EXT.atmm(y, x, *bad)
+    bad = list(args)
+    bad[7] = config_id("shrink_fp16_bt16_bk64_s4_r2")
+    with pytest.raises(RuntimeError, match="dtype"):
+        EXT.atmm(y, x, *bad)
+
+
+@pytest.mark.parametrize("config", ["switch_bf16_bm64_bn128", "switch_bf16_bm128_bn64", "switch_bf16_bm32_bn256"])
+def test_switch_matches_reference(config):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    shapes = [(512, 256), (1000, 264), (256, 1024)]
+    ws = [torch.randn(m, n, device="cuda", generator=g).bfloat16() for m, n in shapes]
+    def term(m, n, r, s):
+        return LoraTerm((torch.randn(n, r, device="cuda", generator=g) * 0.05).bfloat16(),
+                        (torch.randn(r, m, device="cuda", generator=g) * 0.05).bfloat16(), s)
+    new = [term(m, n, r, 0.7) for (m, n), r in zip(shapes, [16, 8, 64])]
+    old = [term(m, n, r, -1.5) for (m, n), r in zip(shapes, [8, 128, 16])]
+    want = []
+    for w, tn, to in zip(ws, new, old):
+        d = tn.scale * (tn.a.float() @ tn.b.float()).t() + to.scale * (to.a.float() @ to.b.float()).t()
+        want.append((w.float() + d).bfloat16())
+    got = [w.clone() for w in ws]
+    SwitchPlan(got, new, old, config=config).run()
+    torch.cuda.synchronize()
+    for gw, ww, w0 in zip(got, want, ws):
+        diff = (gw.float() - ww.float()).abs()
+        # one rounding of the same fp32 value: at most one bf16 ulp apart
+        assert (diff <= ww.float().abs() * 2**-7 + 1e-6).all()
+        assert not torch.equal(gw, w0)
+    single = [w.clone() for w in ws]
+    SwitchPlan(single, new, config=config).run()
+    torch.cuda.synchronize()
+    for gw, w0, tn in zip(single, ws, new):
+        want1 = (w0.float() + tn.scale * (tn.a.float() @ tn.b.float()).t()).bfloat16()
+        assert ((gw.float() - want1.float()).abs() <= want1.float().abs() * 2**-7 + 1e-6).all()

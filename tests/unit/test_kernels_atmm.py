@@ -1,0 +1,178 @@
+"""CPU tests of what the ATMM/switch Python wrappers plan: segment metadata, tile table, fallback."""
+
+import json
+
+import pytest
+import torch
+
+from kernels.atmm import BT_MENU, AtmmPlan, LoraWeights, atmm_, lora_weights_from_lists
+from kernels.reference import SegmentPlan, multi_lora_reference_
+from kernels.switch import LoraTerm, SwitchPlan, merge_, switch_, unmerge_
+from kernels.tile_table import (TileConfig, TileTable, heuristic_config, rank_block, segment_bucket, shape_key,
+                                table_filename, token_bucket)
+
+
+def weights(ranks, h_in=32, h_out=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = [torch.randn(h_in, r, generator=g) for r in ranks]
+    b = [torch.randn(r, h_out, generator=g) for r in ranks]
+    return a, b
+
+
+def test_plan_metadata_layout_and_tiles():
+    plan = AtmmPlan(max_segments=6, max_tokens=200)
+    ranks = [16, 8, 64, 0]
+    plan.update([0, 20, 21, 70, 150], [0, -1, 1, 2], ranks)
+    cap = 6
+    meta = plan.meta.tolist()
+    assert meta[0] == 4
+    assert meta[1:6] == [0, 20, 21, 70, 150]
+    assert meta[2 + cap:2 + cap + 4] == [0, -1, 1, 2]
+    for i, bt in enumerate(BT_MENU):
+        base = 2 + 2 * cap + i * (cap + 1)
+        counts = [-(-20 // bt), 0, -(-49 // bt), -(-80 // bt)]
+        want = [0, counts[0], counts[0], counts[0] + counts[2], sum(counts)]
+        assert meta[base:base + 5] == want
+        assert plan.tiles[bt] == sum(counts)
+    assert plan.rank_stride == 64  # max rank among used slots, multiple of 16
+    assert plan.active_segments == 3 and plan.num_tokens == 150
+
+
+def test_plan_rejects_bad_segments():
+    plan = AtmmPlan(max_segments=2, max_tokens=10)
+    with pytest.raises(ValueError, match="capacity"):
+        plan.update([0, 1, 2, 3], [0, 0, 0], [8])
+    with pytest.raises(ValueError, match="capacity"):
+        plan.update([0, 11], [0], [8])
+    with pytest.raises(ValueError, match="holds no adapter"):
+        plan.update([0, 4], [1], [8])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        plan.update([0, 5, 3], [0, 0], [8])
+    with pytest.raises(ValueError, match="len"):
+        plan.update([0, 5], [0, 0], [8])
+
+
+def test_weights_check_shapes_dtype_and_rank():
+    w = LoraWeights(2, 32, 24, torch.bfloat16)
+    with pytest.raises(ValueError, match="A must be"):
+        w.set(0, torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(ValueError, match="B must be"):
+        w.set(0, torch.zeros(32, 8, dtype=torch.bfloat16), torch.zeros(16, 24, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        w.set(0, torch.zeros(32, 12, dtype=torch.bfloat16), torch.zeros(12, 24, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(ValueError, match="bfloat16"):
+        w.set(0, torch.zeros(32, 8), torch.zeros(8, 24), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        w.set(0, torch.zeros(8, 32, dtype=torch.bfloat16).t(), torch.zeros(8, 24, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(IndexError):
+        w.set(5, torch.zeros(32, 8, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16), 1.0)
+    w.set(1, torch.zeros(32, 16, dtype=torch.bfloat16), torch.zeros(16, 24, dtype=torch.bfloat16), 0.5)
+    assert w.ranks == [0, 16] and w.rank_table.tolist() == [0, 16] and w.scale_table.tolist() == [0.0, 0.5]
+    assert w.a_ptrs[1].item() == w.a[1].data_ptr()
+    w.clear(1)
+    assert w.ranks == [0, 0] and w.a_ptrs.tolist() == [0, 0]
+
+
+def test_atmm_falls_back_to_reference_on_cpu():
+    a, b = weights([8, 16, 32])
+    a16 = [t.bfloat16() for t in a]
+    b16 = [t.bfloat16() for t in b]
+    w = lora_weights_from_lists(a16, b16, [0.5, 1.0, 2.0])
+    slots = [0, 0, 2, 2, 2, -1, 1]
+    plan = AtmmPlan(8, 16).update_from_token_slots(slots, w.ranks)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 32, generator=g).bfloat16()
+    y = torch.randn(7, 24, generator=g).bfloat16()
+    want = multi_lora_reference_(y.clone(), x, SegmentPlan.from_token_slots(slots), a16, b16, [0.5, 1.0, 2.0])
+    got = atmm_(y.clone(), x, plan, w)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="plan covers"):
+        atmm_(y[:3].clone(), x[:3], plan, w)
+    with pytest.raises(ValueError, match="features"):
+        atmm_(y, x[:, :16], plan, w)
+
+
+def test_tile_table_keys_buckets_and_lookup(tmp_path):
+    assert [token_bucket(t) for t in (1, 2, 3, 16, 17, 1000)] == [1, 2, 4, 16, 32, 1024]
+    assert [segment_bucket(s) for s in (1, 2, 4, 5, 16, 17, 64)] == [1, 4, 4, 16, 16, 64, 64]
+    assert [rank_block(r) for r in (16, 32, 48, 64, 80, 128)] == [2, 2, 4, 4, 8, 8]
+    assert shape_key(4096, 4096, 16, 100, 8) == "4096x4096/r16/t128/s16"
+    cfg_a = TileConfig(16, 64, 4, 8, 16, 64)
+    cfg_b = TileConfig(64, 128, 3, 1, 64, 128)
+    t = TileTable("NVIDIA H200", "sm90", "bfloat16",
+                  {shape_key(4096, 4096, 16, 16, 8): cfg_a, shape_key(4096, 4096, 16, 1024, 8): cfg_b}, {})
+    assert t.lookup(4096, 4096, 16, 16, 8) is cfg_a       # exact bucket: one dict lookup
+    assert t.lookup(4096, 4096, 16, 12, 5) is cfg_a       # same bucket
+    assert t.lookup(4096, 4096, 16, 700, 8) is cfg_b      # nearest measured token bucket
+    assert t.lookup(4096, 4096, 16, 40, 8) is cfg_a
+    assert t.lookup(1024, 4096, 16, 40, 8) == heuristic_config(1024, 4096, 16, 40, 8)  # unknown shape
+    path = tmp_path / table_filename("NVIDIA H200", "sm90", "bfloat16")
+    t.save(path)
+    assert path.name == "nvidia_h200-sm90-bfloat16.json"
+    back = TileTable.load(path)
+    assert back.entries == t.entries and back.lookup(4096, 4096, 16, 700, 8) == cfg_b
+    assert json.loads(path.read_text())["gpu"] == "NVIDIA H200"
+
+
+def test_heuristic_configs_exist_in_the_menu():
+    # every heuristic pick must name a compiled configuration (names follow the .cu menu)
+    import re
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "atmm_bf16.cu").read_text()
+    shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
+    expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
+    for h_in, h_out in [(4096, 4096), (3584, 512), (18944, 3584)]:
+        for rs in (16, 32, 64, 128):
+            for tokens in (1, 7, 16, 64, 300, 1024, 8192):
+                for segs in (1, 8, 64):
+                    c = heuristic_config(h_in, h_out, rs, tokens, min(tokens, segs))
+                    assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, rank_block(rs)) in shrink
+                    assert (c.expand_bt, c.expand_bn) in expand
+                    assert c.split_k >= 1 and h_in // c.split_k >= 64
+
+
+def test_committed_tile_tables_name_compiled_configs():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "kernels"
+    src = (root / "csrc" / "atmm_bf16.cu").read_text()
+    shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
+    expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
+    for path in (root / "tile_tables").glob("*.json"):
+        t = TileTable.load(path)
+        for key, c in t.entries.items():
+            rs = int(key.split("/")[1][1:])
+            assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, rank_block(rs)) in shrink, key
+            assert (c.expand_bt, c.expand_bn) in expand, key
+
+
+def test_switch_fallback_is_unmerge_then_merge():
+    g = torch.Generator().manual_seed(2)
+    w0 = [torch.randn(24, 32, generator=g).bfloat16(), torch.randn(16, 40, generator=g).bfloat16()]
+    def term(out, inp, r, s):
+        return LoraTerm(torch.randn(inp, r, generator=g).bfloat16(), torch.randn(r, out, generator=g).bfloat16(), s)
+    m = [term(24, 32, 8, 2.0), term(16, 40, 16, 2.0)]
+    n = [term(24, 32, 16, 0.5), term(16, 40, 8, 0.5)]
+    ws = [w.clone() for w in w0]
+    merge_(ws, m)
+    for w, base, t in zip(ws, w0, m):
+        want = (base.float() + t.scale * (t.a.float() @ t.b.float()).t()).bfloat16()
+        assert torch.equal(w, want)
+    switch_(ws, n, m)
+    unmerge_(ws, n)
+    for w, base in zip(ws, w0):  # back to the base up to bf16 rounding of the intermediate states
+        assert (w.float() - base.float()).abs().max() < 0.5
+
+
+def test_switch_plan_checks_shapes():
+    w = [torch.zeros(24, 32, dtype=torch.bfloat16)]
+    bad = [LoraTerm(torch.zeros(24, 8, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), 1.0)]
+    with pytest.raises(ValueError, match="A must be"):
+        SwitchPlan(w, bad)
+    odd = [LoraTerm(torch.zeros(32, 4, dtype=torch.bfloat16), torch.zeros(4, 24, dtype=torch.bfloat16), 1.0)]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        SwitchPlan(w, odd)
+    with pytest.raises(ValueError, match="one term per"):
+        SwitchPlan(w, [])
