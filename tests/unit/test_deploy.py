@@ -490,7 +490,7 @@ def render_chart(values: dict, name: str = "valora", namespace: str = "valora") 
             yaml.safe_dump(values, fh)
         try:
             result = subprocess.run(
-                [helm, "template", name, str(CHART), "-n", namespace, "-f", fh.name],
+                [helm, "template", name, str(CHART), "-n", namespace, "-f", fh.name, "--kube-version", "1.29.0"],
                 capture_output=True, text=True, timeout=120,
             )
         finally:
