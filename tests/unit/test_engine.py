@@ -4,6 +4,7 @@ pool and the switcher (merged / mixture modes, drift-free switching)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -26,6 +27,8 @@ from services.worker.testing import random_adapter_bundle, write_peft_dir
 A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
 LABELS = ["red", "green", "blue", "yellow"]
 MAX_NEW = 10
+# The same checks run on a GPU with VALORA_TEST_DEVICE=cuda (fp32, so PEFT agrees token for token).
+DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
 
 
 def image(seed: int, size: int = 56) -> Image.Image:
@@ -48,7 +51,7 @@ def bundles(model_path):
 
 @pytest.fixture(scope="module")
 def engine(model_path, bundles):
-    eng = Engine(EngineConfig(model_path=model_path, max_batch_size=8, device_slots=3,
+    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3,
                               default_max_new_tokens=MAX_NEW, max_waiting=64))
     eng.start()
     for name, b in bundles.items():
@@ -59,14 +62,14 @@ def engine(model_path, bundles):
 
 def peft_generate(model_path, bundle, img, prompt, tmp_path, max_new=MAX_NEW) -> list[int]:
     """Greedy tokens from HF generate on a fresh model, PEFT applying `bundle` (None: base)."""
-    model = load_model(model_path)
+    model = load_model(model_path, DEVICE)
     if bundle is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, write_peft_dir(bundle, tmp_path / f"peft-{bundle.sha256[:8]}")).eval()
     from services.worker.model import load_processor
 
-    inputs = build_inputs(load_processor(model_path), [img], prompt)
+    inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -127,12 +130,12 @@ def test_label_request_returns_reference_argmax(engine, model_path, bundles, tmp
     img = image(5)
     _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B,
                                        output_kind=OutputKind.LABEL, head="color"))
-    model = PeftModel.from_pretrained(load_model(model_path), write_peft_dir(bundles[B], tmp_path / "b")).eval()
+    model = PeftModel.from_pretrained(load_model(model_path, DEVICE), write_peft_dir(bundles[B], tmp_path / "b")).eval()
     from services.worker.model import load_processor
 
-    inputs = build_inputs(load_processor(model_path), [img], "What color is it?")
+    inputs = build_inputs(load_processor(model_path), [img], "What color is it?").to(DEVICE)
     with torch.no_grad():
-        hidden = model.base_model.model.model(**inputs).last_hidden_state[0, -1]
+        hidden = model.base_model.model.model(**inputs).last_hidden_state[0, -1].cpu()
     w = parse_bundle(B, "", bundles[B].data, bundles[B].config_json, engine.shapes).heads["color"]
     probs = torch.softmax(hidden @ w[0].t() + w[1], dim=-1)
     assert r.finish_reason == FinishReason.LABEL and r.mode == Mode.UNMERGED
