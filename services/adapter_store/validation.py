@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,13 +93,17 @@ class BundleChecker:
 
 def _reject_non_safetensors(data: bytes | bytearray) -> None:
     """A safetensors file is an 8-byte little-endian length then a JSON object. Pickles and
-    PyTorch zip checkpoints are named as such (and never loaded)."""
+    PyTorch zip checkpoints are named as such (and never loaded). The length prefix is checked
+    first: a real header length may well start with byte 0x80, pickle's PROTO opcode."""
+    if len(data) >= 9:
+        (n,) = struct.unpack("<Q", bytes(data[:8]))
+        if 8 + n <= len(data) and data[8:9] == b"{":
+            return
     if data[:1] == _PICKLE_PROTO or data[:4] == _ZIP_MAGIC:
         raise InvalidAdapter("bundle is a pickle / PyTorch checkpoint, not safetensors; pickles are never loaded",
                              reason="NOT_SAFETENSORS")
-    if len(data) >= 9 and data[8:9] != b"{":
-        raise InvalidAdapter("bundle is not a safetensors file (no JSON header after the length prefix)",
-                             reason="NOT_SAFETENSORS")
+    raise InvalidAdapter("bundle is not a safetensors file (no JSON header after the length prefix)",
+                         reason="NOT_SAFETENSORS")
 
 
 def _merge_heads(declared: tuple[Head, ...], in_bundle: dict[str, int]) -> tuple[Head, ...]:
