@@ -25,7 +25,8 @@ class GatewaySettings(ServiceSettings):
     adapter_store_address: str = Field(
         "127.0.0.1:50053", description="Adapter store address (AdapterStoreService + registry AdminService).")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="Keys accepted for inference. No keys at all (here and admin_keys) = auth off.")
+        default_factory=list,
+        description="Keys accepted for inference. No keys at all (here and admin_keys) = auth off.")
     admin_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Keys accepted for admin RPCs (and inference).")
 

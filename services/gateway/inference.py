@@ -143,7 +143,8 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
                 raise errors.invalid_field("input.task", f"{reference} has no task head; use OUTPUT_KIND_TEXT")
             heads = {h.name for h in version.heads}
             if heads and head not in heads:
-                raise errors.FailedPrecondition(f"{version.name} carries no head {head!r}", reason="HEAD_NOT_IN_VERSION")
+                raise errors.FailedPrecondition(f"{version.name} carries no head {head!r}",
+                                                reason="HEAD_NOT_IN_VERSION")
         return Target(adapter=adapter, head=head)
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:

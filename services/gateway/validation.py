@@ -56,7 +56,8 @@ def _name_violation(fn, value: str, field_path: str) -> list[FieldViolation]:
     return []
 
 
-def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str = "input") -> list[FieldViolation]:
+def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
+                prefix: str = "input") -> list[FieldViolation]:
     """Every violation that needs no decoding and no registry lookup."""
     out: list[FieldViolation] = []
     if not inp.prompt and not inp.images:

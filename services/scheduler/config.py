@@ -25,15 +25,18 @@ def split_list(value: object) -> object:
 class SchedulerSettings(ServiceSettings):
     worker_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Worker gRPC addresses (host:port), comma-separated or JSON list.")
-    max_queue: int = Field(256, ge=0, description="Requests waiting for a worker; past it Submit is RESOURCE_EXHAUSTED.")
+    max_queue: int = Field(
+        256, ge=0, description="Requests waiting for a worker; past it Submit is RESOURCE_EXHAUSTED.")
     retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay suggested when the queue is full.")
     status_poll_s: float = Field(1.0, gt=0, description="Seconds between GetWorkerStatus polls of each worker.")
     status_timeout_s: float = Field(2.0, gt=0, description="Deadline of one GetWorkerStatus poll.")
-    max_attempts: int = Field(3, ge=1, description="Workers tried for one request when they fail before the first token.")
+    max_attempts: int = Field(
+        3, ge=1, description="Workers tried for one request when they fail before the first token.")
     default_max_batch_size: int = Field(
         8, ge=1, description="Capacity assumed for a healthy worker that reports max_batch_size 0.")
     mode_switch_timeout_s: float = Field(30.0, gt=0, description="Deadline of one SetMode call to a worker.")
-    dispatch_tick_s: float = Field(0.25, gt=0, description="Longest the dispatcher sleeps before re-checking deadlines.")
+    dispatch_tick_s: float = Field(
+        0.25, gt=0, description="Longest the dispatcher sleeps before re-checking deadlines.")
 
     @field_validator("worker_addresses", mode="before")
     @classmethod

@@ -121,9 +121,9 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                         f"worker {worker} failed after output started ({code.name}); not replayed",
                         reason="WORKER_FAILED_MID_STREAM") from None
                 log.warning("worker_failed_before_first_token", worker=worker, code=code.name, attempt=attempt)
-                if attempt >= self.max_attempts:
-                    raise errors.from_rpc_error(err) from None
                 pending.excluded.add(worker)
+                if attempt >= self.max_attempts or set(self.pool.workers) <= pending.excluded:
+                    raise errors.from_rpc_error(err) from None  # no worker left to try: its own status
                 self.dispatcher.requeue(pending)
             finally:
                 call.cancel()
