@@ -126,7 +126,9 @@ def inspect_image(data: bytes, max_pixels: int) -> str | None:
             im.load()  # catches truncated data that verify() lets through
     except Image.DecompressionBombError as exc:
         return f"too many pixels: {exc}"
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
+    except UnidentifiedImageError:
+        return f"not a recognised image (expected one of {sorted(FORMATS)})"
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
         return f"cannot decode image: {type(exc).__name__}: {exc}"
     return None
 

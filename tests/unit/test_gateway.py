@@ -11,6 +11,7 @@ import zlib
 
 import grpc
 import pytest
+import structlog.testing
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from PIL import Image
@@ -327,6 +328,13 @@ async def test_admin_rpcs_are_forwarded_without_credentials():
 
 
 async def test_auth():
+    with structlog.testing.capture_logs() as logs:
+        env = await _check_auth()
+    assert env.store.uploaded == b""  # the refused upload never reached the store
+    assert logs and not any(k in repr(line) for line in logs for k in (API_KEY, ADMIN_KEY, "wrong"))
+
+
+async def _check_auth():
     async with gateway(api_keys=[API_KEY], admin_keys=[ADMIN_KEY]) as env:
         def bearer(key):
             return (("authorization", f"Bearer {key}"),)
@@ -366,9 +374,18 @@ async def test_auth():
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         health = await health_pb2_grpc.HealthStub(env.channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert env.store.uploaded == b""  # the refused upload never reached the store
+    return env
 
 
 async def test_auth_off_without_keys(gw):
     status = await gw.admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest())
     assert status.queued_requests == 2
+
+
+def test_settings_lists_from_env(monkeypatch):
+    monkeypatch.setenv("VALORA_API_KEYS", "k1, k2")
+    monkeypatch.setenv("VALORA_ADMIN_KEYS", '["a1"]')
+    s = GatewaySettings()
+    assert [k.get_secret_value() for k in s.api_keys] == ["k1", "k2"]
+    assert [k.get_secret_value() for k in s.admin_keys] == ["a1"]
+    assert "k1" not in repr(s)  # secrets never show up in logs of the settings

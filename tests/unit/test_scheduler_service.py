@@ -236,3 +236,10 @@ async def test_mode_command_is_applied_before_the_request_runs():
         out = await collect(stub, submit_request("r1"))
     assert out[-1].result.text == "hello"
     assert w.events == [f"set_mode INFERENCE_MODE_MIXTURE {other}", f"generate {ADAPTER}"]
+
+
+def test_worker_addresses_from_env(monkeypatch):
+    monkeypatch.setenv("VALORA_WORKER_ADDRESSES", "10.0.0.1:50061,10.0.0.2:50061")
+    assert SchedulerSettings().worker_addresses == ["10.0.0.1:50061", "10.0.0.2:50061"]
+    monkeypatch.setenv("VALORA_WORKER_ADDRESSES", '["w-0.workers:50061"]')
+    assert SchedulerSettings().worker_addresses == ["w-0.workers:50061"]
