@@ -56,6 +56,8 @@ MODULES = {
 # Settings the deployment sets ahead of the services: a missing field is reported as an
 # expected failure, not an error.
 PENDING_FIELDS = {"VALORA_METRICS_PORT"}
+# VALORA_* variables read outside the settings classes, with the file that reads them.
+EXTERNAL_ENV = {"VALORA_KERNELS_CACHE": "kernels/build.py"}
 
 METRICS = [
     "valora:num_requests_running",
@@ -127,7 +129,12 @@ def check_env_names(component: str, names: set[str]) -> None:
     cls = settings_class(component)
     if cls is None:
         pytest.skip(f"{component}: no settings class importable yet ({', '.join(SETTINGS[component])})")
-    missing = {n for n in names if n.startswith("VALORA_")} - env_fields(cls)
+    external = set()
+    for name, reader in EXTERNAL_ENV.items():
+        if name in names:
+            assert name in (ROOT / reader).read_text(), f"{reader} no longer reads {name}"
+            external.add(name)
+    missing = {n for n in names if n.startswith("VALORA_")} - env_fields(cls) - external
     hard = sorted(missing - PENDING_FIELDS)
     assert not hard, f"{component}: {cls.__module__}.{cls.__name__} has no field for {hard}"
     if missing:
@@ -375,7 +382,7 @@ def dockerfile_stages() -> set[str]:
 
 def test_dockerfile_stages_and_pinned_bases():
     instructions = dockerfile_instructions()
-    assert dockerfile_stages() == {"cpu", "worker-build", "worker"}
+    assert dockerfile_stages() == {"cpu", "worker"}
     args = dict(rest.split("=", 1) for op, rest in instructions if op == "ARG" and "=" in rest)
     for op, rest in instructions:
         if op == "FROM":
@@ -386,6 +393,9 @@ def test_dockerfile_stages_and_pinned_bases():
     assert "--exclude torch transformers peft" in run_lines, "the cpu image must not install torch"
     env_lines = " ".join(rest for op, rest in instructions if op == "ENV")
     assert "HF_HUB_OFFLINE=1" in env_lines, "weights are never downloaded at run time"
+    worker_from = next(rest for op, rest in instructions if op == "FROM" and rest.endswith("AS worker"))
+    assert "DEVEL" in worker_from, "kernels/build.py needs nvcc in the worker image (JIT build)"
+    assert "VALORA_KERNELS_CACHE=" in env_lines
     users = [rest for op, rest in instructions if op == "USER"]
     assert users and all(u.split(":")[0].isdigit() and u != "0" for u in users), users
 
