@@ -49,6 +49,7 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         md = dict(context.invocation_metadata())
         self.calls.append((request.item.request_id, md.get(REQUEST_ID_KEY, "")))
         self.events.append(f"generate {request.item.adapter.version}")
+        self.remaining = context.time_remaining()
         if self.fail_before_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died")
         if self.hang:
@@ -120,12 +121,13 @@ async def wait_until(predicate, timeout=5.0):
 async def test_submit_relays_deltas_and_result_with_worker_and_queue_time():
     w = FakeWorker()
     async with cluster(w) as stub:
-        out = await collect(stub, submit_request("req-7"))
+        out = await collect(stub, submit_request("req-7"), timeout=7)
     assert [r.text_delta for r in out] == ["hel", "lo", ""]
     result = out[-1].result
     assert result.text == "hello" and result.worker == w.address and result.request_id == "req-7"
     assert result.timing.queue_ms >= 1.0  # the worker's own 1.0 plus the scheduler's queue time
     assert w.calls == [("req-7", "req-7")]
+    assert 0 < w.remaining <= 8  # Submit's deadline travelled to the worker call
 
 
 async def test_queue_full_is_resource_exhausted_with_retry_info():
