@@ -217,9 +217,10 @@ class ValoraClient:
         return r.etag
 
     def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
-                    accuracy_threshold: float = 0.0) -> resources_pb2.Task:
+                    accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0) -> resources_pb2.Task:
         r = self._call(self._admin.CreateTask, admin_pb.CreateTaskRequest(task_id=task_id, task=resources_pb2.Task(
-            adapter=adapter, head=head, description=description, accuracy_threshold=accuracy_threshold)),
+            adapter=adapter, head=head, description=description, accuracy_threshold=accuracy_threshold,
+            measured_accuracy=measured_accuracy)),
             self._admin_key)
         return r.task
 

@@ -31,6 +31,9 @@ class AdapterState:
 
     lora: LoraWeights
     heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Per-task (mean, std) of the hidden state when the head was created: training runs the head
+    # on standardised features (well-conditioned); `heads` always holds the folded raw-space head.
+    norms: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -98,14 +101,19 @@ class TorchTrainer:
         self.base.set_lora_enabled(True)
         self.base.load_lora(state.lora)
         heads = nn.ModuleDict()
+        norms = dict(state.norms)
         for t in tasks:
             head = nn.Linear(self.base.hidden_size, len(self.tasks[t].labels))
             # A task new to this adapter starts from a linear probe on the adapter's current
             # features (LP-FT); the LoRA weights and every head then train jointly.
-            w, b = state.heads[t] if t in state.heads else self.fit_head(t)
-            with torch.no_grad():
-                head.weight.copy_(w)
-                head.bias.copy_(b)
+            if t in state.heads:
+                w, b = state.heads[t]
+            else:
+                w, b, norms[t] = self.fit_head(t)
+            mu, sd = norms[t]
+            with torch.no_grad():  # raw-space head -> standardised-space head
+                head.weight.copy_(w * sd)
+                head.bias.copy_(b + w @ mu)
             heads[t] = head
         rng = np.random.default_rng(seed)
         plan: list[tuple[str, np.ndarray]] = []
@@ -130,7 +138,7 @@ class TorchTrainer:
         ys = {t: self.targets(t, "train") for t in tasks}
         for step, (t, idx) in enumerate(plan):
             idx_t = torch.as_tensor(idx)
-            h = self.base.head_features(templates[t], feats[t][idx_t])
+            h = (self.base.head_features(templates[t], feats[t][idx_t]) - norms[t][0]) / norms[t][1]
             loss = F.cross_entropy(heads[t](h), ys[t][idx_t])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -139,9 +147,12 @@ class TorchTrainer:
             if self.progress is not None:
                 self.progress(step + 1, total)
         new_heads = dict(state.heads)
-        for t in tasks:
-            new_heads[t] = (heads[t].weight.detach().clone(), heads[t].bias.detach().clone())
-        return AdapterState(lora=self.base.read_lora(), heads=new_heads)
+        with torch.no_grad():
+            for t in tasks:
+                mu, sd = norms[t]
+                w = heads[t].weight / sd
+                new_heads[t] = (w.clone(), (heads[t].bias - w @ mu).clone())
+        return AdapterState(lora=self.base.read_lora(), heads=new_heads, norms=norms)
 
     def validate(self, state: AdapterState, tasks: Sequence[str], split: str = "val") -> dict[str, float]:
         """Accuracy of each task's head with the adapter applied, on `split`."""
@@ -168,9 +179,10 @@ class TorchTrainer:
         w, b = state.heads[task]
         return self._hidden(task, split) @ w.t() + b
 
-    def fit_head(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def fit_head(self, task: str):
         """A linear probe: a head trained alone (full batch, standardised inputs, folded back)
-        on the last-token hidden state of the model as currently loaded."""
+        on the last-token hidden state of the model as currently loaded.
+        Returns (weight, bias, (mean, std)): the raw-space head and the standardisation used."""
         cfg = self.config
         x = self._hidden(task, "train")
         mu, sd = x.mean(0), x.std(0) + 1e-6  # standardise for the optimiser, fold back after
@@ -187,14 +199,15 @@ class TorchTrainer:
         with torch.no_grad():
             w = head.weight / sd
             b = head.bias - (w * mu).sum(-1)
-        return w.detach().clone(), b.detach().clone()
+        return w.detach().clone(), b.detach().clone(), (mu.detach().clone(), sd.detach().clone())
 
     def head_only(self, task: str) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, float]]:
         """The "no adapter" baseline: a linear head trained alone on the frozen base model's
         last-token hidden state. Returns (head, {"val": acc, "test": acc})."""
         self.base.set_lora_enabled(False)
         try:
-            folded = self.fit_head(task)
+            w, b, _ = self.fit_head(task)
+            folded = (w, b)
             acc = {s: self._accuracy(task, s, folded) for s in ("val", "test")}
         finally:
             self.base.set_lora_enabled(True)

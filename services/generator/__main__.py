@@ -1,0 +1,178 @@
+"""`python -m services.generator`: accuracy-aware adapter generation from the command line.
+
+    python -m services.generator tasks
+    python -m services.generator generate --model-path ~/.cache/valora/tiny-qwen2-vl --out out/gen \\
+        [--gateway localhost:50051] [--order digit,parity,...] [--rank 8] [--epochs 4] [--compare]
+
+`generate` measures one adapter per task (for thresholds = single-task val accuracy - margin,
+unless --threshold task=acc is given for every task), runs the greedy fusion, writes the bundles
+and a manifest to --out, optionally registers them through the gateway (adapter versions + one
+task per head, with threshold and measured accuracy), and with --compare also measures the
+no-adapter and all-in-one baselines and writes bench/results/generation-<date>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, help="Accuracy-aware LoRA adapter generation (VaLoRA §4.2).")
+console = Console()
+
+
+@app.command("tasks")
+def list_tasks() -> None:
+    """List the built-in vision tasks."""
+    from services.generator.datasets import DEFAULT_TASKS, TASKS
+
+    table = Table("task", "labels", "prompt", "default", "description")
+    for name, spec in TASKS.items():
+        table.add_row(name, ",".join(spec.labels), spec.prompt, "yes" if name in DEFAULT_TASKS else "",
+                      spec.description)
+    console.print(table)
+
+
+def _parse_thresholds(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value:
+            raise typer.BadParameter(f"--threshold expects task=accuracy, got {item!r}")
+        out[name.strip()] = float(value)
+    return out
+
+
+@app.command()
+def generate(
+    model_path: Path = typer.Option(..., help="Local Qwen2-VL model directory (config.json, weights, tokenizer)."),
+    out: Path = typer.Option(..., help="Directory for the bundles and manifest.json."),
+    gateway: Optional[str] = typer.Option(None, help="host:port of a valora gateway to register the adapters with."),
+    order: str = typer.Option("", help="Comma-separated tasks in fusion order (default: the built-in order)."),
+    rank: int = typer.Option(8, min=1, help="LoRA rank r."),
+    lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha (scale = alpha / r); default 2r."),
+    epochs: int = typer.Option(4, min=1, help="Epochs over the (union of the) tasks' train splits per fusion."),
+    lr: float = typer.Option(3e-4, help="Learning rate of the LoRA weights."),
+    head_lr: float = typer.Option(1e-3, help="Learning rate of the task heads (standardised space)."),
+    margin: float = typer.Option(0.03, help="Measured thresholds = single-task val accuracy minus this."),
+    threshold: list[str] = typer.Option([], help="task=accuracy; overrides the measured threshold (repeatable)."),
+    prefix: str = typer.Option("fused", help="Adapter id prefix: adapters are {prefix}-0, {prefix}-1, ..."),
+    compare: bool = typer.Option(False, help="Also measure the no-adapter and all-in-one baselines and write "
+                                             "the results file."),
+    results: Optional[Path] = typer.Option(None, help="Results file (default bench/results/generation-<date>.json)."),
+    limit: Optional[int] = typer.Option(None, help="Cap each split's size (quick runs)."),
+    seed: int = typer.Option(0, help="Training seed (splits use a fixed seed of their own)."),
+    threads: int = typer.Option(1, min=1, help="torch CPU threads."),
+    api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
+    admin_key: Optional[str] = typer.Option(None, envvar="VALORA_ADMIN_KEY", help="Admin key for the gateway."),
+) -> None:
+    """Generate fused adapters with vision task heads; optionally register and compare."""
+    import torch
+
+    from services.generator import pipeline
+    from services.generator.datasets import DEFAULT_TASKS, TASKS, build_tasks
+    from services.generator.model import BaseModel
+    from services.generator.training import TorchTrainer, TrainConfig
+
+    torch.set_num_threads(threads)
+    names = [t.strip() for t in order.split(",") if t.strip()] or list(DEFAULT_TASKS)
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise typer.BadParameter(f"unknown tasks {unknown}; see `python -m services.generator tasks`")
+    given = _parse_thresholds(threshold)
+    alpha = lora_alpha if lora_alpha is not None else 2.0 * rank
+    started = time.time()
+    tasks = build_tasks(names, limit=limit)
+    base = BaseModel.load(model_path, rank=rank, lora_alpha=alpha)
+    cfg = TrainConfig(epochs=epochs, lr=lr, head_lr=head_lr, seed=seed)
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        bar = progress.add_task("loading", total=1)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(bar, completed=done, total=total)
+
+        trainer = TorchTrainer(base, tasks, cfg, progress=on_progress)
+
+        def phase(text: str) -> None:
+            progress.update(bar, description=text, completed=0)
+
+        def wrap_fuse(fn):
+            def fuse(state, ts):
+                phase(f"train [{'+'.join(ts)}]")
+                return fn(state, ts)
+            return fuse
+
+        trainer.fuse = wrap_fuse(trainer.fuse)  # names the bar after what is being trained
+
+        single = None
+        if not all(t in given for t in names) or compare:
+            single_states, single = pipeline.per_task(trainer, names)
+        thresholds = dict(pipeline.measured_thresholds(single, margin)) if single else {}
+        thresholds.update(given)
+
+        def on_step(step) -> None:
+            acc = ", ".join(f"{k} {v:.3f}" for k, v in step.accuracy.items())
+            progress.console.print(f"  {step.source}: {step.decision} (adapter {prefix}-{step.adapter_index}; "
+                                   f"val {acc})" + (f" failing {list(step.failing)}" if step.failing else ""))
+
+        greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step)
+        strategies = [greedy_result]
+        if compare:
+            phase("no-adapter heads")
+            base_rows = pipeline.head_only(trainer, names, thresholds)
+            per_rows = {}
+            for t in names:
+                test = trainer.validate(single_states[t], [t], "test")[t]
+                per_rows[t] = pipeline._row(thresholds[t], test, single[t]["val"], f"single-{t}")
+            per_task_result = pipeline.StrategyResult("adapter-per-task", [[t] for t in names], per_rows)
+            all_result = pipeline.all_in_one(trainer, names, thresholds)
+            strategies = [base_rows, per_task_result, all_result, greedy_result]
+
+    bundles = pipeline.bundles_of(fusion, tasks, rank, alpha, prefix, base_model=str(model_path))
+    out.mkdir(parents=True, exist_ok=True)
+    for b in bundles:
+        b.write(out)
+    manifest = {
+        "base_model": str(model_path), "rank": rank, "lora_alpha": alpha, "epochs": epochs, "lr": lr,
+        "head_lr": head_lr, "seed": seed, "order": names, "thresholds": thresholds, "margin": margin,
+        "adapters": [{"name": b.name, "tasks": list(b.heads), "heads": b.heads} for b in bundles],
+        "prompts": {t: tasks[t].prompt for t in names},
+        "head_input": "final-norm hidden state of the last prompt token (chat template, image then prompt)",
+        "greedy": greedy_result.to_json(),
+    }
+    if gateway:
+        manifest["registered"] = pipeline.register(gateway, bundles, greedy_result, tasks, api_key=api_key,
+                                                   admin_key=admin_key, log=console.print)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+    table = Table("strategy", "adapters", *names, title="test accuracy (threshold)")
+    for r in strategies:
+        cells = []
+        for t in names:
+            row = r.tasks[t]
+            ok = row["accuracy"] >= row["threshold"]
+            cells.append(f"{'' if ok else '[red]'}{row['accuracy']:.3f}{'' if ok else '[/red]'}")
+        table.add_row(r.strategy, str(len(r.adapters)), *cells)
+    table.add_row("threshold", "", *[f"{thresholds[t]:.3f}" for t in names])
+    console.print(table)
+    if compare:
+        meta = {"base_model": os.path.basename(str(model_path).rstrip("/")), "rank": rank, "lora_alpha": alpha,
+                "epochs": epochs, "lr": lr, "head_lr": head_lr, "margin": margin, "seed": seed,
+                "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
+                "wall_s": round(time.time() - started, 1), "torch_threads": threads}
+        path = pipeline.write_results(strategies, results, meta)
+        console.print(f"results -> {path}")
+    console.print(f"bundles -> {out} ({len(bundles)} adapters for {len(names)} tasks) in {time.time() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    app()
