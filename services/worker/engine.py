@@ -24,7 +24,6 @@ from pathlib import Path
 
 import structlog
 import torch
-from transformers import DynamicCache
 
 from services.common.adapter_format import BaseModelShapes
 from services.common.errors import (
@@ -37,7 +36,7 @@ from services.common.errors import (
 )
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.detokenizer import IncrementalDetokenizer
-from services.worker.kv_batch import KV, DecodeBatch, kv_from_cache, kv_nbytes
+from services.worker.kv_batch import KV, DecodeBatch, kv_from_cache, kv_nbytes, new_cache
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
 from services.worker.model import build_inputs, load_model, load_processor
 from services.worker.requests import (
@@ -75,6 +74,7 @@ class EngineConfig:
     max_prefills_per_step: int = 2
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
+    kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
 
 
 @dataclass
@@ -135,7 +135,7 @@ class Engine:
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._prefill: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []  # decoding, packed (or about to be) in self._batch
-        self._batch = DecodeBatch(self.text_config)
+        self._batch = DecodeBatch(self.text_config, config.kv_headroom)
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -505,7 +505,7 @@ class Engine:
             pixel_values = pixel_values.to(self.dtype)
         position_ids, deltas = self.model.model.get_rope_index(
             ids, mm_token_type_ids=inp["mm_token_type_ids"], image_grid_thw=inp.get("image_grid_thw"))
-        cache = DynamicCache(config=self.text_config)
+        cache = new_cache(self.text_config)
         self.runtime.step = self._plan([s], ids.shape[1])
         try:
             out = self.model.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=inp.get("image_grid_thw"),

@@ -1,5 +1,8 @@
 """The decode batch's KV cache: per-sequence caches stacked with left padding.
 
+Layers are `GrowingLayer`s: a token is appended into spare capacity (amortised O(1)) instead of
+DynamicLayer's torch.cat of the whole cache every step.
+
 Each sequence is prefilled alone into its own cache. Running sequences decode together: their
 caches are stacked once, right-aligned (left padding, masked out by the attention mask), and
 the stacked cache then grows in place step after step. It is re-packed only when the batch's
@@ -11,20 +14,57 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, kv_heads, len, head_dim)
 
 
-def _set_layers(cache: DynamicCache, kv: KV) -> DynamicCache:
-    for layer, (k, v) in zip(cache.layers, kv):
-        layer.dtype, layer.device = k.dtype, k.device
-        layer.keys, layer.values = k, v
-        layer.is_initialized = True
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views into buffers with spare capacity along the
+    sequence; appending writes in place and reallocates (doubling) only when full."""
+
+    kbuf: torch.Tensor | None = None
+    vbuf: torch.Tensor | None = None
+    length = 0
+
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
+        self.dtype, self.device = kbuf.dtype, kbuf.device
+        self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
+        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, add = self.length, key_states.shape[-2]
+        if self.kbuf is None or n + add > self.kbuf.shape[-2]:
+            cap = n + add if n == 0 else 2 * (n + add)
+            shape = (*key_states.shape[:2], cap, key_states.shape[-1])
+            kbuf, vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+            if n:
+                kbuf[:, :, :n] = self.keys
+                vbuf[:, :, :n] = self.values
+            self.kbuf, self.vbuf = kbuf, vbuf
+        self.kbuf[:, :, n:n + add] = key_states
+        self.vbuf[:, :, n:n + add] = value_states
+        self.adopt(self.kbuf, self.vbuf, n + add)
+        return self.keys, self.values
+
+    def nbytes(self) -> int:
+        if self.kbuf is None:
+            return 0
+        return self.kbuf.numel() * self.kbuf.element_size() * 2
+
+
+def new_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
 
 
-def cache_from_kv(config, kv: KV) -> DynamicCache:
-    return _set_layers(DynamicCache(config=config), kv)
+def cache_from_buffers(config, bufs: KV, length: int) -> DynamicCache:
+    cache = new_cache(config)
+    for layer, (k, v) in zip(cache.layers, bufs):
+        layer.adopt(k, v, length)
+    return cache
 
 
 def kv_from_cache(cache: DynamicCache) -> KV:
@@ -35,11 +75,18 @@ def kv_nbytes(kv: KV) -> int:
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
 
 
+def cache_nbytes(cache: DynamicCache) -> int:
+    """Memory held, spare capacity included."""
+    return sum(layer.nbytes() if isinstance(layer, GrowingLayer) else
+               layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+
+
 class DecodeBatch:
     """Rows (sequence ids) in batch order, the stacked cache and its (rows, length) mask."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, headroom: int = 64) -> None:
         self.config = config
+        self.headroom = headroom  # decode steps the stacked cache takes before it must grow
         self.rows: list[int] = []
         self.lengths: list[int] = []  # real cached tokens per row
         self.cache: DynamicCache | None = None
@@ -50,7 +97,7 @@ class DecodeBatch:
         return 0 if self.mask is None else self.mask.shape[1]
 
     def nbytes(self) -> int:
-        return 0 if self.cache is None else kv_nbytes(kv_from_cache(self.cache))
+        return 0 if self.cache is None else cache_nbytes(self.cache)
 
     def unpack(self) -> dict[int, KV]:
         """Each row's own cache (views into the stacked one), keyed by sequence id."""
@@ -74,15 +121,15 @@ class DecodeBatch:
         first = kvs[rows[0]]
         stacked: KV = []
         for li, (k0, v0) in enumerate(first):
-            ks = k0.new_zeros((len(rows), k0.shape[1], width, k0.shape[3]))
-            vs = v0.new_zeros((len(rows), v0.shape[1], width, v0.shape[3]))
+            ks = k0.new_zeros((len(rows), k0.shape[1], width + self.headroom, k0.shape[3]))
+            vs = v0.new_zeros((len(rows), v0.shape[1], width + self.headroom, v0.shape[3]))
             for i, sid in enumerate(rows):
                 k, v = kvs[sid][li]
                 n = self.lengths[i]
-                ks[i, :, width - n:] = k[0, :, -n:]
-                vs[i, :, width - n:] = v[0, :, -n:]
+                ks[i, :, width - n:width] = k[0, :, -n:]
+                vs[i, :, width - n:width] = v[0, :, -n:]
             stacked.append((ks, vs))
-        self.cache = cache_from_kv(self.config, stacked)
+        self.cache = cache_from_buffers(self.config, stacked, width)
         mask = torch.zeros((len(rows), width), dtype=torch.long, device=first[0][0].device)
         for i, n in enumerate(self.lengths):
             mask[i, width - n:] = 1

@@ -196,8 +196,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     async def SetMode(self, request, context):
         engine = self._engine()
         mode = _MODE_FROM_PB.get(request.mode)
-        if mode is None or mode == Mode.BASE:
-            raise invalid_field("mode", "must be MERGED, UNMERGED or MIXTURE")
+        if mode is None:
+            raise invalid_field("mode", "must be MERGED, UNMERGED or MIXTURE (BASE = UNMERGED)")
+        if mode == Mode.BASE:  # nothing merged: the same weights as UNMERGED
+            mode = Mode.UNMERGED
         merged = request.merged_adapter.version if request.HasField("merged_adapter") else ""
         if mode in (Mode.MERGED, Mode.MIXTURE):
             if not merged:
