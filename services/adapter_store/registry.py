@@ -140,11 +140,15 @@ class Registry:
             stmt = select(AdapterRow.id).where(AdapterRow.deleted_at.is_(None)).order_by(AdapterRow.id)
             if page.after is not None:
                 stmt = stmt.where(AdapterRow.id > str(page.after))
-            ids = list(s.scalars(stmt.limit(page.size + 1)))
-            more = len(ids) > page.size
-            ids = ids[:page.size]
-            items = [self._adapter(s, i) for i in ids]
-            return Page(items, page_token(ids[-1]) if more else "")
+            rows = list(s.scalars(select(AdapterRow).where(AdapterRow.id.in_(stmt.limit(page.size + 1)))
+                                  .order_by(AdapterRow.id)))
+            more = len(rows) > page.size
+            rows = rows[:page.size]
+            aliases: dict[str, dict[str, int]] = {r.id: {} for r in rows}
+            for a in s.scalars(select(AliasRow).where(AliasRow.adapter_id.in_(list(aliases)))):
+                aliases[a.adapter_id][a.alias] = a.version
+            items = [Adapter(r.id, r.description, r.created_at, r.latest_version, aliases[r.id]) for r in rows]
+            return Page(items, page_token(rows[-1].id) if more else "")
 
     def delete_adapter(self, adapter_id: str) -> None:
         with self._sessions.begin() as s:

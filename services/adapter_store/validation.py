@@ -66,7 +66,11 @@ class BundleChecker:
         if settings.model_path:
             path = Path(settings.model_path)
             config_path = path / "config.json" if path.is_dir() or not path.suffix else path
-            shapes = BaseModelShapes.from_config(json.loads(config_path.read_text()))
+            try:
+                shapes = BaseModelShapes.from_config(json.loads(config_path.read_text()))
+            except (OSError, ValueError, KeyError) as exc:
+                raise RuntimeError(f"VALORA_MODEL_PATH={settings.model_path}: cannot read the base model's "
+                                   f"shapes from {config_path}: {exc!r}") from exc
             base_model = base_model or (path.name if path.is_dir() else path.parent.name)
         return cls(shapes, base_model, settings.max_rank, settings.max_header_bytes, settings.max_bundle_bytes)
 
