@@ -302,7 +302,7 @@ class Registry:
         for attempt in range(3):
             try:
                 with self._sessions.begin() as s:
-                    self._live_adapter_row(s, adapter_id)
+                    self._live_adapter_row(s, adapter_id, lock=True)  # serialises with delete_version
                     row = self._version_row(s, adapter_id, version)
                     if row.state != VersionState.READY:
                         raise FailedPrecondition(
@@ -330,7 +330,7 @@ class Registry:
 
     def delete_alias(self, adapter_id: str, alias: str) -> None:
         with self._sessions.begin() as s:
-            self._live_adapter_row(s, adapter_id)
+            self._live_adapter_row(s, adapter_id, lock=True)
             users = [t.id for t in s.scalars(select(TaskRow).where(
                 TaskRow.adapter_ref == f"{names.adapter_name(adapter_id)}@{alias}"))]
             if users:
@@ -392,6 +392,8 @@ class Registry:
         with self._sessions.begin() as s:
             if s.get(TaskRow, task.id) is not None:
                 raise AlreadyExists(f"{task.name} already exists", reason="TASK_EXISTS")
+            # Lock the adapter so a concurrent DeleteAdapterVersion/DeleteAlias sees this task.
+            self._live_adapter_row(s, names.parse_adapter_ref(task.adapter_ref, "task.adapter").adapter, lock=True)
             row = self._resolve_adapter_ref(s, task.adapter_ref, "task.adapter")
             if task.head and task.head not in {h["name"] for h in row.heads}:
                 raise invalid_field("task.head", f"{names.version_name(row.adapter_id, row.version)} has no head "
