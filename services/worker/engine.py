@@ -389,20 +389,24 @@ class Engine:
                 else:
                     kept.append(s)
             self._waiting = kept
+        # FIFO, except that a request whose adapter finds no free device slot (every slot held by
+        # running requests) lets the ones behind it in; it keeps its place for the next step.
+        blocked: collections.deque[_Seq] = collections.deque()
         while self._waiting and len(self._prefill) + len(self._running) < self.config.max_batch_size:
-            seq = self._waiting[0]
+            seq = self._waiting.popleft()
             if seq.req.adapter:
                 try:
                     slot = self.pool.acquire(seq.req.adapter)
                 except ValoraError as exc:  # offloaded while it waited
-                    self._waiting.popleft()
                     self._emit(seq, Failed(exc))
                     continue
                 if slot is None:
-                    break  # every device slot is held: wait for a running request to finish
+                    blocked.append(seq)
+                    continue
                 seq.pinned = seq.req.adapter
-            self._waiting.popleft()
             self._prefill.append(seq)
+        blocked.extend(self._waiting)
+        self._waiting = blocked
 
     def _drop_cancelled(self) -> None:
         for s in [s for s in (*self._prefill, *self._running) if s.handle.cancelled]:
