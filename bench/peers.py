@@ -69,7 +69,7 @@ def make_padded_bmm(c: Case):
     for i, (_, lo, hi) in enumerate(segs):
         rows[i, : hi - lo] = torch.arange(lo, hi)
     rows = rows.to(A.device)
-    valid = rows.flatten() < T
+    valid = (rows.flatten() < T).nonzero().squeeze(1)  # integer index: no host sync when captured
     dst = rows.flatten()[valid]
     sl = torch.tensor([s for s, _, _ in segs], device=A.device)
     Aseg, Bseg = A.index_select(0, sl), B.index_select(0, sl)
@@ -78,7 +78,7 @@ def make_padded_bmm(c: Case):
     def fn(x, y):
         xpad[:T] = x
         xs = xpad[rows]  # (S, Lmax, h_in)
-        out = torch.bmm(torch.bmm(xs, Aseg), Bseg).flatten(0, 1)[valid]
+        out = torch.bmm(torch.bmm(xs, Aseg), Bseg).flatten(0, 1).index_select(0, valid)
         y.index_add_(0, dst, out)
     return fn
 

@@ -23,6 +23,12 @@ if [ "$MODE" = quick ]; then
     --budget-s 30 --validate 2 --out "$OUT/tile_table_quick.json" 2>&1 | grep -v "━" | tail -8
   timeout 150 python3 -m bench.atmm_bench --suite quick 2>&1 | tail -12
   timeout 120 python3 -m bench.switch_bench --layers 4 --cycles 20 --reps 3 2>&1 | tail -12
+elif [ "$MODE" = medium ]; then
+  timeout 150 python3 -m kernels.tile_search --shapes 4096x4096 --ranks 16 --tokens 16,64,256,1024,4096 \
+    --segments 16,64 --budget-s 90 --validate 3 2>&1 | grep -v "━" | tail -8
+  cp kernels/tile_tables/*.json "$OUT/" 2>/dev/null
+  timeout 200 python3 -m bench.atmm_bench --suite headline 2>&1 | tail -14
+  timeout 150 python3 -m bench.switch_bench 2>&1 | tail -14
 else
   timeout 200 python3 -m kernels.tile_search --budget-s 150 --validate 10 2>&1 | grep -v "━" | tail -16
   cp kernels/tile_tables/*.json "$OUT/" 2>/dev/null

@@ -63,20 +63,21 @@ def shape_key(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: in
 
 def heuristic_config(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
                      num_sms: int = NUM_SMS_DEFAULT) -> TileConfig:
-    """A reasonable config without measurements (used for shapes the table lacks)."""
+    """A reasonable config without measurements (used for shapes the table lacks).
+
+    Fitted to the H200 searches: shrink tiles grow with T, split-K until the shrink has about
+    two items per SM, long K chunks take BK=128; the expand streams y with 16x256 tiles.
+    """
     segments = max(1, segments)
     avg = tokens / segments
     rb = rank_block(rank_stride)
-    sbt = 16 if avg <= 16 else 32 if avg <= 48 or rb == 8 else 64
+    sbt = 16 if avg <= 16 else 32 if tokens <= 1536 or rb == 8 else 64
     tiles = max(1, min(math.ceil(tokens / sbt) + segments - 1, segments * math.ceil(max(avg, 1) / sbt)))
-    want = 2 * num_sms / tiles
     split_k = 1
-    while split_k < want and split_k < 32 and h_in // (split_k * 2) >= 128:
+    while tiles * split_k < 2 * num_sms and split_k < 32 and h_in // (split_k * 2) >= 128:
         split_k *= 2
-    ebt = 16 if avg <= 16 else 32 if avg <= 32 else 64
-    etiles = max(1, math.ceil(tokens / ebt)) * max(1, h_out // 128)
-    ebn = 128 if etiles >= 2 * num_sms else 64
-    return TileConfig(sbt, 64, 4, split_k, ebt, ebn)
+    bk, stages = (128, 3) if h_in // split_k >= 512 else (64, 4)
+    return TileConfig(sbt, bk, stages, split_k, 16, 256 if h_out >= 256 else 64)
 
 
 @dataclass

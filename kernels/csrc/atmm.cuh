@@ -69,6 +69,55 @@ __device__ __forceinline__ int find_segment(const int* off, int S, int tile) {
   return lo;
 }
 
+struct SegCache {
+  long long* ptr;
+  int* off;
+  int* start;
+  int* rank;
+  float* scale;
+};
+
+// Copies the plan's segments into shared memory (a few parallel loads, once per CTA) so that
+// decoding an item is shared-memory only. Runs before the PDL wait: the plan is written by a copy
+// that precedes the whole step, never by the kernel just before this one.
+template <bool kUseA>
+__device__ __forceinline__ int load_seg_cache(const AtmmArgs& p, int bt_idx, unsigned char* base, SegCache& c) {
+  const int cap = p.seg_cap;
+  c.ptr = reinterpret_cast<long long*>(base);
+  c.off = reinterpret_cast<int*>(c.ptr + cap);
+  c.start = c.off + cap + 1;
+  c.rank = c.start + cap + 1;
+  c.scale = reinterpret_cast<float*>(c.rank + cap);
+  const int S = p.meta[0];
+  const int* seg_starts = p.meta + 1;
+  const int* seg_slots = seg_starts + cap + 1;
+  const int* tile_off = seg_slots + cap + bt_idx * (cap + 1);
+  for (int s = threadIdx.x; s <= S; s += kThreads) {
+    c.off[s] = tile_off[s];
+    c.start[s] = seg_starts[s];
+    if (s < S) {
+      const int slot = seg_slots[s];
+      int r = 0;
+      float sc = 0.f;
+      long long ptr = 0;
+      if (slot >= 0) {
+        r = p.ranks[slot];
+        sc = p.scales[slot];
+        ptr = kUseA ? p.a_ptrs[slot] : p.b_ptrs[slot];
+      }
+      c.rank[s] = r;
+      c.scale[s] = sc;
+      c.ptr[s] = ptr;
+    }
+  }
+  __syncthreads();
+  return S;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 // ------------------------------------------------------------------------------------------
 // shrink: BT tokens x (16*RB) rank columns per tile, K pipelined through STAGES cp.async stages
 // of BK, the 4 warps splitting each stage's K and reducing through shared memory at the end.
@@ -89,46 +138,44 @@ template <typename T, int BT, int BK, int STAGES, int RB>
 __global__ void __launch_bounds__(kThreads) atmm_shrink_kernel(AtmmArgs p) {
   using C = ShrinkCfg<T, BT, BK, STAGES, RB>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
-  float* red = reinterpret_cast<float*>(smem_raw);
+  SegCache sc;
+  const int S = load_seg_cache<true>(p, bt_index(BT), smem_raw, sc);
+  unsigned char* body = smem_raw + seg_cache_bytes(p.seg_cap);
+  T* smem = reinterpret_cast<T*>(body);
+  float* red = reinterpret_cast<float*>(body);
 
-  griddep_wait();    // x and ws may be written by the preceding kernel
-  griddep_launch();  // our expand may start staging its B tiles
-
-  const int S = p.meta[0];
-  const int* seg_starts = p.meta + 1;
-  const int* seg_slots = seg_starts + p.seg_cap + 1;
-  const int* tile_off = seg_slots + p.seg_cap + bt_index(BT) * (p.seg_cap + 1);
-  const int items = (S > 0 ? tile_off[S] : 0) * p.split_k;
+  const int items = (S > 0 ? sc.off[S] : 0) * p.split_k;
   const int tid = threadIdx.x, warp = tid >> 5;
+  bool waited = false;
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int tile = item / p.split_k, kc = item - tile * p.split_k;
-    const int s = find_segment(tile_off, S, tile);
-    const int slot = seg_slots[s];
-    const int row0 = seg_starts[s] + (tile - tile_off[s]) * BT;
-    const int nrows = min(BT, seg_starts[s + 1] - row0);
-    const int r = p.ranks[slot];
+    const int s = find_segment(sc.off, S, tile);
+    const int row0 = sc.start[s] + (tile - sc.off[s]) * BT;
+    const int nrows = min(BT, sc.start[s + 1] - row0);
+    const int r = sc.rank[s];
     const int rb_used = (r + 15) >> 4;
-    const T* A = reinterpret_cast<const T*>(p.a_ptrs[slot]);
+    const T* A = reinterpret_cast<const T*>(sc.ptr[s]);
     const T* X = reinterpret_cast<const T*>(p.x) + (long long)row0 * p.x_ld;
     const int k0 = kc * p.k_chunk, k1 = min(p.h_in, k0 + p.k_chunk);
     const int nk = k1 > k0 ? (k1 - k0 + BK - 1) / BK : 0;
 
-    auto load_stage = [&](int stage, int kbase) {
-      T* xs = smem + stage * C::STAGE_ELEMS;
-      T* as = xs + BT * C::XS_LD;
-#pragma unroll
-      for (int c = tid; c < BT * BK / 8; c += kThreads) {
-        const int row = c / (BK / 8), col = (c % (BK / 8)) * 8, k = kbase + col;
-        const bool pred = row < nrows && k < k1;
-        cp_async16(xs + row * C::XS_LD + col, pred ? X + (long long)row * p.x_ld + k : X, pred);
-      }
+    auto load_a = [&](int stage, int kbase) {
+      T* as = smem + stage * C::STAGE_ELEMS + BT * C::XS_LD;
 #pragma unroll
       for (int c = tid; c < BK * C::RP / 8; c += kThreads) {
         const int kr = c / (C::RP / 8), col = (c % (C::RP / 8)) * 8, k = kbase + kr;
         const bool pred = k < k1 && col < r;
         cp_async16(as + kr * C::AS_LD + col, pred ? A + (long long)k * r + col : A, pred);
+      }
+    };
+    auto load_x = [&](int stage, int kbase) {
+      T* xs = smem + stage * C::STAGE_ELEMS;
+#pragma unroll
+      for (int c = tid; c < BT * BK / 8; c += kThreads) {
+        const int row = c / (BK / 8), col = (c % (BK / 8)) * 8, k = kbase + col;
+        const bool pred = row < nrows && k < k1;
+        cp_async16(xs + row * C::XS_LD + col, pred ? X + (long long)row * p.x_ld + k : X, pred);
       }
     };
 
@@ -138,16 +185,28 @@ __global__ void __launch_bounds__(kThreads) atmm_shrink_kernel(AtmmArgs p) {
 #pragma unroll
       for (int j = 0; j < RB; ++j) wmma::fill_fragment(acc[i][j], 0.f);
 
+    // weights first (they do not depend on the preceding kernel), then wait, then x
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st)
+      if (st < nk) load_a(st, k0 + st * BK);
+    if (!waited) {
+      griddep_wait();    // x and ws may be written/read by the preceding kernel
+      griddep_launch();  // our expand may start staging its B tiles
+      waited = true;
+    }
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-      if (st < nk) load_stage(st, k0 + st * BK);
+      if (st < nk) load_x(st, k0 + st * BK);
       cp_async_commit();
     }
     for (int it = 0; it < nk; ++it) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();
       const int nxt = it + STAGES - 1;
-      if (nxt < nk) load_stage(nxt % STAGES, k0 + nxt * BK);
+      if (nxt < nk) {
+        load_a(nxt % STAGES, k0 + nxt * BK);
+        load_x(nxt % STAGES, k0 + nxt * BK);
+      }
       cp_async_commit();
       const T* xs = smem + (it % STAGES) * C::STAGE_ELEMS;
       const T* as = xs + BT * C::XS_LD;
@@ -187,6 +246,10 @@ __global__ void __launch_bounds__(kThreads) atmm_shrink_kernel(AtmmArgs p) {
     }
     __syncthreads();
   }
+  if (!waited) {
+    griddep_wait();
+    griddep_launch();
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -210,19 +273,16 @@ template <typename T, int BT, int BN>
 __global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
   using C = ExpandCfg<T, BT, BN>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  SegCache sc;
+  const int S = load_seg_cache<false>(p, bt_index(BT), smem_raw, sc);
   const int rs = p.rank_stride;
-  T* bs = reinterpret_cast<T*>(smem_raw);
+  T* bs = reinterpret_cast<T*>(smem_raw + seg_cache_bytes(p.seg_cap));
   T* xh = bs + rs * C::BS_LD;
   T* xl = xh + BT * (rs + 8);
   float* cs = reinterpret_cast<float*>(xl + BT * (rs + 8));
 
-  // plan metadata and adapter weights are not written by the preceding kernel: read them first
-  const int S = p.meta[0];
-  const int* seg_starts = p.meta + 1;
-  const int* seg_slots = seg_starts + p.seg_cap + 1;
-  const int* tile_off = seg_slots + p.seg_cap + bt_index(BT) * (p.seg_cap + 1);
   const int ntn = (p.h_out + BN - 1) / BN;
-  const int items = (S > 0 ? tile_off[S] : 0) * ntn;
+  const int items = (S > 0 ? sc.off[S] : 0) * ntn;
   const int tid = threadIdx.x, warp = tid >> 5;
   bool waited = false;
   const T* Y0 = reinterpret_cast<const T*>(p.y);
@@ -230,14 +290,13 @@ __global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int tile = item / ntn, tn = item - tile * ntn;
-    const int s = find_segment(tile_off, S, tile);
-    const int slot = seg_slots[s];
-    const int row0 = seg_starts[s] + (tile - tile_off[s]) * BT;
-    const int nrows = min(BT, seg_starts[s + 1] - row0);
-    const int r = p.ranks[slot];
+    const int s = find_segment(sc.off, S, tile);
+    const int row0 = sc.start[s] + (tile - sc.off[s]) * BT;
+    const int nrows = min(BT, sc.start[s + 1] - row0);
+    const int r = sc.rank[s];
     const int r16 = (r + 15) & ~15;
-    const float scale = p.scales[slot];
-    const T* B = reinterpret_cast<const T*>(p.b_ptrs[slot]);
+    const float scale = sc.scale[s];
+    const T* B = reinterpret_cast<const T*>(sc.ptr[s]);
     const int n0 = tn * BN;
 
     for (int c = tid; c < r16 * (BN / 8); c += kThreads) {
@@ -257,6 +316,17 @@ __global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
       const int c = tid + q * kThreads, row = c / (BN / 8), col = (c % (BN / 8)) * 8;
       if (row < nrows && n0 + col < p.h_out)
         yv[q] = *reinterpret_cast<const uint4*>(Y0 + (long long)(row0 + row) * p.y_ld + n0 + col);
+    }
+    {  // pull the next item's y tile toward L2 while this one computes
+      const int nitem = item + gridDim.x;
+      if (nitem < items && tid < BT * (BN / 64)) {
+        const int ntile = nitem / ntn, nn0 = (nitem - ntile * ntn) * BN;
+        const int ns = find_segment(sc.off, S, ntile);
+        const int nrow0 = sc.start[ns] + (ntile - sc.off[ns]) * BT;
+        const int row = tid / (BN / 64), col = (tid % (BN / 64)) * 64;
+        if (nrow0 + row < sc.start[ns + 1] && nn0 + col < p.h_out)
+          prefetch_l2(Y0 + (long long)(nrow0 + row) * p.y_ld + nn0 + col);
+      }
     }
     for (int e = tid; e < BT * r16; e += kThreads) {
       const int row = e / r16, col = e - row * r16;
@@ -341,20 +411,35 @@ template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* descs, int n, long long total_tiles, int rmax) {
   using C = SwitchCfg<T, BM, BN>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* bt = reinterpret_cast<T*>(smem_raw);            // B^T tile: [R][BM+8]
-  T* at = bt + rmax * (BM + 8);                       // A tile:   [BN][R+8]
+  long long* begins = reinterpret_cast<long long*>(smem_raw);  // first tile of each matrix
+  T* bt = reinterpret_cast<T*>(smem_raw + desc_cache_bytes(n));  // B^T tile: [R][BM+8]
+  T* at = bt + rmax * (BM + 8);                                  // A tile:   [BN][R+8]
   float* cs = reinterpret_cast<float*>(at + BN * (rmax + 8));
   const int tid = threadIdx.x, warp = tid >> 5, wm = (warp >> 1) * C::WM, wn = (warp & 1) * C::WN;
+  for (int i = tid; i < n; i += kThreads) begins[i] = descs[i].tile_begin;
+  __syncthreads();
   griddep_wait();
-  for (long long tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (descs[mid].tile_begin <= tile) lo = mid; else hi = mid - 1;
+  // contiguous chunk of tiles per CTA: the descriptor changes rarely and W streams in order
+  const long long chunk = (total_tiles + gridDim.x - 1) / gridDim.x;
+  const long long t_lo = (long long)blockIdx.x * chunk;
+  const long long t_hi = min(total_tiles, t_lo + chunk);
+  int cur = -1;
+  long long cur_begin = 0, next_begin = 0;
+  SwitchDesc d;
+  for (long long tile = t_lo; tile < t_hi; ++tile) {
+    if (cur < 0 || tile >= next_begin) {
+      int lo = 0, hi = n - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (begins[mid] <= tile) lo = mid; else hi = mid - 1;
+      }
+      cur = lo;
+      d = descs[lo];
+      cur_begin = begins[lo];
+      next_begin = lo + 1 < n ? begins[lo + 1] : total_tiles;
     }
-    const SwitchDesc d = descs[lo];
     const int ntn = (d.N + BN - 1) / BN;
-    const long long lt = tile - d.tile_begin;
+    const long long lt = tile - cur_begin;
     const int m0 = (int)(lt / ntn) * BM, n0 = (int)(lt % ntn) * BN;
     T* W = reinterpret_cast<T*>(d.w);
     uint4 wv[C::WCH];
@@ -363,6 +448,14 @@ __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* d
       const int c = tid + q * kThreads, row = c / (BN / 8), col = (c % (BN / 8)) * 8;
       if (m0 + row < d.M && n0 + col < d.N)
         wv[q] = *reinterpret_cast<const uint4*>(W + (long long)(m0 + row) * d.N + n0 + col);
+    }
+    if (tile + 1 < t_hi && tile + 1 < next_begin) {  // next tile of the same matrix toward L2
+      const long long nl = lt + 1;
+      const int nm0 = (int)(nl / ntn) * BM, nn0 = (int)(nl % ntn) * BN;
+      for (int c = tid; c < BM * (BN / 64); c += kThreads) {
+        const int row = c / (BN / 64), col = (c % (BN / 64)) * 64;
+        if (nm0 + row < d.M && nn0 + col < d.N) prefetch_l2(W + (long long)(nm0 + row) * d.N + nn0 + col);
+      }
     }
     const int r1p = (d.r1 + 15) & ~15, r2p = (d.r2 + 15) & ~15, R = r1p + r2p;
     const T* A1 = reinterpret_cast<const T*>(d.a1);

@@ -38,6 +38,15 @@ struct SwitchDesc {
   long long tile_begin;
 };
 
+// Per-CTA shared-memory copy of the plan's segments (ATMM kernels), placed at the start of the
+// dynamic shared memory: ptr[cap] (A or B pointer per segment), off[cap+1] (tile offsets for the
+// kernel's BT), start[cap+1], rank[cap] (0 = no LoRA), scale[cap].
+constexpr size_t seg_cache_bytes(int cap) {
+  return ((size_t)cap * 8 + (size_t)(cap + 1) * 8 + (size_t)cap * 8 + 127) & ~(size_t)127;
+}
+// Switch kernels keep the descriptors' first tiles in shared memory the same way.
+constexpr size_t desc_cache_bytes(int n) { return ((size_t)n * 8 + 127) & ~(size_t)127; }
+
 enum OpKind { kShrink = 0, kExpand = 1, kSwitch = 2, kGroupedShrink = 3, kGroupedExpand = 4 };
 enum DType { kBF16 = 0, kFP16 = 1 };
 

@@ -106,7 +106,8 @@ Atmm make_args(const torch::Tensor& y, const torch::Tensor& x, const torch::Tens
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0,
               "x and y must be 16-byte aligned");
   check_on(meta, "meta", dev, torch::kInt32);
-  TORCH_CHECK(seg_cap >= 1 && meta.numel() >= 1 + (seg_cap + 1) + seg_cap + kNumBt * (seg_cap + 1),
+  TORCH_CHECK(seg_cap >= 1 && seg_cap <= 4096, "plan capacity must be 1..4096 segments, got ", seg_cap);
+  TORCH_CHECK( meta.numel() >= 1 + (seg_cap + 1) + seg_cap + kNumBt * (seg_cap + 1),
               "meta holds ", meta.numel(), " ints, too few for a plan of ", seg_cap, " segments");
   check_on(a_ptrs, "a_ptrs", dev, torch::kInt64);
   check_on(b_ptrs, "b_ptrs", dev, torch::kInt64);
@@ -151,7 +152,7 @@ void launch_shrink(Atmm& a, int64_t cfg, int64_t tiles_hint, bool pdl) {
   TORCH_CHECK(a.args.rank_stride <= 16 * e.rb, e.name, " handles ranks up to ", 16 * e.rb, ", plan needs ", a.args.rank_stride);
   const int per = (a.args.h_in + a.args.split_k - 1) / a.args.split_k;
   a.args.k_chunk = (per + e.bk - 1) / e.bk * e.bk;
-  const size_t smem = e.smem(a.args.rank_stride);
+  const size_t smem = e.smem(a.args.rank_stride) + seg_cache_bytes(a.args.seg_cap);
   TORCH_CHECK(smem <= smem_limit(a.device), e.name, " needs ", smem, " bytes of shared memory, the GPU allows ", smem_limit(a.device));
   const int grid = persistent_grid(e, smem, tiles_hint * a.args.split_k, a.device);
   check_cuda(e.launch(&a.args, grid, smem, c10::cuda::getCurrentCUDAStream(), pdl), "shrink launch", e);
@@ -160,7 +161,7 @@ void launch_shrink(Atmm& a, int64_t cfg, int64_t tiles_hint, bool pdl) {
 void launch_expand(Atmm& a, int64_t cfg, int64_t tiles_hint, bool pdl) {
   const OpEntry& e = entry(cfg, kExpand);
   TORCH_CHECK(e.dtype == a.dtype, e.name, " does not match the tensors' dtype");
-  const size_t smem = e.smem(a.args.rank_stride);
+  const size_t smem = e.smem(a.args.rank_stride) + seg_cache_bytes(a.args.seg_cap);
   TORCH_CHECK(smem <= smem_limit(a.device), e.name, " needs ", smem, " bytes of shared memory at rank stride ",
               a.args.rank_stride, ", the GPU allows ", smem_limit(a.device));
   const int64_t ntn = (a.args.h_out + e.bn - 1) / e.bn;
@@ -231,7 +232,7 @@ void switch_(torch::Tensor descs, torch::Tensor scales, torch::Tensor work, int6
              "descriptor copy", e);
   check_cuda(cudaStreamSynchronize(stream), "descriptor copy", e);  // `packed` is pageable and local
   SwitchLaunch l{reinterpret_cast<const SwitchDesc*>(work.data_ptr()), (int)n, total_tiles, (int)rmax};
-  const size_t smem = e.smem((int)rmax);
+  const size_t smem = e.smem((int)rmax) + desc_cache_bytes((int)n);
   TORCH_CHECK(smem <= smem_limit(dev.index()), e.name, " needs ", smem, " bytes of shared memory");
   const int grid = persistent_grid(e, smem, total_tiles, dev.index());
   check_cuda(e.launch(&l, grid, smem, stream, pdl), "switch launch", e);
@@ -245,7 +246,8 @@ void switch_packed(torch::Tensor work, int64_t n, int64_t total_tiles, int64_t r
   TORCH_CHECK(rmax >= 16 && rmax <= 256 && rmax % 16 == 0, "padded total rank must be 16..256, got ", rmax);
   const c10::cuda::CUDAGuard guard(work.device());
   SwitchLaunch l{reinterpret_cast<const SwitchDesc*>(work.data_ptr()), (int)n, total_tiles, (int)rmax};
-  const size_t smem = e.smem((int)rmax);
+  const size_t smem = e.smem((int)rmax) + desc_cache_bytes((int)n);
+  TORCH_CHECK(smem <= smem_limit(work.device().index()), e.name, " needs ", smem, " bytes of shared memory");
   const int grid = persistent_grid(e, smem, total_tiles, work.device().index());
   check_cuda(e.launch(&l, grid, smem, c10::cuda::getCurrentCUDAStream(), pdl), "switch launch", e);
 }
