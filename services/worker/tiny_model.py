@@ -9,7 +9,9 @@ tokens, 112x112 -> 16). Everything loads back with `from_pretrained(path)` /
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 DEFAULT_TINY_MODEL_PATH = Path("~/.cache/valora/tiny-qwen2-vl")
@@ -143,18 +145,20 @@ def ensure_tiny_model(path: Path | str) -> Path:
     if (path / "config.json").exists():
         return path
     model, processor = build_tiny_model()
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    processor.save_pretrained(tmp)
-    model.save_pretrained(tmp)  # writes config.json last-ish; the rename below makes it atomic
-    if path.exists():  # a concurrent builder won the race, or a partial dir without config.json
-        import shutil
-
-        if (path / "config.json").exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-            return path
-        shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # unique per builder
+    try:
+        processor.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        if path.exists() and not (path / "config.json").exists():
+            shutil.rmtree(path, ignore_errors=True)  # a partial directory from a crashed build
+        try:
+            tmp.rename(path)  # atomic: readers see a complete model or none
+        except OSError:
+            if not (path / "config.json").exists():  # not a concurrent builder winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

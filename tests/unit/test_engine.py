@@ -326,3 +326,21 @@ def test_full_device_slots_block_only_their_adapter(model_path, bundles):
         assert ev.result.adapter == B and eng.stats().resident_adapters == [B]
     finally:
         eng.stop()
+
+
+def test_tiny_model_loads_back_with_auto_classes(model_path):
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_path)
+    tok = processor.tokenizer
+    for attr, token in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+                        ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")):
+        assert getattr(model.config, attr) == tok.convert_tokens_to_ids(token)
+    assert model.config.text_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    inputs = build_inputs(processor, [image(1, 56), image(2, 112)], "Hi")
+    ids = inputs["input_ids"][0].tolist()
+    assert ids.count(model.config.image_token_id) == 4 + 16
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 8, 8]]
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("Hi<|im_end|>\n<|im_start|>assistant\n")
