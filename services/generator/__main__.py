@@ -58,7 +58,7 @@ def generate(
     order: str = typer.Option("", help="Comma-separated tasks in fusion order (default: the built-in order)."),
     rank: int = typer.Option(8, min=1, help="LoRA rank r."),
     lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha (scale = alpha / r); default 2r."),
-    epochs: int = typer.Option(4, min=1, help="Epochs over the (union of the) tasks' train splits per fusion."),
+    epochs: int = typer.Option(3, min=1, help="Epochs over the (union of the) tasks' train splits per fusion."),
     lr: float = typer.Option(3e-4, help="Learning rate of the LoRA weights."),
     head_lr: float = typer.Option(1e-3, help="Learning rate of the task heads (standardised space)."),
     margin: float = typer.Option(0.03, help="Measured thresholds = single-task val accuracy minus this."),
@@ -68,6 +68,7 @@ def generate(
                                              "the results file."),
     results: Optional[Path] = typer.Option(None, help="Results file (default bench/results/generation-<date>.json)."),
     limit: Optional[int] = typer.Option(None, help="Cap each split's size (quick runs)."),
+    batch_size: int = typer.Option(16, min=1, help="Batch size (each batch holds one task)."),
     seed: int = typer.Option(0, help="Training seed (splits use a fixed seed of their own)."),
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
     api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
@@ -91,7 +92,7 @@ def generate(
     started = time.time()
     tasks = build_tasks(names, limit=limit)
     base = BaseModel.load(model_path, rank=rank, lora_alpha=alpha)
-    cfg = TrainConfig(epochs=epochs, lr=lr, head_lr=head_lr, seed=seed)
+    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr=head_lr, seed=seed)
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
@@ -166,7 +167,7 @@ def generate(
     console.print(table)
     if compare:
         meta = {"base_model": os.path.basename(str(model_path).rstrip("/")), "rank": rank, "lora_alpha": alpha,
-                "epochs": epochs, "lr": lr, "head_lr": head_lr, "margin": margin, "seed": seed,
+                "epochs": epochs, "batch_size": batch_size, "lr": lr, "head_lr": head_lr, "margin": margin, "seed": seed,
                 "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
                 "wall_s": round(time.time() - started, 1), "torch_threads": threads}
         path = pipeline.write_results(strategies, results, meta)

@@ -169,6 +169,22 @@ def build_task(name: str, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAG
     return TaskData(name=name, prompt=spec.prompt, labels=spec.labels, images=images, targets=targets)
 
 
+def shifted_copies(images: list[Image.Image], copies: int, seed: int, step: int | None = None) -> list[list[Image.Image]]:
+    """Label-preserving augmentation: `copies` versions of `images`, each image cyclically shifted
+    by a random (dy, dx) in {-1, 0, 1}^2 source pixels (`step` image pixels each, default size/8).
+    Cyclic, so a counted square never leaves the canvas; digits have empty borders."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(copies):
+        batch = []
+        for img in images:
+            st = step or img.size[0] // 8
+            dy, dx = rng.integers(-1, 2, size=2) * st
+            batch.append(Image.fromarray(np.roll(np.asarray(img), (int(dy), int(dx)), axis=(0, 1))))
+        out.append(batch)
+    return out
+
+
 def build_tasks(names=DEFAULT_TASKS, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAGE_SIZE,
                 limit: int | None = None) -> dict[str, TaskData]:
     return {n: build_task(n, seed, image_size, limit) for n in names}

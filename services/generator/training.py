@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from services.generator.datasets import TaskData
+from services.generator.datasets import TaskData, shifted_copies
 from services.generator.model import BaseModel
 
 LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -42,13 +42,14 @@ class AdapterState:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = 4
-    batch_size: int = 64
+    epochs: int = 3
+    batch_size: int = 16
     lr: float = 3e-3  # LoRA A/B
     head_lr: float = 1e-2
     weight_decay: float = 0.0
     seed: int = 0
     head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
+    augment: int = 0  # extra shifted copies of each train split (datasets.shifted_copies)
 
 
 Progress = Callable[[int, int], None]  # (done steps, total steps)
@@ -81,6 +82,18 @@ class TorchTrainer:
 
     def targets(self, task: str, split: str) -> torch.Tensor:
         return torch.as_tensor(self.tasks[task].targets[split], dtype=torch.long)
+
+    def train_set(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Train features and targets, with `config.augment` shifted copies appended."""
+        key = (task, f"train+{self.config.augment}")
+        if key not in self._features:
+            feats = [self.features(task, "train")]
+            for copy in shifted_copies(self.tasks[task].images["train"], self.config.augment,
+                                       seed=_task_seed(self.config.seed, (task, "augment"))):
+                feats.append(self.base.encode_images(copy)[0])
+            self._features[key] = torch.cat(feats)
+        y = self.targets(task, "train")
+        return self._features[key], y.repeat(1 + self.config.augment)
 
     def template(self, task: str):
         self.features(task, "train")
@@ -120,7 +133,7 @@ class TorchTrainer:
         for _ in range(cfg.epochs):
             epoch = []
             for t in tasks:
-                n = len(self.tasks[t].targets["train"])
+                n = len(self.tasks[t].targets["train"]) * (1 + cfg.augment)
                 perm = rng.permutation(n)
                 epoch.extend((t, perm[i:i + cfg.batch_size]) for i in range(0, n, cfg.batch_size))
             order = rng.permutation(len(epoch))
@@ -134,8 +147,9 @@ class TorchTrainer:
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
         templates = {t: self.template(t) for t in tasks}
-        feats = {t: self.features(t, "train") for t in tasks}
-        ys = {t: self.targets(t, "train") for t in tasks}
+        train = {t: self.train_set(t) for t in tasks}
+        feats = {t: f for t, (f, _) in train.items()}
+        ys = {t: y for t, (_, y) in train.items()}
         for step, (t, idx) in enumerate(plan):
             idx_t = torch.as_tensor(idx)
             h = (self.base.head_features(templates[t], feats[t][idx_t]) - norms[t][0]) / norms[t][1]
@@ -163,8 +177,12 @@ class TorchTrainer:
     # -- evaluation & the no-adapter baseline ---------------------------------------------------
 
     @torch.no_grad()
-    def _hidden(self, task: str, split: str, batch: int = 256) -> torch.Tensor:
-        feats, tpl = self.features(task, split), self.template(task)
+    def _hidden(self, task: str, split: str) -> torch.Tensor:
+        return self._hidden_of(task, self.features(task, split))
+
+    @torch.no_grad()
+    def _hidden_of(self, task: str, feats: torch.Tensor, batch: int = 256) -> torch.Tensor:
+        tpl = self.template(task)
         return torch.cat([self.base.head_features(tpl, feats[i:i + batch]) for i in range(0, len(feats), batch)])
 
     @torch.no_grad()
@@ -184,10 +202,10 @@ class TorchTrainer:
         on the last-token hidden state of the model as currently loaded.
         Returns (weight, bias, (mean, std)): the raw-space head and the standardisation used."""
         cfg = self.config
-        x = self._hidden(task, "train")
+        feats, y = self.train_set(task)
+        x = self._hidden_of(task, feats)
         mu, sd = x.mean(0), x.std(0) + 1e-6  # standardise for the optimiser, fold back after
         xs = (x - mu) / sd
-        y = self.targets(task, "train")
         torch.manual_seed(_task_seed(cfg.seed, (task, "head")))
         head = nn.Linear(x.shape[1], len(self.tasks[task].labels))
         opt = torch.optim.Adam(head.parameters(), lr=1e-2)
