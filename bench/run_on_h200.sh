@@ -16,6 +16,22 @@ cat "$OUT/gpu.txt"
 t0=$(date +%s)
 python3 -m kernels.build > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"; tail -1 "$OUT/build.log"
+if [ "$MODE" = profile ]; then
+  timeout 120 python3 -m bench.profile_kernels 2>&1 | tail -40
+  python3 - > "$OUT/reject.log" 2>&1 <<'PY'
+import re, subprocess, sys
+src = open("tests/gpu/test_kernels_gpu.py").read()
+script = re.search(r'_REJECT_SCRIPT = r"""(.*?)"""', src, re.S).group(1)
+r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True)
+print(r.returncode); print(r.stdout); print(r.stderr[:6000])
+PY
+  head -c 3000 "$OUT/reject.log"
+  timeout 200 ncu --clock-control none -k regex:'atmm|switch' --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 -m bench.profile_kernels --once > "$OUT/ncu.txt" 2>&1
+  grep -E "atmm_|switch_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|Duration|Waves Per SM|Grid Size" "$OUT/ncu.txt" | head -120
+  echo "total: $(( $(date +%s) - t0 )) s"; exit 0
+fi
 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py > "$OUT/tests.log" 2>&1
 tail -25 "$OUT/tests.log"
 if [ "$MODE" = quick ]; then

@@ -54,8 +54,13 @@ size_t smem_limit(int device) {
   return (size_t)v;
 }
 
+// Grid policy: 0 = persistent (resident CTAs per SM from the occupancy API, each looping over
+// items), -1 = one item per CTA, k > 0 = at most k CTAs per SM. Benchmarks/tile search set it.
+int g_grid_policy = 0;
+
 int persistent_grid(const OpEntry& e, size_t smem, int64_t items, int device) {
   if (items <= 0) return 1;
+  if (g_grid_policy < 0) return (int)std::min<int64_t>(items, 1 << 30);
   static std::unordered_map<std::string, int> occ_cache;
   std::string key = std::string(e.name) + "/" + std::to_string(smem);
   int blocks = 0;
@@ -67,6 +72,7 @@ int persistent_grid(const OpEntry& e, size_t smem, int64_t items, int device) {
     TORCH_CHECK(blocks > 0, e.name, ": does not fit on this GPU with ", smem, " bytes of shared memory");
     occ_cache[key] = blocks;
   }
+  if (g_grid_policy > 0) blocks = g_grid_policy;
   return (int)std::min<int64_t>(items, (int64_t)blocks * sm_count(device));
 }
 
@@ -281,5 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("atmm_expand", &valora::atmm_expand, "expand from the workspace into y only");
   m.def("switch_", &valora::switch_, "in place W += s1 (A1 B1)^T + s2 (A2 B2)^T over a list of matrices");
   m.def("switch_packed", &valora::switch_packed, "switch over descriptors already packed on the device");
+  m.def("set_grid_policy", [](int p) { valora::g_grid_policy = p; },
+        "0: persistent grid (default), -1: one item per CTA, k > 0: k CTAs per SM");
   m.def("switch_desc_bytes", [] { return (int)sizeof(valora::SwitchDesc); });
 }
