@@ -35,6 +35,7 @@ from services.common.errors import (
     invalid_field,
 )
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
+from services.worker.atmm_backend import AtmmBackend
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.kv_batch import KV, DecodeBatch, kv_from_cache, kv_nbytes, new_cache
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
@@ -75,6 +76,7 @@ class EngineConfig:
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
+    use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
 
 
 @dataclass
@@ -114,6 +116,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
         self.dtype = DTYPES[config.dtype]
@@ -129,6 +133,10 @@ class Engine:
         self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
         self.runtime = LoraRuntime()
         self.lora_layers = install_lora(self.model, self.runtime)
+        if config.use_atmm and AtmmBackend.available(self.device, self.dtype):
+            self.runtime.backend = AtmmBackend({k: self.shapes.features[k[1]] for k in self.lora_layers},
+                                               self.device, self.dtype)
+        log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self._wake = threading.Condition()
         self._incoming: collections.deque[_Seq] = collections.deque()
@@ -497,7 +505,10 @@ class Engine:
                 index[spec] = len(entries)
                 entries.append(self._entry(spec))
             rows.append(index[spec])
-        return StepLora(entries, rows, tokens_per_row)
+        step = StepLora(entries, rows, tokens_per_row)
+        if self.runtime.backend is not None and step.active:
+            step.kernel = self.runtime.backend.begin(step)
+        return step
 
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_one(self, s: _Seq) -> None:

@@ -12,6 +12,7 @@ mixture mode. Rows the engine already sorted by entry need no permutation.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,11 +26,15 @@ LayerModule = tuple[int, str]
 MultiLoraOp = Callable[..., torch.Tensor]
 
 
-class LoraEntry:
+class LoraEntry(ABC):
     """What one segment adds in layer `key`: (A (in, r), B (r, out), scale) or None."""
 
-    def tensors(self, key: LayerModule) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        raise NotImplementedError
+    @abstractmethod
+    def tensors(self, key: LayerModule) -> tuple[torch.Tensor, torch.Tensor, float] | None: ...
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +48,10 @@ class AdapterEntry(LoraEntry):
     def tensors(self, key):
         a = self.a.get(key)
         return None if a is None else (a, self.b[key], self.scale)
+
+    @property
+    def rank(self) -> int:
+        return next(iter(self.a.values())).shape[1]
 
 
 @dataclass(eq=False)
@@ -58,6 +67,7 @@ class StepLora:
     tokens_per_row: int
     plan: SegmentPlan = field(init=False)
     perm: torch.Tensor | None = field(init=False, default=None)
+    kernel: bool = field(init=False, default=False)  # the runtime's kernel backend took this step
     _per_key: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,8 +104,9 @@ class StepLora:
 class LoraRuntime:
     """Shared by every LoraLinear of one model: the current step's plan and the op to run."""
 
-    def __init__(self, op: MultiLoraOp = multi_lora_reference_) -> None:
+    def __init__(self, op: MultiLoraOp = multi_lora_reference_, backend=None) -> None:
         self.op = op
+        self.backend = backend  # e.g. AtmmBackend: begin(step) -> bool, run(key, y, x, step)
         self.step: StepLora | None = None
 
 
@@ -120,6 +131,9 @@ class LoraLinear(nn.Module):
         plan, a_list, b_list, scales = step.for_key(self.key)
         xf = x.reshape(-1, x.shape[-1])
         yf = y.reshape(-1, y.shape[-1])
+        if step.kernel:
+            self.runtime.backend.run(self.key, yf, xf, step)
+            return y
         if step.perm is None:
             self.runtime.op(yf, xf, plan, a_list, b_list, scales)
         else:
@@ -139,6 +153,10 @@ class MixtureEntry(LoraEntry):
     x: "AdapterEntry | None"
     m: AdapterEntry
     _cache: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return (self.x.rank if self.x is not None else 0) + self.m.rank
 
     def tensors(self, key):
         if key in self._cache:

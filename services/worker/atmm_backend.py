@@ -1,0 +1,92 @@
+"""The step's multi-LoRA term on the ATMM CUDA kernel (kernels.atmm), when it can run it.
+
+One `AtmmPlan` (device segment metadata) is written per step and one `LoraWeights` table per
+projection holds the step's LoRA entries in kernel slots. An entry (an adapter, or a mixture
+term) keeps its kernel slot across steps, so weights are (re)registered only when a new entry
+appears; slots are recycled least-recently-used. A projection an entry does not target gets a
+shared zero term of rank 8 (the kernel reads one plan for every layer).
+
+`begin(step)` returns False when the kernel cannot take the step (fp32 model, a rank that is not
+a multiple of 8 or is over the kernel's limit, a permuted batch, too many segments or tokens):
+the layers then use the torch reference for that step, with the same semantics.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from services.worker.lora import LayerModule, LoraEntry, StepLora
+
+
+class AtmmBackend:
+    def __init__(self, features: dict[LayerModule, tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                 max_entries: int = 32, max_segments: int = 64, max_tokens: int = 16384) -> None:
+        from kernels import atmm
+
+        self._atmm = atmm
+        self.max_entries = max_entries
+        self.plan = atmm.AtmmPlan(max_segments, max_tokens, device)
+        self.weights = {k: atmm.LoraWeights(max_entries, fin, fout, dtype, device) for k, (fin, fout) in features.items()}
+        self._zeros = {k: (torch.zeros(fin, 8, dtype=dtype, device=device), torch.zeros(8, fout, dtype=dtype, device=device))
+                       for k, (fin, fout) in features.items()}
+        self._slots: OrderedDict[int, tuple[LoraEntry, int]] = OrderedDict()  # id(entry) -> (entry, slot); LRU
+        self._step_slots: list[int] = []
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+            return False
+        try:
+            from kernels.atmm import extension
+        except ImportError:
+            return False
+        return extension() is not None
+
+    def _slot_for(self, entry: LoraEntry, busy: set[int]) -> int | None:
+        got = self._slots.get(id(entry))
+        if got is not None and got[0] is entry:
+            self._slots.move_to_end(id(entry))
+            return got[1]
+        used = {s for _, s in self._slots.values()}
+        free = next((s for s in range(self.max_entries) if s not in used), None)
+        if free is None:
+            victim = next((k for k, (_, s) in self._slots.items() if s not in busy), None)
+            if victim is None:
+                return None
+            free = self._slots.pop(victim)[1]
+        self._slots[id(entry)] = (entry, free)
+        return free
+
+    def begin(self, step: StepLora) -> bool:
+        """Maps the step's entries to kernel slots and writes its plan; False: use the reference."""
+        plan = step.plan
+        if step.perm is not None or len(plan.seg_slots) > self.plan.seg_cap or plan.num_tokens > self.plan.max_tokens:
+            return False
+        ranks = [e.rank for e in step.entries]
+        if any(r <= 0 or r % 8 or r > self._atmm.MAX_RANK for r in ranks):
+            return False
+        busy: set[int] = set()
+        slots = []
+        for e in step.entries:
+            s = self._slot_for(e, busy)
+            if s is None:
+                return False
+            busy.add(s)
+            slots.append(s)
+        table = [0] * self.max_entries
+        for s, r in zip(slots, ranks):
+            table[s] = r
+        self.plan.update(plan.seg_starts, [slots[k] if k >= 0 else -1 for k in plan.seg_slots], table)
+        self._step_slots = slots
+        return True
+
+    def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
+        w = self.weights[key]
+        for e, s in zip(step.entries, self._step_slots):
+            t = e.tensors(key)
+            a, b, scale = (*self._zeros[key], 0.0) if t is None else t
+            if w.a[s] is not a or w.b[s] is not b or w.scales[s] != scale:
+                w.set(s, a, b, scale)
+        self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, w)
