@@ -1,0 +1,18 @@
+"""The worker: one GPU's engine behind valora.internal.v1.WorkerService.
+
+    server.py        gRPC servicer, WorkerSettings (VALORA_*), create_server
+    engine.py        the iteration-level loop: admission, prefill, batched decode, modes
+    requests.py      domain objects: WorkRequest, GenerationResult, events, stats
+    kv_batch.py      KV caches: growing per-layer buffers, the left-padded decode batch
+    lora.py          LoRA-aware linears, the per-step plan (StepLora) and its entries
+    atmm_backend.py  the step's multi-LoRA term on the ATMM CUDA kernel
+    switcher.py      merge / unmerge / switch in place, drift-free
+    adapters.py      bundle parsing and the host/device adapter pool (LRU device slots)
+    store_client.py  FetchAdapter from the adapter store + disk cache by sha256
+    detokenizer.py   incremental detokenization and stop sequences
+    sampling.py      greedy / temperature, top-k, top-p, seeded
+    processor.py     Qwen2-VL processor (images only) and build_inputs
+    model.py         loading the model; re-exports build_inputs
+    tiny_model.py    the tiny Qwen2-VL built locally (python -m services.worker.tiny_model PATH)
+    testing.py       random PEFT-layout bundles, PEFT dirs, an in-memory adapter store
+"""
