@@ -51,6 +51,9 @@ class WorkerSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(1024, description="Largest max_new_tokens accepted.")
     device_slots: int = Field(4, description="Adapters resident on the device at once (LRU).")
     max_rank: int = Field(256, description="Largest LoRA rank accepted.")
+    switch_strategy: str = Field("pristine", description="Merge/switch strategy: pristine (exact, keeps a copy "
+                                 "of the targeted base weights) or delta (one-pass switch, periodic resync).")
+    use_atmm: bool = Field(True, description="Run the multi-LoRA term on the ATMM CUDA kernel where it can.")
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
     advertise_address: str = Field("", description="Address reported in WorkerStatus (default host:port).")
 
@@ -238,7 +241,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting,
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens_limit=settings.max_new_tokens_limit, device_slots=settings.device_slots,
-        max_rank=settings.max_rank,
+        max_rank=settings.max_rank, switch_strategy=settings.switch_strategy, use_atmm=settings.use_atmm,
     )
 
 
