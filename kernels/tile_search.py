@@ -28,8 +28,8 @@ from kernels.tile_table import (SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable, 
                                 segment_bucket, shape_key, table_filename)
 
 # Qwen2-VL-7B (q/o, k/v, gate/up, down) and LLaMA-7B projections
-MODEL_SHAPES = [(3584, 3584), (3584, 512), (3584, 18944), (18944, 3584), (4096, 4096), (4096, 11008),
-                (11008, 4096)]
+MODEL_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (3584, 3584), (3584, 512), (3584, 18944),
+                (18944, 3584)]
 
 
 class Bench:
@@ -159,7 +159,7 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     toks = [int(t) for t in args.tokens.split(",")]
     sbs = [int(s) for s in args.segments.split(",")]
-    buckets = [(hi, ho, r, t, s) for (hi, ho) in shapes for r in ranks for t in toks for s in sbs]
+    buckets = [(hi, ho, r, t, s) for r in ranks for (hi, ho) in shapes for t in toks for s in sbs]
     entries, stats = {}, {}
     t_start = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:

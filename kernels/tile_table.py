@@ -38,9 +38,9 @@ class TileConfig:
 
 
 def rank_block(rank_stride: int) -> int:
-    """Shrink kernels are compiled for rank blocks of 32, 64 and 128 columns (RB = 2, 4, 8)."""
-    rb = max(2, -(-rank_stride // 16))
-    return 2 if rb <= 2 else 4 if rb <= 4 else 8
+    """Shrink kernels are compiled for rank blocks of 16, 32, 64 and 128 columns (RB = 1, 2, 4, 8)."""
+    rb = max(1, -(-rank_stride // 16))
+    return 1 if rb <= 1 else 2 if rb <= 2 else 4 if rb <= 4 else 8
 
 
 def token_bucket(tokens: int) -> int:

@@ -269,8 +269,9 @@ struct ExpandCfg {
   }
 };
 
+// at most ~100 registers for the small tiles so 5 CTAs fit an SM (memory parallelism)
 template <typename T, int BT, int BN>
-__global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
+__global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 5 : 2)) atmm_expand_kernel(AtmmArgs p) {
   using C = ExpandCfg<T, BT, BN>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SegCache sc;
@@ -282,14 +283,20 @@ __global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
   float* cs = reinterpret_cast<float*>(xl + BT * (rs + 8));
 
   const int ntn = (p.h_out + BN - 1) / BN;
-  const int items = (S > 0 ? sc.off[S] : 0) * ntn;
+  const int tiles = S > 0 ? sc.off[S] : 0;
+  const int items = tiles * ntn;
   const int tid = threadIdx.x, warp = tid >> 5;
   bool waited = false;
   const T* Y0 = reinterpret_cast<const T*>(p.y);
   T* Yw = reinterpret_cast<T*>(p.y);
+  // each CTA takes a contiguous run of items, column-chunk major: consecutive items share the
+  // segment's B tile (kept in shared memory) and walk down y
+  const int chunk = (items + gridDim.x - 1) / gridDim.x;
+  const int it_lo = blockIdx.x * chunk, it_hi = min(items, it_lo + chunk);
+  long long b_key = -1;
 
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int tile = item / ntn, tn = item - tile * ntn;
+  for (int item = it_lo; item < it_hi; ++item) {
+    const int tn = item / tiles, tile = item - tn * tiles;
     const int s = find_segment(sc.off, S, tile);
     const int row0 = sc.start[s] + (tile - sc.off[s]) * BT;
     const int nrows = min(BT, sc.start[s + 1] - row0);
@@ -298,11 +305,15 @@ __global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
     const float scale = sc.scale[s];
     const T* B = reinterpret_cast<const T*>(sc.ptr[s]);
     const int n0 = tn * BN;
+    const long long key = (reinterpret_cast<long long>(B) << 8) ^ tn;
 
-    for (int c = tid; c < r16 * (BN / 8); c += kThreads) {
-      const int j = c / (BN / 8), col = (c % (BN / 8)) * 8;
-      const bool pred = j < r && n0 + col < p.h_out;
-      cp_async16(bs + j * C::BS_LD + col, pred ? B + (long long)j * p.h_out + n0 + col : B, pred);
+    if (key != b_key) {
+      for (int c = tid; c < r16 * (BN / 8); c += kThreads) {
+        const int j = c / (BN / 8), col = (c % (BN / 8)) * 8;
+        const bool pred = j < r && n0 + col < p.h_out;
+        cp_async16(bs + j * C::BS_LD + col, pred ? B + (long long)j * p.h_out + n0 + col : B, pred);
+      }
+      b_key = key;
     }
     cp_async_commit();
     if (!waited) {
@@ -318,9 +329,9 @@ __global__ void __launch_bounds__(kThreads) atmm_expand_kernel(AtmmArgs p) {
         yv[q] = *reinterpret_cast<const uint4*>(Y0 + (long long)(row0 + row) * p.y_ld + n0 + col);
     }
     {  // pull the next item's y tile toward L2 while this one computes
-      const int nitem = item + gridDim.x;
-      if (nitem < items && tid < BT * (BN / 64)) {
-        const int ntile = nitem / ntn, nn0 = (nitem - ntile * ntn) * BN;
+      const int nitem = item + 1;
+      if (nitem < it_hi && tid < BT * (BN / 64)) {
+        const int ntn_i = nitem / tiles, ntile = nitem - ntn_i * tiles, nn0 = ntn_i * BN;
         const int ns = find_segment(sc.off, S, ntile);
         const int nrow0 = sc.start[ns] + (ntile - sc.off[ns]) * BT;
         const int row = tid / (BN / 64), col = (tid % (BN / 64)) * 64;
@@ -423,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* d
   const long long chunk = (total_tiles + gridDim.x - 1) / gridDim.x;
   const long long t_lo = (long long)blockIdx.x * chunk;
   const long long t_hi = min(total_tiles, t_lo + chunk);
-  int cur = -1;
+  int cur = -1, bt_desc = -1, bt_m0 = -1;
   long long cur_begin = 0, next_begin = 0;
   SwitchDesc d;
   for (long long tile = t_lo; tile < t_hi; ++tile) {
@@ -462,14 +473,18 @@ __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* d
     const T* B1 = reinterpret_cast<const T*>(d.b1);
     const T* A2 = reinterpret_cast<const T*>(d.a2);
     const T* B2 = reinterpret_cast<const T*>(d.b2);
-    for (int c = tid; c < R * (BM / 8); c += kThreads) {  // B^T rows k, BM contiguous columns
-      const int k = c / (BM / 8), col = (c % (BM / 8)) * 8;
-      const bool first = k < r1p;
-      const int j = first ? k : k - r1p;
-      const T* src = first ? B1 : B2;
-      const int rr = first ? d.r1 : d.r2;
-      const bool pred = j < rr && m0 + col < d.M;
-      cp_async16(bt + k * (BM + 8) + col, pred ? src + (long long)j * d.M + m0 + col : B1, pred);
+    if (cur != bt_desc || m0 != bt_m0) {  // B^T tile: reused along the row band
+      for (int c = tid; c < R * (BM / 8); c += kThreads) {  // B^T rows k, BM contiguous columns
+        const int k = c / (BM / 8), col = (c % (BM / 8)) * 8;
+        const bool first = k < r1p;
+        const int j = first ? k : k - r1p;
+        const T* src = first ? B1 : B2;
+        const int rr = first ? d.r1 : d.r2;
+        const bool pred = j < rr && m0 + col < d.M;
+        cp_async16(bt + k * (BM + 8) + col, pred ? src + (long long)j * d.M + m0 + col : B1, pred);
+      }
+      bt_desc = cur;
+      bt_m0 = m0;
     }
     for (int c = tid; c < BN * (R / 8); c += kThreads) {  // A rows n, rank columns contiguous
       const int row = c / (R / 8), k = (c % (R / 8)) * 8;

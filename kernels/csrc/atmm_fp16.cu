@@ -11,7 +11,9 @@ using T = __half;
 #define EXPAND(BT, BN) out.push_back(ExpandOp<T, BT, BN>::entry("expand_fp16" "_bt" #BT "_bn" #BN, kFP16))
 
 void register_atmm_fp16(std::vector<OpEntry>& out) {
-  // rank block RB = 2 (r <= 32), 4 (r <= 64), 8 (r <= 128)
+  // rank block RB = 1 (r <= 16), 2 (r <= 32), 4 (r <= 64), 8 (r <= 128)
+  SHRINK(16, 64, 4, 1);  SHRINK(16, 128, 3, 1);  SHRINK(32, 64, 4, 1);  SHRINK(32, 128, 3, 1);
+  SHRINK(64, 64, 4, 1);  SHRINK(64, 128, 3, 1);  SHRINK(128, 64, 4, 1);
   SHRINK(16, 64, 4, 2);  SHRINK(16, 128, 3, 2);  SHRINK(32, 64, 4, 2);  SHRINK(32, 128, 3, 2);
   SHRINK(64, 64, 4, 2);  SHRINK(64, 128, 3, 2);
   SHRINK(16, 64, 4, 4);  SHRINK(16, 128, 3, 4);  SHRINK(32, 64, 4, 4);  SHRINK(32, 128, 3, 4);

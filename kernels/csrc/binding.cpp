@@ -6,11 +6,19 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "atmm_api.h"
+
+// Input/status checks raise RuntimeError (std::runtime_error through pybind11) with the message;
+// plain exceptions, so no C++ backtrace is captured on these expected error paths.
+#define VALORA_CHECK(cond, ...)                                   \
+  do {                                                            \
+    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__)); \
+  } while (0)
 
 namespace valora {
 namespace {
@@ -28,14 +36,14 @@ const std::vector<OpEntry>& registry() {
 
 const OpEntry& entry(int64_t id, int kind) {
   const auto& reg = registry();
-  TORCH_CHECK(id >= 0 && id < (int64_t)reg.size(), "kernel config id ", id, " out of range [0, ", reg.size(), ")");
+  VALORA_CHECK(id >= 0 && id < (int64_t)reg.size(), "kernel config id ", id, " out of range [0, ", reg.size(), ")");
   const OpEntry& e = reg[id];
-  TORCH_CHECK(e.kind == kind, "kernel config ", e.name, " is not of the requested kind");
+  VALORA_CHECK(e.kind == kind, "kernel config ", e.name, " is not of the requested kind");
   return e;
 }
 
 void check_cuda(cudaError_t err, const char* what, const OpEntry& e) {
-  TORCH_CHECK(err == cudaSuccess, what, " (", e.name, ") failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+  VALORA_CHECK(err == cudaSuccess, what, " (", e.name, ") failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
 }
 
 int sm_count(int device) {
@@ -69,7 +77,7 @@ int persistent_grid(const OpEntry& e, size_t smem, int64_t items, int device) {
     blocks = it->second;
   } else {
     check_cuda(e.occupancy(&blocks, smem), "occupancy query", e);
-    TORCH_CHECK(blocks > 0, e.name, ": does not fit on this GPU with ", smem, " bytes of shared memory");
+    VALORA_CHECK(blocks > 0, e.name, ": does not fit on this GPU with ", smem, " bytes of shared memory");
     occ_cache[key] = blocks;
   }
   if (g_grid_policy > 0) blocks = g_grid_policy;
@@ -79,15 +87,15 @@ int persistent_grid(const OpEntry& e, size_t smem, int64_t items, int device) {
 int dtype_code(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kBFloat16) return kBF16;
   if (t.scalar_type() == torch::kHalf) return kFP16;
-  TORCH_CHECK(false, "expected a bfloat16 or float16 tensor, got ", t.scalar_type());
+  VALORA_CHECK(false, "expected a bfloat16 or float16 tensor, got ", t.scalar_type());
   return -1;
 }
 
 void check_on(const torch::Tensor& t, const char* name, const torch::Device& dev, torch::ScalarType st) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == dev, name, " is on ", t.device(), ", expected ", dev);
-  TORCH_CHECK(t.scalar_type() == st, name, " must be ", st, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  VALORA_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  VALORA_CHECK(t.device() == dev, name, " is on ", t.device(), ", expected ", dev);
+  VALORA_CHECK(t.scalar_type() == st, name, " must be ", st, ", got ", t.scalar_type());
+  VALORA_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 struct Atmm {
@@ -99,34 +107,34 @@ struct Atmm {
 Atmm make_args(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& meta, int64_t seg_cap,
                const torch::Tensor& a_ptrs, const torch::Tensor& b_ptrs, const torch::Tensor& ranks,
                const torch::Tensor& scales, const torch::Tensor& ws, int64_t split_k, int64_t rank_stride) {
-  TORCH_CHECK(x.is_cuda() && y.is_cuda(), "x and y must be CUDA tensors");
+  VALORA_CHECK(x.is_cuda() && y.is_cuda(), "x and y must be CUDA tensors");
   const auto dev = x.device();
-  TORCH_CHECK(y.device() == dev, "y is on ", y.device(), ", x on ", dev);
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2, "x and y must be 2-D (tokens, features), got ", x.dim(), "-D and ", y.dim(), "-D");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x is ", x.scalar_type(), " but y is ", y.scalar_type());
+  VALORA_CHECK(y.device() == dev, "y is on ", y.device(), ", x on ", dev);
+  VALORA_CHECK(x.dim() == 2 && y.dim() == 2, "x and y must be 2-D (tokens, features), got ", x.dim(), "-D and ", y.dim(), "-D");
+  VALORA_CHECK(x.scalar_type() == y.scalar_type(), "x is ", x.scalar_type(), " but y is ", y.scalar_type());
   const int dt = dtype_code(x);
-  TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "x and y need unit stride along features");
-  TORCH_CHECK(x.size(0) == y.size(0), "x has ", x.size(0), " tokens, y has ", y.size(0));
-  TORCH_CHECK(x.size(1) % 8 == 0 && y.size(1) % 8 == 0, "h_in and h_out must be multiples of 8, got ", x.size(1), ", ", y.size(1));
-  TORCH_CHECK(x.stride(0) % 8 == 0 && y.stride(0) % 8 == 0, "row strides must be multiples of 8 elements");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0,
+  VALORA_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "x and y need unit stride along features");
+  VALORA_CHECK(x.size(0) == y.size(0), "x has ", x.size(0), " tokens, y has ", y.size(0));
+  VALORA_CHECK(x.size(1) % 8 == 0 && y.size(1) % 8 == 0, "h_in and h_out must be multiples of 8, got ", x.size(1), ", ", y.size(1));
+  VALORA_CHECK(x.stride(0) % 8 == 0 && y.stride(0) % 8 == 0, "row strides must be multiples of 8 elements");
+  VALORA_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0,
               "x and y must be 16-byte aligned");
   check_on(meta, "meta", dev, torch::kInt32);
-  TORCH_CHECK(seg_cap >= 1 && seg_cap <= 4096, "plan capacity must be 1..4096 segments, got ", seg_cap);
-  TORCH_CHECK( meta.numel() >= 1 + (seg_cap + 1) + seg_cap + kNumBt * (seg_cap + 1),
+  VALORA_CHECK(seg_cap >= 1 && seg_cap <= 4096, "plan capacity must be 1..4096 segments, got ", seg_cap);
+  VALORA_CHECK( meta.numel() >= 1 + (seg_cap + 1) + seg_cap + kNumBt * (seg_cap + 1),
               "meta holds ", meta.numel(), " ints, too few for a plan of ", seg_cap, " segments");
   check_on(a_ptrs, "a_ptrs", dev, torch::kInt64);
   check_on(b_ptrs, "b_ptrs", dev, torch::kInt64);
   check_on(ranks, "ranks", dev, torch::kInt32);
   check_on(scales, "scales", dev, torch::kFloat32);
   const int64_t slots = a_ptrs.numel();
-  TORCH_CHECK(b_ptrs.numel() == slots && ranks.numel() == slots && scales.numel() == slots,
+  VALORA_CHECK(b_ptrs.numel() == slots && ranks.numel() == slots && scales.numel() == slots,
               "a_ptrs, b_ptrs, ranks, scales must have one entry per slot (", slots, ", ", b_ptrs.numel(), ", ",
               ranks.numel(), ", ", scales.numel(), ")");
   check_on(ws, "workspace", dev, torch::kFloat32);
-  TORCH_CHECK(split_k >= 1, "split_k must be >= 1");
-  TORCH_CHECK(rank_stride >= 16 && rank_stride <= 128 && rank_stride % 16 == 0, "rank_stride must be 16..128, a multiple of 16; got ", rank_stride);
-  TORCH_CHECK(ws.numel() >= split_k * x.size(0) * rank_stride, "workspace holds ", ws.numel(), " floats, needs ",
+  VALORA_CHECK(split_k >= 1, "split_k must be >= 1");
+  VALORA_CHECK(rank_stride >= 16 && rank_stride <= 128 && rank_stride % 16 == 0, "rank_stride must be 16..128, a multiple of 16; got ", rank_stride);
+  VALORA_CHECK(ws.numel() >= split_k * x.size(0) * rank_stride, "workspace holds ", ws.numel(), " floats, needs ",
               split_k * x.size(0) * rank_stride, " (split_k x tokens x rank_stride)");
   Atmm a;
   a.dtype = dt;
@@ -154,21 +162,21 @@ Atmm make_args(const torch::Tensor& y, const torch::Tensor& x, const torch::Tens
 
 void launch_shrink(Atmm& a, int64_t cfg, int64_t tiles_hint, bool pdl) {
   const OpEntry& e = entry(cfg, kShrink);
-  TORCH_CHECK(e.dtype == a.dtype, e.name, " does not match the tensors' dtype");
-  TORCH_CHECK(a.args.rank_stride <= 16 * e.rb, e.name, " handles ranks up to ", 16 * e.rb, ", plan needs ", a.args.rank_stride);
+  VALORA_CHECK(e.dtype == a.dtype, e.name, " does not match the tensors' dtype");
+  VALORA_CHECK(a.args.rank_stride <= 16 * e.rb, e.name, " handles ranks up to ", 16 * e.rb, ", plan needs ", a.args.rank_stride);
   const int per = (a.args.h_in + a.args.split_k - 1) / a.args.split_k;
   a.args.k_chunk = (per + e.bk - 1) / e.bk * e.bk;
   const size_t smem = e.smem(a.args.rank_stride) + seg_cache_bytes(a.args.seg_cap);
-  TORCH_CHECK(smem <= smem_limit(a.device), e.name, " needs ", smem, " bytes of shared memory, the GPU allows ", smem_limit(a.device));
+  VALORA_CHECK(smem <= smem_limit(a.device), e.name, " needs ", smem, " bytes of shared memory, the GPU allows ", smem_limit(a.device));
   const int grid = persistent_grid(e, smem, tiles_hint * a.args.split_k, a.device);
   check_cuda(e.launch(&a.args, grid, smem, c10::cuda::getCurrentCUDAStream(), pdl), "shrink launch", e);
 }
 
 void launch_expand(Atmm& a, int64_t cfg, int64_t tiles_hint, bool pdl) {
   const OpEntry& e = entry(cfg, kExpand);
-  TORCH_CHECK(e.dtype == a.dtype, e.name, " does not match the tensors' dtype");
+  VALORA_CHECK(e.dtype == a.dtype, e.name, " does not match the tensors' dtype");
   const size_t smem = e.smem(a.args.rank_stride) + seg_cache_bytes(a.args.seg_cap);
-  TORCH_CHECK(smem <= smem_limit(a.device), e.name, " needs ", smem, " bytes of shared memory at rank stride ",
+  VALORA_CHECK(smem <= smem_limit(a.device), e.name, " needs ", smem, " bytes of shared memory at rank stride ",
               a.args.rank_stride, ", the GPU allows ", smem_limit(a.device));
   const int64_t ntn = (a.args.h_out + e.bn - 1) / e.bn;
   const int grid = persistent_grid(e, smem, tiles_hint * ntn, a.device);
@@ -207,17 +215,17 @@ void atmm_expand(torch::Tensor y, torch::Tensor x, torch::Tensor meta, int64_t s
 void switch_(torch::Tensor descs, torch::Tensor scales, torch::Tensor work, int64_t total_tiles, int64_t rmax,
              int64_t cfg, int64_t dtype, bool pdl) {
   const OpEntry& e = entry(cfg, kSwitch);
-  TORCH_CHECK(e.dtype == dtype, e.name, " does not match the weights' dtype");
-  TORCH_CHECK(descs.is_cuda() && descs.scalar_type() == torch::kInt64 && descs.is_contiguous() && descs.dim() == 2 &&
+  VALORA_CHECK(e.dtype == dtype, e.name, " does not match the weights' dtype");
+  VALORA_CHECK(descs.is_cuda() && descs.scalar_type() == torch::kInt64 && descs.is_contiguous() && descs.dim() == 2 &&
                   descs.size(1) == 8,
               "descs must be a contiguous CUDA int64 tensor of shape (n, 8)");
   const auto dev = descs.device();
   check_on(scales, "scales", dev, torch::kFloat32);
   check_on(work, "work", dev, torch::kUInt8);
   const int64_t n = descs.size(0);
-  TORCH_CHECK(n >= 1 && scales.numel() == 2 * n, "scales must be (n, 2)");
-  TORCH_CHECK(work.numel() >= n * (int64_t)sizeof(SwitchDesc), "work buffer too small");
-  TORCH_CHECK(rmax >= 16 && rmax <= 256 && rmax % 16 == 0, "padded total rank must be 16..256, got ", rmax);
+  VALORA_CHECK(n >= 1 && scales.numel() == 2 * n, "scales must be (n, 2)");
+  VALORA_CHECK(work.numel() >= n * (int64_t)sizeof(SwitchDesc), "work buffer too small");
+  VALORA_CHECK(rmax >= 16 && rmax <= 256 && rmax % 16 == 0, "padded total rank must be 16..256, got ", rmax);
   const c10::cuda::CUDAGuard guard(dev);
   auto stream = c10::cuda::getCurrentCUDAStream();
   // pack on the host side of the stream: descs/scales -> SwitchDesc[] with one tiny kernel-free copy
@@ -239,7 +247,7 @@ void switch_(torch::Tensor descs, torch::Tensor scales, torch::Tensor work, int6
   check_cuda(cudaStreamSynchronize(stream), "descriptor copy", e);  // `packed` is pageable and local
   SwitchLaunch l{reinterpret_cast<const SwitchDesc*>(work.data_ptr()), (int)n, total_tiles, (int)rmax};
   const size_t smem = e.smem((int)rmax) + desc_cache_bytes((int)n);
-  TORCH_CHECK(smem <= smem_limit(dev.index()), e.name, " needs ", smem, " bytes of shared memory");
+  VALORA_CHECK(smem <= smem_limit(dev.index()), e.name, " needs ", smem, " bytes of shared memory");
   const int grid = persistent_grid(e, smem, total_tiles, dev.index());
   check_cuda(e.launch(&l, grid, smem, stream, pdl), "switch launch", e);
 }
@@ -247,13 +255,13 @@ void switch_(torch::Tensor descs, torch::Tensor scales, torch::Tensor work, int6
 // switch kernel on descriptors already packed on the device (graph-capturable; no host sync).
 void switch_packed(torch::Tensor work, int64_t n, int64_t total_tiles, int64_t rmax, int64_t cfg, bool pdl) {
   const OpEntry& e = entry(cfg, kSwitch);
-  TORCH_CHECK(work.is_cuda() && work.scalar_type() == torch::kUInt8 && work.numel() >= n * (int64_t)sizeof(SwitchDesc),
+  VALORA_CHECK(work.is_cuda() && work.scalar_type() == torch::kUInt8 && work.numel() >= n * (int64_t)sizeof(SwitchDesc),
               "work must be a CUDA uint8 buffer holding n packed descriptors");
-  TORCH_CHECK(rmax >= 16 && rmax <= 256 && rmax % 16 == 0, "padded total rank must be 16..256, got ", rmax);
+  VALORA_CHECK(rmax >= 16 && rmax <= 256 && rmax % 16 == 0, "padded total rank must be 16..256, got ", rmax);
   const c10::cuda::CUDAGuard guard(work.device());
   SwitchLaunch l{reinterpret_cast<const SwitchDesc*>(work.data_ptr()), (int)n, total_tiles, (int)rmax};
   const size_t smem = e.smem((int)rmax) + desc_cache_bytes((int)n);
-  TORCH_CHECK(smem <= smem_limit(work.device().index()), e.name, " needs ", smem, " bytes of shared memory");
+  VALORA_CHECK(smem <= smem_limit(work.device().index()), e.name, " needs ", smem, " bytes of shared memory");
   const int grid = persistent_grid(e, smem, total_tiles, work.device().index());
   check_cuda(e.launch(&l, grid, smem, c10::cuda::getCurrentCUDAStream(), pdl), "switch launch", e);
 }

@@ -95,7 +95,7 @@ def test_atmm_falls_back_to_reference_on_cpu():
 def test_tile_table_keys_buckets_and_lookup(tmp_path):
     assert [token_bucket(t) for t in (1, 2, 3, 16, 17, 1000)] == [1, 2, 4, 16, 32, 1024]
     assert [segment_bucket(s) for s in (1, 2, 4, 5, 16, 17, 64)] == [1, 4, 4, 16, 16, 64, 64]
-    assert [rank_block(r) for r in (16, 32, 48, 64, 80, 128)] == [2, 2, 4, 4, 8, 8]
+    assert [rank_block(r) for r in (16, 32, 48, 64, 80, 128)] == [1, 2, 4, 4, 8, 8]
     assert shape_key(4096, 4096, 16, 100, 8) == "4096x4096/r16/t128/s16"
     cfg_a = TileConfig(16, 64, 4, 8, 16, 64)
     cfg_b = TileConfig(64, 128, 3, 1, 64, 128)
