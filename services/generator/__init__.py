@@ -1,0 +1,18 @@
+"""Accuracy-aware adapter generation (VaLoRA §4.2): offline, CPU-friendly, torch.
+
+    datasets.py   vision tasks built from data shipped in packages (sklearn digits + synthetic)
+    model.py      the frozen base Qwen2-VL with LoRA slots; what a task head reads
+    training.py   TorchTrainer: LoRA + per-task heads trained jointly on cached image features
+    fusion.py     the greedy fusion algorithm with rollback (pure; `Trainer` protocol)
+    bundle.py     export to the valora bundle format (services/common/adapter_format.py)
+    pipeline.py   strategies compared, thresholds, registration through the SDK, results file
+    __main__.py   `python -m services.generator generate ...`
+
+Serving contract for a generated head (what workers must compute to reproduce the measured
+accuracy): the request is the task's prompt with one image in Qwen2-VL's chat format (default
+system turn; user turn = image then prompt; then `<|im_start|>assistant\\n`); the adapter's
+LoRA is applied to every q,k,v,o,gate,up,down projection of the language model with scale
+lora_alpha / r; the head reads the final-norm hidden state of the last prompt token;
+label = labels[argmax(W h + b)]. Prompts are in each bundle directory's manifest and in the
+registered Task's description.
+"""

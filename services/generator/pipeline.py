@@ -118,14 +118,18 @@ def register(address: str, bundles: Sequence[Bundle], result: StrategyResult, ta
     return versions
 
 
-def write_results(results: Sequence[StrategyResult], path: Path | None = None, meta: dict | None = None) -> Path:
-    """bench/results/generation-<date>.json: a list of {"strategy", "n_adapters", "tasks"}."""
+def write_results(results: Sequence[StrategyResult], path: Path | None = None, meta: dict | None = None,
+                  append: bool = False) -> Path:
+    """bench/results/generation-<date>.json: a list of {"strategy", "n_adapters", "tasks", "setup"};
+    `append` adds to the list already in the file (several setups, e.g. margins, in one file)."""
     if path is None:
         path = Path("bench/results") / f"generation-{dt.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = [r.to_json() for r in results]
-    if meta:
-        for d in doc:
+    doc = json.loads(path.read_text()) if append and path.exists() else []
+    for r in results:
+        d = r.to_json()
+        if meta:
             d["setup"] = meta
+        doc.append(d)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path

@@ -42,17 +42,17 @@ class AdapterState:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = 3
+    epochs: int = 4
     batch_size: int = 16
-    lr: float = 3e-3  # LoRA A/B
-    head_lr: float = 1e-2
+    lr: float = 5e-3  # LoRA A/B
+    head_lr: float = 3e-3
     weight_decay: float = 0.0
     seed: int = 0
     head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
     augment: int = 0  # extra shifted copies of each train split (datasets.shifted_copies)
 
 
-Progress = Callable[[int, int], None]  # (done steps, total steps)
+Progress = Callable[[str, int, int], None]  # (what is training, done steps, total steps)
 
 
 def _task_seed(seed: int, tasks: Sequence[str]) -> int:
@@ -159,7 +159,7 @@ class TorchTrainer:
             opt.step()
             sched.step()
             if self.progress is not None:
-                self.progress(step + 1, total)
+                self.progress("+".join(tasks), step + 1, total)
         new_heads = dict(state.heads)
         with torch.no_grad():
             for t in tasks:

@@ -129,3 +129,20 @@ def test_validate_reports_accuracy_per_task(trained):
     assert set(acc) == {"digit", "count"} and all(0.0 <= v <= 1.0 for v in acc.values())
     _, base_acc = trainer.head_only("count")
     assert set(base_acc) == {"val", "test"}
+
+
+def test_pretrained_base_is_a_loadable_model_directory(tiny_model_dir, tmp_path):
+    from services.generator.model import BaseModel
+    from services.generator.pretrain import pretrain
+
+    out = tmp_path / "demo"
+    result = pretrain(tiny_model_dir, out, steps=2, batch_size=4)
+    assert 0.0 <= result["val_accuracy"] <= 1.0
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    base = BaseModel.load(out, rank=2)
+    # The weights changed (it trained), and the processor/tokenizer travel with it.
+    before = BaseModel.load(tiny_model_dir, rank=2)
+    w0 = before.model.model.language_model.layers[0].mlp.up_proj.base.weight
+    w1 = base.model.model.language_model.layers[0].mlp.up_proj.base.weight
+    assert not torch.equal(w0, w1)
+    assert base.image_processor.merge_size == 2
