@@ -94,7 +94,9 @@ class Dispatcher:
         fut = pending.assigned
         assert fut is not None
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), pending.remaining_s(self.clock()))
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+            async with asyncio.timeout(pending.remaining_s(self.clock())):
+                return await asyncio.shield(fut)
         except BaseException as exc:
             # Timed out or cancelled (client gone): a slot granted meanwhile goes back.
             if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -114,7 +116,8 @@ class Dispatcher:
         task = self._mode_tasks.get(worker)
         if task is not None and not task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(task), pending.remaining_s(self.clock()))
+                async with asyncio.timeout(pending.remaining_s(self.clock())):
+                    await asyncio.shield(task)
             except TimeoutError:
                 raise DeadlineExceeded(f"request {pending.request_id} expired waiting for a mode switch",
                                        reason="QUEUE_TIMEOUT") from None
@@ -180,7 +183,8 @@ class Dispatcher:
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+                async with asyncio.timeout(self.tick_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -196,7 +200,8 @@ class Dispatcher:
         tasks = [t for t in (self._task, *self._mode_tasks.values()) if t is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
         for p in self.queue.values():
             if not p.assigned.done():
                 p.assigned.set_exception(WorkerUnavailable("scheduler shutting down", reason="SHUTDOWN"))

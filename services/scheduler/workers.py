@@ -111,12 +111,14 @@ class WorkerPool:
                 worker._logged_down = True
             worker.healthy = False
             return
-        if not worker.healthy:
+        if resp.status.healthy and not worker.healthy:
             log.info("worker_up", worker=worker.address)
+        elif not resp.status.healthy and (worker.healthy or not worker._logged_down):
+            log.warning("worker_reports_unhealthy", worker=worker.address)
+        worker._logged_down = not resp.status.healthy
         worker.status = resp.status
         worker.healthy = resp.status.healthy
         worker.consecutive_failures = 0
-        worker._logged_down = False
 
     async def _run(self) -> None:
         while True:
@@ -133,8 +135,5 @@ class WorkerPool:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait([self._task], timeout=5.0)
         await asyncio.gather(*(w.channel.close() for w in self.workers.values()))
