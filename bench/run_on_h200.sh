@@ -46,7 +46,7 @@ elif [ "$MODE" = medium ]; then
   timeout 200 python3 -m bench.atmm_bench --suite headline 2>&1 | tail -14
   timeout 150 python3 -m bench.switch_bench 2>&1 | tail -14
 else
-  timeout 230 python3 -m kernels.tile_search --budget-s 140 --validate 8 2>&1 | grep -v "━" | tail -14
+  timeout 230 python3 -X faulthandler -m kernels.tile_search --budget-s 140 --validate 8 2>&1 | grep -v "━" | tail -14
   cp kernels/tile_tables/*.json "$OUT/" 2>/dev/null
   timeout 200 python3 -m bench.atmm_bench --suite full 2>&1 | tail -30
   timeout 100 python3 -m bench.switch_bench 2>&1 | tail -14

@@ -67,7 +67,7 @@ def main() -> None:
     res = {"layers": args.layers, "rank": args.rank, "weight_bytes": nbytes, "floor_ms": floor_ms, "ours": {}}
     print(f"W: {nbytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms", flush=True)
 
-    for cfg in ("switch_bf16_bm64_bn128", "switch_bf16_bm128_bn64", "switch_bf16_bm32_bn256"):
+    for cfg in ("switch_bf16_bm64_bn128", "switch_bf16_bm128_bn64", "switch_bf16_bm32_bn256", "switch_bf16_bm64_bn64"):
         merge = SwitchPlan(ws, m_ad, config=cfg)
         sw = SwitchPlan(ws, n_ad, [LoraTerm(t.a, t.b, -t.scale) for t in m_ad], config=cfg)
         tm = timed(merge.run, args.reps)

@@ -23,7 +23,7 @@ _DESC = np.dtype([("w", "<i8"), ("a1", "<i8"), ("b1", "<i8"), ("a2", "<i8"), ("b
                   ("N", "<i4"), ("r1", "<i4"), ("r2", "<i4"), ("s1", "<f4"), ("s2", "<f4"), ("tile_begin", "<i8")])
 assert _DESC.itemsize == 72
 DEFAULT_CONFIG = {torch.bfloat16: "switch_bf16_bm64_bn128", torch.float16: "switch_fp16_bm64_bn128"}
-_TILES = {"bm64_bn128": (64, 128), "bm128_bn64": (128, 64), "bm32_bn256": (32, 256)}
+_TILES = {"bm64_bn128": (64, 128), "bm128_bn64": (128, 64), "bm32_bn256": (32, 256), "bm64_bn64": (64, 64)}
 
 
 @dataclass(frozen=True)

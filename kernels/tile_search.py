@@ -96,8 +96,11 @@ class Bench:
         p = self.plan
         sid = config_id(tc.shrink_name(dtype, rank_block(p.rank_stride)))
         eid = config_id(tc.expand_name(dtype))
+        split_k = tc.split_k
+        while split_k > 1 and split_k * self.tokens * p.rank_stride > p.workspace.numel():
+            split_k //= 2  # as kernels.atmm does: the workspace bounds split-K
         return self._time(lambda w, x, y: self.ext.atmm(
-            *self._args(w, x, y, tc.split_k), sid, eid, tc.split_k, p.rank_stride, p.tiles[tc.shrink_bt],
+            *self._args(w, x, y, split_k), sid, eid, split_k, p.rank_stride, p.tiles[tc.shrink_bt],
             p.tiles[tc.expand_bt], True))
 
 

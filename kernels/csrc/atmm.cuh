@@ -269,9 +269,11 @@ struct ExpandCfg {
   }
 };
 
-// at most ~100 registers for the small tiles so 5 CTAs fit an SM (memory parallelism)
+// Software-pipelined over a CTA's contiguous run of items: the next item's y tile is loaded into
+// a second register set while the current one computes, so each CTA keeps two tiles of y in
+// flight. At most ~128 registers for the small tiles so 4 CTAs fit an SM.
 template <typename T, int BT, int BN>
-__global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 5 : 2)) atmm_expand_kernel(AtmmArgs p) {
+__global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 4 : 2)) atmm_expand_kernel(AtmmArgs p) {
   using C = ExpandCfg<T, BT, BN>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SegCache sc;
@@ -286,66 +288,78 @@ __global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 5 : 2)) atmm_expa
   const int tiles = S > 0 ? sc.off[S] : 0;
   const int items = tiles * ntn;
   const int tid = threadIdx.x, warp = tid >> 5;
-  bool waited = false;
   const T* Y0 = reinterpret_cast<const T*>(p.y);
   T* Yw = reinterpret_cast<T*>(p.y);
   // each CTA takes a contiguous run of items, column-chunk major: consecutive items share the
   // segment's B tile (kept in shared memory) and walk down y
   const int chunk = (items + gridDim.x - 1) / gridDim.x;
   const int it_lo = blockIdx.x * chunk, it_hi = min(items, it_lo + chunk);
-  long long b_key = -1;
 
-  for (int item = it_lo; item < it_hi; ++item) {
+  struct Item {
+    int row0, nrows, r, n0;
+    float scale;
+    const T* B;
+  };
+  auto decode = [&](int item) {
+    Item d;
     const int tn = item / tiles, tile = item - tn * tiles;
     const int s = find_segment(sc.off, S, tile);
-    const int row0 = sc.start[s] + (tile - sc.off[s]) * BT;
-    const int nrows = min(BT, sc.start[s + 1] - row0);
-    const int r = sc.rank[s];
-    const int r16 = (r + 15) & ~15;
-    const float scale = sc.scale[s];
-    const T* B = reinterpret_cast<const T*>(sc.ptr[s]);
-    const int n0 = tn * BN;
-    const long long key = (reinterpret_cast<long long>(B) << 8) ^ tn;
-
-    if (key != b_key) {
-      for (int c = tid; c < r16 * (BN / 8); c += kThreads) {
-        const int j = c / (BN / 8), col = (c % (BN / 8)) * 8;
-        const bool pred = j < r && n0 + col < p.h_out;
-        cp_async16(bs + j * C::BS_LD + col, pred ? B + (long long)j * p.h_out + n0 + col : B, pred);
-      }
-      b_key = key;
+    d.row0 = sc.start[s] + (tile - sc.off[s]) * BT;
+    d.nrows = min(BT, sc.start[s + 1] - d.row0);
+    d.r = sc.rank[s];
+    d.scale = sc.scale[s];
+    d.B = reinterpret_cast<const T*>(sc.ptr[s]);
+    d.n0 = tn * BN;
+    return d;
+  };
+  long long b_key = -1;
+  auto load_b = [&](const Item& d) {  // cp.async, only when the (segment B, column chunk) changes
+    const long long key = (reinterpret_cast<long long>(d.B) << 8) ^ (d.n0 / BN);
+    if (key == b_key) return;
+    const int r16 = (d.r + 15) & ~15;
+    for (int c = tid; c < r16 * (BN / 8); c += kThreads) {
+      const int j = c / (BN / 8), col = (c % (BN / 8)) * 8;
+      const bool pred = j < d.r && d.n0 + col < p.h_out;
+      cp_async16(bs + j * C::BS_LD + col, pred ? d.B + (long long)j * p.h_out + d.n0 + col : d.B, pred);
     }
-    cp_async_commit();
-    if (!waited) {
-      griddep_wait();  // ws (our shrink) and y (whatever ran before) are ready
-      griddep_launch();
-      waited = true;
-    }
-    uint4 yv[C::YCH];
+    b_key = key;
+  };
+  auto load_y = [&](const Item& d, uint4 (&v)[C::YCH]) {
 #pragma unroll
     for (int q = 0; q < C::YCH; ++q) {
       const int c = tid + q * kThreads, row = c / (BN / 8), col = (c % (BN / 8)) * 8;
-      if (row < nrows && n0 + col < p.h_out)
-        yv[q] = *reinterpret_cast<const uint4*>(Y0 + (long long)(row0 + row) * p.y_ld + n0 + col);
+      if (row < d.nrows && d.n0 + col < p.h_out)
+        v[q] = *reinterpret_cast<const uint4*>(Y0 + (long long)(d.row0 + row) * p.y_ld + d.n0 + col);
     }
-    {  // pull the next item's y tile toward L2 while this one computes
-      const int nitem = item + 1;
-      if (nitem < it_hi && tid < BT * (BN / 64)) {
-        const int ntn_i = nitem / tiles, ntile = nitem - ntn_i * tiles, nn0 = ntn_i * BN;
-        const int ns = find_segment(sc.off, S, ntile);
-        const int nrow0 = sc.start[ns] + (ntile - sc.off[ns]) * BT;
-        const int row = tid / (BN / 64), col = (tid % (BN / 64)) * 64;
-        if (nrow0 + row < sc.start[ns + 1] && nn0 + col < p.h_out)
-          prefetch_l2(Y0 + (long long)(nrow0 + row) * p.y_ld + nn0 + col);
-      }
+  };
+
+  Item cur;
+  uint4 yv[C::YCH];
+  if (it_lo < it_hi) {
+    cur = decode(it_lo);
+    load_b(cur);  // weights before the wait
+    cp_async_commit();
+  }
+  griddep_wait();  // ws (our shrink) and y (whatever ran before) are ready
+  griddep_launch();
+  if (it_lo < it_hi) load_y(cur, yv);
+
+  for (int item = it_lo; item < it_hi; ++item) {
+    const bool has_next = item + 1 < it_hi;
+    Item nxt;
+    uint4 yn[C::YCH];
+    if (has_next) {
+      nxt = decode(item + 1);
+      load_y(nxt, yn);  // in flight while this item computes
     }
+    const int r16 = (cur.r + 15) & ~15;
     for (int e = tid; e < BT * r16; e += kThreads) {
       const int row = e / r16, col = e - row * r16;
       float v = 0.f;
-      if (row < nrows && col < r) {
-        const float* w = p.ws + (long long)(row0 + row) * rs + col;
+      if (row < cur.nrows && col < cur.r) {
+        const float* w = p.ws + (long long)(cur.row0 + row) * rs + col;
         for (int kc = 0; kc < p.split_k; ++kc) v += w[(long long)kc * p.T * rs];
-        v *= scale;
+        v *= cur.scale;
       }
       const T hi = Cvt<T>::from(v);
       xh[row * (rs + 8) + col] = hi;
@@ -385,19 +399,22 @@ __global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 5 : 2)) atmm_expa
 #pragma unroll
     for (int q = 0; q < C::YCH; ++q) {
       const int c = tid + q * kThreads, row = c / (BN / 8), col = (c % (BN / 8)) * 8;
-      if (row < nrows && n0 + col < p.h_out) {
+      if (row < cur.nrows && cur.n0 + col < p.h_out) {
         T* yh = reinterpret_cast<T*>(&yv[q]);
         const float* d = cs + row * C::CS_LD + col;
 #pragma unroll
         for (int e = 0; e < 8; ++e) yh[e] = Cvt<T>::from(Cvt<T>::to(yh[e]) + d[e]);
-        *reinterpret_cast<uint4*>(Yw + (long long)(row0 + row) * p.y_ld + n0 + col) = yv[q];
+        *reinterpret_cast<uint4*>(Yw + (long long)(cur.row0 + row) * p.y_ld + cur.n0 + col) = yv[q];
       }
     }
-    __syncthreads();
-  }
-  if (!waited) {
-    griddep_wait();
-    griddep_launch();
+    __syncthreads();  // bs / xh / xl / cs free for the next item
+    if (has_next) {
+      load_b(nxt);
+      cp_async_commit();
+      cur = nxt;
+#pragma unroll
+      for (int q = 0; q < C::YCH; ++q) yv[q] = yn[q];
+    }
   }
 }
 
@@ -419,7 +436,8 @@ struct SwitchCfg {
 };
 
 template <typename T, int BM, int BN>
-__global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* descs, int n, long long total_tiles, int rmax) {
+__global__ void __launch_bounds__(kThreads, (BM * BN <= 4096 ? 3 : 2))
+    switch_kernel(const SwitchDesc* descs, int n, long long total_tiles, int rmax) {
   using C = SwitchCfg<T, BM, BN>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   long long* begins = reinterpret_cast<long long*>(smem_raw);  // first tile of each matrix
@@ -430,50 +448,69 @@ __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* d
   for (int i = tid; i < n; i += kThreads) begins[i] = descs[i].tile_begin;
   __syncthreads();
   griddep_wait();
-  // contiguous chunk of tiles per CTA: the descriptor changes rarely and W streams in order
+  // contiguous chunk of tiles per CTA: the descriptor changes rarely and W streams in order;
+  // the next tile's W is loaded into a second register set while the current one computes
   const long long chunk = (total_tiles + gridDim.x - 1) / gridDim.x;
   const long long t_lo = (long long)blockIdx.x * chunk;
   const long long t_hi = min(total_tiles, t_lo + chunk);
-  int cur = -1, bt_desc = -1, bt_m0 = -1;
-  long long cur_begin = 0, next_begin = 0;
-  SwitchDesc d;
-  for (long long tile = t_lo; tile < t_hi; ++tile) {
-    if (cur < 0 || tile >= next_begin) {
+
+  struct Tile {
+    int idx, m0, n0;
+  };
+  int look = -1;  // descriptor cached in `dl`
+  long long look_begin = 0, look_next = 0;
+  SwitchDesc dl;
+  auto locate = [&](long long tile) {
+    if (look < 0 || tile >= look_next || tile < look_begin) {
       int lo = 0, hi = n - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (begins[mid] <= tile) lo = mid; else hi = mid - 1;
       }
-      cur = lo;
-      d = descs[lo];
-      cur_begin = begins[lo];
-      next_begin = lo + 1 < n ? begins[lo + 1] : total_tiles;
+      look = lo;
+      dl = descs[lo];
+      look_begin = begins[lo];
+      look_next = lo + 1 < n ? begins[lo + 1] : total_tiles;
     }
-    const int ntn = (d.N + BN - 1) / BN;
-    const long long lt = tile - cur_begin;
-    const int m0 = (int)(lt / ntn) * BM, n0 = (int)(lt % ntn) * BN;
-    T* W = reinterpret_cast<T*>(d.w);
-    uint4 wv[C::WCH];
+    const int ntn = (dl.N + BN - 1) / BN;
+    const long long lt = tile - look_begin;
+    return Tile{look, (int)(lt / ntn) * BM, (int)(lt % ntn) * BN};
+  };
+  auto load_w = [&](const SwitchDesc& d, const Tile& t, uint4 (&v)[C::WCH]) {
+    const T* W = reinterpret_cast<const T*>(d.w);
 #pragma unroll
-    for (int q = 0; q < C::WCH; ++q) {  // the big stream first
+    for (int q = 0; q < C::WCH; ++q) {
       const int c = tid + q * kThreads, row = c / (BN / 8), col = (c % (BN / 8)) * 8;
-      if (m0 + row < d.M && n0 + col < d.N)
-        wv[q] = *reinterpret_cast<const uint4*>(W + (long long)(m0 + row) * d.N + n0 + col);
+      if (t.m0 + row < d.M && t.n0 + col < d.N)
+        v[q] = *reinterpret_cast<const uint4*>(W + (long long)(t.m0 + row) * d.N + t.n0 + col);
     }
-    if (tile + 1 < t_hi && tile + 1 < next_begin) {  // next tile of the same matrix toward L2
-      const long long nl = lt + 1;
-      const int nm0 = (int)(nl / ntn) * BM, nn0 = (int)(nl % ntn) * BN;
-      for (int c = tid; c < BM * (BN / 64); c += kThreads) {
-        const int row = c / (BN / 64), col = (c % (BN / 64)) * 64;
-        if (nm0 + row < d.M && nn0 + col < d.N) prefetch_l2(W + (long long)(nm0 + row) * d.N + nn0 + col);
-      }
+  };
+
+  int bt_desc = -1, bt_m0 = -1;
+  uint4 wv[C::WCH];
+  Tile cur{0, 0, 0};
+  SwitchDesc d;
+  if (t_lo < t_hi) {
+    cur = locate(t_lo);
+    d = dl;
+    load_w(d, cur, wv);
+  }
+  for (long long tile = t_lo; tile < t_hi; ++tile) {
+    const bool has_next = tile + 1 < t_hi;
+    Tile nxt{0, 0, 0};
+    uint4 wnext[C::WCH];
+    if (has_next) {
+      nxt = locate(tile + 1);
+      load_w(dl, nxt, wnext);
     }
+    const int m0 = cur.m0, n0 = cur.n0;
+    T* W = reinterpret_cast<T*>(d.w);
     const int r1p = (d.r1 + 15) & ~15, r2p = (d.r2 + 15) & ~15, R = r1p + r2p;
     const T* A1 = reinterpret_cast<const T*>(d.a1);
     const T* B1 = reinterpret_cast<const T*>(d.b1);
     const T* A2 = reinterpret_cast<const T*>(d.a2);
     const T* B2 = reinterpret_cast<const T*>(d.b2);
-    if (cur != bt_desc || m0 != bt_m0) {  // B^T tile: reused along the row band
+    if (cur.idx != bt_desc || m0 != bt_m0) {  // B^T tile: reused along the row band
       for (int c = tid; c < R * (BM / 8); c += kThreads) {  // B^T rows k, BM contiguous columns
         const int k = c / (BM / 8), col = (c % (BM / 8)) * 8;
         const bool first = k < r1p;
@@ -483,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* d
         const bool pred = j < rr && m0 + col < d.M;
         cp_async16(bt + k * (BM + 8) + col, pred ? src + (long long)j * d.M + m0 + col : B1, pred);
       }
-      bt_desc = cur;
+      bt_desc = cur.idx;
       bt_m0 = m0;
     }
     for (int c = tid; c < BN * (R / 8); c += kThreads) {  // A rows n, rank columns contiguous
@@ -546,8 +583,15 @@ __global__ void __launch_bounds__(kThreads, 3) switch_kernel(const SwitchDesc* d
       }
     }
     __syncthreads();
+    if (has_next) {
+      cur = nxt;
+      d = dl;
+#pragma unroll
+      for (int q = 0; q < C::WCH; ++q) wv[q] = wnext[q];
+    }
   }
   griddep_launch();
 }
+
 
 }  // namespace valora

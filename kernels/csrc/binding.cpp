@@ -7,17 +7,39 @@
 #include <torch/extension.h>
 
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "atmm_api.h"
 
-// Input/status checks raise RuntimeError (std::runtime_error through pybind11) with the message;
-// plain exceptions, so no C++ backtrace is captured on these expected error paths.
-#define VALORA_CHECK(cond, ...)                                   \
-  do {                                                            \
-    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__)); \
+namespace valora {
+namespace {
+
+// Error messages are assembled without iostreams (std::to_string, c10::toString): formatting
+// numbers through an ostringstream inside the extension crashed on the GPU image (a libstdc++
+// locale mismatch between the extension and the loaded runtime, seen as a segfault in error paths).
+inline void app(std::string& s, const char* v) { s += v; }
+inline void app(std::string& s, const std::string& v) { s += v; }
+template <typename I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+inline void app(std::string& s, I v) { s += std::to_string(v); }
+inline void app(std::string& s, c10::ScalarType t) { s += c10::toString(t); }
+inline void app(std::string& s, const c10::Device& d) { s += d.str(); }
+template <typename... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (app(s, a), ...);
+  return s;
+}
+
+}  // namespace
+}  // namespace valora
+
+// Input/status checks raise RuntimeError (std::runtime_error through pybind11) with the message.
+#define VALORA_CHECK(cond, ...)                                         \
+  do {                                                                  \
+    if (!(cond)) throw std::runtime_error(::valora::cat(__VA_ARGS__)); \
   } while (0)
 
 namespace valora {

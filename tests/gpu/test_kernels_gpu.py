@@ -176,7 +176,8 @@ def test_atmm_binding_rejects_bad_inputs():
     assert r.returncode == 0 and "ALL OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
-@pytest.mark.parametrize("config", ["switch_bf16_bm64_bn128", "switch_bf16_bm128_bn64", "switch_bf16_bm32_bn256"])
+@pytest.mark.parametrize("config", ["switch_bf16_bm64_bn128", "switch_bf16_bm128_bn64", "switch_bf16_bm32_bn256",
+                                    "switch_bf16_bm64_bn64"])
 def test_switch_matches_reference(config):
     g = torch.Generator(device="cuda").manual_seed(3)
     shapes = [(512, 256), (1000, 264), (256, 1024)]
