@@ -183,7 +183,10 @@ def generate(
     table.add_row("threshold", "", *[f"{thresholds[t]:.3f}" for t in names])
     console.print(table)
     if compare:
-        meta = {"base_model": os.path.basename(str(model_path).rstrip("/")), "rank": rank, "lora_alpha": alpha,
+        provenance = Path(model_path).expanduser() / "valora_pretrain.json"
+        meta = {"base_model": os.path.basename(str(model_path).rstrip("/")),
+                "base_pretraining": json.loads(provenance.read_text()) if provenance.exists() else None,
+                "rank": rank, "lora_alpha": alpha,
                 "epochs": epochs, "batch_size": batch_size, "lr": lr, "head_lr": head_lr, "margin": margin, "seed": seed,
                 "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
                 "wall_s": round(time.time() - started, 1), "torch_threads": threads}

@@ -11,6 +11,7 @@ config, tokenizer, processor files copied from the source) that workers load lik
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 from services.generator.datasets import build_task
 from services.generator.model import IMAGE_PAD, chat_text
 
+PROVENANCE_FILE = "valora_pretrain.json"  # how this base was made; the generator records it
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                 "processor_config.json", "preprocessor_config.json", "special_tokens_map.json")
 
@@ -101,6 +103,9 @@ def pretrain(model_path: Path | str, out: Path | str, steps: int = 300, batch_si
     for name in COPIED_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, tmp / name)
+    record = {"source": src.name, "task": task, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+              "val_accuracy": round(acc, 4)}
+    (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return {"val_accuracy": acc}

@@ -47,6 +47,7 @@ class TrainConfig:
     lr: float = 5e-3  # LoRA A/B
     head_lr: float = 3e-3
     weight_decay: float = 0.0
+    clip_norm: float = 1.0  # max gradient norm of the LoRA weights per step (0: no clipping)
     seed: int = 0
     head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
     augment: int = 0  # extra shifted copies of each train split (datasets.shifted_copies)
@@ -156,6 +157,8 @@ class TorchTrainer:
             loss = F.cross_entropy(heads[t](h), ys[t][idx_t])
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.clip_norm:
+                torch.nn.utils.clip_grad_norm_(self.base.lora_parameters(), cfg.clip_norm)
             opt.step()
             sched.step()
             if self.progress is not None:
