@@ -38,6 +38,28 @@ class SchedulerSettings(ServiceSettings):
     dispatch_tick_s: float = Field(
         0.25, gt=0, description="Longest the dispatcher sleeps before re-checking deadlines.")
 
+    policy: str = Field(
+        "valora", description="Scheduling policy: valora (credits, merged/mixture/unmerged), dlora (credits, "
+        "merge/unmerge, no mixture), slora (unmerged), punica (unmerged, FCFS, consolidating), affinity.")
+    starvation_theta_s: float = Field(
+        1.0, gt=0, description="Starvation threshold θ: a request whose credit (waiting time + estimated run "
+        "time, seconds) exceeds it is served through mixture mode (valora) or unmerged mode (dlora).")
+    cost_profile: str = Field(
+        "h200-7b", description="Cost model profile of the workers' GPU for run-time estimates (h200-7b, cpu-tiny); "
+        "workers reporting a cpu device use cpu-tiny.")
+    cost_results_dir: str = Field(
+        "", description="Directory of bench/results JSON (ATMM µs, switch ms) that refines the h200-7b profile; "
+        "empty: the documented defaults.")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from services.scheduler.policies import POLICY_NAMES
+
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; known: {', '.join(POLICY_NAMES)}")
+        return value
+
     @field_validator("worker_addresses", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:

@@ -19,7 +19,7 @@ import structlog
 
 from services.common import metrics
 from services.common.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
-from services.scheduler.policy import ModeCommand, SchedulingPolicy, WaitingRequest
+from services.scheduler.policy import ModeCommand, PrefetchHint, SchedulingPolicy, WaitingRequest
 from services.scheduler.workers import MODE_TO_PB, WorkerPool
 from valora.internal.v1 import work_pb2, worker_service_pb2
 
@@ -64,6 +64,8 @@ class Dispatcher:
         self._task: asyncio.Task | None = None
         # The latest SetMode sent to each worker; requests placed after it wait for it.
         self._mode_tasks: dict[str, asyncio.Task] = {}
+        # Prefetch (LoadAdapter to_device) calls in flight, by (worker, adapter version).
+        self._prefetch_tasks: dict[tuple[str, str], asyncio.Task] = {}
 
     # -- the Submit side ------------------------------------------------------------------
 
@@ -148,6 +150,8 @@ class Dispatcher:
         decision = self.policy.decide(now, waiting, self.pool.views())
         for cmd in decision.mode_commands:
             self._send_mode(cmd)
+        for hint in decision.prefetch:
+            self._send_prefetch(hint)
         for a in decision.assignments:
             p = self.queue.pop(a.request_id, None)
             if p is None or p.assigned.done():
@@ -166,6 +170,7 @@ class Dispatcher:
         if handle.status is not None:
             # Optimistic until the next poll, so the policy does not repeat the command.
             handle.status.mode = req.mode
+            handle.status.merged_adapter = cmd.merged_adapter or ""
 
         previous = self._mode_tasks.get(cmd.worker)
 
@@ -179,6 +184,29 @@ class Dispatcher:
                 log.warning("mode_set_failed", worker=cmd.worker, mode=cmd.mode.value, code=err.code().name)
 
         self._mode_tasks[cmd.worker] = asyncio.create_task(send(), name=f"set-mode-{cmd.worker}")
+
+    def _send_prefetch(self, hint: PrefetchHint) -> None:
+        """Best effort: ask the worker to copy an adapter to its device before requests need it."""
+        handle = self.pool.workers.get(hint.worker)
+        key = (hint.worker, hint.adapter)
+        if handle is None or key in self._prefetch_tasks:
+            return
+        if handle.status is not None and hint.adapter in handle.status.resident_adapters:
+            return
+        req = worker_service_pb2.LoadAdapterRequest(adapter=work_pb2.AdapterRef(version=hint.adapter),
+                                                    to_device=True)
+
+        async def send() -> None:
+            try:
+                await handle.stub.LoadAdapter(req, timeout=self.mode_switch_timeout_s)
+                log.info("adapter_prefetched", worker=hint.worker, adapter=hint.adapter)
+            except grpc.RpcError as err:
+                log.warning("adapter_prefetch_failed", worker=hint.worker, adapter=hint.adapter,
+                            code=err.code().name)
+            finally:
+                self._prefetch_tasks.pop(key, None)
+
+        self._prefetch_tasks[key] = asyncio.create_task(send(), name=f"prefetch-{hint.worker}")
 
     async def _run(self) -> None:
         while True:
@@ -197,7 +225,8 @@ class Dispatcher:
         self._task = asyncio.create_task(self._run(), name="dispatcher")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._mode_tasks.values()) if t is not None]
+        tasks = [t for t in (self._task, *self._mode_tasks.values(), *self._prefetch_tasks.values())
+                 if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:

@@ -1,19 +1,34 @@
-"""Placement policy: which waiting request runs on which worker, and in which mode.
+"""Placement policies: which waiting request runs on which worker, and in which mode.
 
 The dispatcher (services/scheduler/dispatcher.py) calls `SchedulingPolicy.decide` whenever the
-queue or a worker changes. Policies are pure: plain dataclasses in, a `Decision` out, no
-protobuf, no I/O, no clocks (the caller passes `now_s`). VaLoRA's credit-based policy (paper
-Alg. 1: credits = waiting time + estimated execution time, merged mode preferred, mixture for
-starving requests, unmerged when more than half a batch starves) replaces
-`AffinityLeastLoadedPolicy` behind the same interface.
+queue or a worker changes; the simulator (services/scheduler/sim.py) calls the same code. Policies
+are pure: plain dataclasses in, a `Decision` out, no protobuf, no I/O, no clocks (the caller
+passes `now_s`).
+
+Policies (registry `POLICIES`, chosen by the `policy` setting, env VALORA_POLICY):
+
+- `valora` (default) — paper Alg. 1, `CreditPolicy(mixture=True)`: credits = waiting time +
+  estimated execution time (services/scheduler/credits.py, cost_model.py). Per worker and round:
+  no starving request → MERGED on the adapter that minimizes the mean latency of the worker's
+  requests counting the switch cost; some starving (credit > θ) → MIXTURE (the merged adapter
+  stays, starving requests run through the deLoRA term); more than half of max batch starving →
+  UNMERGED.
+- `dlora` — `CreditPolicy(mixture=False)`: the same credits and merged choice, but starvation
+  switches to UNMERGED (dLoRA's merge/unmerge switching, no mixture).
+- `slora` — UNMERGED only, first come first served, adapter affinity (resident first) then least
+  loaded, prefetch hints for adapters not resident.
+- `punica` — UNMERGED only, first come first served, consolidating placement (the busiest worker
+  with room, Punica's scheduler), no affinity, no prefetch.
+- `affinity` — the foundation policy (`AffinityLeastLoadedPolicy`).
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
 
 
 class Mode(enum.Enum):
@@ -41,6 +56,8 @@ class WaitingRequest:
     images: int = 0
     # A task-head request: one forward pass, no decoding.
     label: bool = False
+    # Prompt tokens when known (0: the cost model's default); images add their own tokens.
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,10 @@ class WorkerView:
     mode: Mode = Mode.UNKNOWN
     merged_adapter: str | None = None
     resident_adapters: frozenset[str] = frozenset()
+    # Running requests per adapter (None = base model) when the caller knows them.
+    running_adapters: Mapping[str | None, int] = field(default_factory=dict)
+    # What the worker reports as its device ("cuda:0", "cpu"): picks the cost profile.
+    device: str = ""
 
     @property
     def free_slots(self) -> int:
@@ -77,12 +98,22 @@ class ModeCommand:
     merged_adapter: str | None = None
 
 
+@dataclass(frozen=True)
+class PrefetchHint:
+    """Copy `adapter` to `worker`'s device ahead of need (LoadAdapter with to_device)."""
+
+    worker: str
+    adapter: str
+
+
 @dataclass
 class Decision:
-    """Assignments in dispatch order; mode commands are sent before those assignments run."""
+    """Assignments in dispatch order; mode commands are sent before those assignments run;
+    prefetch hints are best effort and never delay anything."""
 
     assignments: list[Assignment] = field(default_factory=list)
     mode_commands: list[ModeCommand] = field(default_factory=list)
+    prefetch: list[PrefetchHint] = field(default_factory=list)
 
 
 class SchedulingPolicy(ABC):
@@ -145,3 +176,13 @@ class AffinityLeastLoadedPolicy(SchedulingPolicy):
             running[best.address] += 1
             decision.assignments.append(Assignment(req.request_id, best.address))
         return decision
+
+
+def live_workers(workers: Sequence[WorkerView]) -> list[WorkerView]:
+    """Workers that can take requests now: healthy, with a known capacity."""
+    return [w for w in workers if w.healthy and w.max_batch_size > 0]
+
+
+def merged_of(worker: WorkerView) -> str | None:
+    """The adapter folded into the worker's base weights (None when nothing is)."""
+    return worker.merged_adapter if worker.mode in (Mode.MERGED, Mode.MIXTURE) else None

@@ -5,7 +5,9 @@ from __future__ import annotations
 from services.common.server import Service, build_service, channel_options
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.dispatcher import Dispatcher
-from services.scheduler.policy import AffinityLeastLoadedPolicy, SchedulingPolicy
+from services.scheduler.cost_model import load_profile
+from services.scheduler.policies import make_policy
+from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
@@ -22,7 +24,10 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
                       poll_timeout_s=settings.status_timeout_s,
                       default_max_batch_size=settings.default_max_batch_size,
                       channel_options=channel_options(settings), on_change=on_change)
-    dispatcher = Dispatcher(pool, policy or AffinityLeastLoadedPolicy(), max_queue=settings.max_queue,
+    if policy is None:
+        cost = load_profile(settings.cost_profile, settings.cost_results_dir or None)
+        policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s)
+    dispatcher = Dispatcher(pool, policy, max_queue=settings.max_queue,
                             retry_after_s=settings.retry_after_s, tick_s=settings.dispatch_tick_s,
                             mode_switch_timeout_s=settings.mode_switch_timeout_s)
     servicer = SchedulerServicer(pool, dispatcher, max_attempts=settings.max_attempts)

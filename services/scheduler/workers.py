@@ -56,6 +56,7 @@ class WorkerHandle:
             mode=_MODES.get(st.mode, Mode.UNKNOWN),
             merged_adapter=st.merged_adapter or None,
             resident_adapters=frozenset(st.resident_adapters),
+            device=st.device,
         )
 
     def to_pb(self) -> admin_service_pb2.WorkerStatus:

@@ -233,8 +233,19 @@ async def test_status_lists_workers():
 
 async def test_mode_command_is_applied_before_the_request_runs():
     other = "adapters/trucks/versions/2"
-    w = FakeWorker(merged=other)  # merged with another adapter: the policy opens it to mixture mode
+    # Merged with an adapter nobody asks for: the default (valora) policy switches to the
+    # request's adapter, and the request runs only once the switch is applied.
+    w = FakeWorker(merged=other)
     async with cluster(w) as stub:
+        out = await collect(stub, submit_request("r1"))
+    assert out[-1].result.text == "hello"
+    assert w.events == [f"set_mode INFERENCE_MODE_MERGED {ADAPTER}", f"generate {ADAPTER}"]
+
+
+async def test_foundation_policy_opens_a_merged_worker_to_mixture_mode():
+    other = "adapters/trucks/versions/2"
+    w = FakeWorker(merged=other)
+    async with cluster(w, policy="affinity") as stub:
         out = await collect(stub, submit_request("r1"))
     assert out[-1].result.text == "hello"
     assert w.events == [f"set_mode INFERENCE_MODE_MIXTURE {other}", f"generate {ADAPTER}"]

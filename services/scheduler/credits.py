@@ -1,0 +1,42 @@
+"""Credits of waiting requests (VaLoRA Alg. 1): credit = waiting time + estimated execution time.
+
+A request whose credit passes the starvation threshold θ is *starving*: the credit policy serves
+it through mixture mode (or unmerged mode when more than half a batch starves) instead of
+leaving it behind a merged adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.scheduler.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class Credit:
+    request_id: str
+    wait_s: float
+    exec_s: float
+
+    @property
+    def value_s(self) -> float:
+        return self.wait_s + self.exec_s
+
+
+def estimate_exec_s(cost: CostModel, *, prompt_tokens: int, images: int, max_new_tokens: int, label: bool,
+                    lora: bool = True) -> float:
+    """The request's estimated run time in seconds (unmerged: the pessimistic mode)."""
+    return cost.request_ms(prompt_tokens, images, max_new_tokens, label=label, lora=lora) / 1000.0
+
+
+def credit_of(req, now_s: float, cost: CostModel) -> Credit:
+    """`req` is a policy `WaitingRequest` (duck-typed to keep this module free of the policy)."""
+    exec_s = estimate_exec_s(cost, prompt_tokens=getattr(req, "prompt_tokens", 0), images=req.images,
+                             max_new_tokens=req.max_new_tokens, label=req.label)
+    return Credit(req.request_id, max(0.0, now_s - req.arrival_s), exec_s)
+
+
+def starving(credits: Iterable[Credit], theta_s: float) -> list[Credit]:
+    """Credits past θ, highest first."""
+    return sorted((c for c in credits if c.value_s > theta_s), key=lambda c: (-c.value_s, c.request_id))
