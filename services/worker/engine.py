@@ -29,6 +29,7 @@ from services.common.adapter_format import BaseModelShapes
 from services.common.errors import (
     CapacityExceeded,
     Cancelled,
+    DeadlineExceeded,
     FailedPrecondition,
     ValoraError,
     WorkerUnavailable,
@@ -57,6 +58,13 @@ from services.worker.sampling import choose_token
 from services.worker.switcher import Switcher
 
 log = structlog.get_logger()
+
+
+def _stop_reason(s: "_Seq") -> ValoraError:
+    if s.handle.cancelled:
+        return Cancelled("request cancelled", reason="CANCELLED")
+    return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -287,8 +295,9 @@ class Engine:
         return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]))
 
-    def submit(self, prep: PreparedRequest, sink) -> RequestHandle:
-        """Queues a prepared request; `sink(event)` is called on the engine thread."""
+    def submit(self, prep: PreparedRequest, sink, deadline: float | None = None) -> RequestHandle:
+        """Queues a prepared request; `sink(event)` is called on the engine thread. Past `deadline`
+        (time.monotonic()) the engine drops it at the next step boundary with DEADLINE_EXCEEDED."""
         if not self.alive:
             raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
         req = prep.request
@@ -301,7 +310,7 @@ class Engine:
             if len(self._incoming) + len(self._waiting) >= self.config.max_waiting:
                 raise CapacityExceeded(f"worker queue is full ({self.config.max_waiting} waiting)",
                                        reason="WORKER_QUEUE_FULL", retry_after_s=0.5)
-            handle = RequestHandle(req.request_id, self._wake)
+            handle = RequestHandle(req.request_id, self._wake, deadline)
             seq = _Seq(id=next(self._ids), prep=prep, sink=sink, handle=handle)
             self._incoming.append(seq)
             self._wake.notify_all()
@@ -391,9 +400,10 @@ class Engine:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
             kept: collections.deque[_Seq] = collections.deque()
+            now = time.monotonic()
             for s in self._waiting:
-                if s.handle.cancelled:
-                    self._emit(s, Failed(Cancelled("request cancelled", reason="CANCELLED")))
+                if s.handle.cancelled or s.handle.expired(now):
+                    self._emit(s, Failed(_stop_reason(s)))
                 else:
                     kept.append(s)
             self._waiting = kept
@@ -417,9 +427,10 @@ class Engine:
         self._waiting = blocked
 
     def _drop_cancelled(self) -> None:
-        for s in [s for s in (*self._prefill, *self._running) if s.handle.cancelled]:
+        now = time.monotonic()
+        for s in [s for s in (*self._prefill, *self._running) if s.handle.cancelled or s.handle.expired(now)]:
             self._finish_out(s)
-            self._emit(s, Failed(Cancelled("request cancelled", reason="CANCELLED")))
+            self._emit(s, Failed(_stop_reason(s)))
 
     def _finish_out(self, s: _Seq) -> None:
         """Removes a sequence from the engine and frees its cache and adapter hold."""

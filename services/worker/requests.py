@@ -84,10 +84,13 @@ Event = TextDelta | Finished | Failed
 class RequestHandle:
     """Returned by Engine.submit: cancel() frees the sequence at the next step boundary."""
 
-    def __init__(self, request_id: str, wake: threading.Condition) -> None:
+    def __init__(self, request_id: str, wake: threading.Condition, deadline: float | None = None) -> None:
         self.request_id = request_id
         self._cancelled = threading.Event()
         self._wake = wake
+        # time.monotonic() past which the engine drops the sequence itself at the next step
+        # boundary, without waiting for the caller to notice the deadline.
+        self.deadline = deadline
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -97,6 +100,9 @@ class RequestHandle:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
 
 
 @dataclass(frozen=True)

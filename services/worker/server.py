@@ -20,6 +20,7 @@ from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerU
 from services.common.names import parse_version_name
 from services.common import metrics
 from services.common.server import Service, build_service, channel_options
+from services.common.tracing import tracer_provider
 from services.worker.engine import Engine, EngineConfig
 from services.worker.processor import decode_image
 from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
@@ -156,13 +157,19 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         def sink(ev) -> None:  # engine thread
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        handle = engine.submit(prep, sink)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        # The engine enforces the deadline itself at step boundaries (no event-loop latency).
+        handle = engine.submit(prep, sink, deadline)
         done = False
         try:
             while True:
-                remaining = context.time_remaining()
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                # (client gone) when the event arrives at the same moment, and the stream lives on.
+                when = None if deadline is None else loop.time() + (deadline - time.monotonic())
                 try:
-                    ev = await asyncio.wait_for(events.get(), timeout=remaining)
+                    async with asyncio.timeout_at(when):
+                        ev = await events.get()
                 except TimeoutError:
                     raise DeadlineExceeded(f"request {item.request_id} ran past its deadline",
                                            reason="DEADLINE_EXCEEDED") from None
@@ -248,14 +255,16 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
 async def create_server(settings: WorkerSettings) -> Service:
     """Builds the worker's server; the model loads when the service starts (health NOT_SERVING
     until then, and again if the engine dies)."""
-    fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings))
+    tracing = tracer_provider(settings, "worker")
+    fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings),
+                             tracer_provider=tracing)
     servicer = WorkerServicer(settings, fetcher)
 
     def register(server):
         pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    service = build_service("worker", settings, register)
+    service = build_service("worker", settings, register, tracer_provider=tracing)
     address = f"{settings.host}:{service.port}"
     servicer.worker_name = settings.worker_name or address
     servicer.address = settings.advertise_address or address

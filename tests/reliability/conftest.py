@@ -1,0 +1,217 @@
+"""Shared pieces of the reliability suite (tests/reliability, issue 9).
+
+- `record()` writes one figure to bench/results/reliability-<name>.json.
+- `cluster`: the four services as processes (valora.cluster), 2 workers, auth on, small limits,
+  started once per session; `restart_worker()` brings a killed/stopped worker back on its port.
+- `InProcessStack`: worker + scheduler + gateway servers in this process (own event loop thread,
+  real loopback ports), for tests that must look inside the engine (tokens after a deadline,
+  KV cache bytes after cancellations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import grpc
+import pytest
+
+from valora.cluster import Cluster, ProcessInfo, ensure_model, start_cluster, stop_cluster, wait_healthy
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+API_KEY = "rk-inference-7f3a9c1e5b2d4f60"
+ADMIN_KEY = "rk-admin-0d8e2b6a4c1f9e37"
+MAX_BATCH = 4
+MAX_QUEUE = 8
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+def record(name: str, figure: str, value, target: str, passed: bool, **extra) -> dict:
+    """Writes the figure of one reliability test; returns it."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"test": name, "figure": figure, "value": value, "target": target, "pass": bool(passed), **extra}
+    (RESULTS / f"reliability-{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def md(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> Path:
+    path = Path(os.environ.get("VALORA_TEST_MODEL_PATH", "")) if os.environ.get("VALORA_TEST_MODEL_PATH") else \
+        tmp_path_factory.getbasetemp() / "tiny-qwen2-vl"
+    ensure_model(path)
+    return path
+
+
+CLUSTER_ENV = {
+    "VALORA_API_KEYS": API_KEY,
+    "VALORA_ADMIN_KEYS": ADMIN_KEY,
+    "VALORA_MAX_BATCH_SIZE": str(MAX_BATCH),
+    "VALORA_MAX_QUEUE": str(MAX_QUEUE),
+    "VALORA_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
+    "VALORA_STATUS_POLL_S": "0.5",
+    "VALORA_STATUS_TIMEOUT_S": "1.0",
+    "VALORA_LOG_LEVEL": "debug",
+    "VALORA_GRACE_S": "5",
+}
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, model_path):
+    home = tmp_path_factory.mktemp("reliability-home")
+    c = start_cluster(home, workers=2, model_path=model_path, env=CLUSTER_ENV)
+    yield c
+    stop_cluster(home)
+
+
+def process_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def restart_worker(cluster: Cluster, name: str, env: dict[str, str]) -> ProcessInfo:
+    """Starts worker `name` again on its port with the environment it had (from process_env)."""
+    old = next(p for p in cluster.processes if p.name == name)
+    assert not alive(old.pid), f"{name} still running"
+    with open(old.log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    new = ProcessInfo(old.service, old.name, proc.pid, old.port, old.log)
+    cluster.processes[cluster.processes.index(old)] = new
+    cluster.save()
+    wait_healthy(new.address, 120, proc, new.log)
+    return new
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def wait_scheduler_sees(cluster: Cluster, address: str, healthy: bool, timeout_s: float = 15.0) -> float:
+    """Polls GetClusterStatus until `address` has the given health; returns seconds waited."""
+    from valora.v1 import admin_service_pb2, admin_service_pb2_grpc
+
+    t0 = time.monotonic()
+    with grpc.insecure_channel(cluster.gateway) as ch:
+        stub = admin_service_pb2_grpc.AdminServiceStub(ch)
+        while True:
+            st = stub.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest(), timeout=5, metadata=md(ADMIN_KEY))
+            w = {x.address: x for x in st.workers}.get(address)
+            if w is not None and w.healthy == healthy:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"scheduler did not see {address} healthy={healthy} in {timeout_s}s")
+            time.sleep(0.02)
+
+
+class InProcessStack:
+    """Worker, scheduler and gateway servers of this process on loopback ports, run by one event
+    loop in a background thread. `engine` is the worker's real Engine."""
+
+    def __init__(self, model_path: Path, *, max_batch_size: int = 8, worker_overrides: dict | None = None,
+                 scheduler_overrides: dict | None = None, gateway_overrides: dict | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="inproc-stack", daemon=True)
+        self.thread.start()
+        self._services = []
+        self.model_path = model_path
+        self.max_batch_size = max_batch_size
+        self.overrides = (worker_overrides or {}, scheduler_overrides or {}, gateway_overrides or {})
+        self.run(self._up(), timeout=180)
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _up(self) -> None:
+        from services.gateway.config import GatewaySettings
+        from services.gateway.server import create_server as create_gateway
+        from services.scheduler.config import SchedulerSettings
+        from services.scheduler.server import create_server as create_scheduler
+        from services.worker.server import WorkerSettings
+        from services.worker.server import create_server as create_worker
+
+        wo, so, go = self.overrides
+        self.worker = await create_worker(WorkerSettings(
+            port=0, model_path=str(self.model_path), build_tiny_model=False, max_batch_size=self.max_batch_size,
+            log_json=True, **wo))
+        await self.worker.start()
+        self._services.append(self.worker)
+        self.scheduler = await create_scheduler(SchedulerSettings(
+            port=0, worker_addresses=[f"127.0.0.1:{self.worker.port}"], status_poll_s=0.2, **so))
+        await self.scheduler.start()
+        self._services.append(self.scheduler)
+        self.gateway = await create_gateway(GatewaySettings(
+            port=0, scheduler_address=f"127.0.0.1:{self.scheduler.port}", adapter_store_address="127.0.0.1:9",
+            **go))
+        await self.gateway.start()
+        self._services.append(self.gateway)
+
+    @property
+    def engine(self):
+        return self.worker.servicer.engine
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def scheduler_state(self) -> dict:
+        """The scheduler's own bookkeeping: queued requests and requests it has on workers."""
+        servicer = None
+        for s in self._services:
+            if s.name == "scheduler":
+                servicer = s
+        # The dispatcher/pool are reachable through the server's on_stop hooks' owners.
+        hooks = [h.__self__ for h in servicer.on_stop if hasattr(h, "__self__")]
+        pool = next(h for h in hooks if hasattr(h, "workers"))
+        dispatcher = next(h for h in hooks if hasattr(h, "queue"))
+        return {"queued": len(dispatcher.queue), "inflight": sum(w.inflight for w in pool.workers.values())}
+
+    def close(self) -> None:
+        async def down():
+            for s in reversed(self._services):
+                await s.stop(1.0)
+
+        try:
+            self.run(down(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
