@@ -19,3 +19,8 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(
         64 * 1024 * 1024, description="Largest gRPC message accepted or sent, in bytes."
     )
+    otlp_endpoint: str = Field(
+        "", description="OTLP/gRPC trace collector, e.g. http://otel-collector:4317; empty = no OTLP export.")
+    trace_console: bool = Field(False, description="Also print finished trace spans to stdout (debugging).")
+    trace_sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="Share of new traces sampled; calls inside a trace follow their parent.")

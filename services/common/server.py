@@ -21,11 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
+from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.config import ServiceSettings
 from services.common.errors import ValoraError
 from services.common.logging import configure_logging
 from services.common.metrics import start_metrics_server
+from services.common.tracing import TracingServerInterceptor, tracer_provider as make_tracer_provider
 
 log = structlog.get_logger()
 
@@ -124,6 +126,8 @@ class Service:
     service_names: list[str]
     on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Traces of this service's RPCs (services/common/tracing.py); flushed after stop.
+    tracer_provider: TracerProvider | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -141,6 +145,8 @@ class Service:
         await self.server.stop(grace)
         for hook in reversed(self.on_stop):
             await hook()
+        if self.tracer_provider is not None:
+            await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes batched spans
 
 
 def build_service(
@@ -148,9 +154,14 @@ def build_service(
     settings: ServiceSettings,
     register: Callable[[grpc.aio.Server], Iterable[str]],
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    tracer_provider: TracerProvider | None = None,
 ) -> Service:
-    """`register(server)` adds the servicers and returns their full service names."""
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=channel_options(settings))
+    """`register(server)` adds the servicers and returns their full service names.
+    `tracer_provider`: the one the service's outbound channels use (made from the settings when
+    None); the tracing interceptor runs outermost, so its spans see every final status."""
+    tracer_provider = tracer_provider or make_tracer_provider(settings, name)
+    server = grpc.aio.server(interceptors=[TracingServerInterceptor(tracer_provider), *interceptors,
+                                           ErrorInterceptor()], options=channel_options(settings))
     names = list(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -159,7 +170,8 @@ def build_service(
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
         raise RuntimeError(f"{name}: could not bind {settings.host}:{settings.port}")
-    return Service(name=name, server=server, port=port, health=health, service_names=names)
+    return Service(name=name, server=server, port=port, health=health, service_names=names,
+                   tracer_provider=tracer_provider)
 
 
 async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import grpc
-
+from services.common.channels import open_channel
 from services.common.server import Service, build_service, channel_options
+from services.common.tracing import tracer_provider
 from services.gateway.admin import AdminServicer
 from services.gateway.auth import ApiKeyAuthInterceptor
 from services.gateway.config import GatewaySettings
@@ -15,8 +15,9 @@ from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_servi
 
 async def create_server(settings: GatewaySettings) -> Service:
     options = channel_options(settings)
-    scheduler_channel = grpc.aio.insecure_channel(settings.scheduler_address, options=options)
-    store_channel = grpc.aio.insecure_channel(settings.adapter_store_address, options=options)
+    tracing = tracer_provider(settings, "gateway")
+    scheduler_channel = open_channel(settings.scheduler_address, options, tracing)
+    store_channel = open_channel(settings.adapter_store_address, options, tracing)
     scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(scheduler_channel)
     inference = InferenceServicer(settings, scheduler,
                                   adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
@@ -30,7 +31,7 @@ async def create_server(settings: GatewaySettings) -> Service:
         return [inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
                 admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name]
 
-    service = build_service("gateway", settings, register, interceptors=[auth])
+    service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing)
 
     async def close_channels() -> None:
         await scheduler_channel.close()

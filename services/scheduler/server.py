@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.common.server import Service, build_service, channel_options
+from services.common.tracing import tracer_provider
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.cost_model import load_profile
@@ -15,6 +16,7 @@ from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 
 async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | None = None) -> Service:
     dispatcher: Dispatcher | None = None
+    tracing = tracer_provider(settings, "scheduler")
 
     def on_change() -> None:
         if dispatcher is not None:
@@ -23,7 +25,7 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
     pool = WorkerPool(settings.worker_addresses, poll_s=settings.status_poll_s,
                       poll_timeout_s=settings.status_timeout_s,
                       default_max_batch_size=settings.default_max_batch_size,
-                      channel_options=channel_options(settings), on_change=on_change)
+                      channel_options=channel_options(settings), on_change=on_change, tracer_provider=tracing)
     if policy is None:
         cost = load_profile(settings.cost_profile, settings.cost_results_dir or None)
         policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s)
@@ -36,7 +38,7 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
         scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
         return [scheduler_service_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name]
 
-    service = build_service("scheduler", settings, register)
+    service = build_service("scheduler", settings, register, tracer_provider=tracing)
     service.on_start.append(pool.start)
     service.on_start.append(dispatcher.start)
     # on_stop runs in reverse: the dispatcher fails queued requests, then channels close.

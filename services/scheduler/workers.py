@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from services.common.channels import open_channel
 from services.scheduler.policy import Mode, WorkerView
 from valora.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
 from valora.v1 import admin_service_pb2, types_pb2
@@ -80,10 +81,10 @@ class WorkerPool:
 
     def __init__(self, addresses: list[str], *, poll_s: float, poll_timeout_s: float,
                  default_max_batch_size: int, channel_options: list[tuple[str, int]],
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], tracer_provider=None) -> None:
         self.workers: dict[str, WorkerHandle] = {}
         for addr in addresses:
-            channel = grpc.aio.insecure_channel(addr, options=channel_options)
+            channel = open_channel(addr, channel_options, tracer_provider)
             self.workers[addr] = WorkerHandle(addr, channel, worker_service_pb2_grpc.WorkerServiceStub(channel),
                                               default_max_batch_size)
         self._poll_s = poll_s

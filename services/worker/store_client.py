@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common.channels import open_channel
 from services.common.errors import InvalidAdapter, WorkerUnavailable, from_rpc_error
 from valora.internal.v1 import adapter_store_service_pb2 as store_pb
 from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
@@ -36,8 +37,10 @@ def _sha(data: bytes) -> str:
 
 
 class AdapterFetcher:
-    def __init__(self, store_address: str, cache_dir: Path | str, channel_options=None) -> None:
+    def __init__(self, store_address: str, cache_dir: Path | str, channel_options=None,
+                 tracer_provider=None) -> None:
         self.store_address = store_address
+        self._tracer_provider = tracer_provider
         self.cache_dir = Path(cache_dir).expanduser()
         self._options = channel_options or []
         self._channel: grpc.aio.Channel | None = None
@@ -47,7 +50,7 @@ class AdapterFetcher:
             raise WorkerUnavailable("this worker has no adapter store configured (VALORA_ADAPTER_STORE_ADDRESS)",
                                     reason="NO_ADAPTER_STORE")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.store_address, options=self._options)
+            self._channel = open_channel(self.store_address, self._options, self._tracer_provider)
         return store_grpc.AdapterStoreServiceStub(self._channel)
 
     async def close(self) -> None:
