@@ -42,6 +42,11 @@ class GatewaySettings(ServiceSettings):
     max_deadline_s: float = Field(600.0, gt=0, description="Longest deadline honoured; longer ones are cut to it.")
     admin_deadline_s: float = Field(300.0, gt=0, description="Default deadline of admin calls (uploads are long).")
 
+    http_enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API next to gRPC.")
+    http_port: int = Field(0, ge=0, description="Port of the OpenAI-compatible HTTP API; 0 picks a free one.")
+    served_model_name: str = Field(
+        "valora-base", description="The base model's name in the HTTP API (`model`, /v1/models).")
+
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:

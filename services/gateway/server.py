@@ -1,4 +1,5 @@
-"""Builds the gateway's gRPC server: auth interceptor, InferenceService, AdminService."""
+"""Builds the gateway's gRPC server (auth interceptor, InferenceService, AdminService) and the
+OpenAI-compatible HTTP front beside it (services/gateway/http_openai.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from services.common.tracing import tracer_provider
 from services.gateway.admin import AdminServicer
 from services.gateway.auth import ApiKeyAuthInterceptor
 from services.gateway.config import GatewaySettings
+from services.gateway.http_openai import OpenAIHttpServer, loopback_target
 from services.gateway.inference import InferenceServicer
 from valora.internal.v1 import adapter_store_service_pb2_grpc, scheduler_service_pb2_grpc
 from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
 
 
 async def create_server(settings: GatewaySettings) -> Service:
+    """The gateway's Service; with `http_enabled`, `service.http` is the HTTP front (its `port`
+    bound already), started and stopped with the gRPC server."""
     options = channel_options(settings)
     tracing = tracer_provider(settings, "gateway")
     scheduler_channel = open_channel(settings.scheduler_address, options, tracing)
@@ -21,7 +25,8 @@ async def create_server(settings: GatewaySettings) -> Service:
     scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(scheduler_channel)
     inference = InferenceServicer(settings, scheduler,
                                   adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
-    admin = AdminServicer(settings, admin_service_pb2_grpc.AdminServiceStub(store_channel), scheduler)
+    store_admin = admin_service_pb2_grpc.AdminServiceStub(store_channel)
+    admin = AdminServicer(settings, store_admin, scheduler)
     auth = ApiKeyAuthInterceptor([k.get_secret_value() for k in settings.api_keys],
                                  [k.get_secret_value() for k in settings.admin_keys])
 
@@ -32,10 +37,18 @@ async def create_server(settings: GatewaySettings) -> Service:
                 admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name]
 
     service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing)
+    service.http = None
+    if settings.http_enabled:
+        target = loopback_target(settings.host, service.port)
+        http = OpenAIHttpServer(settings, target, auth, store_admin, open_channel(target, options, tracing),
+                                tracer_provider=tracing)
+        service.http = http
+        service.on_start.append(http.start)
+        service.on_stop.append(http.close)
 
     async def close_channels() -> None:
         await scheduler_channel.close()
         await store_channel.close()
 
-    service.on_stop.append(close_channels)
+    service.on_stop.insert(0, close_channels)  # runs last: the HTTP front closes first
     return service

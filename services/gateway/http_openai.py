@@ -1,0 +1,431 @@
+"""An OpenAI-compatible HTTP front next to the gateway's gRPC API (aiohttp).
+
+- `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs
+  only, remote URLs are refused), `model` = an adapter reference (`adapters/…`), a task
+  (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
+  `temperature`, `top_p`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
+  `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
+  the label is the message content and its scores come back under `valora.scores`.
+- `GET /v1/models`: the base model, every adapter (and its aliases) and every task.
+
+One design choice keeps the behaviour identical to gRPC's: chat completions call the gateway's
+own InferenceService over loopback, carrying the caller's `Authorization` header as metadata, so
+auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. `/v1/models`
+checks the key with the same auth interceptor (an inference key suffices) and lists through the
+adapter store's registry. gRPC statuses become OpenAI-style JSON errors:
+400/401/403/404/409/429 (+Retry-After)/503/504.
+
+Messages become one prompt: a single user message is its text; a conversation is rendered as
+`role: text` lines. Images keep their order across messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.common import errors
+from services.common.server import REQUEST_ID_KEY, new_request_id
+from services.gateway.auth import AUTHORIZATION_KEY, INFERENCE_PREFIX, ApiKeyAuthInterceptor
+from services.gateway.config import GatewaySettings
+from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
+from valora.v1 import types_pb2
+
+log = structlog.get_logger()
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_FINISH = {
+    types_pb2.FINISH_REASON_LENGTH: "length",
+    types_pb2.FINISH_REASON_EOS: "stop",
+    types_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
+    types_pb2.FINISH_REASON_LABEL: "stop",
+}
+_LIST_PAGE = 1000
+
+
+class RequestError(Exception):
+    """A malformed HTTP request, answered 400 before anything reaches gRPC."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _error_body(exc: errors.ValoraError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    status, type_ = _HTTP_STATUS.get(exc.code, (500, "server_error"))
+    param = exc.field_violations[0].field if exc.field_violations else None
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    body = {"error": {"message": exc.message, "type": type_, "param": param, "code": exc.reason.lower()}}
+    return status, body, headers
+
+
+def _from_valora_error(exc: errors.ValoraError) -> web.Response:
+    status, body, headers = _error_body(exc)
+    return web.json_response(body, status=status, headers=headers)
+
+
+# -- request parsing ------------------------------------------------------------------------------
+
+def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
+    if not url.startswith("data:"):
+        raise RequestError("only data: URLs are accepted for images (data:image/png;base64,...); "
+                           "remote URLs are never fetched", param, code="unsupported_image_url")
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise RequestError("image data URL must be base64: data:<mime>;base64,<data>", param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError("image data URL is not valid base64", param) from None
+    return types_pb2.Image(data=data, mime_type=header[: -len(";base64")])
+
+
+def _message_parts(messages: Any) -> tuple[list[tuple[str, str]], list[types_pb2.Image]]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", "messages")
+    turns: list[tuple[str, str]] = []
+    images: list[types_pb2.Image] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise RequestError("each message needs a role and content", f"messages[{i}]")
+        content = msg.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            turns.append((msg["role"], content))
+            continue
+        if not isinstance(content, list):
+            raise RequestError("content must be a string or a list of parts", f"messages[{i}].content")
+        texts = []
+        for j, part in enumerate(content):
+            param = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url":
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                if not isinstance(url, str):
+                    raise RequestError("image_url.url must be a string", f"{param}.image_url.url")
+                images.append(_image_from_data_url(url, f"{param}.image_url.url"))
+            else:
+                raise RequestError("content parts must be {type: text} or {type: image_url}", param)
+        turns.append((msg["role"], "\n".join(texts)))
+    return turns, images
+
+
+def render_prompt(turns: list[tuple[str, str]]) -> str:
+    if len(turns) == 1 and turns[0][0] == "user":
+        return turns[0][1]
+    return "\n".join(f"{role}: {text}" for role, text in turns)
+
+
+def _number(body: dict, key: str, kind: type, param: str | None = None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise RequestError(f"{key} must be a{'n integer' if kind is int else ' number'}", param or key)
+    return value
+
+
+def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
+    """The gRPC InferenceInput of a chat completion request, and whether to stream."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    turns, images = _message_parts(body.get("messages"))
+    inp = inference_service_pb2.InferenceInput(prompt=render_prompt(turns))
+    inp.images.extend(images)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required: an adapter (adapters/...), a task (tasks/...) or "
+                           f"{base_model!r}", "model")
+    if model.startswith("adapters/"):
+        inp.adapter = model
+    elif model.startswith("tasks/"):
+        inp.task = model
+    elif model != base_model:
+        raise errors.NotFound(f"model {model!r} does not exist: use adapters/..., tasks/... or {base_model!r}",
+                              reason="MODEL_NOT_FOUND")
+    kind = body.get("output_kind", "text")
+    if kind not in ("text", "label"):
+        raise RequestError("output_kind must be 'text' or 'label'", "output_kind")
+    inp.output_kind = types_pb2.OUTPUT_KIND_LABEL if kind == "label" else types_pb2.OUTPUT_KIND_TEXT
+    n = _number(body, "n", int)
+    if n not in (None, 1):
+        raise RequestError("only n=1 is supported", "n")
+    p = inp.params
+    max_tokens = _number(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", int)
+    if max_tokens is not None:
+        if max_tokens <= 0:
+            raise RequestError("max_tokens must be positive", "max_tokens")
+        p.max_new_tokens = max_tokens
+    temperature = _number(body, "temperature", float)
+    if temperature is not None:
+        if temperature < 0:
+            raise RequestError("temperature must be >= 0", "temperature")
+        p.temperature = temperature
+    top_p = _number(body, "top_p", float)
+    if top_p is not None:
+        p.top_p = top_p  # range checked by the gateway's validation
+    seed = _number(body, "seed", int)
+    if seed is not None:
+        if seed < 0:
+            raise RequestError("seed must be >= 0", "seed")
+        p.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        p.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        p.stop.extend(stop)
+    elif stop is not None:
+        raise RequestError("stop must be a string or a list of strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean", "stream")
+    return inp, stream
+
+
+# -- the server -----------------------------------------------------------------------------------
+
+class OpenAIHttpServer:
+    """aiohttp app bound at construction (so the port is known, as with gRPC's port 0)."""
+
+    def __init__(self, settings: GatewaySettings, grpc_target: str, auth: ApiKeyAuthInterceptor,
+                 store_admin: admin_service_pb2_grpc.AdminServiceStub, grpc_channel: grpc.aio.Channel,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
+        self.settings = settings
+        self.auth = auth
+        self.store_admin = store_admin
+        self.channel = grpc_channel
+        self.grpc_target = grpc_target
+        self.inference = inference_service_pb2_grpc.InferenceServiceStub(grpc_channel)
+        self._tracer = trace.get_tracer("valora.http", tracer_provider=tracer_provider)
+        self.sock = socket.create_server((settings.host, settings.http_port), reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        self.app = web.Application(client_max_size=settings.max_message_bytes,
+                                   middlewares=[self._middleware])
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.SockSite(self._runner, self.sock).start()
+        log.info("http_serving", port=self.port)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.channel.close()
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        """A SERVER span per HTTP request (continuing a caller's traceparent); domain and
+        request errors as OpenAI-style JSON."""
+        parent = propagate.extract(dict(request.headers))
+        with self._tracer.start_as_current_span(
+                f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER,
+                attributes={"http.request.method": request.method, "url.path": request.path}) as span:
+            try:
+                response = await handler(request)
+            except RequestError as exc:
+                response = error_response(400, exc.message, "invalid_request_error", exc.code, exc.param)
+            except errors.ValoraError as exc:
+                response = _from_valora_error(exc)
+            except web.HTTPException as exc:
+                response = error_response(exc.status, exc.reason, "invalid_request_error")
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            return response
+
+    def _metadata(self, request: web.Request, rid: str) -> tuple[tuple[str, str], ...]:
+        md = [(REQUEST_ID_KEY, rid)]
+        if AUTHORIZATION_KEY in {k.lower() for k in request.headers}:
+            md.append((AUTHORIZATION_KEY, request.headers["Authorization"]))
+        return tuple(md)
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError("the body is not valid JSON") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(f"the body is larger than {self.settings.max_message_bytes} bytes",
+                               code="request_too_large") from None
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        inp, stream = build_input(body, self.settings.served_model_name)
+        rid = request.headers.get("X-Request-Id") or new_request_id()
+        metadata = self._metadata(request, rid)
+        model = body["model"]
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
+        if stream:
+            return await self._stream(request, inp, rid, model, metadata, include_usage)
+        try:
+            resp = await self.inference.Infer(inference_service_pb2.InferRequest(input=inp, request_id=rid),
+                                              metadata=metadata)
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        r = resp.result
+        content = r.label if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL else r.text
+        out = {
+            "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": _FINISH.get(r.finish_reason, "stop"), "logprobs": None}],
+            "usage": _usage(r),
+            "valora": _extension(r),
+        }
+        return web.json_response(out, headers={"X-Request-Id": rid})
+
+    async def _stream(self, request: web.Request, inp, rid: str, model: str, metadata,
+                      include_usage: bool) -> web.StreamResponse:
+        call = self.inference.InferStream(inference_service_pb2.InferStreamRequest(input=inp, request_id=rid),
+                                          metadata=metadata)
+        created = int(time.time())
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> bytes:
+            data = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        response: web.StreamResponse | None = None
+        try:
+            messages = call.__aiter__()
+            try:
+                first = await messages.__anext__()  # errors before any byte: a plain JSON error
+            except StopAsyncIteration:
+                raise errors.WorkerUnavailable("the stream ended without a result", reason="NO_RESULT") from None
+            except grpc.RpcError as err:
+                raise errors.from_rpc_error(err) from None
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Request-Id": rid})
+            await response.prepare(request)
+            await response.write(chunk({"role": "assistant", "content": ""}))
+            try:
+                async for msg in _chain(first, messages):
+                    if msg.text_delta:
+                        await response.write(chunk({"content": msg.text_delta}))
+                    if msg.HasField("result"):
+                        r = msg.result
+                        if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL and r.label:
+                            await response.write(chunk({"content": r.label}))
+                        await response.write(chunk({}, _FINISH.get(r.finish_reason, "stop"), valora=_extension(r)))
+                        if include_usage:
+                            data = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "choices": [], "usage": _usage(r)}
+                            await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+            except grpc.RpcError as err:  # after the first byte: an error event, then the end
+                _, body, _ = _error_body(errors.from_rpc_error(err))
+                await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            call.cancel()  # no-op when finished; frees the request when the HTTP client left
+
+    async def models(self, request: web.Request) -> web.Response:
+        refused = self.auth.check(INFERENCE_PREFIX + "Infer", list(request.headers.items()))
+        if refused is not None:
+            raise refused
+        metadata = ((REQUEST_ID_KEY, request.headers.get("X-Request-Id") or new_request_id()),)
+        timeout = self.settings.admin_deadline_s
+        created = int(time.time())
+        data = [{"id": self.settings.served_model_name, "object": "model", "created": created,
+                 "owned_by": "valora"}]
+        try:
+            async for a in _pages(lambda token: self.store_admin.ListAdapters(
+                    admin_service_pb2.ListAdaptersRequest(page_size=_LIST_PAGE, page_token=token),
+                    timeout=timeout, metadata=metadata), "adapters"):
+                ts = a.create_time.seconds or created
+                data.append({"id": a.name, "object": "model", "created": ts, "owned_by": "valora"})
+                data.extend({"id": f"{a.name}@{alias}", "object": "model", "created": ts, "owned_by": "valora",
+                             "parent": a.name} for alias in sorted(a.aliases))
+            async for t in _pages(lambda token: self.store_admin.ListTasks(
+                    admin_service_pb2.ListTasksRequest(page_size=_LIST_PAGE, page_token=token),
+                    timeout=timeout, metadata=metadata), "tasks"):
+                data.append({"id": t.name, "object": "model", "created": t.create_time.seconds or created,
+                             "owned_by": "valora", "parent": t.adapter})
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        return web.json_response({"object": "list", "data": data})
+
+
+async def _pages(call_page, field: str) -> AsyncIterator[Any]:
+    token = ""
+    while True:
+        resp = await call_page(token)
+        for item in getattr(resp, field):
+            yield item
+        token = resp.next_page_token
+        if not token:
+            return
+
+
+async def _chain(first, rest) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _usage(r: inference_service_pb2.InferResult) -> dict[str, int]:
+    prompt = r.usage.prompt_tokens + r.usage.image_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": r.usage.output_tokens,
+            "total_tokens": prompt + r.usage.output_tokens}
+
+
+def _extension(r: inference_service_pb2.InferResult) -> dict[str, Any]:
+    """valora's own fields: what served the request (ignored by OpenAI clients)."""
+    out: dict[str, Any] = {"adapter_version": r.adapter_version, "worker": r.worker,
+                           "mode": types_pb2.InferenceMode.Name(r.mode)}
+    if r.label:
+        out["label"] = r.label
+        out["scores"] = [{"label": s.label, "score": s.score} for s in r.scores]
+    return out
+
+
+def loopback_target(host: str, port: int) -> str:
+    """Where the HTTP front reaches the gateway's own gRPC port."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

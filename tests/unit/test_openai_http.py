@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP front of the gateway, driven by the `openai` SDK itself: real
+gateway (gRPC + HTTP) and scheduler on loopback, in-test worker and store servicers."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+
+import aiohttp
+import grpc
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from services.common import errors
+from services.gateway.config import GatewaySettings
+from services.gateway.http_openai import _error_body, build_input, RequestError
+from services.gateway.server import create_server as create_gateway
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.server import create_server as create_scheduler
+from valora.internal.v1 import (
+    adapter_store_service_pb2,
+    adapter_store_service_pb2_grpc,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
+from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, resources_pb2, types_pb2
+
+pytestmark = pytest.mark.anyio
+VERSION = resources_pb2.AdapterVersion(name="adapters/cars/versions/1", sha256="ef" * 32,
+                                       state=resources_pb2.ADAPTER_VERSION_STATE_READY)
+KEY = "sk-test"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def png_data_url() -> tuple[str, bytes]:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), buf.getvalue()
+
+
+class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_service_pb2_grpc.AdminServiceServicer):
+    async def ResolveReference(self, request, context):
+        if request.reference.startswith("adapters/missing"):
+            raise errors.AdapterNotFound(f"{request.reference} does not exist", reason="ADAPTER_NOT_FOUND")
+        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION)
+
+    async def ListAdapters(self, request, context):
+        return admin_service_pb2.ListAdaptersResponse(adapters=[
+            resources_pb2.Adapter(name="adapters/cars", aliases={"prod": VERSION.name})])
+
+    async def ListTasks(self, request, context):
+        return admin_service_pb2.ListTasksResponse(tasks=[
+            resources_pb2.Task(name="tasks/count-cars", adapter="adapters/cars@prod")])
+
+
+class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
+    def __init__(self):
+        self.items = []
+        self.fail_with: grpc.StatusCode | None = None
+
+    async def Generate(self, request, context):
+        self.items.append(request.item)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, "worker says no")
+        for delta in ("two ", "cars"):
+            yield worker_service_pb2.GenerateResponse(text_delta=delta)
+        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
+            text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS, mode=types_pb2.INFERENCE_MODE_UNMERGED,
+            usage=types_pb2.Usage(prompt_tokens=5, image_tokens=4, output_tokens=2)))
+
+    async def GetWorkerStatus(self, request, context):
+        return worker_service_pb2.GetWorkerStatusResponse(
+            status=admin_service_pb2.WorkerStatus(healthy=True, max_batch_size=4))
+
+
+@contextlib.asynccontextmanager
+async def http_stack(**gateway_kwargs):
+    from services.common.server import ErrorInterceptor
+
+    worker, store = Worker(), Store()
+    backend = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, backend)
+    adapter_store_service_pb2_grpc.add_AdapterStoreServiceServicer_to_server(store, backend)
+    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(store, backend)
+    addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
+    await backend.start()
+    scheduler = await create_scheduler(SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05,
+                                                         dispatch_tick_s=0.05))
+    await scheduler.start()
+    gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
+                                                   adapter_store_address=addr, api_keys=KEY, **gateway_kwargs))
+    await gateway.start()
+    base_url = f"http://127.0.0.1:{gateway.http.port}/v1"
+    client = openai.AsyncOpenAI(api_key=KEY, base_url=base_url, max_retries=0, timeout=10)
+    try:
+        yield worker, client, base_url
+    finally:
+        await client.close()
+        await gateway.stop(0)
+        await scheduler.stop(0)
+        await backend.stop(0)
+
+
+def user_message(url: str, text: str = "How many cars?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+async def test_chat_completion_with_an_image_and_an_adapter():
+    url, raw = png_data_url()
+    async with http_stack() as (worker, client, _):
+        resp = await client.chat.completions.create(
+            model="adapters/cars@prod", messages=user_message(url), max_completion_tokens=7, temperature=0.5,
+            top_p=0.9, stop=["\n"], seed=42)
+    assert resp.choices[0].message.content == "two cars"
+    assert resp.choices[0].finish_reason == "stop" and resp.model == "adapters/cars@prod"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (9, 2, 11)
+    item = worker.items[0]
+    assert item.prompt == "How many cars?" and item.images[0].data == raw and item.images[0].mime_type == "image/png"
+    assert item.adapter.version == VERSION.name
+    p = item.params
+    assert (p.max_new_tokens, round(p.temperature, 3), round(p.top_p, 3), list(p.stop), p.seed) == \
+        (7, 0.5, 0.9, ["\n"], 42)
+    assert resp.id == f"chatcmpl-{item.request_id}"
+
+
+async def test_streamed_chunks_then_done():
+    url, _ = png_data_url()
+    async with http_stack() as (worker, client, base_url):
+        stream = await client.chat.completions.create(
+            model="valora-base", messages=user_message(url), max_tokens=4, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        async with aiohttp.ClientSession() as raw, raw.post(
+                f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                json={"model": "valora-base", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            text = await r.text()
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "two cars"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert not worker.items[0].HasField("adapter")  # the base model
+    events = [line for line in text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+async def test_models_lists_base_adapters_aliases_and_tasks():
+    async with http_stack() as (_, client, _url):
+        models = await client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == ["valora-base", "adapters/cars", "adapters/cars@prod", "tasks/count-cars"]
+
+
+async def test_errors_are_openai_shaped_with_the_right_status():
+    url, _ = png_data_url()
+    async with http_stack() as (worker, client, base_url):
+        with pytest.raises(openai.BadRequestError) as bad:  # never fetched
+            await client.chat.completions.create(model="valora-base",
+                                                 messages=user_message("http://203.0.113.9/cat.png"))
+        assert bad.value.body["code"] == "unsupported_image_url"
+        assert bad.value.body["param"] == "messages[0].content[1].image_url.url"
+        with pytest.raises(openai.BadRequestError) as too_long:  # the gateway's own validation
+            await client.chat.completions.create(model="valora-base", messages=user_message(url),
+                                                 max_tokens=10 ** 6)
+        assert "max_new_tokens" in too_long.value.body["param"]
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="adapters/missing", messages=user_message(url))
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="gpt-4o", messages=user_message(url))
+        worker.fail_with = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(openai.InternalServerError) as down:
+            await client.chat.completions.create(model="valora-base", messages=user_message(url))
+        assert down.value.status_code == 503
+        wrong = openai.AsyncOpenAI(api_key="nope", base_url=base_url, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="valora-base", messages=user_message(url))
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.models.list()
+        await wrong.close()
+        async with aiohttp.ClientSession() as raw:
+            async with raw.get(f"{base_url}/models") as r:
+                missing_key = (r.status, await r.json())
+            async with raw.post(f"{base_url}/chat/completions", data=b"{",
+                                headers={"Authorization": f"Bearer {KEY}"}) as r:
+                not_json = r.status
+    assert missing_key[0] == 401 and missing_key[1]["error"]["type"] == "authentication_error"
+    assert not_json == 400
+
+
+@pytest.mark.parametrize(("exc", "status", "retry_after"), [
+    (errors.InvalidArgument("x"), 400, None),
+    (errors.Unauthenticated("x"), 401, None),
+    (errors.PermissionDenied("x"), 403, None),
+    (errors.AdapterNotFound("x"), 404, None),
+    (errors.CapacityExceeded("queue full", retry_after_s=2.2), 429, "2"),
+    (errors.WorkerUnavailable("x"), 503, None),
+    (errors.DeadlineExceeded("x"), 504, None),
+])
+def test_status_mapping(exc, status, retry_after):
+    got, body, headers = _error_body(exc)
+    assert got == status and body["error"]["message"] == exc.message
+    assert headers.get("Retry-After") == retry_after
+
+
+def test_request_parsing():
+    inp, stream = build_input({"model": "tasks/count", "output_kind": "label", "stream": True,
+                               "messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Count."}]}, "valora-base")
+    assert stream and inp.task == "tasks/count" and inp.output_kind == types_pb2.OUTPUT_KIND_LABEL
+    assert inp.prompt == "system: Be brief.\nuser: Count."
+    for body, param in [({"model": "valora-base", "messages": []}, "messages"),
+                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+                        ({"model": "valora-base", "messages": [{"role": "user", "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
+                         "messages[0].content[0].image_url.url")]:
+        with pytest.raises(RequestError) as exc:
+            build_input(body, "valora-base")
+        assert exc.value.param == param
