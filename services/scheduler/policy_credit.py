@@ -12,6 +12,8 @@ first, then the least loaded), over the requests still unplaced and allowed ther
 4. none starving → MERGED on the adapter `a` minimizing the estimated mean latency of the
    worker's requests (running + eligible waiting) counting the switch:
        L(a) ∝ switch_ms(current → a) · (running + eligible) + (eligible − served_a) · round_ms
+   (+ the LoRA term the rows on the worker pay per step with `a` merged, over half a request's
+   steps: running rows of other adapters go through the mixture term)
    where served_a = min(free slots, a's eligible requests) and round_ms is the mean estimated
    run time of those requests (what a request not served now waits for the next round). A
    switch therefore happens only when the requests it serves now outweigh the delay it puts on
@@ -129,11 +131,23 @@ class CreditPolicy(SchedulingPolicy):
             return sum(cost.request_ms(r.prompt_tokens, r.images, r.max_new_tokens, label=r.label, lora=False,
                                        batch=w.running + len(rs)) for r in rs) / len(rs)
 
+        horizon_steps = max(1, cost.default_new_tokens // 2)
+
         def latency_sum(a: str | None) -> float:
             served = by_adapter.get(a, [])[:free]
             round_ms = run_ms(served or eligible[:free])
             switch = cost.switch_cost_ms(current, a, w.resident_adapters)
-            return switch * population + (len(eligible) - len(served)) * round_ms
+            # The LoRA term every row on the worker pays per step with `a` merged: running rows of
+            # other adapters (known when the caller reports them) go through the mixture term.
+            others: dict[str | None, int] = {k: n for k, n in w.running_adapters.items() if k != a}
+            lora_rows = sum(others.values())
+            if a is None:
+                others.pop(None, None)
+                lora_rows = sum(others.values())
+            step_extra = cost.lora_ms(lora_rows, len(others) or (1 if lora_rows else 0), mixture=a is not None)
+            rows = w.running + len(served)
+            return (switch * population + (len(eligible) - len(served)) * round_ms
+                    + step_extra * horizon_steps * rows)
 
         def key(a: str | None) -> tuple:
             return (latency_sum(a), 0 if a == current else 1, -len(by_adapter.get(a, ())), a or _NO_ADAPTER)
