@@ -14,6 +14,15 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "valora.dev"
+# A status travels in trailers, which clients cap (gRPC's default soft limit is 8 KiB): errors
+# that echo a hostile value (a 5000-character name) are cut so the status itself gets through.
+MAX_MESSAGE_CHARS = 512
+MAX_DETAIL_CHARS = 200
+MAX_FIELD_VIOLATIONS = 8
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 15] + f"...[{len(text)} chars]"
 
 
 @dataclass
@@ -44,8 +53,9 @@ class ValoraError(Exception):
             details.append(
                 error_details_pb2.BadRequest(
                     field_violations=[
-                        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                        for v in self.field_violations
+                        error_details_pb2.BadRequest.FieldViolation(field=_cut(v.field, MAX_DETAIL_CHARS),
+                                                                    description=_cut(v.description, MAX_DETAIL_CHARS))
+                        for v in self.field_violations[:MAX_FIELD_VIOLATIONS]
                     ]
                 )
             )
@@ -58,7 +68,8 @@ class ValoraError(Exception):
             a = any_pb2.Any()
             a.Pack(d)
             packed.append(a)
-        return status_pb2.Status(code=self.code.value[0], message=self.message, details=packed)
+        return status_pb2.Status(code=self.code.value[0], message=_cut(self.message, MAX_MESSAGE_CHARS),
+                                 details=packed)
 
 
 class InvalidArgument(ValoraError):

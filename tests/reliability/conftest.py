@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import grpc
@@ -109,7 +109,7 @@ def restart_worker(cluster: Cluster, name: str, env: dict[str, str]) -> ProcessI
     with open(old.log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    new = ProcessInfo(old.service, old.name, proc.pid, old.port, old.log)
+    new = dataclasses.replace(old, pid=proc.pid)
     cluster.processes[cluster.processes.index(old)] = new
     cluster.save()
     wait_healthy(new.address, 120, proc, new.log)

@@ -1,0 +1,108 @@
+"""Hostile inputs through the real gateway (services as processes): each gets the right status,
+no service dies, and the gateway's and workers' memory stays bounded."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from tests.reliability.conftest import API_KEY, MAX_MESSAGE_BYTES, alive, md, record, rss_bytes
+from tests.reliability.images import png, png_bomb, png_claiming
+from valora.v1 import inference_service_pb2 as inf
+from valora.v1 import inference_service_pb2_grpc as inf_grpc
+from valora.v1 import types_pb2
+
+pytestmark = pytest.mark.e2e
+INV, NF, RE = "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"
+
+
+def _img(data: bytes, mime: str = "") -> types_pb2.Image:
+    return types_pb2.Image(data=data, mime_type=mime)
+
+
+def _inp(prompt="What is this?", images=(), **params) -> inf.InferenceInput:
+    return inf.InferenceInput(prompt=prompt, images=list(images),
+                              params=types_pb2.GenerationParams(max_new_tokens=params.pop("max_new_tokens", 2),
+                                                                **params))
+
+
+def cases() -> list[tuple[str, inf.InferRequest, str]]:
+    out = []
+
+    def add(name, inp, code, request_id=""):
+        out.append((name, inf.InferRequest(input=inp, request_id=request_id), code))
+
+    add("message over the limit", _inp(images=[_img(b"\0" * (MAX_MESSAGE_BYTES + 1024))]), RE)
+    add("bomb header 100000x100000", _inp(images=[_img(png_claiming(100_000, 100_000))]), INV)
+    add("bomb header 65535x1", _inp(images=[_img(png_claiming(65_535, 65_535))]), INV)
+    add("real bomb 8000x8000 zeros", _inp(images=[_img(png_bomb(8000))]), INV)
+    add("real 2048x2048 zeros (under the pixel limit)", _inp(images=[_img(png_bomb(2048))]), "ANY")
+    add("truncated png", _inp(images=[_img(png(1)[:200])]), INV)
+    add("not an image", _inp(images=[_img(b"GIF89a" + b"\0" * 100)]), INV)
+    add("wrong mime", _inp(images=[_img(png(1), "application/x-msdownload")]), INV)
+    add("too many images", _inp(images=[_img(png(i)) for i in range(9)]), INV)
+    add("empty image", _inp(images=[_img(b"")]), INV)
+    add("prompt over max chars", _inp(prompt="x" * 40_000), INV)
+    add("prompt over the model's positions", _inp(prompt="hello world " * 2700), INV)
+    add("empty request", inf.InferenceInput(), INV)
+    add("max_new_tokens huge", _inp(max_new_tokens=10**9), INV)
+    add("max_new_tokens negative", _inp(max_new_tokens=-5), INV)
+    add("temperature nan", _inp(temperature=float("nan")), INV)
+    add("temperature inf", _inp(temperature=float("inf")), INV)
+    add("top_p 7", _inp(top_p=7.0), INV)
+    add("top_k negative", _inp(top_k=-1), INV)
+    add("100 stop sequences", _inp(stop=["x"] * 100), INV)
+    add("stop sequence 10k chars", _inp(stop=["y" * 10_000]), INV)
+    add("bad request id", _inp(), INV, request_id="../../etc/passwd\n")
+    add("unknown adapter", inf.InferenceInput(prompt="hi", adapter="adapters/does-not-exist"), NF)
+    add("unknown adapter version", inf.InferenceInput(prompt="hi", adapter="adapters/nope/versions/99"), NF)
+    add("unknown alias", inf.InferenceInput(prompt="hi", adapter="adapters/nope@prod"), NF)
+    add("malformed adapter name", inf.InferenceInput(prompt="hi", adapter="adapters/../../x"), INV)
+    add("adapter name 5000 chars", inf.InferenceInput(prompt="hi", adapter="adapters/" + "a" * 5000), INV)
+    add("unknown task", inf.InferenceInput(prompt="hi", task="tasks/nope"), NF)
+    add("label without task", inf.InferenceInput(prompt="hi", output_kind=types_pb2.OUTPUT_KIND_LABEL), INV)
+    add("output kind 99", inf.InferenceInput(prompt="hi", output_kind=99), INV)
+    add("control characters prompt", _inp(prompt="\x00\x01\x02\u202e\ud7ff" * 50), "ANY")
+    return out
+
+
+def call(stub, req, timeout=60.0):
+    try:
+        stub.Infer(req, timeout=timeout, metadata=md(API_KEY))
+        return "OK", None
+    except grpc.RpcError as err:
+        return err.code().name, err
+
+
+def test_hostile_inputs_get_the_right_status_and_memory_stays_bounded(cluster):
+    procs = {p.name: p.pid for p in cluster.processes if p.service in ("gateway", "worker", "scheduler")}
+    with grpc.insecure_channel(cluster.gateway, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = inf_grpc.InferenceServiceStub(ch)
+        assert call(stub, inf.InferRequest(input=_inp()))[0] == "OK"  # warm
+        before = {n: rss_bytes(pid) for n, pid in procs.items()}
+        wrong, rounds = [], 3
+        for r in range(rounds):
+            for name, req, want in cases():
+                got, err = call(stub, req)
+                ok = got == want or (want == "ANY" and got in ("OK", INV))
+                if ok and got == INV and err is not None:
+                    status = rpc_status.from_call(err)
+                    has_violation = status is not None and any(
+                        d.Is(error_details_pb2.BadRequest.DESCRIPTOR) for d in status.details)
+                    ok = has_violation or name == "message over the limit"
+                if not ok and r == 0:
+                    wrong.append((name, want, got, err.details() if err is not None else ""))
+        assert call(stub, inf.InferRequest(input=_inp()))[0] == "OK"  # still serving
+    after = {n: rss_bytes(pid) for n, pid in procs.items()}
+    dead = [n for n, pid in procs.items() if not alive(pid)]
+    growth = {n: round((after[n] - before[n]) / 2**20, 1) for n in procs}
+    worst = max(growth.values())
+    passed = not wrong and not dead and worst < 200
+    record("hostile", "hostile inputs answered with the wrong status", len(wrong), "0 (and no crash, RSS bounded)",
+           passed, cases=len(cases()), rounds=rounds, wrong=wrong, dead=dead,
+           rss_growth_mib=growth, rss_after_mib={n: round(v / 2**20, 1) for n, v in after.items()})
+    assert not wrong, wrong
+    assert not dead, dead
+    assert worst < 200, growth
