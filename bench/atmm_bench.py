@@ -11,6 +11,7 @@ it runs once per engine step, not per layer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -133,6 +134,9 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
     for m in methods:
         if m == "atmm":
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=cfg) for w in ws]
+        elif m == "atmm_cutlass":  # same shrink, CUTLASS grouped-GEMM expand forced
+            gcfg = dataclasses.replace(cfg, grouped="grouped_bf16_m64n128")
+            builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=gcfg) for w in ws]
         elif m == "atmm_nopdl":
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=cfg, pdl=False) for w in ws]
         else:
@@ -174,7 +178,7 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--suite", default="headline", choices=["quick", "headline", "full"])
-    ap.add_argument("--methods", default="atmm,atmm_nopdl," + ",".join(PEERS))
+    ap.add_argument("--methods", default="atmm,atmm_nopdl,atmm_cutlass," + ",".join(PEERS))
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     methods = args.methods.split(",")

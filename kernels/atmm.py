@@ -69,6 +69,9 @@ class AtmmPlan:
         self._copied = torch.cuda.Event() if on_cuda else None
         floats = workspace_floats or max(max_tokens * MAX_RANK * 2, 1 << 20)
         self.workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
+        # CUTLASS grouped-expand scratch (problem arrays + 16-bit x·A rows), allocated on first use
+        self.aux_bytes = 256 * (8 + max_segments) + max_tokens * MAX_RANK * 2 + (1 << 12)
+        self._aux: torch.Tensor | None = None
         self.segment_plan = SegmentPlan([0], [])
         self.tiles: dict[int, int] = {bt: 0 for bt in BT_MENU}
         self.rank_stride = 16
@@ -79,6 +82,13 @@ class AtmmPlan:
     @property
     def num_tokens(self) -> int:
         return self.segment_plan.num_tokens
+
+    @property
+    def aux(self) -> torch.Tensor:
+        """Scratch of the CUTLASS grouped-GEMM expand path (allocated once, on first use)."""
+        if self._aux is None:
+            self._aux = torch.empty(self.aux_bytes, dtype=torch.uint8, device=self.device)
+        return self._aux
 
     def update(self, seg_starts: Sequence[int], seg_slots: Sequence[int], ranks: Sequence[int]) -> "AtmmPlan":
         """Write this step's segments (offsets, slots; slot -1 = no LoRA) into the device buffers.
@@ -268,6 +278,11 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
         config = (table or default_table(x.device, x.dtype)).lookup(
             weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
     shrink_id, expand_id, split_k = _resolve(config, dtype, rs, plan, tokens)
+    if config.grouped:  # CUTLASS grouped-GEMM expand
+        ext.atmm_grouped(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
+                         weights.scale_table, plan.workspace, plan.aux, shrink_id, config_id(config.grouped), split_k,
+                         rs, plan.tiles[config.shrink_bt], pdl)
+        return y
     ext.atmm(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
              weights.scale_table, plan.workspace, shrink_id, expand_id, split_k, rs,
              plan.tiles[config.shrink_bt], plan.tiles[config.expand_bt], pdl)

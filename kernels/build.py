@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CUDA_SOURCES = ("atmm_bf16.cu", "atmm_fp16.cu", "switch.cu")
+CUDA_SOURCES = ("atmm_bf16.cu", "atmm_fp16.cu", "switch.cu", "grouped.cu")
 BINDING = "binding.cpp"
 HEADERS = ("atmm.cuh", "atmm_api.h", "launch_util.cuh")
 EXT_NAME = "valora_kernels_ext"

@@ -92,6 +92,11 @@ class Bench:
         return self._time(lambda w, x, y: self.ext.atmm_expand(
             *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True))
 
+    def time_grouped(self, cfg: dict, split_k: int) -> float:
+        p = self.plan
+        return self._time(lambda w, x, y: self.ext.atmm_grouped_expand(
+            *self._args(w, x, y, split_k), p.aux, cfg["id"], split_k, p.rank_stride))
+
     def time_pair(self, tc: TileConfig, dtype: str) -> float:
         p = self.plan
         sid = config_id(tc.shrink_name(dtype, rank_block(p.rank_stride)))
@@ -99,6 +104,10 @@ class Bench:
         split_k = tc.split_k
         while split_k > 1 and split_k * self.tokens * p.rank_stride > p.workspace.numel():
             split_k //= 2  # as kernels.atmm does: the workspace bounds split-K
+        if tc.grouped:
+            gid = config_id(tc.grouped)
+            return self._time(lambda w, x, y: self.ext.atmm_grouped(
+                *self._args(w, x, y, split_k), p.aux, sid, gid, split_k, p.rank_stride, p.tiles[tc.shrink_bt], True))
         return self._time(lambda w, x, y: self.ext.atmm(
             *self._args(w, x, y, split_k), sid, eid, split_k, p.rank_stride, p.tiles[tc.shrink_bt],
             p.tiles[tc.expand_bt], True))
@@ -110,6 +119,7 @@ def candidates(ext, dtype: str, rank_stride: int, h_in: int, tokens: int, ws_flo
     shr = [c for c in cfgs if c["kind"] == "shrink" and c["dtype"] == dtype and c["rb"] == rb
            and c["smem_r16"] <= smem_limit and c["bt"] <= max(16, 2 * tokens)]
     exp = [c for c in cfgs if c["kind"] == "expand" and c["dtype"] == dtype and c["bt"] <= max(16, 2 * tokens)]
+    exp += [c for c in cfgs if c["kind"] == "grouped_expand" and c["dtype"] == dtype and tokens >= 256]
     splits = [s for s in SPLIT_K_MENU if h_in // s >= 64 and s * tokens * rank_stride <= ws_floats]
     return shr, exp, splits
 
@@ -129,11 +139,15 @@ def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_
     (st, sc, ss) = min(shrink_times.values(), key=lambda v: v[0])
     for c in exp:
         try:
-            expand_times[c["name"]] = (b.time_expand(c, ss), c)
+            t = b.time_grouped(c, ss) if c["kind"] == "grouped_expand" else b.time_expand(c, ss)
+            expand_times[c["name"]] = (t, c)
         except RuntimeError:
             pass
+    own = {k: v for k, v in expand_times.items() if v[1]["kind"] == "expand"}
     (et, ec) = min(expand_times.values(), key=lambda v: v[0])
-    best = TileConfig(sc["bt"], sc["bk"], sc["stages"], ss, ec["bt"], ec["bn"])
+    (_, oc) = min(own.values(), key=lambda v: v[0])
+    grouped = ec["name"] if ec["kind"] == "grouped_expand" else ""
+    best = TileConfig(sc["bt"], sc["bk"], sc["stages"], ss, oc["bt"], oc["bn"], grouped)
     pair = b.time_pair(best, dname)
     return best, {"shrink_us": st, "expand_us": et, "pair_us": pair, "candidates": len(shrink_times) + len(expand_times),
                   "tokens": tokens, "segments": segments, "rank": rank}, b

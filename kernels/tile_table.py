@@ -19,7 +19,11 @@ NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One ATMM launch choice: shrink kernel (BT, BK, stages, RB), split-K, expand kernel (BT, BN)."""
+    """One ATMM launch choice: shrink kernel (BT, BK, stages, RB), split-K, expand kernel (BT, BN).
+
+    `grouped` names a CUTLASS grouped-GEMM expand configuration (e.g. "grouped_bf16_m64n128");
+    when set it replaces our expand kernel (expand_bt/bn then record the best own expand).
+    """
 
     shrink_bt: int
     shrink_bk: int
@@ -27,6 +31,7 @@ class TileConfig:
     split_k: int
     expand_bt: int
     expand_bn: int
+    grouped: str = ""
 
     def shrink_name(self, dtype: str, rank_block: int) -> str:
         d = "bf16" if dtype == "bfloat16" else "fp16"

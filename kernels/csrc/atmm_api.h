@@ -69,8 +69,16 @@ struct SwitchLaunch {
   int rmax;  // max over descs of r1_16 + r2_16
 };
 
+// CUTLASS grouped-GEMM expand (grouped.cu): args = const GroupedLaunch*
+struct GroupedLaunch {
+  AtmmArgs args;
+  unsigned char* aux;  // grouped_aux_bytes(seg_cap, T, rank_stride) bytes of device memory
+};
+size_t grouped_aux_bytes(int cap, int T, int rank_stride);
+
 void register_atmm_bf16(std::vector<OpEntry>& out);
 void register_atmm_fp16(std::vector<OpEntry>& out);
 void register_switch(std::vector<OpEntry>& out);
+void register_grouped(std::vector<OpEntry>& out);
 
 }  // namespace valora

@@ -51,6 +51,7 @@ const std::vector<OpEntry>& registry() {
     register_atmm_bf16(r);
     register_atmm_fp16(r);
     register_switch(r);
+    register_grouped(r);
     return r;
   }();
   return reg;
@@ -232,6 +233,37 @@ void atmm_expand(torch::Tensor y, torch::Tensor x, torch::Tensor meta, int64_t s
   launch_expand(a, cfg, tiles, pdl);
 }
 
+void launch_grouped(Atmm& a, const torch::Tensor& aux, int64_t cfg) {
+  const OpEntry& e = entry(cfg, kGroupedExpand);
+  VALORA_CHECK(e.dtype == a.dtype, e.name, " does not match the tensors' dtype");
+  VALORA_CHECK(aux.is_cuda() && aux.scalar_type() == torch::kUInt8 && aux.is_contiguous(), "aux must be a contiguous CUDA uint8 buffer");
+  const size_t need = grouped_aux_bytes(a.args.seg_cap, a.args.T, a.args.rank_stride);
+  VALORA_CHECK((size_t)aux.numel() >= need, "aux holds ", (int64_t)aux.numel(), " bytes, the grouped path needs ", need);
+  GroupedLaunch g{a.args, aux.data_ptr<uint8_t>()};
+  const int grid = persistent_grid(e, e.smem(0), (int64_t)1 << 30, a.device);
+  check_cuda(e.launch(&g, grid, e.smem(0), c10::cuda::getCurrentCUDAStream(), false), "CUTLASS grouped expand", e);
+}
+
+// y += s_k (x A_k) B_k: our split-K shrink, then the CUTLASS grouped-GEMM expand.
+void atmm_grouped(torch::Tensor y, torch::Tensor x, torch::Tensor meta, int64_t seg_cap, torch::Tensor a_ptrs,
+                  torch::Tensor b_ptrs, torch::Tensor ranks, torch::Tensor scales, torch::Tensor ws, torch::Tensor aux,
+                  int64_t shrink_cfg, int64_t grouped_cfg, int64_t split_k, int64_t rank_stride, int64_t shrink_tiles,
+                  bool pdl) {
+  Atmm a = make_args(y, x, meta, seg_cap, a_ptrs, b_ptrs, ranks, scales, ws, split_k, rank_stride);
+  const c10::cuda::CUDAGuard guard(x.device());
+  launch_shrink(a, shrink_cfg, shrink_tiles, pdl);
+  launch_grouped(a, aux, grouped_cfg);
+}
+
+// the grouped expand alone (reads the workspace the shrink wrote); for the tile search
+void atmm_grouped_expand(torch::Tensor y, torch::Tensor x, torch::Tensor meta, int64_t seg_cap, torch::Tensor a_ptrs,
+                         torch::Tensor b_ptrs, torch::Tensor ranks, torch::Tensor scales, torch::Tensor ws,
+                         torch::Tensor aux, int64_t grouped_cfg, int64_t split_k, int64_t rank_stride) {
+  Atmm a = make_args(y, x, meta, seg_cap, a_ptrs, b_ptrs, ranks, scales, ws, split_k, rank_stride);
+  const c10::cuda::CUDAGuard guard(x.device());
+  launch_grouped(a, aux, grouped_cfg);
+}
+
 // descs: (n, 8) int64 rows [w, a1, b1, a2, b2, M | N << 32, r1 | r2 << 32, tile_begin];
 // scales: (n, 2) float32 [s1, s2]. Packed into SwitchDesc structs in a device workspace.
 void switch_(torch::Tensor descs, torch::Tensor scales, torch::Tensor work, int64_t total_tiles, int64_t rmax,
@@ -315,6 +347,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("atmm", &valora::atmm, "y += s_k (x A_k) B_k over the plan's segments (shrink + expand)");
   m.def("atmm_shrink", &valora::atmm_shrink, "split-K shrink into the workspace only");
   m.def("atmm_expand", &valora::atmm_expand, "expand from the workspace into y only");
+  m.def("atmm_grouped", &valora::atmm_grouped, "shrink + CUTLASS grouped-GEMM expand");
+  m.def("atmm_grouped_expand", &valora::atmm_grouped_expand, "CUTLASS grouped-GEMM expand only");
+  m.def("grouped_aux_bytes", [](int cap, int T, int rs) { return (int64_t)valora::grouped_aux_bytes(cap, T, rs); });
   m.def("switch_", &valora::switch_, "in place W += s1 (A1 B1)^T + s2 (A2 B2)^T over a list of matrices");
   m.def("switch_packed", &valora::switch_packed, "switch over descriptors already packed on the device");
   m.def("set_grid_policy", [](int p) { valora::g_grid_policy = p; },
