@@ -32,10 +32,18 @@ class ProcessInfo:
     pid: int
     port: int
     log: str
+    # Prometheus /metrics port (VALORA_METRICS_PORT); 0 = none.
+    metrics_port: int = 0
+    # The gateway's OpenAI-compatible HTTP port (VALORA_HTTP_PORT); 0 for the other services.
+    http_port: int = 0
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 @dataclass
@@ -46,6 +54,11 @@ class Cluster:
     @property
     def gateway(self) -> str:
         return next(p.address for p in self.processes if p.service == "gateway")
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the gateway's OpenAI-compatible API (ends in /v1)."""
+        return next(f"http://127.0.0.1:{p.http_port}/v1" for p in self.processes if p.service == "gateway")
 
     def by_service(self, service: str) -> list[ProcessInfo]:
         return [p for p in self.processes if p.service == service]
@@ -132,13 +145,18 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     try:
         for service, name, port, service_env in plan:
             log = str(home / "logs" / f"{name}.log")
+            ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(free_port())}
+            if service == "gateway":
+                ports["VALORA_HTTP_PORT"] = str(free_port())
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", f"services.{service}"],
-                    env={**base_env, **service_env, "VALORA_PORT": str(port)},
+                    env={**base_env, **service_env, **ports},
                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 )
-            cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log))
+            cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log,
+                                                 metrics_port=int(ports["VALORA_METRICS_PORT"]),
+                                                 http_port=int(ports.get("VALORA_HTTP_PORT", 0))))
             cluster.save()
             wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
     except BaseException:

@@ -306,7 +306,10 @@ async def _watch(service: Service, servicer: WorkerServicer, period_s: float = 0
     while True:
         await asyncio.sleep(period_s)
         if servicer.engine is not None:
-            metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(servicer.engine.stats().running)
+            stats = servicer.engine.stats()
+            metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(stats.running)
+            for m in Mode:  # valora:mode is the engine's, from start-up on (not only after SetMode)
+                metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == stats.mode else 0)
         if servicer.engine is not None and not servicer.engine.alive:
             log.error("engine_not_alive")
             await service.set_serving(False)

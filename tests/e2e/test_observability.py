@@ -1,0 +1,198 @@
+"""Observability and the other fronts, on a real cluster (four processes on loopback):
+Prometheus `/metrics` of every process after a few requests, one trace across the gateway,
+scheduler and worker processes (console exporter → their logs), the OpenAI-compatible HTTP API
+through the `openai` SDK, and the curl / Node streaming examples."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.adapter_format import BaseModelShapes, make_random_bundle
+from valora.client import ValoraClient
+from valora.cluster import start_cluster, stop_cluster
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW = 6
+TRACE_ID = "5bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def png(seed: int, size: int = 56) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("valora-obs")
+    c = start_cluster(home, workers=1, env={"VALORA_TRACE_CONSOLE": "true"})
+    yield c
+    stop_cluster(home)
+
+
+@pytest.fixture(scope="module")
+def adapter(cluster) -> str:
+    model_path = Path(cluster.home) / "models" / "tiny-qwen2-vl"
+    shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
+    bundle, cfg = make_random_bundle(shapes, rank=4, seed=7, lora_alpha=8)
+    with ValoraClient(cluster.gateway) as client:
+        version = client.upload_adapter_version("obs", bundle, cfg, request_id="obs-upload")
+        client.set_alias("adapters/obs", "prod", version.name)
+    return "adapters/obs@prod"
+
+
+@pytest.fixture(scope="module")
+def traffic(cluster, adapter) -> int:
+    """A few requests through gRPC (unary, streaming, base and adapter); returns how many."""
+    with ValoraClient(cluster.gateway) as client:
+        client.infer("What is this?", [png(1)], adapter=adapter, max_new_tokens=MAX_NEW)
+        client.infer("What is this?", [png(2)], max_new_tokens=MAX_NEW)
+        list(client.infer_stream("Describe it.", [png(3)], adapter=adapter, max_new_tokens=MAX_NEW))
+    return 3
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lbl), v in samples.items() if n == name and want <= lbl)
+
+
+def has(samples, name: str) -> bool:
+    return any(n == name for n, _ in samples)
+
+
+def test_metrics_of_every_process_after_requests(cluster, traffic):
+    gateway = scrape(cluster.by_service("gateway")[0].metrics_url)
+    scheduler = scrape(cluster.by_service("scheduler")[0].metrics_url)
+    worker_info = cluster.by_service("worker")[0]
+    deadline = time.monotonic() + 10
+    while True:  # the worker publishes running/mode from its watch loop (every 0.5 s)
+        worker = scrape(worker_info.metrics_url)
+        if has(worker, "valora:mode") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+
+    assert total(gateway, "valora:requests_total", service="gateway", code="OK") >= traffic
+    assert total(scheduler, "valora:requests_total", service="scheduler", code="OK") >= traffic
+    for samples in (scheduler, worker):
+        assert total(samples, "valora:e2e_request_latency_seconds_count", code="OK") >= traffic
+        assert total(samples, "valora:time_to_first_token_seconds_count") >= traffic
+        assert total(samples, "valora:e2e_request_latency_seconds_sum") > 0
+    assert total(scheduler, "valora:e2e_request_latency_seconds_count", adapter="base") >= 1
+    assert has(scheduler, "valora:num_requests_waiting")
+    assert total(scheduler, "valora:request_queue_time_seconds_count") >= traffic
+    assert has(worker, "valora:num_requests_running")
+    modes = {dict(lbl)["mode"]: v for (n, lbl), v in worker.items() if n == "valora:mode"}
+    assert sum(modes.values()) == 1, f"exactly one current mode per worker: {modes}"
+    assert all(dict(lbl)["worker"] == worker_info.name for (n, lbl), _ in worker.items() if n == "valora:mode")
+
+
+def spans_in(log: str) -> list[dict]:
+    """The console exporter's JSON span objects among a service's log lines."""
+    text = Path(log).read_text()
+    out = []
+    for block in re.findall(r"^\{\n.*?^\}$", text, flags=re.M | re.S):
+        try:
+            span = json.loads(block)
+        except json.JSONDecodeError:
+            continue
+        if "context" in span:
+            out.append(span)
+    return out
+
+
+def test_one_trace_across_the_gateway_scheduler_and_worker_processes(cluster, adapter):
+    import grpc
+
+    from valora.v1 import inference_service_pb2, inference_service_pb2_grpc
+
+    with grpc.insecure_channel(cluster.gateway) as channel:
+        stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
+        stub.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
+            prompt="Traced?", adapter=adapter, params={"max_new_tokens": 2})),
+            metadata=(("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),), timeout=60)
+    want = {
+        "gateway": {"valora.v1.InferenceService/Infer", "valora.internal.v1.SchedulerService/Submit",
+                    "valora.internal.v1.AdapterStoreService/ResolveReference"},
+        "scheduler": {"valora.internal.v1.SchedulerService/Submit", "valora.internal.v1.WorkerService/Generate"},
+        "worker": {"valora.internal.v1.WorkerService/Generate"},
+        "adapter_store": {"valora.internal.v1.AdapterStoreService/ResolveReference"},
+    }
+    deadline = time.monotonic() + 10
+    while True:
+        got = {service: {s["name"] for p in cluster.by_service(service) for s in spans_in(p.log)
+                         if s["context"]["trace_id"] == f"0x{TRACE_ID}"} for service in want}
+        if all(want[s] <= got[s] for s in want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(want[s] <= got[s] for s in want), got
+
+
+def test_openai_sdk_against_the_real_model(cluster, adapter):
+    client = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=60)
+    url = "data:image/png;base64," + base64.b64encode(png(4)).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    unary = client.chat.completions.create(model=adapter, messages=messages, max_tokens=MAX_NEW, temperature=0)
+    streamed = client.chat.completions.create(model=adapter, messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                              stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert unary.choices[0].message.content and unary.usage.completion_tokens > 0
+    assert text == unary.choices[0].message.content
+    assert {"valora-base", "adapters/obs", adapter} <= {m.id for m in client.models.list().data}
+    client.close()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl missing")
+def test_curl_example(cluster, adapter, tmp_path):
+    image = tmp_path / "x.png"
+    image.write_bytes(png(5))
+    script = str(REPO / "examples/curl/chat.sh")
+    out = subprocess.run(["bash", script, cluster.http_url, adapter, 'Say "hi"', str(image)],
+                         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "MAX_TOKENS": "4"})
+    assert out.returncode == 0, out.stderr + out.stdout
+    body = json.loads(out.stdout)
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0
+    streamed = subprocess.run(["bash", script, cluster.http_url, "valora-base", "hi"], capture_output=True, text=True,
+                              timeout=120, env={"PATH": "/usr/bin:/bin", "STREAM": "1", "MAX_TOKENS": "3"})
+    assert streamed.returncode == 0, streamed.stderr
+    events = [line for line in streamed.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    refused = subprocess.run(["bash", script, cluster.http_url, "valora-base", "hi", "/nonexistent.png"],
+                             capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert refused.returncode != 0
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not (REPO / "examples/node/node_modules").exists(),
+                    reason="node or examples/node/node_modules missing (npm ci in examples/node)")
+def test_node_streaming_example(cluster, adapter, tmp_path):
+    image = tmp_path / "x.png"
+    image.write_bytes(png(6))
+    out = subprocess.run(["node", str(REPO / "examples/node/infer_stream.js"), cluster.gateway, "Hello", str(image),
+                          adapter], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    deltas = "".join(line["delta"] for line in lines if "delta" in line)
+    result = lines[-1]["result"]
+    assert deltas == result["text"] and result["adapter_version"].startswith("adapters/obs/versions/")
