@@ -1,31 +1,39 @@
 """VaLoRA's credit-based mode scheduling (paper Alg. 1) and the dLoRA baseline that shares it.
 
 Every round, for every worker with free slots (workers whose merged adapter has waiting requests
-first, then the least loaded), over the requests still unplaced and allowed there:
+first, then the least loaded, then resident-adapter affinity), over the requests still unplaced
+and allowed there:
 
-1. credits: waiting time + estimated execution time (credits.py with the worker's cost profile);
-   *starving* = credit > θ (`theta_s`).
-2. more than half of `max_batch_size` starving → UNMERGED, the batch by credit (highest first).
+1. credits: waiting time + estimated execution time (credits.py, cost_model.py); *starving* =
+   credit > θ (`theta_s`). Requests are taken in credit order, highest first.
+2. more than half of `max_batch_size` starving → UNMERGED, the batch by credit.
    (dLoRA: any starving request → UNMERGED; it has no mixture mode.)
-3. some starving → MIXTURE: the merged adapter stays (or the best one is merged when none is),
-   starving requests first, then the merged adapter's own, then the rest by credit.
-4. none starving → MERGED on the adapter `a` minimizing the estimated mean latency of the
-   worker's requests (running + eligible waiting) counting the switch:
-       L(a) ∝ switch_ms(current → a) · (running + eligible) + (eligible − served_a) · round_ms
-   (+ the LoRA term the rows on the worker pay per step with `a` merged, over half a request's
-   steps: running rows of other adapters go through the mixture term)
-   where served_a = min(free slots, a's eligible requests) and round_ms is the mean estimated
-   run time of those requests (what a request not served now waits for the next round). A
-   switch therefore happens only when the requests it serves now outweigh the delay it puts on
-   everyone; ties keep the current adapter (no thrashing). `None` stands for the base model
-   (UNMERGED with nothing merged).
+3. some starving → MIXTURE: the merged adapter stays, starving requests first, then the merged
+   adapter's own, then the rest. (A worker already unmerged stays unmerged: it serves everyone
+   without a switch.)
+4. none starving → MERGED on the adapter `a` minimizing the estimated latency sum of the worker's
+   requests (running + eligible waiting) counting the switch cost:
+       L(a) = switch_ms(current → a) · population                    (everyone waits for it)
+            + left_behind(a) · round_ms                              (not served, no room elsewhere)
+            + lora_step_ms(a) · horizon_steps · rows                 (LoRA term left with a merged:
+                                                                      running rows of other adapters
+                                                                      through the mixture term)
+            + lora cost of the requests the next workers take instead
+   Entering a merged state also counts the expected cost of leaving it (unmerge time weighted by
+   the share of traffic that is *not* `a`, from the popularity seen so far), so one request of a
+   rare adapter does not flip an idle worker. UNMERGED for everyone is a candidate too (our
+   extension: a queue of many adapters is served faster unmerged than one adapter at a time);
+   ties keep the current state (no thrashing).
 
-Mode commands are sent only when the worker's (mode, merged adapter) changes. Prefetch hints ask
-the least loaded worker to copy the adapters of still-waiting requests to its device.
+Mode commands are sent only when the worker's (mode, merged adapter) changes. An unmerged or
+mixture worker takes its share of the queue in proportion to its free slots (load balance).
+Prefetch hints ask the least loaded worker to copy adapters of still-waiting requests to its
+device.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from services.scheduler.cost_model import CostModel, profile_for_device
@@ -53,6 +61,9 @@ class CreditPolicy(SchedulingPolicy):
         self.theta_s = theta_s
         self.mixture = mixture
         self.profiles = dict(profiles or {})
+        # Requests seen per adapter (popularity), and the ids already counted.
+        self._seen: dict[str | None, int] = {}
+        self._counted: set[str] = set()
 
     def _cost(self, worker: WorkerView) -> CostModel:
         return profile_for_device(worker.device, self.profiles, self.cost)
@@ -63,6 +74,12 @@ class CreditPolicy(SchedulingPolicy):
         if not waiting or not live:
             return decision
         credit = {r.request_id: credit_of(r, now_s, self.cost).value_s for r in waiting}
+        for r in waiting:
+            if r.request_id not in self._counted:
+                self._counted.add(r.request_id)
+                self._seen[r.adapter] = self._seen.get(r.adapter, 0) + 1
+        if len(self._counted) > 100_000:
+            self._counted.clear()
         remaining: dict[str, WaitingRequest] = {
             r.request_id: r for r in sorted(waiting, key=lambda r: (-credit[r.request_id], r.arrival_s,
                                                                    r.request_id))}
@@ -71,22 +88,30 @@ class CreditPolicy(SchedulingPolicy):
             wanted[r.adapter] = wanted.get(r.adapter, 0) + 1
 
         def order(w: WorkerView) -> tuple:
-            # Affinity first (merged adapter wanted, then most waiting requests whose adapter is
-            # resident there), then load balance, then the address (deterministic).
+            # Affinity first (its merged adapter has waiting requests), then load balance, then
+            # the most waiting requests whose adapter is resident there, then the address.
             m = merged_of(w)
             merged_wanted = 0 if m is not None and m in wanted else 1
             resident_wanted = sum(n for a, n in wanted.items() if a is not None and a in w.resident_adapters)
-            return (merged_wanted, -resident_wanted, w.running / w.max_batch_size, w.address)
+            return (merged_wanted, w.running / w.max_batch_size, -resident_wanted, w.address)
 
         running_after = {w.address: w.running for w in live}
-        for w in sorted(live, key=order):
+        ordered = sorted(live, key=order)
+        for k, w in enumerate(ordered):
             free = w.free_slots
             if free <= 0:
                 continue
             eligible = [r for r in remaining.values() if w.address not in r.excluded_workers]
             if not eligible:
                 continue
-            mode, target, batch = self._plan(now_s, w, eligible, credit, free)
+            # Slots the workers planned after this one still offer: requests this worker leaves
+            # behind up to that many do not wait a round.
+            spare = sum(v.free_slots for v in ordered[k + 1:])
+            mode, target, batch = self._plan(w, eligible, credit, free, spare)
+            if mode != Mode.MERGED and spare:
+                # Load balance: a worker serving every adapter takes its share of the queue in
+                # proportion to its free slots; the workers after it take the rest.
+                batch = batch[:max(1, math.ceil(len(eligible) * free / (free + spare)))]
             if not batch:
                 continue
             if (mode, target) != (_mode_of(w), merged_of(w)):
@@ -99,62 +124,84 @@ class CreditPolicy(SchedulingPolicy):
         return decision
 
     # -- one worker ----------------------------------------------------------------------------
-    def _plan(self, now_s: float, w: WorkerView, eligible: list[WaitingRequest], credit: dict[str, float],
-              free: int) -> tuple[Mode, str | None, list[WaitingRequest]]:
+    def _plan(self, w: WorkerView, eligible: list[WaitingRequest], credit: dict[str, float], free: int,
+              spare: int = 0) -> tuple[Mode, str | None, list[WaitingRequest]]:
         """(mode, merged adapter, requests to place) for worker `w`; `eligible` by credit, highest first."""
         starving = [r for r in eligible if credit[r.request_id] > self.theta_s]
         current = merged_of(w)
         if starving and (not self.mixture or len(starving) > w.max_batch_size / 2):
             return Mode.UNMERGED, None, eligible[:free]
         if starving:
-            target = current if current is not None else self._best_merged(w, eligible, free)
-            if target is None:  # the base model wins: nothing to merge, everything unmerged
+            target = current
+            if target is None:  # unmerged already serves every adapter: no switch for mixture
                 return Mode.UNMERGED, None, eligible[:free]
             starving_ids = {r.request_id for r in starving}
             rest = [r for r in eligible if r.request_id not in starving_ids]
             ordered = starving + [r for r in rest if r.adapter == target] + [r for r in rest if r.adapter != target]
             return Mode.MIXTURE, target, ordered[:free]
-        target = self._best_merged(w, eligible, free)
-        batch = [r for r in eligible if r.adapter == target][:free]
-        return (Mode.UNMERGED, None, batch) if target is None else (Mode.MERGED, target, batch)
+        return self._best_plan(w, eligible, free, spare)
 
-    def _best_merged(self, w: WorkerView, eligible: list[WaitingRequest], free: int) -> str | None:
-        """The adapter (None = base model) minimizing the worker's mean latency estimate."""
+    def _best_plan(self, w: WorkerView, eligible: list[WaitingRequest], free: int,
+                   spare: int = 0) -> tuple[Mode, str | None, list[WaitingRequest]]:
+        """No request starving: MERGED on the adapter minimizing the estimated latency sum of the
+        worker's requests counting the switch, or UNMERGED for everyone when that is lower still
+        (a queue of many adapters, where one merged adapter would serve too few)."""
         cost = self._cost(w)
         current = merged_of(w)
         by_adapter: dict[str | None, list[WaitingRequest]] = {}
         for r in eligible:
             by_adapter.setdefault(r.adapter, []).append(r)
         population = w.running + len(eligible)
+        horizon_steps = max(1, cost.default_new_tokens // 2)
 
         def run_ms(rs: list[WaitingRequest]) -> float:
             return sum(cost.request_ms(r.prompt_tokens, r.images, r.max_new_tokens, label=r.label, lora=False,
                                        batch=w.running + len(rs)) for r in rs) / len(rs)
 
-        horizon_steps = max(1, cost.default_new_tokens // 2)
+        total_seen = sum(self._seen.values()) or 1
+        # What a request left behind waits for: about one run of what would be served now (the
+        # same for every plan, so the plans differ by what they serve, not whom).
+        round_ms = run_ms(eligible[:free])
 
-        def latency_sum(a: str | None) -> float:
-            served = by_adapter.get(a, [])[:free]
-            round_ms = run_ms(served or eligible[:free])
-            switch = cost.switch_cost_ms(current, a, w.resident_adapters)
-            # The LoRA term every row on the worker pays per step with `a` merged: running rows of
-            # other adapters (known when the caller reports them) go through the mixture term.
-            others: dict[str | None, int] = {k: n for k, n in w.running_adapters.items() if k != a}
-            lora_rows = sum(others.values())
+        def latency_sum(merged: str | None, served: list[WaitingRequest]) -> float:
+            switch = cost.switch_cost_ms(current, merged, w.resident_adapters)
+            if merged is not None and merged != current:
+                # Entering a merged state is paid again when leaving it: expected for the share of
+                # traffic that is not this adapter (popularity seen so far), over a batch of rows.
+                share = self._seen.get(merged, 0) / total_seen
+                switch += cost.unmerge_ms * (1.0 - share) * w.max_batch_size / max(1, population)
+            # Rows that pay the LoRA term each step: running and served rows whose adapter is not
+            # the merged one (mixture term when one is merged; base rows pay nothing unmerged).
+            counts = {k: n for k, n in w.running_adapters.items() if k != merged}
+            for r in served:
+                if r.adapter != merged:
+                    counts[r.adapter] = counts.get(r.adapter, 0) + 1
+            if merged is None:
+                counts.pop(None, None)
+            lora_rows = sum(counts.values())
+            step_extra = cost.lora_ms(lora_rows, len(counts), mixture=merged is not None)
+            # Requests not served here: up to `spare` run on the next workers (paying the
+            # unmerged LoRA term there), the rest wait a round.
+            elsewhere = min(spare, len(eligible) - len(served))
+            left_behind = len(eligible) - len(served) - elsewhere
+            extra_elsewhere = cost.lora_ms(elsewhere, elsewhere) * horizon_steps * elsewhere
+            return (switch * population + left_behind * round_ms
+                    + step_extra * horizon_steps * (w.running + len(served)) + extra_elsewhere)
+
+        plans: list[tuple[float, int, int, str, Mode, str | None, list[WaitingRequest]]] = []
+        for a, rs in by_adapter.items():
             if a is None:
-                others.pop(None, None)
-                lora_rows = sum(others.values())
-            step_extra = cost.lora_ms(lora_rows, len(others) or (1 if lora_rows else 0), mixture=a is not None)
-            rows = w.running + len(served)
-            return (switch * population + (len(eligible) - len(served)) * round_ms
-                    + step_extra * horizon_steps * rows)
-
-        def key(a: str | None) -> tuple:
-            return (latency_sum(a), 0 if a == current else 1, -len(by_adapter.get(a, ())), a or _NO_ADAPTER)
-
-        # Staying on the current adapter is a candidate even with none of its requests waiting
-        # (the switch would delay the running ones more than the waiting ones gain).
-        return min({*by_adapter, current}, key=key)
+                continue
+            served = rs[:free]
+            plans.append((latency_sum(a, served), 0 if a == current else 1, -len(rs), a, Mode.MERGED, a, served))
+        if current is not None and current not in by_adapter:
+            # Staying merged and placing nothing now (a switch would cost the running rows more).
+            plans.append((latency_sum(current, []), 0, 0, current, Mode.MERGED, current, []))
+        served = eligible[:free]
+        plans.append((latency_sum(None, served), 0 if current is None else 1, -len(served), _NO_ADAPTER,
+                      Mode.UNMERGED, None, served))
+        best = min(plans, key=lambda p: p[:4])
+        return best[4], best[5], best[6]
 
 
 def _mode_of(w: WorkerView) -> Mode:
