@@ -60,6 +60,11 @@ spec:
             - name: metrics
               containerPort: {{ $v.metricsPort }}
               protocol: TCP
+            {{- with $v.httpPort }}
+            - name: http
+              containerPort: {{ . }}
+              protocol: TCP
+            {{- end }}
           startupProbe:
             grpc:
               port: {{ $v.port }}
@@ -128,4 +133,10 @@ spec:
       port: {{ $v.metricsPort }}
       targetPort: metrics
       protocol: TCP
+    {{- with $v.httpPort }}
+    - name: http
+      port: {{ . }}
+      targetPort: http
+      protocol: TCP
+    {{- end }}
 {{- end -}}
