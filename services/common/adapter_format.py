@@ -30,6 +30,13 @@ _LORA_KEY = re.compile(
 )
 _HEAD_KEY = re.compile(r"^heads\.(?P<name>[a-z][a-z0-9_-]{0,62})\.(?P<part>weight|bias)$")
 SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
+# Bytes per element of every dtype the safetensors format defines (to check data_offsets).
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def module_parent(module: str) -> str:
@@ -107,9 +114,23 @@ def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dic
             continue
         if not isinstance(meta, dict) or "shape" not in meta or "data_offsets" not in meta:
             raise InvalidAdapter(f"tensor {name!r}: malformed header entry", reason="NOT_SAFETENSORS")
-        start, end = meta["data_offsets"]
+        shape, offsets, dtype = meta["shape"], meta["data_offsets"], meta.get("dtype")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise InvalidAdapter(f"tensor {name!r}: shape must be a list of non-negative integers",
+                                 reason="NOT_SAFETENSORS")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+            raise InvalidAdapter(f"tensor {name!r}: data_offsets must be two integers", reason="NOT_SAFETENSORS")
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+            raise InvalidAdapter(f"tensor {name!r}: unknown dtype", reason="BAD_DTYPE")
+        start, end = offsets
         if not (0 <= start <= end <= body):
             raise InvalidAdapter(f"tensor {name!r}: data runs past the end of the file", reason="TRUNCATED")
+        count = 1
+        for d in shape:
+            count *= d
+        if end - start != count * _DTYPE_BYTES[dtype]:
+            raise InvalidAdapter(f"tensor {name!r}: {end - start} data bytes for shape {shape} of {dtype}",
+                                 reason="NOT_SAFETENSORS")
     return header
 
 
@@ -120,6 +141,13 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         config = json.loads(config_json or "{}")
     except json.JSONDecodeError as exc:
         raise InvalidAdapter(f"adapter_config_json is not JSON: {exc}", reason="BAD_CONFIG") from exc
+    if not isinstance(config, dict):
+        raise InvalidAdapter("adapter_config_json must be a JSON object", reason="BAD_CONFIG")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < 1e9):
+            raise InvalidAdapter(f"adapter_config_json: {key} must be a positive number", reason="BAD_CONFIG")
     header = read_safetensors_header(data, max_header_bytes)
     ranks: set[int] = set()
     modules: set[str] = set()
@@ -168,7 +196,7 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
     if not 0 < rank <= max_rank:
         raise InvalidAdapter(f"rank {rank} is over the limit of {max_rank}", reason="RANK_TOO_LARGE")
     cfg_rank = config.get("r")
-    if cfg_rank is not None and int(cfg_rank) != rank:
+    if cfg_rank is not None and cfg_rank != rank:
         raise InvalidAdapter(f"adapter_config r={cfg_rank} but tensors have rank {rank}", reason="BAD_CONFIG")
     head_labels: dict[str, int] = {}
     for head, parts in heads.items():
