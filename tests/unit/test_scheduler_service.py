@@ -65,6 +65,10 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
             text="hello", finish_reason=types_pb2.FINISH_REASON_EOS, timing=types_pb2.Timing(queue_ms=1.0)))
 
+    async def LoadAdapter(self, request, context):
+        self.events.append(f"load {request.adapter.version} to_device={request.to_device}")
+        return worker_service_pb2.LoadAdapterResponse()
+
     async def GetWorkerStatus(self, request, context):
         return worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
             healthy=self.healthy, max_batch_size=self.max_batch, resident_adapters=self.resident,
@@ -249,6 +253,37 @@ async def test_foundation_policy_opens_a_merged_worker_to_mixture_mode():
         out = await collect(stub, submit_request("r1"))
     assert out[-1].result.text == "hello"
     assert w.events == [f"set_mode INFERENCE_MODE_MIXTURE {other}", f"generate {ADAPTER}"]
+
+
+async def test_dead_workers_unstarted_requests_are_placed_again():
+    bad = FakeWorker(fail_before_first=True, resident=[ADAPTER])  # affinity sends them here first
+    good = FakeWorker()
+    async with cluster(bad, good) as stub:
+        outs = await asyncio.gather(*(collect(stub, submit_request(f"r{i}")) for i in range(3)))
+    assert all(out[-1].result.worker == good.address for out in outs)
+    assert sorted(rid for rid, _ in good.calls) == ["r0", "r1", "r2"]
+
+
+async def test_waiting_requests_adapter_is_prefetched_to_a_worker():
+    other = "adapters/trucks/versions/2"
+    w = FakeWorker(max_batch=1, hang=True, resident=[ADAPTER])
+    async with cluster(w) as stub:
+        first = stub.Submit(submit_request("r1"), timeout=10)
+        reader = asyncio.ensure_future(first.read())
+
+        async def started():
+            return bool(w.calls)
+        await wait_until(started)
+        second = stub.Submit(submit_request("r2", adapter=other), timeout=10)
+        reader2 = asyncio.ensure_future(second.read())
+
+        async def prefetched():
+            return f"load {other} to_device=True" in w.events
+        await wait_until(prefetched)
+        for call, r in ((first, reader), (second, reader2)):
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await r
 
 
 def test_worker_addresses_from_env(monkeypatch):
