@@ -213,7 +213,7 @@ def main() -> None:
         segs = max(1, min(t, rng.choice([3, 6, 12, 24, 48])))
         best, st, b = search_bucket(hi, ho, r, t, segs, dtype, smem_limit)
         pick = table.lookup(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
-        heur = heuristic_config(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
+        heur = heuristic_config(hi, ho, b.plan.rank_stride, t, b.plan.active_segments, dtype=args.dtype)
         dname = args.dtype
         row = {"h_in": hi, "h_out": ho, "rank": r, "tokens": t, "segments": segs, "best": best.__dict__,
                "best_us": st["pair_us"], "table_pick": pick.__dict__, "table_us": b.time_pair(pick, dname),

@@ -67,11 +67,12 @@ def shape_key(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: in
 
 
 def heuristic_config(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
-                     num_sms: int = NUM_SMS_DEFAULT) -> TileConfig:
+                     num_sms: int = NUM_SMS_DEFAULT, dtype: str = "bfloat16") -> TileConfig:
     """A reasonable config without measurements (used for shapes the table lacks).
 
     Fitted to the H200 searches: shrink tiles grow with T, split-K until the shrink has about
-    two items per SM, long K chunks take BK=128; the expand streams y with 16x256 tiles.
+    two items per SM, long K chunks take BK=128; the expand streams y with 16x256 tiles, except
+    for ranks >= 64 over >= 256 tokens, where the CUTLASS grouped GEMM wins.
     """
     segments = max(1, segments)
     avg = tokens / segments
@@ -82,7 +83,10 @@ def heuristic_config(h_in: int, h_out: int, rank_stride: int, tokens: int, segme
     while tiles * split_k < 2 * num_sms and split_k < 32 and h_in // (split_k * 2) >= 128:
         split_k *= 2
     bk, stages = (128, 3) if h_in // split_k >= 512 else (64, 4)
-    return TileConfig(sbt, bk, stages, split_k, 16, 256 if h_out >= 256 else 64)
+    grouped = ""
+    if dtype == "bfloat16" and rank_stride >= 64 and tokens >= 256 and h_out >= 128:
+        grouped = "grouped_bf16_m64n128"  # (the fp16 grouped kernel is built but not yet measured)
+    return TileConfig(sbt, bk, stages, split_k, 16, 256 if h_out >= 256 else 64, grouped)
 
 
 @dataclass
@@ -118,7 +122,7 @@ class TileTable:
             tb = token_bucket(tokens)
             best = min(ts, key=lambda t: abs(math.log2(t) - math.log2(tb)))
             return self.entries[shape_key(h_in, h_out, rank_stride, best, sb)]
-        return heuristic_config(h_in, h_out, rank_stride, tokens, segments)
+        return heuristic_config(h_in, h_out, rank_stride, tokens, segments, dtype=self.dtype)
 
     def to_json(self) -> dict:
         return {"gpu": self.gpu, "arch": self.arch, "dtype": self.dtype, "meta": self.meta,

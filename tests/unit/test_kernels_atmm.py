@@ -122,6 +122,8 @@ def test_heuristic_configs_exist_in_the_menu():
     src = (Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "atmm_bf16.cu").read_text()
     shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
     expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
+    gsrc = (Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "grouped.cu").read_text()
+    grouped = set(re.findall(r'"(grouped_bf16_\w+)"', gsrc)) | {""}
     for h_in, h_out in [(4096, 4096), (3584, 512), (18944, 3584)]:
         for rs in (16, 32, 64, 128):
             for tokens in (1, 7, 16, 64, 300, 1024, 8192):
@@ -129,6 +131,7 @@ def test_heuristic_configs_exist_in_the_menu():
                     c = heuristic_config(h_in, h_out, rs, tokens, min(tokens, segs))
                     assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, rank_block(rs)) in shrink
                     assert (c.expand_bt, c.expand_bn) in expand
+                    assert c.grouped in grouped
                     assert c.split_k >= 1 and h_in // c.split_k >= 64
 
 
@@ -140,12 +143,14 @@ def test_committed_tile_tables_name_compiled_configs():
     src = (root / "csrc" / "atmm_bf16.cu").read_text()
     shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
     expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
+    grouped = set(re.findall(r'"(grouped_\w+)"', (root / "csrc" / "grouped.cu").read_text())) | {""}
     for path in (root / "tile_tables").glob("*.json"):
         t = TileTable.load(path)
         for key, c in t.entries.items():
             rs = int(key.split("/")[1][1:])
             assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, rank_block(rs)) in shrink, key
             assert (c.expand_bt, c.expand_bn) in expand, key
+            assert c.grouped in grouped, key
 
 
 def test_switch_fallback_is_unmerge_then_merge():
