@@ -38,20 +38,22 @@ def _address(home: Path, address: str | None) -> str:
 @app.command()
 def up(home: Path = HOME, workers: int = typer.Option(1, help="Worker processes (one per GPU)."),
        port: int = typer.Option(50051, help="Gateway port (0: any free port)."),
+       http_port: int = typer.Option(8080, help="Gateway's OpenAI-compatible HTTP port (0: any free port)."),
        model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model).")):
     """Start the local cluster (adapter_store, workers, scheduler, gateway) and print the ports."""
     if cluster_mod.Cluster.load(home):
         console.print(f"[yellow]a cluster is already recorded in {home}; run `valora down` first")
         raise typer.Exit(1)
     with console.status("starting valora (building the tiny model on first run)…"):
-        c = cluster_mod.start_cluster(home, workers=workers, gateway_port=port, model_path=model_path)
+        c = cluster_mod.start_cluster(home, workers=workers, gateway_port=port, model_path=model_path,
+                                      http_port=http_port)
     table = Table(title="valora cluster")
-    for col in ("service", "name", "address", "pid", "log"):
+    for col in ("service", "name", "address", "metrics", "pid", "log"):
         table.add_column(col)
     for p in c.processes:
-        table.add_row(p.service, p.name, p.address, str(p.pid), p.log)
+        table.add_row(p.service, p.name, p.address, p.metrics_url, str(p.pid), p.log)
     console.print(table)
-    console.print(f"gateway: [bold]{c.gateway}[/bold]")
+    console.print(f"gateway: [bold]{c.gateway}[/bold]  OpenAI-compatible HTTP: [bold]{c.http_url}[/bold]")
 
 
 @app.command()

@@ -112,9 +112,10 @@ def ensure_model(model_path: Path) -> None:
 
 
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
-                  model_path: Path | None = None, env: dict[str, str] | None = None,
+                  model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
                   startup_timeout_s: float = 180.0) -> Cluster:
-    """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING."""
+    """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING.
+    Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one)."""
     home = Path(home).resolve()
     (home / "logs").mkdir(parents=True, exist_ok=True)
     model_path = Path(model_path or default_model_path(home)).resolve()
@@ -147,7 +148,7 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
             log = str(home / "logs" / f"{name}.log")
             ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(free_port())}
             if service == "gateway":
-                ports["VALORA_HTTP_PORT"] = str(free_port())
+                ports["VALORA_HTTP_PORT"] = str(http_port or free_port())
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", f"services.{service}"],

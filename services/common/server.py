@@ -9,6 +9,7 @@ health NOT_SERVING, `stop(grace)`, then the service's own cleanup.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import traceback
 import uuid
@@ -91,7 +92,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(
                 stream_unary, handler.request_deserializer, handler.response_serializer)
 
-        # Streaming responses: handlers are async generators.
+        # Streaming responses: ours are async generators; some library handlers (Health.Watch)
+        # are coroutines that write through context.write, and must stay coroutines.
         inner_stream = handler.unary_stream or handler.stream_stream
 
         async def streaming(request, context):
@@ -104,6 +106,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001
                 await fail(context, exc)
 
+        async def streaming_by_writes(request, context):
+            bind()
+            try:
+                await inner_stream(request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await fail(context, exc)
+
+        if not inspect.isasyncgenfunction(inner_stream):
+            streaming = streaming_by_writes  # noqa: F811
         make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
         return make(streaming, handler.request_deserializer, handler.response_serializer)
 

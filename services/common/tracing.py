@@ -26,8 +26,9 @@ and dropped (embedders and tests may add a processor to `Service.tracer_provider
 from __future__ import annotations
 
 import asyncio
+import inspect
+
 import grpc
-import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -37,8 +38,6 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common.config import ServiceSettings
-
-log = structlog.get_logger()
 
 TRACER_NAME = "valora.grpc"
 REQUEST_ID_KEY = "x-request-id"
@@ -147,6 +146,9 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
             return behavior
 
         def wrap_stream(inner):
+            if not inspect.isasyncgenfunction(inner):
+                return wrap_unary(inner)  # a coroutine that writes through context.write
+
             async def behavior(request, context):
                 span, token = open_span()
                 exc = None

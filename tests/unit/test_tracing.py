@@ -85,13 +85,13 @@ async def traced_stack(**gateway_kwargs):
     collecting(scheduler.tracer_provider, exporter)
     await scheduler.start()
     gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
-                                                   adapter_store_address=addr, http_enabled=False,
-                                                   **gateway_kwargs))
+                                                   adapter_store_address=addr,
+                                                   **{"http_enabled": False, **gateway_kwargs}))
     collecting(gateway.tracer_provider, exporter)
     await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
-        yield worker, inference_service_pb2_grpc.InferenceServiceStub(channel), exporter
+        yield worker, inference_service_pb2_grpc.InferenceServiceStub(channel), exporter, gateway
     finally:
         await channel.close()
         await gateway.stop(0)
@@ -121,7 +121,7 @@ def one(spans, name, kind):
 
 
 async def test_one_trace_from_gateway_through_scheduler_to_worker():
-    async with traced_stack() as (_, infer, exporter):
+    async with traced_stack() as (_, infer, exporter, _gw):
         resp = await infer.Infer(request(request_id="trace-1"))
         spans = await finished(exporter, {INFER, RESOLVE, SUBMIT, GENERATE})
         await asyncio.sleep(0.15)  # a few status polls happen meanwhile
@@ -153,7 +153,7 @@ async def test_one_trace_from_gateway_through_scheduler_to_worker():
 
 async def test_a_callers_traceparent_is_continued():
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    async with traced_stack() as (_, infer, exporter):
+    async with traced_stack() as (_, infer, exporter, _gw):
         await infer.Infer(request(), metadata=(("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),))
         spans = await finished(exporter, {INFER, GENERATE})
     gw = one(spans, INFER, SpanKind.SERVER)
@@ -163,7 +163,7 @@ async def test_a_callers_traceparent_is_continued():
 
 
 async def test_error_statuses_are_recorded_on_every_hop():
-    async with traced_stack() as (worker, infer, exporter):
+    async with traced_stack() as (worker, infer, exporter, _gw):
         worker.fail_with = grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await infer.Infer(request())
@@ -180,7 +180,7 @@ async def test_error_statuses_are_recorded_on_every_hop():
 
 
 async def test_unavailable_is_an_error_and_auth_refusals_are_traced():
-    async with traced_stack(api_keys="k1") as (worker, infer, exporter):
+    async with traced_stack(api_keys="k1") as (worker, infer, exporter, _gw):
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await infer.Infer(request())
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -194,6 +194,25 @@ async def test_unavailable_is_an_error_and_auth_refusals_are_traced():
     assert one(spans, GENERATE, SpanKind.SERVER).status.status_code == StatusCode.ERROR
 
 
+async def test_http_requests_join_the_same_trace():
+    import aiohttp
+
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    async with traced_stack(http_enabled=True) as (_, _infer, exporter, gateway):
+        async with aiohttp.ClientSession() as http, http.post(
+                f"http://127.0.0.1:{gateway.http.port}/v1/chat/completions",
+                headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+                json={"model": "adapters/cars", "messages": [{"role": "user", "content": "how many?"}]}) as r:
+            assert r.status == 200, await r.text()
+        spans = await finished(exporter, {"POST /v1/chat/completions", INFER, GENERATE})
+    front = one(spans, "POST /v1/chat/completions", SpanKind.SERVER)
+    assert f"{front.context.trace_id:032x}" == trace_id and front.attributes["http.response.status_code"] == 200
+    loopback = one(spans, INFER, SpanKind.CLIENT)
+    assert loopback.parent.span_id == front.context.span_id
+    assert one(spans, INFER, SpanKind.SERVER).parent.span_id == loopback.context.span_id
+    assert {s.context.trace_id for s in spans} == {front.context.trace_id}
+
+
 def test_exporters_follow_the_settings():
     plain = tracer_provider(ServiceSettings(), "x")
     assert plain._active_span_processor._span_processors == ()
@@ -203,3 +222,22 @@ def test_exporters_follow_the_settings():
     both.shutdown()
     with pytest.raises(ValueError):
         ServiceSettings(trace_sample_ratio=1.5)
+
+
+async def test_coroutine_style_streaming_handlers_survive_the_interceptors():
+    """Health.Watch writes through context.write instead of yielding: the error and tracing
+    interceptors must keep it a coroutine (it used to fail with INTERNAL: TypeError)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.server import build_service
+
+    service = build_service("x", ServiceSettings(), lambda server: [])
+    await service.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+            call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+            first = await call.read()
+            call.cancel()
+    finally:
+        await service.stop(0)
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
