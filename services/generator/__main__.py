@@ -187,7 +187,8 @@ def generate(
         meta = {"base_model": os.path.basename(str(model_path).rstrip("/")),
                 "base_pretraining": json.loads(provenance.read_text()) if provenance.exists() else None,
                 "rank": rank, "lora_alpha": alpha,
-                "epochs": epochs, "batch_size": batch_size, "lr": lr, "head_lr": head_lr, "margin": margin, "seed": seed,
+                "epochs": epochs, "batch_size": batch_size, "lr": lr, "lr_rule": "lr / sqrt(tasks in the run)",
+                "clip_norm": cfg.clip_norm, "head_lr": head_lr, "margin": margin, "seed": seed,
                 "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
                 "wall_s": round(time.time() - started, 1), "torch_threads": threads}
         path = pipeline.write_results(strategies, results, meta, append=append)

@@ -47,6 +47,7 @@ class TrainConfig:
     lr: float = 5e-3  # LoRA A/B
     head_lr: float = 3e-3
     weight_decay: float = 0.0
+    scale_lr_with_tasks: bool = True  # LoRA lr = lr / sqrt(number of tasks trained together)
     clip_norm: float = 1.0  # max gradient norm of the LoRA weights per step (0: no clipping)
     seed: int = 0
     head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
@@ -139,8 +140,11 @@ class TorchTrainer:
                 epoch.extend((t, perm[i:i + cfg.batch_size]) for i in range(0, n, cfg.batch_size))
             order = rng.permutation(len(epoch))
             plan.extend(epoch[i] for i in order)
+        # Training on n tasks is n times longer; a fixed LoRA learning rate that suits one task
+        # diverged on seven (all-in-one collapsed to near chance), so it is scaled by 1/sqrt(n).
+        lora_lr = cfg.lr / math.sqrt(len(tasks)) if cfg.scale_lr_with_tasks else cfg.lr
         opt = torch.optim.AdamW([
-            {"params": self.base.lora_parameters(), "lr": cfg.lr},
+            {"params": self.base.lora_parameters(), "lr": lora_lr},
             {"params": list(heads.parameters()), "lr": cfg.head_lr},
         ], weight_decay=cfg.weight_decay)
         total = len(plan)
