@@ -14,19 +14,25 @@ from pathlib import Path
 OUT = Path(__file__).with_name("valora-dashboard.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "[$__rate_interval]"
+# TTFT and e2e latency are observed twice: by the scheduler (arrival there, queue included: what
+# clients see) and by each worker (arrival at the worker). Latency panels show the scheduler's.
+# `service` is the scrape target's label: "scheduler" in compose, "<release>-scheduler" under the
+# Prometheus Operator, hence the regex.
+AT_SCHEDULER = '{service=~"(.*-)?scheduler"}'
+AT_GATEWAY = '{service=~"(.*-)?gateway"}'
 
 
-def quantiles(metric: str, by: str = "") -> list[dict]:
+def quantiles(metric: str, by: str = "", where: str = "") -> list[dict]:
     """p50/p90/p99 from a histogram's buckets, plus the mean from _sum/_count."""
     group = f"le, {by}" if by else "le"
     legend = f"{{{{{by}}}}} " if by else ""
     targets = [
-        {"expr": f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{RATE})))",
+        {"expr": f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{where}{RATE})))",
          "legendFormat": f"{legend}p{round(q * 100)}"}
         for q in (0.5, 0.9, 0.99)
     ]
     agg = f"sum by ({by})" if by else "sum"
-    targets.append({"expr": f"{agg} (rate({metric}_sum{RATE})) / {agg} (rate({metric}_count{RATE}))",
+    targets.append({"expr": f"{agg} (rate({metric}_sum{where}{RATE})) / {agg} (rate({metric}_count{where}{RATE}))",
                     "legendFormat": f"{legend}mean"})
     return targets
 
@@ -82,13 +88,15 @@ def build() -> dict:
         ("Requests waiting", "In the scheduler's queue (valora:num_requests_waiting).",
          "sum(valora:num_requests_waiting)", "short"),
         ("TTFT p90", "Time to first token, 90th percentile over 5m.",
-         "histogram_quantile(0.9, sum by (le) (rate(valora:time_to_first_token_seconds_bucket[5m])))", "s"),
+         "histogram_quantile(0.9, sum by (le) (rate(valora:time_to_first_token_seconds_bucket"
+         f"{AT_SCHEDULER}[5m])))", "s"),
         ("Mode switches (1h)", "Merge/unmerge/switch operations in the last hour (valora:mode_switches_total).",
          "sum(increase(valora:mode_switches_total[1h]))", "short"),
         ("Adapter swaps (1h)", "Adapter copies host to device and evictions in the last hour (valora:adapter_swaps_total).",
          "sum(increase(valora:adapter_swaps_total[1h]))", "short"),
-        ("Errors (5m)", "Finished requests with a non-OK status in the last 5 minutes (valora:requests_total).",
-         'sum(increase(valora:requests_total{code!="OK"}[5m]))', "short"),
+        ("Errors (5m)", "Requests answered with a non-OK status at the gateway in the last 5 minutes "
+         "(valora:requests_total).",
+         'sum(increase(valora:requests_total{code!="OK", ' + AT_GATEWAY[1:-1] + '}[5m]))', "short"),
     ])
     b.row("Load")
     b.series([
@@ -103,22 +111,22 @@ def build() -> dict:
     b.row("Latency")
     b.series([
         ("Time to first token", "valora:time_to_first_token_seconds (arrival to first token).",
-         quantiles("valora:time_to_first_token_seconds"), "s"),
+         quantiles("valora:time_to_first_token_seconds", where=AT_SCHEDULER), "s"),
         ("Inter-token latency", "valora:inter_token_latency_seconds.",
          quantiles("valora:inter_token_latency_seconds"), "s"),
     ])
     b.series([
         ("End-to-end request latency", "valora:e2e_request_latency_seconds (arrival to last token).",
-         quantiles("valora:e2e_request_latency_seconds"), "s"),
+         quantiles("valora:e2e_request_latency_seconds", where=AT_SCHEDULER), "s"),
         ("Queue time", "valora:request_queue_time_seconds (time waiting in the scheduler queue).",
          quantiles("valora:request_queue_time_seconds"), "s"),
     ])
     b.series([
         ("TTFT p90 by adapter", "valora:time_to_first_token_seconds, 90th percentile per adapter.",
-         [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:time_to_first_token_seconds_bucket{RATE})))",
+         [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:time_to_first_token_seconds_bucket{AT_SCHEDULER}{RATE})))",
            "legendFormat": "{{adapter}}"}], "s"),
         ("E2E p90 by adapter", "valora:e2e_request_latency_seconds, 90th percentile per adapter.",
-         [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:e2e_request_latency_seconds_bucket{RATE})))",
+         [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:e2e_request_latency_seconds_bucket{AT_SCHEDULER}{RATE})))",
            "legendFormat": "{{adapter}}"}], "s"),
     ])
     b.row("Modes and adapters")
