@@ -15,6 +15,9 @@ checks the key with the same auth interceptor (an inference key suffices) and li
 adapter store's registry. gRPC statuses become OpenAI-style JSON errors:
 400/401/403/404/409/429 (+Retry-After)/503/504.
 
+Sampling follows the gRPC API's defaults: `temperature` omitted (or 0) is greedy decoding, not
+OpenAI's 1.0; `max_tokens` omitted is the gateway's `default_max_new_tokens`.
+
 Messages become one prompt: a single user message is its text; a conversation is rendered as
 `role: text` lines. Images keep their order across messages.
 """
@@ -161,6 +164,13 @@ def _number(body: dict, key: str, kind: type, param: str | None = None) -> Any:
     return value
 
 
+def _assign(message: Any, field: str, value: Any, param: str) -> None:
+    try:
+        setattr(message, field, value)
+    except (ValueError, TypeError):
+        raise RequestError(f"{param} is out of range", param) from None
+
+
 def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a chat completion request, and whether to stream."""
     if not isinstance(body, dict):
@@ -186,27 +196,21 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     n = _number(body, "n", int)
     if n not in (None, 1):
         raise RequestError("only n=1 is supported", "n")
+    # Ranges (temperature, top_p, max_new_tokens …) are the gateway's validation's business;
+    # here only what the mapping itself needs: 0 tokens would silently mean "the default", and
+    # values must fit the proto fields.
     p = inp.params
-    max_tokens = _number(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, int)
     if max_tokens is not None:
         if max_tokens <= 0:
-            raise RequestError("max_tokens must be positive", "max_tokens")
-        p.max_new_tokens = max_tokens
-    temperature = _number(body, "temperature", float)
-    if temperature is not None:
-        if temperature < 0:
-            raise RequestError("temperature must be >= 0", "temperature")
-        p.temperature = temperature
-    top_p = _number(body, "top_p", float)
-    if top_p is not None:
-        p.top_p = top_p  # range checked by the gateway's validation
-    seed = _number(body, "seed", int)
-    if seed is not None:
-        if seed < 0:
-            raise RequestError("seed must be >= 0", "seed")
-        p.seed = seed
+            raise RequestError(f"{key} must be positive", key)
+        _assign(p, "max_new_tokens", max_tokens, key)
+    for name, kind, field in (("temperature", float, "temperature"), ("top_p", float, "top_p"),
+                              ("seed", int, "seed")):
+        value = _number(body, name, kind)
+        if value is not None:
+            _assign(p, field, value, name)
     stop = body.get("stop")
     if isinstance(stop, str):
         p.stop.append(stop)
@@ -271,6 +275,10 @@ class OpenAIHttpServer:
                 response = _from_valora_error(exc)
             except web.HTTPException as exc:
                 response = error_response(exc.status, exc.reason, "invalid_request_error")
+            except Exception as exc:  # noqa: BLE001 - a bug: logged, answered as OpenAI's 500
+                log.error("http_bug", path=request.path, error=repr(exc))
+                span.record_exception(exc)
+                response = error_response(500, f"internal error: {type(exc).__name__}", "server_error")
             span.set_attribute("http.response.status_code", response.status)
             if response.status >= 500:
                 span.set_status(Status(StatusCode.ERROR))

@@ -218,6 +218,12 @@ def test_request_parsing():
     assert inp.prompt == "system: Be brief.\nuser: Count."
     for body, param in [({"model": "valora-base", "messages": []}, "messages"),
                         ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}],
+                          "max_tokens": 2 ** 40}, "max_tokens"),
+                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "seed": -1},
+                         "seed"),
+                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": 0}, "max_completion_tokens"),
                         ({"model": "valora-base", "messages": [{"role": "user", "content": [
                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
                          "messages[0].content[0].image_url.url")]:
