@@ -249,18 +249,20 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
                 seconds: float = typer.Option(15.0, help="Trace length in seconds of arrivals (bounds the run)."),
                 workers: int = typer.Option(2), max_batch: int = typer.Option(16),
                 adapters: int = typer.Option(64, help="Adapters in the popularity distribution (32-128)."),
-                burst_cv: float = typer.Option(1.0, help="Inter-arrival CV: 1 Poisson, >1 gamma bursts."),
+                burst_cvs: str = typer.Option("1,3", help="Inter-arrival CVs: 1 Poisson, >1 gamma bursts."),
                 task_head_fraction: float = typer.Option(0.3, help="Share of one-forward task-head requests."),
                 thetas: str = typer.Option("1.0", help="Starvation thresholds θ (s) for valora/dlora."),
                 profile: str = typer.Option("h200-7b", help="Cost profile (h200-7b, cpu-tiny)."),
                 results_dir: Path = typer.Option(Path("bench/results"), help="Measured kernel/switch JSON."),
                 azure_csv: Path = typer.Option(None, exists=True, dir_okay=False,
                                                help="Replay an Azure LLM trace CSV instead of synthetic arrivals."),
-                seed: int = typer.Option(0), out: Path = typer.Option(None, help="Default bench/results/sched-<date>.json."),
+                seed: int = typer.Option(0),
+                out: Path = typer.Option(None, help="Default bench/results/sched-<date>.json."),
                 write: bool = typer.Option(True, help="Write the results JSON.")):
     """Scheduling policies in the discrete-event simulator (real policy code, cost model from
     measured H200 numbers): mean/p50/p99 latency, token latency, throughput, switches/s."""
     import datetime as dt
+    import itertools
     import platform
     import subprocess
 
@@ -272,7 +274,7 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
     cost = load_profile(profile, results_dir if results_dir.is_dir() else None)
     names = [p.strip() for p in policies.split(",") if p.strip()]
 
-    def trace_for(alpha: float, rate: float) -> list:
+    def trace_for(alpha: float, rate: float, burst_cv: float) -> list:
         if azure_csv is not None:
             return load_azure_csv(azure_csv, alpha=alpha, adapters=adapters, task_head_fraction=task_head_fraction,
                                   max_requests=int(rate * seconds), seed=seed)
@@ -281,29 +283,32 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
 
     rows: list[dict] = []
     t0 = time.perf_counter()
-    for theta in _floats(thetas):
-        run_names = names if theta == _floats(thetas)[0] else [n for n in names if n in ("valora", "dlora")]
-        got = run_matrix(run_names, _floats(alphas), _floats(rates),
-                         make=lambda n, th=theta: make_policy(n, cost, theta_s=th), cost=cost, trace_for=trace_for,
-                         workers=workers, max_batch=max_batch)
-        for r in got:
-            r["theta_s"] = theta if r["policy"] in ("valora", "dlora") else None
-        rows.extend(got)
+    cvs = [1.0] if azure_csv is not None else _floats(burst_cvs)
+    for cv in cvs:
+        for theta in _floats(thetas):
+            run_names = names if theta == _floats(thetas)[0] else [n for n in names if n in ("valora", "dlora")]
+            got = run_matrix(run_names, _floats(alphas), _floats(rates),
+                             make=lambda n, th=theta: make_policy(n, cost, theta_s=th), cost=cost,
+                             trace_for=lambda a, r, cv=cv: trace_for(a, r, cv), workers=workers, max_batch=max_batch)
+            for r in got:
+                r["theta_s"] = theta if r["policy"] in ("valora", "dlora") else None
+                r["burst_cv"] = cv
+                r["trace"] = "azure-csv" if azure_csv is not None else "synthetic"
+            rows.extend(got)
     wall = time.perf_counter() - t0
-    for alpha in _floats(alphas):
-        for rate in _floats(rates):
-            table = Table(title=f"sched sim: alpha {alpha}, {rate:g} req/s, {workers} workers x batch {max_batch}, "
-                                f"{adapters} adapters, profile {cost.name}")
-            for col in ("policy", "θ s", "mean ms", "p50 ms", "p99 ms", "token ms", "ttft ms", "req/s", "switch/s",
-                        "max queue ms"):
-                table.add_column(col, justify="left" if col == "policy" else "right")
-            for r in rows:
-                if r["alpha"] == alpha and r["rate"] == rate:
-                    table.add_row(r["policy"], "-" if r["theta_s"] is None else f"{r['theta_s']:g}",
-                                  f"{r['mean_ms']:.0f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
-                                  f"{r['token_ms']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['throughput_rps']:.1f}",
-                                  f"{r['switches_per_s']:.1f}", f"{r['max_queue_ms']:.0f}")
-            console.print(table)
+    for cv, alpha, rate in itertools.product(cvs, _floats(alphas), _floats(rates)):
+        table = Table(title=f"sched sim: alpha {alpha}, {rate:g} req/s, arrival CV {cv:g}, {workers} workers x "
+                            f"batch {max_batch}, {adapters} adapters, profile {cost.name}")
+        for col in ("policy", "θ s", "mean ms", "p50 ms", "p99 ms", "token ms", "ttft ms", "req/s", "switch/s",
+                    "max queue ms"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for r in rows:
+            if r["alpha"] == alpha and r["rate"] == rate and r["burst_cv"] == cv:
+                table.add_row(r["policy"], "-" if r["theta_s"] is None else f"{r['theta_s']:g}",
+                              f"{r['mean_ms']:.0f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
+                              f"{r['token_ms']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['throughput_rps']:.1f}",
+                              f"{r['switches_per_s']:.1f}", f"{r['max_queue_ms']:.0f}")
+        console.print(table)
     console.print(f"[dim]{len(rows)} simulations in {wall:.1f} s")
     if not write:
         return
@@ -315,7 +320,7 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
     now = dt.datetime.now(dt.timezone.utc)
     info = {"date": now.isoformat(timespec="seconds"), "git_commit": commit, "python": platform.python_version(),
             "source": "sim", "cost_profile": cost.name, "workers": workers, "max_batch": max_batch,
-            "adapters": adapters, "seconds": seconds, "burst_cv": burst_cv, "task_head_fraction": task_head_fraction,
+            "adapters": adapters, "seconds": seconds, "burst_cvs": cvs, "task_head_fraction": task_head_fraction,
             "trace": str(azure_csv) if azure_csv else "synthetic", "seed": seed, "wall_s": round(wall, 2),
             "cost_model": {"decode_base_ms": cost.decode_base_ms, "decode_row_ms": cost.decode_row_ms,
                            "prefill_ms_per_token": cost.prefill_ms_per_token, "switch_ms": cost.switch_ms,

@@ -12,7 +12,8 @@ tokens, N = distinct adapters; a mixture row computes the rank-2r term `[A_x | A
 cost is scaled by `mixture_factor`). A request merged into the base weights pays nothing.
 
 `atmm_us(T, N)` comes from the ATMM bench on the target GPU (bench/results/atmm_*.json,
-`amortized_us` of the `atmm` method at h=4096, r=16), interpolated log-log in T and N; switch
+`amortized_us` of the `atmm` method at h=4096, r=16, uniform adapter mix; the newest headline or
+full suite), interpolated log-log in T and N; switch
 and merge times from bench/results/switch_*.json (best `ours` config), adapter host→GPU copy
 from its `h2d_adapter`. Without those files the documented defaults below are used (the same
 numbers, measured on the H200 on 2026-11-29). Step base costs are not measured by any bench
@@ -150,7 +151,7 @@ class CostModel:
         bench/results JSON found in `results_dir`; missing or unreadable files keep the defaults."""
         model = base or cls()
         d = Path(results_dir)
-        atmm = _newest(d.glob("atmm_headline_*.json")) or _newest(d.glob("atmm_*.json"))
+        atmm = _newest([*d.glob("atmm_headline_*.json"), *d.glob("atmm_full_*.json")])
         if atmm is not None:
             table = _atmm_table(atmm)
             if table:
@@ -219,7 +220,8 @@ def _atmm_table(path: Path) -> dict[tuple[int, int], float]:
     table: dict[tuple[int, int], float] = {}
     for case in data.get("cases", []):
         try:
-            if str(case.get("rank")) != "16" or int(case.get("h_in", 0)) != 4096:
+            if (str(case.get("rank")) != "16" or int(case.get("h_in", 0)) != 4096
+                    or int(case.get("h_out", case.get("h_in", 0))) != 4096 or case.get("mix", "uniform") != "uniform"):
                 continue
             table[(int(case["T"]), int(case["N"]))] = float(case["atmm"]["amortized_us"])
         except (KeyError, TypeError, ValueError):

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from services.scheduler.policy import (
     Assignment,
@@ -71,7 +71,7 @@ class PunicaPolicy(UnmergedFCFSPolicy):
 
 
 def prefetch_hints(unplaced: Sequence[WaitingRequest], live: Sequence[WorkerView], running: dict[str, int],
-                   per_worker: int = 1, key: Callable[[WaitingRequest], tuple] | None = None) -> list[PrefetchHint]:
+                   per_worker: int = 1) -> list[PrefetchHint]:
     """For the adapters of requests still waiting (most requested first) that no live worker holds
     on its device: copy each to the least loaded worker, at most `per_worker` per worker."""
     counts: dict[str, int] = {}

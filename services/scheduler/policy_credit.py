@@ -5,7 +5,8 @@ first, then the least loaded, then resident-adapter affinity), over the requests
 and allowed there:
 
 1. credits: waiting time + estimated execution time (credits.py, cost_model.py); *starving* =
-   credit > θ (`theta_s`). Requests are taken in credit order, highest first.
+   credit > θ (`theta_s`). Starving requests are taken first (highest credit first), the others
+   first come first served.
 2. more than half of `max_batch_size` starving → UNMERGED, the batch by credit.
    (dLoRA: any starving request → UNMERGED; it has no mixture mode.)
 3. some starving → MIXTURE: the merged adapter stays, starving requests first, then the merged
@@ -80,9 +81,13 @@ class CreditPolicy(SchedulingPolicy):
                 self._seen[r.adapter] = self._seen.get(r.adapter, 0) + 1
         if len(self._counted) > 100_000:
             self._counted.clear()
-        remaining: dict[str, WaitingRequest] = {
-            r.request_id: r for r in sorted(waiting, key=lambda r: (-credit[r.request_id], r.arrival_s,
-                                                                   r.request_id))}
+
+        def rank(r: WaitingRequest) -> tuple:
+            # Starving requests first, highest credit first; the others first come first served.
+            c = credit[r.request_id]
+            return (0, -c, r.arrival_s, r.request_id) if c > self.theta_s else (1, 0.0, r.arrival_s, r.request_id)
+
+        remaining: dict[str, WaitingRequest] = {r.request_id: r for r in sorted(waiting, key=rank)}
         wanted: dict[str | None, int] = {}
         for r in waiting:
             wanted[r.adapter] = wanted.get(r.adapter, 0) + 1
@@ -126,7 +131,7 @@ class CreditPolicy(SchedulingPolicy):
     # -- one worker ----------------------------------------------------------------------------
     def _plan(self, w: WorkerView, eligible: list[WaitingRequest], credit: dict[str, float], free: int,
               spare: int = 0) -> tuple[Mode, str | None, list[WaitingRequest]]:
-        """(mode, merged adapter, requests to place) for worker `w`; `eligible` by credit, highest first."""
+        """(mode, merged adapter, requests to place) for worker `w`; `eligible` starving first."""
         starving = [r for r in eligible if credit[r.request_id] > self.theta_s]
         current = merged_of(w)
         if starving and (not self.mixture or len(starving) > w.max_batch_size / 2):
@@ -194,8 +199,9 @@ class CreditPolicy(SchedulingPolicy):
                 continue
             served = rs[:free]
             plans.append((latency_sum(a, served), 0 if a == current else 1, -len(rs), a, Mode.MERGED, a, served))
-        if current is not None and current not in by_adapter:
+        if current is not None and current not in by_adapter and spare == 0:
             # Staying merged and placing nothing now (a switch would cost the running rows more).
+            # Only when no other worker has room: otherwise the queue would pile up over there.
             plans.append((latency_sum(current, []), 0, 0, current, Mode.MERGED, current, []))
         served = eligible[:free]
         plans.append((latency_sum(None, served), 0 if current is None else 1, -len(served), _NO_ADAPTER,

@@ -54,7 +54,8 @@ def arrivals(n: int, rate: float, *, burst_cv: float = 1.0, rng: random.Random) 
 
 def synthetic_trace(*, n: int, rate: float, alpha: float, adapters: int = 64, burst_cv: float = 1.0,
                     task_head_fraction: float = 0.3, images: int = 1, prompt_tokens: tuple[int, int] = (16, 64),
-                    mean_output_tokens: float = 32.0, max_output_tokens: int = 256, seed: int = 0) -> list[TraceRequest]:
+                    mean_output_tokens: float = 32.0, max_output_tokens: int = 256,
+                    seed: int = 0) -> list[TraceRequest]:
     """`n` requests: gamma/Poisson arrivals at `rate`/s, adapters drawn by Zipf(`alpha`) over
     `adapters` names, a `task_head_fraction` of task-head requests (1 output token), the rest
     generation requests whose output length is geometric-like (exponential, mean
