@@ -255,7 +255,9 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
                 profile: str = typer.Option("h200-7b", help="Cost profile (h200-7b, cpu-tiny)."),
                 results_dir: Path = typer.Option(Path("bench/results"), help="Measured kernel/switch JSON."),
                 azure_csv: Path = typer.Option(None, exists=True, dir_okay=False,
-                                               help="Replay an Azure LLM trace CSV instead of synthetic arrivals."),
+                                               help="Replay an Azure LLM trace CSV (TIMESTAMP, ContextTokens, "
+                                               "GeneratedTokens) instead of synthetic arrivals; its own arrival "
+                                               "times are kept and rate x seconds caps the rows replayed."),
                 seed: int = typer.Option(0),
                 out: Path = typer.Option(None, help="Default bench/results/sched-<date>.json."),
                 write: bool = typer.Option(True, help="Write the results JSON.")):
