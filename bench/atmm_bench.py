@@ -24,6 +24,7 @@ from bench.common import COPY_BW, save, time_eager, time_graph
 from bench.peers import PEERS, Case
 from kernels.atmm import AtmmPlan, atmm_, default_table, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_
+from kernels.tile_table import heuristic_config, shape_key
 
 SHAPES = {"4096": (4096, 4096), "3584": (3584, 3584), "11008to4096": (11008, 4096), "4096to11008": (4096, 11008),
           "18944": (18944, 18944)}
@@ -35,11 +36,17 @@ VLLM = {(8, 16): 8.8, (8, 64): 9.7, (8, 256): 13.7, (8, 1024): 21.8, (8, 4096): 
 
 def suite(name: str) -> list[dict]:
     cases = []
-    if name in ("headline", "full", "quick"):
+    if name in ("headline", "headline_ranks", "full", "quick"):
         ts = [16, 64, 256, 1024, 4096] if name != "quick" else [16, 1024]
         for n in (8, 64):
             for t in ts:
                 cases.append(dict(shape="4096", rank="16", T=t, N=n, mix="uniform"))
+    if name == "headline_ranks":  # headline + the rank/shape cases where a Triton SGMV led
+        cases += [dict(shape="4096", rank="mixed", T=1024, N=64, mix="zipf"),
+                  dict(shape="4096", rank="64", T=256, N=8, mix="distinct"),
+                  dict(shape="4096", rank="128", T=1024, N=8, mix="zipf"),
+                  dict(shape="11008to4096", rank="32", T=1024, N=64, mix="uniform"),
+                  dict(shape="4096", rank="16", T=8192, N=8, mix="uniform")]
     if name == "full":
         cases += [dict(shape="4096", rank="16", T=1, N=1, mix="same"),
                   dict(shape="4096", rank="16", T=8192, N=8, mix="uniform"),
@@ -126,16 +133,18 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
     table = default_table(dev, dtype)
     cfg = table.lookup(h_in, h_out, plan.rank_stride, t, plan.active_segments)
     res["tile_config"] = cfg.__dict__
-    res["tile_from_table"] = cfg == table.entries.get(
-        __import__("kernels.tile_table", fromlist=["shape_key"]).shape_key(h_in, h_out, plan.rank_stride, t,
-                                                                           plan.active_segments))
+    res["tile_backend"] = cfg.backend
+    res["tile_from_table"] = cfg == table.entries.get(shape_key(h_in, h_out, plan.rank_stride, t,
+                                                                plan.active_segments))
 
     builders = {}
     for m in methods:
         if m == "atmm":
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=cfg) for w in ws]
-        elif m == "atmm_cutlass":  # same shrink, CUTLASS grouped-GEMM expand forced
-            gcfg = dataclasses.replace(cfg, grouped="grouped_bf16_m64n128")
+        elif m == "atmm_cutlass":  # our CUDA shrink, CUTLASS grouped-GEMM expand forced
+            base = cfg if cfg.backend != "triton" else heuristic_config(h_in, h_out, plan.rank_stride, t,
+                                                                        plan.active_segments)
+            gcfg = dataclasses.replace(base, grouped="grouped_bf16_m64n128")
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=gcfg) for w in ws]
         elif m == "atmm_nopdl":
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=cfg, pdl=False) for w in ws]
@@ -177,8 +186,10 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--suite", default="headline", choices=["quick", "headline", "full"])
-    ap.add_argument("--methods", default="atmm,atmm_nopdl,atmm_cutlass," + ",".join(PEERS))
+    ap.add_argument("--suite", default="headline", choices=["quick", "headline", "headline_ranks", "full"])
+    ap.add_argument("--methods", default="atmm,atmm_nopdl,atmm_cutlass," + ",".join(PEERS),
+                    help="atmm = table-dispatched (any backend); triton_sgmv = the Triton backend at one fixed "
+                         "default config, like vLLM's")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -190,6 +201,7 @@ def main() -> None:
         cols = " ".join(f"{m}={r[m]['amortized_us']:.1f}" if "amortized_us" in r.get(m, {}) else f"{m}=ERR"
                         for m in methods if m in r)
         print(f"{spec['shape']:>12} r{spec['rank']:>5} N={spec['N']:>3} T={spec['T']:>5} {spec['mix']:>8} "
+              f"[{r.get('tile_backend', '?')}] "
               f"floor={r['floor_us']:.2f} goal={r['goal_us']:.1f} {cols} ({time.time() - t0:.1f}s)", flush=True)
     path = save(args.name or f"atmm_{args.suite}", {"suite": args.suite, "methods": methods, "cases": rows})
     print(f"wrote {path}")

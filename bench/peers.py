@@ -114,85 +114,29 @@ def make_loop(c: Case):
 
 
 # ---------------------------------------------------------------------------------------------
-# Punica-style segmented SGMV in Triton: shrink (split-K, fp32 atomics) + expand, padded rank R.
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines
-    triton = None
+# Punica/vLLM-style segmented SGMV in Triton at one fixed default config (BLOCK_M 16, BLOCK_K 64,
+# BLOCK_N 128, 4 warps, split-K for ~2 programs per SM), like vLLM's lora_shrink/lora_expand defaults.
+# The kernels are ATMM's Triton backend (kernels/triton_sgmv.py, the one copy); ATMM itself may
+# pick other Triton tiles per shape from its tile table.
+def make_triton_sgmv(c: Case):
+    from kernels import triton_sgmv  # noqa: PLC0415  (triton is optional)
+    from kernels.atmm import AtmmPlan, lora_weights_from_lists  # noqa: PLC0415
+    from kernels.reference import SegmentPlan  # noqa: PLC0415
+    from kernels.tile_table import TileConfig  # noqa: PLC0415
 
-if triton is not None:
-    @triton.jit
-    def _sgmv_shrink(x_ptr, a_ptr, xa_ptr, tile_slot, tile_row0, tile_rows, h_in, k_per_split,
-                     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        t = tl.program_id(0)
-        ks = tl.program_id(1)
-        slot = tl.load(tile_slot + t)
-        row0 = tl.load(tile_row0 + t)
-        nrows = tl.load(tile_rows + t)
-        rm = tl.arange(0, BLOCK_M)
-        rr = tl.arange(0, R)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        k_lo = ks * k_per_split
-        a_base = a_ptr + slot.to(tl.int64) * h_in * R
-        for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-            kk = k0 + rk
-            xm = (rm[:, None] < nrows) & (kk[None, :] < h_in)
-            xb = tl.load(x_ptr + (row0 + rm[:, None]).to(tl.int64) * h_in + kk[None, :], mask=xm, other=0.0)
-            ab = tl.load(a_base + kk[:, None] * R + rr[None, :], mask=kk[:, None] < h_in, other=0.0)
-            acc += tl.dot(xb, ab)
-        tl.atomic_add(xa_ptr + (row0 + rm[:, None]) * R + rr[None, :], acc, mask=rm[:, None] < nrows)
-
-    @triton.jit
-    def _sgmv_expand(xa_ptr, b_ptr, y_ptr, tile_slot, tile_row0, tile_rows, h_out,
-                     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        t = tl.program_id(0)
-        nb = tl.program_id(1)
-        slot = tl.load(tile_slot + t)
-        row0 = tl.load(tile_row0 + t)
-        nrows = tl.load(tile_rows + t)
-        rm = tl.arange(0, BLOCK_M)
-        rr = tl.arange(0, R)
-        rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        xa = tl.load(xa_ptr + (row0 + rm[:, None]) * R + rr[None, :], mask=rm[:, None] < nrows, other=0.0)
-        bb = tl.load(b_ptr + slot.to(tl.int64) * R * h_out + rr[:, None] * h_out + rn[None, :],
-                     mask=rn[None, :] < h_out, other=0.0)
-        d = tl.dot(xa.to(bb.dtype), bb)
-        m = (rm[:, None] < nrows) & (rn[None, :] < h_out)
-        yp = y_ptr + (row0 + rm[:, None]).to(tl.int64) * h_out + rn[None, :]
-        yv = tl.load(yp, mask=m, other=0.0)
-        tl.store(yp, (yv.to(tl.float32) + d).to(yv.dtype), mask=m)
-
-
-def make_triton_sgmv(c: Case, block_m: int = 16, block_k: int = 64, block_n: int = 128, splits: int | None = None):
-    if triton is None:
+    if not triton_sgmv.available():
         raise RuntimeError("triton is not installed")
-    R = max(16, 1 << (c.rmax - 1).bit_length())
-    A, B = c.stacks(R)
-    segs = _segments(c.token_slots)
-    ts, tr, tn = [], [], []
-    for s, lo, hi in segs:
-        for r0 in range(lo, hi, block_m):
-            ts.append(s)
-            tr.append(r0)
-            tn.append(min(block_m, hi - r0))
-    dev = A.device
-    ts_, tr_, tn_ = (torch.tensor(v, device=dev, dtype=torch.int32) for v in (ts, tr, tn))
-    T = len(c.token_slots)
-    xa = torch.zeros(T, R, device=dev, dtype=torch.float32)
-    if splits is None:
-        splits = max(1, min(c.h_in // 256, -(-264 // len(ts))))
-    k_per = -(-c.h_in // splits)
-    k_per = -(-k_per // block_k) * block_k
-    splits = -(-c.h_in // k_per)
+    w = lora_weights_from_lists(c.a, c.b, c.scales)
+    p = SegmentPlan.from_token_slots(c.token_slots)
+    plan = AtmmPlan(max_segments=max(64, len(p.seg_slots)), max_tokens=max(16, len(c.token_slots)),
+                    device=c.a[0].device).update(p.seg_starts, p.seg_slots, w.ranks)
+    bm, bk, stages, bme, bn, warps = triton_sgmv.DEFAULT_SHAPE
+    split = triton_sgmv.default_split(c.h_in, plan.tiles[bm])
+    cfg = TileConfig(bm, bk, stages, split, bme, bn, backend="triton", warps=warps)
 
     def fn(x, y):
-        xa.zero_()
-        _sgmv_shrink[(len(ts), splits)](x, A, xa, ts_, tr_, tn_, c.h_in, k_per, R=R, BLOCK_M=block_m,
-                                        BLOCK_K=block_k)
-        _sgmv_expand[(len(ts), triton.cdiv(c.h_out, block_n))](xa, B, y, ts_, tr_, tn_, c.h_out, R=R,
-                                                             BLOCK_M=block_m, BLOCK_N=block_n)
+        triton_sgmv.atmm_triton_(y, x, plan, w, cfg)
+    fn.plan, fn.weights = plan, w  # keep alive
     return fn
 
 

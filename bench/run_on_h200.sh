@@ -3,6 +3,8 @@
 # switcher. Logs and JSON land under $OUT (bench/results/ copies are written there too).
 #   bash bench/run_on_h200.sh quick   # build + tests + small runs (validation)
 #   bash bench/run_on_h200.sh full    # build + tests + tile search + full suites
+#   SUF=<commit> bash bench/run_on_h200.sh backends  # build + tests + tile search over every backend
+#                                     # (CUDA, CUTLASS grouped, Triton; ranks 16/64/128) + headline_ranks bench
 # Needs the nvidia-cutlass wheel under .whl/ (carried).
 set -uo pipefail
 MODE=${1:-full}
@@ -30,6 +32,18 @@ PY
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 -m bench.profile_kernels --once > "$OUT/ncu.txt" 2>&1
   grep -E "atmm_|switch_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|Duration|Waves Per SM|Grid Size" "$OUT/ncu.txt" | head -120
+  echo "total: $(( $(date +%s) - t0 )) s"; exit 0
+fi
+if [ "$MODE" = backends ]; then
+  SUF=${SUF:-run}
+  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py > "$OUT/tests.log" 2>&1
+  tail -6 "$OUT/tests.log"; echo "tests: $(( $(date +%s) - t0 )) s"
+  timeout 230 python3 -X faulthandler -m kernels.tile_search --ranks 16,64,128 --merge --budget-s 170 --validate 2 \
+    --name "tile_search_$SUF" > "$OUT/search.log" 2>&1
+  grep -v "━" "$OUT/search.log" | tail -8; echo "search: $(( $(date +%s) - t0 )) s"
+  cp kernels/tile_tables/*.json "$OUT/" 2>/dev/null
+  timeout 150 python3 -m bench.atmm_bench --suite headline_ranks --name "atmm_headline_$SUF" \
+    --methods atmm,triton_sgmv,gather_bmm,padded_bmm,grouped_mm,loop 2>&1 | tee "$OUT/bench.log" | tail -18
   echo "total: $(( $(date +%s) - t0 )) s"; exit 0
 fi
 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py > "$OUT/tests.log" 2>&1

@@ -20,7 +20,9 @@ How the worker engine uses it (STYLE item 9: plan once per step, run per layer):
 `plan.update` writes the segment metadata into preallocated device buffers (one async copy from
 pinned memory); `atmm_` does no host synchronisation, so a step can be captured in a CUDA graph
 and replayed for later plans written into the same buffers. The tile configuration comes from
-the GPU's tile table (`kernels.tile_table`), one dict lookup per call.
+the GPU's tile table (`kernels.tile_table`), one dict lookup per call; the entry names the backend
+(our CUDA kernels, CUDA shrink + CUTLASS grouped expand, or the Triton SGMV kernels of
+`kernels.triton_sgmv`, imported only when a config names it) that the offline search found fastest.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from kernels.build import load_extension
 from kernels.reference import SegmentPlan, multi_lora_reference_
-from kernels.tile_table import TileConfig, TileTable, find_table, rank_block
+from kernels.tile_table import TileConfig, TileTable, find_table, heuristic_config, rank_block
 
 BT_MENU = (16, 32, 64, 128)
 MAX_RANK = 128
@@ -248,14 +250,70 @@ def _resolve(cfg: TileConfig, dtype: str, rank_stride: int, plan: AtmmPlan, toke
     return ids[0], ids[1], split_k
 
 
+def triton_available() -> bool:
+    """Whether the Triton backend can run (imports triton on first call only)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            from kernels import triton_sgmv  # noqa: PLC0415  (lazy: triton is optional)
+            _triton_ok = triton_sgmv.available()
+        except Exception:  # noqa: BLE001 - a broken triton install must not take the CUDA path down
+            _triton_ok = False
+    return _triton_ok
+
+
+_triton_ok: bool | None = None
+
+
+def _run_cuda(ext, y, x, plan, weights, config, dtype, pdl):
+    rs = plan.rank_stride
+    shrink_id, expand_id, split_k = _resolve(config, dtype, rs, plan, plan.num_tokens)
+    ext.atmm(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
+             weights.scale_table, plan.workspace, shrink_id, expand_id, split_k, rs,
+             plan.tiles[config.shrink_bt], plan.tiles[config.expand_bt], pdl)
+
+
+def _run_grouped(ext, y, x, plan, weights, config, dtype, pdl):  # CUDA shrink, CUTLASS grouped-GEMM expand
+    rs = plan.rank_stride
+    shrink_id, _, split_k = _resolve(config, dtype, rs, plan, plan.num_tokens)
+    ext.atmm_grouped(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
+                     weights.scale_table, plan.workspace, plan.aux, shrink_id, config_id(config.grouped), split_k,
+                     rs, plan.tiles[config.shrink_bt], pdl)
+
+
+def _run_triton(ext, y, x, plan, weights, config, dtype, pdl):
+    from kernels.triton_sgmv import atmm_triton_  # noqa: PLC0415
+
+    atmm_triton_(y, x, plan, weights, config)
+
+
+# backend name (TileConfig.backend) -> runner(ext, y, x, plan, weights, config, dtype, pdl)
+BACKEND_RUNNERS = {"cuda": _run_cuda, "cutlass_grouped": _run_grouped, "triton": _run_triton}
+
+
+def _kernel_ext(y: torch.Tensor):
+    """The extension when y is on a CUDA device and the extension is built, else None (reference)."""
+    return extension() if y.is_cuda else None
+
+
+def choose_config(config: TileConfig, h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
+                  dtype: str = "bfloat16") -> TileConfig:
+    """`config`, or the heuristic CUDA config when it names a backend this machine cannot run."""
+    if config.backend == "triton" and not triton_available():
+        return heuristic_config(h_in, h_out, rank_stride, tokens, segments, dtype=dtype)
+    return config
+
+
 def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights, *,
           config: TileConfig | None = None, table: TileTable | None = None, pdl: bool = True) -> torch.Tensor:
     """In place: y[seg] += s_k (x[seg] A_k) B_k for every segment of `plan` (see module doc).
 
-    x: (T, h_in), y: (T, h_out), T = plan.num_tokens; CUDA tensors use the extension (tile from
-    `config`, else `table`, else this GPU's committed table), anything else the torch reference.
-    `pdl` chains the shrink and expand launches with programmatic dependent launch.
-    Returns y.
+    x: (T, h_in), y: (T, h_out), T = plan.num_tokens; CUDA tensors use the kernels (tile config
+    from `config`, else `table`, else this GPU's committed table), anything else the torch
+    reference. The config's `backend` picks the implementation: our CUDA kernels ("cuda"), CUDA
+    shrink + CUTLASS grouped expand ("cutlass_grouped") or the Triton SGMV kernels ("triton";
+    the heuristic CUDA config where triton is missing). `pdl` chains the CUDA shrink and expand
+    launches with programmatic dependent launch. Returns y.
     """
     if x.dim() != 2 or y.dim() != 2:
         raise ValueError("x and y must be 2-D (tokens, features)")
@@ -265,7 +323,7 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     tokens = plan.num_tokens
     if x.shape[0] != tokens or y.shape[0] != tokens:
         raise ValueError(f"plan covers {tokens} tokens, x has {x.shape[0]}, y has {y.shape[0]}")
-    ext = extension() if y.is_cuda else None
+    ext = _kernel_ext(y)
     if ext is None:
         return multi_lora_reference_(y, x, plan.segment_plan, weights.a, weights.b, weights.scales)
     if tokens == 0 or plan.active_segments == 0:
@@ -277,15 +335,8 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     if config is None:
         config = (table or default_table(x.device, x.dtype)).lookup(
             weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
-    shrink_id, expand_id, split_k = _resolve(config, dtype, rs, plan, tokens)
-    if config.grouped:  # CUTLASS grouped-GEMM expand
-        ext.atmm_grouped(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
-                         weights.scale_table, plan.workspace, plan.aux, shrink_id, config_id(config.grouped), split_k,
-                         rs, plan.tiles[config.shrink_bt], pdl)
-        return y
-    ext.atmm(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
-             weights.scale_table, plan.workspace, shrink_id, expand_id, split_k, rs,
-             plan.tiles[config.shrink_bt], plan.tiles[config.expand_bt], pdl)
+    config = choose_config(config, weights.h_in, weights.h_out, rs, tokens, plan.active_segments, dtype)
+    BACKEND_RUNNERS[config.backend](ext, y, x, plan, weights, config, dtype, pdl)
     return y
 
 
@@ -299,4 +350,5 @@ def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
     return w
 
 
-__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "extension", "default_table", "lora_weights_from_lists"]
+__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "choose_config", "default_table", "extension", "lora_weights_from_lists",
+           "triton_available"]

@@ -4,7 +4,10 @@ For each bucket (h_in, h_out, rank stride, token bucket, segment bucket) a repre
 is built (T tokens spread uniformly over S adapters) and every shrink kernel of the menu that
 fits (rank block, shared-memory limit, BK multiple of 64, split-K with K chunks >= BK and a
 workspace that fits) is timed in a CUDA graph over rotating inputs; then every expand kernel
-with the winning split-K. The winners form the tile table, written as JSON keyed by GPU/arch/
+with the winning split-K, and that pair is timed. The Triton backend's menu
+(`kernels.triton_sgmv.TRITON_MENU`, each at its default split-K, then other split-Ks for the
+best shape) is timed the same way (whole shrink+expand through `atmm_`, in a CUDA graph); the
+fastest pair of any backend wins the bucket. The winners form the tile table, written as JSON keyed by GPU/arch/
 dtype (kernels/tile_tables/). A validation pass times shapes between buckets exhaustively and
 reports the gap between the table's pick (and the heuristic's) and the true best.
 
@@ -19,13 +22,15 @@ import math
 import random
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from kernels.atmm import AtmmPlan, config_id, extension, lora_weights_from_lists
+from kernels import triton_sgmv
+from kernels.atmm import AtmmPlan, atmm_, config_id, extension, lora_weights_from_lists, triton_available
 from kernels.tile_table import (SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable, heuristic_config, rank_block,
-                                segment_bucket, shape_key, table_filename)
+                                find_table, segment_bucket, shape_key, table_filename)
 
 # Qwen2-VL-7B (q/o, k/v, gate/up, down) and LLaMA-7B projections
 MODEL_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (3584, 3584), (3584, 512), (3584, 18944),
@@ -99,6 +104,8 @@ class Bench:
 
     def time_pair(self, tc: TileConfig, dtype: str) -> float:
         p = self.plan
+        if tc.backend == "triton":
+            return self._time(lambda w, x, y: atmm_(y, x, p, w, config=tc))
         sid = config_id(tc.shrink_name(dtype, rank_block(p.rank_stride)))
         eid = config_id(tc.expand_name(dtype))
         split_k = tc.split_k
@@ -124,7 +131,11 @@ def candidates(ext, dtype: str, rank_stride: int, h_in: int, tokens: int, ws_flo
     return shr, exp, splits
 
 
-def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_limit: int):
+def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_limit: int,
+                  backends: tuple[str, ...] = ("cuda", "triton")):
+    """Best config over every backend's candidates for one bucket: our CUDA shrink with our own or
+    the CUTLASS grouped expand (searched stage by stage, then the pair timed), and the Triton
+    SGMV menu; the fastest pair wins. Returns (config, stats, bench)."""
     dname = "bfloat16" if dtype == torch.bfloat16 else "float16"
     b = Bench(h_in, h_out, rank, tokens, segments, dtype)
     rs = b.plan.rank_stride
@@ -149,8 +160,49 @@ def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_
     grouped = ec["name"] if ec["kind"] == "grouped_expand" else ""
     best = TileConfig(sc["bt"], sc["bk"], sc["stages"], ss, oc["bt"], oc["bn"], grouped)
     pair = b.time_pair(best, dname)
-    return best, {"shrink_us": st, "expand_us": et, "pair_us": pair, "candidates": len(shrink_times) + len(expand_times),
-                  "tokens": tokens, "segments": segments, "rank": rank}, b
+    stats = {"shrink_us": st, "expand_us": et, "cuda_pair_us": pair, "cuda_backend": best.backend,
+             "candidates": len(shrink_times) + len(expand_times), "tokens": tokens, "segments": segments,
+             "rank": rank}
+    if "triton" in backends and triton_available():
+        tri, errors = search_triton(b, h_in, h_out, tokens, segments, dname)
+        stats["triton_candidates"] = len(tri)
+        if errors:
+            stats["triton_errors"] = errors[:3]
+        if tri:
+            tc, tt = min(tri, key=lambda v: v[1])
+            stats["triton_us"] = tt
+            stats["triton_config"] = asdict(tc)
+            if tt < pair:
+                best, pair = tc, tt
+    stats["pair_us"] = pair
+    stats["backend"] = best.backend
+    return best, stats, b
+
+
+def search_triton(b: Bench, h_in: int, h_out: int, tokens: int, segments: int, dname: str):
+    """Time the Triton backend's menu (each at its default split-K), then other split-Ks for the
+    best tile shape. Returns ([(TileConfig, us)], [errors])."""
+    p = b.plan
+    out, errors = [], []
+
+    def one(shape, split):
+        bm, bk, stages, bme, bn, warps = shape
+        tc = TileConfig(bm, bk, stages, split, bme, bn, backend="triton", warps=warps)
+        try:
+            out.append((tc, b.time_pair(tc, dname)))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory / registers: pruned
+            errors.append(f"{tc}: {type(e).__name__}: {e}"[:300])
+
+    shapes = triton_sgmv.candidates(h_in, h_out, p.rank_stride, tokens, segments)
+    for shape in shapes:
+        one(shape, triton_sgmv.default_split(h_in, p.tiles[shape[0]]))
+    if out:
+        tc = min(out, key=lambda v: v[1])[0]
+        shape = (tc.shrink_bt, tc.shrink_bk, tc.shrink_stages, tc.expand_bt, tc.expand_bn, tc.warps)
+        for split in triton_sgmv.split_candidates(h_in, tc.shrink_bk, p.tiles[tc.shrink_bt]):
+            if split != tc.split_k:
+                one(shape, split)
+    return out, errors
 
 
 def main() -> None:
@@ -163,7 +215,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,64,256,1024,4096")
     ap.add_argument("--segments", default="16,64", help="segment buckets (representative: bucket/2 adapters)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop searching after this many seconds")
+    ap.add_argument("--name", default=None, help="results file name (bench/results/<name>.json)")
     ap.add_argument("--validate", type=int, default=12, help="off-bucket shapes to check exhaustively")
+    ap.add_argument("--backends", default="cuda,triton", help="backends whose candidates are timed (cuda always)")
+    ap.add_argument("--merge", action="store_true",
+                    help="start from the committed table: buckets not searched (budget spent) keep their entry")
     ap.add_argument("--out", default=None, help="table path (default kernels/tile_tables/<gpu>-<arch>-<dtype>.json)")
     args = ap.parse_args()
     if extension() is None:
@@ -177,7 +233,12 @@ def main() -> None:
     toks = [int(t) for t in args.tokens.split(",")]
     sbs = [int(s) for s in args.segments.split(",")]
     buckets = [(hi, ho, r, t, s) for r in ranks for (hi, ho) in shapes for t in toks for s in sbs]
+    backends = tuple(args.backends.split(","))
+    if "triton" in backends and not triton_available():
+        print("triton is not installed: the Triton backend is not searched")
     entries, stats = {}, {}
+    if args.merge:
+        entries.update(find_table(props.name, arch, args.dtype).entries)
     t_start = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
         task = prog.add_task("tile search", total=len(buckets))
@@ -190,14 +251,19 @@ def main() -> None:
                 prog.advance(task)
                 continue
             prog.update(task, description=f"{hi}x{ho} r{r} T{t} S{segs}")
-            best, st, _ = search_bucket(hi, ho, r, t, segs, dtype, smem_limit)
+            best, st, _ = search_bucket(hi, ho, r, t, segs, dtype, smem_limit, backends)
             key = shape_key(hi, ho, max(16, -(-r // 16) * 16), t, segs)
             entries[key] = best
             stats[key] = st
             torch.cuda.empty_cache()
             prog.advance(task)
+    won = {}
+    for v in stats.values():
+        won[v["backend"]] = won.get(v["backend"], 0) + 1
+    print(f"backends won: {won}")
     table = TileTable(props.name, arch, args.dtype, entries,
-                      {"searched_buckets": len(entries), "seconds": round(time.time() - t_start, 1),
+                      {"searched_buckets": len(stats), "backends_won": won, "backends_searched": list(backends),
+                       "seconds": round(time.time() - t_start, 1),
                        "torch": torch.__version__, "cuda": torch.version.cuda, "bucket_stats": stats})
     path = Path(args.out) if args.out else TABLE_DIR / table_filename(props.name, arch, args.dtype)
     table.save(path)
@@ -211,7 +277,7 @@ def main() -> None:
         r = rng.choice(ranks)
         t = rng.choice([24, 48, 96, 192, 384, 768, 1536, 3072])
         segs = max(1, min(t, rng.choice([3, 6, 12, 24, 48])))
-        best, st, b = search_bucket(hi, ho, r, t, segs, dtype, smem_limit)
+        best, st, b = search_bucket(hi, ho, r, t, segs, dtype, smem_limit, backends)
         pick = table.lookup(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
         heur = heuristic_config(hi, ho, b.plan.rank_stride, t, b.plan.active_segments, dtype=args.dtype)
         dname = args.dtype
@@ -225,6 +291,7 @@ def main() -> None:
               f"({row['table_gap']:.2f}x), heuristic {row['heuristic_us']:.2f} ({row['heuristic_gap']:.2f}x)",
               flush=True)
         torch.cuda.empty_cache()
+    summary = {}
     if val:
         gaps = [v["table_gap"] for v in val]
         hg = [v["heuristic_gap"] for v in val]
@@ -232,10 +299,10 @@ def main() -> None:
                    "heuristic_gap_median": statistics.median(hg), "heuristic_gap_max": max(hg)}
         print(f"table pick vs true best: median {summary['table_gap_median']:.3f}x, max {summary['table_gap_max']:.3f}x;"
               f" heuristic: median {summary['heuristic_gap_median']:.3f}x, max {summary['heuristic_gap_max']:.3f}x")
-        from bench.common import save  # noqa: PLC0415
+    from bench.common import save  # noqa: PLC0415
 
-        save("tile_search", {"table_path": str(path), "buckets": len(entries), "validation": val,
-                             "summary": summary, "bucket_stats": stats})
+    save(args.name or "tile_search", {"table_path": str(path), "buckets": len(entries), "backends_won": won,
+                                      "validation": val, "summary": summary, "bucket_stats": stats})
     print(json.dumps({"buckets": len(entries)}))
 
 

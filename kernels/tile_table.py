@@ -1,6 +1,8 @@
 """ATMM tile table: shape bucket -> precompiled kernel configuration, one hash lookup at run time.
 
-Built offline by `kernels.tile_search` on the target GPU and stored as JSON under
+Each entry names the backend that won the bucket (our CUDA kernels, CUDA shrink + CUTLASS grouped
+expand, or the Triton SGMV kernels) and that backend's tiles. Built offline by
+`kernels.tile_search` on the target GPU and stored as JSON under
 `kernels/tile_tables/<gpu>-<arch>-<dtype>.json`. Shapes absent from the table fall back to
 `heuristic_config`, which needs no measurement.
 """
@@ -14,15 +16,21 @@ from pathlib import Path
 
 TABLE_DIR = Path(__file__).resolve().parent / "tile_tables"
 SPLIT_K_MENU = (1, 2, 4, 8, 16, 32)
+BACKENDS = ("cuda", "cutlass_grouped", "triton")
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One ATMM launch choice: shrink kernel (BT, BK, stages, RB), split-K, expand kernel (BT, BN).
+    """One ATMM launch choice: which implementation (`backend`) and its tiles.
 
-    `grouped` names a CUTLASS grouped-GEMM expand configuration (e.g. "grouped_bf16_m64n128");
-    when set it replaces our expand kernel (expand_bt/bn then record the best own expand).
+    backend "cuda": our CUDA shrink kernel (BT, BK, stages, RB), split-K, our expand kernel (BT, BN).
+    backend "cutlass_grouped": the same shrink, then the CUTLASS grouped-GEMM expand named by
+    `grouped` (e.g. "grouped_bf16_m64n128"; expand_bt/bn then record the best own expand).
+    backend "triton": `kernels.triton_sgmv` (shrink BLOCK_M/BLOCK_K/num_stages = shrink_bt/bk/
+    stages, split_k, expand BLOCK_M/BLOCK_N = expand_bt/bn, num_warps = `warps`).
+    For the two CUDA-shrink backends `grouped` decides: "cutlass_grouped" when it is set, else
+    "cuda" (also for tables written before the field existed).
     """
 
     shrink_bt: int
@@ -32,6 +40,17 @@ class TileConfig:
     expand_bt: int
     expand_bn: int
     grouped: str = ""
+    backend: str = ""
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("", *BACKENDS):
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "triton":
+            if self.grouped:
+                raise ValueError(f"backend 'triton' with a grouped configuration {self.grouped!r}")
+        else:  # our CUDA shrink: `grouped` decides the expand (so dataclasses.replace(grouped=...) works)
+            object.__setattr__(self, "backend", "cutlass_grouped" if self.grouped else "cuda")
 
     def shrink_name(self, dtype: str, rank_block: int) -> str:
         d = "bf16" if dtype == "bfloat16" else "fp16"

@@ -144,13 +144,112 @@ def test_committed_tile_tables_name_compiled_configs():
     shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
     expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
     grouped = set(re.findall(r'"(grouped_\w+)"', (root / "csrc" / "grouped.cu").read_text())) | {""}
+    from kernels.triton_sgmv import TRITON_MENU
+
     for path in (root / "tile_tables").glob("*.json"):
         t = TileTable.load(path)
         for key, c in t.entries.items():
             rs = int(key.split("/")[1][1:])
+            if c.backend == "triton":  # a Triton menu entry (JIT-compiled, any split-K)
+                assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, c.expand_bt, c.expand_bn, c.warps) in TRITON_MENU, key
+                assert c.split_k >= 1 and not c.grouped, key
+                continue
             assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, rank_block(rs)) in shrink, key
             assert (c.expand_bt, c.expand_bn) in expand, key
             assert c.grouped in grouped, key
+
+
+def test_tile_config_backend_field_and_json_schema(tmp_path):
+    assert TileConfig(16, 64, 4, 8, 16, 64).backend == "cuda"
+    assert TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128").backend == "cutlass_grouped"
+    assert TileConfig(16, 64, 4, 8, 16, 64, backend="cutlass_grouped").backend == "cuda"  # grouped decides
+    tri = TileConfig(32, 64, 3, 4, 32, 128, backend="triton", warps=8)
+    assert tri.backend == "triton" and tri.warps == 8
+    with pytest.raises(ValueError, match="backend"):
+        TileConfig(16, 64, 4, 8, 16, 64, backend="cublas")
+    with pytest.raises(ValueError, match="grouped"):
+        TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128", backend="triton")
+    t = TileTable("NVIDIA H200", "sm90", "bfloat16", {"4096x4096/r16/t4096/s16": tri,
+                                                      "4096x4096/r16/t16/s16": TileConfig(16, 64, 4, 8, 16, 64)}, {})
+    path = tmp_path / "t.json"
+    t.save(path)
+    raw = json.loads(path.read_text())
+    assert raw["entries"]["4096x4096/r16/t4096/s16"]["backend"] == "triton"
+    assert raw["entries"]["4096x4096/r16/t4096/s16"]["warps"] == 8
+    assert raw["entries"]["4096x4096/r16/t16/s16"]["backend"] == "cuda"
+    assert TileTable.load(path).entries == t.entries
+    # tables written before the backend field load as the CUDA backends
+    old = {"gpu": "g", "arch": "sm90", "dtype": "bfloat16", "entries": {
+        "4096x4096/r16/t16/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16, "expand_bn": 64,
+              "grouped": ""},
+        "4096x4096/r16/t64/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16, "expand_bn": 64,
+              "grouped": "grouped_bf16_m64n128"}}}
+    back = TileTable.from_json(old)
+    assert back.entries["4096x4096/r16/t16/s16"].backend == "cuda"
+    assert back.entries["4096x4096/r16/t64/s16"].backend == "cutlass_grouped"
+
+
+def _dispatch_case(monkeypatch, table_cfg, triton_ok):
+    import kernels.atmm as am
+
+    calls = []
+    for name in am.BACKEND_RUNNERS:
+        monkeypatch.setitem(am.BACKEND_RUNNERS, name,
+                            lambda ext, y, x, plan, w, cfg, dtype, pdl, name=name: calls.append((name, cfg)))
+    monkeypatch.setattr(am, "_kernel_ext", lambda y: object())  # as if on a GPU with the extension built
+    monkeypatch.setattr(am, "triton_available", lambda: triton_ok)
+    a, b = weights([16, 16], h_in=64, h_out=64)
+    w = lora_weights_from_lists([t.bfloat16() for t in a], [t.bfloat16() for t in b], [1.0, 1.0])
+    plan = AtmmPlan(8, 64).update_from_token_slots([0] * 20 + [1] * 12, w.ranks)
+    table = TileTable("g", "sm90", "bfloat16", {shape_key(64, 64, 16, 32, 2): table_cfg}, {})
+    x = torch.zeros(32, 64, dtype=torch.bfloat16)
+    y = torch.zeros(32, 64, dtype=torch.bfloat16)
+    atmm_(y, x, plan, w, table=table)
+    assert len(calls) == 1
+    return calls[0]
+
+
+@pytest.mark.parametrize("cfg", [TileConfig(16, 64, 4, 8, 16, 64),
+                                 TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128"),
+                                 TileConfig(32, 64, 3, 2, 32, 128, backend="triton")])
+def test_atmm_dispatches_to_the_backend_the_table_names(monkeypatch, cfg):
+    name, used = _dispatch_case(monkeypatch, cfg, triton_ok=True)
+    assert name == cfg.backend and used is cfg
+
+
+def test_atmm_triton_entry_falls_back_to_cuda_without_triton(monkeypatch):
+    name, used = _dispatch_case(monkeypatch, TileConfig(32, 64, 3, 2, 32, 128, backend="triton"), triton_ok=False)
+    assert name in ("cuda", "cutlass_grouped") and used == heuristic_config(64, 64, 16, 32, 2)
+
+
+def test_triton_module_imports_without_triton_and_reports_it():
+    import importlib.util
+
+    import kernels.atmm as am
+    from kernels import triton_sgmv
+
+    have = importlib.util.find_spec("triton") is not None
+    assert triton_sgmv.available() == have == am.triton_available()
+    if not have:
+        with pytest.raises(RuntimeError, match="triton"):
+            triton_sgmv.atmm_triton_(None, None, None, None, TileConfig(16, 64, 3, 1, 16, 128, backend="triton"))
+
+
+def test_triton_menu_candidates_and_split_plan():
+    from kernels import triton_sgmv as ts
+
+    for h_in in (512, 3584, 4096, 11008, 18944):
+        for split in (1, 2, 3, 7, 32):
+            for bk in (64, 128):
+                n, k_per = ts.split_plan(h_in, split, bk)
+                assert k_per % bk == 0 and (n - 1) * k_per < h_in <= n * k_per  # covers K, none empty
+    assert ts.candidates(4096, 4096, 16, 16, 8) == [m for m in ts.TRITON_MENU if m[0] == 16 and m[3] == 16]
+    assert ts.candidates(4096, 4096, 16, 4096, 8) == list(ts.TRITON_MENU)
+    assert ts.DEFAULT_SHAPE in ts.candidates(4096, 4096, 16, 1, 1)
+    assert [ts.rank_pad(r) for r in (8, 16, 32, 48, 64, 80, 128)] == [16, 16, 32, 64, 64, 128, 128]
+    assert ts.default_split(4096, 8) == 16 and ts.default_split(4096, 1000) == 1
+    for s in ts.split_candidates(4096, 64, 8):
+        assert 4096 // s >= 64
 
 
 def test_switch_fallback_is_unmerge_then_merge():
