@@ -36,13 +36,13 @@ PY
 fi
 if [ "$MODE" = backends ]; then
   SUF=${SUF:-run}
-  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py > "$OUT/tests.log" 2>&1
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py > "$OUT/tests.log" 2>&1
   tail -6 "$OUT/tests.log"; echo "tests: $(( $(date +%s) - t0 )) s"
-  timeout 230 python3 -X faulthandler -m kernels.tile_search --ranks 16,64,128 --merge --budget-s 170 --validate 2 \
+  timeout 170 python3 -X faulthandler -m kernels.tile_search --ranks 16,64,128 --merge --budget-s 120 --validate 2 \
     --name "tile_search_$SUF" > "$OUT/search.log" 2>&1
   grep -v "━" "$OUT/search.log" | tail -8; echo "search: $(( $(date +%s) - t0 )) s"
   cp kernels/tile_tables/*.json "$OUT/" 2>/dev/null
-  timeout 150 python3 -m bench.atmm_bench --suite headline_ranks --name "atmm_headline_$SUF" \
+  timeout 120 python3 -m bench.atmm_bench --suite headline_ranks --name "atmm_headline_$SUF" \
     --methods atmm,triton_sgmv,gather_bmm,padded_bmm,grouped_mm,loop 2>&1 | tee "$OUT/bench.log" | tail -18
   echo "total: $(( $(date +%s) - t0 )) s"; exit 0
 fi
