@@ -20,7 +20,7 @@ from valora.v1 import admin_service_pb2 as admin_pb
 from valora.v1 import admin_service_pb2_grpc as admin_grpc
 
 from services.common import names
-from services.common.errors import invalid_field
+from services.common.errors import WorkerUnavailable, invalid_field
 
 from services.adapter_store import convert
 from services.adapter_store.domain import PageRequest
@@ -36,7 +36,23 @@ class _Blocking:
 
     async def run(self, fn: Callable[..., R], *args, **kwargs) -> R:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        except Exception as exc:
+            if _backend_down(exc):  # an outage of Postgres or S3 is UNAVAILABLE, not a bug (INTERNAL)
+                raise WorkerUnavailable(f"storage backend unavailable ({type(exc).__name__}); retry",
+                                        reason="BACKEND_UNAVAILABLE", retry_after_s=1.0) from exc
+            raise
+
+
+def _backend_down(exc: BaseException) -> bool:
+    """A lost/refused database or blob-store connection (not a bad query, not a domain error)."""
+    from sqlalchemy import exc as sa_exc
+    from urllib3 import exceptions as http_exc
+
+    if isinstance(exc, sa_exc.DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError))
+    return isinstance(exc, (http_exc.HTTPError, ConnectionError, TimeoutError))
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
