@@ -15,7 +15,7 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         setup = r.get("setup") or {}
         key = f"base {setup.get('base_model', '?')}" + (
-            " (pretrained)" if setup.get("base_pretraining") else "") + f", r={setup.get('rank', '?')}, margin {setup.get('margin', '?')}"
+            " (pretrained)" if setup.get("base_pretraining") else "") + f", r={setup.get('rank', '?')}, lr {setup.get('lr', '?')} ({setup.get('lr_rule', '?')}), margin {setup.get('margin', '?')}"
         groups.setdefault(key, []).append(r)
     out = []
     for key, rs in groups.items():
