@@ -35,6 +35,8 @@ def make_case(tokens, ranks, h_in, h_out, dtype, seed, none_frac=0.15):
     scales = [rnd.choice([0.5, 1.0, 2.0]) for _ in ranks]
     slots = sorted((rnd.randrange(n) if rnd.random() > none_frac else -1 for _ in range(tokens)),
                    key=lambda s: (s < 0, s))
+    if all(s < 0 for s in slots):  # at least one LoRA token (else the delta check is 0/0)
+        slots[0] = 0
     # a -1 segment between adapters too (not only at the end)
     mid = tokens // 2
     slots = slots[:mid] + [-1] * 3 + slots[mid:]
