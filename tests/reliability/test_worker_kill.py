@@ -76,14 +76,25 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
     wait_scheduler_sees(cluster, workers["worker-0"].address, True, 20)
 
     # -- after the first token: a long stream; kill the worker running it.
-    call = stub.InferStream(inf.InferStreamRequest(request_id="kill-after", input=inf.InferenceInput(
-        prompt="Tell a long story.", params=types_pb2.GenerationParams(max_new_tokens=800, temperature=1.0,
-                                                                       seed=3))), timeout=120, metadata=md(API_KEY))
-    it = iter(call)
-    first = next(it)
-    assert first.text_delta
-    where = {name: running(p.address) for name, p in workers.items()}
-    name = next(nm for nm, r in where.items() if r == 1)
+    name = None
+    for attempt in range(5):  # a sampled EOS can end a stream early: start another
+        call = stub.InferStream(inf.InferStreamRequest(request_id=f"kill-after-{attempt}", input=inf.InferenceInput(
+            prompt="Tell a long story.", params=types_pb2.GenerationParams(max_new_tokens=1000, temperature=0.7,
+                                                                           seed=3 + attempt))),
+            timeout=120, metadata=md(API_KEY))
+        it = iter(call)
+        first = next(it, None)
+        for _ in range(20):
+            where = {nm: running(p.address) for nm, p in workers.items()}
+            name = next((nm for nm, r in where.items() if r == 1), None)
+            if name is not None or first is None:
+                break
+            time.sleep(0.05)
+        if first is not None and first.text_delta and name is not None:
+            break
+        call.cancel()
+        name = None
+    assert name is not None, "no long stream found running on a worker"
     other = next(nm for nm in workers if nm != name)
     env = process_env(workers[name].pid)
     replayed = [0]
