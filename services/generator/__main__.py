@@ -168,7 +168,8 @@ def generate(
         "greedy": greedy_result.to_json(),
     }
     if gateway:
-        manifest["registered"] = pipeline.register(gateway, bundles, greedy_result, tasks, api_key=api_key,
+        manifest["registered"] = pipeline.register(gateway, bundles, greedy_result,
+                                                   {t: tasks[t].prompt for t in names}, api_key=api_key,
                                                    admin_key=admin_key, log=console.print)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -194,6 +195,49 @@ def generate(
         path = pipeline.write_results(strategies, results, meta, append=append)
         console.print(f"results -> {path}")
     console.print(f"bundles -> {out} ({len(bundles)} adapters for {len(names)} tasks) in {time.time() - started:.0f}s")
+
+
+@app.command()
+def register(
+    out: Path = typer.Option(..., exists=True, file_okay=False, help="A directory written by `generate`."),
+    gateway: str = typer.Option(..., help="host:port of a valora gateway."),
+    api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
+    admin_key: Optional[str] = typer.Option(None, envvar="VALORA_ADMIN_KEY", help="Admin key for the gateway."),
+    check: int = typer.Option(0, min=0, help="Then send this many test images per task through the gateway "
+                                             "(task + label output) and compare with the measured accuracy."),
+) -> None:
+    """Register adapters generated earlier (bundles + one task per head), optionally check them served."""
+    from services.generator import pipeline
+
+    manifest, bundles, result = pipeline.load_generated(out)
+    manifest["registered"] = pipeline.register(gateway, bundles, result, manifest["prompts"], api_key=api_key,
+                                               admin_key=admin_key, log=console.print)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if check:
+        _check(out, gateway, check, api_key)
+
+
+@app.command()
+def check(
+    out: Path = typer.Option(..., exists=True, file_okay=False, help="A directory written by `generate`."),
+    gateway: str = typer.Option(..., help="host:port of a valora gateway where `register` put them."),
+    n: int = typer.Option(60, min=1, help="Test images per task."),
+    api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
+) -> None:
+    """Send test images through the gateway (task + label output); compare with the measured accuracy."""
+    _check(out, gateway, n, api_key)
+
+
+def _check(out: Path, gateway: str, n: int, api_key: str | None) -> None:
+    from services.generator import pipeline
+
+    manifest, _, result = pipeline.load_generated(out)
+    served = pipeline.served_accuracy(gateway, manifest, n, api_key=api_key)
+    table = Table("task", "adapter", "served accuracy", "measured (test, all)", "n served")
+    for task, (acc, count) in served.items():
+        table.add_row(task, (manifest.get("registered") or {}).get(task, "?"), f"{acc:.3f}",
+                      f"{result.tasks[task]['accuracy']:.3f}", str(count))
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_register_uploads_bundles_and_creates_tasks_with_accuracy(admin):
         "parity": {"threshold": 0.87, "accuracy": 0.91, "adapter": "fused-0"},
         "count": {"threshold": 0.8, "accuracy": 0.85, "adapter": "fused-1"},
     })
-    versions = register(address, bundles, result, tasks, log=lambda _: None)
+    versions = register(address, bundles, result, {t: d.prompt for t, d in tasks.items()}, log=lambda _: None)
     assert versions == {"digit": "adapters/fused-0/versions/1", "parity": "adapters/fused-0/versions/1",
                         "count": "adapters/fused-1/versions/1"}
     assert [(m.parent, data) for m, data in servicer.uploads] == [("adapters/fused-0", b"bundle-0" * 100),
