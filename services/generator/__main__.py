@@ -4,6 +4,8 @@
     python -m services.generator pretrain --model-path ~/.cache/valora/tiny-qwen2-vl --out ~/.cache/valora/demo-qwen2-vl
     python -m services.generator generate --model-path ~/.cache/valora/tiny-qwen2-vl --out out/gen \\
         [--gateway localhost:50051] [--order digit,parity,...] [--rank 8] [--epochs 4] [--compare]
+    python -m services.generator register --out out/gen --gateway localhost:50051 [--check 60]
+    python -m services.generator check --out out/gen --gateway localhost:50051 --n 60
 
 `generate` measures one adapter per task (for thresholds = single-task val accuracy - margin,
 unless --threshold task=acc is given for every task), runs the greedy fusion, writes the bundles
