@@ -19,6 +19,13 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(
         64 * 1024 * 1024, description="Largest gRPC message accepted or sent, in bytes."
     )
+    tls_cert: str = Field(
+        "", description="PEM certificate file of this service; with tls_key the server speaks TLS and outbound "
+        "channels present it (client certificate). Empty: plaintext.")
+    tls_key: str = Field("", description="PEM private key file of tls_cert.")
+    tls_ca: str = Field(
+        "", description="PEM CA bundle file that peers' certificates must chain to; with tls_cert set the server "
+        "requires client certificates (mutual TLS), and outbound channels verify servers against it.")
     otlp_endpoint: str = Field(
         "", description="OTLP/gRPC trace collector, e.g. http://otel-collector:4317; empty = no OTLP export.")
     trace_console: bool = Field(False, description="Also print finished trace spans to stdout (debugging).")

@@ -15,6 +15,7 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import structlog
@@ -162,6 +163,22 @@ class Service:
             await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes batched spans
 
 
+def _read(path: str) -> bytes | None:
+    return Path(path).expanduser().read_bytes() if path else None
+
+
+def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    """TLS for the server when tls_cert/tls_key are set; client certificates required (mutual TLS)
+    when tls_ca is set too. None: plaintext."""
+    if not settings.tls_cert:
+        return None
+    if not settings.tls_key:
+        raise ValueError("tls_cert is set but tls_key is not")
+    ca = _read(settings.tls_ca)
+    return grpc.ssl_server_credentials([(_read(settings.tls_key), _read(settings.tls_cert))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
 def build_service(
     name: str,
     settings: ServiceSettings,
@@ -180,7 +197,9 @@ def build_service(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    credentials = server_credentials(settings)
+    address = f"{settings.host}:{settings.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"{name}: could not bind {settings.host}:{settings.port}")
     return Service(name=name, server=server, port=port, health=health, service_names=names,

@@ -81,10 +81,11 @@ class WorkerPool:
 
     def __init__(self, addresses: list[str], *, poll_s: float, poll_timeout_s: float,
                  default_max_batch_size: int, channel_options: list[tuple[str, int]],
-                 on_change: Callable[[], None], tracer_provider=None) -> None:
+                 on_change: Callable[[], None], tracer_provider=None, credentials=None) -> None:
+        """`credentials`: grpc.ChannelCredentials for TLS to the workers (None: plaintext)."""
         self.workers: dict[str, WorkerHandle] = {}
         for addr in addresses:
-            channel = open_channel(addr, channel_options, tracer_provider)
+            channel = open_channel(addr, channel_options, tracer_provider, credentials=credentials)
             self.workers[addr] = WorkerHandle(addr, channel, worker_service_pb2_grpc.WorkerServiceStub(channel),
                                               default_max_batch_size)
         self._poll_s = poll_s

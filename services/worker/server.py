@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 from pydantic import Field
 
+from services.common.channels import client_credentials
 from services.common.config import ServiceSettings
 from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerUnavailable, invalid_field
 from services.common.names import parse_version_name
@@ -257,7 +258,7 @@ async def create_server(settings: WorkerSettings) -> Service:
     until then, and again if the engine dies)."""
     tracing = tracer_provider(settings, "worker")
     fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings),
-                             tracer_provider=tracing)
+                             tracer_provider=tracing, credentials=client_credentials(settings))
     servicer = WorkerServicer(settings, fetcher)
 
     def register(server):

@@ -38,8 +38,9 @@ def _sha(data: bytes) -> str:
 
 class AdapterFetcher:
     def __init__(self, store_address: str, cache_dir: Path | str, channel_options=None,
-                 tracer_provider=None) -> None:
+                 tracer_provider=None, credentials=None) -> None:
         self.store_address = store_address
+        self._credentials = credentials  # grpc.ChannelCredentials for TLS to the store, or None
         self._tracer_provider = tracer_provider
         self.cache_dir = Path(cache_dir).expanduser()
         self._options = channel_options or []
@@ -50,7 +51,8 @@ class AdapterFetcher:
             raise WorkerUnavailable("this worker has no adapter store configured (VALORA_ADAPTER_STORE_ADDRESS)",
                                     reason="NO_ADAPTER_STORE")
         if self._channel is None:
-            self._channel = open_channel(self.store_address, self._options, self._tracer_provider)
+            self._channel = open_channel(self.store_address, self._options, self._tracer_provider,
+                                         credentials=self._credentials)
         return store_grpc.AdapterStoreServiceStub(self._channel)
 
     async def close(self) -> None:
