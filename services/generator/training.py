@@ -109,7 +109,7 @@ class TorchTrainer:
         return AdapterState(lora=self.base.fresh_lora(self.config.seed * 7919 + self._fresh))
 
     def fuse(self, state: AdapterState, tasks: Sequence[str]) -> AdapterState:
-        """A copy of `state` trained on the union of `tasks` (new tasks get a fresh zero head)."""
+        """A copy of `state` trained on the union of `tasks` (a task new to it starts from a linear probe)."""
         cfg = self.config
         tasks = tuple(tasks)
         seed = _task_seed(cfg.seed, tasks)
