@@ -15,6 +15,9 @@ class ServiceSettings(BaseSettings):
     log_level: str = Field("info", description="structlog level: debug, info, warning, error.")
     log_json: bool = Field(True, description="JSON log lines (false: human-readable console).")
     grace_s: float = Field(5.0, description="Graceful-shutdown grace period in seconds.")
+    drain_delay_s: float = Field(
+        0.0, ge=0, description="On SIGTERM, seconds between health NOT_SERVING and refusing new RPCs, so "
+        "whoever routes by health (the scheduler, a load balancer) stops sending here first.")
     metrics_port: int = Field(0, description="Prometheus /metrics port; 0 disables it.")
     max_message_bytes: int = Field(
         64 * 1024 * 1024, description="Largest gRPC message accepted or sent, in bytes."

@@ -142,6 +142,8 @@ class Service:
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Traces of this service's RPCs (services/common/tracing.py); flushed after stop.
     tracer_provider: TracerProvider | None = None
+    # What health says: False until started and from the moment a drain begins.
+    serving: bool = False
 
     async def start(self) -> None:
         await self.server.start()
@@ -150,12 +152,18 @@ class Service:
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def stop(self, grace: float | None = None) -> None:
+    async def stop(self, grace: float | None = None, drain_delay: float = 0.0) -> None:
+        """NOT_SERVING; after `drain_delay` seconds (callers routing by health stop sending
+        here meanwhile, and what they still send is served) new RPCs are refused, running
+        ones get `grace` seconds."""
         await self.set_serving(False)
+        if drain_delay > 0:
+            await asyncio.sleep(drain_delay)
         await self.server.stop(grace)
         for hook in reversed(self.on_stop):
             await hook()
@@ -217,7 +225,7 @@ async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settin
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining", service=service.name, grace_s=settings.grace_s)
-    await service.stop(settings.grace_s)
+    await service.stop(settings.grace_s, settings.drain_delay_s)
     log.info("stopped", service=service.name)
 
 

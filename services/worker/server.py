@@ -24,6 +24,7 @@ from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.worker.engine import Engine, EngineConfig
 from services.worker.processor import decode_image
+from services.worker.registration import SchedulerRegistration
 from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.store_client import AdapterFetcher
@@ -56,8 +57,18 @@ class WorkerSettings(ServiceSettings):
     switch_strategy: str = Field("pristine", description="Merge/switch strategy: pristine (exact, keeps a copy "
                                  "of the targeted base weights) or delta (one-pass switch, periodic resync).")
     use_atmm: bool = Field(True, description="Run the multi-LoRA term on the ATMM CUDA kernel where it can.")
+    image_cache_bytes: int = Field(256 * 1024 * 1024, description="Device bytes of vision features kept by "
+                                   "image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
+    drain_delay_s: float = Field(2.0, ge=0, description="On SIGTERM, seconds of NOT_SERVING (GetWorkerStatus "
+                                 "healthy=false) before new RPCs are refused: longer than the scheduler's status "
+                                 "poll, so it stops placing requests here before the server closes.")
     advertise_address: str = Field("", description="Address reported in WorkerStatus (default host:port).")
+    scheduler_address: str = Field("", description="host:port of the scheduler to register with (under "
+                                   "advertise_address: set it when host is 0.0.0.0) and heartbeat; retried with "
+                                   "backoff until it answers. Empty: no registration (static worker_addresses).")
+    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats to the scheduler (at most a "
+                               "third of the scheduler's worker_ttl_s is used).")
 
 
 _MODE_PB = {
@@ -114,6 +125,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.worker_name = settings.worker_name
         self.address = settings.advertise_address
         self._adapter_locks: dict[str, asyncio.Lock] = {}
+        self.is_serving = lambda: True  # create_server binds it to the service's health
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -237,7 +249,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 max_batch_size=self.settings.max_batch_size))
         s = self.engine.stats()
         return pb.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
-            address=self.address, healthy=s.alive, mode=_MODE_PB[s.mode], merged_adapter=s.merged_adapter,
+            address=self.address, healthy=s.alive and self.is_serving(), mode=_MODE_PB[s.mode], merged_adapter=s.merged_adapter,
             resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
             max_batch_size=s.max_batch_size, device=s.device))
 
@@ -250,6 +262,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens_limit=settings.max_new_tokens_limit, device_slots=settings.device_slots,
         max_rank=settings.max_rank, switch_strategy=settings.switch_strategy, use_atmm=settings.use_atmm,
+        image_cache_bytes=settings.image_cache_bytes,
     )
 
 
@@ -270,6 +283,7 @@ async def create_server(settings: WorkerSettings) -> Service:
     servicer.worker_name = settings.worker_name or address
     servicer.address = settings.advertise_address or address
     service.servicer = servicer  # tests and tools reach the engine through it
+    servicer.is_serving = lambda: service.serving  # draining: the scheduler stops placing requests here
     await service.set_serving(False)
     watchdog: list[asyncio.Task] = []
 
@@ -299,6 +313,16 @@ async def create_server(settings: WorkerSettings) -> Service:
 
     service.on_start.append(load_engine)
     service.on_stop.append(shutdown)
+    if settings.scheduler_address:
+        # Registers once the engine is loaded; on_stop runs in reverse, so it leaves the pool first.
+        registration = SchedulerRegistration(
+            settings.scheduler_address, address=servicer.address, name=servicer.worker_name, device=settings.device,
+            max_batch_size=settings.max_batch_size, heartbeat_s=settings.heartbeat_s,
+            channel_options=channel_options(settings), tracer_provider=tracing,
+            credentials=client_credentials(settings))
+        service.registration = registration
+        service.on_start.append(registration.start)
+        service.on_stop.append(registration.stop)
     return service
 
 

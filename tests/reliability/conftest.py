@@ -35,6 +35,17 @@ MAX_QUEUE = 8
 MAX_MESSAGE_BYTES = 8 << 20
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Within this suite, tests that do not use the process cluster run first (before it starts:
+    they measure timings in this process and should not share the CPU with its idle services);
+    the cluster tests keep their order, the destructive ones (test_worker_*) last by name."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if Path(str(item.fspath)).is_relative_to(here)]
+    mine = sorted((items[i] for i in slots), key=lambda item: "cluster" in getattr(item, "fixturenames", ()))
+    for i, item in zip(slots, mine):
+        items[i] = item
+
+
 def record(name: str, figure: str, value, target: str, passed: bool, **extra) -> dict:
     """Writes the figure of one reliability test; returns it."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -195,8 +195,9 @@ def test_fuzz_admin_rpcs(gateway, method):
     assert not [b for b in bad_calls if b[0] == method.name], bad_calls
 
 
-@pytest.mark.xfail(strict=True, reason="services/gateway/admin.py relays the upload with a request iterator: "
-                   "when the store answers early (bad metadata, size limit) while chunks are still being "
+@pytest.mark.xfail(strict=False, reason="(a race, not every run) services/gateway/admin.py relays the upload "
+                   "with a request iterator: when the store answers early (bad metadata, size limit) while "
+                   "chunks are still being "
                    "sent, grpc.aio reports INTERNAL 'Internal error from Core' instead of the store's status")
 def test_fuzz_upload(gateway, model_path):
     _, admin_stub = gateway
@@ -294,8 +295,9 @@ def test_fuzz_image_parsers():
     assert not [b for b in parser_bugs if "image" in b[0]], parser_bugs[:5]
 
 
-def test_zz_fuzz_figure():
-    """Writes the suite's figure (runs last in this module)."""
+def test_zz_fuzz_figure(cluster):
+    """Writes the suite's figure (last in this module; `cluster` keeps it after the RPC fuzz when
+    the suite runs the in-process tests first)."""
     import hypothesis
 
     total = sum(sum(c.values()) for c in codes.values())

@@ -77,7 +77,8 @@ def test_rolling_restart_fails_no_request(cluster):
     retried = sched_log.read_text().count("worker_failed_before_first_token") - retries_before
     failed = [o for o in outcomes if o[0] != "OK"]
     passed = not failed and retried == 0 and len(outcomes) > 0
-    record("drain", "failed requests while a worker drains on SIGTERM and restarts under traffic", len(failed), "0", passed,
+    record("drain", "failed requests while a worker drains on SIGTERM and restarts under traffic", len(failed), "0",
+           passed,
            requests=len(outcomes), sent_to_draining_worker_and_retried=retried, drains=drains,
            failures=sorted({f"{c}: {w[:120]}" for c, w in failed}))
     assert not failed, failed[:5]
