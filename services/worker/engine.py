@@ -56,6 +56,7 @@ from services.worker.requests import (
 )
 from services.worker.sampling import choose_token
 from services.worker.switcher import Switcher
+from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, vision_items
 
 log = structlog.get_logger()
 
@@ -64,6 +65,10 @@ def _stop_reason(s: "_Seq") -> ValoraError:
     if s.handle.cancelled:
         return Cancelled("request cancelled", reason="CANCELLED")
     return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,6 +90,7 @@ class EngineConfig:
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
     use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
+    image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
 
 
 @dataclass
@@ -94,6 +100,7 @@ class PreparedRequest:
     max_new_tokens: int
     image_tokens: int
     prompt_tokens: int
+    vision: list[VisionItem] = field(default_factory=list)  # images then videos, with content keys
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -145,6 +152,7 @@ class Engine:
             self.runtime.backend = AtmmBackend({k: self.shapes.features[k[1]] for k in self.lora_layers},
                                                self.device, self.dtype)
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
+        self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype)
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self._wake = threading.Condition()
         self._incoming: collections.deque[_Seq] = collections.deque()
@@ -164,6 +172,7 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
         self._running_count = 0
+        self._last_step_ms = 0.0
         # Largest decode batch seen (rows, distinct LoRA entries in one forward): observability + tests.
         self.peak_decode_rows = 0
         self.peak_decode_entries = 0
@@ -293,7 +302,8 @@ class Engine:
                                 f"model's {limit} positions", reason="PROMPT_TOO_LONG")
         image_tokens = int((ids == self.model.config.image_token_id).sum())
         return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
-                               image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]))
+                               image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
+                               vision=vision_items(inputs))
 
     def submit(self, prep: PreparedRequest, sink, deadline: float | None = None) -> RequestHandle:
         """Queues a prepared request; `sink(event)` is called on the engine thread. Past `deadline`
@@ -334,12 +344,13 @@ class Engine:
         with self._wake:
             waiting = len(self._incoming) + len(self._waiting)
         with self._stats_lock:
-            running, kv_bytes = self._running_count, self._kv_bytes
+            running, kv_bytes, last_step_ms = self._running_count, self._kv_bytes, self._last_step_ms
         return EngineStats(
             running=running, waiting=waiting, kv_cache_bytes=kv_bytes,
             max_batch_size=self.config.max_batch_size, mode=self._mode, merged_adapter=self._merged or "",
             resident_adapters=self.pool.resident_names(), host_adapters=self.pool.host_names(),
-            device=str(self.device), alive=self.alive,
+            device=str(self.device), alive=self.alive, last_step_ms=last_step_ms,
+            image_cache=self.vision.cache.stats(),
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -376,12 +387,15 @@ class Engine:
                 if not self._incoming and not self._commands and not self._stop.is_set():
                     self._wake.wait(timeout=0.1)
             return
+        t0 = time.perf_counter()
         for _ in range(min(self.config.max_prefills_per_step, len(self._prefill))):
             seq = self._prefill.popleft()
             self._guard([seq], self._prefill_one, seq)
         if self._running:
             self._guard(list(self._running), self._decode_step)
-        self._update_stats()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
+        self._update_stats(step_ms=(time.perf_counter() - t0) * 1e3)
 
     def _guard(self, seqs: list[_Seq], fn, *args) -> None:
         """Runs one unit of work; an exception fails the requests involved, not the engine."""
@@ -452,13 +466,15 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
             log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
 
-    def _update_stats(self) -> None:
+    def _update_stats(self, step_ms: float | None = None) -> None:
         own = sum(kv_nbytes(s.kv) for s in (*self._prefill, *self._running) if s.kv is not None)
         if not self._running and self._batch.rows:
             self._batch.pack([], {}, {})  # the last sequences left: free the stacked cache now
         with self._stats_lock:
             self._running_count = len(self._prefill) + len(self._running)
             self._kv_bytes = own + self._batch.nbytes()
+            if step_ms is not None:
+                self._last_step_ms = step_ms
 
     # -- LoRA planning ---------------------------------------------------------------------------
     def _entry_spec(self, s: _Seq) -> tuple | None:
@@ -524,18 +540,19 @@ class Engine:
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill_one(self, s: _Seq) -> None:
         s.t_prefill = time.monotonic()
-        inp = {k: v.to(self.device) for k, v in s.prep.inputs.items()}
-        ids = inp["input_ids"]
-        pixel_values = inp.get("pixel_values")
-        if pixel_values is not None:
-            pixel_values = pixel_values.to(self.dtype)
+        inp = s.prep.inputs
+        ids = inp["input_ids"].to(self.device)
         position_ids, deltas = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=inp["mm_token_type_ids"], image_grid_thw=inp.get("image_grid_thw"))
+            ids, mm_token_type_ids=inp["mm_token_type_ids"].to(self.device),
+            image_grid_thw=_to(inp.get("image_grid_thw"), self.device),
+            video_grid_thw=_to(inp.get("video_grid_thw"), self.device))
+        # Image/video features come from the feature cache when this content was seen before.
+        embeds = self.vision.embed(ids, inp, s.prep.vision)
         cache = new_cache(self.text_config)
         self.runtime.step = self._plan([s], ids.shape[1])
         try:
-            out = self.model.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=inp.get("image_grid_thw"),
-                                   position_ids=position_ids, past_key_values=cache, use_cache=True)
+            out = self.model.model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache,
+                                   use_cache=True)
         finally:
             self.runtime.step = None
         hidden = out.last_hidden_state[:, -1]

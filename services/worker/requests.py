@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from services.worker.sampling import SamplingParams
+from services.worker.vision import CacheStats
 
 
 class OutputKind(enum.Enum):
@@ -117,3 +118,5 @@ class EngineStats:
     host_adapters: list[str]
     device: str
     alive: bool
+    last_step_ms: float = 0.0  # wall time of the last engine step that ran a forward
+    image_cache: CacheStats | None = None

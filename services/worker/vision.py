@@ -1,0 +1,194 @@
+"""Vision inputs of a prefill: images and video chunks -> the prompt's input embeddings, with an
+image-feature cache keyed by content (the paper's prefix caching of image features).
+
+`vision_items(inputs)` (any thread, in `Engine.prepare`) names every image and video of a
+request by a content key: sha256 over its kind, grid (t, h, w) and preprocessed pixel patches.
+The patches already hold every processor setting that changes them (resize bounds, mean/std,
+patch and merge sizes), so equal keys mean equal vision-tower inputs. The vision tower carries no
+LoRA here (adapters target the language model only), so features do not depend on the adapter
+or the mode, and one cache serves every request of the worker.
+
+`VisionEncoder.embed` (engine thread) looks every item up in the `FeatureCache`, runs the vision
+tower once for all missing images (and once for all missing videos) of the request, exactly as
+Qwen2-VL's own forward would, stores them, and scatters the features into the token embeddings
+at the `<|image_pad|>` / `<|video_pad|>` positions.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+IMAGE = "image"
+VIDEO = "video"
+# (pixel tensor, grid tensor) per kind, as the processor names them.
+_INPUT_KEYS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
+
+
+@dataclass(frozen=True)
+class VisionItem:
+    """One image or video chunk of a request: rows [start, end) of its kind's pixel tensor."""
+
+    kind: str
+    key: str
+    start: int
+    end: int
+    grid: tuple[int, int, int]
+
+
+def content_key(kind: str, grid: tuple[int, int, int], patches: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(f"{kind}:{grid[0]}x{grid[1]}x{grid[2]}:{patches.dtype}:{tuple(patches.shape)}:".encode())
+    h.update(patches.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def vision_items(inputs) -> list[VisionItem]:
+    """Every image then every video of the processor's outputs, with its content key."""
+    items: list[VisionItem] = []
+    for kind, (pix_key, grid_key) in _INPUT_KEYS.items():
+        pixels, grids = inputs.get(pix_key), inputs.get(grid_key)
+        if pixels is None or grids is None:
+            continue
+        row = 0
+        for g in grids.tolist():
+            n = g[0] * g[1] * g[2]
+            grid = (int(g[0]), int(g[1]), int(g[2]))
+            items.append(VisionItem(kind, content_key(kind, grid, pixels[row:row + n]), row, row + n, grid))
+            row += n
+    return items
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    bytes: int
+    max_bytes: int
+
+
+class FeatureCache:
+    """LRU map content key -> vision features (tokens, hidden) on the device, bounded by bytes.
+
+    Used on the engine thread; `stats()` may be read from any thread. max_bytes 0 disables it
+    (every lookup misses, nothing is kept). An entry larger than max_bytes is not kept."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self._entries: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = 0
+
+    @staticmethod
+    def _size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def get(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            t = self._entries.get(key)
+            if t is None:
+                self._misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return t
+
+    def put(self, key: str, features: torch.Tensor) -> None:
+        size = self._size(features)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= self._size(old)
+            while self._entries and self._bytes + size > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= self._size(dropped)
+                self._evictions += 1
+            self._entries[key] = features
+            self._bytes += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes,
+                              self.max_bytes)
+
+
+class VisionEncoder:
+    """The model's vision tower behind the feature cache."""
+
+    def __init__(self, model, cache: FeatureCache, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model  # Qwen2VLForConditionalGeneration
+        self.cache = cache
+        self.device = device
+        self.dtype = dtype
+
+    def _encode(self, kind: str, inputs: dict, items: list[VisionItem]) -> list[torch.Tensor]:
+        """Runs the vision tower once over the given items of one kind (rows in item order)."""
+        pix_key, _ = _INPUT_KEYS[kind]
+        pixels = inputs[pix_key]
+        rows = torch.cat([pixels[it.start:it.end] for it in items]).to(self.device)
+        grid = torch.tensor([it.grid for it in items], dtype=torch.long, device=self.device)
+        inner = self.model.model
+        if kind == IMAGE:
+            out = inner.get_image_features(rows, grid).pooler_output
+        else:
+            out = inner.get_video_features(rows, grid).pooler_output
+        return [t.to(self.dtype).clone() for t in out]  # own storage: cache bytes are what they say
+
+    def features(self, inputs: dict, items: list[VisionItem]) -> dict[str, list[torch.Tensor]]:
+        """Features per kind in item order; the vision tower runs only for cache misses."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, dict[str, VisionItem]] = {IMAGE: {}, VIDEO: {}}
+        for it in items:
+            if it.key in found or it.key in missing[it.kind]:
+                continue
+            t = self.cache.get(it.key)
+            if t is None:
+                missing[it.kind][it.key] = it
+            else:
+                found[it.key] = t
+        for kind, todo in missing.items():
+            if not todo:
+                continue
+            for it, feats in zip(todo.values(), self._encode(kind, inputs, list(todo.values()))):
+                found[it.key] = feats
+                self.cache.put(it.key, feats)
+        out: dict[str, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
+        for it in items:
+            out[it.kind].append(found[it.key])
+        return out
+
+    def embed(self, input_ids: torch.Tensor, inputs: dict, items: list[VisionItem]) -> torch.Tensor:
+        """Token embeddings of the prompt with every image/video's features at its pad tokens."""
+        embeds = self.model.model.get_input_embeddings()(input_ids)
+        if not items:
+            return embeds
+        feats = self.features(inputs, items)
+        config = self.model.config
+        for kind, token_id in ((IMAGE, config.image_token_id), (VIDEO, config.video_token_id)):
+            if not feats[kind]:
+                continue
+            values = torch.cat(feats[kind]).to(embeds.device, embeds.dtype)
+            mask = (input_ids == token_id).unsqueeze(-1).expand_as(embeds)
+            if int(mask[..., 0].sum()) != values.shape[0]:
+                raise ValueError(f"{kind} features ({values.shape[0]} tokens) do not match the prompt's "
+                                 f"{int(mask[..., 0].sum())} {kind} tokens")
+            embeds = embeds.masked_scatter(mask, values)
+        return embeds
