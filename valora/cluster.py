@@ -101,6 +101,25 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             time.sleep(0.2)
 
 
+def wait_registered(scheduler: str, workers: int, timeout_s: float) -> None:
+    """Blocks until the scheduler lists `workers` healthy workers (registered ones join at run time)."""
+    from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+        while True:
+            try:
+                st = stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest(), timeout=1.0)
+                if sum(w.healthy for w in st.workers) >= workers:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{scheduler}: {workers} workers not registered after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+
 def default_model_path(home: Path) -> Path:
     return home / "models" / "tiny-qwen2-vl"
 
@@ -113,9 +132,12 @@ def ensure_model(model_path: Path) -> None:
 
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
                   model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
-                  startup_timeout_s: float = 180.0) -> Cluster:
+                  startup_timeout_s: float = 180.0, register: bool = False) -> Cluster:
     """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING.
-    Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one)."""
+    Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one).
+    `register`: workers join the scheduler through RegisterWorker + heartbeats (VALORA_SCHEDULER_ADDRESS;
+    they retry until the scheduler is up) instead of its static VALORA_WORKER_ADDRESSES; returns once
+    the scheduler lists them all healthy."""
     home = Path(home).resolve()
     (home / "logs").mkdir(parents=True, exist_ok=True)
     model_path = Path(model_path or default_model_path(home)).resolve()
@@ -134,9 +156,11 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
             "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
             "VALORA_WORKER_NAME": f"worker-{i}",
             "VALORA_ADAPTER_CACHE_DIR": str(home / f"adapter-cache-{i}"),
+            **({"VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
+                "VALORA_ADVERTISE_ADDRESS": f"127.0.0.1:{port}"} if register else {}),
         }) for i, port in enumerate(worker_ports)],
         ("scheduler", "scheduler", scheduler_port, {
-            "VALORA_WORKER_ADDRESSES": ",".join(f"127.0.0.1:{p}" for p in worker_ports),
+            "VALORA_WORKER_ADDRESSES": "" if register else ",".join(f"127.0.0.1:{p}" for p in worker_ports),
         }),
         ("gateway", "gateway", gateway_port or free_port(), {
             "VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
@@ -160,6 +184,8 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
                                                  http_port=int(ports.get("VALORA_HTTP_PORT", 0))))
             cluster.save()
             wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
+            if service == "scheduler" and register:
+                wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s)
     except BaseException:
         stop_cluster(home)
         raise

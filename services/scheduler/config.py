@@ -24,7 +24,14 @@ def split_list(value: object) -> object:
 
 class SchedulerSettings(ServiceSettings):
     worker_addresses: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Worker gRPC addresses (host:port), comma-separated or JSON list.")
+        default_factory=list, description="Static worker gRPC addresses (host:port), comma-separated or JSON list; "
+        "members for the scheduler's life. More workers may join at run time through RegisterWorker.")
+    worker_ttl_s: float = Field(
+        10.0, gt=0, description="A worker whose heartbeats stop (registered workers) or whose status polls fail "
+        "for this long is lost: its requests that have not produced output are placed again.")
+    worker_grace_s: float = Field(
+        30.0, ge=0, description="How long a lost registered worker stays listed (unhealthy) before it is removed "
+        "from the pool; registering again within it (a restart) keeps its place.")
     max_queue: int = Field(
         256, ge=0, description="Requests waiting for a worker; past it Submit is RESOURCE_EXHAUSTED.")
     retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay suggested when the queue is full.")

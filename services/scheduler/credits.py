@@ -7,6 +7,7 @@ leaving it behind a merged adapter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,6 +23,17 @@ class Credit:
     @property
     def value_s(self) -> float:
         return self.wait_s + self.exec_s
+
+
+# Characters per prompt token: about 4 for English text through BPE tokenizers (Qwen2's included).
+CHARS_PER_TOKEN = 4.0
+
+
+def estimate_prompt_tokens(prompt: str) -> int:
+    """Prompt tokens estimated from the text before tokenization (the scheduler has no tokenizer);
+    0 for an empty prompt (the cost model's default then applies). Image tokens are added by the
+    cost model from the image count."""
+    return math.ceil(len(prompt) / CHARS_PER_TOKEN) if prompt else 0
 
 
 def estimate_exec_s(cost: CostModel, *, prompt_tokens: int, images: int, max_new_tokens: int, label: bool,

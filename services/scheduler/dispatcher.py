@@ -4,6 +4,11 @@ Each Submit call holds a `Pending` entry: it waits on `Dispatcher.wait_assigned`
 dispatch loop (woken by arrivals, finished requests and status polls) has the policy place it
 on a worker, runs it there, then `release`s the slot. Expired requests are dropped before
 dispatch with DEADLINE_EXCEEDED.
+
+The policy sees what each worker is running, as the simulator shows it: the pool counts the
+requests placed on every worker per adapter (`WorkerView.running_adapters`, so the credit policy
+prices the LoRA term of running rows), and every waiting request carries its prompt size
+(`Pending.prompt_tokens`, estimated from the prompt text, plus its image count).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Pending:
     max_new_tokens: int = 0
     images: int = 0
     label: bool = False
+    # Estimated prompt tokens (credits.estimate_prompt_tokens); 0 = the cost model's default.
+    prompt_tokens: int = 0
     key: str = ""
     assigned: asyncio.Future | None = None
     dispatched_s: float | None = None
@@ -102,7 +109,7 @@ class Dispatcher:
         except BaseException as exc:
             # Timed out or cancelled (client gone): a slot granted meanwhile goes back.
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result())
+                self.release(fut.result(), pending)
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded(f"request {pending.request_id} expired in the queue",
                                        reason="QUEUE_TIMEOUT") from None
@@ -124,10 +131,9 @@ class Dispatcher:
                 raise DeadlineExceeded(f"request {pending.request_id} expired waiting for a mode switch",
                                        reason="QUEUE_TIMEOUT") from None
 
-    def release(self, worker: str) -> None:
-        handle = self.pool.workers.get(worker)
-        if handle is not None:
-            handle.inflight -= 1
+    def release(self, worker: str, pending: Pending) -> None:
+        """`pending`'s run on `worker` ended (done, failed, or taken back to be placed again)."""
+        self.pool.finished(worker, pending.adapter)
         self.wake()
 
     # -- the dispatch loop ----------------------------------------------------------------
@@ -146,7 +152,7 @@ class Dispatcher:
         if not self.queue:
             return
         waiting = [WaitingRequest(key, p.arrival_s, p.adapter, frozenset(p.excluded), p.max_new_tokens, p.images,
-                                  p.label) for key, p in self.queue.items()]
+                                  p.label, p.prompt_tokens) for key, p in self.queue.items()]
         decision = self.policy.decide(now, waiting, self.pool.views())
         for cmd in decision.mode_commands:
             self._send_mode(cmd)
@@ -156,7 +162,7 @@ class Dispatcher:
             p = self.queue.pop(a.request_id, None)
             if p is None or p.assigned.done():
                 continue
-            self.pool[a.worker].inflight += 1
+            self.pool.started(a.worker, p.adapter)
             p.dispatched_s = now
             metrics.QUEUE_TIME.observe(now - p.arrival_s)
             p.assigned.set_result(a.worker)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common.channels import client_credentials
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.scheduler.config import SchedulerSettings
@@ -25,7 +26,9 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
     pool = WorkerPool(settings.worker_addresses, poll_s=settings.status_poll_s,
                       poll_timeout_s=settings.status_timeout_s,
                       default_max_batch_size=settings.default_max_batch_size,
-                      channel_options=channel_options(settings), on_change=on_change, tracer_provider=tracing)
+                      channel_options=channel_options(settings), on_change=on_change, tracer_provider=tracing,
+                      credentials=client_credentials(settings), ttl_s=settings.worker_ttl_s,
+                      grace_s=settings.worker_grace_s)
     if policy is None:
         cost = load_profile(settings.cost_profile, settings.cost_results_dir or None)
         policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s)

@@ -2,7 +2,12 @@
 
 A worker that fails before the first output message is excluded and the request goes back to
 the queue (up to `max_attempts` workers); once output has reached the caller a failure is
-UNAVAILABLE, never a silent replay.
+UNAVAILABLE, never a silent replay. The same holds when the pool declares the worker lost
+(heartbeats stopped, or down for the TTL) while the request waits there for its first output:
+the worker call is cancelled and the request placed again.
+
+Workers join and leave through RegisterWorker / Heartbeat / DeregisterWorker (workers.py says
+how membership works).
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from google.protobuf import duration_pb2
 import structlog
 
 from services.common import errors, metrics
 from services.common.server import REQUEST_ID_KEY, new_request_id, request_id_from
+from services.scheduler.credits import estimate_prompt_tokens
 from services.scheduler.dispatcher import Dispatcher, Pending
 from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2
@@ -72,6 +79,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             max_new_tokens=item.params.max_new_tokens,
             images=len(item.images),
             label=item.output_kind == types_pb2.OUTPUT_KIND_LABEL,
+            prompt_tokens=estimate_prompt_tokens(item.prompt),
         )
         adapter_label = metrics.adapter_label(pending.adapter or "")
         self.dispatcher.admit(pending)
@@ -79,23 +87,38 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         while True:
             attempt += 1
             worker = await self.dispatcher.wait_assigned(pending)
-            handle = self.pool[worker]
+            handle = self.pool.handle(worker)
+            if handle is None:  # removed between placement and here (nothing ran)
+                self.dispatcher.release(worker, pending)
+                pending.excluded.add(worker)
+                self.dispatcher.requeue(pending)
+                continue
+            lost = handle.lost_event
             try:
                 await self.dispatcher.worker_ready(worker, pending)
             except BaseException:
-                self.dispatcher.release(worker)
+                self.dispatcher.release(worker, pending)
                 raise
             queue_ms = ((pending.dispatched_s or clock()) - pending.arrival_s) * 1000.0
             timeout = pending.remaining_s(clock())
             if timeout is not None and timeout <= 0:
-                self.dispatcher.release(worker)
+                self.dispatcher.release(worker, pending)
                 raise errors.DeadlineExceeded(f"request {item.request_id} expired before dispatch",
                                               reason="QUEUE_TIMEOUT")
             call = handle.stub.Generate(worker_service_pb2.GenerateRequest(item=item), timeout=timeout,
                                         metadata=((REQUEST_ID_KEY, item.request_id),))
             started = False
             try:
-                async for resp in call:
+                resp = await _first_response(call, lost)
+                if resp is _LOST:
+                    log.warning("worker_lost_before_first_token", worker=worker, attempt=attempt)
+                    pending.excluded.add(worker)
+                    if attempt >= self.max_attempts or set(self.pool.workers) <= pending.excluded:
+                        raise errors.WorkerUnavailable(f"worker {worker} was lost and no other worker is left",
+                                                       reason="WORKER_LOST")
+                    self.dispatcher.requeue(pending)
+                    continue
+                while resp is not grpc.aio.EOF:
                     if not started:
                         metrics.TIME_TO_FIRST_TOKEN.labels(adapter_label).observe(clock() - pending.arrival_s)
                     started = True
@@ -108,6 +131,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                         yield out
                         return
                     yield out
+                    resp = await call.read()
                 raise errors.WorkerUnavailable(f"worker {worker} ended the stream without a result",
                                                reason="WORKER_NO_RESULT")
             except grpc.RpcError as err:
@@ -127,10 +151,57 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 self.dispatcher.requeue(pending)
             finally:
                 call.cancel()
-                self.dispatcher.release(worker)
+                self.dispatcher.release(worker, pending)
 
     async def GetSchedulerStatus(self, request, context):
         return scheduler_service_pb2.GetSchedulerStatusResponse(
             workers=[w.to_pb() for w in self.pool.workers.values()],
             queued_requests=len(self.dispatcher.queue),
         )
+
+    # -- membership ------------------------------------------------------------------------------
+    async def RegisterWorker(self, request, context):
+        if not request.address:
+            raise errors.invalid_field("address", "must be the worker's host:port")
+        if request.max_batch_size < 0:
+            raise errors.invalid_field("max_batch_size", "must not be negative")
+        self.pool.register(request.address, name=request.name, device=request.device,
+                           max_batch_size=request.max_batch_size)
+        ttl = duration_pb2.Duration()
+        ttl.FromNanoseconds(int(self.pool.ttl_s * 1e9))
+        return scheduler_service_pb2.RegisterWorkerResponse(ttl=ttl)
+
+    async def Heartbeat(self, request, context):
+        if not request.address:
+            raise errors.invalid_field("address", "must be the address the worker registered with")
+        if not self.pool.heartbeat(request.address):
+            raise errors.NotFound(f"worker {request.address} is not registered", reason="WORKER_NOT_REGISTERED")
+        return scheduler_service_pb2.HeartbeatResponse()
+
+    async def DeregisterWorker(self, request, context):
+        if not request.address:
+            raise errors.invalid_field("address", "must be the address the worker registered with")
+        if not self.pool.deregister(request.address):
+            raise errors.NotFound(f"worker {request.address} is not registered", reason="WORKER_NOT_REGISTERED")
+        return scheduler_service_pb2.DeregisterWorkerResponse()
+
+
+_LOST = object()
+
+
+async def _first_response(call, lost: asyncio.Event):
+    """The worker call's first message (grpc.aio.EOF when it ends without one), or `_LOST` when
+    the pool declares the worker lost first."""
+    if lost.is_set():
+        return _LOST
+    read = asyncio.ensure_future(call.read())
+    gone = asyncio.ensure_future(lost.wait())
+    try:
+        await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not read.done():
+            read.cancel()
+    if read.done() and not read.cancelled():
+        return read.result()  # raises the call's RpcError
+    return _LOST

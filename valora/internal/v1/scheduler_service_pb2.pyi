@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from valora.internal.v1 import work_pb2 as _work_pb2
 from valora.v1 import inference_service_pb2 as _inference_service_pb2
 from valora.v1 import admin_service_pb2 as _admin_service_pb2
@@ -34,3 +37,41 @@ class GetSchedulerStatusResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[_admin_service_pb2.WorkerStatus]
     queued_requests: int
     def __init__(self, workers: _Optional[_Iterable[_Union[_admin_service_pb2.WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("address", "name", "device", "max_batch_size")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    device: str
+    max_batch_size: int
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("ttl",)
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    ttl: _duration_pb2.Duration
+    def __init__(self, ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class DeregisterWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -45,6 +45,21 @@ class SchedulerServiceStub:
                 request_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.GetSchedulerStatusRequest.SerializeToString,
                 response_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.GetSchedulerStatusResponse.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/valora.internal.v1.SchedulerService/RegisterWorker',
+                request_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.RegisterWorkerResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/valora.internal.v1.SchedulerService/Heartbeat',
+                request_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.DeregisterWorker = channel.unary_unary(
+                '/valora.internal.v1.SchedulerService/DeregisterWorker',
+                request_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.DeregisterWorkerRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.DeregisterWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -65,6 +80,32 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """Adds a worker to the pool at run time (workers listed in the scheduler's worker_addresses
+        are members from the start). Idempotent: a worker registering again under the same address
+        (a restart) is refreshed, not added twice. Called by the worker on start-up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Keeps a registered worker in the pool. A worker whose heartbeats stop for the scheduler's
+        TTL is marked unhealthy, its requests that have not produced output are placed again, and
+        it is removed after a grace period. NOT_FOUND when the scheduler does not know the address
+        (it restarted, or removed the worker): the worker then calls RegisterWorker again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterWorker(self, request, context):
+        """Removes a registered worker on its graceful stop; requests running there finish first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +118,21 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetSchedulerStatus,
                     request_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.GetSchedulerStatusRequest.FromString,
                     response_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.GetSchedulerStatusResponse.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.HeartbeatRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterWorker,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.DeregisterWorkerRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_scheduler__service__pb2.DeregisterWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +190,87 @@ class SchedulerService:
             '/valora.internal.v1.SchedulerService/GetSchedulerStatus',
             valora_dot_internal_dot_v1_dot_scheduler__service__pb2.GetSchedulerStatusRequest.SerializeToString,
             valora_dot_internal_dot_v1_dot_scheduler__service__pb2.GetSchedulerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.SchedulerService/RegisterWorker',
+            valora_dot_internal_dot_v1_dot_scheduler__service__pb2.RegisterWorkerRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_scheduler__service__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.SchedulerService/Heartbeat',
+            valora_dot_internal_dot_v1_dot_scheduler__service__pb2.HeartbeatRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_scheduler__service__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.SchedulerService/DeregisterWorker',
+            valora_dot_internal_dot_v1_dot_scheduler__service__pb2.DeregisterWorkerRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_scheduler__service__pb2.DeregisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
