@@ -150,6 +150,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
         item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head)
         item.images.extend(inp.images)
+        item.videos.extend(inp.videos)
         item.output_kind = inp.output_kind or types_pb2.OUTPUT_KIND_TEXT
         if target.adapter is not None:
             item.adapter.CopyFrom(target.adapter)

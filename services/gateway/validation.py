@@ -35,11 +35,22 @@ class Limits:
     max_prompt_chars: int
     max_new_tokens_limit: int
     max_stop_sequences: int
+    max_videos: int = 4
+    max_video_frames: int = 64  # per video
 
 
 def _bad(violations: list[FieldViolation]) -> InvalidArgument:
     summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
     return InvalidArgument(f"invalid request: {summary}", reason="INVALID_ARGUMENT", field_violations=violations)
+
+
+def _all_images(inp: inference_service_pb2.InferenceInput, prefix: str):
+    """(field path, Image) of every image and every video frame; frames are checked like images."""
+    for i, image in enumerate(inp.images):
+        yield f"{prefix}.images[{i}]", image
+    for i, video in enumerate(inp.videos):
+        for j, frame in enumerate(video.frames):
+            yield f"{prefix}.videos[{i}].frames[{j}]", frame
 
 
 def check_request_id(request_id: str) -> list[FieldViolation]:
@@ -60,15 +71,16 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
                 prefix: str = "input") -> list[FieldViolation]:
     """Every violation that needs no decoding and no registry lookup."""
     out: list[FieldViolation] = []
-    if not inp.prompt and not inp.images:
-        out.append(FieldViolation(prefix, "a prompt or at least one image is required"))
+    if not inp.prompt and not inp.images and not inp.videos:
+        out.append(FieldViolation(prefix, "a prompt, an image or a video is required"))
     if len(inp.prompt) > limits.max_prompt_chars:
         out.append(FieldViolation(f"{prefix}.prompt",
                                   f"{len(inp.prompt)} characters; at most {limits.max_prompt_chars}"))
     if len(inp.images) > limits.max_images:
         out.append(FieldViolation(f"{prefix}.images", f"{len(inp.images)} images; at most {limits.max_images}"))
-    for i, image in enumerate(inp.images):
-        path = f"{prefix}.images[{i}]"
+    if len(inp.videos) > limits.max_videos:
+        out.append(FieldViolation(f"{prefix}.videos", f"{len(inp.videos)} videos; at most {limits.max_videos}"))
+    for path, image in _all_images(inp, prefix):
         if not image.data:
             out.append(FieldViolation(f"{path}.data", "empty"))
         elif len(image.data) > limits.max_image_bytes:
@@ -78,6 +90,10 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         if mime and mime not in FORMATS.values():
             out.append(FieldViolation(f"{path}.mime_type",
                                       f"{image.mime_type!r} is not one of {sorted(FORMATS.values())}"))
+    for i, video in enumerate(inp.videos):
+        if not 0 < len(video.frames) <= limits.max_video_frames:
+            out.append(FieldViolation(f"{prefix}.videos[{i}].frames",
+                                      f"{len(video.frames)} frames; 1 to {limits.max_video_frames}"))
 
     target = inp.WhichOneof("target")
     if target == "adapter":
@@ -135,9 +151,10 @@ def inspect_image(data: bytes, max_pixels: int) -> str | None:
 
 async def check_images(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str = "input") -> None:
     loop = asyncio.get_running_loop()
+    images = list(_all_images(inp, prefix))
     problems = await asyncio.gather(*(
-        loop.run_in_executor(None, inspect_image, image.data, limits.max_image_pixels) for image in inp.images))
-    violations = [FieldViolation(f"{prefix}.images[{i}].data", why) for i, why in enumerate(problems) if why]
+        loop.run_in_executor(None, inspect_image, image.data, limits.max_image_pixels) for _, image in images))
+    violations = [FieldViolation(f"{path}.data", why) for (path, _), why in zip(images, problems) if why]
     if violations:
         raise _bad(violations)
 

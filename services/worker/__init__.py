@@ -11,7 +11,8 @@
     store_client.py  FetchAdapter from the adapter store + disk cache by sha256
     detokenizer.py   incremental detokenization and stop sequences
     sampling.py      greedy / temperature, top-k, top-p, seeded
-    processor.py     Qwen2-VL processor (images only) and build_inputs
+    processor.py     Qwen2-VL processor (no torchvision), frames -> video patches, build_inputs
+    vision.py        images/videos -> prompt embeddings, the image-feature cache by content hash
     model.py         loading the model; re-exports build_inputs
     tiny_model.py    the tiny Qwen2-VL built locally (python -m services.worker.tiny_model PATH)
     testing.py       random PEFT-layout bundles, PEFT dirs, an in-memory adapter store

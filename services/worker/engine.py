@@ -290,17 +290,21 @@ class Engine:
             raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
         if request.sampling.temperature < 0 or not 0 <= request.sampling.top_p <= 1 or request.sampling.top_k < 0:
             raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0")
+        for i, frames in enumerate(request.videos):
+            if not frames:
+                raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
         try:
-            inputs = build_inputs(self.processor, request.images, request.prompt)
+            inputs = build_inputs(self.processor, request.images, request.prompt, request.videos)
         except (ValueError, TypeError) as exc:
-            raise invalid_field("item.images", f"cannot process the request's images: {exc}",
+            raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
                                 reason="BAD_IMAGE") from exc
         ids = inputs["input_ids"]
         limit = self.text_config.max_position_embeddings
         if ids.shape[1] + n > limit:
             raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
                                 f"model's {limit} positions", reason="PROMPT_TOO_LONG")
-        image_tokens = int((ids == self.model.config.image_token_id).sum())
+        vision_ids = (self.model.config.image_token_id, self.model.config.video_token_id)
+        image_tokens = int(torch.isin(ids, torch.tensor(vision_ids)).sum())  # images' and videos' tokens
         return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
                                vision=vision_items(inputs))

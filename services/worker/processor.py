@@ -1,14 +1,20 @@
 """Prompt building for Qwen2-VL: the processor the worker loads and `build_inputs`.
 
-`build_inputs(processor, images, prompt)` is THE way a request becomes model inputs (the e2e
-test uses it as its reference). The chat text is Qwen2-VL's template: default system turn, one
-user turn with `<|vision_start|><|image_pad|><|vision_end|>` per image followed by the prompt,
-then the assistant turn start.
+`build_inputs(processor, images, prompt, videos)` is THE way a request becomes model inputs (the
+e2e test uses it as its reference). The chat text is Qwen2-VL's template: default system turn,
+one user turn with `<|vision_start|><|image_pad|><|vision_end|>` per image, then
+`<|vision_start|><|video_pad|><|vision_end|>` per video, then the prompt, then the assistant
+turn start.
 
 Qwen2-VL's stock processor needs torchvision for its video processor, which does not import on
-these machines; we serve images only, so `ImageQwen2VLProcessor` is Qwen2VLProcessor without the
-video slot, registered with AutoProcessor so `AutoProcessor.from_pretrained(tiny_model_dir)`
-works once this module is imported.
+these machines, so `ImageQwen2VLProcessor` is Qwen2VLProcessor without the video slot,
+registered with AutoProcessor so `AutoProcessor.from_pretrained(tiny_model_dir)` works once this
+module is imported. Videos (a list of frames) go through `video_inputs`: every frame through the
+image processor (the same resize bounds, rescale and normalisation as images), then the frames'
+patches paired along time in the layout of Qwen2-VL's video processor (`pixel_values_videos`,
+`video_grid_thw`). Differences from the torchvision video processor: frames resize with PIL
+bicubic instead of torchvision's, and the image processor's min/max pixels bound each frame
+(the stock video processor has its own, larger, bounds).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer, ProcessorMixin
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -25,6 +32,7 @@ from services.common.errors import invalid_field
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
@@ -60,20 +68,56 @@ def load_processor(path: Path | str):
                                      chat_template=getattr(tokenizer, "chat_template", None))
 
 
-def chat_text(prompt: str, num_images: int) -> str:
-    """Qwen2-VL's chat format for one user turn (images first, then the prompt) + assistant start."""
+def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int, ...] = ()) -> str:
+    """Qwen2-VL's chat format for one user turn (images, then videos, then the prompt) + assistant
+    start. `video_tokens[i]`: how many `<|video_pad|>` video i takes (1: the unexpanded placeholder)."""
+    videos = "".join(f"<|vision_start|>{VIDEO_PAD * n}<|vision_end|>" for n in video_tokens)
     return (
         f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
-        f"<|im_start|>user\n{VISION_PLACEHOLDER * num_images}{prompt}<|im_end|>\n"
+        f"<|im_start|>user\n{VISION_PLACEHOLDER * num_images}{videos}{prompt}<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
 
 
-def build_inputs(processor, images: list[Image.Image], prompt: str):
-    """Processor outputs for one request: input_ids, attention_mask, mm_token_type_ids and, with
-    images, pixel_values and image_grid_thw (torch tensors, batch of 1)."""
-    text = chat_text(prompt, len(images))
-    return processor(images=list(images) or None, text=[text], return_tensors="pt")
+def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tensor, list[int]]:
+    """One video chunk -> (patches (t*h*w, C*T*p*p), grid [t, h, w]) in Qwen2-VL's video layout.
+
+    Every frame takes the image processor's path (frames of another size than the first are
+    resized to it first, so all share one grid); an odd frame count repeats the last frame, as
+    the stock video processor does. For two equal frames the result equals the image's patches."""
+    if not frames:
+        raise ValueError("a video needs at least one frame")
+    size = frames[0].size
+    frames = [f if f.size == size else f.resize(size, Image.Resampling.BICUBIC) for f in frames]
+    t_patch = image_processor.temporal_patch_size
+    if pad := -len(frames) % t_patch:
+        frames = frames + [frames[-1]] * pad
+    out = image_processor(images=frames, return_tensors="pt")
+    pixels, grids = out["pixel_values"], out["image_grid_thw"]
+    _, gh, gw = (int(x) for x in grids[0])
+    p = image_processor.patch_size
+    # Per frame (rows, C, T, p, p) with T a broadcast of the frame itself: keep one time slot.
+    per_frame = pixels.view(len(frames), gh * gw, -1, t_patch, p, p)[:, :, :, 0]
+    grid_t = len(frames) // t_patch
+    # Temporal patch k holds frames k*T .. k*T+T-1 in its T slot; rows stay in the image order.
+    video = per_frame.view(grid_t, t_patch, gh * gw, -1, p, p).permute(0, 2, 3, 1, 4, 5)
+    return video.reshape(grid_t * gh * gw, -1).contiguous(), [grid_t, gh, gw]
+
+
+def build_inputs(processor, images: list[Image.Image], prompt: str,
+                 videos: list[list[Image.Image]] | None = None):
+    """Processor outputs for one request: input_ids, attention_mask, mm_token_type_ids, with
+    images pixel_values and image_grid_thw, with videos (lists of frames) pixel_values_videos and
+    video_grid_thw (torch tensors, batch of 1)."""
+    chunks = [video_inputs(processor.image_processor, frames) for frames in videos or []]
+    merge = processor.image_processor.merge_size ** 2
+    # Video pads expanded here (the processor expands image pads only: it has no video processor).
+    text = chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks])
+    inputs = processor(images=list(images) or None, text=[text], return_tensors="pt")
+    if chunks:
+        inputs["pixel_values_videos"] = torch.cat([c[0] for c in chunks])
+        inputs["video_grid_thw"] = torch.tensor([c[1] for c in chunks], dtype=torch.long)
+    return inputs
 
 
 def decode_image(data: bytes, field_path: str = "images") -> Image.Image:

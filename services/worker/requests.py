@@ -38,6 +38,7 @@ class WorkRequest:
     request_id: str
     prompt: str
     images: list[Image.Image] = field(default_factory=list)
+    videos: list[list[Image.Image]] = field(default_factory=list)  # video chunks, each a list of frames
     adapter: str | None = None  # "adapters/{a}/versions/{v}"; None = base model
     output_kind: OutputKind = OutputKind.TEXT
     head: str = ""

@@ -108,6 +108,8 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         request_id=item.request_id,
         prompt=item.prompt,
         images=[decode_image(img.data, f"item.images[{i}]") for i, img in enumerate(item.images)],
+        videos=[[decode_image(f.data, f"item.videos[{i}].frames[{j}]") for j, f in enumerate(v.frames)]
+                for i, v in enumerate(item.videos)],
         adapter=adapter,
         output_kind=kind,
         head=item.head,

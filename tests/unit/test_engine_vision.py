@@ -99,3 +99,95 @@ def test_feature_cache_is_lru_and_bounded_by_bytes():
     off = FeatureCache(max_bytes=0)
     off.put("a", t(1))
     assert off.get("a") is None and off.stats().entries == 0
+
+
+def hf_generate(model_path, inputs, max_new=MAX_NEW) -> list[int]:
+    """Greedy tokens of HF generate on a fresh model over the same processor outputs (base model)."""
+    model = load_model(model_path, DEVICE)
+    inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_calls):
+    engine.vision.cache.clear()
+    processor = load_processor(model_path)
+    prompt = "What changed between them?"
+    cases = {
+        "two-images": ([image(21), image(22, 112)], []),
+        # 3 frames: 2 temporal patches (the last frame repeated), plus a one-frame video and an image.
+        "video": ([image(23)], [[image(24), image(25), image(26)], [image(27, 84)]]),
+    }
+    for name, (imgs, vids) in cases.items():
+        _, r = engine.generate(WorkRequest(name, prompt, imgs, videos=vids, max_new_tokens=MAX_NEW))
+        inputs = build_inputs(processor, imgs, prompt, vids)
+        assert r.token_ids == hf_generate(model_path, inputs), name
+        vision = int((inputs["mm_token_type_ids"] > 0).sum())
+        assert r.image_tokens == vision and r.prompt_tokens == inputs["input_ids"].shape[1]
+    # One tower call per kind per request (all misses).
+    assert vision_calls.calls == [2, 1, 2]
+    assert engine.generate(WorkRequest("v2", prompt, [], videos=[[image(24), image(25), image(26)]],
+                                       max_new_tokens=1))[1].output_tokens == 1
+    assert vision_calls.calls == [2, 1, 2], "a repeated video ran the vision tower again"
+
+
+def test_video_patches_follow_qwen2vl_video_layout(model_path):
+    """`video_inputs` against the stock video processor's own patchify (its module needs
+    torchvision to import, so the function is taken from its source), on frames that need no resize."""
+    import ast
+    import inspect
+    import math
+
+    import transformers.models.qwen2_vl as qwen2_vl
+
+    from services.worker.processor import video_inputs
+
+    src = (inspect.getfile(qwen2_vl).rsplit("/", 1)[0]) + "/video_processing_qwen2_vl.py"
+    tree = ast.parse(open(src).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "patchify")
+    ns = {"torch": torch}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), src, "exec"), ns)
+    processor = load_processor(model_path).image_processor
+    frames = [image(30 + i, 56) for i in range(5)]  # odd: the last frame is repeated
+    got, grid = video_inputs(processor, frames)
+    mean = torch.tensor(processor.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
+    pixels = torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1).float() for f in frames])
+    videos = ((pixels * processor.rescale_factor - mean) / std).unsqueeze(0)
+    want, t, h, w = ns["patchify"](None, videos, processor.patch_size, processor.merge_size,
+                                   processor.temporal_patch_size)
+    assert grid == [t, h, w] == [math.ceil(5 / 2), 4, 4]
+    torch.testing.assert_close(got, want[0], rtol=0, atol=1e-5)
+    # Two equal frames are exactly the image.
+    same, grid1 = video_inputs(processor, [frames[0], frames[0]])
+    assert grid1 == [1, 4, 4] and torch.equal(same, processor(images=[frames[0]], return_tensors="pt")["pixel_values"])
+
+
+def test_gateway_validates_video_frames_like_images():
+    import asyncio
+    import io
+
+    from services.common.errors import InvalidArgument
+    from services.gateway.validation import Limits, validate
+    from valora.v1 import inference_service_pb2, types_pb2
+
+    buf = io.BytesIO()
+    image(1).save(buf, "PNG")
+    ok = types_pb2.Image(data=buf.getvalue(), mime_type="image/png")
+    limits = Limits(max_images=4, max_image_bytes=1 << 20, max_image_pixels=1 << 20, max_prompt_chars=100,
+                    max_new_tokens_limit=16, max_stop_sequences=4, max_videos=2, max_video_frames=3)
+    good = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, ok])])
+    asyncio.run(validate(good, "r", limits))
+    bad = inference_service_pb2.InferenceInput(prompt="hi", videos=[
+        types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")]), types_pb2.Video(),
+        types_pb2.Video(frames=[ok, types_pb2.Image(data=ok.data, mime_type="text/plain")])])
+    with pytest.raises(InvalidArgument) as err:
+        asyncio.run(validate(bad, "r", limits))
+    fields = {v.field for v in err.value.field_violations}
+    assert fields == {"input.videos", "input.videos[1].frames", "input.videos[2].frames[1].mime_type"}
+    bad = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")])])
+    with pytest.raises(InvalidArgument) as err:
+        asyncio.run(validate(bad, "r", limits))
+    assert [v.field for v in err.value.field_violations] == ["input.videos[0].frames[1].data"]

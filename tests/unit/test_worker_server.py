@@ -167,6 +167,23 @@ async def test_set_mode_and_offload(cluster):
     assert not r.already_loaded and store.fetches == fetches
 
 
+async def test_videos_and_repeated_images(cluster):
+    worker, store, channel, stub = cluster
+    engine = worker.servicer.engine
+    frames = [types_pb2.Image(data=png(40 + i)) for i in range(3)]
+    _, res = await generate(stub, request_id="vid", prompt="What happens?", images=[types_pb2.Image(data=png(39))],
+                            videos=[types_pb2.Video(frames=frames)])
+    assert res.usage.image_tokens == 4 + 2 * 4 and res.usage.output_tokens > 0  # an image + 2 temporal patches
+    hits = engine.stats().image_cache.hits
+    _, again = await generate(stub, request_id="vid2", prompt="What happens?", images=[types_pb2.Image(data=png(39))],
+                              videos=[types_pb2.Video(frames=frames)])
+    assert again.text == res.text and engine.stats().image_cache.hits == hits + 2
+    with pytest.raises(grpc.RpcError) as err:
+        await generate(stub, request_id="badvid", prompt="hi",
+                       videos=[types_pb2.Video(frames=[frames[0], types_pb2.Image(data=b"junk")])])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "videos[0].frames[1]" in err.value.details()
+
+
 async def test_health_follows_the_engine(cluster):
     """Last in this module: it stops the shared worker's engine."""
     worker, store, channel, stub = cluster
