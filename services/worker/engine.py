@@ -229,6 +229,23 @@ class Engine:
             self.pool.get(merged)
         self._call(self._apply_mode, mode, merged if mode != Mode.UNMERGED else None, timeout=timeout)
 
+    def switch(self, to: str, expected: str | None = None, timeout: float = 120.0) -> bool:
+        """Replaces the merged adapter by `to` in one in-place pass, keeping the mode (MERGED or
+        MIXTURE). False when `to` is already merged (nothing done). FailedPrecondition when no
+        adapter is merged, or when `expected` is given and is not the merged adapter."""
+        self.pool.get(to)
+        return self._call(self._apply_switch, to, expected or None, timeout=timeout)
+
+    def _apply_switch(self, to: str, expected: str | None) -> bool:
+        if self._merged == to:
+            return False
+        if self._merged is None:
+            raise FailedPrecondition("no adapter is merged; merge one first", reason="NOTHING_MERGED")
+        if expected is not None and self._merged != expected:
+            raise FailedPrecondition(f"{self._merged} is merged, not {expected}", reason="MERGED_ADAPTER_MISMATCH")
+        self._apply_mode(self._mode, to)
+        return True
+
     def _call(self, fn, *args, timeout: float):
         """Runs fn(*args) on the engine thread between steps; returns its result or raises its error."""
         if not self.alive:

@@ -230,19 +230,57 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if not merged:
                 raise invalid_field("merged_adapter", "MERGED and MIXTURE need the adapter to merge")
             await self.ensure_adapter(merged, request.merged_adapter.sha256, field_path="merged_adapter.version")
+        switch_ms, _ = await self._change_mode(engine.set_mode, mode, merged or None)
+        return pb.SetModeResponse(switch_ms=switch_ms)
+
+    async def _change_mode(self, fn, *args):
+        """Runs a mode/weights change on the engine (executor); (wall ms, fn's result). Metrics + log."""
+        engine = self._engine()
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         before = engine.stats().merged_adapter
-        await loop.run_in_executor(None, engine.set_mode, mode, merged or None)
+        result = await loop.run_in_executor(None, fn, *args)
         switch_ms = (time.perf_counter() - t0) * 1e3
-        after = engine.stats().merged_adapter
-        if before != after:
-            kind = "merge" if not before else "unmerge" if not after else "switch"
+        s = engine.stats()
+        if before != s.merged_adapter:
+            kind = "merge" if not before else "unmerge" if not s.merged_adapter else "switch"
             metrics.MODE_SWITCHES.labels(self.worker_name, kind).inc()
         for m in (Mode.MERGED, Mode.UNMERGED, Mode.MIXTURE):
-            metrics.MODE.labels(self.worker_name, m.value).set(1 if m == mode else 0)
-        log.info("mode_set", mode=mode.value, merged=after, switch_ms=round(switch_ms, 3))
-        return pb.SetModeResponse(switch_ms=switch_ms)
+            metrics.MODE.labels(self.worker_name, m.value).set(1 if m == s.mode else 0)
+        log.info("mode_set", mode=s.mode.value, merged=s.merged_adapter, switch_ms=round(switch_ms, 3))
+        return switch_ms, result
+
+    async def Merge(self, request, context):
+        engine = self._engine()
+        version = request.adapter.version
+        if not version:
+            raise invalid_field("adapter.version", "the adapter to merge is required")
+        await self.ensure_adapter(version, request.adapter.sha256)
+        s = engine.stats()
+        if s.mode == Mode.MERGED and s.merged_adapter == version:
+            return pb.MergeResponse(already_merged=True)
+        switch_ms, _ = await self._change_mode(engine.set_mode, Mode.MERGED, version)
+        return pb.MergeResponse(switch_ms=switch_ms)
+
+    async def Unmerge(self, request, context):
+        engine = self._engine()
+        if engine.stats().mode == Mode.UNMERGED:
+            return pb.UnmergeResponse(already_unmerged=True)
+        switch_ms, _ = await self._change_mode(engine.set_mode, Mode.UNMERGED, None)
+        return pb.UnmergeResponse(switch_ms=switch_ms)
+
+    async def Switch(self, request, context):
+        engine = self._engine()
+        to = request.to_adapter.version
+        if not to:
+            raise invalid_field("to_adapter.version", "the adapter to switch to is required")
+        expected = request.from_adapter.version if request.HasField("from_adapter") else ""
+        if expected:
+            parse_version_name(expected, "from_adapter.version")
+        await self.ensure_adapter(to, request.to_adapter.sha256, field_path="to_adapter.version")
+        switch_ms, changed = await self._change_mode(engine.switch, to, expected or None)
+        return pb.SwitchResponse(switch_ms=switch_ms if changed else 0.0, already_switched=not changed,
+                                 mode=_MODE_PB[engine.stats().mode])
 
     async def GetWorkerStatus(self, request, context):
         if self.engine is None:
@@ -250,10 +288,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 address=self.address, healthy=False, device=self.settings.device,
                 max_batch_size=self.settings.max_batch_size))
         s = self.engine.stats()
+        cache = s.image_cache
         return pb.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
             address=self.address, healthy=s.alive and self.is_serving(), mode=_MODE_PB[s.mode], merged_adapter=s.merged_adapter,
             resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
-            max_batch_size=s.max_batch_size, device=s.device))
+            max_batch_size=s.max_batch_size, device=s.device, kv_cache_bytes=s.kv_cache_bytes,
+            waiting_requests=s.waiting, last_step_ms=s.last_step_ms,
+            image_cache_hits=cache.hits if cache else 0, image_cache_misses=cache.misses if cache else 0))
 
 
 def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:

@@ -184,6 +184,65 @@ async def test_videos_and_repeated_images(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "videos[0].frames[1]" in err.value.details()
 
 
+async def test_merge_unmerge_switch_are_idempotent(cluster):
+    worker, store, channel, stub = cluster
+    status = lambda: stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())
+    _, unmerged = await generate(stub, request_id="u", prompt="hi", adapter=ref(B, store))
+    r = await stub.Unmerge(worker_service_pb2.UnmergeRequest())
+    assert r.already_unmerged
+    r = await stub.Merge(worker_service_pb2.MergeRequest(adapter=ref(A, store)))
+    assert not r.already_merged and r.switch_ms > 0
+    r = await stub.Merge(worker_service_pb2.MergeRequest(adapter=ref(A, store)))
+    assert r.already_merged and r.switch_ms == 0
+    s = (await status()).status
+    assert s.mode == types_pb2.INFERENCE_MODE_MERGED and s.merged_adapter == A
+    with pytest.raises(grpc.RpcError) as err:  # a stale caller thinks C is merged: refused, nothing changes
+        await stub.Switch(worker_service_pb2.SwitchRequest(
+            from_adapter=work_pb2.AdapterRef(version="adapters/gamma/versions/1"), to_adapter=ref(B, store)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    r = await stub.Switch(worker_service_pb2.SwitchRequest(from_adapter=ref(A, store), to_adapter=ref(B, store)))
+    assert not r.already_switched and r.mode == types_pb2.INFERENCE_MODE_MERGED
+    r = await stub.Switch(worker_service_pb2.SwitchRequest(from_adapter=ref(A, store), to_adapter=ref(B, store)))
+    assert r.already_switched and r.switch_ms == 0  # a retried switch
+    _, merged = await generate(stub, request_id="m", prompt="hi", adapter=ref(B, store))
+    assert merged.mode == types_pb2.INFERENCE_MODE_MERGED and merged.text == unmerged.text
+    # Switch keeps MIXTURE.
+    await stub.SetMode(worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_MIXTURE,
+                                                         merged_adapter=ref(B, store)))
+    r = await stub.Switch(worker_service_pb2.SwitchRequest(to_adapter=ref(A, store)))
+    assert r.mode == types_pb2.INFERENCE_MODE_MIXTURE and (await status()).status.merged_adapter == A
+    r = await stub.Unmerge(worker_service_pb2.UnmergeRequest())
+    assert not r.already_unmerged
+    assert (await stub.Unmerge(worker_service_pb2.UnmergeRequest())).already_unmerged
+    s = (await status()).status
+    assert s.mode == types_pb2.INFERENCE_MODE_UNMERGED and s.merged_adapter == ""
+    with pytest.raises(grpc.RpcError) as err:  # nothing merged
+        await stub.Switch(worker_service_pb2.SwitchRequest(to_adapter=ref(A, store)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as err:
+        await stub.Merge(worker_service_pb2.MergeRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_status_reports_queue_kv_step_time_and_image_cache(cluster):
+    worker, store, channel, stub = cluster
+    engine = worker.servicer.engine
+    call = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
+        request_id="long", prompt="Count.", images=[types_pb2.Image(data=png(39))],
+        params=types_pb2.GenerationParams(max_new_tokens=1000))))
+    await call.read()  # the first token: it is running
+    for _ in range(100):
+        s = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+        if s.kv_cache_bytes > 0:
+            break
+        await asyncio.sleep(0.02)
+    call.cancel()
+    stats = engine.stats()
+    assert s.running_requests == 1 and s.kv_cache_bytes > 0 and s.last_step_ms > 0 and s.waiting_requests == 0
+    assert s.image_cache_hits >= 1 and s.image_cache_misses >= 1  # png(39) was seen in an earlier test
+    assert s.image_cache_hits <= stats.image_cache.hits and s.image_cache_misses <= stats.image_cache.misses
+
+
 async def test_health_follows_the_engine(cluster):
     """Last in this module: it stops the shared worker's engine."""
     worker, store, channel, stub = cluster

@@ -28,7 +28,7 @@ from valora.v1 import inference_service_pb2 as valora_dot_v1_dot_inference__serv
 from valora.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'valora/internal/v1/worker_service.proto\x12\x12valora.internal.v1\x1a\x1dvalora/internal/v1/work.proto\x1a\x1dvalora/v1/admin_service.proto\x1a!valora/v1/inference_service.proto\x1a\x15valora/v1/types.proto\"=\n\x0fGenerateRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"N\n\x10GenerateResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\"X\n\x12LoadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x11\n\tto_device\x18\x02 \x01(\x08\"-\n\x13LoadAdapterResponse\x12\x16\n\x0e\x61lready_loaded\x18\x01 \x01(\x08\"H\n\x15OffloadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"\x18\n\x16OffloadAdapterResponse\"p\n\x0eSetModeRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.valora.v1.InferenceMode\x12\x36\n\x0emerged_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"$\n\x0fSetModeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\"\x18\n\x16GetWorkerStatusRequest\"B\n\x17GetWorkerStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.valora.v1.WorkerStatus2\xf1\x03\n\rWorkerService\x12W\n\x08Generate\x12#.valora.internal.v1.GenerateRequest\x1a$.valora.internal.v1.GenerateResponse0\x01\x12^\n\x0bLoadAdapter\x12&.valora.internal.v1.LoadAdapterRequest\x1a\'.valora.internal.v1.LoadAdapterResponse\x12g\n\x0eOffloadAdapter\x12).valora.internal.v1.OffloadAdapterRequest\x1a*.valora.internal.v1.OffloadAdapterResponse\x12R\n\x07SetMode\x12\".valora.internal.v1.SetModeRequest\x1a#.valora.internal.v1.SetModeResponse\x12j\n\x0fGetWorkerStatus\x12*.valora.internal.v1.GetWorkerStatusRequest\x1a+.valora.internal.v1.GetWorkerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'valora/internal/v1/worker_service.proto\x12\x12valora.internal.v1\x1a\x1dvalora/internal/v1/work.proto\x1a\x1dvalora/v1/admin_service.proto\x1a!valora/v1/inference_service.proto\x1a\x15valora/v1/types.proto\"=\n\x0fGenerateRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"N\n\x10GenerateResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\"X\n\x12LoadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x11\n\tto_device\x18\x02 \x01(\x08\"-\n\x13LoadAdapterResponse\x12\x16\n\x0e\x61lready_loaded\x18\x01 \x01(\x08\"H\n\x15OffloadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"\x18\n\x16OffloadAdapterResponse\"p\n\x0eSetModeRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.valora.v1.InferenceMode\x12\x36\n\x0emerged_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"$\n\x0fSetModeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\"?\n\x0cMergeRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\":\n\rMergeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x61lready_merged\x18\x02 \x01(\x08\"\x10\n\x0eUnmergeRequest\">\n\x0fUnmergeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x61lready_unmerged\x18\x02 \x01(\x08\"y\n\rSwitchRequest\x12\x34\n\x0c\x66rom_adapter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x32\n\nto_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"e\n\x0eSwitchResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x61lready_switched\x18\x02 \x01(\x08\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.valora.v1.InferenceMode\"\x18\n\x16GetWorkerStatusRequest\"B\n\x17GetWorkerStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.valora.v1.WorkerStatus2\xe4\x05\n\rWorkerService\x12W\n\x08Generate\x12#.valora.internal.v1.GenerateRequest\x1a$.valora.internal.v1.GenerateResponse0\x01\x12^\n\x0bLoadAdapter\x12&.valora.internal.v1.LoadAdapterRequest\x1a\'.valora.internal.v1.LoadAdapterResponse\x12g\n\x0eOffloadAdapter\x12).valora.internal.v1.OffloadAdapterRequest\x1a*.valora.internal.v1.OffloadAdapterResponse\x12R\n\x07SetMode\x12\".valora.internal.v1.SetModeRequest\x1a#.valora.internal.v1.SetModeResponse\x12L\n\x05Merge\x12 .valora.internal.v1.MergeRequest\x1a!.valora.internal.v1.MergeResponse\x12R\n\x07Unmerge\x12\".valora.internal.v1.UnmergeRequest\x1a#.valora.internal.v1.UnmergeResponse\x12O\n\x06Switch\x12!.valora.internal.v1.SwitchRequest\x1a\".valora.internal.v1.SwitchResponse\x12j\n\x0fGetWorkerStatus\x12*.valora.internal.v1.GetWorkerStatusRequest\x1a+.valora.internal.v1.GetWorkerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,10 +51,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETMODEREQUEST']._serialized_end=675
   _globals['_SETMODERESPONSE']._serialized_start=677
   _globals['_SETMODERESPONSE']._serialized_end=713
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=715
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=739
-  _globals['_GETWORKERSTATUSRESPONSE']._serialized_start=741
-  _globals['_GETWORKERSTATUSRESPONSE']._serialized_end=807
-  _globals['_WORKERSERVICE']._serialized_start=810
-  _globals['_WORKERSERVICE']._serialized_end=1307
+  _globals['_MERGEREQUEST']._serialized_start=715
+  _globals['_MERGEREQUEST']._serialized_end=778
+  _globals['_MERGERESPONSE']._serialized_start=780
+  _globals['_MERGERESPONSE']._serialized_end=838
+  _globals['_UNMERGEREQUEST']._serialized_start=840
+  _globals['_UNMERGEREQUEST']._serialized_end=856
+  _globals['_UNMERGERESPONSE']._serialized_start=858
+  _globals['_UNMERGERESPONSE']._serialized_end=920
+  _globals['_SWITCHREQUEST']._serialized_start=922
+  _globals['_SWITCHREQUEST']._serialized_end=1043
+  _globals['_SWITCHRESPONSE']._serialized_start=1045
+  _globals['_SWITCHRESPONSE']._serialized_end=1146
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=1148
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=1172
+  _globals['_GETWORKERSTATUSRESPONSE']._serialized_start=1174
+  _globals['_GETWORKERSTATUSRESPONSE']._serialized_end=1240
+  _globals['_WORKERSERVICE']._serialized_start=1243
+  _globals['_WORKERSERVICE']._serialized_end=1983
 # @@protoc_insertion_point(module_scope)

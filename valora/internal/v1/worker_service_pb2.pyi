@@ -61,6 +61,50 @@ class SetModeResponse(_message.Message):
     switch_ms: float
     def __init__(self, switch_ms: _Optional[float] = ...) -> None: ...
 
+class MergeRequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: _work_pb2.AdapterRef
+    def __init__(self, adapter: _Optional[_Union[_work_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+
+class MergeResponse(_message.Message):
+    __slots__ = ("switch_ms", "already_merged")
+    SWITCH_MS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_MERGED_FIELD_NUMBER: _ClassVar[int]
+    switch_ms: float
+    already_merged: bool
+    def __init__(self, switch_ms: _Optional[float] = ..., already_merged: _Optional[bool] = ...) -> None: ...
+
+class UnmergeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnmergeResponse(_message.Message):
+    __slots__ = ("switch_ms", "already_unmerged")
+    SWITCH_MS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_UNMERGED_FIELD_NUMBER: _ClassVar[int]
+    switch_ms: float
+    already_unmerged: bool
+    def __init__(self, switch_ms: _Optional[float] = ..., already_unmerged: _Optional[bool] = ...) -> None: ...
+
+class SwitchRequest(_message.Message):
+    __slots__ = ("from_adapter", "to_adapter")
+    FROM_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TO_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    from_adapter: _work_pb2.AdapterRef
+    to_adapter: _work_pb2.AdapterRef
+    def __init__(self, from_adapter: _Optional[_Union[_work_pb2.AdapterRef, _Mapping]] = ..., to_adapter: _Optional[_Union[_work_pb2.AdapterRef, _Mapping]] = ...) -> None: ...
+
+class SwitchResponse(_message.Message):
+    __slots__ = ("switch_ms", "already_switched", "mode")
+    SWITCH_MS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    switch_ms: float
+    already_switched: bool
+    mode: _types_pb2.InferenceMode
+    def __init__(self, switch_ms: _Optional[float] = ..., already_switched: _Optional[bool] = ..., mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ...) -> None: ...
+
 class GetWorkerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

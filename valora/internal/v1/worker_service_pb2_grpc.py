@@ -55,6 +55,21 @@ class WorkerServiceStub:
                 request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SetModeRequest.SerializeToString,
                 response_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SetModeResponse.FromString,
                 _registered_method=True)
+        self.Merge = channel.unary_unary(
+                '/valora.internal.v1.WorkerService/Merge',
+                request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.MergeRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.MergeResponse.FromString,
+                _registered_method=True)
+        self.Unmerge = channel.unary_unary(
+                '/valora.internal.v1.WorkerService/Unmerge',
+                request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.UnmergeRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.UnmergeResponse.FromString,
+                _registered_method=True)
+        self.Switch = channel.unary_unary(
+                '/valora.internal.v1.WorkerService/Switch',
+                request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SwitchRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SwitchResponse.FromString,
+                _registered_method=True)
         self.GetWorkerStatus = channel.unary_unary(
                 '/valora.internal.v1.WorkerService/GetWorkerStatus',
                 request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusRequest.SerializeToString,
@@ -94,6 +109,29 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Merge(self, request, context):
+        """Folds the adapter into the base weights: SetMode(MERGED, adapter). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unmerge(self, request, context):
+        """Restores the base weights: SetMode(UNMERGED). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Switch(self, request, context):
+        """Replaces the merged adapter by another in one in-place pass ("unmerge m, merge n"), keeping
+        the mode (MERGED or MIXTURE). Idempotent: switching to the adapter already merged changes
+        nothing. FAILED_PRECONDITION when no adapter is merged (Merge first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWorkerStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -122,6 +160,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.SetMode,
                     request_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SetModeRequest.FromString,
                     response_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SetModeResponse.SerializeToString,
+            ),
+            'Merge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Merge,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.MergeRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.MergeResponse.SerializeToString,
+            ),
+            'Unmerge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unmerge,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.UnmergeRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.UnmergeResponse.SerializeToString,
+            ),
+            'Switch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Switch,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SwitchRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.SwitchResponse.SerializeToString,
             ),
             'GetWorkerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerStatus,
@@ -238,6 +291,87 @@ class WorkerService:
             '/valora.internal.v1.WorkerService/SetMode',
             valora_dot_internal_dot_v1_dot_worker__service__pb2.SetModeRequest.SerializeToString,
             valora_dot_internal_dot_v1_dot_worker__service__pb2.SetModeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Merge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.WorkerService/Merge',
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.MergeRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.MergeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unmerge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.WorkerService/Unmerge',
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.UnmergeRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.UnmergeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Switch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.WorkerService/Switch',
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.SwitchRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.SwitchResponse.FromString,
             options,
             channel_credentials,
             insecure,
