@@ -64,8 +64,8 @@ async def listed(stub, address) -> bool:
     return any(w.address == address for w in (await status(stub)).workers)
 
 
-def registration(stub_port: int, worker: FakeWorker, **kwargs) -> SchedulerRegistration:
-    return SchedulerRegistration(f"127.0.0.1:{stub_port}", address=worker.address, name="w", device="cpu",
+def registration(scheduler_port: int, worker: FakeWorker, **kwargs) -> SchedulerRegistration:
+    return SchedulerRegistration(f"127.0.0.1:{scheduler_port}", address=worker.address, name="w", device="cpu",
                                  max_batch_size=worker.max_batch, heartbeat_s=0.05, **kwargs)
 
 

@@ -75,3 +75,19 @@ async def test_worker_registers_serves_and_deregisters(tmp_path):
         if not stopped:
             await worker.stop(0)
         await scheduler.stop(0)
+
+
+def test_helm_workers_can_register_instead_of_a_dns_list():
+    import json
+
+    from test_deploy import CHART_VALUES, by_kind, rendered_objects
+
+    values = json.loads(json.dumps(CHART_VALUES))
+    values["worker"]["register"] = True
+    cms = by_kind(rendered_objects(values), "ConfigMap")
+    assert cms["valora-worker"]["data"]["VALORA_SCHEDULER_ADDRESS"] == cms["valora-gateway"]["data"][
+        "VALORA_SCHEDULER_ADDRESS"]
+    assert cms["valora-scheduler"]["data"]["VALORA_WORKER_ADDRESSES"] == ""
+    default = by_kind(rendered_objects(), "ConfigMap")
+    assert "VALORA_SCHEDULER_ADDRESS" not in default["valora-worker"]["data"]
+    assert default["valora-scheduler"]["data"]["VALORA_WORKER_ADDRESSES"]
