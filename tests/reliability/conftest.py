@@ -27,6 +27,9 @@ import pytest
 from valora.cluster import Cluster, ProcessInfo, ensure_model, start_cluster, stop_cluster, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
+# Hypothesis keeps a cache directory (constants, examples); not in the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      str(Path(os.environ.get("TMPDIR", "/tmp")) / "valora-hypothesis"))
 RESULTS = REPO / "bench" / "results"
 API_KEY = "rk-inference-7f3a9c1e5b2d4f60"
 ADMIN_KEY = "rk-admin-0d8e2b6a4c1f9e37"
