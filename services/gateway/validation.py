@@ -114,6 +114,9 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         out.append(FieldViolation(f"{pp}.temperature", f"{p.temperature} not in [0, {MAX_TEMPERATURE}]"))
     if not math.isfinite(p.top_p) or not 0.0 <= p.top_p <= 1.0:
         out.append(FieldViolation(f"{pp}.top_p", f"{p.top_p} not in [0, 1] (0 = 1)"))
+    f = p.adapter_release_fraction
+    if not math.isfinite(f) or not 0.0 <= f <= 1.0:
+        out.append(FieldViolation(f"{pp}.adapter_release_fraction", f"{f} not in [0, 1] (0 = never)"))
     if p.top_k < 0:
         out.append(FieldViolation(f"{pp}.top_k", f"{p.top_k} is negative (0 disables top-k)"))
     if len(p.stop) > limits.max_stop_sequences:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import math
 import queue
 import threading
 import time
@@ -101,6 +102,7 @@ class PreparedRequest:
     image_tokens: int
     prompt_tokens: int
     vision: list[VisionItem] = field(default_factory=list)  # images then videos, with content keys
+    release_after: int = 0  # tokens generated with the adapter before it is released (0: never)
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -121,6 +123,7 @@ class _Seq:
     t_prefill: float = 0.0
     t_first: float = 0.0
     mode: Mode = Mode.BASE
+    released: bool = False  # early adapter release: decodes on the base path from now on
 
     @property
     def req(self) -> WorkRequest:
@@ -307,6 +310,10 @@ class Engine:
             raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
         if request.sampling.temperature < 0 or not 0 <= request.sampling.top_p <= 1 or request.sampling.top_k < 0:
             raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0")
+        fraction = request.adapter_release_fraction
+        if not math.isfinite(fraction) or not 0 <= fraction <= 1:
+            raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
+        release_after = math.ceil(fraction * n) if request.adapter and fraction > 0 else 0
         for i, frames in enumerate(request.videos):
             if not frames:
                 raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
@@ -324,7 +331,7 @@ class Engine:
         image_tokens = int(torch.isin(ids, torch.tensor(vision_ids)).sum())  # images' and videos' tokens
         return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
-                               vision=vision_items(inputs))
+                               vision=vision_items(inputs), release_after=release_after)
 
     def submit(self, prep: PreparedRequest, sink, deadline: float | None = None) -> RequestHandle:
         """Queues a prepared request; `sink(event)` is called on the engine thread. Past `deadline`
@@ -500,7 +507,7 @@ class Engine:
     # -- LoRA planning ---------------------------------------------------------------------------
     def _entry_spec(self, s: _Seq) -> tuple | None:
         """What this request adds on top of the current weights (None: nothing)."""
-        x, m = s.req.adapter or None, self._merged
+        x, m = None if s.released else s.req.adapter or None, self._merged
         if m is None:
             return None if x is None else ("lora", x)
         if x == m:
@@ -544,7 +551,8 @@ class Engine:
         index: dict[tuple, int] = {}
         rows = []
         for s in seqs:
-            s.mode = self._request_mode(s)
+            if not s.released:  # a released request reports the mode its adapter ran in
+                s.mode = self._request_mode(s)
             spec = self._entry_spec(s)
             if spec is None:
                 rows.append(-1)
@@ -651,12 +659,22 @@ class Engine:
         if reason is None and len(s.tokens) >= s.prep.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is None:
+            if s.prep.release_after and not s.released and len(s.tokens) >= s.prep.release_after:
+                self._release_adapter(s)
             return
         tail = s.detok.finish()
         if tail:
             self._emit(s, TextDelta(tail))
         self._finish_out(s)
         self._emit(s, Finished(self._result(s, reason, text=s.detok.text)))
+
+    def _release_adapter(self, s: _Seq) -> None:
+        """Early adapter release: the next decode steps run `s` on the base path (its rows leave
+        the LoRA segments; the KV cache computed with the adapter is kept) and its device slot is
+        unpinned, free for other adapters."""
+        s.released = True
+        self._release(s)
+        log.debug("adapter_released", request_id=s.req.request_id, adapter=s.req.adapter, after_tokens=len(s.tokens))
 
     def _result(self, s: _Seq, reason: FinishReason, **kw) -> GenerationResult:
         now = time.monotonic()

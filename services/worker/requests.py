@@ -45,6 +45,9 @@ class WorkRequest:
     max_new_tokens: int = 0  # 0: the engine's default
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
+    # LoRazor-style early release: after ceil(fraction * max_new_tokens) tokens the request
+    # continues on the base model (KV cache kept). 0 = never.
+    adapter_release_fraction: float = 0.0
 
 
 @dataclass

@@ -116,6 +116,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         max_new_tokens=p.max_new_tokens,
         sampling=SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed),
         stop=list(p.stop),
+        adapter_release_fraction=p.adapter_release_fraction,
     )
 
 

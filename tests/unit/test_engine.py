@@ -392,3 +392,82 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
         finally:
             eng.stop()
     assert outs[0] == outs[1]
+
+
+def peft_release_reference(model_path, bundle, img, prompt, tmp_path, release_after, max_new) -> list[int]:
+    """Greedy decoding by hand on PEFT: the adapter for the prompt and the first `release_after`
+    tokens, then the same KV cache continued with the adapter disabled (the base model)."""
+    from peft import PeftModel
+
+    from services.worker.model import load_processor
+
+    model = PeftModel.from_pretrained(load_model(model_path, DEVICE),
+                                      write_peft_dir(bundle, tmp_path / "peft-release")).eval()
+    inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
+    tokens: list[int] = []
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True)
+        while True:
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) == max_new:
+                return tokens
+            step = dict(input_ids=torch.tensor([[tokens[-1]]], device=DEVICE), past_key_values=out.past_key_values,
+                        use_cache=True)
+            if len(tokens) >= release_after:
+                with model.disable_adapter():
+                    out = model(**step)
+            else:
+                out = model(**step)
+
+
+def test_early_adapter_release(engine, model_path, bundles, tmp_path):
+    """LoRazor-style release after half the tokens: the first half equals the adapter run, the
+    rest continues on the base path with the adapter's KV cache (PEFT reference, adapter disabled
+    mid-generation), in a mixed batch and in merged mode alike; 0 changes nothing."""
+    img, prompt, n = image(7), "Describe the image.", 8
+    req = lambda rid, f=0.0, ad=A: WorkRequest(rid, prompt, [img], adapter=ad, max_new_tokens=n,
+                                               adapter_release_fraction=f)
+    got = {rid: r for rid, (_, r) in run_concurrently(
+        engine, [req("full"), req("half", 0.5), req("off", 0.0), req("base", 0.5, None), req("base0", 0.0, None),
+                 req("b", 0.5, B)]).items()}
+    full, half = got["full"].token_ids, got["half"].token_ids
+    assert len(full) == len(half) == n and got["half"].finish_reason == FinishReason.LENGTH
+    assert half[:n // 2] == full[:n // 2] and half != full, "release changed nothing (or too much)"
+    assert half == peft_release_reference(model_path, bundles[A], img, prompt, tmp_path, n // 2, n)
+    assert got["off"].token_ids == full and got["half"].mode == Mode.UNMERGED
+    assert got["base"].token_ids == got["base0"].token_ids  # nothing to release without an adapter
+    try:
+        engine.set_mode(Mode.MERGED, A)
+        merged = run_concurrently(engine, [req("m-half", 0.5), req("m-full")])
+    finally:
+        engine.set_mode(Mode.UNMERGED)
+    assert merged["m-half"][1].token_ids == half and merged["m-half"][1].mode == Mode.MERGED
+    assert merged["m-full"][1].token_ids == full
+    with pytest.raises(InvalidArgument):
+        engine.prepare(req("bad", 1.5))
+
+
+def test_released_adapter_leaves_its_device_slot(engine, model_path):
+    """After the release the request no longer holds its adapter: it can even be offloaded while
+    the request keeps decoding on the base model."""
+    name = "adapters/delta/versions/1"
+    b = random_adapter_bundle(model_path, rank=2, seed=9)
+    engine.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+    events: queue.Queue = queue.Queue()
+    handle = engine.submit(engine.prepare(WorkRequest("rel", "Count.", [image(8)], adapter=name, max_new_tokens=1000,
+                                                      adapter_release_fraction=0.004)), events.put)  # 4 tokens
+    try:
+        assert isinstance(events.get(timeout=30), TextDelta)  # running: admitted, slot pinned
+        for _ in range(1000):
+            try:
+                engine.offload_adapter(name)  # ADAPTER_IN_USE until the release
+                break
+            except FailedPrecondition as exc:
+                assert exc.reason == "ADAPTER_IN_USE"
+                threading.Event().wait(0.01)
+        assert not engine.pool.has(name)
+        for _ in range(3):  # and it keeps going on the base model
+            assert isinstance(events.get(timeout=30), TextDelta)
+        assert engine.stats().running == 1
+    finally:
+        handle.cancel()

@@ -166,6 +166,7 @@ def test_video_patches_follow_qwen2vl_video_layout(model_path):
 
 
 def test_gateway_validates_video_frames_like_images():
+    """(And the new GenerationParams.adapter_release_fraction.)"""
     import asyncio
     import io
 
@@ -180,13 +181,15 @@ def test_gateway_validates_video_frames_like_images():
                     max_new_tokens_limit=16, max_stop_sequences=4, max_videos=2, max_video_frames=3)
     good = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, ok])])
     asyncio.run(validate(good, "r", limits))
-    bad = inference_service_pb2.InferenceInput(prompt="hi", videos=[
+    bad = inference_service_pb2.InferenceInput(prompt="hi", params=types_pb2.GenerationParams(
+        adapter_release_fraction=float("nan")), videos=[
         types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")]), types_pb2.Video(),
         types_pb2.Video(frames=[ok, types_pb2.Image(data=ok.data, mime_type="text/plain")])])
     with pytest.raises(InvalidArgument) as err:
         asyncio.run(validate(bad, "r", limits))
     fields = {v.field for v in err.value.field_violations}
-    assert fields == {"input.videos", "input.videos[1].frames", "input.videos[2].frames[1].mime_type"}
+    assert fields == {"input.videos", "input.videos[1].frames", "input.videos[2].frames[1].mime_type",
+                      "input.params.adapter_release_fraction"}
     bad = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")])])
     with pytest.raises(InvalidArgument) as err:
         asyncio.run(validate(bad, "r", limits))

@@ -126,6 +126,10 @@ async def test_errors_map_to_status_codes(cluster):
         await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(
             adapter=work_pb2.AdapterRef(version=B, sha256="00" * 32)))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # loaded with another hash
+    with pytest.raises(grpc.RpcError) as err:
+        await generate(stub, request_id="rel", prompt="hi", adapter=ref(A, store),
+                       params=types_pb2.GenerationParams(adapter_release_fraction=1.5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_release_fraction" in err.value.details()
 
 
 async def test_deadline_frees_the_sequence(cluster):

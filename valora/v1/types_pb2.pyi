@@ -57,20 +57,22 @@ class Video(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "adapter_release_fraction")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RELEASE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
     top_k: int
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapter_release_fraction: float
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., adapter_release_fraction: _Optional[float] = ...) -> None: ...
 
 class LabelScore(_message.Message):
     __slots__ = ("label", "score")
