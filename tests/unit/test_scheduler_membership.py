@@ -117,6 +117,26 @@ async def test_silent_worker_is_lost_its_waiting_requests_go_elsewhere_and_it_is
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_killed_workers_waiting_requests_go_elsewhere():
+    doomed, good = FakeWorker(hang=True), FakeWorker()
+    async with scheduler(worker_ttl_s=0.5, worker_grace_s=0.5) as (stub, service), serving(good):
+        async with serving(doomed):
+            reg = registration(service.port, doomed)
+            await reg.start()
+            await wait_until(lambda: healthy(stub, doomed.address))
+            calls = [asyncio.ensure_future(collect(stub, submit_request(f"r{i}"))) for i in range(2)]
+            await wait_until(lambda: _true(len(doomed.calls) == 2))
+            reg2 = registration(service.port, good)
+            await reg2.start()
+            await wait_until(lambda: healthy(stub, good.address))
+            reg._task.cancel()  # killed: no deregistration, the server goes away with its calls
+        outs = await asyncio.gather(*calls)
+        await wait_until(lambda: _not(listed(stub, doomed.address)))
+        await reg2.stop()
+    assert all(out[-1].result.worker == good.address for out in outs)
+    assert sorted(rid for rid, _ in good.calls) == ["r0", "r1"]
+
+
 async def test_killed_worker_is_removed_and_a_restart_registers_again():
     w = FakeWorker()
     async with scheduler(worker_ttl_s=0.3, worker_grace_s=0.3) as (stub, service):
