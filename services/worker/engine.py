@@ -7,6 +7,12 @@ with their task head), then decodes every running sequence in ONE forward over t
 left-padded caches (kv_batch.py), with explicit 3D M-RoPE positions = cached length + the
 sequence's rope delta from prefill. LoRA for the whole step is planned once (lora.StepLora).
 
+Prefill embeds images and video chunks through vision.VisionEncoder: features are cached by
+content hash, so a repeated image skips the vision tower. A request may ask for early adapter
+release (LoRazor): after ceil(fraction * max_new_tokens) tokens its rows leave the LoRA segments
+(base path; in merged/mixture mode the -m deLoRA term, so the answer does not depend on the mode)
+and its device slot is unpinned; its KV cache is kept.
+
 Callers (the gRPC server) `prepare()` a request (image decode + processor, any thread), then
 `submit()` it with a sink that receives TextDelta / Finished / Failed events on the engine thread.
 """
