@@ -20,7 +20,7 @@ from valora.v1 import admin_service_pb2 as admin_pb
 from valora.v1 import admin_service_pb2_grpc as admin_grpc
 
 from services.common import names
-from services.common.errors import WorkerUnavailable, invalid_field
+from services.common.errors import ValoraError, WorkerUnavailable, invalid_field
 
 from services.adapter_store import convert
 from services.adapter_store.domain import PageRequest
@@ -90,23 +90,28 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
         size = 0
         try:
             async for msg in request_iterator:
-                part = msg.WhichOneof("part")
-                if req is None:
-                    if part != "metadata":
-                        raise invalid_field("metadata", "the first message must carry the metadata")
-                    req = convert.upload_from_pb(msg.metadata)
-                    if req.request_id and req.sha256:  # a retry that names its bytes needs no bytes
-                        done = await self.run(self.registry.find_upload, req.request_id)
-                        if done is not None and (done.adapter_id, done.sha256) == (req.adapter_id, req.sha256):
-                            return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done))
-                    spool = await self.run(tempfile.TemporaryFile, prefix="valora-upload-",
-                                           dir=self.spool_dir or None)
-                elif part == "chunk":
-                    size += len(msg.chunk)
-                    self.checker.check_size(size)
-                    await self.run(spool.write, msg.chunk)
-                else:
-                    raise invalid_field("metadata", "sent more than once")
+                try:
+                    part = msg.WhichOneof("part")
+                    if req is None:
+                        if part != "metadata":
+                            raise invalid_field("metadata", "the first message must carry the metadata")
+                        req = convert.upload_from_pb(msg.metadata)
+                        if req.request_id and req.sha256:  # a retry that names its bytes needs no bytes
+                            done = await self.run(self.registry.find_upload, req.request_id)
+                            if done is not None and (done.adapter_id, done.sha256) == (req.adapter_id, req.sha256):
+                                await _drain(request_iterator)
+                                return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done))
+                        spool = await self.run(tempfile.TemporaryFile, prefix="valora-upload-",
+                                               dir=self.spool_dir or None)
+                    elif part == "chunk":
+                        size += len(msg.chunk)
+                        self.checker.check_size(size)
+                        await self.run(spool.write, msg.chunk)
+                    else:
+                        raise invalid_field("metadata", "sent more than once")
+                except ValoraError:
+                    await _drain(request_iterator)
+                    raise
             if req is None:
                 raise invalid_field("metadata", "the stream carried no metadata")
             version = await self.run(self._register_spooled, req, spool, size)
@@ -210,3 +215,17 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
             close = getattr(chunks, "close", None)
             if close is not None:
                 await self.run(close)
+
+
+async def _drain(request_iterator, limit_bytes: int = 16 << 20) -> None:
+    """Reads what the client still sends (up to `limit_bytes`) before answering early. A client
+    (or the gateway relaying one) whose stream is answered mid-send sees grpc core's INTERNAL
+    "Internal error from Core" instead of our status; past the limit we answer anyway."""
+    seen = 0
+    try:
+        async for msg in request_iterator:
+            seen += msg.ByteSize()
+            if seen > limit_bytes:
+                return
+    except Exception:  # noqa: BLE001 - the client went away: nothing left to drain
+        return

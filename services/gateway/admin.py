@@ -5,6 +5,8 @@ travel with the forwarded call; downstream errors pass through unchanged."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from services.common import errors
@@ -65,13 +67,18 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             raise errors.from_rpc_error(err) from None
 
     async def UploadAdapterVersion(self, request_iterator, context):
-        async def relay():
-            async for part in request_iterator:
-                yield part
-
-        call = self.store.UploadAdapterVersion(relay(), timeout=self._timeout(context),
+        # Parts are written one by one (not relayed through an iterator) so that when the store
+        # answers early (bad metadata, size limit) the client gets the store's status, not an
+        # INTERNAL from the half-consumed request iterator.
+        call = self.store.UploadAdapterVersion(timeout=self._timeout(context),
                                                metadata=forwarded_metadata(context))
         try:
+            try:
+                async for part in request_iterator:
+                    await call.write(part)
+                await call.done_writing()
+            except (asyncio.InvalidStateError, grpc.RpcError):
+                pass  # the store already answered; its status is raised below
             return await call
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None

@@ -3,7 +3,7 @@ OpenAI-compatible HTTP front beside it (services/gateway/http_openai.py)."""
 
 from __future__ import annotations
 
-from services.common.channels import open_channel
+from services.common.channels import client_credentials, open_channel
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.gateway.admin import AdminServicer
@@ -20,8 +20,9 @@ async def create_server(settings: GatewaySettings) -> Service:
     bound already), started and stopped with the gRPC server."""
     options = channel_options(settings)
     tracing = tracer_provider(settings, "gateway")
-    scheduler_channel = open_channel(settings.scheduler_address, options, tracing)
-    store_channel = open_channel(settings.adapter_store_address, options, tracing)
+    credentials = client_credentials(settings)  # mutual TLS between services when configured
+    scheduler_channel = open_channel(settings.scheduler_address, options, tracing, credentials=credentials)
+    store_channel = open_channel(settings.adapter_store_address, options, tracing, credentials=credentials)
     scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(scheduler_channel)
     inference = InferenceServicer(settings, scheduler,
                                   adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
@@ -40,7 +41,7 @@ async def create_server(settings: GatewaySettings) -> Service:
     service.http = None
     if settings.http_enabled:
         target = loopback_target(settings.host, service.port)
-        http = OpenAIHttpServer(settings, target, auth, store_admin, open_channel(target, options, tracing),
+        http = OpenAIHttpServer(settings, target, auth, store_admin, open_channel(target, options, tracing, credentials=credentials),
                                 tracer_provider=tracing)
         service.http = http
         service.on_start.append(http.start)

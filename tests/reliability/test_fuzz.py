@@ -195,10 +195,6 @@ def test_fuzz_admin_rpcs(gateway, method):
     assert not [b for b in bad_calls if b[0] == method.name], bad_calls
 
 
-@pytest.mark.xfail(strict=False, reason="(a race, not every run) services/gateway/admin.py relays the upload "
-                   "with a request iterator: when the store answers early (bad metadata, size limit) while "
-                   "chunks are still being "
-                   "sent, grpc.aio reports INTERNAL 'Internal error from Core' instead of the store's status")
 def test_fuzz_upload(gateway, model_path):
     _, admin_stub = gateway
     shapes = BaseModelShapes.from_config(json.loads((Path(model_path) / "config.json").read_text()))
