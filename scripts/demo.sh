@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Installs valora into .venv, starts the local cluster (four processes on loopback, embedded
-# defaults: SQLite + local blobs + the tiny Qwen2-VL built from a fixed seed), runs the demo
-# workload through the gateway, prints the report, and stops the cluster.
+# Installs valora into .venv and runs `valora demo`: builds the tiny Qwen2-VL (fixed seed, no
+# download), pretrains it briefly on real digits, generates adapters for a few vision tasks with
+# the accuracy-aware greedy fusion (both cached in $VALORA_HOME, so a second run skips training),
+# starts the local cluster on that base (four processes on loopback: SQLite + local blobs),
+# registers the adapters and tasks through the gateway, sends held-out test images (task-head
+# label requests) mixed with text-generation requests, prints served accuracy per task and
+# latency per target, writes $VALORA_HOME/demo-report.json, and stops the cluster.
+# `bash scripts/demo.sh --quick`: the old latency-only demo with random adapters (no training).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

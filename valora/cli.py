@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -150,14 +151,9 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-@app.command()
-def demo(requests: int = typer.Option(48, help="Requests in the mixed workload."),
-         concurrency: int = typer.Option(8), max_new_tokens: int = typer.Option(12),
-         home: Path = HOME, address: str = ADDRESS, api_key: str = API_KEY, admin_key: str = ADMIN_KEY,
-         report: Path = typer.Option(None, help="Write the report JSON here (default: <home>/demo-report.json).")):
-    """Register a few adapters, send a concurrent mixed workload, print a latency table.
-
-    Starts a local cluster first when none is running (and stops it afterwards)."""
+def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path, address: str | None,
+                api_key: str | None, admin_key: str | None, report: Path | None) -> None:
+    """The quick demo: three random adapters on the tiny random base, synthetic images, latency only."""
     from services.common.adapter_format import BaseModelShapes, make_random_bundle
 
     started = None
@@ -195,27 +191,19 @@ def demo(requests: int = typer.Option(48, help="Requests in the mixed workload."
         # Same (target, image, prompt) must give the same text under greedy decoding, however batched.
         seen: dict[tuple, str] = {}
         consistent = all(seen.setdefault(item, r.text) == r.text for item, _, r in results)
-        table = Table(title=f"valora demo: {requests} requests, concurrency {concurrency}, via {gateway}")
+        table = Table(title=f"valora demo --quick: {requests} requests, concurrency {concurrency}, via {gateway}")
         for col in ("target", "n", "mode", "mean ms", "p50 ms", "p99 ms", "ttft ms", "queue ms", "tokens"):
             table.add_column(col, justify="right" if col not in ("target", "mode") else "left")
         rows = []
         for target in names:
-            mine = [(ms, r) for (t, _), ms, r in results if t == target]
-            lat = [ms for ms, _ in mine]
-            row = {
-                "target": target, "n": len(mine), "modes": sorted({r.mode for _, r in mine}),
-                "mean_ms": statistics.mean(lat), "p50_ms": _percentile(lat, 50), "p99_ms": _percentile(lat, 99),
-                "ttft_ms": statistics.mean(r.first_token_ms for _, r in mine),
-                "queue_ms": statistics.mean(r.queue_ms for _, r in mine),
-                "output_tokens": sum(r.output_tokens for _, r in mine),
-            }
+            row = _latency_row(target, [(ms, r) for (t, _), ms, r in results if t == target])
             rows.append(row)
             table.add_row(target, str(row["n"]), ",".join(row["modes"]), f"{row['mean_ms']:.0f}",
                           f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['ttft_ms']:.0f}",
                           f"{row['queue_ms']:.0f}", str(row["output_tokens"]))
         console.print(table)
         all_lat = [ms for _, ms, _ in results]
-        summary = {"requests": requests, "concurrency": concurrency, "wall_s": wall_s,
+        summary = {"demo": "quick", "requests": requests, "concurrency": concurrency, "wall_s": wall_s,
                    "throughput_rps": requests / wall_s, "p50_ms": _percentile(all_lat, 50),
                    "p99_ms": _percentile(all_lat, 99), "workers": sorted({r.worker for _, _, r in results}),
                    "deterministic": consistent, "rows": rows,
@@ -230,6 +218,270 @@ def demo(requests: int = typer.Option(48, help="Requests in the mixed workload."
     finally:
         if started is not None:
             cluster_mod.stop_cluster(home)
+
+
+def _latency_row(target: str, mine: list[tuple[float, object]]) -> dict:
+    lat = [ms for ms, _ in mine]
+    return {"target": target, "n": len(mine), "modes": sorted({r.mode for _, r in mine}),
+            "mean_ms": round(statistics.mean(lat), 1), "p50_ms": round(_percentile(lat, 50), 1),
+            "p99_ms": round(_percentile(lat, 99), 1),
+            "ttft_ms": round(statistics.mean(r.first_token_ms for _, r in mine), 1),
+            "queue_ms": round(statistics.mean(r.queue_ms for _, r in mine), 1),
+            "output_tokens": sum(r.output_tokens for _, r in mine)}
+
+
+DEMO_TASK_PREFIX = "demo-"  # the demo's tasks are tasks/demo-{task}
+DEMO_ALIAS = "demo"
+
+
+def _register_demo(client: ValoraClient, gen_dir: Path, log=console.print) -> dict[str, dict]:
+    """Registers the generated bundles and one task per head; safe to repeat.
+
+    Uploads carry a request id derived from the bundle's sha256, so a repeat returns the version
+    registered before (no new version); the alias `demo` points at it. A task that exists already
+    is kept when it names the same version and head, and replaced otherwise (tasks/demo-* belong
+    to the demo). Returns {task: {"task", "adapter", "version", "threshold", "accuracy"}}."""
+    import grpc
+
+    from services.generator.pipeline import load_generated
+    from valora.v1 import admin_service_pb2 as admin_pb2
+
+    _, bundles, result = load_generated(gen_dir)
+    prompts = json.loads((gen_dir / "manifest.json").read_text())["prompts"]
+    out: dict[str, dict] = {}
+    for b in bundles:
+        sha = hashlib.sha256(b.data).hexdigest()
+        v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
+                                          request_id=f"valora-demo-{b.name}-{sha[:32]}")
+        client.set_alias(f"adapters/{b.name}", DEMO_ALIAS, v.name)
+        log(f"adapter {v.name} (sha256 {v.sha256[:12]}, rank {v.rank}, heads {', '.join(b.heads)}) "
+            f"alias @{DEMO_ALIAS}")
+        for head in b.heads:
+            task_id = f"{DEMO_TASK_PREFIX}{head}"
+            row = result.tasks[head]
+            kwargs = dict(adapter=v.name, head=head, accuracy_threshold=row["threshold"],
+                          measured_accuracy=row["accuracy"],
+                          description=f"prompt: {prompts[head]} (valora demo; greedy-fused adapter)")
+            try:
+                client.create_task(task_id, **kwargs)
+                what = "created"
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                name = f"tasks/{task_id}"
+                have = client._call(client._admin.GetTask, admin_pb2.GetTaskRequest(name=name),
+                                    client._admin_key).task
+                if have.adapter == v.name and have.head == head:
+                    what = "exists"
+                else:
+                    client._call(client._admin.DeleteTask, admin_pb2.DeleteTaskRequest(name=name), client._admin_key)
+                    client.create_task(task_id, **kwargs)
+                    what = f"replaced (was {have.adapter} head {have.head})"
+            log(f"  task tasks/{task_id} -> {v.name} head {head}: {what}")
+            out[head] = {"task": f"tasks/{task_id}", "adapter": f"adapters/{b.name}", "version": v.name,
+                         "threshold": row["threshold"], "accuracy": row["accuracy"]}
+    return out
+
+
+_DEMO_HELP = (
+    "Serve greedy-fused adapters generated on real data; report served accuracy and latency.\n\n"
+    "Pretrains the tiny base briefly and generates adapters for a few vision tasks with the accuracy-aware greedy "
+    "fusion (both cached under --home, keyed by the settings), starts a local cluster on that base when none is "
+    "running (and stops it afterwards), registers the adapters and one task per head (idempotent), then sends "
+    "held-out test images as task-head label requests mixed concurrently with text-generation requests through "
+    "the adapters and the base.")
+
+
+@app.command(help=_DEMO_HELP)
+def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo instead: random adapters on the "
+                                    "tiny random base, synthetic images, latency only (no training)."),
+         tasks: str = typer.Option("digit,parity,digit-rot90,count",
+                                   help="Tasks to generate adapters for, in fusion order "
+                                   "(`python -m services.generator tasks`)."),
+         per_task: int = typer.Option(40, min=1, help="Held-out test images per task sent as label requests."),
+         text_requests: int = typer.Option(32, min=0, help="Text-generation requests (\"Which digit is this?\" on "
+                                           "held-out digit images) spread over the base and the adapters."),
+         concurrency: int = typer.Option(8, min=1),
+         max_new_tokens: int = typer.Option(None, help="Tokens per text request (default 8; --quick: 12)."),
+         epochs: int = typer.Option(2, min=1, help="Training epochs per fusion step."),
+         limit: int = typer.Option(400, min=0, help="Cap on each split's size for generation (0: full splits)."),
+         pretrain_steps: int = typer.Option(300, min=1, help="Pretraining steps of the demo base."),
+         margin: float = typer.Option(0.03, help="Thresholds = single-task val accuracy minus this."),
+         rank: int = typer.Option(8, min=1), seed: int = typer.Option(0),
+         threads: int = typer.Option(2, min=1, help="torch CPU threads for pretraining/generation."),
+         requests: int = typer.Option(48, help="--quick: requests in the workload."),
+         home: Path = HOME, address: str = ADDRESS, api_key: str = API_KEY, admin_key: str = ADMIN_KEY,
+         report: Path = typer.Option(None, help="Write the report JSON here (default: <home>/demo-report.json).")):
+    """Serve greedy-fused adapters generated on real data; report served accuracy and latency."""
+    if not console.is_terminal:  # logs and pipes: wide enough for the tables
+        console.width = max(console.width, 120)
+    if quick:
+        return _quick_demo(requests, concurrency, max_new_tokens or 12, home, address, api_key, admin_key, report)
+    max_new_tokens = max_new_tokens or 8
+    import random
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    home = Path(home).expanduser().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+
+    t0 = time.perf_counter()
+    tiny = cluster_mod.default_model_path(home)
+    with console.status("building the tiny Qwen2-VL (first run only)…"):
+        cluster_mod.ensure_model(tiny)
+    import torch
+
+    from services.generator import demo as gdemo
+
+    torch.set_num_threads(threads)
+    with console.status("pretraining the demo base…") as st:
+        base, provenance, base_cached = gdemo.ensure_base(
+            tiny, home, steps=pretrain_steps, seed=seed, log=console.print,
+            progress=lambda s, n, loss: st.update(f"pretraining the demo base: step {s}/{n}, loss {loss:.3f}"))
+    timings["pretrain_s"] = round(time.perf_counter() - t0, 1)
+    console.print(f"base: {base} ({'cached' if base_cached else 'pretrained'}; text answer to \"Which digit is "
+                  f"this?\" on the digit val split: {provenance['val_accuracy']:.3f})")
+
+    settings = gdemo.DemoSettings(tasks=tuple(names), pretrain_steps=pretrain_steps, epochs=epochs,
+                                  limit=limit or None, rank=rank, margin=margin, seed=seed)
+    t0 = time.perf_counter()
+    with console.status("generating adapters…") as st:
+        gen_dir, manifest, gen_cached = gdemo.ensure_adapters(
+            home, base, settings, log=console.print,
+            progress=lambda what, d, n: st.update(f"generating adapters: training [{what}] {d}/{n}"))
+    timings["generate_s"] = round(time.perf_counter() - t0, 1)
+    greedy = manifest["greedy"]["tasks"]
+    console.print(f"adapters: {gen_dir} ({'cached; ' if gen_cached else ''}generated in "
+                  f"{manifest['demo']['generate_s']:.0f} s; key {manifest['demo']['key']}): "
+                  + "; ".join(f"{a['name']} = {'+'.join(a['tasks'])}" for a in manifest["adapters"]))
+
+    started = None
+    t0 = time.perf_counter()
+    if address is None and cluster_mod.Cluster.load(home) is None:
+        with console.status(f"starting a local cluster on {base.name}…"):
+            started = cluster_mod.start_cluster(home, gateway_port=0, model_path=base)
+    else:
+        console.print(f"[yellow]using the running cluster at {_address(home, address)}: its workers must serve "
+                      f"{base} for the accuracies to hold")
+    timings["cluster_start_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        gateway = _address(home, address)
+        with ValoraClient(gateway, api_key=api_key, admin_key=admin_key) as client:
+            t0 = time.perf_counter()
+            registered = _register_demo(client, gen_dir)
+            timings["register_s"] = round(time.perf_counter() - t0, 1)
+
+            # The mixed workload: label requests (task heads) and text requests, shuffled together.
+            work: list[dict] = []
+            for t in names:
+                pngs, truth = gdemo.held_out_images(t, per_task)
+                work += [{"kind": "label", "target": registered[t]["task"], "task": t, "prompt": manifest["prompts"][t],
+                          "image": png, "truth": y} for png, y in zip(pngs, truth)]
+            text_targets = ["base"] + [f"adapters/{a['name']}@{DEMO_ALIAS}" for a in manifest["adapters"]]
+            if text_requests:
+                pngs, truth = gdemo.held_out_images("digit", text_requests)
+                work += [{"kind": "text", "target": text_targets[i % len(text_targets)], "task": "digit",
+                          "prompt": "Which digit is this?", "image": pngs[i], "truth": truth[i]}
+                         for i in range(len(pngs))]
+            random.Random(seed).shuffle(work)
+
+            def run(item: dict):
+                t1 = time.perf_counter()
+                if item["kind"] == "label":
+                    r = client.infer(item["prompt"], [item["image"]], task=item["target"], label=True)
+                    answer = r.label
+                else:
+                    adapter = None if item["target"] == "base" else item["target"]
+                    r = client.infer(item["prompt"], [item["image"]], adapter=adapter, max_new_tokens=max_new_tokens)
+                    answer = r.text.strip()
+                return item, (time.perf_counter() - t1) * 1000, r, answer
+
+            t0 = time.perf_counter()
+            with console.status(f"mixed workload: {len(work)} requests, concurrency {concurrency}…"):
+                with ThreadPoolExecutor(concurrency) as pool:
+                    results = list(pool.map(run, work))
+            wall_s = time.perf_counter() - t0
+            timings["workload_s"] = round(wall_s, 1)
+    finally:
+        if started is not None:
+            cluster_mod.stop_cluster(home)
+
+    # Per task: served accuracy on held-out test images vs the threshold the fusion had to keep.
+    acc_table = Table(title=f"served accuracy: {per_task} held-out test images per task, label requests "
+                            f"through the gateway ({len(manifest['adapters'])} greedy-fused adapter"
+                            f"{'s' if len(manifest['adapters']) != 1 else ''})")
+    for col in ("task", "adapter", "n", "served", "gen. test", "thresh.", "ok", "mean ms", "p99 ms"):
+        acc_table.add_column(col, justify="left" if col in ("task", "adapter", "ok") else "right")
+    task_rows = []
+    for t in names:
+        mine = [(ms, r, ans == it["truth"]) for it, ms, r, ans in results if it["kind"] == "label" and it["task"] == t]
+        acc = sum(ok for _, _, ok in mine) / len(mine)
+        reg = registered[t]
+        row = {"task": t, "target": reg["task"], "prompt": manifest["prompts"][t], "adapter": reg["version"],
+               "n": len(mine), "served_accuracy": round(acc, 4), "generator_test_accuracy": reg["accuracy"],
+               "threshold": reg["threshold"], "meets_threshold": acc >= reg["threshold"],
+               "single_task_val_accuracy": manifest["demo"]["single_task_accuracy"][t]["val"],
+               **{k: v for k, v in _latency_row(reg["task"], [(ms, r) for ms, r, _ in mine]).items()
+                  if k.endswith("_ms")}}
+        task_rows.append(row)
+        ok = row["meets_threshold"]
+        acc_table.add_row(t, reg["version"].replace("adapters/", "").replace("/versions/", " v"), str(row["n"]),
+                          f"{'[green]' if ok else '[red]'}{acc:.3f}", f"{reg['accuracy']:.3f}",
+                          f"{reg['threshold']:.3f}", "yes" if ok else "[red]no", f"{row['mean_ms']:.0f}",
+                          f"{row['p99_ms']:.0f}")
+    console.print(acc_table)
+    console.print("[dim]questions: " + "; ".join(f"{t}: {manifest['prompts'][t]!r}" for t in names)
+                  + ". served = served label == truth; gen. test = the generator's accuracy on its whole test split; "
+                  "thresh. = single-task val accuracy - margin")
+
+    # Per target: latency of every request kind in the mixed batch.
+    targets = [registered[t]["task"] for t in names] + (text_targets if text_requests else [])
+    lat_table = Table(title=f"mixed workload: {len(results)} requests ({len(results) - text_requests} label, "
+                            f"{text_requests} text) in one stream, concurrency {concurrency}")
+    for col in ("target", "kind", "n", "mode", "mean", "p50", "p99", "ttft", "queue", "tok", "correct"):
+        lat_table.add_column(col, justify="left" if col in ("target", "kind", "mode") else "right")
+    target_rows = []
+    for target in targets:
+        mine = [(it, ms, r, ans) for it, ms, r, ans in results if it["target"] == target]
+        row = {**_latency_row(target, [(ms, r) for _, ms, r, _ in mine]), "kind": mine[0][0]["kind"],
+               "correct": round(sum(ans == it["truth"] for it, _, _, ans in mine) / len(mine), 4)}
+        if row["kind"] == "text":
+            row["sample"] = [{"truth": it["truth"], "text": r.text} for it, _, r, _ in mine[:3]]
+        target_rows.append(row)
+        lat_table.add_row(target.replace("adapters/", "").replace("tasks/", "task "), row["kind"], str(row["n"]),
+                          ",".join(row["modes"]), f"{row['mean_ms']:.0f}", f"{row['p50_ms']:.0f}",
+                          f"{row['p99_ms']:.0f}", f"{row['ttft_ms']:.0f}", f"{row['queue_ms']:.0f}",
+                          str(row["output_tokens"]), f"{row['correct']:.2f}")
+    console.print(lat_table)
+    console.print("[dim]latencies in ms; correct: label == truth for task heads; for text (\"Which digit is this?\"), "
+                  "the generated answer == the digit (the base was pretrained to answer in text; the adapters were "
+                  "trained for their heads, not for text)")
+    all_lat = [ms for _, ms, _, _ in results]
+    timings["total_s"] = round(time.perf_counter() - t_start, 1)
+    summary = {
+        "demo": "generated", "gateway": gateway, "base_model": str(base), "base_pretraining": provenance,
+        "base_cached": base_cached, "generated_dir": str(gen_dir), "generated_cached": gen_cached,
+        "settings": manifest["demo"]["settings"], "cache_key": manifest["demo"]["key"],
+        "generation": {"adapters": [{"name": a["name"], "tasks": a["tasks"]} for a in manifest["adapters"]],
+                       "steps": manifest["greedy"].get("steps", []), "thresholds": manifest["thresholds"],
+                       "single_task_accuracy": manifest["demo"]["single_task_accuracy"],
+                       "test_accuracy": {t: greedy[t]["accuracy"] for t in names},
+                       "split_sizes": manifest["demo"]["split_sizes"], "generate_s": manifest["demo"]["generate_s"]},
+        "registered": registered, "requests": len(results), "label_requests": len(results) - text_requests,
+        "text_requests": text_requests, "concurrency": concurrency, "max_new_tokens": max_new_tokens,
+        "wall_s": round(wall_s, 2), "throughput_rps": round(len(results) / wall_s, 2),
+        "p50_ms": round(_percentile(all_lat, 50), 1), "p99_ms": round(_percentile(all_lat, 99), 1),
+        "workers": sorted({r.worker for _, _, r, _ in results}),
+        "all_tasks_meet_threshold": all(r["meets_threshold"] for r in task_rows),
+        "tasks": task_rows, "rows": target_rows, "timings": timings,
+    }
+    console.print(f"throughput {summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']:.0f} ms, p99 "
+                  f"{summary['p99_ms']:.0f} ms; every task meets its threshold: {summary['all_tasks_meet_threshold']}; "
+                  f"times: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items()))
+    out = report or home / "demo-report.json"
+    out.write_text(json.dumps(summary, indent=2))
+    console.print(f"report: {out}")
 
 
 # -- bench: benchmarks that need no cluster ---------------------------------------------------------

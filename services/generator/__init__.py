@@ -7,6 +7,7 @@
     bundle.py     export to the valora bundle format (services/common/adapter_format.py)
     pipeline.py   strategies compared, thresholds, registration through the SDK, results file
     __main__.py   `python -m services.generator generate ...`
+    demo.py       what `valora demo` serves: pretrained base + greedy-fused adapters, cached per settings
 
 Serving contract for a generated head (what workers must compute to reproduce the measured
 accuracy): the request is the task's prompt with one image in Qwen2-VL's chat format (default

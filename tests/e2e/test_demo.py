@@ -1,0 +1,66 @@
+"""`valora demo` end to end with tiny settings: a briefly pretrained base, greedy-fused adapters
+generated on real data (one task, few images, one epoch), registered through the gateway of a real
+cluster, held-out test images answered by the task head (label requests) mixed with text requests;
+the report's per-task accuracy is computed from the served labels. A second run must reuse the
+cached base and adapters and re-register without error (same versions, tasks kept)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from valora.cli import app
+from valora.cluster import default_model_path, ensure_model, start_cluster, stop_cluster
+
+pytestmark = pytest.mark.e2e
+
+TINY = ["--tasks", "parity", "--per-task", "6", "--text-requests", "3", "--epochs", "1", "--limit", "24",
+        "--pretrain-steps", "2", "--concurrency", "4", "--max-new-tokens", "3", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def home_and_cluster(tmp_path_factory):
+    from services.generator.demo import ensure_base
+
+    home = tmp_path_factory.mktemp("valora-demo")
+    ensure_model(default_model_path(home))
+    base, _, _ = ensure_base(default_model_path(home), home, steps=2, seed=0, log=lambda _: None)
+    cluster = start_cluster(home / "cluster", model_path=base)
+    yield home, cluster
+    stop_cluster(home / "cluster")
+
+
+def run_demo(home: Path, gateway: str, report: Path) -> dict:
+    result = CliRunner().invoke(app, ["demo", "--home", str(home), "--address", gateway, "--report", str(report),
+                                      *TINY])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return json.loads(report.read_text())
+
+
+def test_demo_serves_generated_adapters_and_reports_served_accuracy(home_and_cluster, tmp_path):
+    home, cluster = home_and_cluster
+    first = run_demo(home, cluster.gateway, tmp_path / "r1.json")
+    assert first["demo"] == "generated" and first["base_cached"] and not first["generated_cached"]
+    [task] = first["tasks"]
+    assert task["task"] == "parity" and task["target"] == "tasks/demo-parity" and task["n"] == 6
+    assert task["adapter"] == "adapters/demo-fused-0/versions/1"
+    assert task["threshold"] == first["generation"]["thresholds"]["parity"]
+    assert task["meets_threshold"] == (task["served_accuracy"] >= task["threshold"])
+    label_row = next(r for r in first["rows"] if r["target"] == "tasks/demo-parity")
+    assert label_row["kind"] == "label" and label_row["n"] == 6 and label_row["modes"]
+    # served accuracy is the share of served labels equal to the truth (n = 6, so a multiple of 1/6)
+    assert abs(task["served_accuracy"] * 6 - round(task["served_accuracy"] * 6)) < 1e-3
+    assert label_row["correct"] == task["served_accuracy"]
+    text_targets = {r["target"] for r in first["rows"] if r["kind"] == "text"}
+    assert text_targets == {"base", "adapters/demo-fused-0@demo"}
+    assert first["requests"] == 6 + 3 and first["label_requests"] == 6
+
+    # Again: cached base and adapters, idempotent registration (same version, task kept), same labels.
+    second = run_demo(home, cluster.gateway, tmp_path / "r2.json")
+    assert second["base_cached"] and second["generated_cached"]
+    assert second["cache_key"] == first["cache_key"]
+    assert second["registered"] == first["registered"]
+    assert second["tasks"][0]["served_accuracy"] == task["served_accuracy"]
