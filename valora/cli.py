@@ -244,7 +244,6 @@ def _register_demo(client: ValoraClient, gen_dir: Path, log=console.print) -> di
     import grpc
 
     from services.generator.pipeline import load_generated
-    from valora.v1 import admin_service_pb2 as admin_pb2
 
     _, bundles, result = load_generated(gen_dir)
     prompts = json.loads((gen_dir / "manifest.json").read_text())["prompts"]
@@ -269,12 +268,11 @@ def _register_demo(client: ValoraClient, gen_dir: Path, log=console.print) -> di
                 if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                     raise
                 name = f"tasks/{task_id}"
-                have = client._call(client._admin.GetTask, admin_pb2.GetTaskRequest(name=name),
-                                    client._admin_key).task
+                have = client.get_task(name)
                 if have.adapter == v.name and have.head == head:
                     what = "exists"
                 else:
-                    client._call(client._admin.DeleteTask, admin_pb2.DeleteTaskRequest(name=name), client._admin_key)
+                    client.delete_task(name)
                     client.create_task(task_id, **kwargs)
                     what = f"replaced (was {have.adapter} head {have.head})"
             log(f"  task tasks/{task_id} -> {v.name} head {head}: {what}")

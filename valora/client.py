@@ -224,5 +224,14 @@ class ValoraClient:
             self._admin_key)
         return r.task
 
+    def get_task(self, name: str) -> resources_pb2.Task:
+        """`name` is "tasks/{task}" or just "{task}"."""
+        name = name if name.startswith("tasks/") else f"tasks/{name}"
+        return self._call(self._admin.GetTask, admin_pb.GetTaskRequest(name=name), self._admin_key).task
+
+    def delete_task(self, name: str) -> None:
+        name = name if name.startswith("tasks/") else f"tasks/{name}"
+        self._call(self._admin.DeleteTask, admin_pb.DeleteTaskRequest(name=name), self._admin_key)
+
     def cluster_status(self) -> admin_pb.GetClusterStatusResponse:
         return self._call(self._admin.GetClusterStatus, admin_pb.GetClusterStatusRequest(), self._admin_key)
