@@ -6,9 +6,16 @@ Adapter labels are bounded: `adapter_label()` folds names past `MAX_ADAPTER_LABE
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from services.common.errors import ValoraError
+
+T = TypeVar("T")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 MAX_ADAPTER_LABELS = 64
@@ -50,3 +57,26 @@ def adapter_label(adapter: str) -> str:
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:
     if port:
         start_http_server(port, addr=host)
+
+
+async def counted(service: str, stream: AsyncIterator[T],
+                  on_done: Callable[[str], None] | None = None) -> AsyncIterator[T]:
+    """Yields `stream`, then counts it in valora:requests_total{service, code} (the status code
+    name it ended with; CANCELLED when the caller went away) and calls `on_done(code)`."""
+    code = "OK"
+    try:
+        async for item in stream:
+            yield item
+    except ValoraError as exc:
+        code = exc.code.name
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        code = "CANCELLED"
+        raise
+    except Exception:
+        code = "INTERNAL"
+        raise
+    finally:
+        REQUESTS_TOTAL.labels(service, code).inc()
+        if on_done is not None:
+            on_done(code)

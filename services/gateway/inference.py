@@ -8,7 +8,6 @@ cancelling the client call cancels the scheduler call.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -73,23 +72,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
                 out.result.CopyFrom(resp.result)
             yield out
 
-    async def _counted(self, inp, request_id, context):
+    def _counted(self, inp, request_id, context):
         """`_submit`, counted in valora:requests_total{service="gateway", code}."""
-        code = "OK"
-        try:
-            async for resp in self._submit(inp, request_id, context):
-                yield resp
-        except errors.ValoraError as exc:
-            code = exc.code.name
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            metrics.REQUESTS_TOTAL.labels("gateway", code).inc()
+        return metrics.counted("gateway", self._submit(inp, request_id, context))
 
     async def _submit(self, inp: inference_service_pb2.InferenceInput, request_id: str,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_service_pb2.SubmitResponse]:

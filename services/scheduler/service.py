@@ -47,23 +47,12 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
     async def Submit(self, request, context):
         started = self.dispatcher.clock()
         adapter = request.item.adapter.version if request.item.HasField("adapter") else ""
-        code = "OK"
-        try:
-            async for out in self._submit(request, context, started):
-                yield out
-        except errors.ValoraError as exc:
-            code = exc.code.name
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            metrics.REQUESTS_TOTAL.labels("scheduler", code).inc()
-            metrics.E2E_LATENCY.labels(metrics.adapter_label(adapter), code).observe(
-                self.dispatcher.clock() - started)
+
+        def observe(code: str) -> None:
+            metrics.E2E_LATENCY.labels(metrics.adapter_label(adapter), code).observe(self.dispatcher.clock() - started)
+
+        async for out in metrics.counted("scheduler", self._submit(request, context, started), observe):
+            yield out
 
     async def _submit(self, request, context, now: float):
         item = request.item
