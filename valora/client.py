@@ -233,5 +233,43 @@ class ValoraClient:
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         self._call(self._admin.DeleteTask, admin_pb.DeleteTaskRequest(name=name), self._admin_key)
 
+    # -- generation jobs -----------------------------------------------------------------------
+
+    def create_generation_job(self, base_model: str, sources: dict[str, float] | Iterable[tuple[str, float]], *,
+                              rank: int = 0, epochs: int = 0, adapter_prefix: str = "", split_limit: int = 0,
+                              job_id: str = "", request_id: str = "") -> resources_pb2.GenerationJob:
+        """Queues accuracy-aware adapter generation: `sources` maps task -> accuracy threshold, in
+        fusion order. Idempotent per request_id (one is made up when not given)."""
+        items = sources.items() if isinstance(sources, dict) else sources
+        job = resources_pb2.GenerationJob(
+            base_model=base_model, rank=rank, epochs=epochs, adapter_prefix=adapter_prefix, split_limit=split_limit,
+            sources=[resources_pb2.GenerationSource(task=t, accuracy_threshold=a) for t, a in items])
+        r = self._call(self._admin.CreateGenerationJob, admin_pb.CreateGenerationJobRequest(
+            job_id=job_id, job=job, request_id=request_id or uuid.uuid4().hex), self._admin_key)
+        return r.job
+
+    @staticmethod
+    def _job_name(name: str) -> str:
+        return name if name.startswith("generationJobs/") else f"generationJobs/{name}"
+
+    def get_generation_job(self, name: str) -> resources_pb2.GenerationJob:
+        """`name` is "generationJobs/{job}" or just "{job}"."""
+        return self._call(self._admin.GetGenerationJob, admin_pb.GetGenerationJobRequest(
+            name=self._job_name(name)), self._admin_key).job
+
+    def list_generation_jobs(self, page_size: int = 100) -> list[resources_pb2.GenerationJob]:
+        out, token = [], ""
+        while True:
+            r = self._call(self._admin.ListGenerationJobs, admin_pb.ListGenerationJobsRequest(
+                page_size=page_size, page_token=token), self._admin_key)
+            out.extend(r.jobs)
+            token = r.next_page_token
+            if not token:
+                return out
+
+    def cancel_generation_job(self, name: str) -> resources_pb2.GenerationJob:
+        return self._call(self._admin.CancelGenerationJob, admin_pb.CancelGenerationJobRequest(
+            name=self._job_name(name)), self._admin_key).job
+
     def cluster_status(self) -> admin_pb.GetClusterStatusResponse:
         return self._call(self._admin.GetClusterStatus, admin_pb.GetClusterStatusRequest(), self._admin_key)

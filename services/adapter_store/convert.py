@@ -13,6 +13,7 @@ from services.common import names
 from services.common.errors import invalid_field
 
 from services.adapter_store.domain import Adapter, Head, Task, Version
+from services.adapter_store.jobs import Job, JobResult, JobSource, JobSpec, TaskOutcome
 from services.adapter_store.validation import UploadRequest, normalize_sha256
 
 _STATES = {
@@ -79,3 +80,73 @@ def upload_from_pb(m: admin_pb.UploadAdapterVersionMetadata) -> UploadRequest:
         heads.append(Head(h.name, tuple(h.labels)))
     return UploadRequest(adapter_id, m.adapter_config_json, normalize_sha256(m.sha256), m.request_id or None,
                          tuple(heads))
+
+
+# ---------------------------------------------------------------------------------- generation jobs
+
+_JOB_STATES = {
+    "PENDING": res_pb.GENERATION_JOB_STATE_PENDING,
+    "RUNNING": res_pb.GENERATION_JOB_STATE_RUNNING,
+    "SUCCEEDED": res_pb.GENERATION_JOB_STATE_SUCCEEDED,
+    "FAILED": res_pb.GENERATION_JOB_STATE_FAILED,
+    "CANCELLED": res_pb.GENERATION_JOB_STATE_CANCELLED,
+}
+_JOB_STATE_NAMES = {v: k for k, v in _JOB_STATES.items()}
+MAX_RANK = 256
+
+
+def job_to_pb(j: Job) -> res_pb.GenerationJob:
+    return res_pb.GenerationJob(
+        name=j.name, base_model=j.spec.base_model,
+        sources=[res_pb.GenerationSource(task=s.task, accuracy_threshold=s.accuracy_threshold)
+                 for s in j.spec.sources],
+        rank=j.spec.rank, epochs=j.spec.epochs, adapter_prefix=j.spec.adapter_prefix,
+        split_limit=j.spec.split_limit, state=_JOB_STATES[j.state], progress=j.progress, message=j.message,
+        result=job_result_to_pb(j.result), error=j.error, create_time=timestamp(j.create_time),
+        update_time=timestamp(j.update_time),
+    )
+
+
+def job_result_to_pb(r: JobResult) -> res_pb.GenerationJobResult:
+    return res_pb.GenerationJobResult(adapter_versions=list(r.adapter_versions), tasks=[
+        res_pb.GenerationTaskResult(task=t.task, adapter_version=t.adapter_version,
+                                    accuracy_threshold=t.accuracy_threshold, measured_accuracy=t.measured_accuracy)
+        for t in r.tasks])
+
+
+def job_result_from_pb(r: res_pb.GenerationJobResult) -> JobResult:
+    return JobResult(tuple(r.adapter_versions), tuple(
+        TaskOutcome(t.task, t.adapter_version, t.accuracy_threshold, t.measured_accuracy) for t in r.tasks))
+
+
+def job_state_from_pb(state: int) -> str:
+    if state not in _JOB_STATE_NAMES:
+        raise invalid_field("state", "must be set")
+    return _JOB_STATE_NAMES[state]
+
+
+def job_spec_from_pb(job_id: str, j: res_pb.GenerationJob) -> JobSpec:
+    """Checks the job's inputs (output fields are ignored). Task names are checked by the runner,
+    which owns the task catalogue; here they only need to be valid ids and distinct."""
+    if job_id:
+        names.check_id(job_id, "job_id")
+    if not j.base_model:
+        raise invalid_field("job.base_model", "must name the base model's path")
+    if not j.sources:
+        raise invalid_field("job.sources", "needs at least one source")
+    seen = set()
+    for i, s in enumerate(j.sources):
+        names.check_id(s.task, f"job.sources[{i}].task")
+        if s.task in seen:
+            raise invalid_field(f"job.sources[{i}].task", f"{s.task!r} appears twice")
+        seen.add(s.task)
+        if not 0.0 <= s.accuracy_threshold <= 1.0:
+            raise invalid_field(f"job.sources[{i}].accuracy_threshold", "must be within [0, 1]")
+    if not 0 <= j.rank <= MAX_RANK:
+        raise invalid_field("job.rank", f"must be within [0, {MAX_RANK}] (0 means 8)")
+    if j.epochs < 0 or j.split_limit < 0:
+        raise invalid_field("job.epochs" if j.epochs < 0 else "job.split_limit", "must not be negative")
+    if j.adapter_prefix:
+        names.check_id(j.adapter_prefix, "job.adapter_prefix")
+    return JobSpec(j.base_model, tuple(JobSource(s.task, s.accuracy_threshold) for s in j.sources),
+                   j.rank or 8, j.epochs or 4, j.adapter_prefix, j.split_limit)

@@ -53,7 +53,7 @@ class VersionState(enum.StrEnum):
 
 
 class GenerationJobState(enum.StrEnum):
-    QUEUED = "QUEUED"
+    PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -165,9 +165,12 @@ class TileEntryRow(Base):
 
 
 class GenerationJobRow(Base):
-    """An accuracy-aware adapter generation job (offline greedy bin packing of tasks)."""
+    """An accuracy-aware adapter generation job (offline greedy bin packing of tasks).
+    PENDING -> RUNNING (claimed by a runner) -> SUCCEEDED | FAILED; CANCELLED from either of the
+    first two. The store (jobs.py) owns the transitions; runners send updates."""
 
     __tablename__ = "generation_jobs"
+    __table_args__ = (Index(None, "state", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     state: Mapped[GenerationJobState] = mapped_column(
@@ -179,3 +182,6 @@ class GenerationJobRow(Base):
     request_id: Mapped[str | None] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    message: Mapped[str] = mapped_column(Text, default="")
+    runner: Mapped[str] = mapped_column(String(128), default="")

@@ -77,6 +77,11 @@ class Registry:
         self.blobs = blobs
         self._fault = fault_hook or (lambda step: None)
 
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        """The session factory (shared with the generation jobs, jobs.py)."""
+        return self._sessions
+
     def close(self) -> None:
         """Release the database connections."""
         bind = self._sessions.kw.get("bind")

@@ -24,6 +24,7 @@ from services.common.errors import ValoraError, WorkerUnavailable, invalid_field
 
 from services.adapter_store import convert
 from services.adapter_store.domain import PageRequest
+from services.adapter_store.jobs import GenerationJobs, parse_job_name
 from services.adapter_store.registry import Registry
 from services.adapter_store.validation import BundleChecker
 
@@ -56,9 +57,11 @@ def _backend_down(exc: BaseException) -> bool:
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
-    def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor, spool_dir: str = "") -> None:
+    def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor, spool_dir: str = "",
+                 jobs: GenerationJobs | None = None) -> None:
         _Blocking.__init__(self, executor)
         self.registry = registry
+        self.jobs = jobs or GenerationJobs(registry.sessions)
         self.checker = checker
         self.spool_dir = spool_dir
 
@@ -181,12 +184,45 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
     async def GetClusterStatus(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "cluster status is served by the gateway")
 
+    # generation jobs
+    async def CreateGenerationJob(self, request, context):
+        spec = convert.job_spec_from_pb(request.job_id, request.job)
+        if len(request.request_id) > 128:
+            raise invalid_field("request_id", "at most 128 characters")
+        j = await self.run(self.jobs.create, request.job_id, spec, request.request_id or None)
+        return admin_pb.CreateGenerationJobResponse(job=convert.job_to_pb(j))
+
+    async def GetGenerationJob(self, request, context):
+        j = await self.run(self.jobs.get, parse_job_name(request.name))
+        return admin_pb.GetGenerationJobResponse(job=convert.job_to_pb(j))
+
+    async def ListGenerationJobs(self, request, context):
+        page = await self.run(self.jobs.list, PageRequest.parse(request.page_size, request.page_token))
+        return admin_pb.ListGenerationJobsResponse(jobs=[convert.job_to_pb(j) for j in page.items],
+                                                   next_page_token=page.next_page_token)
+
+    async def CancelGenerationJob(self, request, context):
+        j = await self.run(self.jobs.cancel, parse_job_name(request.name))
+        return admin_pb.CancelGenerationJobResponse(job=convert.job_to_pb(j))
+
 
 class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
-    def __init__(self, registry: Registry, executor: Executor, chunk_bytes: int) -> None:
+    def __init__(self, registry: Registry, executor: Executor, chunk_bytes: int,
+                 jobs: GenerationJobs | None = None) -> None:
         _Blocking.__init__(self, executor)
         self.registry = registry
         self.chunk_bytes = chunk_bytes
+        self.jobs = jobs or GenerationJobs(registry.sessions)
+
+    async def ClaimGenerationJob(self, request, context):
+        j = await self.run(self.jobs.claim, request.runner or "runner")
+        return store_pb.ClaimGenerationJobResponse(job=convert.job_to_pb(j) if j is not None else None)
+
+    async def UpdateGenerationJob(self, request, context):
+        result = convert.job_result_from_pb(request.result) if request.HasField("result") else None
+        j = await self.run(self.jobs.update, parse_job_name(request.name), convert.job_state_from_pb(request.state),
+                           request.progress, request.message, result, request.error)
+        return store_pb.UpdateGenerationJobResponse(job=convert.job_to_pb(j))
 
     async def ResolveReference(self, request, context):
         r = await self.run(self.registry.resolve, request.reference)

@@ -22,6 +22,7 @@ FORWARDED_UNARY = (
     "GetAdapterVersion", "ListAdapterVersions", "DeleteAdapterVersion",
     "SetAlias", "DeleteAlias",
     "CreateTask", "GetTask", "ListTasks", "DeleteTask",
+    "CreateGenerationJob", "GetGenerationJob", "ListGenerationJobs", "CancelGenerationJob",
 )
 _NOT_FORWARDED = {AUTHORIZATION_KEY, "user-agent", "content-type", "te"}
 

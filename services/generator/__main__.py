@@ -6,6 +6,7 @@
         [--gateway localhost:50051] [--order digit,parity,...] [--rank 8] [--epochs 4] [--compare]
     python -m services.generator register --out out/gen --gateway localhost:50051 [--check 60]
     python -m services.generator check --out out/gen --gateway localhost:50051 --n 60
+    python -m services.generator serve   # runs GenerationJobs (settings: VALORA_ADAPTER_STORE_ADDRESS, ...)
 
 `generate` measures one adapter per task (for thresholds = single-task val accuracy - margin,
 unless --threshold task=acc is given for every task), runs the greedy fusion, writes the bundles
@@ -240,6 +241,33 @@ def _check(out: Path, gateway: str, n: int, api_key: str | None) -> None:
         table.add_row(task, (manifest.get("registered") or {}).get(task, "?"), f"{acc:.3f}",
                       f"{result.tasks[task]['accuracy']:.3f}", str(count))
     console.print(table)
+
+
+@app.command()
+def serve(
+    once: bool = typer.Option(False, help="Run at most one pending job, then exit."),
+) -> None:
+    """Run generation jobs queued in the adapter store (AdminService.CreateGenerationJob), one at a
+    time. Settings come from VALORA_* (services/generator/runner.py: RunnerSettings)."""
+    import signal
+
+    from services.generator.runner import Runner, RunnerSettings
+
+    settings = RunnerSettings()
+    runner = Runner(settings)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    console.print(f"runner {runner.name}: polling {settings.adapter_store_address} every {settings.poll_s}s")
+    try:
+        if once:
+            job = runner.run_once()
+            console.print(f"{job.name}: {job.message}" if job is not None else "no job ran")
+        else:
+            runner.serve_forever(stop=lambda: bool(stopping))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.close()
 
 
 if __name__ == "__main__":

@@ -259,3 +259,59 @@ class GetClusterStatusResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ...) -> None: ...
+
+class CreateGenerationJobRequest(_message.Message):
+    __slots__ = ("job_id", "job", "request_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job: _resources_pb2.GenerationJob
+    request_id: str
+    def __init__(self, job_id: _Optional[str] = ..., job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CreateGenerationJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _resources_pb2.GenerationJob
+    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...
+
+class GetGenerationJobRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetGenerationJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _resources_pb2.GenerationJob
+    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...
+
+class ListGenerationJobsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListGenerationJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[_resources_pb2.GenerationJob]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[_resources_pb2.GenerationJob, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CancelGenerationJobRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CancelGenerationJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _resources_pb2.GenerationJob
+    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...

@@ -110,6 +110,26 @@ class AdminServiceStub:
                 request_serializer=valora_dot_v1_dot_admin__service__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=valora_dot_v1_dot_admin__service__pb2.GetClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.CreateGenerationJob = channel.unary_unary(
+                '/valora.v1.AdminService/CreateGenerationJob',
+                request_serializer=valora_dot_v1_dot_admin__service__pb2.CreateGenerationJobRequest.SerializeToString,
+                response_deserializer=valora_dot_v1_dot_admin__service__pb2.CreateGenerationJobResponse.FromString,
+                _registered_method=True)
+        self.GetGenerationJob = channel.unary_unary(
+                '/valora.v1.AdminService/GetGenerationJob',
+                request_serializer=valora_dot_v1_dot_admin__service__pb2.GetGenerationJobRequest.SerializeToString,
+                response_deserializer=valora_dot_v1_dot_admin__service__pb2.GetGenerationJobResponse.FromString,
+                _registered_method=True)
+        self.ListGenerationJobs = channel.unary_unary(
+                '/valora.v1.AdminService/ListGenerationJobs',
+                request_serializer=valora_dot_v1_dot_admin__service__pb2.ListGenerationJobsRequest.SerializeToString,
+                response_deserializer=valora_dot_v1_dot_admin__service__pb2.ListGenerationJobsResponse.FromString,
+                _registered_method=True)
+        self.CancelGenerationJob = channel.unary_unary(
+                '/valora.v1.AdminService/CancelGenerationJob',
+                request_serializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobRequest.SerializeToString,
+                response_deserializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -209,6 +229,36 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateGenerationJob(self, request, context):
+        """Long-running accuracy-aware adapter generation (greedy fusion). The job is queued PENDING; a
+        generator runner claims it, reports progress, registers the adapters and tasks, and writes the
+        result. Poll GetGenerationJob for progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGenerationJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListGenerationJobs(self, request, context):
+        """Newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelGenerationJob(self, request, context):
+        """Cancels a PENDING or RUNNING job (a running one stops between fusion steps); a finished job
+        fails with FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +336,26 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=valora_dot_v1_dot_admin__service__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=valora_dot_v1_dot_admin__service__pb2.GetClusterStatusResponse.SerializeToString,
+            ),
+            'CreateGenerationJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateGenerationJob,
+                    request_deserializer=valora_dot_v1_dot_admin__service__pb2.CreateGenerationJobRequest.FromString,
+                    response_serializer=valora_dot_v1_dot_admin__service__pb2.CreateGenerationJobResponse.SerializeToString,
+            ),
+            'GetGenerationJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGenerationJob,
+                    request_deserializer=valora_dot_v1_dot_admin__service__pb2.GetGenerationJobRequest.FromString,
+                    response_serializer=valora_dot_v1_dot_admin__service__pb2.GetGenerationJobResponse.SerializeToString,
+            ),
+            'ListGenerationJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGenerationJobs,
+                    request_deserializer=valora_dot_v1_dot_admin__service__pb2.ListGenerationJobsRequest.FromString,
+                    response_serializer=valora_dot_v1_dot_admin__service__pb2.ListGenerationJobsResponse.SerializeToString,
+            ),
+            'CancelGenerationJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelGenerationJob,
+                    request_deserializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobRequest.FromString,
+                    response_serializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -694,6 +764,114 @@ class AdminService:
             '/valora.v1.AdminService/GetClusterStatus',
             valora_dot_v1_dot_admin__service__pb2.GetClusterStatusRequest.SerializeToString,
             valora_dot_v1_dot_admin__service__pb2.GetClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateGenerationJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.v1.AdminService/CreateGenerationJob',
+            valora_dot_v1_dot_admin__service__pb2.CreateGenerationJobRequest.SerializeToString,
+            valora_dot_v1_dot_admin__service__pb2.CreateGenerationJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGenerationJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.v1.AdminService/GetGenerationJob',
+            valora_dot_v1_dot_admin__service__pb2.GetGenerationJobRequest.SerializeToString,
+            valora_dot_v1_dot_admin__service__pb2.GetGenerationJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGenerationJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.v1.AdminService/ListGenerationJobs',
+            valora_dot_v1_dot_admin__service__pb2.ListGenerationJobsRequest.SerializeToString,
+            valora_dot_v1_dot_admin__service__pb2.ListGenerationJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelGenerationJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.v1.AdminService/CancelGenerationJob',
+            valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobRequest.SerializeToString,
+            valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,10 +16,25 @@ class AdapterVersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADAPTER_VERSION_STATE_PENDING: _ClassVar[AdapterVersionState]
     ADAPTER_VERSION_STATE_READY: _ClassVar[AdapterVersionState]
     ADAPTER_VERSION_STATE_RETIRED: _ClassVar[AdapterVersionState]
+
+class GenerationJobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GENERATION_JOB_STATE_UNSPECIFIED: _ClassVar[GenerationJobState]
+    GENERATION_JOB_STATE_PENDING: _ClassVar[GenerationJobState]
+    GENERATION_JOB_STATE_RUNNING: _ClassVar[GenerationJobState]
+    GENERATION_JOB_STATE_SUCCEEDED: _ClassVar[GenerationJobState]
+    GENERATION_JOB_STATE_FAILED: _ClassVar[GenerationJobState]
+    GENERATION_JOB_STATE_CANCELLED: _ClassVar[GenerationJobState]
 ADAPTER_VERSION_STATE_UNSPECIFIED: AdapterVersionState
 ADAPTER_VERSION_STATE_PENDING: AdapterVersionState
 ADAPTER_VERSION_STATE_READY: AdapterVersionState
 ADAPTER_VERSION_STATE_RETIRED: AdapterVersionState
+GENERATION_JOB_STATE_UNSPECIFIED: GenerationJobState
+GENERATION_JOB_STATE_PENDING: GenerationJobState
+GENERATION_JOB_STATE_RUNNING: GenerationJobState
+GENERATION_JOB_STATE_SUCCEEDED: GenerationJobState
+GENERATION_JOB_STATE_FAILED: GenerationJobState
+GENERATION_JOB_STATE_CANCELLED: GenerationJobState
 
 class Adapter(_message.Message):
     __slots__ = ("name", "description", "create_time", "aliases", "latest_version")
@@ -91,3 +106,63 @@ class Task(_message.Message):
     measured_accuracy: float
     create_time: _timestamp_pb2.Timestamp
     def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GenerationSource(_message.Message):
+    __slots__ = ("task", "accuracy_threshold")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    accuracy_threshold: float
+    def __init__(self, task: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ...) -> None: ...
+
+class GenerationTaskResult(_message.Message):
+    __slots__ = ("task", "adapter_version", "accuracy_threshold", "measured_accuracy")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    adapter_version: str
+    accuracy_threshold: float
+    measured_accuracy: float
+    def __init__(self, task: _Optional[str] = ..., adapter_version: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ...) -> None: ...
+
+class GenerationJobResult(_message.Message):
+    __slots__ = ("adapter_versions", "tasks")
+    ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    adapter_versions: _containers.RepeatedScalarFieldContainer[str]
+    tasks: _containers.RepeatedCompositeFieldContainer[GenerationTaskResult]
+    def __init__(self, adapter_versions: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[GenerationTaskResult, _Mapping]]] = ...) -> None: ...
+
+class GenerationJob(_message.Message):
+    __slots__ = ("name", "base_model", "sources", "rank", "epochs", "adapter_prefix", "state", "progress", "message", "result", "error", "create_time", "update_time", "split_limit")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_model: str
+    sources: _containers.RepeatedCompositeFieldContainer[GenerationSource]
+    rank: int
+    epochs: int
+    adapter_prefix: str
+    state: GenerationJobState
+    progress: float
+    message: str
+    result: GenerationJobResult
+    error: str
+    create_time: _timestamp_pb2.Timestamp
+    update_time: _timestamp_pb2.Timestamp
+    split_limit: int
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[GenerationSource, _Mapping]]] = ..., rank: _Optional[int] = ..., epochs: _Optional[int] = ..., adapter_prefix: _Optional[str] = ..., state: _Optional[_Union[GenerationJobState, str]] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., result: _Optional[_Union[GenerationJobResult, _Mapping]] = ..., error: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split_limit: _Optional[int] = ...) -> None: ...

@@ -41,3 +41,37 @@ class FetchAdapterResponse(_message.Message):
     metadata: FetchAdapterMetadata
     chunk: bytes
     def __init__(self, metadata: _Optional[_Union[FetchAdapterMetadata, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class ClaimGenerationJobRequest(_message.Message):
+    __slots__ = ("runner",)
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    runner: str
+    def __init__(self, runner: _Optional[str] = ...) -> None: ...
+
+class ClaimGenerationJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _resources_pb2.GenerationJob
+    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...
+
+class UpdateGenerationJobRequest(_message.Message):
+    __slots__ = ("name", "progress", "message", "state", "result", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    progress: float
+    message: str
+    state: _resources_pb2.GenerationJobState
+    result: _resources_pb2.GenerationJobResult
+    error: str
+    def __init__(self, name: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., state: _Optional[_Union[_resources_pb2.GenerationJobState, str]] = ..., result: _Optional[_Union[_resources_pb2.GenerationJobResult, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class UpdateGenerationJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: _resources_pb2.GenerationJob
+    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...

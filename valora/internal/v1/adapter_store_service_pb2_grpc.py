@@ -46,6 +46,16 @@ class AdapterStoreServiceStub:
                 request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchAdapterRequest.SerializeToString,
                 response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchAdapterResponse.FromString,
                 _registered_method=True)
+        self.ClaimGenerationJob = channel.unary_unary(
+                '/valora.internal.v1.AdapterStoreService/ClaimGenerationJob',
+                request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.ClaimGenerationJobRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.ClaimGenerationJobResponse.FromString,
+                _registered_method=True)
+        self.UpdateGenerationJob = channel.unary_unary(
+                '/valora.internal.v1.AdapterStoreService/UpdateGenerationJob',
+                request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterStoreServiceServicer:
@@ -68,6 +78,21 @@ class AdapterStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimGenerationJob(self, request, context):
+        """Generation runners: take the oldest PENDING job (it turns RUNNING), report progress and finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateGenerationJob(self, request, context):
+        """Fails with FAILED_PRECONDITION (reason JOB_NOT_RUNNING) once the job was cancelled: the
+        runner stops there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +105,16 @@ def add_AdapterStoreServiceServicer_to_server(servicer, server):
                     servicer.FetchAdapter,
                     request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchAdapterRequest.FromString,
                     response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchAdapterResponse.SerializeToString,
+            ),
+            'ClaimGenerationJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimGenerationJob,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.ClaimGenerationJobRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.ClaimGenerationJobResponse.SerializeToString,
+            ),
+            'UpdateGenerationJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateGenerationJob,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +173,60 @@ class AdapterStoreService:
             '/valora.internal.v1.AdapterStoreService/FetchAdapter',
             valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchAdapterRequest.SerializeToString,
             valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimGenerationJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.AdapterStoreService/ClaimGenerationJob',
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.ClaimGenerationJobRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.ClaimGenerationJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateGenerationJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.AdapterStoreService/UpdateGenerationJob',
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
