@@ -20,7 +20,8 @@ import traceback
 
 import torch
 
-from bench.common import COPY_BW, save, time_eager, time_graph
+from bench.common import COPY_BW, save
+from kernels.timing import time_eager, time_graph
 from bench.peers import PEERS, Case
 from kernels.atmm import AtmmPlan, atmm_, default_table, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_

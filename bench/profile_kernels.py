@@ -9,33 +9,18 @@ for `ncu --clock-control none` to profile.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from bench.common import COPY_BW, save
+from kernels.timing import time_graph
 from kernels.atmm import AtmmPlan, config_id, extension, lora_weights_from_lists
 from kernels.switch import LoraTerm, SwitchPlan
 
 
 def graph_us(fn, ops=10, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(ops):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e3 / ops)
-    return statistics.median(out)
+    """Median µs per call of `fn` repeated `ops` times in one CUDA graph."""
+    return time_graph([fn] * ops, reps=reps, warmup=1)
 
 
 def main() -> None:

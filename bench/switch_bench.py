@@ -10,12 +10,12 @@ copy of one packed adapter. Floor: one read+write pass over W at the measured co
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from bench.common import COPY_BW, save
 from kernels.switch import LoraTerm, SwitchPlan
+from kernels.timing import time_eager
 
 # (out, in) of the 7 projections of one Qwen/LLaMA-7B layer
 LAYER = [("q", 4096, 4096), ("k", 4096, 4096), ("v", 4096, 4096), ("o", 4096, 4096),
@@ -23,17 +23,8 @@ LAYER = [("q", 4096, 4096), ("k", 4096, 4096), ("v", 4096, 4096), ("o", 4096, 40
 
 
 def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
+    """Median ms of one call."""
+    return time_eager(fn, reps=reps, warmup=1) / 1e3
 
 
 def make_adapter(shapes, r, g, dev):

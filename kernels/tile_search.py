@@ -29,6 +29,7 @@ import torch
 
 from kernels import triton_sgmv
 from kernels.atmm import AtmmPlan, atmm_, config_id, extension, lora_weights_from_lists, triton_available
+from kernels.timing import time_graph
 from kernels.tile_table import (SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable, heuristic_config, rank_block,
                                 find_table, segment_bucket, shape_key, table_filename)
 
@@ -63,25 +64,8 @@ class Bench:
         torch.cuda.synchronize()
 
     def _time(self, launch, ops=10, reps=10) -> float:
-        calls = [lambda i=i: launch(*self.sets[i % self.nsets]) for i in range(ops)]
-        for c in calls[:2]:
-            c()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        g.replay()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e) * 1e3 / ops)
-        return statistics.median(out)
+        """Median µs per op of `ops` launches over rotating input sets, replayed from one CUDA graph."""
+        return time_graph([lambda i=i: launch(*self.sets[i % self.nsets]) for i in range(ops)], reps=reps, warmup=1)
 
     def _args(self, w, x, y, split_k):
         p = self.plan
