@@ -3,6 +3,8 @@ field is also settable as VALORA_<FIELD> (e.g. VALORA_PORT=50051). Parsed once i
 
 from __future__ import annotations
 
+import json
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -34,3 +36,14 @@ class ServiceSettings(BaseSettings):
     trace_console: bool = Field(False, description="Also print finished trace spans to stdout (debugging).")
     trace_sample_ratio: float = Field(
         1.0, ge=0.0, le=1.0, description="Share of new traces sampled; calls inside a trace follow their parent.")
+
+
+def split_list(value: object) -> object:
+    """Lists from the environment: JSON (`["a","b"]`) or comma-separated (`a,b`). Use as a
+    `mode="before"` field validator on `Annotated[list[...], NoDecode]` fields."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from services.common.config import ServiceSettings
-
-
-def _split_list(value: object) -> object:
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            return json.loads(text)
-        return [part.strip() for part in text.split(",") if part.strip()]
-    return value
+from services.common.config import ServiceSettings, split_list
 
 
 class GatewaySettings(ServiceSettings):
@@ -50,7 +40,7 @@ class GatewaySettings(ServiceSettings):
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
-        return _split_list(value)
+        return split_list(value)
 
     @model_validator(mode="after")
     def _check(self) -> "GatewaySettings":

@@ -7,19 +7,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from services.common.config import ServiceSettings
-
-
-def split_list(value: object) -> object:
-    """Lists from the environment: JSON (`["a","b"]`) or comma-separated (`a,b`)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            import json
-
-            return json.loads(text)
-        return [part.strip() for part in text.split(",") if part.strip()]
-    return value
+from services.common.config import ServiceSettings, split_list
 
 
 class SchedulerSettings(ServiceSettings):
