@@ -98,6 +98,7 @@ class EngineConfig:
     kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
     use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
     image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
+    load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
 
 
 @dataclass
@@ -148,7 +149,7 @@ class Engine:
         path = Path(config.model_path).expanduser()
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
-        self.model = load_model(path, self.device, self.dtype)
+        self.model = load_model(path, self.device, self.dtype, config.load_format)
         self.model_config = json.loads((path / "config.json").read_text())
         self.shapes = BaseModelShapes.from_config(self.model_config)
         self.text_config = self.model.config.text_config

@@ -1,10 +1,17 @@
-"""A tiny but real Qwen2-VL, built locally with a fixed seed (no downloads).
+"""Qwen2-VL model directories built locally with a fixed seed (no downloads).
 
-`ensure_tiny_model(path)` writes a `Qwen2VLForConditionalGeneration` (2 text layers, hidden 128,
-2 vision blocks), a byte-level BPE tokenizer trained on a small built-in corpus with Qwen2-VL's
-special tokens, and a `Qwen2VLProcessor` using the PIL image processor (56x56 -> 4 image
-tokens, 112x112 -> 16). Everything loads back with `from_pretrained(path)` /
-`AutoProcessor.from_pretrained(path)`. Run as `python -m services.worker.tiny_model PATH`.
+`ensure_tiny_model(path)` writes a tiny but real `Qwen2VLForConditionalGeneration` (2 text layers,
+hidden 128, 2 vision blocks), a byte-level BPE tokenizer trained on a small built-in corpus with
+Qwen2-VL's special tokens, and a `Qwen2VLProcessor` using the PIL image processor (56x56 -> 4
+image tokens, 112x112 -> 16). Everything loads back with `from_pretrained(path)` /
+`AutoProcessor.from_pretrained(path)`.
+
+`ensure_shape_model(path, "qwen2-vl-7b")` writes the same tokenizer and processor (with Qwen2-VL's
+own pixel bounds: 448x448 -> 256 image tokens) and the config of a full-size architecture, but no
+weights: the worker loads it with `load_format="dummy"` (random weights on the device, like
+vLLM's `--load-format dummy`), for benchmarks and GPU tests at the real shape.
+
+Run as `python -m services.worker.tiny_model PATH [ARCH]`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,24 @@ SPECIAL_TOKENS = (
 BPE_VOCAB_SIZE = 1000  # trained tokens (bytes + merges); specials come after
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 112 * 112
+
+# Full-size architectures (random weights): text and vision dimensions of the released models.
+SHAPES = {
+    "qwen2-vl-7b": dict(
+        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                  mrope_section=[16, 24, 24]),
+        vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4),
+        pixels=(56 * 56, 28 * 28 * 1280),  # Qwen2-VL's processor bounds
+    ),
+    "qwen2-vl-2b": dict(
+        text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  mrope_section=[16, 24, 24]),
+        vision=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4),
+        pixels=(56 * 56, 28 * 28 * 1280),
+    ),
+}
 
 # Qwen2-VL's chat template (default system turn, images as vision_start/pad/end).
 CHAT_TEMPLATE = (
@@ -85,36 +110,32 @@ def _build_tokenizer():
     return fast
 
 
-def build_tiny_model(seed: int = 0):
-    """Returns (model, processor) built in memory; deterministic for a given seed."""
-    import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+_TINY = dict(
+    text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, mrope_section=[4, 6, 6]),
+    vision=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2),
+    pixels=(MIN_PIXELS, MAX_PIXELS),
+)
 
-    from services.worker.processor import ImageQwen2VLProcessor
 
-    tokenizer = _build_tokenizer()
+def _build_config(tokenizer, shape: dict):
+    from transformers import Qwen2VLConfig
+
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = ((len(tokenizer) + 63) // 64) * 64
+    text = dict(shape["text"])
+    mrope = text.pop("mrope_section")
+    text.setdefault("vocab_size", ((len(tokenizer) + 63) // 64) * 64)
     text_config = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        **text,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    vision_config = dict(
-        depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2, in_channels=3,
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-    )
-    config = Qwen2VLConfig(
+    vision_config = dict(**shape["vision"], in_channels=3, patch_size=14, spatial_merge_size=2,
+                         temporal_patch_size=2)
+    return Qwen2VLConfig(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
@@ -123,33 +144,75 @@ def build_tiny_model(seed: int = 0):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.bos_token_id = ids["<|endoftext|>"]
-    model.generation_config.do_sample = False
+
+
+def _generation_config(tokenizer):
+    from transformers import GenerationConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+                            bos_token_id=ids["<|endoftext|>"], do_sample=False)
+
+
+def _build_processor(tokenizer, pixels: tuple[int, int]):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from services.worker.processor import ImageQwen2VLProcessor
 
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+        min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14, temporal_patch_size=2, merge_size=2
     )
     # Qwen2-VL's own video processor needs torchvision (not importable here); we serve images.
-    processor = ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                      chat_template=CHAT_TEMPLATE)
-    return model, processor
+    return ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_model(seed: int = 0):
+    """Returns (model, processor) built in memory; deterministic for a given seed."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    tokenizer = _build_tokenizer()
+    config = _build_config(tokenizer, _TINY)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.generation_config = _generation_config(tokenizer)
+    return model, _build_processor(tokenizer, _TINY["pixels"])
 
 
 def ensure_tiny_model(path: Path | str) -> Path:
     """Builds the tiny model into `path` unless `path/config.json` already exists; returns the path."""
-    path = Path(path).expanduser()
+
+    def write(tmp: Path) -> None:
+        model, processor = build_tiny_model()
+        processor.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+
+    return _write_atomically(Path(path).expanduser(), write)
+
+
+def ensure_shape_model(path: Path | str, arch: str) -> Path:
+    """Writes a weightless model directory of a full-size architecture (one of SHAPES) unless
+    `path/config.json` exists: config + generation config + tokenizer + processor. Load it with
+    the worker's `load_format="dummy"`."""
+    if arch not in SHAPES:
+        raise ValueError(f"unknown architecture {arch!r}; known: {sorted(SHAPES)}")
+
+    def write(tmp: Path) -> None:
+        tokenizer = _build_tokenizer()
+        _build_config(tokenizer, SHAPES[arch]).save_pretrained(tmp)
+        _generation_config(tokenizer).save_pretrained(tmp)
+        _build_processor(tokenizer, SHAPES[arch]["pixels"]).save_pretrained(tmp)
+
+    return _write_atomically(Path(path).expanduser(), write)
+
+
+def _write_atomically(path: Path, write) -> Path:
     if (path / "config.json").exists():
         return path
-    model, processor = build_tiny_model()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # unique per builder
     try:
-        processor.save_pretrained(tmp)
-        model.save_pretrained(tmp)
+        write(tmp)
         if path.exists() and not (path / "config.json").exists():
             shutil.rmtree(path, ignore_errors=True)  # a partial directory from a crashed build
         try:
@@ -164,7 +227,8 @@ def ensure_tiny_model(path: Path | str) -> Path:
 
 def main(argv: list[str]) -> int:
     target = Path(argv[1]) if len(argv) > 1 else DEFAULT_TINY_MODEL_PATH
-    print(ensure_tiny_model(target))
+    arch = argv[2] if len(argv) > 2 else "tiny"
+    print(ensure_tiny_model(target) if arch == "tiny" else ensure_shape_model(target, arch))
     return 0
 
 
