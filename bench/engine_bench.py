@@ -1,0 +1,275 @@
+"""Engine end to end (BENCHMARKS.md §3): valora's worker engine vs HF transformers + PEFT.
+
+Workload: Qwen2-VL-7B architecture with random weights (`load_format="dummy"`), a batch of 16
+requests, one 448x448 image each (256 image tokens) and ~32 text tokens, 16 new tokens (EOS
+ignored, so every run decodes the same number of steps), 8 rank-16 adapters on all 7 projections.
+Images are distinct and the engine's image-feature cache is off, so every run encodes every image.
+
+Runs (rows `{"impl", "run", "generate_ms", "prefill_ms"}`; prefill_ms = the same batch with one new
+token, i.e. prefill + first token):
+- base: no adapter;
+- merged: every request uses adapter 0, merged into the weights (valora MERGED; PEFT merge_adapter);
+- unmerged_one: every request uses adapter 0, unmerged;
+- unmerged_mixed: the 8 adapters mixed in the batch (valora UNMERGED; PEFT `adapter_names`);
+- mixture: valora only — adapter 0 merged, requests of all 8 adapters (deLoRA term for 7 of them).
+The peer runs first in the same process (same weights: one seed), then is freed.
+
+    python -m bench.engine_bench                       # H200: 7B shape, writes results/engine-<suffix>.json
+    python -m bench.engine_bench --arch tiny --device cpu --dtype float32 --batch 4 --adapters 2 --new-tokens 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from bench.common import RESULTS, run_info
+from services.worker.model import ensure_shape_model, ensure_tiny_model, load_model, load_processor
+from services.worker.processor import chat_text
+from services.worker.requests import Failed, Finished, Mode, WorkRequest
+from services.worker.testing import random_adapter_bundle, write_peft_dir
+
+PROMPT = ("Look at the picture carefully and tell me which objects you can see, what colour each one "
+          "is, and where it is.")
+RUNS = ("base", "merged", "unmerged_one", "unmerged_mixed", "mixture")
+
+
+def images(n: int, size: int, rep: int) -> list[Image.Image]:
+    """Distinct images per request and per repetition (no cache can serve one twice)."""
+    g = torch.Generator().manual_seed(1000 * rep + 7)
+    out = []
+    for _ in range(n):
+        px = torch.randint(0, 256, (size // 16, size // 16, 3), generator=g, dtype=torch.uint8)
+        out.append(Image.fromarray(px.numpy()).resize((size, size), Image.Resampling.NEAREST))
+    return out
+
+
+def adapters_for(run: str, batch: int, names: list[str]) -> list[str | None]:
+    if run == "base":
+        return [None] * batch
+    if run in ("merged", "unmerged_one"):
+        return [names[0]] * batch
+    return [names[i % len(names)] for i in range(batch)]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# -- valora -----------------------------------------------------------------------------------
+
+def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[list[dict], dict]:
+    from services.worker.engine import Engine, EngineConfig
+
+    names = list(bundles)
+    cfg = EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=args.batch,
+                       max_prefills_per_step=args.batch, device_slots=len(names) + 1, image_cache_bytes=0,
+                       load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens))
+    eng = Engine(cfg)
+    eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
+    eng.start()
+    rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {}}
+    try:
+        for name, b in bundles.items():
+            eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, to_device=True)
+
+        def batch_ms(run: str, new_tokens: int, rep: int) -> tuple[float, dict]:
+            reqs = [WorkRequest(f"{run}-{rep}-{i}", PROMPT, [img], adapter=a, max_new_tokens=new_tokens)
+                    for i, (img, a) in enumerate(zip(images(args.batch, args.image, rep),
+                                                    adapters_for(run, args.batch, names)))]
+            preps = [eng.prepare(r) for r in reqs]  # image processing + tokenizing: not timed (peer alike)
+            done, results, errors = threading.Event(), {}, []
+
+            def sink(rid):
+                def put(ev):
+                    if isinstance(ev, Finished):
+                        results[rid] = ev.result.token_ids
+                    elif isinstance(ev, Failed):
+                        errors.append(ev.error)
+                    if len(results) + len(errors) == len(preps):
+                        done.set()
+                return put
+
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            now = time.monotonic()
+            for p in preps:
+                eng.submit(dataclasses.replace(p, arrived=now), sink(p.request.request_id))
+            if not done.wait(600):
+                raise TimeoutError(f"{run}: the engine did not finish")
+            ms = (time.perf_counter() - t0) * 1e3
+            if errors:
+                raise errors[0]
+            return ms, results
+
+        for run in RUNS:
+            if run in ("merged", "mixture"):
+                eng.set_mode(Mode.MERGED if run == "merged" else Mode.MIXTURE, names[0])
+            elif eng.stats().merged_adapter:
+                eng.set_mode(Mode.UNMERGED)
+            if run != "base" and not names:
+                continue
+            gen, pre = [], []
+            for rep in range(args.warmup + args.reps):
+                ms_gen, tokens = batch_ms(run, args.new_tokens, rep)
+                ms_pre, _ = batch_ms(run, 1, rep + 100)
+                if rep == 0:  # the peer's rep 0 has the same images: compare tokens on it
+                    detail["tokens"][run] = [tokens[k] for k in sorted(tokens, key=lambda k: int(k.rsplit("-", 1)[1]))]
+                if rep >= args.warmup:
+                    gen.append(ms_gen)
+                    pre.append(ms_pre)
+            rows.append({"impl": "valora", "run": run, "generate_ms": _median(gen), "prefill_ms": _median(pre)})
+            print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
+                  flush=True)
+        detail["peak_decode_rows"] = eng.peak_decode_rows
+        detail["peak_decode_entries"] = eng.peak_decode_entries
+    finally:
+        eng.stop()
+        del eng
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows, detail
+
+
+# -- HF transformers + PEFT -------------------------------------------------------------------
+
+def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Path) -> tuple[list[dict], dict]:
+    from peft import PeftModel
+
+    dtype = getattr(torch, args.dtype)
+    names = list(bundles)
+    processor = load_processor(model_dir)
+    model = load_model(model_dir, args.device, dtype, load_format)
+    detail = {"tokens": {}}
+    rows = []
+
+    def inputs(rep: int):
+        texts = [chat_text(PROMPT, 1)] * args.batch
+        enc = processor(images=images(args.batch, args.image, rep), text=texts, padding=True, return_tensors="pt")
+        return enc.to(args.device)
+
+    def timed(fn, rep: int, new_tokens: int) -> tuple[float, torch.Tensor]:
+        enc = inputs(rep)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = fn(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3, out[:, enc["input_ids"].shape[1]:]
+
+    def measure(run: str, fn) -> None:
+        gen, pre = [], []
+        for rep in range(args.warmup + args.peer_reps):
+            ms_gen, out = timed(fn, rep, args.new_tokens)
+            ms_pre, _ = timed(fn, rep + 100, 1)
+            if rep == 0:
+                detail["tokens"][run] = out.tolist()
+            if rep >= args.warmup:
+                gen.append(ms_gen)
+                pre.append(ms_pre)
+        rows.append({"impl": "hf_peft", "run": run, "generate_ms": _median(gen), "prefill_ms": _median(pre)})
+        print(f"hf_peft {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
+              flush=True)
+
+    measure("base", model.generate)
+    if names:
+        peft = PeftModel.from_pretrained(model, write_peft_dir(bundles[names[0]], tmp / "a0"), adapter_name="a0")
+        for i, name in enumerate(names[1:], 1):
+            peft.load_adapter(str(write_peft_dir(bundles[name], tmp / f"a{i}")), adapter_name=f"a{i}")
+        peft.eval()
+        peft.set_adapter("a0")
+        peft.merge_adapter()
+        measure("merged", peft.generate)
+        peft.unmerge_adapter()
+        measure("unmerged_one", peft.generate)
+        mixed = [f"a{i % len(names)}" for i in range(args.batch)]
+        measure("unmerged_mixed", lambda **kw: peft.generate(**kw, adapter_names=mixed))
+        del peft
+    del model
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows, detail
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen2-vl-7b", help="qwen2-vl-7b | qwen2-vl-2b (random weights) | tiny")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/valora/<arch>")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--image", type=int, default=448)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--peer-reps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
+    model_dir = args.model_dir or Path(f"~/.cache/valora/{args.arch}").expanduser()
+    if args.arch == "tiny":
+        ensure_tiny_model(model_dir)
+        load_format = "auto"
+    else:
+        ensure_shape_model(model_dir, args.arch)
+        load_format = "dummy"
+    dtype = getattr(torch, args.dtype)
+    bundles = {f"adapters/bench{i}/versions/1": random_adapter_bundle(model_dir, rank=args.rank, lora_alpha=args.rank,
+                                                                      seed=i, std=0.01, dtype=dtype)
+               for i in range(args.adapters)}
+    rows, detail = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_peer:
+            peer_rows, detail["hf_peft"] = run_hf_peft(args, model_dir, bundles, load_format, Path(tmp))
+            rows += peer_rows
+        ours, detail["valora"] = run_valora(args, model_dir, bundles, load_format)
+        rows += ours
+    if not args.skip_peer:  # same greedy tokens as the peer? (bf16 near-ties may differ; reported, not asserted)
+        for run, toks in detail["hf_peft"]["tokens"].items():
+            mine = detail["valora"]["tokens"].get(run)
+            if mine:
+                same = sum(a == b for x, y in zip(mine, toks) for a, b in zip(x, y))
+                detail.setdefault("token_agreement", {})[run] = same / max(1, sum(len(x) for x in toks))
+    for d in detail.values():
+        if isinstance(d, dict):
+            d.pop("tokens", None)
+    name = args.name or f"engine-{time.strftime('%Y-%m-%d')}"
+    workload = {k: getattr(args, k) for k in ("arch", "device", "dtype", "batch", "image", "new_tokens", "adapters",
+                                              "rank", "reps", "peer_reps", "warmup")}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out_dir / f"{name}.detail.json").write_text(
+        json.dumps({"info": run_info(), "workload": workload, **detail}, indent=1, default=str) + "\n")
+    base = next((r for r in rows if r["impl"] == "valora" and r["run"] == "base"), None)
+    peer_mixed = next((r for r in rows if r["impl"] == "hf_peft" and r["run"] == "unmerged_mixed"), None)
+    for r in rows:
+        if r["impl"] == "valora" and base:
+            extra = f"  x{r['generate_ms'] / base['generate_ms']:.2f} of base"
+            if peer_mixed and r["run"] == "unmerged_mixed":
+                extra += f", {peer_mixed['generate_ms'] / r['generate_ms']:.1f}x faster than HF+PEFT mixed"
+            print(f"{r['run']:15s}{extra}")
+    print(f"wrote {args.out_dir / f'{name}.json'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

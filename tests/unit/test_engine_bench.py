@@ -1,0 +1,24 @@
+"""The §3 engine benchmark on the tiny model (CPU, fp32): rows in the issue's schema, and the
+engine's greedy tokens equal HF + PEFT's for every run both implement (same weights, one seed)."""
+
+import json
+
+from bench import engine_bench
+
+
+def test_engine_bench_rows_and_agreement_with_peft(tmp_path):
+    rows = engine_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--device", "cpu",
+                              "--dtype", "float32", "--batch", "3", "--adapters", "2", "--new-tokens", "3",
+                              "--reps", "1", "--peer-reps", "1", "--warmup", "0",
+                              "--out-dir", str(tmp_path), "--name", "engine-test"])
+    saved = json.loads((tmp_path / "engine-test.json").read_text())
+    assert saved == rows
+    assert {(r["impl"], r["run"]) for r in rows} == {
+        *(("valora", run) for run in engine_bench.RUNS),
+        *(("hf_peft", run) for run in ("base", "merged", "unmerged_one", "unmerged_mixed"))}
+    for r in rows:
+        assert set(r) == {"impl", "run", "generate_ms", "prefill_ms"}
+        assert r["generate_ms"] > 0 and r["prefill_ms"] > 0
+    detail = json.loads((tmp_path / "engine-test.detail.json").read_text())
+    assert detail["token_agreement"] == {"base": 1.0, "merged": 1.0, "unmerged_one": 1.0, "unmerged_mixed": 1.0}
+    assert detail["valora"]["peak_decode_entries"] == 2  # the mixed run decoded both adapters in one batch
