@@ -2,10 +2,14 @@
 
 Each iteration (a "step boundary") the loop: frees cancelled sequences, admits waiting requests
 (up to max_batch_size running; each pins its adapter's device slot), prefills a few new ones
-alone (image + prompt through the real model into their own KV cache; LABEL requests end here
-with their task head), then decodes every running sequence in ONE forward over the stacked,
+(at most max_prefills_per_step requests and max_prefill_tokens padded tokens) in ONE forward of
+the language model: their image + prompt embeddings stacked right-padded, rows ordered by LoRA
+entry, 3D M-RoPE positions per row; causal attention keeps every real token from seeing the
+padding after it, so the prefill needs no attention mask. The batch cache is then split into
+each sequence's own KV cache, padding dropped (LABEL requests end here with their task head on
+their last real token). Then every running sequence decodes in ONE forward over the stacked,
 left-padded caches (kv_batch.py), with explicit 3D M-RoPE positions = cached length + the
-sequence's rope delta from prefill. LoRA for the whole step is planned once (lora.StepLora).
+sequence's rope delta from prefill. LoRA is planned once per forward (lora.StepLora).
 
 Prefill embeds images and video chunks through vision.VisionEncoder: features are cached by
 content hash, so a repeated image skips the vision tower. A request may ask for early adapter
@@ -45,7 +49,7 @@ from services.common.errors import (
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.detokenizer import IncrementalDetokenizer
-from services.worker.kv_batch import KV, DecodeBatch, kv_from_cache, kv_nbytes, new_cache
+from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
 from services.worker.model import build_inputs, load_model, load_processor
 from services.worker.requests import (
@@ -74,10 +78,6 @@ def _stop_reason(s: "_Seq") -> ValoraError:
     return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")
 
 
-def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,7 +92,8 @@ class EngineConfig:
     max_new_tokens_limit: int = 1024
     device_slots: int = 4
     max_rank: int = 256
-    max_prefills_per_step: int = 2
+    max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
+    max_prefill_tokens: int = 8192  # padded tokens (rows x longest prompt) per prefill forward; longer: alone
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
@@ -145,6 +146,8 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
+        if config.max_prefills_per_step < 1 or config.max_prefill_tokens < 1:
+            raise ValueError("max_prefills_per_step and max_prefill_tokens must be positive")
         self.dtype = DTYPES[config.dtype]
         path = Path(config.model_path).expanduser()
         self.processor = load_processor(path)
@@ -186,6 +189,7 @@ class Engine:
         # Largest decode batch seen (rows, distinct LoRA entries in one forward): observability + tests.
         self.peak_decode_rows = 0
         self.peak_decode_entries = 0
+        self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -423,9 +427,9 @@ class Engine:
                     self._wake.wait(timeout=0.1)
             return
         t0 = time.perf_counter()
-        for _ in range(min(self.config.max_prefills_per_step, len(self._prefill))):
-            seq = self._prefill.popleft()
-            self._guard([seq], self._prefill_one, seq)
+        batch = self._take_prefills()
+        if batch:
+            self._guard(batch, self._prefill_batch, batch)
         if self._running:
             self._guard(list(self._running), self._decode_step)
         if self.device.type == "cuda":
@@ -574,33 +578,83 @@ class Engine:
         return step
 
     # -- prefill ---------------------------------------------------------------------------------
-    def _prefill_one(self, s: _Seq) -> None:
-        s.t_prefill = time.monotonic()
-        inp = s.prep.inputs
-        ids = inp["input_ids"].to(self.device)
+    def _take_prefills(self) -> list[_Seq]:
+        """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
+        max_prefill_tokens padded tokens (rows x longest prompt); the first one in any case."""
+        batch: list[_Seq] = []
+        width = 0
+        while self._prefill and len(batch) < self.config.max_prefills_per_step:
+            w = max(width, self._prefill[0].prep.prompt_tokens)
+            if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
+                break
+            batch.append(self._prefill.popleft())
+            width = w
+        return batch
+
+    def _prefill_batch(self, seqs: list[_Seq]) -> None:
+        """Prefills `seqs` in one forward of the language model.
+
+        Rows are ordered by LoRA entry (one StepLora, no permutation: ATMM takes it) and right-
+        padded to the longest prompt with zero embeddings. Under causal attention a real token
+        never attends to the padding after it, so no attention mask is passed (SDPA keeps
+        is_causal); the padding's own outputs and KV are dropped. M-RoPE positions come from
+        get_rope_index over the batch with the padding masked out, so every row gets the
+        positions and rope delta it has alone. If the forward fails, every request in it fails."""
+        t0 = time.monotonic()
+        rows = sorted(seqs, key=self._lora_key)
+        lengths = [s.prep.prompt_tokens for s in rows]
+        b, width = len(rows), max(lengths)
+        first = rows[0].prep.inputs
+        ids = first["input_ids"].new_zeros((b, width))
+        types = first["mm_token_type_ids"].new_zeros((b, width))
+        mask = torch.zeros((b, width), dtype=torch.long)
+        grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
+        embeds = None
+        for i, (s, n) in enumerate(zip(rows, lengths)):
+            s.t_prefill = t0
+            inp = s.prep.inputs
+            ids[i, :n] = inp["input_ids"][0]
+            types[i, :n] = inp["mm_token_type_ids"][0]
+            mask[i, :n] = 1
+            for key, found in grids.items():
+                if inp.get(key) is not None:
+                    found.append(inp[key])
+            # Image/video features come from the feature cache when this content was seen before.
+            e = self.vision.embed(inp["input_ids"].to(self.device), inp, s.prep.vision)
+            if embeds is None:
+                embeds = e.new_zeros((b, width, e.shape[-1]))
+            embeds[i, :n] = e[0]
+        # On the host: the rope index walks every row in Python (no device syncs per row).
         position_ids, deltas = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=inp["mm_token_type_ids"].to(self.device),
-            image_grid_thw=_to(inp.get("image_grid_thw"), self.device),
-            video_grid_thw=_to(inp.get("video_grid_thw"), self.device))
-        # Image/video features come from the feature cache when this content was seen before.
-        embeds = self.vision.embed(ids, inp, s.prep.vision)
+            ids, mm_token_type_ids=types, attention_mask=mask,
+            **{key: torch.cat(found) if found else None for key, found in grids.items()})
         cache = new_cache(self.text_config)
-        self.runtime.step = self._plan([s], ids.shape[1])
+        self.runtime.step = self._plan(rows, width)
+        self.peak_prefill_rows = max(self.peak_prefill_rows, b)
         try:
-            out = self.model.model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache,
-                                   use_cache=True)
+            out = self.model.model(inputs_embeds=embeds, position_ids=position_ids.to(self.device),
+                                   past_key_values=cache, use_cache=True)
         finally:
             self.runtime.step = None
-        hidden = out.last_hidden_state[:, -1]
-        s.length = ids.shape[1]
-        s.rope_delta = int(deltas.view(-1)[0])
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
+        kvs = split_rows(cache, lengths)
+        text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
+        logits = dict(zip(text, self.model.lm_head(hidden[text]))) if text else {}
+        for i, s in enumerate(rows):  # from here on a failure is that request's alone
+            self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], kvs[i], logits.get(i))
+
+    def _prefilled(self, s: _Seq, length: int, rope_delta: int, hidden: torch.Tensor, kv: KV,
+                   logits: torch.Tensor | None) -> None:
+        """After the prefill forward: answers a LABEL request, or starts decoding with its first token."""
+        s.length = length
+        s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:
-            self._answer_label(s, hidden[0])
+            self._answer_label(s, hidden)
             return
-        s.kv = kv_from_cache(cache)
+        s.kv = kv
         s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
         s.generator = s.req.sampling.generator()
-        logits = self.model.lm_head(hidden)[0]
         self._running.append(s)
         self._accept(s, choose_token(logits, s.req.sampling, s.generator))
 

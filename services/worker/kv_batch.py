@@ -3,11 +3,12 @@
 Layers are `GrowingLayer`s: a token is appended into spare capacity (amortised O(1)) instead of
 DynamicLayer's torch.cat of the whole cache every step.
 
-Each sequence is prefilled alone into its own cache. Running sequences decode together: their
-caches are stacked once, right-aligned (left padding, masked out by the attention mask), and
-the stacked cache then grows in place step after step. It is re-packed only when the batch's
-membership changes (a request joins or leaves, at a step boundary), and common left padding
-is trimmed then.
+The requests of one step are prefilled together into one right-padded batch cache;
+`split_rows` gives each sequence its own cache (views of its row without the padding). Running
+sequences decode together: their caches are stacked once, right-aligned (left padding, masked
+out by the attention mask), and the stacked cache then grows in place step after step. It is
+re-packed only when the batch's membership changes (a request joins or leaves, at a step
+boundary), and common left padding is trimmed then.
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def cache_from_buffers(config, bufs: KV, length: int) -> DynamicCache:
 
 def kv_from_cache(cache: DynamicCache) -> KV:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def split_rows(cache: DynamicCache, lengths: list[int]) -> list[KV]:
+    """Each row's own cache from a right-padded batch cache: row i's first lengths[i] positions
+    (views; the padding after them is dropped)."""
+    kv = kv_from_cache(cache)
+    return [[(k[i:i + 1, :, :n], v[i:i + 1, :, :n]) for k, v in kv] for i, n in enumerate(lengths)]
 
 
 def kv_nbytes(kv: KV) -> int:

@@ -1,4 +1,4 @@
-"""The worker engine on the tiny Qwen2-VL: batched multi-LoRA decoding checked token for token
+"""The worker engine on the tiny Qwen2-VL: batched multi-LoRA prefill + decoding checked token for token
 against PEFT + HF generate, task heads, cancellation, sampling, stop sequences, the adapter
 pool and the switcher (merged / mixture modes, drift-free switching)."""
 
@@ -76,12 +76,16 @@ def peft_generate(model_path, bundle, img, prompt, tmp_path, max_new=MAX_NEW) ->
 
 
 def run_concurrently(engine, requests):
-    """Submits every request before waiting on any; returns {request_id: (deltas, result)}."""
+    """Submits every request before waiting on any; returns {request_id: (deltas, result)}.
+    The engine loop is held meanwhile, so one step admits them all and the prefill batches
+    (max_prefills_per_step at a time, in order) do not depend on timing."""
+    preps = [engine.prepare(r) for r in requests]
     sinks = {}
-    for r in requests:
-        q: queue.Queue = queue.Queue()
-        engine.submit(engine.prepare(r), q.put)
-        sinks[r.request_id] = q
+    with engine._wake:  # re-entrant: submit() takes it too
+        for r, prep in zip(requests, preps):
+            q: queue.Queue = queue.Queue()
+            engine.submit(prep, q.put)
+            sinks[r.request_id] = q
     out = {}
     for rid, q in sinks.items():
         deltas = []

@@ -1,0 +1,198 @@
+"""Batched prefill of the worker engine on the tiny Qwen2-VL (fp32): requests of different
+prompt lengths, adapters (and none), output kinds, images and videos prefilled in ONE forward
+answer exactly as each does alone; the step's padded-token bound; a failing batched forward
+fails its requests only."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.worker.engine import Engine, EngineConfig
+from services.worker.model import ensure_tiny_model
+from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
+from services.worker.sampling import SamplingParams
+from services.worker.testing import random_adapter_bundle
+
+A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
+LABELS = ["red", "green", "blue", "yellow"]
+MAX_NEW = 8
+DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
+
+
+def image(seed: int, size: int = 56) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=12, max_prefills_per_step=12,
+                              device_slots=3, default_max_new_tokens=MAX_NEW, kv_headroom=2))
+    eng.start()
+    for name, b in {
+        A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),
+        B: random_adapter_bundle(model_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS}),
+        C: random_adapter_bundle(model_path, rank=2, lora_alpha=2, seed=3, target_modules=("q_proj", "v_proj")),
+    }.items():
+        assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def prefills(engine):
+    """Records the request ids of every prefill forward, in step order."""
+    batches: list[list[str]] = []
+    original = engine._prefill_batch
+
+    def record(seqs):
+        batches.append([s.req.request_id for s in seqs])
+        return original(seqs)
+
+    engine._prefill_batch = record
+    yield batches
+    del engine._prefill_batch
+
+
+def submit_together(engine, requests) -> dict[str, queue.Queue]:
+    """Queues every request while the engine loop is held, so one step admits them all."""
+    sinks = {}
+    with engine._wake:  # re-entrant: submit() takes it too; _admit() waits for it
+        for r in requests:
+            q: queue.Queue = queue.Queue()
+            engine.submit(engine.prepare(r), q.put)
+            sinks[r.request_id] = q
+    return sinks
+
+
+def outcome(q: queue.Queue):
+    """(deltas, final event) of one request."""
+    deltas = []
+    while True:
+        ev = q.get(timeout=60)
+        if isinstance(ev, TextDelta):
+            deltas.append(ev.text)
+        else:
+            return deltas, ev
+
+
+def mixed_requests() -> list[WorkRequest]:
+    r = lambda rid, prompt, imgs=(), **kw: WorkRequest(rid, prompt, list(imgs), max_new_tokens=MAX_NEW, **kw)
+    return [
+        r("base-1img", "Hi.", [image(1)]),
+        r("a-1img-long", "Describe every object in this picture, its colour and where it is.", [image(2)], adapter=A),
+        r("b-2img", "What changed between them?", [image(3), image(4, 112)], adapter=B),
+        r("a-2img", "Compare.", [image(5, 112), image(6)], adapter=A),
+        r("c-text", "Tell me a short story about a cat.", adapter=C),
+        r("label", "What color is it?", [image(7)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
+        r("base-video", "What happens?", [image(8)], videos=[[image(9), image(10), image(11)]]),
+        r("sampled", "Guess.", [image(1)], adapter=C,
+          sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11)),
+    ]
+
+
+def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch):
+    reqs = mixed_requests()
+    lengths = {r.request_id: engine.prepare(r).prompt_tokens for r in reqs}
+    assert len(set(lengths.values())) >= 6, lengths  # rows really are padded to different lengths
+    plans = []
+    plan = engine._plan
+    monkeypatch.setattr(engine, "_plan", lambda seqs, t: plans.append((t, plan(seqs, t))) or plans[-1][1])
+    engine.vision.cache.clear()
+    engine.peak_prefill_rows = 0
+    together = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}
+    assert len(prefills) == 1 and sorted(prefills[0]) == sorted(lengths), prefills
+    assert engine.peak_prefill_rows == len(reqs)
+    # One LoRA plan for the batch: a row per request, padded width, rows grouped by entry (no
+    # permutation, so ATMM can take it), entries A, B, C once each.
+    (width, step), = [(t, st) for t, st in plans if t > 1]
+    assert width == max(lengths.values()) and len(step.row_entries) == len(reqs)
+    assert step.perm is None and sorted(step.row_entries) == step.row_entries and len(step.entries) == 3
+    del prefills[:]
+    engine.vision.cache.clear()
+    alone = {}
+    for r in reqs:
+        alone[r.request_id] = outcome(submit_together(engine, [r])[r.request_id])
+    assert prefills == [[r.request_id] for r in reqs]
+    for rid, (deltas, ev) in together.items():
+        want_deltas, want = alone[rid]
+        assert isinstance(ev, Finished) and isinstance(want, Finished), (rid, ev, want)
+        got, want = ev.result, want.result
+        assert got.prompt_tokens == want.prompt_tokens == lengths[rid]
+        if rid == "label":
+            assert got.finish_reason == FinishReason.LABEL and got.label == want.label
+            assert [s[0] for s in got.scores] == [s[0] for s in want.scores]
+            assert [s[1] for s in got.scores] == pytest.approx([s[1] for s in want.scores], abs=1e-5)
+            continue
+        assert got.token_ids == want.token_ids and len(got.token_ids) > 0, rid
+        assert got.text == want.text == "".join(deltas) == "".join(want_deltas), rid
+        assert got.mode == want.mode == (Mode.BASE if rid.startswith("base") else Mode.UNMERGED)
+
+
+def test_prefill_bound_counts_padded_tokens_and_keeps_fifo(engine, prefills):
+    short = [WorkRequest(f"s{i}", "Hi.", [image(20 + i)], adapter=A if i % 2 else None, max_new_tokens=3)
+             for i in range(3)]
+    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [image(30, 112)],
+                       max_new_tokens=3)
+    n = engine.prepare(short[0]).prompt_tokens
+    assert engine.prepare(long).prompt_tokens > 2 * n
+    old = engine.config.max_prefill_tokens
+    engine.config.max_prefill_tokens = 2 * n  # two short rows fit; the long one alone exceeds it
+    try:
+        results = {rid: outcome(q) for rid, q in submit_together(engine, [*short[:2], long, short[2]]).items()}
+    finally:
+        engine.config.max_prefill_tokens = old
+    assert [sorted(b) for b in prefills] == [["s0", "s1"], ["long"], ["s2"]]
+    for r in [*short, long]:
+        _, ev = results[r.request_id]
+        assert isinstance(ev, Finished) and ev.result.output_tokens == 3
+        assert ev.result.token_ids == engine.generate(r)[1].token_ids, r.request_id
+
+
+def test_failed_batched_forward_fails_its_requests_only(engine):
+    running: queue.Queue = queue.Queue()
+    long = WorkRequest("keeps-going", "Count.", [image(40)], adapter=A, max_new_tokens=24)
+    engine.submit(engine.prepare(long), running.put)
+    assert isinstance(running.get(timeout=60), TextDelta)  # decoding
+    armed = threading.Event()
+    armed.set()
+
+    def boom(module, args, kwargs):
+        if armed.is_set() and kwargs["inputs_embeds"].shape[1] > 1:  # a prefill, not a decode step
+            armed.clear()
+            raise RuntimeError("injected prefill failure")
+
+    hook = engine.model.model.language_model.register_forward_pre_hook(boom, with_kwargs=True)
+    try:
+        failed = {rid: outcome(q)[1] for rid, q in submit_together(engine, [
+            WorkRequest("f1", "Hi.", [image(41)], adapter=B, max_new_tokens=4),
+            WorkRequest("f2", "Describe it.", [image(42, 112)], max_new_tokens=4),
+            WorkRequest("f3", "Which color?", [image(43)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
+        ]).items()}
+    finally:
+        hook.remove()
+    assert not armed.is_set()
+    for rid, ev in failed.items():
+        assert isinstance(ev, Failed) and ev.error.reason == "ENGINE_STEP_FAILED", (rid, ev)
+        assert "injected prefill failure" in str(ev.error)
+    deltas, ev = outcome(running)
+    assert isinstance(ev, Finished) and ev.result.output_tokens == 24
+    assert engine.alive
+    assert engine.generate(WorkRequest("after", "Hi.", [image(41)], adapter=B, max_new_tokens=4))[1].output_tokens == 4
+    for _ in range(200):  # nothing leaked: no sequence, no cache, no pinned adapter slot
+        s = engine.stats()
+        if s.running == 0 and s.kv_cache_bytes == 0:
+            break
+        threading.Event().wait(0.01)
+    assert s.running == 0 and s.kv_cache_bytes == 0
+    assert not engine.pool._pins  # the failed requests' adapter slots were released
