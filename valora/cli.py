@@ -642,5 +642,25 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
     console.print(f"results: {path}")
 
 
+@bench_app.command("scale", add_help_option=False,
+                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_scale(ctx: typer.Context):
+    """Throughput scaling over 1, 2, 4… workers (bench/scale_bench.py; --help lists its options).
+
+    A real cluster per worker count, generation requests with images through the gateway."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "scale_bench.py"
+    if not path.exists():
+        console.print(f"[red]{path} not found: `valora bench scale` runs from a source checkout")
+        raise typer.Exit(2)
+    spec = importlib.util.spec_from_file_location("scale_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    raise typer.Exit(module.main(list(ctx.args), prog="valora bench scale"))
+
+
 if __name__ == "__main__":
     app()

@@ -6,6 +6,7 @@ Used by `valora up/down` and by the e2e tests. State (pids, ports, logs) lives i
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -132,12 +134,18 @@ def ensure_model(model_path: Path) -> None:
 
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
                   model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
-                  startup_timeout_s: float = 180.0, register: bool = False) -> Cluster:
+                  startup_timeout_s: float = 180.0, register: bool = False,
+                  worker_env: Sequence[Mapping[str, str]] | None = None) -> Cluster:
     """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING.
+    The workers start together (each loads the model) and are waited for as a group.
     Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one).
+    `env` goes to every process; `worker_env[i]` only to worker i, over `env` (per-worker device
+    settings: VALORA_DEVICE, CUDA_VISIBLE_DEVICES…); it has one entry per worker when given.
     `register`: workers join the scheduler through RegisterWorker + heartbeats (VALORA_SCHEDULER_ADDRESS;
     they retry until the scheduler is up) instead of its static VALORA_WORKER_ADDRESSES; returns once
     the scheduler lists them all healthy."""
+    if worker_env is not None and len(worker_env) != workers:
+        raise ValueError(f"worker_env has {len(worker_env)} entries for {workers} workers")
     home = Path(home).resolve()
     (home / "logs").mkdir(parents=True, exist_ok=True)
     model_path = Path(model_path or default_model_path(home)).resolve()
@@ -158,6 +166,7 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
             "VALORA_ADAPTER_CACHE_DIR": str(home / f"adapter-cache-{i}"),
             **({"VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
                 "VALORA_ADVERTISE_ADDRESS": f"127.0.0.1:{port}"} if register else {}),
+            **(worker_env[i] if worker_env is not None else {}),
         }) for i, port in enumerate(worker_ports)],
         ("scheduler", "scheduler", scheduler_port, {
             "VALORA_WORKER_ADDRESSES": "" if register else ",".join(f"127.0.0.1:{p}" for p in worker_ports),
@@ -168,22 +177,27 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
         }),
     ]
     try:
-        for service, name, port, service_env in plan:
-            log = str(home / "logs" / f"{name}.log")
-            ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(free_port())}
-            if service == "gateway":
-                ports["VALORA_HTTP_PORT"] = str(http_port or free_port())
-            with open(log, "ab") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{service}"],
-                    env={**base_env, **service_env, **ports},
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                )
-            cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log,
-                                                 metrics_port=int(ports["VALORA_METRICS_PORT"]),
-                                                 http_port=int(ports.get("VALORA_HTTP_PORT", 0))))
-            cluster.save()
-            wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
+        # Consecutive entries of one service (the workers) are started together, then waited for.
+        for service, group in itertools.groupby(plan, key=lambda entry: entry[0]):
+            started: list[tuple[int, subprocess.Popen, str]] = []
+            for _, name, port, service_env in group:
+                log = str(home / "logs" / f"{name}.log")
+                ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(free_port())}
+                if service == "gateway":
+                    ports["VALORA_HTTP_PORT"] = str(http_port or free_port())
+                with open(log, "ab") as out:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", f"services.{service}"],
+                        env={**base_env, **service_env, **ports},
+                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    )
+                cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log,
+                                                     metrics_port=int(ports["VALORA_METRICS_PORT"]),
+                                                     http_port=int(ports.get("VALORA_HTTP_PORT", 0))))
+                cluster.save()
+                started.append((port, proc, log))
+            for port, proc, log in started:
+                wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
             if service == "scheduler" and register:
                 wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s)
     except BaseException:
@@ -204,20 +218,30 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def stop_cluster(home: Path = DEFAULT_HOME, grace_s: float = 15.0) -> list[str]:
-    """SIGTERM every process (gateway first), SIGKILL what is left after the grace period."""
+    """SIGTERM every process (gateway first; consecutive processes of one service, the workers,
+    together), SIGKILL what is left of each group after the grace period."""
     cluster = Cluster.load(home)
     if cluster is None:
         return []
     stopped = []
-    for p in reversed(cluster.processes):
-        if _alive(p.pid):
-            os.kill(p.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while _alive(p.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
+    for _, group in itertools.groupby(reversed(cluster.processes), key=lambda p: p.service):
+        live = [p for p in group if _alive(p.pid)]
+        for p in live:
+            _signal(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(_alive(p.pid) for p in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in live:
             if _alive(p.pid):
-                os.kill(p.pid, signal.SIGKILL)
-            stopped.append(p.name)
+                _signal(p.pid, signal.SIGKILL)
+        stopped.extend(p.name for p in live)
     Path(home, STATE_FILE).unlink(missing_ok=True)
     return stopped

@@ -1,0 +1,411 @@
+"""Throughput scaling over workers (issue 10): scheduler + N workers, one per GPU where there are several.
+
+For each N in --workers, a real cluster (adapter_store, N workers, scheduler, gateway as processes on
+loopback gRPC, `valora.cluster.start_cluster`) is started, a few random adapters are registered through
+the gateway's admin API, a warm-up runs, then generation requests with images (a distinct image per
+request, adapters round-robin) go through the public InferenceService, closed loop (--concurrency
+requests in flight) or open loop (--rate: Poisson arrivals). The cluster is stopped before the next N,
+and on any failure or SIGTERM/SIGINT.
+
+Rows `{"gpus", "workers", "throughput_rps", "mean_ms", "p99_ms", ...}` go to
+bench/results/scale-<device>-<commit>.json (and $OUT when set). `gpus` is the number of distinct GPUs
+the workers use: 0 on CPU, 1 when they all share one; with --device cuda worker i gets GPU
+i % (visible GPUs, or --gpus) through its own CUDA_VISIBLE_DEVICES.
+
+    python -m bench.scale_bench --workers 1,2 --requests 40 --concurrency 8            # CPU, tiny model
+    python -m bench.scale_bench --device cuda --workers 1,2,4 --requests 400 --concurrency 32
+    valora bench scale --help                                                          # the same options
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/scale_bench.py`: the repo root is not on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from valora import cluster as cluster_mod  # noqa: E402
+from valora.client import InferResult, ValoraClient  # noqa: E402
+from valora.v1 import inference_service_pb2 as inf_pb  # noqa: E402
+from valora.v1 import inference_service_pb2_grpc as inf_grpc  # noqa: E402
+from valora.v1 import types_pb2  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+
+# -- options ------------------------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    out = [int(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
+    return out
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", type=_ints, default=[1, 2, 4], help="Comma-separated worker counts, one cluster each.")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="The workers' device.")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="CUDA: spread workers over this many of the visible GPUs (0: all visible).")
+    p.add_argument("--dtype", default="auto", help="Model dtype (float32, bfloat16, float16); auto: float32 on "
+                   "CPU, bfloat16 on CUDA.")
+    p.add_argument("--model", type=Path, default=None,
+                   help="Local model directory (default: the tiny embedded model, built once if missing).")
+    p.add_argument("--requests", type=int, default=200, help="Measured requests per worker count.")
+    p.add_argument("--warmup", type=int, default=-1, help="Unmeasured requests first (-1: 2 x concurrency).")
+    p.add_argument("--concurrency", type=int, default=16, help="Closed loop: requests in flight.")
+    p.add_argument("--rate", type=float, default=0.0, help="Open loop: Poisson arrivals at this rate (req/s), "
+                   "no cap on requests in flight; 0 = closed loop.")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--adapters", type=int, default=4, help="Random adapters registered; requests round-robin.")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters.")
+    p.add_argument("--image-size", type=int, default=56, help="Side of the square random image (pixels).")
+    p.add_argument("--max-batch-size", type=int, default=0, help="Workers' VALORA_MAX_BATCH_SIZE (0: default).")
+    p.add_argument("--policy", default="", help="Scheduler policy (VALORA_POLICY; empty: default).")
+    p.add_argument("--atmm", action="store_true", help="CUDA: the workers run the multi-LoRA term on the ATMM "
+                   "extension (VALORA_USE_ATMM; it is built on first use when not cached, which can take minutes); "
+                   "default: the torch reference.")
+    p.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="Extra environment for every service (repeatable).")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="Deadline of one request.")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Per cluster start.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--home", type=Path, default=None, help="Cluster state + logs, one sub-directory per worker "
+                   "count (default: a temporary directory, removed unless a run fails).")
+    p.add_argument("--out", type=Path, default=None, help="Results JSON (default bench/results/scale-<device>-"
+                   "<commit>.json; a copy goes to $OUT when set).")
+    args = p.parse_args(argv)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.requests < 1 or args.concurrency < 1 or args.adapters < 0 or args.gpus < 0:
+        p.error("--requests and --concurrency must be >= 1, --adapters and --gpus >= 0")
+    if args.warmup < 0:
+        args.warmup = 2 * args.concurrency
+    return args
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+def visible_gpus() -> list[str]:
+    """Ids of the GPUs this process may use, as CUDA_VISIBLE_DEVICES would name them to a child."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [x.strip() for x in listed.split(",") if x.strip() and x.strip() != "-1"]
+    import torch  # only with --device cuda
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_plan(device: str, workers: int, gpu_ids: list[str]) -> tuple[int, list[dict[str, str]]]:
+    """(distinct GPUs used, per-worker environment). Worker i runs on gpu_ids[i % len(gpu_ids)],
+    seen by it as its only GPU (cuda:0), so no worker creates a context on another's GPU."""
+    if device == "cpu":
+        return 0, [{"VALORA_DEVICE": "cpu"} for _ in range(workers)]
+    if not gpu_ids:
+        raise SystemExit("--device cuda: no GPU visible (CUDA_VISIBLE_DEVICES / torch.cuda.device_count())")
+    envs = [{"VALORA_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} for i in range(workers)]
+    return len({e["CUDA_VISIBLE_DEVICES"] for e in envs}), envs
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+def random_png(rng: np.random.Generator, size: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def register_adapters(gateway: str, model_path: Path, count: int, rank: int, seed: int) -> list[str]:
+    """Random PEFT adapters through the admin API; returns their `adapters/{id}@bench` references."""
+    from services.common.adapter_format import BaseModelShapes, make_random_bundle
+
+    shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
+    refs = []
+    with ValoraClient(gateway) as client:
+        for i in range(count):
+            bundle, cfg = make_random_bundle(shapes, rank=rank, seed=seed + i, lora_alpha=2 * rank)
+            version = client.upload_adapter_version(f"scale-{i}", bundle, cfg, request_id=f"scale-{seed}-{i}")
+            client.set_alias(f"adapters/scale-{i}", "bench", version.name)
+            refs.append(f"adapters/scale-{i}@bench")
+    return refs
+
+
+def make_requests(n: int, adapters: list[str], image_size: int, max_new_tokens: int,
+                  rng: np.random.Generator) -> list[inf_pb.InferRequest]:
+    out = []
+    for i in range(n):
+        inp = inf_pb.InferenceInput(
+            prompt=f"Describe picture {i} in a few words.", images=[types_pb2.Image(data=random_png(rng, image_size))],
+            output_kind=types_pb2.OUTPUT_KIND_TEXT, params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens))
+        if adapters:
+            inp.adapter = adapters[i % len(adapters)]
+        out.append(inf_pb.InferRequest(input=inp, request_id=uuid.uuid4().hex))
+    return out
+
+
+@dataclass
+class Outcome:
+    sent: float  # perf_counter seconds
+    done: float
+    result: InferResult | None = None
+    code: str = ""
+    error: str = ""
+
+    @property
+    def ms(self) -> float:
+        return (self.done - self.sent) * 1000
+
+
+async def drive(gateway: str, requests: list[inf_pb.InferRequest], concurrency: int, rate: float,
+                timeout_s: float, seed: int) -> list[Outcome]:
+    """Sends every request once through InferenceService.Infer (no retries: a failure is counted)."""
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(gateway, options=options) as channel:
+        stub = inf_grpc.InferenceServiceStub(channel)
+
+        async def one(req: inf_pb.InferRequest) -> Outcome:
+            t0 = time.perf_counter()
+            try:
+                resp = await stub.Infer(req, timeout=timeout_s)
+                return Outcome(t0, time.perf_counter(), InferResult.from_pb(resp.result))
+            except grpc.aio.AioRpcError as err:
+                return Outcome(t0, time.perf_counter(), code=err.code().name, error=err.details() or "")
+
+        if rate > 0:  # open loop
+            rng = random.Random(seed)
+            tasks, start = [], time.perf_counter()
+            at = 0.0
+            for req in requests:
+                delay = start + at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(req)))
+                at += rng.expovariate(rate)
+            return list(await asyncio.gather(*tasks))
+
+        pending = iter(requests)
+        outcomes: list[Outcome] = []
+
+        async def loop() -> None:
+            for req in pending:  # one shared iterator: each request is taken once
+                outcomes.append(await one(req))
+
+        await asyncio.gather(*(loop() for _ in range(min(concurrency, len(requests)))))
+        return outcomes
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def summarize(outcomes: list[Outcome], workers: int, gpus: int) -> dict:
+    ok = [o for o in outcomes if o.result is not None]
+    lat = [o.ms for o in ok]
+    wall = max(o.done for o in outcomes) - min(o.sent for o in outcomes)
+    tokens = sum(o.result.output_tokens for o in ok)
+    per_worker = collections.Counter(o.result.worker for o in ok)
+    errors = collections.Counter(o.code for o in outcomes if o.result is None)
+    return {
+        "gpus": gpus, "workers": workers,
+        "throughput_rps": round(len(ok) / wall, 3) if wall > 0 else 0.0,
+        "mean_ms": round(statistics.fmean(lat), 2) if lat else float("nan"),
+        "p99_ms": round(percentile(lat, 99), 2),
+        "p50_ms": round(percentile(lat, 50), 2),
+        "requests": len(outcomes), "ok": len(ok), "failed": len(outcomes) - len(ok),
+        "errors": dict(errors),
+        "error_sample": next((f"{o.code}: {o.error}" for o in outcomes if o.result is None), ""),
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "ttft_ms": round(statistics.fmean(o.result.first_token_ms for o in ok), 2) if ok else float("nan"),
+        "queue_ms": round(statistics.fmean(o.result.queue_ms for o in ok), 2) if ok else float("nan"),
+        "per_worker": dict(sorted(per_worker.items())), "workers_used": len(per_worker),
+    }
+
+
+# -- one cluster per worker count ---------------------------------------------------------------
+
+def service_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
+    env = {"VALORA_DTYPE": args.dtype, "VALORA_DRAIN_DELAY_S": "0", "VALORA_LOG_LEVEL": "warning",
+           "VALORA_USE_ATMM": "true" if args.atmm else "false",
+           "VALORA_HOME": str(home)}  # VALORA_HOME: lets a test find every process of this run
+    if args.max_batch_size:
+        env["VALORA_MAX_BATCH_SIZE"] = str(args.max_batch_size)
+    if args.policy:
+        env["VALORA_POLICY"] = args.policy
+    env.update(dict(args.env))
+    return env
+
+
+def log_tails(home: Path, chars: int = 1500) -> str:
+    parts = []
+    for log in sorted((home / "logs").glob("*.log")):
+        parts.append(f"--- {log.name}\n{log.read_text(errors='replace')[-chars:]}")
+    return "\n".join(parts)
+
+
+def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path, gpu_ids: list[str]) -> dict:
+    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids)
+    rng = np.random.default_rng(args.seed + workers)
+    t0 = time.perf_counter()
+    try:
+        c = cluster_mod.start_cluster(home, workers=workers, model_path=model_path, env=service_env(args, home),
+                                      worker_env=worker_env, startup_timeout_s=args.startup_timeout_s)
+        scheduler = c.by_service("scheduler")[0].address
+        cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s)  # polled healthy, not just up
+        startup_s = time.perf_counter() - t0
+        adapters = register_adapters(c.gateway, model_path, args.adapters, args.rank, args.seed)
+        warm = make_requests(args.warmup, adapters, args.image_size, args.max_new_tokens, rng)
+        measured = make_requests(args.requests, adapters, args.image_size, args.max_new_tokens, rng)
+        if warm:
+            asyncio.run(drive(c.gateway, warm, args.concurrency, 0.0, args.timeout_s, args.seed))
+        outcomes = asyncio.run(drive(c.gateway, measured, args.concurrency, args.rate, args.timeout_s, args.seed))
+    finally:
+        cluster_mod.stop_cluster(home)
+    row = summarize(outcomes, workers, gpus)
+    row.update(device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
+               max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
+               worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env])
+    return row
+
+
+def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None:
+    load = f"open loop {args.rate:g} req/s" if args.rate > 0 else f"closed loop, concurrency {args.concurrency}"
+    table = Table(title=f"scale: {args.device} {args.dtype}, {model.name}, {load}, {args.max_new_tokens} new "
+                        f"tokens, {args.adapters} adapters r{args.rank}")
+    for col in ("gpus", "workers", "ok/req", "req/s", "speedup", "tok/s", "mean ms", "p50 ms", "p99 ms",
+                "ttft ms", "per worker"):
+        table.add_column(col, justify="left" if col == "per worker" else "right")
+    for r in rows:
+        ok = f"{r['ok']}/{r['requests']}" if r["failed"] == 0 else f"[red]{r['ok']}/{r['requests']}[/red]"
+        ideal = r["workers"] / rows[0]["workers"]
+        table.add_row(str(r["gpus"]), str(r["workers"]), ok, f"{r['throughput_rps']:.1f}",
+                      f"{r['speedup']:.2f}x / {ideal:g}x",
+                      f"{r['tokens_per_s']:.0f}", f"{r['mean_ms']:.0f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
+                      f"{r['ttft_ms']:.0f}", "/".join(str(v) for v in r["per_worker"].values()))
+    console.print(table)
+    console.print("[dim]speedup: throughput / the first row's, against the ideal (worker ratio); per worker: "
+                  "successful requests each worker served (InferResult.worker)")
+
+
+def default_out(device: str) -> Path:
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                            check=False).stdout.strip() or os.environ.get("VALORA_GIT_COMMIT", "run")
+    return RESULTS / f"scale-{device}-{commit}.json"
+
+
+def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model: Path, wall_s: float,
+                  failures: list[dict]) -> list[Path]:
+    from bench.common import run_info  # torch: device/version metadata
+
+    info = {**run_info(), "bench": "scale", "device": args.device, "dtype": args.dtype, "model": str(model),
+            "requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency, "rate": args.rate,
+            "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "rank": args.rank,
+            "image_size": args.image_size, "max_batch_size": args.max_batch_size, "policy": args.policy,
+            "atmm": args.atmm, "env": dict(args.env),
+            "seed": args.seed, "cpu_count": os.cpu_count(), "wall_s": round(wall_s, 1)}
+    text = json.dumps({"info": info, "rows": rows, "failures": failures}, indent=1, default=str) + "\n"
+    paths = [path]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / path.name)
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return paths
+
+
+def _raise_on_sigterm(signum, frame):  # noqa: ARG001
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
+    raise SystemExit(128 + signum)  # unwinds through run_one's finally: the cluster is stopped
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench") -> int:
+    args = parse_args(argv, prog)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    if args.rate <= 0 and args.concurrency < max(args.workers):
+        console.print(f"[yellow]concurrency {args.concurrency} < {max(args.workers)} workers: some stay idle")
+    model = Path(args.model or cluster_mod.default_model_path(cluster_mod.DEFAULT_HOME)).expanduser().resolve()
+    if args.model is None:
+        cluster_mod.ensure_model(model)
+    elif not (model / "config.json").exists():
+        raise SystemExit(f"--model {model}: no config.json")
+    gpu_ids = visible_gpus() if args.device == "cuda" else []
+    if args.gpus:
+        gpu_ids = gpu_ids[:args.gpus]
+    temp_home = args.home is None
+    home = Path(tempfile.mkdtemp(prefix="valora-scale-")) if temp_home else args.home.resolve()
+    rows: list[dict] = []
+    failures: list[dict] = []  # worker counts whose cluster or load driver broke (no row)
+    interrupted: BaseException | None = None
+    t0 = time.perf_counter()
+    try:
+        for n in args.workers:
+            sub = home / f"w{n}"
+            try:
+                with console.status(f"{n} worker{'s' if n > 1 else ''} on {args.device}: start, register, "
+                                    f"{args.warmup} warm-up + {args.requests} requests…"):
+                    row = run_one(n, args, model, sub, gpu_ids)
+            except Exception as err:  # noqa: BLE001 - reported, the other worker counts still run
+                console.print(f"[red]{n} workers failed: {err!r}; logs under {sub / 'logs'}:\n{log_tails(sub)}")
+                failures.append({"workers": n, "error": repr(err)[:2000]})
+                continue
+            row["speedup"] = round(row["throughput_rps"] / rows[0]["throughput_rps"], 3) if rows and \
+                rows[0]["throughput_rps"] else 1.0
+            rows.append(row)
+            console.print(f"{n} workers: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, "
+                          f"mean {row['mean_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, started in {row['startup_s']:.1f} s"
+                          + (f" [red]errors {row['errors']}: {row['error_sample']}" if row["failed"] else ""))
+    except (KeyboardInterrupt, SystemExit) as err:  # SIGINT/SIGTERM: run_one's finally stopped the cluster
+        interrupted = err
+        failures.append({"workers": None, "error": f"interrupted: {err!r}"})
+    failed = bool(failures) or any(r["failed"] for r in rows)
+    if temp_home and not failed:
+        shutil.rmtree(home, ignore_errors=True)
+    elif failed:
+        console.print(f"[yellow]kept {home}")
+    wall = time.perf_counter() - t0
+    if rows:
+        print_table(rows, args, model)
+    paths = write_results(args.out or default_out(args.device), rows, args, model, wall, failures)
+    console.print(f"results: {', '.join(map(str, paths))} ({wall:.0f} s)")
+    if interrupted is not None:
+        raise interrupted
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
