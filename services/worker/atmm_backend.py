@@ -32,7 +32,7 @@ class AtmmBackend:
         self._zeros = {k: (torch.zeros(fin, 8, dtype=dtype, device=device), torch.zeros(8, fout, dtype=dtype, device=device))
                        for k, (fin, fout) in features.items()}
         self._slots: OrderedDict[int, tuple[LoraEntry, int]] = OrderedDict()  # id(entry) -> (entry, slot); LRU
-        self._step_slots: list[int] = []
+        self._synced: list[tuple[LoraEntry, int]] = []
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -78,15 +78,31 @@ class AtmmBackend:
         table = [0] * self.max_entries
         for s, r in zip(slots, ranks):
             table[s] = r
+        self._sync_weights(step.entries, slots)
         self.plan.update(plan.seg_starts, [slots[k] if k >= 0 else -1 for k in plan.seg_slots], table)
-        self._step_slots = slots
         return True
 
+    def _sync_weights(self, entries: list[LoraEntry], slots: list[int]) -> None:
+        """Puts every entry's tensors in its slot of every projection's table — here, before the
+        forward, so `run` only launches (a captured decode graph replays launches, not Python).
+        Skipped when the step has the same (entry, slot) pairs as the previous one."""
+        if len(entries) == len(self._synced) and all(
+                e is e0 and s == s0 for (e, s), (e0, s0) in zip(zip(entries, slots), self._synced)):
+            return
+        for key, w in self.weights.items():
+            for e, s in zip(entries, slots):
+                t = e.tensors(key)
+                a, b, scale = (*self._zeros[key], 0.0) if t is None else t
+                if w.a[s] is not a or w.b[s] is not b or w.scales[s] != scale:
+                    w.set(s, a, b, scale)
+        self._synced = list(zip(entries, slots))
+
+    def launch_key(self) -> tuple:
+        """Everything on the host that the kernel launches of the current plan depend on (tile
+        choice, grid sizes, rank stride): steps with equal keys launch the same kernels, so a CUDA
+        graph captured for one replays correctly for the other (the plan's data is on the device)."""
+        p = self.plan
+        return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())))
+
     def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
-        w = self.weights[key]
-        for e, s in zip(step.entries, self._step_slots):
-            t = e.tensors(key)
-            a, b, scale = (*self._zeros[key], 0.0) if t is None else t
-            if w.a[s] is not a or w.b[s] is not b or w.scales[s] != scale:
-                w.set(s, a, b, scale)
-        self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, w)
+        self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, self.weights[key])

@@ -48,6 +48,7 @@ from services.common.errors import (
 )
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.atmm_backend import AtmmBackend
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
@@ -100,6 +101,9 @@ class EngineConfig:
     use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
     image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
     load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
+    # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "static" = the same static
+    # step without capture (CPU tests); "off" = always the eager step.
+    decode_graphs: str = "auto"
 
 
 @dataclass
@@ -165,6 +169,11 @@ class Engine:
             self.runtime.backend = AtmmBackend({k: self.shapes.features[k[1]] for k in self.lora_layers},
                                                self.device, self.dtype)
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
+        if config.decode_graphs not in ("auto", "static", "off"):
+            raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
+        self.graphs = None
+        if config.decode_graphs == "static" or (config.decode_graphs == "auto" and self.device.type == "cuda"):
+            self.graphs = DecodeGraphs(self.model, self.runtime, self.device, capture=config.decode_graphs == "auto")
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype)
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self._wake = threading.Condition()
@@ -413,7 +422,7 @@ class Engine:
             for s in everyone:
                 self._release(s)
                 self._emit(s, Failed(err))
-            self._batch.pack([], {}, {})
+            self._batch.release()
             self._update_stats()
 
     def _step(self) -> None:
@@ -609,7 +618,6 @@ class Engine:
         types = first["mm_token_type_ids"].new_zeros((b, width))
         mask = torch.zeros((b, width), dtype=torch.long)
         grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
-        embeds = None
         for i, (s, n) in enumerate(zip(rows, lengths)):
             s.t_prefill = t0
             inp = s.prep.inputs
@@ -619,10 +627,11 @@ class Engine:
             for key, found in grids.items():
                 if inp.get(key) is not None:
                     found.append(inp[key])
-            # Image/video features come from the feature cache when this content was seen before.
-            e = self.vision.embed(inp["input_ids"].to(self.device), inp, s.prep.vision)
-            if embeds is None:
-                embeds = e.new_zeros((b, width, e.shape[-1]))
+        # One vision-tower pass for every image/video of the batch not in the feature cache.
+        row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"].to(self.device), s.prep.inputs, s.prep.vision)
+                                              for s in rows])
+        embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
+        for i, (e, n) in enumerate(zip(row_embeds, lengths)):
             embeds[i, :n] = e[0]
         # On the host: the rope index walks every row in Python (no device syncs per row).
         position_ids, deltas = self.model.model.get_rope_index(
@@ -684,23 +693,30 @@ class Engine:
             for s in rows:
                 s.kv = None
         b = len(rows)
-        ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
-        mask = torch.cat([self._batch.mask, self._batch.mask.new_ones((b, 1))], dim=1)
-        pos = torch.tensor([s.length + s.rope_delta for s in rows], dtype=torch.long, device=self.device)
-        pos = pos.view(1, b, 1).expand(3, b, 1)
+        positions = [s.length + s.rope_delta for s in rows]
         self.runtime.step = step = self._plan(rows, 1)
         self.peak_decode_rows = max(self.peak_decode_rows, b)
         self.peak_decode_entries = max(self.peak_decode_entries, len(step.entries))
         try:
-            out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                   past_key_values=self._batch.cache, use_cache=True)
+            got = None
+            if self.graphs is not None:
+                got = self.graphs.step(self._batch, [s.last_token for s in rows], positions, step)
+            if got is None:
+                ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
+                mask = torch.cat([self._batch.mask, self._batch.mask.new_ones((b, 1))], dim=1)
+                pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(1, b, 1).expand(3, b, 1)
+                out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                       past_key_values=self._batch.cache, use_cache=True)
+                logits = self.model.lm_head(out.last_hidden_state[:, -1])
+                got = logits.argmax(-1), logits
         finally:
             self.runtime.step = None
         self._batch.advance()
-        logits = self.model.lm_head(out.last_hidden_state[:, -1])
+        greedy, logits = got[0].tolist(), got[1]  # one device->host copy for every greedy row
         for i, s in enumerate(rows):
             s.length += 1
-            self._accept(s, choose_token(logits[i], s.req.sampling, s.generator))
+            token = greedy[i] if s.req.sampling.greedy else choose_token(logits[i], s.req.sampling, s.generator)
+            self._accept(s, token)
 
     def _accept(self, s: _Seq, token: int) -> None:
         """A new token for `s`: stream it, and finish the sequence if it is done."""

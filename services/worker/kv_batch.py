@@ -9,6 +9,13 @@ sequences decode together: their caches are stacked once, right-aligned (left pa
 out by the attention mask), and the stacked cache then grows in place step after step. It is
 re-packed only when the batch's membership changes (a request joins or leaves, at a step
 boundary), and common left padding is trimmed then.
+
+The stacked cache lives in one of two preallocated arenas (per layer (rows, kv_heads, capacity,
+head_dim), capacity a power of two >= width + headroom), alternated on each re-pack (the new
+stack is copied from views of the old one) and reused while big enough. Stable buffers are what
+lets a captured CUDA graph of the decode step (decode_graphs.py) be replayed across re-packs.
+In that graph a layer writes the new token at a device-side index (`static_index`) and attends
+over the whole capacity under a mask, so the step's shapes do not change as the cache grows.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ class GrowingLayer(DynamicLayer):
     kbuf: torch.Tensor | None = None
     vbuf: torch.Tensor | None = None
     length = 0
+    # Set by decode_graphs for one step: write the token at this device index (a (1,) long tensor)
+    # and return the whole buffers (the caller masks positions past `length`).
+    static_index: torch.Tensor | None = None
 
     def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
         self.dtype, self.device = kbuf.dtype, kbuf.device
@@ -35,6 +45,10 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.static_index is not None:
+            self.kbuf.index_copy_(2, self.static_index, key_states)
+            self.vbuf.index_copy_(2, self.static_index, value_states)
+            return self.kbuf, self.vbuf
         n, add = self.length, key_states.shape[-2]
         if self.kbuf is None or n + add > self.kbuf.shape[-2]:
             cap = n + add if n == 0 else 2 * (n + add)
@@ -92,6 +106,8 @@ def cache_nbytes(cache: DynamicCache) -> int:
 class DecodeBatch:
     """Rows (sequence ids) in batch order, the stacked cache and its (rows, length) mask."""
 
+    MIN_CAPACITY = 256  # smallest arena capacity (positions)
+
     def __init__(self, config, headroom: int = 64) -> None:
         self.config = config
         self.headroom = headroom  # decode steps the stacked cache takes before it must grow
@@ -99,6 +115,8 @@ class DecodeBatch:
         self.lengths: list[int] = []  # real cached tokens per row
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
+        self._arenas: list[KV | None] = [None, None]
+        self._current = 0
 
     @property
     def width(self) -> int:
@@ -127,21 +145,47 @@ class DecodeBatch:
             return
         width = max(self.lengths)
         first = kvs[rows[0]]
-        stacked: KV = []
-        for li, (k0, v0) in enumerate(first):
-            ks = k0.new_zeros((len(rows), k0.shape[1], width + self.headroom, k0.shape[3]))
-            vs = v0.new_zeros((len(rows), v0.shape[1], width + self.headroom, v0.shape[3]))
+        stacked = self._arena(len(rows), width + self.headroom, first)
+        for li, (ks, vs) in enumerate(stacked):
             for i, sid in enumerate(rows):
                 k, v = kvs[sid][li]
                 n = self.lengths[i]
                 ks[i, :, width - n:width] = k[0, :, -n:]
                 vs[i, :, width - n:width] = v[0, :, -n:]
-            stacked.append((ks, vs))
         self.cache = cache_from_buffers(self.config, stacked, width)
         mask = torch.zeros((len(rows), width), dtype=torch.long, device=first[0][0].device)
         for i, n in enumerate(self.lengths):
             mask[i, width - n:] = 1
         self.mask = mask
+
+    def _arena(self, rows: int, need: int, like: KV) -> KV:
+        """Zeroed (rows, kv_heads, capacity, head_dim) views of the arena not holding the current
+        stack (its rows are being copied from); reallocated when too small or 4x too large."""
+        self._current ^= 1
+        arena = self._arenas[self._current]
+        k0 = like[0][0]
+        if arena is not None:
+            a0 = arena[0][0]
+            if (a0.shape[0] < rows or a0.shape[2] < need or a0.shape[2] > 4 * max(need, self.MIN_CAPACITY)
+                    or a0.dtype != k0.dtype or a0.device != k0.device or len(arena) != len(like)):
+                arena = None
+        if arena is None:
+            self._arenas[self._current] = None  # free it before allocating the new one
+            cap, r = max(self.MIN_CAPACITY, 1 << (need - 1).bit_length()), 1 << (rows - 1).bit_length()
+            arena = [(k.new_zeros((r, k.shape[1], cap, k.shape[3])), v.new_zeros((r, v.shape[1], cap, v.shape[3])))
+                     for k, v in like]
+            self._arenas[self._current] = arena
+            return [(k[:rows], v[:rows]) for k, v in arena]
+        views = [(k[:rows], v[:rows]) for k, v in arena]
+        for k, v in views:  # masked positions must hold finite values (0 x NaN is NaN)
+            k.zero_()
+            v.zero_()
+        return views
+
+    def release(self) -> None:
+        """Frees the arenas (no rows left)."""
+        self.pack([], {}, {})
+        self._arenas = [None, None]
 
     def advance(self) -> None:
         """After a decode step: every row cached one more token."""

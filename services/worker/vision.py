@@ -139,12 +139,11 @@ class VisionEncoder:
         self.device = device
         self.dtype = dtype
 
-    def _encode(self, kind: str, inputs: dict, items: list[VisionItem]) -> list[torch.Tensor]:
-        """Runs the vision tower once over the given items of one kind (rows in item order)."""
+    def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
+        """Runs the vision tower once over the given (request inputs, item) pairs of one kind."""
         pix_key, _ = _INPUT_KEYS[kind]
-        pixels = inputs[pix_key]
-        rows = torch.cat([pixels[it.start:it.end] for it in items]).to(self.device)
-        grid = torch.tensor([it.grid for it in items], dtype=torch.long, device=self.device)
+        rows = torch.cat([inputs[pix_key][it.start:it.end] for inputs, it in todo]).to(self.device)
+        grid = torch.tensor([it.grid for _, it in todo], dtype=torch.long, device=self.device)
         inner = self.model.model
         if kind == IMAGE:
             out = inner.get_image_features(rows, grid).pooler_output
@@ -152,40 +151,47 @@ class VisionEncoder:
             out = inner.get_video_features(rows, grid).pooler_output
         return [t.to(self.dtype).clone() for t in out]  # own storage: cache bytes are what they say
 
-    def features(self, inputs: dict, items: list[VisionItem]) -> dict[str, list[torch.Tensor]]:
-        """Features per kind in item order; the vision tower runs only for cache misses."""
+    def features(self, requests: list[tuple[dict, list[VisionItem]]]) -> dict[str, torch.Tensor]:
+        """Features by content key for every item of the given requests: the vision tower runs
+        once per kind for all cache misses together (a content seen twice is encoded once)."""
         found: dict[str, torch.Tensor] = {}
-        missing: dict[str, dict[str, VisionItem]] = {IMAGE: {}, VIDEO: {}}
-        for it in items:
-            if it.key in found or it.key in missing[it.kind]:
-                continue
-            t = self.cache.get(it.key)
-            if t is None:
-                missing[it.kind][it.key] = it
-            else:
-                found[it.key] = t
+        missing: dict[str, dict[str, tuple[dict, VisionItem]]] = {IMAGE: {}, VIDEO: {}}
+        for inputs, items in requests:
+            for it in items:
+                if it.key in found or it.key in missing[it.kind]:
+                    continue
+                t = self.cache.get(it.key)
+                if t is None:
+                    missing[it.kind][it.key] = (inputs, it)
+                else:
+                    found[it.key] = t
         for kind, todo in missing.items():
             if not todo:
                 continue
-            for it, feats in zip(todo.values(), self._encode(kind, inputs, list(todo.values()))):
-                found[it.key] = feats
-                self.cache.put(it.key, feats)
-        out: dict[str, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
-        for it in items:
-            out[it.kind].append(found[it.key])
-        return out
+            for key, feats in zip(todo, self._encode(kind, list(todo.values()))):
+                found[key] = feats
+                self.cache.put(key, feats)
+        return found
+
+    def embed_batch(self, requests: list[tuple[torch.Tensor, dict, list[VisionItem]]]) -> list[torch.Tensor]:
+        """`embed` for several requests (input_ids, inputs, items), one vision pass for all."""
+        found = self.features([(inputs, items) for _, inputs, items in requests])
+        return [self._embed(ids, items, found) for ids, _, items in requests]
 
     def embed(self, input_ids: torch.Tensor, inputs: dict, items: list[VisionItem]) -> torch.Tensor:
         """Token embeddings of the prompt with every image/video's features at its pad tokens."""
+        return self.embed_batch([(input_ids, inputs, items)])[0]
+
+    def _embed(self, input_ids: torch.Tensor, items: list[VisionItem], found: dict[str, torch.Tensor]) -> torch.Tensor:
         embeds = self.model.model.get_input_embeddings()(input_ids)
         if not items:
             return embeds
-        feats = self.features(inputs, items)
         config = self.model.config
         for kind, token_id in ((IMAGE, config.image_token_id), (VIDEO, config.video_token_id)):
-            if not feats[kind]:
+            feats = [found[it.key] for it in items if it.kind == kind]
+            if not feats:
                 continue
-            values = torch.cat(feats[kind]).to(embeds.device, embeds.dtype)
+            values = torch.cat(feats).to(embeds.device, embeds.dtype)
             mask = (input_ids == token_id).unsqueeze(-1).expand_as(embeds)
             if int(mask[..., 0].sum()) != values.shape[0]:
                 raise ValueError(f"{kind} features ({values.shape[0]} tokens) do not match the prompt's "

@@ -1,0 +1,80 @@
+"""The static decode step that CUDA graphs capture (decode_graphs.py), run without capture on the
+tiny Qwen2-VL (fp32, CPU): same tokens as the eager decode for mixed adapters, merged/mixture
+modes, sequences joining and leaving (arena re-packs), sampled rows, and a cache that fills up
+(the full step falls back to eager and grows the buffers)."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.worker.engine import Engine, EngineConfig
+from services.worker.kv_batch import DecodeBatch
+from services.worker.model import ensure_tiny_model
+from services.worker.requests import Failed, Finished, Mode, WorkRequest
+from services.worker.sampling import SamplingParams
+from services.worker.testing import random_adapter_bundle
+
+A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
+
+
+def image(seed: int, size: int = 56) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+
+
+def requests() -> list[WorkRequest]:
+    adapters = [None, A, B, A, B, None]
+    lengths = [3, 40, 9, 17, 40, 1]  # rows leave at different steps: the batch re-packs
+    out = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [image(i)], adapter=adapters[i],
+                       max_new_tokens=n) for i, n in enumerate(lengths)]
+    out.append(WorkRequest("sampled", "What color?", [image(9)], adapter=A, max_new_tokens=12,
+                           sampling=SamplingParams(temperature=0.8, top_k=20, seed=7)))
+    return out
+
+
+def run(model_path, mode: str, merged: Mode | None = None) -> tuple[dict, Engine]:
+    eng = Engine(EngineConfig(model_path=model_path, decode_graphs=mode, max_batch_size=8, max_prefills_per_step=8,
+                              device_slots=3, kv_headroom=4))
+    eng.eos_ids = set()  # every request runs its full length
+    eng.start()
+    try:
+        for i, name in enumerate((A, B)):
+            b = random_adapter_bundle(model_path, rank=4 * (i + 1), lora_alpha=8, seed=i + 1)
+            eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+        if merged is not None:
+            eng.set_mode(merged, A)
+        events: queue.Queue = queue.Queue()
+        with eng._wake:  # all prefilled in one step: identical batches in both runs
+            for r in requests():
+                eng.submit(eng.prepare(r), events.put)
+        out = {}
+        while len(out) < len(requests()):
+            ev = events.get(timeout=120)
+            if isinstance(ev, Failed):
+                raise ev.error
+            if isinstance(ev, Finished):
+                out[ev.result.request_id] = ev.result.token_ids
+        return out, eng
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize("merged", [None, Mode.MIXTURE], ids=["unmerged", "mixture"])
+def test_static_decode_equals_eager(model_path, merged, monkeypatch):
+    monkeypatch.setattr(DecodeBatch, "MIN_CAPACITY", 16)  # prompts ~30 tokens + 40 new: the cache fills up
+    eager, _ = run(model_path, "off", merged)
+    static, eng = run(model_path, "static", merged)
+    assert static == eager
+    assert {len(t) for t in static.values()} == {3, 40, 9, 17, 1, 12}
+    graphs = eng.graphs
+    assert graphs is not None and graphs.captures == 0 and graphs.replays == 0  # no CUDA: never captured
+    assert graphs.static_steps > 20  # most steps ran static ...
+    assert len({k[1] for k in graphs.entries}) >= 2  # ... at more than one capacity (the cache grew)
