@@ -74,7 +74,8 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     names = list(bundles)
     cfg = EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=args.batch,
                        max_prefills_per_step=args.batch, device_slots=len(names) + 1, image_cache_bytes=0,
-                       load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens))
+                       load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
+                       decode_graphs=args.decode_graphs)
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
@@ -132,6 +133,9 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
             rows.append({"impl": "valora", "run": run, "generate_ms": _median(gen), "prefill_ms": _median(pre)})
             print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
                   flush=True)
+        if eng.graphs is not None:
+            detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
+                                       "static_steps": eng.graphs.static_steps}
         detail["peak_decode_rows"] = eng.peak_decode_rows
         detail["peak_decode_entries"] = eng.peak_decode_entries
     finally:
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--peer-reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             d.pop("tokens", None)
     name = args.name or f"engine-{time.strftime('%Y-%m-%d')}"
     workload = {k: getattr(args, k) for k in ("arch", "device", "dtype", "batch", "image", "new_tokens", "adapters",
-                                              "rank", "reps", "peer_reps", "warmup")}
+                                              "rank", "reps", "peer_reps", "warmup", "decode_graphs")}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out_dir / f"{name}.detail.json").write_text(
