@@ -79,8 +79,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="The workers' device.")
     p.add_argument("--gpus", type=int, default=0,
                    help="CUDA: spread workers over this many of the visible GPUs (0: all visible).")
-    p.add_argument("--dtype", default="auto", help="Model dtype (float32, bfloat16, float16); auto: float32 on "
-                   "CPU, bfloat16 on CUDA.")
+    p.add_argument("--dtype", default="auto", help="Model dtype (float32, bfloat16, float16); auto: bfloat16 with "
+                   "--atmm, else float32. On CUDA, bf16/fp16 workers build the kernels extension on first use "
+                   "(ATMM at start, the switch kernel at the first merge) unless it is cached: build it first "
+                   "(python -m kernels.build) or use float32.")
     p.add_argument("--model", type=Path, default=None,
                    help="Local model directory (default: the tiny embedded model, built once if missing).")
     p.add_argument("--requests", type=int, default=200, help="Measured requests per worker count.")
@@ -95,8 +97,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     p.add_argument("--max-batch-size", type=int, default=0, help="Workers' VALORA_MAX_BATCH_SIZE (0: default).")
     p.add_argument("--policy", default="", help="Scheduler policy (VALORA_POLICY; empty: default).")
     p.add_argument("--atmm", action="store_true", help="CUDA: the workers run the multi-LoRA term on the ATMM "
-                   "extension (VALORA_USE_ATMM; it is built on first use when not cached, which can take minutes); "
-                   "default: the torch reference.")
+                   "extension (VALORA_USE_ATMM; bf16/fp16 only); default: the torch reference.")
     p.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="Extra environment for every service (repeatable).")
     p.add_argument("--timeout-s", type=float, default=120.0, help="Deadline of one request.")
@@ -108,7 +109,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
                    "<commit>.json; a copy goes to $OUT when set).")
     args = p.parse_args(argv)
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+        args.dtype = "bfloat16" if args.atmm else "float32"
     if args.requests < 1 or args.concurrency < 1 or args.adapters < 0 or args.gpus < 0:
         p.error("--requests and --concurrency must be >= 1, --adapters and --gpus >= 0")
     if args.warmup < 0:
@@ -252,6 +253,7 @@ def summarize(outcomes: list[Outcome], workers: int, gpus: int) -> dict:
         "ttft_ms": round(statistics.fmean(o.result.first_token_ms for o in ok), 2) if ok else float("nan"),
         "queue_ms": round(statistics.fmean(o.result.queue_ms for o in ok), 2) if ok else float("nan"),
         "per_worker": dict(sorted(per_worker.items())), "workers_used": len(per_worker),
+        "modes": dict(sorted(collections.Counter(o.result.mode for o in ok).items())),
     }
 
 
@@ -308,16 +310,17 @@ def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None
     for col in ("gpus", "workers", "ok/req", "req/s", "speedup", "tok/s", "mean ms", "p50 ms", "p99 ms",
                 "ttft ms", "per worker"):
         table.add_column(col, justify="left" if col == "per worker" else "right")
+    fewest = min(r["workers"] for r in rows)
     for r in rows:
         ok = f"{r['ok']}/{r['requests']}" if r["failed"] == 0 else f"[red]{r['ok']}/{r['requests']}[/red]"
-        ideal = r["workers"] / rows[0]["workers"]
+        ideal = r["workers"] / fewest
         table.add_row(str(r["gpus"]), str(r["workers"]), ok, f"{r['throughput_rps']:.1f}",
                       f"{r['speedup']:.2f}x / {ideal:g}x",
                       f"{r['tokens_per_s']:.0f}", f"{r['mean_ms']:.0f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
                       f"{r['ttft_ms']:.0f}", "/".join(str(v) for v in r["per_worker"].values()))
     console.print(table)
-    console.print("[dim]speedup: throughput / the first row's, against the ideal (worker ratio); per worker: "
-                  "successful requests each worker served (InferResult.worker)")
+    console.print("[dim]speedup: throughput / that of the fewest workers, against the ideal (worker ratio); "
+                  "per worker: successful requests each worker served (InferResult.worker)")
 
 
 def default_out(device: str) -> Path:
@@ -339,8 +342,8 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model:
             "atmm": args.atmm, "env": dict(args.env),
             "seed": args.seed, "cpu_count": os.cpu_count(), "wall_s": round(wall_s, 1)}
     text = json.dumps({"info": info, "rows": rows, "failures": failures}, indent=1, default=str) + "\n"
-    paths = [path]
-    if os.environ.get("OUT"):
+    paths = [path.resolve()]
+    if os.environ.get("OUT") and (Path(os.environ["OUT"]) / path.name).resolve() != paths[0]:
         paths.append(Path(os.environ["OUT"]) / path.name)
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -383,16 +386,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
                 console.print(f"[red]{n} workers failed: {err!r}; logs under {sub / 'logs'}:\n{log_tails(sub)}")
                 failures.append({"workers": n, "error": repr(err)[:2000]})
                 continue
-            row["speedup"] = round(row["throughput_rps"] / rows[0]["throughput_rps"], 3) if rows and \
-                rows[0]["throughput_rps"] else 1.0
             rows.append(row)
-            console.print(f"{n} workers: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, "
-                          f"mean {row['mean_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, started in {row['startup_s']:.1f} s"
+            console.print(f"{n} workers: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, mean "
+                          f"{row['mean_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, started in {row['startup_s']:.1f} s"
                           + (f" [red]errors {row['errors']}: {row['error_sample']}" if row["failed"] else ""))
     except (KeyboardInterrupt, SystemExit) as err:  # SIGINT/SIGTERM: run_one's finally stopped the cluster
         interrupted = err
         failures.append({"workers": None, "error": f"interrupted: {err!r}"})
     failed = bool(failures) or any(r["failed"] for r in rows)
+    if rows:  # against the row with the fewest workers
+        first = min(rows, key=lambda r: r["workers"])
+        for r in rows:
+            r["speedup"] = round(r["throughput_rps"] / first["throughput_rps"], 3) if first["throughput_rps"] else 0.0
     if temp_home and not failed:
         shutil.rmtree(home, ignore_errors=True)
     elif failed:

@@ -83,6 +83,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (all bound at once, then released)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None, log: str = "") -> None:
     """Blocks until the server's overall health is SERVING."""
     deadline = time.monotonic() + timeout_s
@@ -152,9 +164,11 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     ensure_model(model_path)
     cluster = Cluster(home=str(home))
     base_env = {**os.environ, "VALORA_MODEL_PATH": str(model_path), "PYTHONUNBUFFERED": "1", **(env or {})}
-    store_port = free_port()
-    worker_ports = [free_port() for _ in range(workers)]
-    scheduler_port = free_port()
+    # Every port of the cluster at once, so none is handed out twice while processes are still binding.
+    spare = iter(free_ports(2 * (workers + 3) + 2))
+    store_port = next(spare)
+    worker_ports = [next(spare) for _ in range(workers)]
+    scheduler_port = next(spare)
     plan: list[tuple[str, str, int, dict[str, str]]] = [
         ("adapter_store", "adapter_store", store_port, {
             "VALORA_DATABASE_URL": base_env.get("VALORA_DATABASE_URL", f"sqlite:///{home / 'registry.db'}"),
@@ -171,7 +185,7 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
         ("scheduler", "scheduler", scheduler_port, {
             "VALORA_WORKER_ADDRESSES": "" if register else ",".join(f"127.0.0.1:{p}" for p in worker_ports),
         }),
-        ("gateway", "gateway", gateway_port or free_port(), {
+        ("gateway", "gateway", gateway_port or next(spare), {
             "VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
             "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
         }),
@@ -182,9 +196,9 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
             started: list[tuple[int, subprocess.Popen, str]] = []
             for _, name, port, service_env in group:
                 log = str(home / "logs" / f"{name}.log")
-                ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(free_port())}
+                ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(next(spare))}
                 if service == "gateway":
-                    ports["VALORA_HTTP_PORT"] = str(http_port or free_port())
+                    ports["VALORA_HTTP_PORT"] = str(http_port or next(spare))
                 with open(log, "ab") as out:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", f"services.{service}"],
