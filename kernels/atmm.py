@@ -21,8 +21,9 @@ How the worker engine uses it (STYLE item 9: plan once per step, run per layer):
 pinned memory); `atmm_` does no host synchronisation, so a step can be captured in a CUDA graph
 and replayed for later plans written into the same buffers. The tile configuration comes from
 the GPU's tile table (`kernels.tile_table`), one dict lookup per call; the entry names the backend
-(our CUDA kernels, CUDA shrink + CUTLASS grouped expand, or the Triton SGMV kernels of
-`kernels.triton_sgmv`, imported only when a config names it) that the offline search found fastest.
+(our CUDA kernels, CUDA shrink + CUTLASS grouped expand, the Triton SGMV kernels of
+`kernels.triton_sgmv`, imported only when a config names it, or the fused single-launch CUDA
+kernel for small token counts) that the offline search found fastest.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch
 
 from kernels.build import load_extension
 from kernels.reference import SegmentPlan, multi_lora_reference_
-from kernels.tile_table import TileConfig, TileTable, find_table, heuristic_config, rank_block
+from kernels.tile_table import (FUSED_MAX_RANK_BLOCK, TileConfig, TileTable, find_table, fused_groups,
+                                heuristic_config, rank_block)
 
 BT_MENU = (16, 32, 64, 128)
 MAX_RANK = 128
@@ -155,7 +157,9 @@ class LoraWeights:
     """Adapter slots of one linear layer: A_k (h_in, r_k), B_k (r_k, h_out), scale s_k.
 
     Keeps the tensors alive and mirrors their pointers, ranks and scales in small device tables
-    that the kernel indexes by slot (updated when an adapter is set, never per step).
+    that the kernel indexes by slot (updated when an adapter is set, never per step). `aligned16`
+    (host side, no sync) says whether every A/B set so far starts on a 16-byte boundary, which the
+    CUDA kernels' 16-byte copies and the Triton kernels' alignment hints rely on.
     """
 
     def __init__(self, num_slots: int, h_in: int, h_out: int, dtype: torch.dtype = torch.bfloat16,
@@ -172,6 +176,12 @@ class LoraWeights:
         self.b_ptrs = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
         self.rank_table = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         self.scale_table = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self._misaligned: set[int] = set()  # slots whose A or B does not start on 16 bytes
+
+    @property
+    def aligned16(self) -> bool:
+        """Every A/B data pointer is 16-byte aligned (rows are: r and h_out are multiples of 8)."""
+        return not self._misaligned and self.h_in % 8 == 0 and self.h_out % 8 == 0
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """Place adapter (A: (h_in, r), B: (r, h_out), contiguous, this dtype/device) in `slot`."""
@@ -199,6 +209,10 @@ class LoraWeights:
 
     def _sync_slot(self, slot: int) -> None:
         a, b = self.a[slot], self.b[slot]
+        if a is not None and (a.data_ptr() % 16 or b.data_ptr() % 16):
+            self._misaligned.add(slot)
+        else:
+            self._misaligned.discard(slot)
         self.a_ptrs[slot] = a.data_ptr() if a is not None else 0
         self.b_ptrs[slot] = b.data_ptr() if b is not None else 0
         self.rank_table[slot] = self.ranks[slot]
@@ -263,6 +277,8 @@ def triton_available() -> bool:
 
 
 _triton_ok: bool | None = None
+# misaligned weights: the Triton kernels without alignment hints at the default tiles
+_UNALIGNED_TRITON = TileConfig(16, 64, 3, 1, 16, 128, backend="triton")
 
 
 def _run_cuda(ext, y, x, plan, weights, config, dtype, pdl):
@@ -287,8 +303,33 @@ def _run_triton(ext, y, x, plan, weights, config, dtype, pdl):
     atmm_triton_(y, x, plan, weights, config)
 
 
+_fused_ids: dict[tuple, int] = {}
+
+
+def fused_launch_args(config: TileConfig, h_out: int, plan: AtmmPlan) -> tuple[int, int]:
+    """(column groups, tile count) of a fused launch: the binding's `atmm_shrink` sizes the grid
+    as tiles x groups (its split_k), so tiles are counted x cluster to give every CTA of every
+    item a place in the persistent grid. Groups are capped where the binding's workspace check
+    (written for split-K, unused by this kernel) would reject them."""
+    groups = fused_groups(config.split_k, h_out, config.expand_bn, config.cluster)
+    cap = plan.workspace.numel() // max(1, plan.num_tokens * plan.rank_stride)
+    groups = max(1, min(groups, cap))
+    return groups, plan.tiles[config.shrink_bt] * config.cluster
+
+
+def _run_fused(ext, y, x, plan, weights, config, dtype, pdl):  # one launch: shrink + expand per CTA cluster
+    rs = plan.rank_stride
+    key = (config, dtype, rank_block(rs))
+    fid = _fused_ids.get(key)
+    if fid is None:
+        fid = _fused_ids[key] = config_id(config.fused_name(dtype, rank_block(rs)))
+    groups, tiles = fused_launch_args(config, weights.h_out, plan)
+    ext.atmm_shrink(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
+                    weights.scale_table, plan.workspace, fid, groups, rs, tiles, pdl)
+
+
 # backend name (TileConfig.backend) -> runner(ext, y, x, plan, weights, config, dtype, pdl)
-BACKEND_RUNNERS = {"cuda": _run_cuda, "cutlass_grouped": _run_grouped, "triton": _run_triton}
+BACKEND_RUNNERS = {"cuda": _run_cuda, "cutlass_grouped": _run_grouped, "triton": _run_triton, "fused": _run_fused}
 
 
 def _kernel_ext(y: torch.Tensor):
@@ -298,8 +339,10 @@ def _kernel_ext(y: torch.Tensor):
 
 def choose_config(config: TileConfig, h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
                   dtype: str = "bfloat16") -> TileConfig:
-    """`config`, or the heuristic CUDA config when it names a backend this machine cannot run."""
-    if config.backend == "triton" and not triton_available():
+    """`config`, or the heuristic CUDA config when it names a backend this machine (or this
+    batch: the fused kernels take ranks <= 64) cannot run."""
+    if (config.backend == "triton" and not triton_available()) or \
+            (config.backend == "fused" and rank_block(rank_stride) > FUSED_MAX_RANK_BLOCK):
         return heuristic_config(h_in, h_out, rank_stride, tokens, segments, dtype=dtype)
     return config
 
@@ -311,9 +354,12 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     x: (T, h_in), y: (T, h_out), T = plan.num_tokens; CUDA tensors use the kernels (tile config
     from `config`, else `table`, else this GPU's committed table), anything else the torch
     reference. The config's `backend` picks the implementation: our CUDA kernels ("cuda"), CUDA
-    shrink + CUTLASS grouped expand ("cutlass_grouped") or the Triton SGMV kernels ("triton";
-    the heuristic CUDA config where triton is missing). `pdl` chains the CUDA shrink and expand
-    launches with programmatic dependent launch. Returns y.
+    shrink + CUTLASS grouped expand ("cutlass_grouped"), the Triton SGMV kernels ("triton";
+    the heuristic CUDA config where triton is missing) or the fused single-launch kernel
+    ("fused"). `pdl` chains the CUDA launches with programmatic dependent launch. Weights that
+    are not 16-byte aligned (`LoraWeights.aligned16`, views into odd offsets) never reach the CUDA
+    kernels (16-byte copies): they run on Triton without alignment hints, else the reference.
+    Returns y.
     """
     if x.dim() != 2 or y.dim() != 2:
         raise ValueError("x and y must be 2-D (tokens, features)")
@@ -324,6 +370,8 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     if x.shape[0] != tokens or y.shape[0] != tokens:
         raise ValueError(f"plan covers {tokens} tokens, x has {x.shape[0]}, y has {y.shape[0]}")
     ext = _kernel_ext(y)
+    if ext is not None and not weights.aligned16 and not triton_available():
+        ext = None
     if ext is None:
         return multi_lora_reference_(y, x, plan.segment_plan, weights.a, weights.b, weights.scales)
     if tokens == 0 or plan.active_segments == 0:
@@ -336,6 +384,8 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
         config = (table or default_table(x.device, x.dtype)).lookup(
             weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
     config = choose_config(config, weights.h_in, weights.h_out, rs, tokens, plan.active_segments, dtype)
+    if not weights.aligned16 and config.backend != "triton":
+        config = _UNALIGNED_TRITON
     BACKEND_RUNNERS[config.backend](ext, y, x, plan, weights, config, dtype, pdl)
     return y
 

@@ -6,10 +6,14 @@ fits (rank block, shared-memory limit, BK multiple of 64, split-K with K chunks 
 workspace that fits) is timed in a CUDA graph over rotating inputs; then every expand kernel
 with the winning split-K, and that pair is timed. The Triton backend's menu
 (`kernels.triton_sgmv.TRITON_MENU`, each at its default split-K, then other split-Ks for the
-best shape) is timed the same way (whole shrink+expand through `atmm_`, in a CUDA graph); the
-fastest pair of any backend wins the bucket. The winners form the tile table, written as JSON keyed by GPU/arch/
-dtype (kernels/tile_tables/). A validation pass times shapes between buckets exhaustively and
-reports the gap between the table's pick (and the heuristic's) and the true best.
+best shape) is timed the same way (whole shrink+expand through `atmm_`, in a CUDA graph). For
+token counts up to --fused-max-tokens the fused single-launch kernels (`fused_*` entries of the
+menu: BT x BN x rank block x cluster size) are timed too: every one whose shared memory fits and
+whose token tile suits the segments, at the column-group count that gives about one CTA per SM,
+then every useful group count for the two fastest. The fastest op of any backend wins the
+bucket. The winners form the tile table, written as JSON keyed by GPU/arch/dtype
+(kernels/tile_tables/). A validation pass times shapes between buckets exhaustively and reports
+the gap between the table's pick (and the heuristic's) and the true best.
 
     python -m kernels.tile_search --budget-s 120
 """
@@ -28,10 +32,13 @@ from pathlib import Path
 import torch
 
 from kernels import triton_sgmv
-from kernels.atmm import AtmmPlan, atmm_, config_id, extension, lora_weights_from_lists, triton_available
+from kernels.atmm import (AtmmPlan, atmm_, config_id, extension, fused_launch_args, lora_weights_from_lists,
+                          triton_available)
+from kernels.results import write_results
 from kernels.timing import time_graph
-from kernels.tile_table import (SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable, heuristic_config, rank_block,
-                                find_table, segment_bucket, shape_key, table_filename)
+from kernels.tile_table import (FUSED_MAX_RANK_BLOCK, SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable,
+                                default_fused_groups, find_table, fused_group_options, heuristic_config, rank_block,
+                                segment_bucket, shape_key, table_filename)
 
 # Qwen2-VL-7B (q/o, k/v, gate/up, down) and LLaMA-7B projections
 MODEL_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (3584, 3584), (3584, 512), (3584, 18944),
@@ -86,9 +93,16 @@ class Bench:
         return self._time(lambda w, x, y: self.ext.atmm_grouped_expand(
             *self._args(w, x, y, split_k), p.aux, cfg["id"], split_k, p.rank_stride))
 
+    def time_fused(self, tc: TileConfig, cfg_id: int, h_out: int) -> float:
+        """One fused launch (shrink + expand) per op, as kernels.atmm launches it."""
+        p = self.plan
+        groups, tiles = fused_launch_args(tc, h_out, p)
+        return self._time(lambda w, x, y: self.ext.atmm_shrink(
+            *self._args(w, x, y, groups), cfg_id, groups, p.rank_stride, tiles, True))
+
     def time_pair(self, tc: TileConfig, dtype: str) -> float:
         p = self.plan
-        if tc.backend == "triton":
+        if tc.backend in ("triton", "fused"):
             return self._time(lambda w, x, y: atmm_(y, x, p, w, config=tc))
         sid = config_id(tc.shrink_name(dtype, rank_block(p.rank_stride)))
         eid = config_id(tc.expand_name(dtype))
@@ -104,22 +118,64 @@ class Bench:
             p.tiles[tc.expand_bt], True))
 
 
+def seg_cache_bytes(cap: int) -> int:
+    """Shared memory every ATMM kernel adds for the plan's segments (csrc/atmm_api.h)."""
+    return (cap * 8 + (cap + 1) * 8 + cap * 8 + 127) & ~127
+
+
 def candidates(ext, dtype: str, rank_stride: int, h_in: int, tokens: int, ws_floats: int, smem_limit: int):
     cfgs = ext.configs()
     rb = rank_block(rank_stride)
-    shr = [c for c in cfgs if c["kind"] == "shrink" and c["dtype"] == dtype and c["rb"] == rb
-           and c["smem_r16"] <= smem_limit and c["bt"] <= max(16, 2 * tokens)]
+    shr = [c for c in cfgs if c["kind"] == "shrink" and c["name"].startswith("shrink_") and c["dtype"] == dtype
+           and c["rb"] == rb and c["smem_r16"] <= smem_limit and c["bt"] <= max(16, 2 * tokens)]
     exp = [c for c in cfgs if c["kind"] == "expand" and c["dtype"] == dtype and c["bt"] <= max(16, 2 * tokens)]
     exp += [c for c in cfgs if c["kind"] == "grouped_expand" and c["dtype"] == dtype and tokens >= 256]
     splits = [s for s in SPLIT_K_MENU if h_in // s >= 64 and s * tokens * rank_stride <= ws_floats]
     return shr, exp, splits
 
 
+def fused_candidates(ext, dtype: str, rank_stride: int, tokens: int, segments: int, seg_cap: int,
+                     smem_limit: int) -> list[dict]:
+    """Fused menu entries worth timing for one bucket: this rank block, shared memory (body + the
+    plan's segment cache for `seg_cap`) within the GPU's per-block limit, token tile no larger than
+    twice the average segment (a 64-token tile over 2-token segments computes zeros)."""
+    rb = rank_block(rank_stride)
+    if rb > FUSED_MAX_RANK_BLOCK:
+        return []
+    avg = tokens / max(1, segments)
+    return [c for c in ext.configs() if c["name"].startswith("fused_") and c["dtype"] == dtype and c["rb"] == rb
+            and c["smem_r16"] + seg_cache_bytes(seg_cap) <= smem_limit and c["bt"] <= max(16, 2 * avg)]
+
+
+def search_fused(b: Bench, h_out: int, tokens: int, segments: int, dname: str, smem_limit: int):
+    """Time the fused menu (each config at its default group count, then every group count for
+    the two fastest configs). Returns ([(TileConfig, us)], [errors])."""
+    p = b.plan
+    out, errors = [], []
+    cfgs = fused_candidates(b.ext, dname, p.rank_stride, tokens, segments, p.seg_cap, smem_limit)
+
+    def one(c, groups):
+        tc = TileConfig.fused(c["bt"], c["bn"], c["bm"], groups)  # bm carries the cluster size
+        try:
+            out.append((tc, b.time_fused(tc, c["id"], h_out), c))
+        except Exception as e:  # noqa: BLE001 - e.g. a cluster that cannot be scheduled: pruned
+            errors.append(f"{c['name']} g{groups}: {type(e).__name__}: {e}"[:300])
+
+    for c in cfgs:
+        one(c, default_fused_groups(h_out, c["bn"], c["bm"], p.tiles[c["bt"]]))
+    for tc, _, c in sorted(out, key=lambda v: v[1])[:2]:
+        for g in fused_group_options(h_out, c["bn"], c["bm"], p.tiles[c["bt"]]):
+            if g != tc.split_k:
+                one(c, g)
+    return [(tc, us) for tc, us, _ in out], errors
+
+
 def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_limit: int,
-                  backends: tuple[str, ...] = ("cuda", "triton")):
+                  backends: tuple[str, ...] = ("cuda", "triton", "fused"), fused_max_tokens: int = 256):
     """Best config over every backend's candidates for one bucket: our CUDA shrink with our own or
-    the CUTLASS grouped expand (searched stage by stage, then the pair timed), and the Triton
-    SGMV menu; the fastest pair wins. Returns (config, stats, bench)."""
+    the CUTLASS grouped expand (searched stage by stage, then the pair timed), the Triton SGMV
+    menu and, up to `fused_max_tokens` tokens, the fused single-launch kernels; the fastest op
+    wins. Returns (config, stats, bench)."""
     dname = "bfloat16" if dtype == torch.bfloat16 else "float16"
     b = Bench(h_in, h_out, rank, tokens, segments, dtype)
     rs = b.plan.rank_stride
@@ -158,6 +214,17 @@ def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_
             stats["triton_config"] = asdict(tc)
             if tt < pair:
                 best, pair = tc, tt
+    if "fused" in backends and tokens <= fused_max_tokens:
+        fus, errors = search_fused(b, h_out, tokens, segments, dname, smem_limit)
+        stats["fused_candidates"] = len(fus)
+        if errors:
+            stats["fused_errors"] = errors[:3]
+        if fus:
+            fc, ft = min(fus, key=lambda v: v[1])
+            stats["fused_us"] = ft
+            stats["fused_config"] = asdict(fc)
+            if ft < pair:
+                best, pair = fc, ft
     stats["pair_us"] = pair
     stats["backend"] = best.backend
     return best, stats, b
@@ -201,7 +268,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop searching after this many seconds")
     ap.add_argument("--name", default=None, help="results file name (bench/results/<name>.json)")
     ap.add_argument("--validate", type=int, default=12, help="off-bucket shapes to check exhaustively")
-    ap.add_argument("--backends", default="cuda,triton", help="backends whose candidates are timed (cuda always)")
+    ap.add_argument("--backends", default="cuda,triton,fused", help="backends whose candidates are timed (cuda always)")
+    ap.add_argument("--fused-max-tokens", type=int, default=256,
+                    help="time the fused single-launch kernels for token buckets up to this many tokens")
     ap.add_argument("--merge", action="store_true",
                     help="start from the committed table: buckets not searched (budget spent) keep their entry")
     ap.add_argument("--out", default=None, help="table path (default kernels/tile_tables/<gpu>-<arch>-<dtype>.json)")
@@ -235,7 +304,7 @@ def main() -> None:
                 prog.advance(task)
                 continue
             prog.update(task, description=f"{hi}x{ho} r{r} T{t} S{segs}")
-            best, st, _ = search_bucket(hi, ho, r, t, segs, dtype, smem_limit, backends)
+            best, st, _ = search_bucket(hi, ho, r, t, segs, dtype, smem_limit, backends, args.fused_max_tokens)
             key = shape_key(hi, ho, max(16, -(-r // 16) * 16), t, segs)
             entries[key] = best
             stats[key] = st
@@ -261,7 +330,7 @@ def main() -> None:
         r = rng.choice(ranks)
         t = rng.choice([24, 48, 96, 192, 384, 768, 1536, 3072])
         segs = max(1, min(t, rng.choice([3, 6, 12, 24, 48])))
-        best, st, b = search_bucket(hi, ho, r, t, segs, dtype, smem_limit, backends)
+        best, st, b = search_bucket(hi, ho, r, t, segs, dtype, smem_limit, backends, args.fused_max_tokens)
         pick = table.lookup(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
         heur = heuristic_config(hi, ho, b.plan.rank_stride, t, b.plan.active_segments, dtype=args.dtype)
         dname = args.dtype
@@ -283,10 +352,8 @@ def main() -> None:
                    "heuristic_gap_median": statistics.median(hg), "heuristic_gap_max": max(hg)}
         print(f"table pick vs true best: median {summary['table_gap_median']:.3f}x, max {summary['table_gap_max']:.3f}x;"
               f" heuristic: median {summary['heuristic_gap_median']:.3f}x, max {summary['heuristic_gap_max']:.3f}x")
-    from bench.common import save  # noqa: PLC0415
-
-    save(args.name or "tile_search", {"table_path": str(path), "buckets": len(entries), "backends_won": won,
-                                      "validation": val, "summary": summary, "bucket_stats": stats})
+    write_results(args.name or "tile_search", {"table_path": str(path), "buckets": len(entries), "backends_won": won,
+                                               "validation": val, "summary": summary, "bucket_stats": stats})
     print(json.dumps({"buckets": len(entries)}))
 
 

@@ -1,7 +1,8 @@
 """ATMM tile table: shape bucket -> precompiled kernel configuration, one hash lookup at run time.
 
 Each entry names the backend that won the bucket (our CUDA kernels, CUDA shrink + CUTLASS grouped
-expand, or the Triton SGMV kernels) and that backend's tiles. Built offline by
+expand, the Triton SGMV kernels, or the fused single-launch CUDA kernel for small token counts)
+and that backend's tiles. Built offline by
 `kernels.tile_search` on the target GPU and stored as JSON under
 `kernels/tile_tables/<gpu>-<arch>-<dtype>.json`. Shapes absent from the table fall back to
 `heuristic_config`, which needs no measurement.
@@ -16,7 +17,9 @@ from pathlib import Path
 
 TABLE_DIR = Path(__file__).resolve().parent / "tile_tables"
 SPLIT_K_MENU = (1, 2, 4, 8, 16, 32)
-BACKENDS = ("cuda", "cutlass_grouped", "triton")
+BACKENDS = ("cuda", "cutlass_grouped", "triton", "fused")
+FUSED_MAX_RANK_BLOCK = 4    # the fused kernels are compiled for rank blocks 1, 2, 4 (r <= 64)
+FUSED_CLUSTERS = (1, 2, 4, 8)
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 
 
@@ -29,7 +32,10 @@ class TileConfig:
     `grouped` (e.g. "grouped_bf16_m64n128"; expand_bt/bn then record the best own expand).
     backend "triton": `kernels.triton_sgmv` (shrink BLOCK_M/BLOCK_K/num_stages = shrink_bt/bk/
     stages, split_k, expand BLOCK_M/BLOCK_N = expand_bt/bn, num_warps = `warps`).
-    For the two CUDA-shrink backends `grouped` decides: "cutlass_grouped" when it is set, else
+    backend "fused": one launch of `fused_<dtype>_bt<BT>_bn<BN>_r<RB>_c<cluster>` (csrc/atmm.cuh):
+    BT = shrink_bt = expand_bt, BN = expand_bn, `cluster` CTAs per (token tile, column group)
+    splitting the shrink's K, `split_k` = number of column groups (shrink_bk/stages record the
+    kernel's fixed 64/4). For the two CUDA-shrink backends `grouped` decides: "cutlass_grouped" when it is set, else
     "cuda" (also for tables written before the field existed).
     """
 
@@ -42,13 +48,17 @@ class TileConfig:
     grouped: str = ""
     backend: str = ""
     warps: int = 4
+    cluster: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in ("", *BACKENDS):
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "triton":
+        if self.backend in ("triton", "fused"):
             if self.grouped:
-                raise ValueError(f"backend 'triton' with a grouped configuration {self.grouped!r}")
+                raise ValueError(f"backend {self.backend!r} with a grouped configuration {self.grouped!r}")
+            if self.backend == "fused" and (self.cluster not in FUSED_CLUSTERS or self.shrink_bt != self.expand_bt):
+                raise ValueError(f"fused: cluster must be one of {FUSED_CLUSTERS} and shrink_bt == expand_bt, "
+                                 f"got {self}")
         else:  # our CUDA shrink: `grouped` decides the expand (so dataclasses.replace(grouped=...) works)
             object.__setattr__(self, "backend", "cutlass_grouped" if self.grouped else "cuda")
 
@@ -60,11 +70,58 @@ class TileConfig:
         d = "bf16" if dtype == "bfloat16" else "fp16"
         return f"expand_{d}_bt{self.expand_bt}_bn{self.expand_bn}"
 
+    def fused_name(self, dtype: str, rank_block: int) -> str:
+        d = "bf16" if dtype == "bfloat16" else "fp16"
+        return f"fused_{d}_bt{self.shrink_bt}_bn{self.expand_bn}_r{rank_block}_c{self.cluster}"
+
+    @classmethod
+    def fused(cls, bt: int, bn: int, cluster: int, groups: int) -> "TileConfig":
+        """A "fused" backend entry (the kernel's pipeline is fixed at BK 64, 4 stages)."""
+        return cls(bt, 64, 4, groups, bt, bn, backend="fused", cluster=cluster)
+
 
 def rank_block(rank_stride: int) -> int:
     """Shrink kernels are compiled for rank blocks of 16, 32, 64 and 128 columns (RB = 1, 2, 4, 8)."""
     rb = max(1, -(-rank_stride // 16))
     return 1 if rb <= 1 else 2 if rb <= 2 else 4 if rb <= 4 else 8
+
+
+def fused_groups(groups: int, h_out: int, bn: int, cluster: int) -> int:
+    """Column groups a fused launch really uses: at least one BN chunk per CTA of a cluster."""
+    ntn = -(-h_out // bn)
+    return max(1, min(groups, -(-ntn // cluster)))
+
+
+def fused_group_options(h_out: int, bn: int, cluster: int, tiles: int, num_sms: int = NUM_SMS_DEFAULT) -> list[int]:
+    """Column-group counts worth timing (powers of two): each CTA keeps >= 1 column chunk, and at
+    most ~4 CTAs per SM (beyond that only the recomputed shrink grows)."""
+    top = fused_groups(1 << 20, h_out, bn, cluster)
+    tiles = max(1, tiles)
+    out, g = [], 1
+    while g <= top:
+        if g == 1 or tiles * g * cluster <= 4 * num_sms:
+            out.append(g)
+        g *= 2
+    return out
+
+
+def default_fused_groups(h_out: int, bn: int, cluster: int, tiles: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
+    """The option whose CTA count (tiles x groups x cluster) is nearest one per SM."""
+    opts = fused_group_options(h_out, bn, cluster, tiles, num_sms)
+    return min(opts, key=lambda g: abs(math.log2(max(1, tiles) * g * cluster / num_sms)))
+
+
+def fused_heuristic_config(h_out: int, rank_stride: int, tokens: int, segments: int,
+                           num_sms: int = NUM_SMS_DEFAULT) -> TileConfig | None:
+    """A fused config without measurements (None for ranks > 64): 16-token tiles unless segments
+    average more than 16 tokens, 128-column chunks, clusters of 8, about one CTA per SM."""
+    if rank_block(rank_stride) > FUSED_MAX_RANK_BLOCK:
+        return None
+    segments = max(1, segments)
+    avg = tokens / segments
+    bt = 16 if avg <= 16 else 32
+    tiles = max(1, min(math.ceil(tokens / bt) + segments - 1, segments * math.ceil(max(avg, 1) / bt)))
+    return TileConfig.fused(bt, 128, 8, default_fused_groups(h_out, 128, 8, tiles, num_sms))
 
 
 def token_bucket(tokens: int) -> int:

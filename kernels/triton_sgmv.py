@@ -14,6 +14,13 @@ tiles than the captured one.
 R is the plan's rank stride rounded up to a power of two (>= 16); columns >= r_k are masked.
 split_k > 1 accumulates with fp32 atomics into a zeroed workspace (one memset per call).
 
+Alignment (ALIGNED, checked on the host by `aligned_launch`): A_k's row stride is the runtime rank
+r_k and the A/B base pointers come from the device tables, so without hints Triton cannot prove
+16-byte alignment and emits scalar 16-bit loads for A and B. When every A/B pointer is 16-byte
+aligned (`LoraWeights.aligned16`), x/y/workspace too and h_in, h_out, r_k are multiples of 8 (r_k
+always is), the kernels are specialised with `tl.multiple_of` hints (pointers 16 bytes, r_k 8)
+so A rows and B rows load as 16-byte vectors; otherwise the same kernels run without hints.
+
 Triton is optional (CPU machines have none): importing this module never fails; `available()`
 says whether the kernels exist. `kernels.atmm` imports it only when a tile config names the
 "triton" backend. The tile-table fields mean here: shrink_bt = shrink BLOCK_M, shrink_bk =
@@ -101,7 +108,7 @@ if triton is not None:
     @triton.jit
     def _atmm_shrink(x_ptr, meta_ptr, a_ptrs, rank_tab, xa_ptr, h_in, k_per_split, seg_cap, pref_off,
                      R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SEG_P2: tl.constexpr,
-                     ATOMIC: tl.constexpr):
+                     ATOMIC: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         npg = tl.num_programs(0)
         ks = tl.program_id(1)
@@ -117,6 +124,9 @@ if triton is not None:
             slot, row0, nrows = _segment_of(meta_ptr, ends, t, seg_cap, pref_off, BM)
             r_k = tl.load(rank_tab + slot)
             a_base = tl.load(a_ptrs + slot).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            if ALIGNED:  # host-checked: A 16-byte aligned, r_k (A's row stride) a multiple of 8
+                r_k = tl.multiple_of(r_k, 8)
+                a_base = tl.multiple_of(a_base, 16)
             rows = (row0 + rm).to(tl.int64)
             acc = tl.zeros((BM, R), dtype=tl.float32)
             for k0 in range(k_lo, k_lo + k_per_split, BK):
@@ -134,7 +144,8 @@ if triton is not None:
 
     @triton.jit
     def _atmm_expand(xa_ptr, meta_ptr, b_ptrs, rank_tab, scale_tab, y_ptr, h_out, seg_cap, pref_off,
-                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SEG_P2: tl.constexpr):
+                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SEG_P2: tl.constexpr,
+                     ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         npg = tl.num_programs(0)
         nseg = tl.load(meta_ptr)
@@ -151,6 +162,9 @@ if triton is not None:
             r_k = tl.load(rank_tab + slot)
             s_k = tl.load(scale_tab + slot)
             b_base = tl.load(b_ptrs + slot).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            if ALIGNED:  # host-checked: B 16-byte aligned, h_out (B's row stride) a multiple of 8
+                b_base = tl.multiple_of(b_base, 16)
+                h_out = tl.multiple_of(h_out, 8)
             rows = (row0 + rm).to(tl.int64)
             rn = tn * BN + tl.arange(0, BN)
             xa = tl.load(xa_ptr + rows[:, None] * R + rr[None, :], mask=rm[:, None] < nrows, other=0.0)
@@ -165,6 +179,14 @@ if triton is not None:
 
 def _pref_off(seg_cap: int, bt: int) -> int:
     return 2 + 2 * seg_cap + BT_MENU.index(bt) * (seg_cap + 1)
+
+
+def aligned_launch(y, x, weights, workspace) -> bool:
+    """Whether the alignment hints hold for this call (host-side only, no device sync): every A/B
+    pointer 16-byte aligned (tracked by LoraWeights when adapters are set), x/y/workspace 16-byte
+    aligned, h_in and h_out multiples of 8 (row strides of x, B and y)."""
+    return (weights.aligned16 and weights.h_in % 8 == 0 and weights.h_out % 8 == 0
+            and all(t.data_ptr() % 16 == 0 for t in (x, y, workspace)))
 
 
 def atmm_triton_(y, x, plan, weights, config):
@@ -183,6 +205,7 @@ def atmm_triton_(y, x, plan, weights, config):
     seg_p2 = max(16, 1 << (cap - 1).bit_length())
     splits, k_per = split_plan(h_in, config.split_k, config.shrink_bk)
     xa = plan.workspace[: tokens * R]
+    aligned = aligned_launch(y, x, weights, xa)
     atomic = splits > 1
     if atomic:
         xa.zero_()
@@ -190,14 +213,15 @@ def atmm_triton_(y, x, plan, weights, config):
     grid_s = (max(1, min(plan.tiles[config.shrink_bt], MAX_PROGRAMS)), splits)
     _atmm_shrink[grid_s](x, plan.meta, weights.a_ptrs, weights.rank_table, xa, h_in, k_per, cap,
                          _pref_off(cap, config.shrink_bt), R=R, BM=config.shrink_bt, BK=config.shrink_bk,
-                         SEG_P2=seg_p2, ATOMIC=atomic, num_warps=warps, num_stages=config.shrink_stages)
+                         SEG_P2=seg_p2, ATOMIC=atomic, ALIGNED=aligned, num_warps=warps,
+                         num_stages=config.shrink_stages)
     ntn = math.ceil(h_out / config.expand_bn)
     grid_e = (max(1, min(plan.tiles[config.expand_bt] * ntn, MAX_PROGRAMS)),)
     _atmm_expand[grid_e](xa, plan.meta, weights.b_ptrs, weights.rank_table, weights.scale_table, y, h_out, cap,
                          _pref_off(cap, config.expand_bt), R=R, BM=config.expand_bt, BN=config.expand_bn,
-                         SEG_P2=seg_p2, num_warps=warps, num_stages=2)
+                         SEG_P2=seg_p2, ALIGNED=aligned, num_warps=warps, num_stages=2)
     return y
 
 
-__all__ = ["TRITON_MENU", "atmm_triton_", "available", "candidates", "default_split", "rank_pad", "split_plan",
-           "split_candidates"]
+__all__ = ["TRITON_MENU", "aligned_launch", "atmm_triton_", "available", "candidates", "default_split", "rank_pad",
+           "split_candidates", "split_plan"]

@@ -1,6 +1,7 @@
 // Explicit instantiations of the ATMM tile menu for fp16 (shrink: BT x BK x STAGES x rank
-// block RB; expand: BT x BN). Pruned by registers (<= 16 / 8 accumulator fragments per warp)
-// and shared memory (see ShrinkCfg / ExpandCfg); the tile table picks among these at run time.
+// block RB; expand: BT x BN; fused: BT x BN x RB x cluster size CL). Pruned by registers (<= 16 / 8
+// accumulator fragments per warp) and shared memory (see ShrinkCfg / ExpandCfg / FusedCfg); the
+// tile table picks among these at run time.
 #include "launch_util.cuh"
 
 namespace valora {
@@ -9,6 +10,7 @@ using T = __half;
 
 #define SHRINK(BT, BK, ST, RB) out.push_back(ShrinkOp<T, BT, BK, ST, RB>::entry("shrink_fp16" "_bt" #BT "_bk" #BK "_s" #ST "_r" #RB, kFP16))
 #define EXPAND(BT, BN) out.push_back(ExpandOp<T, BT, BN>::entry("expand_fp16" "_bt" #BT "_bn" #BN, kFP16))
+#define FUSED(BT, BN, RB, CL) out.push_back(FusedOp<T, BT, BN, RB, CL>::entry("fused_fp16" "_bt" #BT "_bn" #BN "_r" #RB "_c" #CL, kFP16))
 
 void register_atmm_fp16(std::vector<OpEntry>& out) {
   // rank block RB = 1 (r <= 16), 2 (r <= 32), 4 (r <= 64), 8 (r <= 128)
@@ -22,6 +24,12 @@ void register_atmm_fp16(std::vector<OpEntry>& out) {
   EXPAND(16, 64);  EXPAND(16, 128);  EXPAND(16, 256);
   EXPAND(32, 64);  EXPAND(32, 128);  EXPAND(32, 256);
   EXPAND(64, 64);  EXPAND(64, 128);  EXPAND(128, 64);
+  // fused single-launch small-T path (atmm.cuh): BT x BN x rank block RB x cluster size CL;
+  // CL CTAs split the shrink's K and share x·A through distributed shared memory
+  FUSED(16, 128, 1, 1);  FUSED(16, 128, 1, 4);  FUSED(16, 128, 1, 8);  FUSED(16, 256, 1, 8);
+  FUSED(32, 128, 1, 8);  FUSED(64, 128, 1, 8);
+  FUSED(16, 128, 2, 8);  FUSED(32, 128, 2, 8);
+  FUSED(16, 128, 4, 4);  FUSED(16, 128, 4, 8);  FUSED(32, 128, 4, 8);
 }
 
 }  // namespace valora

@@ -1,6 +1,7 @@
 """CUDA ATMM and switch kernels vs the torch references on fresh random inputs (small grid).
 
-Skipped without CUDA or the built extension. Every config of the menu that fits is exercised.
+Skipped without CUDA or the built extension. Every config of the menu that fits is exercised,
+including every fused single-launch config (bf16 and fp16) at several column-group counts.
 """
 
 import random
@@ -8,10 +9,11 @@ import random
 import pytest
 import torch
 
-from kernels.atmm import AtmmPlan, atmm_, config_id, extension, lora_weights_from_lists
+from kernels.atmm import AtmmPlan, atmm_, config_id, extension, fused_launch_args, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_
 from kernels.switch import LoraTerm, SwitchPlan
-from kernels.tile_table import TileConfig, heuristic_config
+from kernels.tile_table import (TileConfig, fused_group_options, fused_groups, fused_heuristic_config,
+                                heuristic_config)
 
 pytestmark = pytest.mark.gpu
 
@@ -118,7 +120,7 @@ def test_atmm_every_config_and_split_k():
     want = reference(y, x, slots, a, b, scales)
     delta_ref = want - y.float()
     cfgs = [c for c in EXT.configs() if c["dtype"] == "bfloat16"]
-    for sh in [c for c in cfgs if c["kind"] == "shrink" and c["rb"] == 8]:
+    for sh in [c for c in cfgs if c["kind"] == "shrink" and c["name"].startswith("shrink_") and c["rb"] == 8]:
         for split_k in (1, 3, 8):
             got = y.clone()
             EXT.atmm(got, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table,
@@ -156,6 +158,109 @@ def test_atmm_cuda_graph_replays_new_plans():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference(y, x, new_slots, a, b, scales)) < 4e-3
+
+
+# ---- fused single-launch kernels (kind "shrink" in the registry, launched through atmm_shrink) ----
+FUSED = [c for c in EXT.configs() if c["name"].startswith("fused_")]
+FUSED_RANKS = {1: [8, 16], 2: [8, 16, 24, 32], 4: [8, 16, 32, 64]}
+# (tokens, adapters, h_in, h_out): K not a multiple of cluster x 64, h_out not of BN, one token,
+# many 1-3 token segments, the headline shape
+FUSED_CASES = [(150, 4, 1032, 776), (1, 1, 520, 136), (64, 40, 1024, 1024), (16, 8, 4096, 4096)]
+
+
+def lora_case(tokens, ranks, h_in, h_out, dtype, seed):
+    """make_case with at least one LoRA token (the delta check is 0/0 otherwise)."""
+    a, b, scales, slots, x, y = make_case(tokens, ranks, h_in, h_out, dtype, seed)
+    if all(s < 0 for s in slots):
+        slots[0] = 0
+    return a, b, scales, slots, x, y
+
+
+def run_fused(cfg, y, x, plan, w, groups, pdl=True):
+    tc = TileConfig.fused(cfg["bt"], cfg["bn"], cfg["bm"], groups)  # bm carries the cluster size
+    g, tiles = fused_launch_args(tc, w.h_out, plan)
+    EXT.atmm_shrink(y, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table, plan.workspace,
+                    cfg["id"], g, plan.rank_stride, tiles, pdl)
+
+
+def test_every_fused_config_is_in_the_menu():
+    names = {c["name"] for c in FUSED}
+    assert len(FUSED) >= 16 and {n.replace("fp16", "bf16") for n in names} == {n for n in names if "bf16" in n}
+    assert all(c["kind"] == "shrink" and c["bm"] in (1, 2, 4, 8) and c["rb"] in (1, 2, 4) for c in FUSED)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in FUSED])
+def test_fused_config_matches_reference(name):
+    cfg = next(c for c in FUSED if c["name"] == name)
+    dt = DT[cfg["dtype"]]
+    ranks_pool = FUSED_RANKS[cfg["rb"]]
+    for i, (tokens, n, h_in, h_out) in enumerate(FUSED_CASES):
+        ranks = [ranks_pool[k % len(ranks_pool)] for k in range(n)]
+        a, b, scales, slots, x, y = lora_case(tokens, ranks, h_in, h_out, dt, seed=1000 + 17 * i + cfg["id"])
+        w = lora_weights_from_lists(a, b, scales)
+        plan = AtmmPlan(max_segments=64, max_tokens=256, device="cuda").update_from_token_slots(slots, w.ranks)
+        assert plan.rank_stride <= 16 * cfg["rb"]
+        want = reference(y, x, slots, a, b, scales)
+        delta_ref = want - y.float()
+        none_rows = [j for j, s in enumerate(slots) if s < 0]
+        ntiles = plan.tiles[cfg["bt"]]
+        groups = sorted({1, fused_groups(3, h_out, cfg["bn"], cfg["bm"]),
+                         fused_group_options(h_out, cfg["bn"], cfg["bm"], ntiles)[-1]})
+        for g in groups:
+            for pdl in (True, False):
+                got = y.clone()
+                run_fused(cfg, got, x, plan, w, g, pdl)
+                torch.cuda.synchronize()
+                what = (name, tokens, h_in, h_out, g, pdl)
+                assert torch.isfinite(got.float()).all(), what
+                assert rel_err(got, want) < (4e-3 if dt == torch.bfloat16 else 1e-3), what
+                # x·A kept at ~fp32 (hi + lo halves): the LoRA delta itself is accurate
+                assert rel_err(got.float() - y.float(), delta_ref) < 1e-2, what
+                if none_rows:
+                    assert torch.equal(got[none_rows], y[none_rows]), what
+
+
+def test_fused_through_atmm_and_pdl_chain_in_a_graph_with_new_plans():
+    # op 2 reads op 1's output as its x: with PDL the fused kernel must wait for its predecessor
+    dt = torch.bfloat16
+    a1, b1, s1, slots, x, y1 = lora_case(48, [16, 8, 16], 1024, 512, dt, seed=71)
+    a2, b2, s2, _, _, y2 = lora_case(48, [8, 16, 16], 512, 768, dt, seed=72)
+    w1, w2 = lora_weights_from_lists(a1, b1, s1), lora_weights_from_lists(a2, b2, s2)
+    plan = AtmmPlan(max_segments=64, max_tokens=48, device="cuda").update_from_token_slots([0] * 48, w1.ranks)
+    cfg1 = fused_heuristic_config(512, 16, 48, 1)
+    cfg2 = TileConfig.fused(16, 128, 4, 2)
+
+    def step(o1, o2):
+        atmm_(o1, x, plan, w1, config=cfg1)
+        atmm_(o2, o1, plan, w2, config=cfg2)
+
+    def want(step_slots):
+        r1 = reference(y1, x, step_slots, a1, b1, s1)
+        return r1, reference(y2, r1.to(dt), step_slots, a2, b2, s2)
+
+    o1, o2 = y1.clone(), y2.clone()
+    step(o1, o2)  # eager (warm-up: attributes, JIT)
+    torch.cuda.synchronize()
+    r1, r2 = want([0] * 48)
+    assert rel_err(o1, r1) < 4e-3 and rel_err(o2, r2) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captured with one segment: replays cover plans with more tiles
+        step(o1, o2)
+    for seed in range(3):
+        rnd = random.Random(seed)
+        new_slots = sorted((rnd.choice([-1, 0, 1, 2]) for _ in range(48)), key=lambda s: (s < 0, s))
+        if all(s < 0 for s in new_slots):
+            new_slots[0] = 0
+        plan.update_from_token_slots(new_slots, w1.ranks)
+        o1.copy_(y1)
+        o2.copy_(y2)
+        graph.replay()
+        torch.cuda.synchronize()
+        r1, r2 = want(new_slots)
+        assert rel_err(o1, r1) < 4e-3 and rel_err(o2, r2) < 4e-3, seed
+        none_rows = [j for j, s in enumerate(new_slots) if s < 0]
+        if none_rows:
+            assert torch.equal(o1[none_rows], y1[none_rows])
 
 
 _REJECT_SCRIPT = r"""

@@ -113,3 +113,30 @@ def test_atmm_dispatches_to_triton_and_graph_replays_new_plans():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference(y, x, new_slots, a, b, scales)) < 4e-3
+
+
+def test_alignment_hints_only_when_the_host_check_holds():
+    # aligned weights take the hinted kernels (16-byte vector loads of A and B); an A that starts
+    # 2 bytes past a 16-byte boundary takes the same kernels without hints; both match the reference
+    tokens, ranks, h_in, h_out, dtype = CASES["mixed_r64"]
+    a, b, scales, slots, x, y = make_case(tokens, ranks, h_in, h_out, dtype, seed=5)
+    want = reference(y, x, slots, a, b, scales)
+    store = torch.empty(a[1].numel() + 8, device="cuda", dtype=dtype)
+    a_odd = store[1:1 + a[1].numel()].view(a[1].shape)
+    a_odd.copy_(a[1])
+    cfg = TileConfig(16, 64, 3, 3, 16, 128, backend="triton")
+    for a_set, aligned in (([*a], True), ([a[0], a_odd, *a[2:]], False)):
+        w = lora_weights_from_lists(a_set, b, scales)
+        plan = plan_for(slots, w.ranks)
+        assert w.aligned16 == aligned
+        assert triton_sgmv.aligned_launch(y, x, w, plan.workspace) == aligned
+        got = y.clone()
+        triton_sgmv.atmm_triton_(got, x, plan, w, cfg)
+        torch.cuda.synchronize()
+        assert rel_err(got, want) < 4e-3, aligned
+        assert rel_err(got.float() - y.float(), want - y.float()) < 1.5e-2, aligned
+    if extension() is not None:  # a CUDA config with misaligned weights is routed to Triton (correct)
+        got = y.clone()
+        atmm_(got, x, plan, w, config=TileConfig(16, 64, 4, 2, 16, 128))
+        torch.cuda.synchronize()
+        assert rel_err(got, want) < 4e-3

@@ -8,7 +8,8 @@ import torch
 from kernels.atmm import BT_MENU, AtmmPlan, LoraWeights, atmm_, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_
 from kernels.switch import LoraTerm, SwitchPlan, merge_, switch_, unmerge_
-from kernels.tile_table import (TileConfig, TileTable, heuristic_config, rank_block, segment_bucket, shape_key,
+from kernels.tile_table import (TileConfig, TileTable, default_fused_groups, fused_group_options, fused_groups,
+                                fused_heuristic_config, heuristic_config, rank_block, segment_bucket, shape_key,
                                 table_filename, token_bucket)
 
 
@@ -144,6 +145,7 @@ def test_committed_tile_tables_name_compiled_configs():
     shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
     expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
     grouped = set(re.findall(r'"(grouped_\w+)"', (root / "csrc" / "grouped.cu").read_text())) | {""}
+    fused = {tuple(map(int, m)) for m in re.findall(r"FUSED\((\d+), (\d+), (\d+), (\d+)\)", src)}
     from kernels.triton_sgmv import TRITON_MENU
 
     for path in (root / "tile_tables").glob("*.json"):
@@ -153,6 +155,10 @@ def test_committed_tile_tables_name_compiled_configs():
             if c.backend == "triton":  # a Triton menu entry (JIT-compiled, any split-K)
                 assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, c.expand_bt, c.expand_bn, c.warps) in TRITON_MENU, key
                 assert c.split_k >= 1 and not c.grouped, key
+                continue
+            if c.backend == "fused":  # a fused kernel of the menu: (BT, BN, rank block, cluster)
+                assert (c.shrink_bt, c.expand_bn, rank_block(rs), c.cluster) in fused, key
+                assert c.split_k >= 1 and c.expand_bt == c.shrink_bt, key
                 continue
             assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, rank_block(rs)) in shrink, key
             assert (c.expand_bt, c.expand_bn) in expand, key
@@ -211,7 +217,8 @@ def _dispatch_case(monkeypatch, table_cfg, triton_ok):
 
 @pytest.mark.parametrize("cfg", [TileConfig(16, 64, 4, 8, 16, 64),
                                  TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128"),
-                                 TileConfig(32, 64, 3, 2, 32, 128, backend="triton")])
+                                 TileConfig(32, 64, 3, 2, 32, 128, backend="triton"),
+                                 TileConfig.fused(16, 128, 8, 2)])
 def test_atmm_dispatches_to_the_backend_the_table_names(monkeypatch, cfg):
     name, used = _dispatch_case(monkeypatch, cfg, triton_ok=True)
     assert name == cfg.backend and used is cfg
@@ -280,3 +287,183 @@ def test_switch_plan_checks_shapes():
         SwitchPlan(w, odd)
     with pytest.raises(ValueError, match="one term per"):
         SwitchPlan(w, [])
+
+
+# ---- the fused single-launch backend (menu, table entries, dispatch, launch arguments) ----------
+
+def _menu(name):
+    import re
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "kernels" / "csrc" / name).read_text()
+    return [tuple(map(int, m)) for m in re.findall(r"FUSED\((\d+), (\d+), (\d+), (\d+)\)", src)]
+
+
+def _fused_smem(bt, bn, rb, elem=2):
+    """FusedCfg<T, BT, BN, RB, CL>::SMEM (csrc/atmm.cuh), mirrored: what the tile search prunes by."""
+    def al(v):
+        return (v + 127) & ~127
+    rp, bk, stages = 16 * rb, 64, 4
+    pipe = stages * (bt * (bk + 8) + bk * (rp + 8)) * elem
+    red = 4 * bt * rp * 4
+    cs = bt * (bn + 4) * 4
+    return al(max(pipe, red, cs)) + al(bt * rp * 4) + 2 * al(bt * (rp + 8) * elem) + 2 * al(rp * (bn + 8) * elem)
+
+
+def test_fused_menu_is_the_same_for_both_dtypes_and_fits_the_h200():
+    from kernels.tile_search import seg_cache_bytes
+
+    bf16, fp16 = _menu("atmm_bf16.cu"), _menu("atmm_fp16.cu")
+    assert bf16 == fp16 and len(bf16) >= 8
+    for bt, bn, rb, cl in bf16:
+        assert bt in BT_MENU and bn % 64 == 0 and rb in (1, 2, 4) and cl in (1, 2, 4, 8)
+        assert (bt // 16) * rb <= 16 and (bt // 16) * (bn // 64) <= 8  # accumulator fragments per warp
+        # H200: 227 KB per block, plan capacity 64 segments
+        assert _fused_smem(bt, bn, rb) + seg_cache_bytes(64) <= 227 * 1024, (bt, bn, rb, cl)
+    assert any(rb == 4 for _, _, rb, _ in bf16) and any(cl == 1 for *_, cl in bf16)
+
+
+def test_fused_tile_config_names_and_checks():
+    c = TileConfig.fused(16, 128, 8, 2)
+    assert c.backend == "fused" and c.cluster == 8 and c.split_k == 2 and c.expand_bt == 16
+    assert c.fused_name("bfloat16", 1) == "fused_bf16_bt16_bn128_r1_c8"
+    assert c.fused_name("float16", 4) == "fused_fp16_bt16_bn128_r4_c8"
+    with pytest.raises(ValueError, match="cluster"):
+        TileConfig(16, 64, 4, 1, 16, 128, backend="fused", cluster=3)
+    with pytest.raises(ValueError, match="shrink_bt"):
+        TileConfig(16, 64, 4, 1, 32, 128, backend="fused", cluster=8)
+    with pytest.raises(ValueError, match="grouped"):
+        TileConfig(16, 64, 4, 1, 16, 128, "grouped_bf16_m64n128", backend="fused")
+    assert TileConfig(16, 64, 4, 8, 16, 64).cluster == 1  # other backends: default
+    t = TileTable("g", "sm90", "bfloat16", {"4096x4096/r16/t16/s16": c}, {})
+    assert TileTable.from_json(t.to_json()).entries["4096x4096/r16/t16/s16"] == c
+
+
+def test_fused_group_counts():
+    assert fused_groups(4, 4096, 128, 8) == 4 and fused_groups(64, 4096, 128, 8) == 4  # 32 chunks / 8 CTAs
+    assert fused_groups(8, 512, 128, 8) == 1 and fused_groups(0, 4096, 128, 1) == 1
+    assert fused_group_options(4096, 128, 8, 8) == [1, 2, 4]
+    assert fused_group_options(4096, 128, 1, 8) == [1, 2, 4, 8, 16, 32]
+    assert fused_group_options(4096, 128, 8, 62) == [1]  # 62 tiles x 8 already ~4 per SM
+    assert default_fused_groups(4096, 128, 8, 8) == 2  # 8 tiles x 2 groups x 8 = 128 CTAs on 132 SMs
+    h = fused_heuristic_config(4096, 16, 16, 8)
+    assert h == TileConfig.fused(16, 128, 8, 2)
+    assert fused_heuristic_config(4096, 32, 512, 4).shrink_bt == 32
+    assert fused_heuristic_config(4096, 128, 16, 8) is None  # ranks > 64: no fused kernel
+
+
+def test_fused_config_with_rank_128_falls_back_to_the_heuristic(monkeypatch):
+    import kernels.atmm as am
+
+    cfg = TileConfig.fused(16, 128, 8, 2)
+    assert am.choose_config(cfg, 64, 64, 64, 32, 2) is cfg
+    assert am.choose_config(cfg, 64, 64, 128, 32, 2) == heuristic_config(64, 64, 128, 32, 2)
+
+
+def test_fused_launch_goes_through_atmm_shrink_with_groups_and_cluster_tiles(monkeypatch):
+    import kernels.atmm as am
+
+    calls = []
+
+    class FakeExt:
+        def atmm_shrink(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(am, "_kernel_ext", lambda y: FakeExt())
+    monkeypatch.setattr(am, "config_id", lambda name: {"fused_bf16_bt16_bn128_r2_c4": 7}[name])
+    monkeypatch.setattr(am, "_fused_ids", {})
+    a, b = weights([16, 32], h_in=64, h_out=1024)
+    w = lora_weights_from_lists([t.bfloat16() for t in a], [t.bfloat16() for t in b], [1.0, 1.0])
+    plan = AtmmPlan(8, 64).update_from_token_slots([0] * 20 + [1] * 12, w.ranks)
+    x = torch.zeros(32, 64, dtype=torch.bfloat16)
+    y = torch.zeros(32, 1024, dtype=torch.bfloat16)
+    atmm_(y, x, plan, w, config=TileConfig.fused(16, 128, 4, 16))
+    (args,) = calls
+    assert args[0] is y and args[1] is x and args[2] is plan.meta and args[8] is plan.workspace
+    cfg_id, groups, rank_stride, tiles, pdl = args[9:]
+    # 8 column chunks of 128 over clusters of 4 CTAs: at most 2 groups; tiles x cluster
+    assert (cfg_id, groups, rank_stride, tiles, pdl) == (7, 2, 32, plan.tiles[16] * 4, True)
+
+
+def test_weights_track_16_byte_alignment():
+    w = LoraWeights(3, 64, 32, torch.bfloat16)
+    assert w.aligned16
+    store = torch.zeros(64 * 16 + 8, dtype=torch.bfloat16)
+    a_odd = store[1:1 + 64 * 16].view(64, 16)  # contiguous, 2 bytes past an aligned start
+    assert a_odd.is_contiguous() and a_odd.data_ptr() % 16
+    w.set(0, torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16), 1.0)
+    assert w.aligned16
+    w.set(1, a_odd, torch.zeros(16, 32, dtype=torch.bfloat16), 1.0)
+    assert not w.aligned16
+    w.clear(1)
+    assert w.aligned16
+    assert not LoraWeights(1, 60, 32, torch.bfloat16).aligned16  # rows of x / A not 16-byte multiples
+
+
+def test_misaligned_weights_never_reach_the_cuda_kernels(monkeypatch):
+    import kernels.atmm as am
+
+    calls = []
+    for name in am.BACKEND_RUNNERS:
+        monkeypatch.setitem(am.BACKEND_RUNNERS, name,
+                            lambda ext, y, x, plan, w, cfg, dtype, pdl, name=name: calls.append((name, cfg)))
+    monkeypatch.setattr(am, "_kernel_ext", lambda y: object())
+    a, b = weights([16, 16], h_in=64, h_out=64)
+    store = torch.zeros(64 * 16 + 8, dtype=torch.bfloat16)
+    a_odd = store[1:1 + 64 * 16].view(64, 16)
+    a_odd.copy_(a[0].bfloat16())
+    w = lora_weights_from_lists([a_odd, a[1].bfloat16()], [t.bfloat16() for t in b], [1.0, 1.0])
+    plan = AtmmPlan(8, 64).update_from_token_slots([0] * 20 + [1] * 12, w.ranks)
+    x = torch.randn(32, 64).bfloat16()
+    y = torch.randn(32, 64).bfloat16()
+    monkeypatch.setattr(am, "triton_available", lambda: True)
+    atmm_(y.clone(), x, plan, w, config=TileConfig.fused(16, 128, 8, 1))
+    assert calls == [("triton", am._UNALIGNED_TRITON)]
+    monkeypatch.setattr(am, "triton_available", lambda: False)  # no triton: the torch reference
+    got = atmm_(y.clone(), x, plan, w, config=TileConfig(16, 64, 4, 8, 16, 64))
+    want = multi_lora_reference_(y.clone(), x, plan.segment_plan, w.a, w.b, w.scales)
+    assert len(calls) == 1 and torch.equal(got, want)
+
+
+def test_triton_alignment_check_is_host_side():
+    from kernels import triton_sgmv as ts
+
+    a, b = weights([16], h_in=64, h_out=32)
+    w = lora_weights_from_lists([a[0].bfloat16()], [b[0].bfloat16()], [1.0])
+    x, y, ws = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(64)
+    assert ts.aligned_launch(y, x, w, ws)
+    assert not ts.aligned_launch(y, x, w, ws[1:])          # workspace view off 16 bytes
+    assert not ts.aligned_launch(y, torch.zeros(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64), w, ws)
+
+
+def test_tile_search_prunes_fused_configs_and_keeps_them_out_of_the_shrink_list():
+    from kernels.tile_search import candidates, fused_candidates, seg_cache_bytes
+
+    def cfg(i, name, kind="shrink", bt=16, rb=1, smem=30000, bn=0, bm=0):
+        return {"id": i, "name": name, "kind": kind, "dtype": "bfloat16", "bt": bt, "bk": 64, "stages": 4, "rb": rb,
+                "bn": bn, "bm": bm, "smem_r16": smem, "smem_r128": smem}
+
+    class Ext:
+        def configs(self):
+            return [cfg(0, "shrink_bf16_bt16_bk64_s4_r1"),
+                    cfg(1, "fused_bf16_bt16_bn128_r1_c8", bn=128, bm=8),
+                    cfg(2, "fused_bf16_bt64_bn128_r1_c8", bt=64, bn=128, bm=8),
+                    cfg(3, "fused_bf16_bt16_bn128_r4_c8", rb=4, smem=90000, bn=128, bm=8),
+                    cfg(4, "fused_bf16_bt16_bn256_r1_c8", smem=232448 - seg_cache_bytes(64) + 1, bn=256, bm=8),
+                    cfg(5, "expand_bf16_bt16_bn128", kind="expand", bn=128)]
+
+    shr, exp, _ = candidates(Ext(), "bfloat16", 16, 4096, 16, 1 << 20, 232448)
+    assert [c["id"] for c in shr] == [0] and [c["id"] for c in exp] == [5]
+    # 16 tokens over 8 segments: no 64-token tiles; over the shared-memory limit: pruned; rank block 1 only
+    assert [c["id"] for c in fused_candidates(Ext(), "bfloat16", 16, 16, 8, 64, 232448)] == [1]
+    assert [c["id"] for c in fused_candidates(Ext(), "bfloat16", 16, 1024, 8, 64, 232448)] == [1, 2]
+    assert [c["id"] for c in fused_candidates(Ext(), "bfloat16", 64, 16, 8, 64, 232448)] == [3]
+    assert fused_candidates(Ext(), "bfloat16", 128, 16, 8, 64, 232448) == []
+
+
+def test_kernels_do_not_import_bench():
+    import re
+    from pathlib import Path
+
+    for path in (Path(__file__).resolve().parents[2] / "kernels").glob("*.py"):
+        assert not re.search(r"^\s*(from|import)\s+bench\b", path.read_text(), re.M), path.name
