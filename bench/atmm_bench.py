@@ -5,7 +5,11 @@ replay) and amortized (20 ops in one graph over rotating inputs and weights, the
 Per-step metadata preparation (AtmmPlan.update, host side + one async copy) is timed separately:
 it runs once per engine step, not per layer.
 
-    python -m bench.atmm_bench --suite headline     # results/atmm_<suite>.json
+    python -m bench.atmm_bench --suite headline     # results/atmm_<suite>_<run>.json + atmm-<run>.json
+
+Two files per run: the detailed one (every timing, tile choice, error) and the flat rows of
+issue #5 (`bench/export_rows.py`'s schema, one row per case and method) as atmm-<run>.json next
+to it. <run> is --suffix, else the last "_" part of --name, else the short git commit.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import traceback
 
 import torch
 
-from bench.common import COPY_BW, save
-from kernels.timing import time_eager, time_graph
+from bench.common import COPY_BW, save, write_json
+from bench.export_rows import atmm_rows, rows_name, run_id
 from bench.peers import PEERS, Case
 from kernels.atmm import AtmmPlan, atmm_, default_table, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_
-from kernels.tile_table import heuristic_config, shape_key
+from kernels.results import git_commit
+from kernels.tile_table import fused_heuristic_config, heuristic_config, shape_key
+from kernels.timing import time_eager, time_graph
 
 SHAPES = {"4096": (4096, 4096), "3584": (3584, 3584), "11008to4096": (11008, 4096), "4096to11008": (4096, 11008),
           "18944": (18944, 18944)}
@@ -149,6 +155,13 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=gcfg) for w in ws]
         elif m == "atmm_nopdl":
             builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=cfg, pdl=False) for w in ws]
+        elif m == "atmm_fused":  # the fused single-launch kernel forced at its heuristic config
+            fcfg = fused_heuristic_config(h_out, plan.rank_stride, t, plan.active_segments)
+            if fcfg is None:
+                res[m] = {"error": f"no fused kernel for rank stride {plan.rank_stride} (> 64)"}
+                continue
+            res["fused_config"] = fcfg.__dict__
+            builders[m] = [lambda x, y, w=w: atmm_(y, x, plan, w, config=fcfg) for w in ws]
         else:
             try:
                 builders[m] = [PEERS[m](c) for c, _, _ in sets]
@@ -188,11 +201,17 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--suite", default="headline", choices=["quick", "headline", "headline_ranks", "full"])
-    ap.add_argument("--methods", default="atmm,atmm_nopdl,atmm_cutlass," + ",".join(PEERS),
-                    help="atmm = table-dispatched (any backend); triton_sgmv = the Triton backend at one fixed "
-                         "default config, like vLLM's")
-    ap.add_argument("--name", default=None)
+    ap.add_argument("--methods", default="atmm,atmm_nopdl,atmm_cutlass,atmm_fused," + ",".join(PEERS),
+                    help="atmm = table-dispatched (any backend); atmm_fused = the fused kernel at its heuristic "
+                         "config; triton_sgmv = the Triton backend at one fixed default config, like vLLM's")
+    ap.add_argument("--name", default=None, help="detailed results file (default atmm_<suite>_<run>)")
+    ap.add_argument("--suffix", default=None, help="run id of the flat rows file atmm-<run>.json")
     args = ap.parse_args()
+    suffix = args.suffix or (run_id(args.name) if args.name and "_" in args.name else None)
+    if not suffix:
+        commit = git_commit()
+        suffix = commit[:7] if commit != "unknown" else args.suite
+    name = args.name or f"atmm_{args.suite}_{suffix}"
     methods = args.methods.split(",")
     rows = []
     for spec in suite(args.suite):
@@ -204,8 +223,10 @@ def main() -> None:
         print(f"{spec['shape']:>12} r{spec['rank']:>5} N={spec['N']:>3} T={spec['T']:>5} {spec['mix']:>8} "
               f"[{r.get('tile_backend', '?')}] "
               f"floor={r['floor_us']:.2f} goal={r['goal_us']:.1f} {cols} ({time.time() - t0:.1f}s)", flush=True)
-    path = save(args.name or f"atmm_{args.suite}", {"suite": args.suite, "methods": methods, "cases": rows})
-    print(f"wrote {path}")
+    payload = {"suite": args.suite, "methods": methods, "cases": rows}
+    path = save(name, payload)
+    flat = write_json(rows_name("atmm", suffix), atmm_rows(payload))[-1]
+    print(f"wrote {path} and {flat}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""Flat result rows in the schema of issue #5, derived from one GPU run's files (no re-measuring):
+"""Flat result rows in the schema of issue #5 — the one place that defines them:
 
     atmm-<run>.json:   [{"op": "lora", "h_in", "h_out", "rank", "n_adapters", "tokens", "mix", "impl",
                          "graph_us", "graph1_us", "eager_us", "floor_us", "relerr"}, ...]
     switch-<run>.json: [{"op": "switch"|"merge", "impl", "ms", "floor_ms"}, ...]
 
+`bench.atmm_bench` writes its atmm-<run>.json with `atmm_rows` next to its detailed file; this
+script derives the rows from files measured earlier (no re-measuring):
+
     python bench/export_rows.py bench/results/atmm_headline_1e0ba3c.json bench/results/switch_d918641.json
 
 `graph_us` is per op amortized over 20 ops in one CUDA graph (rotating inputs), `graph1_us` one op
-per graph replay. The run id is the source file's suffix (the commit it was measured at).
+per graph replay; `impl` is "atmm" (the table-dispatched op), one of its forced variants
+("atmm_nopdl", "atmm_cutlass") or a peer's name. A method that failed on a case (an "error"
+entry) has no row. The run id is the source file's suffix (the commit it was measured at).
 Torch-free so it runs anywhere.
 """
 
@@ -23,7 +28,7 @@ def atmm_rows(run: dict) -> list[dict]:
     for case in run["cases"]:
         for impl in run["methods"]:
             m = case.get(impl)
-            if not m:
+            if not isinstance(m, dict) or "amortized_us" not in m:
                 continue
             rows.append({
                 "op": "lora", "h_in": case["h_in"], "h_out": case["h_out"], "rank": case["rank"],
@@ -46,16 +51,30 @@ def switch_rows(run: dict) -> list[dict]:
     ]
 
 
+def run_id(path: Path) -> str:
+    """The run id of a detailed results file: its name's suffix after the last "_"."""
+    return Path(path).stem.rsplit("_", 1)[-1]
+
+
+def rows_name(kind: str, rid: str) -> str:
+    """File stem of the flat rows: "atmm-<run>" / "switch-<run>"."""
+    return f"{kind}-{rid}"
+
+
+def dumps(rows: list[dict]) -> str:
+    return json.dumps(rows, indent=1) + "\n"
+
+
 def export(path: Path) -> Path:
     run = json.loads(path.read_text())
-    run_id = path.stem.rsplit("_", 1)[-1]
+    rid = run_id(path)
     if "cases" in run:
-        out, rows = path.with_name(f"atmm-{run_id}.json"), atmm_rows(run)
+        out, rows = path.with_name(f"{rows_name('atmm', rid)}.json"), atmm_rows(run)
     elif "ours" in run and "floor_ms" in run:
-        out, rows = path.with_name(f"switch-{run_id}.json"), switch_rows(run)
+        out, rows = path.with_name(f"{rows_name('switch', rid)}.json"), switch_rows(run)
     else:
         raise SystemExit(f"{path}: neither an ATMM nor a switch run")
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    out.write_text(dumps(rows))
     return out
 
 
