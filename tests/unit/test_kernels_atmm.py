@@ -310,11 +310,11 @@ def _fused_smem(bt, bn, rb, elem=2):
     return al(max(pipe, red, cs)) + al(bt * rp * 4) + 2 * al(bt * (rp + 8) * elem) + 2 * al(rp * (bn + 8) * elem)
 
 
-def test_fused_menu_is_the_same_for_both_dtypes_and_fits_the_h200():
+def test_fused_menu_covers_both_dtypes_and_fits_the_h200():
     from kernels.tile_search import seg_cache_bytes
 
     bf16, fp16 = _menu("atmm_bf16.cu"), _menu("atmm_fp16.cu")
-    assert bf16 == fp16 and len(bf16) >= 8
+    assert set(fp16) <= set(bf16) and len(bf16) >= 8 and {rb for _, _, rb, _ in fp16} == {1, 2, 4}
     for bt, bn, rb, cl in bf16:
         assert bt in BT_MENU and bn % 64 == 0 and rb in (1, 2, 4) and cl in (1, 2, 4, 8)
         assert (bt // 16) * rb <= 16 and (bt // 16) * (bn // 64) <= 8  # accumulator fragments per warp
