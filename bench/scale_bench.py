@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     p.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters.")
     p.add_argument("--image-size", type=int, default=56, help="Side of the square random image (pixels).")
     p.add_argument("--max-batch-size", type=int, default=0, help="Workers' VALORA_MAX_BATCH_SIZE (0: default).")
+    p.add_argument("--threads-per-worker", type=int, default=-1, help="CPU workers' torch threads (OMP_NUM_THREADS); "
+                   "-1: the cores divided among the workers (N processes of `cores` threads each thrash); 0: torch's "
+                   "default.")
     p.add_argument("--policy", default="", help="Scheduler policy (VALORA_POLICY; empty: default).")
     p.add_argument("--atmm", action="store_true", help="CUDA: the workers run the multi-LoRA term on the ATMM "
                    "extension (VALORA_USE_ATMM; bf16/fp16 only); default: the torch reference.")
@@ -129,11 +132,13 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def gpu_plan(device: str, workers: int, gpu_ids: list[str]) -> tuple[int, list[dict[str, str]]]:
+def gpu_plan(device: str, workers: int, gpu_ids: list[str], threads: int = 0) -> tuple[int, list[dict[str, str]]]:
     """(distinct GPUs used, per-worker environment). Worker i runs on gpu_ids[i % len(gpu_ids)],
-    seen by it as its only GPU (cuda:0), so no worker creates a context on another's GPU."""
+    seen by it as its only GPU (cuda:0), so no worker creates a context on another's GPU.
+    CPU workers get `threads` torch threads each (OMP_NUM_THREADS; 0: torch's default)."""
     if device == "cpu":
-        return 0, [{"VALORA_DEVICE": "cpu"} for _ in range(workers)]
+        cap = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
+        return 0, [{"VALORA_DEVICE": "cpu", **cap} for _ in range(workers)]
     if not gpu_ids:
         raise SystemExit("--device cuda: no GPU visible (CUDA_VISIBLE_DEVICES / torch.cuda.device_count())")
     envs = [{"VALORA_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} for i in range(workers)]
@@ -279,7 +284,10 @@ def log_tails(home: Path, chars: int = 1500) -> str:
 
 
 def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path, gpu_ids: list[str]) -> dict:
-    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids)
+    threads = args.threads_per_worker
+    if threads < 0:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, threads if args.device == "cpu" else 0)
     rng = np.random.default_rng(args.seed + workers)
     t0 = time.perf_counter()
     try:
@@ -299,7 +307,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     row = summarize(outcomes, workers, gpus)
     row.update(device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
                max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
-               worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env])
+               worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],
+               threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)))
     return row
 
 
@@ -339,7 +348,7 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model:
             "requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency, "rate": args.rate,
             "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "rank": args.rank,
             "image_size": args.image_size, "max_batch_size": args.max_batch_size, "policy": args.policy,
-            "atmm": args.atmm, "env": dict(args.env),
+            "atmm": args.atmm, "env": dict(args.env), "threads_per_worker": args.threads_per_worker,
             "seed": args.seed, "cpu_count": os.cpu_count(), "wall_s": round(wall_s, 1)}
     text = json.dumps({"info": info, "rows": rows, "failures": failures}, indent=1, default=str) + "\n"
     paths = [path.resolve()]
