@@ -103,16 +103,21 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
 
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
+            eng.step_log.clear()
             t0 = time.perf_counter()
             now = time.monotonic()
-            for p in preps:
-                eng.submit(dataclasses.replace(p, arrived=now), sink(p.request.request_id))
+            with eng._wake:  # the batch arrives at once (as HF gets it): admitted in one step
+                for p in preps:
+                    eng.submit(dataclasses.replace(p, arrived=now), sink(p.request.request_id))
             if not done.wait(600):
                 raise TimeoutError(f"{run}: the engine did not finish")
             ms = (time.perf_counter() - t0) * 1e3
             if errors:
                 raise errors[0]
+            steps[run].extend(eng.step_log)
             return ms, results
+
+        steps: dict[str, list] = {run: [] for run in RUNS}
 
         for run in RUNS:
             if run in ("merged", "mixture"):
@@ -131,8 +136,15 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                     gen.append(ms_gen)
                     pre.append(ms_pre)
             rows.append({"impl": "valora", "run": run, "generate_ms": _median(gen), "prefill_ms": _median(pre)})
+            pre_steps = [ms for p, d, ms in steps[run] if p and not d]
+            dec_steps = [ms for p, d, ms in steps[run] if d and not p]
+            detail.setdefault("step_ms", {})[run] = {
+                "prefill_median": _median(pre_steps) if pre_steps else None,
+                "decode_median": _median(dec_steps) if dec_steps else None, "decode_steps": len(dec_steps)}
             print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
                   flush=True)
+        if args.profile:
+            detail["profile"] = profile(eng, args, lambda: batch_ms(args.profile, args.new_tokens, 999))
         if eng.graphs is not None:
             detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
                                        "static_steps": eng.graphs.static_steps}
@@ -145,6 +157,23 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows, detail
+
+
+def profile(eng, args, run_batch) -> str:
+    """One batch under torch.profiler (engine thread included): the top ops by device and host
+    time, written next to the results."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with torch_profile(activities=acts) as prof:
+        run_batch()
+    ka = prof.key_averages()
+    text = ka.table(sort_by="self_cuda_time_total" if len(acts) > 1 else "self_cpu_time_total", row_limit=30)
+    text += "\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
+    path = args.out_dir / f"{args.name or 'engine'}.profile.txt"
+    path.write_text(text)
+    return str(path)
 
 
 # -- HF transformers + PEFT -------------------------------------------------------------------
@@ -226,6 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
+    ap.add_argument("--profile", default="", choices=("", *RUNS), help="also profile one batch of this run")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)

@@ -191,6 +191,8 @@ class Engine:
         self._switcher: Switcher | None = None
         self._commands: collections.deque = collections.deque()
         self._entries: dict = {}
+        self._last_plan: tuple | None = None  # (key, StepLora, kernel plan version)
+        self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
         self._running_count = 0
@@ -437,13 +439,16 @@ class Engine:
             return
         t0 = time.perf_counter()
         batch = self._take_prefills()
+        decoding = len(self._running)
         if batch:
             self._guard(batch, self._prefill_batch, batch)
         if self._running:
             self._guard(list(self._running), self._decode_step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
-        self._update_stats(step_ms=(time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.step_log.append((len(batch), decoding, ms))
+        self._update_stats(step_ms=ms)
 
     def _guard(self, seqs: list[_Seq], fn, *args) -> None:
         """Runs one unit of work; an exception fails the requests involved, not the engine."""
@@ -581,9 +586,18 @@ class Engine:
                 index[spec] = len(entries)
                 entries.append(self._entry(spec))
             rows.append(index[spec])
+        # Decode steps between membership changes plan the same rows and entries: reuse the last
+        # plan (and the kernel plan already on the device, unless a prefill wrote another since).
+        backend = self.runtime.backend
+        key = (tuple(rows), tuple(map(id, entries)), tokens_per_row)
+        last = self._last_plan
+        if last is not None and last[0] == key and all(a is b for a, b in zip(last[1].entries, entries)) and (
+                not last[1].kernel or backend.plan.version == last[2]):
+            return last[1]
         step = StepLora(entries, rows, tokens_per_row)
-        if self.runtime.backend is not None and step.active:
-            step.kernel = self.runtime.backend.begin(step)
+        if backend is not None and step.active:
+            step.kernel = backend.begin(step)
+        self._last_plan = (key, step, backend.plan.version if step.kernel else None)
         return step
 
     # -- prefill ---------------------------------------------------------------------------------
