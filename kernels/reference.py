@@ -69,11 +69,14 @@ def multi_lora_reference_(
     return y
 
 
-def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor) -> torch.Tensor:
-    """In place W += B_cat @ A_cat, fp32 accumulate (the switcher's one-pass merge/unmerge/switch).
+def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor,
+                      src: torch.Tensor | None = None) -> torch.Tensor:
+    """W = src + B_cat @ A_cat (src defaults to W: in place), fp32 accumulate, one rounding (the
+    switcher's one-pass merge/unmerge/switch; with src = a pristine copy W0, the one-pass merge).
 
     W: (out, in); B_cat: (out, R); A_cat: (R, in). Unmerge m and merge n in one pass with
     B_cat = [s_n*B_n, -s_m*B_m], A_cat = [A_n; A_m] (PEFT layout: B (out, r), A (r, in)).
     """
-    w.copy_((w.float() + b_cat.float() @ a_cat.float()).to(w.dtype))
+    base = w if src is None else src
+    w.copy_((base.float() + b_cat.float() @ a_cat.float()).to(w.dtype))
     return w

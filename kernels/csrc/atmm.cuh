@@ -735,6 +735,8 @@ struct FusedOp {
 // ------------------------------------------------------------------------------------------
 // switch: W (M, N) row-major, in place W += s1*(A1 B1)^T + s2*(A2 B2)^T with A: (N, r),
 // B: (r, M) in ATMM layout (i.e. W += s*B_peft*A_peft). One launch over a list of matrices.
+// Out of place when the descriptor's src is set (W = src + ...). The bandwidth-oriented
+// variants (cp.async ring / register streaming, 256 threads) are in switch.cu.
 
 
 template <typename T, int BM, int BN>
@@ -791,7 +793,7 @@ __global__ void __launch_bounds__(kThreads, (BM * BN <= 4096 ? 3 : 2))
     return Tile{look, (int)(lt / ntn) * BM, (int)(lt % ntn) * BN};
   };
   auto load_w = [&](const SwitchDesc& d, const Tile& t, uint4 (&v)[C::WCH]) {
-    const T* W = reinterpret_cast<const T*>(d.w);
+    const T* W = reinterpret_cast<const T*>(d.src ? d.src : d.w);  // out of place: read src
 #pragma unroll
     for (int q = 0; q < C::WCH; ++q) {
       const int c = tid + q * kThreads, row = c / (BN / 8), col = (c % (BN / 8)) * 8;

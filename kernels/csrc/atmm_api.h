@@ -31,11 +31,15 @@ struct AtmmArgs {
 };
 
 
+// One matrix of a switch: w_out (M, N) = src + s1 (A1 B1)^T + s2 (A2 B2)^T, A: (N, r), B: (r, M)
+// row-major (ATMM layout). src == w or src == 0: in place. r = 0: no such term. 80 bytes
+// (kernels/switch.py packs the same layout with numpy).
 struct SwitchDesc {
   long long w, a1, b1, a2, b2;
   int M, N, r1, r2;
   float s1, s2;
   long long tile_begin;
+  long long src;  // read W from here (0: from w)
 };
 
 // Per-CTA shared-memory copy of the plan's segments (ATMM kernels), placed at the start of the

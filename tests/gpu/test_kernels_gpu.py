@@ -11,6 +11,7 @@ import torch
 
 from kernels.atmm import AtmmPlan, atmm_, config_id, extension, fused_launch_args, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_
+from kernels import switch as sw_mod
 from kernels.switch import LoraTerm, SwitchPlan
 from kernels.tile_table import (TileConfig, fused_group_options, fused_groups, fused_heuristic_config,
                                 heuristic_config)
@@ -314,32 +315,171 @@ def test_atmm_binding_rejects_bad_inputs():
     assert r.returncode == 0 and "ALL OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
-@pytest.mark.parametrize("config", ["switch_bf16_bm64_bn128", "switch_bf16_bm128_bn64", "switch_bf16_bm32_bn256",
-                                    "switch_bf16_bm64_bn64"])
-def test_switch_matches_reference(config):
-    g = torch.Generator(device="cuda").manual_seed(3)
-    shapes = [(512, 256), (1000, 264), (256, 1024)]
-    ws = [torch.randn(m, n, device="cuda", generator=g).bfloat16() for m, n in shapes]
-    def term(m, n, r, s):
-        return LoraTerm((torch.randn(n, r, device="cuda", generator=g) * 0.05).bfloat16(),
-                        (torch.randn(r, m, device="cuda", generator=g) * 0.05).bfloat16(), s)
-    new = [term(m, n, r, 0.7) for (m, n), r in zip(shapes, [16, 8, 64])]
-    old = [term(m, n, r, -1.5) for (m, n), r in zip(shapes, [8, 128, 16])]
-    want = []
-    for w, tn, to in zip(ws, new, old):
-        d = tn.scale * (tn.a.float() @ tn.b.float()).t() + to.scale * (to.a.float() @ to.b.float()).t()
-        want.append((w.float() + d).bfloat16())
-    got = [w.clone() for w in ws]
-    SwitchPlan(got, new, old, config=config).run()
+# ---- switch kernels: every compiled config, in place and out of place --------------------------------
+SWITCH_CONFIGS = [c["name"] for c in EXT.configs() if c["kind"] == "switch"]
+_SW_DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_SW_ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def test_every_switch_family_is_compiled():
+    names = set(SWITCH_CONFIGS)
+    for dt in ("bf16", "fp16"):
+        assert f"switch_{dt}_bm64_bn128" in names
+        assert any(n.startswith(f"switch_{dt}_pipe_") for n in names)
+        assert any(n.startswith(f"switch_{dt}_regs_") for n in names)
+    for d in (torch.bfloat16, torch.float16):
+        assert sw_mod.DEFAULT_CONFIG[d] in names and sw_mod.FALLBACK_CONFIG[d] in names
+
+
+def _sw_term(m, n, r, s, g, dtype):
+    # factors sized so the delta is O(0.5): any misplaced element is many ulps off
+    return LoraTerm((torch.randn(n, r, device="cuda", generator=g) * 0.3).to(dtype),
+                    (torch.randn(r, m, device="cuda", generator=g) * 0.3).to(dtype), s)
+
+
+def _sw_check(got, w0, terms, dtype, tag):
+    delta = torch.zeros(w0.shape, device="cuda")
+    for t in terms:
+        if t is not None:
+            delta += t.scale * (t.a.float() @ t.b.float()).t()
+    want32 = w0.float() + delta
+    want = want32.to(dtype)
+    diff = (got.float() - want.float()).abs()
+    # one rounding of (nearly) the same fp32 value: at most one ulp apart
+    # (the deltas are O(0.2-1), many ulps: a misplaced or missing update fails this)
+    assert (diff <= want.float().abs() * _SW_ULP[dtype] + 1e-6).all(), (tag, diff.max().item())
+    assert rel_err(got, want) <= 1e-2 and rel_err(got, want32) <= 1e-2, tag
+
+
+def _sw_case(config, seed, shapes, pairs):
+    dtype = _SW_DT[config.split("_")[1]]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w0 = [torch.randn(m, n, device="cuda", generator=g).to(dtype) for m, n in shapes]
+    first = [None if r1 == 0 else _sw_term(m, n, r1, 0.7, g, dtype) for (m, n), (r1, _) in zip(shapes, pairs)]
+    second = [None if r2 == 0 else _sw_term(m, n, r2, -1.5, g, dtype) for (m, n), (_, r2) in zip(shapes, pairs)]
+    return dtype, w0, first, second
+
+
+def _sw_pairs(config):
+    # mixed ranks per matrix (r1, r2); 0 = no such term. The pipe/regs families take padded
+    # r1 + r2 <= 128, the original kernel up to 256.
+    pairs = [(16, 16), (8, 24), (32, 64), (64, 64), (0, 16), (24, 0), (0, 0), (128, 0)]
+    if sw_mod.config_max_rank(config) >= 256:
+        pairs += [(128, 128), (128, 16)]
+    return pairs
+
+
+@pytest.mark.parametrize("config", SWITCH_CONFIGS)
+@pytest.mark.parametrize("out_of_place", [False, True])
+def test_switch_matches_reference(config, out_of_place):
+    """Odd shapes (M, N multiples of 8, not of any tile), mixed ranks, missing terms."""
+    pairs = _sw_pairs(config)
+    shapes = [(520, 264), (1000, 136), (72, 1032), (8, 8), (136, 520), (264, 72), (48, 40), (1032, 8), (16, 2056),
+              (200, 600)][:len(pairs)]
+    dtype, w0, first, second = _sw_case(config, 11 + SWITCH_CONFIGS.index(config), shapes, pairs)
+    got = [torch.full_like(w, 3.0) for w in w0] if out_of_place else [w.clone() for w in w0]
+    keep = [w.clone() for w in w0]
+    plan = SwitchPlan(got, first, second, config=config, sources=w0 if out_of_place else None)
+    assert plan.config == config
+    plan.run()
     torch.cuda.synchronize()
-    for gw, ww, w0 in zip(got, want, ws):
-        diff = (gw.float() - ww.float()).abs()
-        # one rounding of the same fp32 value: at most one bf16 ulp apart
-        assert (diff <= ww.float().abs() * 2**-7 + 1e-6).all()
-        assert not torch.equal(gw, w0)
-    single = [w.clone() for w in ws]
-    SwitchPlan(single, new, config=config).run()
+    for i, (gw, w, t1, t2) in enumerate(zip(got, w0, first, second)):
+        _sw_check(gw, w, [t1, t2], dtype, (config, out_of_place, i, shapes[i], pairs[i]))
+    if out_of_place:
+        assert all(torch.equal(a, b) for a, b in zip(w0, keep))  # the source is only read
+    # one term (merge), in place, on the result
+    single = [w.clone() for w in got]
+    terms = [t if t is not None else _sw_term(w.shape[0], w.shape[1], 8, 0.25, torch.Generator(device="cuda"), dtype)
+             for t, w in zip(first, got)]
+    SwitchPlan(single, terms, config=config).run()
     torch.cuda.synchronize()
-    for gw, w0, tn in zip(single, ws, new):
-        want1 = (w0.float() + tn.scale * (tn.a.float() @ tn.b.float()).t()).bfloat16()
-        assert ((gw.float() - want1.float()).abs() <= want1.float().abs() * 2**-7 + 1e-6).all()
+    for i, (gw, w, t) in enumerate(zip(single, got, terms)):
+        _sw_check(gw, w, [t], dtype, (config, "merge", i))
+
+
+@pytest.mark.parametrize("config", SWITCH_CONFIGS)
+def test_switch_many_tiles_every_grid(config):
+    """Enough tiles that every CTA walks several runs / chunks (band slots and descriptors change
+    mid-pipeline), under the persistent grid and under 1 CTA per SM."""
+    dtype = _SW_DT[config.split("_")[1]]
+    shapes = [(1032, 2056), (2056, 1032), (520, 4104), (4104, 264)] * 2
+    pairs = [(16, 16), (8, 8), (16, 0), (32, 16)] * 2
+    _, w0, first, second = _sw_case(config, 101, shapes, pairs)
+    for policy in (0, 1):
+        got = [torch.empty_like(w) for w in w0]
+        EXT.set_grid_policy(policy)
+        try:
+            SwitchPlan(got, first, second, config=config, sources=w0).run()
+            torch.cuda.synchronize()
+        finally:
+            EXT.set_grid_policy(0)
+        for i, (gw, w, t1, t2) in enumerate(zip(got, w0, first, second)):
+            _sw_check(gw, w, [t1, t2], dtype, (config, policy, i))
+
+
+def test_switch_default_config_falls_back_for_large_ranks():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16):
+        w0 = torch.randn(256, 512, device="cuda", generator=g).to(dtype)
+        t1, t2 = _sw_term(256, 512, 128, 0.5, g, dtype), _sw_term(256, 512, 64, -0.5, g, dtype)
+        got = w0.clone()
+        plan = SwitchPlan([got], [t1], [t2])
+        assert plan.rmax == 192 and sw_mod.config_max_rank(plan.config) >= 192
+        plan.run()
+        torch.cuda.synchronize()
+        _sw_check(got, w0, [t1, t2], dtype, "fallback")
+
+
+def test_switcher_kernel_path_on_cuda():
+    """The worker's switcher takes the kernel for bf16 CUDA weights (one launch per switch) and
+    lands within one ulp of its torch path; ranks the kernel cannot take use the torch op."""
+    from types import SimpleNamespace
+
+    from services.worker.adapters import AdapterWeights, DeviceAdapter
+    from services.worker.switcher import Switcher
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    shapes = {(0, "q_proj"): (256, 256), (0, "down_proj"): (256, 688), (0, "up_proj"): (688, 256), (1, "q_proj"): (256, 256)}
+
+    def layers():
+        out = {}
+        for k, (o, i) in shapes.items():
+            lin = torch.nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16)
+            out[k] = SimpleNamespace(base=lin)
+        return out
+
+    lk, lt = layers(), layers()
+    for k in shapes:
+        w = torch.randn(shapes[k], device="cuda", generator=g).bfloat16()
+        lk[k].base.weight.data.copy_(w)
+        lt[k].base.weight.data.copy_(w)
+    ads = []
+    for n, r in enumerate((16, 8, 4)):  # rank 4: not for the kernel
+        a = {k: (torch.randn(i, r, device="cuda", generator=g) * 0.3).bfloat16() for k, (o, i) in shapes.items()}
+        b = {k: (torch.randn(r, o, device="cuda", generator=g) * 0.3).bfloat16() for k, (o, i) in shapes.items()}
+        ads.append(DeviceAdapter(AdapterWeights(f"adapters/a{n}/versions/1", "x", r, 2.0 / r, a, b), a, b))
+    for strategy in ("pristine", "delta"):
+        fast = Switcher(lk, strategy=strategy, resync_every=4)
+        slow = Switcher(lt, strategy=strategy, resync_every=4, use_kernel=False)
+        assert fast.use_kernel
+        for x in [ads[0], ads[1], ads[0], ads[2], ads[1], None, ads[0], ads[1]]:
+            fast.set(x)
+            slow.set(x)
+            torch.cuda.synchronize()
+            for k in shapes:
+                a, b = lk[k].base.weight.float(), lt[k].base.weight.float()
+                assert ((a - b).abs() <= b.abs() * 2**-7 * (1 if strategy == "pristine" else 4) + 1e-6).all(), (
+                    strategy, k)
+        assert fast.kernel_launches >= 5
+        fast.set(ads[0])  # pristine: bit-identical to a fresh merge however many switches came before
+        if strategy == "pristine":
+            ref = layers()
+            for k in shapes:
+                ref[k].base.weight.data.copy_(fast.pristine[k])
+            Switcher(ref).set(ads[0])
+            for k in shapes:
+                assert torch.equal(lk[k].base.weight, ref[k].base.weight), k
+        fast.set(None)
+        slow.set(None)
+        for k in shapes:
+            assert torch.equal(lk[k].base.weight, fast.pristine[k])
