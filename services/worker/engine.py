@@ -48,6 +48,7 @@ from services.common.errors import (
 )
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.atmm_backend import AtmmBackend
+from services.worker.attention import use_grouped_decode_attention
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
@@ -157,6 +158,7 @@ class Engine:
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
         self.model = load_model(path, self.device, self.dtype, config.load_format)
+        use_grouped_decode_attention(self.model.config.text_config)
         self.model_config = json.loads((path / "config.json").read_text())
         self.shapes = BaseModelShapes.from_config(self.model_config)
         self.text_config = self.model.config.text_config

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call per mode (run from the repo root on the H200, .whl carried). Results and logs go
+# to $OUT: run.log plus results.tgz (bench/results/*-$SUF* and the tile tables), fetched back here.
+#   SUF=<commit> bash bench/h200_session.sh kernels   # build, GPU tests, tile search, ATMM + switch benches
+#   SUF=<commit> bash bench/h200_session.sh engine    # §3 engine bench (+ profile) and the scale bench
+set -uo pipefail
+MODE=${1:?kernels|engine}
+SUF=${SUF:-run}
+OUT=${OUT:-/tmp/valora_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL:-.whl}/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VALORA_KERNELS_CACHE=/tmp/valora_kernels MAX_JOBS=16 VALORA_GIT_COMMIT=$SUF
+LOG=$OUT/run.log
+t0=$(date +%s)
+say() { echo "== $* ($(( $(date +%s) - t0 )) s)" | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$LOG" 2>&1
+python3 -m kernels.build >> "$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
+say build
+if [ "$MODE" = kernels ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py 2>&1 | tail -25 | tee -a "$LOG"
+  say tests
+  timeout 90 python3 -m kernels.tile_search --shapes 4096x4096 --ranks 16,64 --tokens 16,64,256 --segments 16,64 \
+    --merge --budget-s 60 --validate 2 --name "tile_search_$SUF" 2>&1 | grep -v "━" | tail -8 | tee -a "$LOG"
+  say search
+  timeout 120 python3 -m bench.atmm_bench --suite headline --suffix "$SUF" --name "atmm_headline_$SUF" \
+    --methods atmm,atmm_fused,atmm_nopdl,triton_sgmv,gather_bmm,padded_bmm,grouped_mm,loop 2>&1 | tail -24 | tee -a "$LOG"
+  say atmm_bench
+  timeout 120 python3 -m bench.switch_bench --suffix "$SUF" 2>&1 | tail -30 | tee -a "$LOG"
+  say switch_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* kernels/tile_tables/*.json 2>/dev/null
+elif [ "$MODE" = engine ]; then
+  timeout 330 python3 -m bench.engine_bench --name "engine-$SUF" --profile unmerged_mixed 2>&1 \
+    | grep -v -E "Loading|Writing" | tee -a "$LOG"
+  say engine_bench
+  timeout -s TERM 100 python3 -m bench.scale_bench --device cuda --dtype float32 --workers 1,2,4 --requests 128 \
+    --warmup 32 --concurrency 32 --max-new-tokens 16 --out "bench/results/scale-$SUF.json" 2>&1 | tail -20 | tee -a "$LOG"
+  say scale_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+fi
+say done

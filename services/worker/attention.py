@@ -1,0 +1,41 @@
+"""The language model's attention: HF's SDPA path, except decode steps under a mask.
+
+With a mask, HF's SDPA path copies the KV cache to every query head (`repeat_kv`) before calling
+the kernel — for a 7B model with 7 query heads per KV head that is ~7x the cache written and read
+again, every layer, every decode step. For one query token per row the heads of a KV group can
+instead be stacked as the query *length*: q (b, kv_heads, group, d) against k, v (b, kv_heads,
+cache, d) is plain attention (no GQA), with the row's mask broadcast over the group. Same math,
+fp32 softmax inside the kernel, no copy. Prefill (several tokens, no mask) keeps HF's path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "valora_sdpa"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             is_causal=None, **kwargs):
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(b, kv_heads, groups, d)  # head j reads KV head j // groups (repeat_kv's order)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_decode_attention(text_config) -> None:
+    """Registers the attention function (once; masks are built as for SDPA) and selects it for the
+    model's text config."""
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, grouped_decode_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+    text_config._attn_implementation = NAME
