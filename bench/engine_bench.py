@@ -78,7 +78,17 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
-    rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {}}
+    rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
+                        "first_logits": {}}
+    first_logits: dict[str, torch.Tensor] = {}
+    prefilled = eng._prefilled
+
+    def record_prefill(s, length, rope_delta, hidden, kv, logits):  # first-token logits of rep 0
+        if logits is not None and s.req.request_id.split("-")[1] == "0":
+            first_logits[s.req.request_id] = logits.float().cpu()
+        return prefilled(s, length, rope_delta, hidden, kv, logits)
+
+    eng._prefilled = record_prefill
     try:
         for name, b in bundles.items():
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, to_device=True)
@@ -130,8 +140,11 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
             for rep in range(args.warmup + args.reps):
                 ms_gen, tokens = batch_ms(run, args.new_tokens, rep)
                 ms_pre, _ = batch_ms(run, 1, rep + 100)
-                if rep == 0:  # the peer's rep 0 has the same images: compare tokens on it
-                    detail["tokens"][run] = [tokens[k] for k in sorted(tokens, key=lambda k: int(k.rsplit("-", 1)[1]))]
+                if rep == 0:  # the peer's rep 0 has the same images: compare tokens and logits on it
+                    order = sorted(tokens, key=lambda k: int(k.rsplit("-", 1)[1]))
+                    detail["tokens"][run] = [tokens[k] for k in order]
+                    detail["first_logits"][run] = torch.stack([first_logits.pop(k) for k in order])
+                    first_logits.clear()
                 if rep >= args.warmup:
                     gen.append(ms_gen)
                     pre.append(ms_pre)
@@ -185,7 +198,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
     names = list(bundles)
     processor = load_processor(model_dir)
     model = load_model(model_dir, args.device, dtype, load_format)
-    detail = {"tokens": {}}
+    detail = {"tokens": {}, "first_logits": {}}
     rows = []
 
     def inputs(rep: int):
@@ -193,24 +206,29 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
         enc = processor(images=images(args.batch, args.image, rep), text=texts, padding=True, return_tensors="pt")
         return enc.to(args.device)
 
-    def timed(fn, rep: int, new_tokens: int) -> tuple[float, torch.Tensor]:
+    def timed(fn, rep: int, new_tokens: int) -> tuple[float, torch.Tensor, torch.Tensor | None]:
         enc = inputs(rep)
+        extra = dict(output_logits=True, return_dict_in_generate=True) if rep == 0 else {}
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = fn(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            out = fn(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3, out[:, enc["input_ids"].shape[1]:]
+        ms = (time.perf_counter() - t0) * 1e3
+        first = out.logits[0].float().cpu() if extra else None  # raw logits of the first new token
+        seqs = out.sequences if extra else out
+        return ms, seqs[:, enc["input_ids"].shape[1]:], first
 
     def measure(run: str, fn) -> None:
         gen, pre = [], []
         for rep in range(args.warmup + args.peer_reps):
-            ms_gen, out = timed(fn, rep, args.new_tokens)
-            ms_pre, _ = timed(fn, rep + 100, 1)
+            ms_gen, out, first = timed(fn, rep, args.new_tokens)
+            ms_pre, _, _ = timed(fn, rep + 100, 1)
             if rep == 0:
                 detail["tokens"][run] = out.tolist()
+                detail["first_logits"][run] = first
             if rep >= args.warmup:
                 gen.append(ms_gen)
                 pre.append(ms_pre)
@@ -250,6 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapter-std", type=float, default=0.01, help="std of the random LoRA A and B entries")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer-reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
@@ -269,7 +288,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         load_format = "dummy"
     dtype = getattr(torch, args.dtype)
     bundles = {f"adapters/bench{i}/versions/1": random_adapter_bundle(model_dir, rank=args.rank, lora_alpha=args.rank,
-                                                                      seed=i, std=0.01, dtype=dtype)
+                                                                      seed=i, std=args.adapter_std, dtype=dtype)
                for i in range(args.adapters)}
     rows, detail = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,12 +303,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if mine:
                 same = sum(a == b for x, y in zip(mine, toks) for a, b in zip(x, y))
                 detail.setdefault("token_agreement", {})[run] = same / max(1, sum(len(x) for x in toks))
+        for run, want in detail["hf_peft"]["first_logits"].items():
+            got = detail["valora"]["first_logits"].get(run)
+            if got is not None:
+                base = detail["hf_peft"]["first_logits"]["base"]
+                detail.setdefault("first_token_logits", {})[run] = {
+                    "relerr": float((got - want).norm() / want.norm()),
+                    "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
+                    # how far the adapters move the logits at all (what a wrong adapter would cost)
+                    "relerr_vs_peer_base": float((got - base).norm() / base.norm())}
     for d in detail.values():
         if isinstance(d, dict):
             d.pop("tokens", None)
+            d.pop("first_logits", None)
     name = args.name or f"engine-{time.strftime('%Y-%m-%d')}"
     workload = {k: getattr(args, k) for k in ("arch", "device", "dtype", "batch", "image", "new_tokens", "adapters",
-                                              "rank", "reps", "peer_reps", "warmup", "decode_graphs")}
+                                              "rank", "adapter_std", "reps", "peer_reps", "warmup", "decode_graphs")}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out_dir / f"{name}.detail.json").write_text(

@@ -21,4 +21,7 @@ def test_engine_bench_rows_and_agreement_with_peft(tmp_path):
         assert r["generate_ms"] > 0 and r["prefill_ms"] > 0
     detail = json.loads((tmp_path / "engine-test.detail.json").read_text())
     assert detail["token_agreement"] == {"base": 1.0, "merged": 1.0, "unmerged_one": 1.0, "unmerged_mixed": 1.0}
+    for run, cmp in detail["first_token_logits"].items():  # same weights, fp32: same first-token logits
+        assert cmp["relerr"] < 1e-4 and cmp["top1_agreement"] == 1.0, (run, cmp)
+    assert set(detail["first_token_logits"]) == {"base", "merged", "unmerged_one", "unmerged_mixed"}
     assert detail["valora"]["peak_decode_entries"] == 2  # the mixed run decoded both adapters in one batch
