@@ -110,7 +110,41 @@ class GetWorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatusResponse(_message.Message):
-    __slots__ = ("status",)
+    __slots__ = ("status", "step_times")
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
     status: _admin_service_pb2.WorkerStatus
-    def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
+    step_times: WorkerStepTimes
+    def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ..., step_times: _Optional[_Union[WorkerStepTimes, _Mapping]] = ...) -> None: ...
+
+class WorkerStepTimes(_message.Message):
+    __slots__ = ("steps", "decode_steps", "prefill_steps", "decode_step_ms_p50", "decode_step_ms_p90", "prefill_step_ms_p50", "prefill_step_ms_p90")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_P90_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_MS_P90_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    decode_steps: int
+    prefill_steps: int
+    decode_step_ms_p50: float
+    decode_step_ms_p90: float
+    prefill_step_ms_p50: float
+    prefill_step_ms_p90: float
+    def __init__(self, steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_step_ms_p50: _Optional[float] = ..., decode_step_ms_p90: _Optional[float] = ..., prefill_step_ms_p50: _Optional[float] = ..., prefill_step_ms_p90: _Optional[float] = ...) -> None: ...
+
+class WatchWorkerStatusRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class WatchWorkerStatusResponse(_message.Message):
+    __slots__ = ("status", "step_times")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    status: _admin_service_pb2.WorkerStatus
+    step_times: WorkerStepTimes
+    def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ..., step_times: _Optional[_Union[WorkerStepTimes, _Mapping]] = ...) -> None: ...

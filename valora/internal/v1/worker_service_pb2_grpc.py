@@ -75,6 +75,11 @@ class WorkerServiceStub:
                 request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusRequest.SerializeToString,
                 response_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusResponse.FromString,
                 _registered_method=True)
+        self.WatchWorkerStatus = channel.unary_stream(
+                '/valora.internal.v1.WorkerService/WatchWorkerStatus',
+                request_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.WatchWorkerStatusRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.WatchWorkerStatusResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -138,6 +143,16 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchWorkerStatus(self, request, context):
+        """Streams the worker's status: one message at once, then one whenever its health, mode,
+        merged adapter, resident or host adapters, running or waiting counts or KV cache bytes
+        change (changes are sampled every 50 ms), and at least every interval_ms. The stream ends
+        (OK) when the worker drains or its engine stops: reconnect, or poll GetWorkerStatus.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +195,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetWorkerStatus,
                     request_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusRequest.FromString,
                     response_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusResponse.SerializeToString,
+            ),
+            'WatchWorkerStatus': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchWorkerStatus,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.WatchWorkerStatusRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_worker__service__pb2.WatchWorkerStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +419,33 @@ class WorkerService:
             '/valora.internal.v1.WorkerService/GetWorkerStatus',
             valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusRequest.SerializeToString,
             valora_dot_internal_dot_v1_dot_worker__service__pb2.GetWorkerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchWorkerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/valora.internal.v1.WorkerService/WatchWorkerStatus',
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.WatchWorkerStatusRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_worker__service__pb2.WatchWorkerStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
