@@ -25,7 +25,11 @@ def test_7b_engine_first_token_logits_match_peft(tmp_path):
     assert detail["valora"]["op"] == "atmm"
     cmp = detail["first_token_logits"]
     assert set(cmp) == {"base", "merged", "unmerged_one", "unmerged_mixed"}
+    assert cmp["base"]["relerr"] < 1e-2, cmp["base"]
     for run, c in cmp.items():
-        assert c["relerr"] < 3e-2, (run, c)  # bf16 through 28 layers
-        if run != "base":  # the adapters move the logits far more than the engine differs from PEFT
-            assert c["relerr"] < 0.25 * c["relerr_vs_peer_base"], (run, c)
+        assert c["top1_agreement"] >= 0.75, (run, c)
+        if run != "base":
+            # bf16 rounding differs from PEFT's (merged weights rounded once; the LoRA term accumulated in
+            # fp32 by ATMM, rounded to bf16 between A and B by PEFT): a few % of the logits, while the
+            # adapters themselves move them by ~100% (H200: 3-5% vs 111%, bench/results/engine-7b-check-*.json)
+            assert c["relerr"] < 0.1 * c["relerr_vs_peer_base"], (run, c)
