@@ -9,6 +9,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -36,24 +37,64 @@ def _address(home: Path, address: str | None) -> str:
     return running.gateway if running else "127.0.0.1:50051"
 
 
+class WorkerDevice(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class WorkerDtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 @app.command()
-def up(home: Path = HOME, workers: int = typer.Option(1, help="Worker processes (one per GPU)."),
+def up(home: Path = HOME, workers: int = typer.Option(1, min=1, help="Worker processes (with --device cuda: one "
+                                                      "per visible GPU in turn)."),
        port: int = typer.Option(50051, help="Gateway port (0: any free port)."),
        http_port: int = typer.Option(8080, help="Gateway's OpenAI-compatible HTTP port (0: any free port)."),
-       model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model).")):
-    """Start the local cluster (adapter_store, workers, scheduler, gateway) and print the ports."""
+       model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model)."),
+       device: WorkerDevice = typer.Option(WorkerDevice.cpu, "--device", envvar="VALORA_DEVICE",
+                                           help="Workers' torch device. cuda: worker i gets visible GPU i mod the "
+                                           "GPU count as its only GPU (CUDA_VISIBLE_DEVICES), so several GPUs get "
+                                           "one worker each and with one GPU every worker shares it."),
+       dtype: WorkerDtype = typer.Option(None, "--dtype", envvar="VALORA_DTYPE", show_default=False,
+                                         help="Workers' model dtype (default: float32 on cpu, bfloat16 on cuda). "
+                                         "CUDA workers in bfloat16/float16 build the kernels extension at "
+                                         "start-up (ATMM, switch).")):
+    """Start the local cluster (adapter_store, workers, scheduler, gateway) and print the ports.
+
+    --device cuda: GPUs are counted without initialising CUDA here, from
+    CUDA_VISIBLE_DEVICES when it is set (restrict the GPUs with it), else
+    `nvidia-smi -L`; worker i runs on GPU i mod that count.
+
+    Other worker settings pass through the environment (VALORA_MAX_BATCH_SIZE,
+    VALORA_DECODE_GRAPHS…: the WorkerSettings of services/worker/server.py)."""
     if cluster_mod.Cluster.load(home):
         console.print(f"[yellow]a cluster is already recorded in {home}; run `valora down` first")
         raise typer.Exit(1)
+    device_name = WorkerDevice(device).value
+    dtype_name = WorkerDtype(dtype).value if dtype else ("bfloat16" if device_name == "cuda" else "float32")
+    gpu_ids = cluster_mod.visible_gpus() if device_name == "cuda" else []
+    try:
+        worker_env = cluster_mod.worker_device_env(workers, device_name, dtype_name, gpu_ids)
+    except ValueError as e:
+        console.print(f"[red]{e}")
+        raise typer.Exit(2) from None
     with console.status("starting valora (building the tiny model on first run)…"):
         c = cluster_mod.start_cluster(home, workers=workers, gateway_port=port, model_path=model_path,
-                                      http_port=http_port)
+                                      http_port=http_port, worker_env=worker_env)
     table = Table(title="valora cluster")
     for col in ("service", "name", "address", "metrics", "pid", "log"):
         table.add_column(col)
     for p in c.processes:
         table.add_row(p.service, p.name, p.address, p.metrics_url, str(p.pid), p.log)
     console.print(table)
+    if device_name == "cuda":
+        used = sorted({e["CUDA_VISIBLE_DEVICES"] for e in worker_env}, key=gpu_ids.index)
+        console.print(f"workers: cuda {dtype_name} on GPU {', '.join(used)}"
+                      + (f" ({workers} workers share {len(used)} GPU{'s' if len(used) > 1 else ''})"
+                         if workers > len(used) else ""))
     console.print(f"gateway: [bold]{c.gateway}[/bold]  OpenAI-compatible HTTP: [bold]{c.http_url}[/bold]")
 
 

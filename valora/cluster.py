@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -142,6 +143,55 @@ def ensure_model(model_path: Path) -> None:
     """The embedded default model: built once from a config with a fixed seed (no download)."""
     if not (model_path / "config.json").exists():
         subprocess.run([sys.executable, "-m", "services.worker.tiny_model", str(model_path)], check=True)
+
+
+WORKER_DEVICES = ("cpu", "cuda")
+WORKER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def visible_gpus() -> list[str]:
+    """Ids of the GPUs this process may hand to its children (CUDA_VISIBLE_DEVICES values), found
+    without creating a CUDA context here: the CUDA_VISIBLE_DEVICES list when it is set (up to a
+    "-1" or an empty entry, as CUDA reads it), else one index per `nvidia-smi -L` GPU line, else
+    torch.cuda.device_count() (NVML-based; no context), else none."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = []
+        for x in (x.strip() for x in listed.split(",")):
+            if not x or x == "-1":
+                break
+            ids.append(x)
+        return ids
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0:
+            return [str(i) for i in range(len(re.findall(r"^GPU \d+:", out.stdout, flags=re.M)))]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import torch  # noqa: PLC0415 - last resort, only for CUDA workers
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_device_env(workers: int, device: str = "cpu", dtype: str = "float32",
+                      gpu_ids: Sequence[str] = ()) -> list[dict[str, str]]:
+    """Per-worker environment (start_cluster's `worker_env`) for `workers` workers on `device`.
+    CUDA: worker i runs on gpu_ids[i % len(gpu_ids)] through its own CUDA_VISIBLE_DEVICES (it sees
+    that GPU alone, as cuda:0), so several GPUs get one worker each in turn and with one GPU every
+    worker shares it."""
+    if device not in WORKER_DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(WORKER_DEVICES)}")
+    if dtype not in WORKER_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(WORKER_DTYPES)}")
+    envs = [{"VALORA_DEVICE": device, "VALORA_DTYPE": dtype} for _ in range(workers)]
+    if device == "cuda":
+        if not gpu_ids:
+            raise ValueError("device cuda: no GPU visible (CUDA_VISIBLE_DEVICES, nvidia-smi -L)")
+        for i, env in enumerate(envs):
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids[i % len(gpu_ids)])
+    return envs
 
 
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import structlog
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.channels import client_credentials
 from services.common.config import ServiceSettings
@@ -47,18 +47,30 @@ class WorkerSettings(ServiceSettings):
     adapter_store_address: str = Field("", description="host:port of the adapter store (FetchAdapter).")
     adapter_cache_dir: str = Field("~/.cache/valora/adapters", description="Disk cache of bundles by sha256.")
     device: str = Field("cpu", description="Torch device: cpu, cuda or cuda:N.")
-    dtype: str = Field("float32", description="Model dtype: float32, bfloat16 or float16.")
-    max_batch_size: int = Field(8, description="Most sequences running (prefill + decode) at once.")
-    max_waiting: int = Field(256, description="Most requests queued on this worker; past it RESOURCE_EXHAUSTED.")
-    default_max_new_tokens: int = Field(64, description="max_new_tokens when a request leaves it 0.")
-    max_new_tokens_limit: int = Field(1024, description="Largest max_new_tokens accepted.")
-    device_slots: int = Field(4, description="Adapters resident on the device at once (LRU).")
-    max_rank: int = Field(256, description="Largest LoRA rank accepted.")
+    dtype: str = Field("float32", description="Model dtype: float32, bfloat16 or float16 (aliases fp32, bf16, "
+                       "fp16). CUDA workers in bfloat16/float16 build the kernels extension at start-up.")
+    load_format: str = Field("auto", description="auto: the model directory's weights; dummy: random weights of "
+                             "its architecture (config.json only), for benchmarks at full-size shapes.")
+    max_batch_size: int = Field(8, ge=1, description="Most sequences running (prefill + decode) at once.")
+    max_waiting: int = Field(256, ge=0, description="Most requests queued on this worker; past it "
+                             "RESOURCE_EXHAUSTED.")
+    max_prefills_per_step: int = Field(2, ge=1, description="Waiting requests prefilled together (one batched "
+                                       "forward) per engine step.")
+    max_prefill_tokens: int = Field(8192, ge=1, description="Bound of one batched prefill in padded tokens "
+                                    "(rows x longest prompt); a longer prompt is prefilled alone.")
+    decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs: auto (on CUDA), static (the "
+                               "static step without capture) or off (always the eager step).")
+    kv_headroom: int = Field(64, ge=1, description="Decode steps a freshly packed batch KV cache holds before "
+                             "it grows (larger: fewer re-packs, more device memory).")
+    default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens when a request leaves it 0.")
+    max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens accepted.")
+    device_slots: int = Field(4, ge=1, description="Adapters resident on the device at once (LRU).")
+    max_rank: int = Field(256, ge=1, description="Largest LoRA rank accepted.")
     switch_strategy: str = Field("pristine", description="Merge/switch strategy: pristine (exact, keeps a copy "
                                  "of the targeted base weights) or delta (one-pass switch, periodic resync).")
     use_atmm: bool = Field(True, description="Run the multi-LoRA term on the ATMM CUDA kernel where it can.")
-    image_cache_bytes: int = Field(256 * 1024 * 1024, description="Device bytes of vision features kept by "
-                                   "image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
+    image_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Device bytes of vision features kept "
+                                   "by image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
     drain_delay_s: float = Field(2.0, ge=0, description="On SIGTERM, seconds of NOT_SERVING (GetWorkerStatus "
                                  "healthy=false) before new RPCs are refused: longer than the scheduler's status "
@@ -69,6 +81,40 @@ class WorkerSettings(ServiceSettings):
                                    "backoff until it answers. Empty: no registration (static worker_addresses).")
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats to the scheduler (at most a "
                                "third of the scheduler's worker_ttl_s is used).")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        kind, _, index = value.strip().lower().partition(":")
+        if (kind == "cpu" and not index) or (kind == "cuda" and (not index or index.isdigit())):
+            return value.strip().lower()
+        raise ValueError(f"VALORA_DEVICE={value!r}: must be cpu, cuda or cuda:N")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _known_dtype(cls, value: object) -> object:
+        return _choice("dtype", value, _DTYPE_ALIASES)
+
+    @field_validator("load_format", "decode_graphs", "switch_strategy", mode="before")
+    @classmethod
+    def _known_choice(cls, value: object, info: ValidationInfo) -> object:
+        return _choice(info.field_name, value, {c: c for c in _CHOICES[info.field_name]})
+
+
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "load_format": ("auto", "dummy"),
+            "decode_graphs": ("auto", "static", "off"), "switch_strategy": ("pristine", "delta")}
+
+
+def _choice(name: str, value: object, accepted: dict[str, str]) -> object:
+    """One of a setting's values (case-insensitive; `accepted` maps spellings to the value)."""
+    if not isinstance(value, str):
+        return value  # pydantic's type error
+    got = accepted.get(value.strip().lower())
+    if got is None:
+        raise ValueError(f"VALORA_{name.upper()}={value!r}: must be one of {', '.join(_CHOICES[name])}")
+    return got
 
 
 _MODE_PB = {
@@ -306,8 +352,26 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens_limit=settings.max_new_tokens_limit, device_slots=settings.device_slots,
         max_rank=settings.max_rank, switch_strategy=settings.switch_strategy, use_atmm=settings.use_atmm,
-        image_cache_bytes=settings.image_cache_bytes,
+        image_cache_bytes=settings.image_cache_bytes, max_prefills_per_step=settings.max_prefills_per_step,
+        max_prefill_tokens=settings.max_prefill_tokens, kv_headroom=settings.kv_headroom,
+        load_format=settings.load_format, decode_graphs=settings.decode_graphs,
     )
+
+
+def prepare_kernels(settings: WorkerSettings) -> bool | None:
+    """CUDA bf16/fp16 workers build (or load from the cache) the kernels extension at start-up, for
+    the ATMM op and the switcher alike, whatever use_atmm says, so the first merge does not pay for
+    a JIT build mid-serving. None: nothing to do (CPU or fp32; nothing CUDA is imported); else
+    whether the extension is available (False: the torch reference paths)."""
+    if not settings.device.startswith("cuda") or settings.dtype not in ("bfloat16", "float16"):
+        return None
+    from kernels.atmm import extension  # noqa: PLC0415 - CUDA workers only
+
+    t0 = time.perf_counter()
+    available = extension() is not None
+    ms = round((time.perf_counter() - t0) * 1e3, 1)
+    (log.info if available else log.warning)("kernels_extension", available=available, load_ms=ms)
+    return available
 
 
 async def create_server(settings: WorkerSettings) -> Service:
@@ -340,6 +404,7 @@ async def create_server(settings: WorkerSettings) -> Service:
                 if not settings.build_tiny_model:
                     raise FileNotFoundError(f"no model at {path} (VALORA_MODEL_PATH)")
                 ensure_tiny_model(path)
+            prepare_kernels(settings)
             engine = Engine(engine_config(settings, servicer.worker_name))
             engine.start()
             return engine

@@ -1,0 +1,152 @@
+"""`valora up`: worker device and dtype, one GPU per worker in turn (CUDA_VISIBLE_DEVICES), GPUs
+counted without initialising CUDA in the CLI process. start_cluster is replaced: no processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from valora import cli, cluster as cluster_mod
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The start_cluster calls of `valora up` (kwargs), with a fake cluster back."""
+    for name in ("VALORA_DEVICE", "VALORA_DTYPE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+
+    def fake_start(home, **kwargs):
+        calls.append(kwargs)
+        return cluster_mod.Cluster(home=str(home), processes=[
+            cluster_mod.ProcessInfo("gateway", "gateway", 1, 50051, "gw.log", metrics_port=9000, http_port=8080)])
+
+    monkeypatch.setattr(cluster_mod, "start_cluster", fake_start)
+    return calls
+
+
+def gpus(monkeypatch, ids):
+    monkeypatch.setattr(cluster_mod, "visible_gpus", lambda: list(ids))
+
+
+def up(tmp_path, *args):
+    return CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path), "--port", "0", "--http-port", "0", *args])
+
+
+def test_cpu_by_default_and_no_gpu_lookup(tmp_path, started, monkeypatch):
+    monkeypatch.setattr(cluster_mod, "visible_gpus", lambda: pytest.fail("counted GPUs for CPU workers"))
+    result = up(tmp_path, "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert started[0]["worker_env"] == [{"VALORA_DEVICE": "cpu", "VALORA_DTYPE": "float32"}] * 2
+
+
+def test_one_gpu_is_shared_by_every_worker(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, ["0"])
+    result = up(tmp_path, "--device", "cuda", "--workers", "3")
+    assert result.exit_code == 0, result.output
+    assert started[0]["worker_env"] == [
+        {"VALORA_DEVICE": "cuda", "VALORA_DTYPE": "bfloat16", "CUDA_VISIBLE_DEVICES": "0"}] * 3
+    assert "3 workers share 1 GPU" in result.output
+
+
+def test_three_gpus_one_worker_each(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, ["0", "1", "2"])
+    result = up(tmp_path, "--device", "cuda", "--workers", "3", "--dtype", "float16")
+    assert result.exit_code == 0, result.output
+    env = started[0]["worker_env"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "1", "2"]
+    assert {(e["VALORA_DEVICE"], e["VALORA_DTYPE"]) for e in env} == {("cuda", "float16")}
+    assert started[0]["workers"] == 3
+
+
+def test_more_workers_than_gpus_wrap_around(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, ["0", "1", "2"])
+    result = up(tmp_path, "--device", "cuda", "--workers", "4")
+    assert result.exit_code == 0, result.output
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in started[0]["worker_env"]] == ["0", "1", "2", "0"]
+
+
+def test_restricted_gpus_keep_their_ids(tmp_path, started, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the real visible_gpus
+    result = up(tmp_path, "--device", "cuda", "--workers", "3")
+    assert result.exit_code == 0, result.output
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in started[0]["worker_env"]] == ["2", "3", "2"]
+
+
+def test_device_and_dtype_from_the_environment(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, ["0", "1"])
+    monkeypatch.setenv("VALORA_DEVICE", "cuda")
+    monkeypatch.setenv("VALORA_DTYPE", "float32")
+    result = up(tmp_path, "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert [(e["CUDA_VISIBLE_DEVICES"], e["VALORA_DTYPE"]) for e in started[0]["worker_env"]] == [
+        ("0", "float32"), ("1", "float32")]
+
+
+def test_cuda_without_a_gpu_is_refused(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, [])
+    result = up(tmp_path, "--device", "cuda")
+    assert result.exit_code == 2
+    assert "no GPU visible" in result.output
+    assert started == []
+
+
+@pytest.mark.parametrize("args", [["--device", "tpu"], ["--dtype", "int8"], ["--workers", "0"]])
+def test_bad_options_are_refused(tmp_path, started, args):
+    result = up(tmp_path, *args)
+    assert result.exit_code == 2
+    assert started == []
+
+
+def test_help_documents_device_and_dtype():
+    result = CliRunner().invoke(cli.app, ["up", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for text in ("--device", "cpu|cuda", "--dtype", "float32|bfloat16|float16", "CUDA_VISIBLE_DEVICES",
+                 "nvidia-smi"):
+        assert text in result.output
+
+
+# -- counting GPUs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("listed, ids", [("0,1,2", ["0", "1", "2"]), (" 3 , 5", ["3", "5"]), ("", []), ("-1", []),
+                                         ("1,-1,2", ["1"]), ("GPU-8c4e,GPU-77aa", ["GPU-8c4e", "GPU-77aa"])])
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, listed, ids):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran nvidia-smi"))
+    assert cluster_mod.visible_gpus() == ids
+
+
+def test_visible_gpus_from_nvidia_smi(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    listing = ("GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)\n"
+               "  MIG 1g.18gb     Device  0: (UUID: MIG-3)\nGPU 2: NVIDIA H200 (UUID: GPU-4)\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a[0], 0, listing, ""))
+    assert cluster_mod.visible_gpus() == ["0", "1", "2"]
+
+
+def test_visible_gpus_without_nvidia_smi_falls_back_to_torch(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cluster_mod.visible_gpus() == ["0", "1"]
+
+
+def test_counting_listed_gpus_imports_no_torch():
+    code = ("import sys; from valora import cluster, cli; "
+            "assert cluster.visible_gpus() == ['0', '1']; assert 'torch' not in sys.modules, 'torch imported'")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
