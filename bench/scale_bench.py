@@ -122,26 +122,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
 
 # -- placement ----------------------------------------------------------------------------------
 
-def visible_gpus() -> list[str]:
-    """Ids of the GPUs this process may use, as CUDA_VISIBLE_DEVICES would name them to a child."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [x.strip() for x in listed.split(",") if x.strip() and x.strip() != "-1"]
-    import torch  # only with --device cuda
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def gpu_plan(device: str, workers: int, gpu_ids: list[str], threads: int = 0) -> tuple[int, list[dict[str, str]]]:
-    """(distinct GPUs used, per-worker environment). Worker i runs on gpu_ids[i % len(gpu_ids)],
-    seen by it as its only GPU (cuda:0), so no worker creates a context on another's GPU.
-    CPU workers get `threads` torch threads each (OMP_NUM_THREADS; 0: torch's default)."""
+def gpu_plan(device: str, workers: int, gpu_ids: list[str], dtype: str, threads: int = 0
+             ) -> tuple[int, list[dict[str, str]]]:
+    """(distinct GPUs used, per-worker environment): cluster.worker_device_env's placement (worker
+    i on gpu_ids[i % len], seen by it as its only GPU); CPU workers get `threads` torch threads each
+    (OMP_NUM_THREADS; 0: torch's default)."""
+    try:
+        envs = cluster_mod.worker_device_env(workers, device, dtype, gpu_ids)
+    except ValueError as exc:
+        raise SystemExit(f"--device {device}: {exc}") from None
     if device == "cpu":
         cap = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
-        return 0, [{"VALORA_DEVICE": "cpu", **cap} for _ in range(workers)]
-    if not gpu_ids:
-        raise SystemExit("--device cuda: no GPU visible (CUDA_VISIBLE_DEVICES / torch.cuda.device_count())")
-    envs = [{"VALORA_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": gpu_ids[i % len(gpu_ids)]} for i in range(workers)]
+        return 0, [{**e, **cap} for e in envs]
     return len({e["CUDA_VISIBLE_DEVICES"] for e in envs}), envs
 
 
@@ -287,7 +279,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     threads = args.threads_per_worker
     if threads < 0:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, threads if args.device == "cpu" else 0)
+    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, args.dtype, threads if args.device == "cpu" else 0)
     rng = np.random.default_rng(args.seed + workers)
     t0 = time.perf_counter()
     try:
@@ -375,7 +367,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
         cluster_mod.ensure_model(model)
     elif not (model / "config.json").exists():
         raise SystemExit(f"--model {model}: no config.json")
-    gpu_ids = visible_gpus() if args.device == "cuda" else []
+    gpu_ids = cluster_mod.visible_gpus() if args.device == "cuda" else []
     if args.gpus:
         gpu_ids = gpu_ids[:args.gpus]
     temp_home = args.home is None

@@ -42,11 +42,22 @@ MAX_RANK = 128
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+_ext_failed = False
+
+
 def extension():
-    """The compiled extension, or None (no CUDA device, nvcc or headers): torch reference then."""
+    """The compiled extension, or None (no CUDA device, nvcc or headers): torch reference then.
+    A failed build is not retried in this process (a worker would otherwise rebuild at every merge)."""
+    global _ext_failed
+    if _ext_failed:
+        return None
     try:
         return load_extension()
-    except Exception:  # noqa: BLE001 - a failed build must not take the CPU path down
+    except Exception as exc:  # noqa: BLE001 - a failed build must not take the CPU path down
+        _ext_failed = True
+        import structlog  # noqa: PLC0415
+
+        structlog.get_logger().warning("kernels_extension_build_failed", error=repr(exc)[:500])
         return None
 
 
