@@ -110,6 +110,54 @@ class RequestHandle:
         return self.deadline is not None and now >= self.deadline
 
 
+STEP_WINDOW = 1024  # latest engine steps the step-time percentiles cover
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Wall-time percentiles of recent engine steps. A decode step decoded running rows and ran
+    no prefill; a prefill step ran at least one prefill (and possibly the decode beside it)."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    decode_ms_p50: float = 0.0
+    decode_ms_p90: float = 0.0
+    prefill_ms_p50: float = 0.0
+    prefill_ms_p90: float = 0.0
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); 0.0 when empty."""
+    if not ordered:
+        return 0.0
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def step_times(step_log, window: int = STEP_WINDOW) -> StepTimes:
+    """StepTimes over the latest `window` entries of the engine's step log, a deque of
+    (prefill rows, decode rows, ms) the engine thread appends to (copied at once: safe to call
+    from another thread)."""
+    for _ in range(3):
+        try:
+            entries = list(step_log)[-window:]
+            break
+        except RuntimeError:  # "deque mutated during iteration": copy again
+            continue
+    else:
+        entries = []
+    decode = sorted(ms for prefill, rows, ms in entries if not prefill and rows)
+    prefill = sorted(ms for p, _, ms in entries if p)
+    return StepTimes(
+        steps=len(entries), decode_steps=len(decode), prefill_steps=len(prefill),
+        decode_ms_p50=_percentile(decode, 0.5), decode_ms_p90=_percentile(decode, 0.9),
+        prefill_ms_p50=_percentile(prefill, 0.5), prefill_ms_p90=_percentile(prefill, 0.9),
+    )
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int

@@ -9,6 +9,7 @@ again as soon as the engine thread dies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -25,7 +26,16 @@ from services.common.tracing import tracer_provider
 from services.worker.engine import Engine, EngineConfig
 from services.worker.processor import decode_image
 from services.worker.registration import SchedulerRegistration
-from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
+from services.worker.requests import (
+    Failed,
+    Finished,
+    FinishReason,
+    Mode,
+    OutputKind,
+    TextDelta,
+    WorkRequest,
+    step_times,
+)
 from services.worker.sampling import SamplingParams
 from services.worker.store_client import AdapterFetcher
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_tiny_model
@@ -166,6 +176,18 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
     )
 
 
+# WatchWorkerStatus: how often a stream samples the status for changes, and the bounds of the
+# longest gap between two of its messages (interval_ms; 0 = the default).
+WATCH_TICK_S = 0.05
+WATCH_INTERVAL_MS = (500, 50, 60_000)  # default, min, max
+
+
+def _status_key(st: admin_service_pb2.WorkerStatus) -> tuple:
+    """What a status change is, for WatchWorkerStatus (not step times nor cache counters)."""
+    return (st.healthy, st.mode, st.merged_adapter, frozenset(st.resident_adapters), frozenset(st.host_adapters),
+            st.running_requests, st.waiting_requests, st.kv_cache_bytes)
+
+
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(self, settings: WorkerSettings, fetcher: AdapterFetcher) -> None:
         self.settings = settings
@@ -175,6 +197,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.address = settings.advertise_address
         self._adapter_locks: dict[str, asyncio.Lock] = {}
         self.is_serving = lambda: True  # create_server binds it to the service's health
+        # One event per open WatchWorkerStatus stream, set to send a fresh status now.
+        self._watchers: set[asyncio.Event] = set()
+        self._closing = False
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -258,11 +283,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     async def LoadAdapter(self, request, context):
         already = await self.ensure_adapter(request.adapter.version, request.adapter.sha256, request.to_device)
+        self._notify_watchers()
         return pb.LoadAdapterResponse(already_loaded=already)
 
     async def OffloadAdapter(self, request, context):
         parse_version_name(request.adapter.version, "adapter.version")
         self._engine().offload_adapter(request.adapter.version)
+        self._notify_watchers()
         return pb.OffloadAdapterResponse()
 
     async def SetMode(self, request, context):
@@ -295,6 +322,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         for m in (Mode.MERGED, Mode.UNMERGED, Mode.MIXTURE):
             metrics.MODE.labels(self.worker_name, m.value).set(1 if m == s.mode else 0)
         log.info("mode_set", mode=s.mode.value, merged=s.merged_adapter, switch_ms=round(switch_ms, 3))
+        self._notify_watchers()
         return switch_ms, result
 
     async def Merge(self, request, context):
@@ -330,18 +358,70 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                                  mode=_MODE_PB[engine.stats().mode])
 
     async def GetWorkerStatus(self, request, context):
+        return pb.GetWorkerStatusResponse(status=self._status(), step_times=self._step_times())
+
+    def _status(self) -> admin_service_pb2.WorkerStatus:
         if self.engine is None:
-            return pb.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
+            return admin_service_pb2.WorkerStatus(
                 address=self.address, healthy=False, device=self.settings.device,
-                max_batch_size=self.settings.max_batch_size))
+                max_batch_size=self.settings.max_batch_size)
         s = self.engine.stats()
         cache = s.image_cache
-        return pb.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
+        return admin_service_pb2.WorkerStatus(
             address=self.address, healthy=s.alive and self.is_serving(), mode=_MODE_PB[s.mode], merged_adapter=s.merged_adapter,
             resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
             max_batch_size=s.max_batch_size, device=s.device, kv_cache_bytes=s.kv_cache_bytes,
             waiting_requests=s.waiting, last_step_ms=s.last_step_ms,
-            image_cache_hits=cache.hits if cache else 0, image_cache_misses=cache.misses if cache else 0))
+            image_cache_hits=cache.hits if cache else 0, image_cache_misses=cache.misses if cache else 0)
+
+    def _step_times(self) -> pb.WorkerStepTimes:
+        if self.engine is None:
+            return pb.WorkerStepTimes()
+        t = step_times(self.engine.step_log)
+        return pb.WorkerStepTimes(
+            steps=t.steps, decode_steps=t.decode_steps, prefill_steps=t.prefill_steps,
+            decode_step_ms_p50=t.decode_ms_p50, decode_step_ms_p90=t.decode_ms_p90,
+            prefill_step_ms_p50=t.prefill_ms_p50, prefill_step_ms_p90=t.prefill_ms_p90)
+
+    def _notify_watchers(self) -> None:
+        for wake in self._watchers:
+            wake.set()
+
+    def close_watches(self) -> None:
+        """Ends every WatchWorkerStatus stream (worker shutdown)."""
+        self._closing = True
+        self._notify_watchers()
+
+    def _watch_over(self) -> bool:
+        """Streams end when the worker shuts down, drains (NOT_SERVING once the engine is loaded:
+        ended now, a stream does not hold the server's stop for its grace) or its engine stopped."""
+        return self._closing or (self.engine is not None and not self.is_serving())
+
+    async def WatchWorkerStatus(self, request, context):
+        default, lo, hi = WATCH_INTERVAL_MS
+        if request.interval_ms < 0:
+            raise invalid_field("interval_ms", "must not be negative")
+        interval_s = min(max(request.interval_ms or default, lo), hi) / 1e3
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        self._watchers.add(wake)
+        try:
+            last_key, last_sent = None, float("-inf")
+            while True:
+                wake.clear()
+                status = self._status()
+                key, now = _status_key(status), loop.time()
+                if key != last_key or now - last_sent >= interval_s:
+                    yield pb.WatchWorkerStatusResponse(status=status, step_times=self._step_times())
+                    last_key, last_sent = key, loop.time()
+                if self._watch_over():
+                    return  # OK: the last message said healthy=false (or the worker is closing)
+                pause = min(WATCH_TICK_S, max(last_sent + interval_s - loop.time(), 0.0))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause):
+                        await wake.wait()
+        finally:  # also on client cancel (CancelledError at the yield or the wait)
+            self._watchers.discard(wake)
 
 
 def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:
@@ -414,6 +494,7 @@ async def create_server(settings: WorkerSettings) -> Service:
         watchdog.append(asyncio.create_task(_watch(service, servicer)))
 
     async def shutdown() -> None:
+        servicer.close_watches()
         for t in watchdog:
             t.cancel()
         if servicer.engine is not None:
