@@ -23,8 +23,15 @@ class SchedulerSettings(ServiceSettings):
     max_queue: int = Field(
         256, ge=0, description="Requests waiting for a worker; past it Submit is RESOURCE_EXHAUSTED.")
     retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay suggested when the queue is full.")
-    status_poll_s: float = Field(1.0, gt=0, description="Seconds between GetWorkerStatus polls of each worker.")
+    status_poll_s: float = Field(1.0, gt=0, description="Seconds between GetWorkerStatus polls of each worker "
+                                 "(only of those not streaming their status, see status_watch).")
     status_timeout_s: float = Field(2.0, gt=0, description="Deadline of one GetWorkerStatus poll.")
+    status_watch: bool = Field(
+        True, description="Follow each worker's WatchWorkerStatus stream (status pushed on every change) instead "
+        "of polling it; workers without the RPC, and any worker while its stream is down, are polled.")
+    status_watch_interval_ms: int = Field(
+        500, ge=50, le=60_000, description="Longest gap the workers' status streams leave between two messages; "
+        "a stream silent for 3x this (or status_timeout_s, the longer) is dropped and opened again.")
     max_attempts: int = Field(
         3, ge=1, description="Workers tried for one request when they fail before the first token.")
     default_max_batch_size: int = Field(

@@ -1,7 +1,7 @@
 """The bounded request queue and the loop that asks the policy where queued requests go.
 
 Each Submit call holds a `Pending` entry: it waits on `Dispatcher.wait_assigned` until the
-dispatch loop (woken by arrivals, finished requests and status polls) has the policy place it
+dispatch loop (woken by arrivals, finished requests and worker statuses) has the policy place it
 on a worker, runs it there, then `release`s the slot. Expired requests are dropped before
 dispatch with DEADLINE_EXCEEDED.
 
@@ -173,21 +173,26 @@ class Dispatcher:
         req = worker_service_pb2.SetModeRequest(mode=MODE_TO_PB[cmd.mode])
         if cmd.merged_adapter:
             req.merged_adapter.CopyFrom(work_pb2.AdapterRef(version=cmd.merged_adapter))
+        # Optimistic until the call ends (statuses reported meanwhile keep it, see WorkerPool._apply),
+        # so the policy does not repeat the command.
+        handle.pending_mode = (req.mode, cmd.merged_adapter or "")
         if handle.status is not None:
-            # Optimistic until the next poll, so the policy does not repeat the command.
             handle.status.mode = req.mode
             handle.status.merged_adapter = cmd.merged_adapter or ""
 
         previous = self._mode_tasks.get(cmd.worker)
 
         async def send() -> None:
-            if previous is not None and not previous.done():
-                await asyncio.wait([previous])
             try:
+                if previous is not None and not previous.done():
+                    await asyncio.wait([previous])
                 await handle.stub.SetMode(req, timeout=self.mode_switch_timeout_s)
                 log.info("mode_set", worker=cmd.worker, mode=cmd.mode.value, merged=cmd.merged_adapter)
             except grpc.RpcError as err:
                 log.warning("mode_set_failed", worker=cmd.worker, mode=cmd.mode.value, code=err.code().name)
+            finally:
+                if self._mode_tasks.get(cmd.worker) is asyncio.current_task():
+                    handle.pending_mode = None  # the worker's next status is the truth again
 
         self._mode_tasks[cmd.worker] = asyncio.create_task(send(), name=f"set-mode-{cmd.worker}")
 

@@ -28,7 +28,8 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
                       default_max_batch_size=settings.default_max_batch_size,
                       channel_options=channel_options(settings), on_change=on_change, tracer_provider=tracing,
                       credentials=client_credentials(settings), ttl_s=settings.worker_ttl_s,
-                      grace_s=settings.worker_grace_s)
+                      grace_s=settings.worker_grace_s, watch=settings.status_watch,
+                      watch_interval_s=settings.status_watch_interval_ms / 1e3)
     if policy is None:
         cost = load_profile(settings.cost_profile, settings.cost_results_dir or None)
         policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s)

@@ -1,8 +1,16 @@
-"""The scheduler's view of its workers: one channel each, status polled periodically.
+"""The scheduler's view of its workers: one channel each, status pushed by the worker or polled.
 
-`WorkerPool` owns the channels and the poll task; `WorkerHandle.view()` turns the last status
-(plus the scheduler's own count of requests it has running there, per adapter) into the policy's
-plain `WorkerView`.
+`WorkerPool` owns the channels, one status stream per worker and the poll task;
+`WorkerHandle.view()` turns the last status (plus the scheduler's own count of requests it has
+running there, per adapter) into the policy's plain `WorkerView`.
+
+Status: each member's `WatchWorkerStatus` stream is followed (the worker sends its status at
+once, on every change and at least every `watch_interval_s`), and every message updates the view
+and wakes the dispatcher. A worker is polled (`GetWorkerStatus` every `poll_s`) while its stream
+is not delivering: before the first message, after it breaks or ends (one poll at once, then the
+stream is opened again with backoff), for good when the worker answers UNIMPLEMENTED (an older
+worker; a new registration under its address tries the stream again), and when `watch` is off.
+A stream silent for three intervals is dropped as broken.
 
 Membership: the `worker_addresses` setting gives *static* members, kept for the scheduler's
 life. Workers may also join at run time (`register`, from the RegisterWorker RPC) and keep their
@@ -18,6 +26,8 @@ is done. Registering again (a restart under the same address) revives it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +80,16 @@ class WorkerHandle:
     # Set when the worker is declared lost; a fresh one after it recovers.
     lost_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _logged_down: bool = field(default=False, repr=False)
+    # Status stream: delivering now (the poller skips the worker), or refused as UNIMPLEMENTED.
+    watching: bool = False
+    watch_unsupported: bool = False
+    # Recent engine step times the worker reported with its last status (None until one came).
+    step_times: worker_service_pb2.WorkerStepTimes | None = None
+    # (mode, merged adapter) of a SetMode the dispatcher has in flight: kept over reported statuses
+    # (sampled before the switch) until the call ends, so the policy does not order it again.
+    pending_mode: tuple[int, str] | None = None
+    _watch_task: asyncio.Task | None = field(default=None, repr=False)
+    _watch_kick: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def view(self) -> WorkerView:
         st = self.status
@@ -133,10 +153,14 @@ class WorkerPool:
     def __init__(self, addresses: list[str], *, poll_s: float, poll_timeout_s: float,
                  default_max_batch_size: int, channel_options: list[tuple[str, int]],
                  on_change: Callable[[], None], tracer_provider=None, credentials=None,
-                 ttl_s: float = 10.0, grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 ttl_s: float = 10.0, grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 watch: bool = True, watch_interval_s: float = 0.5,
+                 watch_backoff_s: tuple[float, float] = (0.2, 5.0)) -> None:
         """`credentials`: grpc.ChannelCredentials for TLS to the workers (None: plaintext).
         `ttl_s`: heartbeat / down time after which a worker is lost; `grace_s`: further time a
-        lost registered worker stays listed before it is removed."""
+        lost registered worker stays listed before it is removed. `watch`: follow each worker's
+        status stream (`watch_interval_s` the longest gap it leaves between messages; reopened
+        after `watch_backoff_s` = (first, most) seconds, doubling) instead of polling it."""
         self._channel_options = channel_options
         self._tracer_provider = tracer_provider
         self._credentials = credentials
@@ -154,6 +178,10 @@ class WorkerPool:
         self.clock = clock
         self._task: asyncio.Task | None = None
         self._side_tasks: set[asyncio.Task] = set()
+        self.watch = watch
+        self.watch_interval_s = watch_interval_s
+        self.watch_backoff_s = watch_backoff_s
+        self._started = False
 
     def _new_handle(self, address: str, *, static: bool = True) -> WorkerHandle:
         channel = open_channel(address, self._channel_options, self._tracer_provider, credentials=self._credentials)
@@ -200,10 +228,13 @@ class WorkerPool:
         if handle.lost or new:
             # A restarted worker: forget the old process's status until it is polled again.
             handle.status = None
+            handle.step_times = None
             handle.healthy = False
+            handle.watch_unsupported = False  # maybe a newer build: try its stream again
             self._revive(handle)
         log.info("worker_registered", worker=address, name=name, device=device, new=new, static=handle.static)
         self._spawn(self._poll_and_notify(handle), f"poll-{address}")
+        self._ensure_watch(handle)
         return new
 
     def heartbeat(self, address: str) -> bool:
@@ -231,6 +262,7 @@ class WorkerPool:
 
     def _remove(self, handle: WorkerHandle) -> None:
         self.workers.pop(handle.address, None)
+        self._stop_watch(handle)
         if handle.inflight > 0:
             self._retired[handle.address] = handle
         else:
@@ -278,7 +310,8 @@ class WorkerPool:
 
     # -- status polls --------------------------------------------------------------------------------
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+        """Polls the members whose status stream is not delivering, then applies loss/removal."""
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values()) if not w.watching))
         self.sweep()
         self._on_change()
 
@@ -293,33 +326,107 @@ class WorkerPool:
                 worker._logged_down = True
             worker.healthy = False
             return
-        healthy = resp.status.healthy and not worker.heartbeat_expired(self.clock(), self.ttl_s)
+        self._apply(worker, resp)
+
+    def _apply(self, worker: WorkerHandle, resp) -> None:
+        """A status the worker reported (poll answer or stream message) becomes its view."""
+        status = resp.status
+        healthy = status.healthy and not worker.heartbeat_expired(self.clock(), self.ttl_s)
         if healthy and not worker.healthy:
             log.info("worker_up", worker=worker.address)
         elif not healthy and (worker.healthy or not worker._logged_down):
             log.warning("worker_reports_unhealthy", worker=worker.address,
-                        heartbeat_expired=resp.status.healthy and not healthy)
+                        heartbeat_expired=status.healthy and not healthy)
+        if worker.pending_mode is not None:
+            status.mode, status.merged_adapter = worker.pending_mode
         worker._logged_down = not healthy
-        worker.status = resp.status
+        worker.status = status
+        worker.step_times = resp.step_times if resp.HasField("step_times") else None
         worker.healthy = healthy
         worker.consecutive_failures = 0
         if healthy:
             self._revive(worker)
 
-    async def _run(self) -> None:
+    # -- status streams ------------------------------------------------------------------------------
+    def _ensure_watch(self, worker: WorkerHandle) -> None:
+        """Follows the worker's status stream (a running follower is woken from its backoff)."""
+        if not self.watch or not self._started:
+            return
+        task = worker._watch_task
+        if task is not None and not task.done():
+            worker._watch_kick.set()
+            return
+        # A fresh context: the stream lives on, outside the trace of the call that added the worker.
+        worker._watch_task = asyncio.get_running_loop().create_task(
+            self._follow(worker), name=f"watch-{worker.address}", context=contextvars.Context())
+
+    def _stop_watch(self, worker: WorkerHandle) -> None:
+        if worker._watch_task is not None:
+            worker._watch_task.cancel()
+            worker._watch_task = None
+        worker.watching = False
+
+    async def _follow(self, worker: WorkerHandle) -> None:
+        """Reads the worker's status stream; opens it again after it breaks or ends, with backoff.
+        Returns when the worker answers UNIMPLEMENTED (polls then cover it)."""
+        first_backoff, most_backoff = self.watch_backoff_s
+        backoff = first_backoff
+        request = worker_service_pb2.WatchWorkerStatusRequest(interval_ms=round(self.watch_interval_s * 1e3))
+        silence_s = max(3 * self.watch_interval_s, self._poll_timeout_s)
         while True:
+            worker._watch_kick.clear()
+            call = worker.stub.WatchWorkerStatus(request)
+            why = "ended"
+            try:
+                while True:
+                    async with asyncio.timeout(silence_s):
+                        resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        break  # the worker drains or stops: its last message said so
+                    if not worker.watching:
+                        log.info("worker_status_stream", worker=worker.address)
+                    self._apply(worker, resp)
+                    worker.watching = True
+                    backoff = first_backoff
+                    self._on_change()
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    worker.watch_unsupported = True
+                    log.info("worker_status_stream_unsupported", worker=worker.address, fallback="polls")
+                    return
+                why = err.code().name
+            except TimeoutError:
+                why = "silent"
+            finally:
+                call.cancel()
+                was_watching, worker.watching = worker.watching, False
+            if was_watching:
+                log.info("worker_status_stream_closed", worker=worker.address, why=why)
+                # Until the stream is back: one poll now (a dead worker shows at once), then the poll loop.
+                self._spawn(self._poll_and_notify(worker), f"poll-{worker.address}")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await worker._watch_kick.wait()
+            backoff = min(backoff * 2, most_backoff)
+
+    async def _run(self) -> None:
+        while True:  # start() has just polled
+            await asyncio.sleep(self._poll_s)
             try:
                 await self.poll_once()
             except Exception as exc:  # noqa: BLE001 - the poller must outlive one bad round
                 log.error("worker_poll_bug", error=repr(exc))
-            await asyncio.sleep(self._poll_s)
 
     async def start(self) -> None:
         await self.poll_once()
         self._task = asyncio.create_task(self._run(), name="worker-status-poll")
+        self._started = True
+        for worker in list(self.workers.values()):
+            self._ensure_watch(worker)
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._side_tasks) if t is not None]
+        watches = [w._watch_task for w in (*self.workers.values(), *self._retired.values())]
+        tasks = [t for t in (self._task, *self._side_tasks, *watches) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
