@@ -119,18 +119,21 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
             return span, otel_context.attach(trace.set_span_in_context(span, parent))
 
         def close_span(span, token, context, exc: BaseException | None) -> None:
-            if isinstance(exc, asyncio.CancelledError):
+            end_span(span, context, exc)
+            otel_context.detach(token)
+
+        def end_span(span, context, exc: BaseException | None) -> None:
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: the caller went away
                 code, details = grpc.StatusCode.CANCELLED, "cancelled"
             else:
                 code = context.code() or grpc.StatusCode.OK
                 details = context.details()
                 if exc is not None and not isinstance(exc, grpc.aio.AbortError) and code is grpc.StatusCode.OK:
                     code, details = grpc.StatusCode.UNKNOWN, repr(exc)
-            if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+            if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit)):
                 span.record_exception(exc)
             _set_code(span, code, details if isinstance(details, str) else None, server=True)
             span.end()
-            otel_context.detach(token)
 
         def wrap_unary(inner):
             async def behavior(request, context):
@@ -150,16 +153,29 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
                 return wrap_unary(inner)  # a coroutine that writes through context.write
 
             async def behavior(request, context):
-                span, token = open_span()
+                # The span's context is attached around each step of the inner generator only: a
+                # stream closed from another context (client cancel -> aclose) must not detach a
+                # token attached elsewhere ("Failed to detach context").
+                span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+                ctx = trace.set_span_in_context(span, parent)
+                items = inner(request, context)
                 exc = None
                 try:
-                    async for item in inner(request, context):
+                    while True:
+                        token = otel_context.attach(ctx)
+                        try:
+                            item = await items.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        finally:
+                            otel_context.detach(token)
                         yield item
                 except BaseException as e:
                     exc = e
                     raise
                 finally:
-                    close_span(span, token, context, exc)
+                    await items.aclose()
+                    end_span(span, context, exc)
             return behavior
 
         if handler.unary_unary:
