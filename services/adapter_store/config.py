@@ -46,5 +46,13 @@ class StoreSettings(ServiceSettings):
     gc_interval_s: float = Field(
         600.0, description="Seconds between background GC runs; 0 disables the background GC."
     )
+    job_lease_s: float = Field(
+        60.0, gt=0, description="Generation jobs: how long a runner's claim holds without an update (runners "
+        "heartbeat at a third of it); a job whose lease lapses is requeued.")
+    job_max_attempts: int = Field(
+        3, ge=1, description="Generation jobs: claims a job may lose (lease lapsed) before it ends FAILED.")
+    job_sweep_interval_s: float = Field(
+        10.0, ge=0, description="Seconds between requeue sweeps of RUNNING jobs whose lease lapsed (claims "
+        "also sweep); 0 disables the timer.")
     db_workers: int = Field(8, description="Threads running blocking database and blob work.")
     run_migrations: bool = Field(True, description="Run `alembic upgrade head` when the server starts.")

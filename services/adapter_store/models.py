@@ -167,7 +167,8 @@ class TileEntryRow(Base):
 class GenerationJobRow(Base):
     """An accuracy-aware adapter generation job (offline greedy bin packing of tasks).
     PENDING -> RUNNING (claimed by a runner) -> SUCCEEDED | FAILED; CANCELLED from either of the
-    first two. The store (jobs.py) owns the transitions; runners send updates."""
+    first two; RUNNING -> PENDING (or FAILED after max attempts) when the runner's lease expires.
+    The store (jobs.py) owns the transitions; runners send updates."""
 
     __tablename__ = "generation_jobs"
     __table_args__ = (Index(None, "state", "created_at"),)
@@ -185,3 +186,8 @@ class GenerationJobRow(Base):
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     message: Mapped[str] = mapped_column(Text, default="")
     runner: Mapped[str] = mapped_column(String(128), default="")
+    # The current claim: its id (updates must carry it), when it lapses without an update, and
+    # how many claims the job has had (attempts).
+    lease_id: Mapped[str] = mapped_column(String(64), default="")
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)

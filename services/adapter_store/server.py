@@ -18,6 +18,7 @@ from services.common.server import Service, build_service
 from services.adapter_store import db
 from services.adapter_store.blobs import make_blob_store
 from services.adapter_store.config import StoreSettings
+from services.adapter_store.jobs import GenerationJobs
 from services.adapter_store.registry import FaultHook, Registry
 from services.adapter_store.servicer import AdapterStoreServicer, AdminServicer
 from services.adapter_store.validation import BundleChecker
@@ -41,8 +42,9 @@ async def create_server(settings: StoreSettings) -> Service:
     loop = asyncio.get_running_loop()
     registry = await loop.run_in_executor(executor, build_registry, settings)
     checker = await loop.run_in_executor(executor, BundleChecker.from_settings, settings)
-    admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir)
-    store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes)
+    jobs = GenerationJobs(registry.sessions, settings.job_lease_s, settings.job_max_attempts)
+    admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir, jobs)
+    store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes, jobs)
 
     def register(server):
         admin_grpc.add_AdminServiceServicer_to_server(admin, server)
@@ -50,7 +52,7 @@ async def create_server(settings: StoreSettings) -> Service:
         return [ADMIN_SERVICE, STORE_SERVICE]
 
     service = build_service("adapter_store", settings, register)
-    gc_task: asyncio.Task | None = None
+    tasks: list[asyncio.Task] = []
 
     async def gc_loop():
         while True:
@@ -62,16 +64,30 @@ async def create_server(settings: StoreSettings) -> Service:
             except Exception as exc:  # noqa: BLE001 - GC retries next round; the error is logged
                 log.warning("gc_failed", error=repr(exc))
 
+    async def job_sweep_loop():
+        """Requeues (or fails) generation jobs whose runner's lease lapsed, so their state shows
+        even while no runner polls."""
+        while True:
+            await asyncio.sleep(settings.job_sweep_interval_s)
+            try:
+                for job in await loop.run_in_executor(executor, jobs.requeue_expired):
+                    log.warning("generation_job_lease_expired", job=job.name, state=job.state, attempts=job.attempts,
+                                message=job.message)
+            except Exception as exc:  # noqa: BLE001 - the next round (or the next claim) retries
+                log.warning("job_sweep_failed", error=repr(exc))
+
     async def on_start():
-        nonlocal gc_task
         if settings.gc_interval_s > 0:
-            gc_task = asyncio.create_task(gc_loop(), name="adapter-store-gc")
+            tasks.append(asyncio.create_task(gc_loop(), name="adapter-store-gc"))
+        if settings.job_sweep_interval_s > 0:
+            tasks.append(asyncio.create_task(job_sweep_loop(), name="adapter-store-job-sweep"))
 
     async def on_stop():
-        if gc_task is not None:
-            gc_task.cancel()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await gc_task
+                await task
         executor.shutdown(wait=True, cancel_futures=True)
         registry.close()
 

@@ -10,6 +10,7 @@ import mmap
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import Executor
+from datetime import timedelta
 from typing import TypeVar
 
 import grpc
@@ -215,13 +216,21 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
         self.jobs = jobs or GenerationJobs(registry.sessions)
 
     async def ClaimGenerationJob(self, request, context):
-        j = await self.run(self.jobs.claim, request.runner or "runner")
-        return store_pb.ClaimGenerationJobResponse(job=convert.job_to_pb(j) if j is not None else None)
+        if len(request.runner) > 128:
+            raise invalid_field("runner", "at most 128 characters")
+        c = await self.run(self.jobs.claim, request.runner or "runner")
+        if c is None:
+            return store_pb.ClaimGenerationJobResponse()
+        out = store_pb.ClaimGenerationJobResponse(job=convert.job_to_pb(c.job), lease_id=c.lease_id,
+                                                  attempt=c.attempt, max_attempts=c.max_attempts)
+        out.lease_duration.FromTimedelta(timedelta(seconds=c.lease_s))
+        return out
 
     async def UpdateGenerationJob(self, request, context):
         result = convert.job_result_from_pb(request.result) if request.HasField("result") else None
-        j = await self.run(self.jobs.update, parse_job_name(request.name), convert.job_state_from_pb(request.state),
-                           request.progress, request.message, result, request.error)
+        j = await self.run(self.jobs.update, parse_job_name(request.name), request.lease_id,
+                           convert.job_state_from_pb(request.state), request.progress, request.message, result,
+                           request.error)
         return store_pb.UpdateGenerationJobResponse(job=convert.job_to_pb(j))
 
     async def ResolveReference(self, request, context):

@@ -6,7 +6,8 @@
         [--gateway localhost:50051] [--order digit,parity,...] [--rank 8] [--epochs 4] [--compare]
     python -m services.generator register --out out/gen --gateway localhost:50051 [--check 60]
     python -m services.generator check --out out/gen --gateway localhost:50051 --n 60
-    python -m services.generator serve   # runs GenerationJobs (settings: VALORA_ADAPTER_STORE_ADDRESS, ...)
+    python -m services.generator serve   # runs GenerationJobs (settings: VALORA_ADAPTER_STORE_ADDRESS, ...;
+                                         # VALORA_PORT > 0 serves gRPC health there, VALORA_METRICS_PORT /metrics)
 
 `generate` measures one adapter per task (for thresholds = single-task val accuracy - margin,
 unless --threshold task=acc is given for every task), runs the greedy fusion, writes the bundles
@@ -251,19 +252,25 @@ def serve(
     time. Settings come from VALORA_* (services/generator/runner.py: RunnerSettings)."""
     import signal
 
+    from services.common.logging import configure_logging
+    from services.common.metrics import start_metrics_server
     from services.generator.runner import Runner, RunnerSettings
 
     settings = RunnerSettings()
+    configure_logging("generator", settings.log_level, settings.log_json)
     runner = Runner(settings)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # SIGTERM: a job in progress stops at its next training step and goes back to the queue.
+    signal.signal(signal.SIGTERM, lambda *_: runner.stop())
+    if settings.port:  # containers: gRPC health for the probes, and /metrics
+        runner.start_health()
+        start_metrics_server(settings.metrics_port, settings.host)
     console.print(f"runner {runner.name}: polling {settings.adapter_store_address} every {settings.poll_s}s")
     try:
         if once:
             job = runner.run_once()
             console.print(f"{job.name}: {job.message}" if job is not None else "no job ran")
         else:
-            runner.serve_forever(stop=lambda: bool(stopping))
+            runner.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:

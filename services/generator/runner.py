@@ -4,8 +4,19 @@ Polls the adapter store for PENDING generation jobs (AdapterStoreService.ClaimGe
 store owns the job's state machine), runs the greedy fusion of the job's sources on its base
 model, reports progress after every fused source (UpdateGenerationJob), registers the fused
 adapters and one task per source, and finishes the job SUCCEEDED with the versions and
-accuracies, or FAILED with the error. A job cancelled meanwhile makes the next report fail with
-FAILED_PRECONDITION; the runner then stops that job between steps and registers nothing.
+accuracies, or FAILED with the error.
+
+A claim is a lease (the store's job_lease_s): every report carries its lease_id and renews it,
+and a heartbeat thread re-sends the last progress whenever a third of the lease passed without
+a report (a fusion step trains for minutes). A runner that dies or loses the store lets the
+lease lapse; the store then requeues the job and another runner starts it over (attempt n),
+registering under the same request ids, so a bundle the lost attempt already registered is
+reused when it comes out byte-identical (training is seeded), and a task it created is replaced.
+A job cancelled meanwhile (JOB_NOT_RUNNING), or whose lease was lost to another claim
+(LEASE_LOST), makes the next report or heartbeat fail with FAILED_PRECONDITION; the runner then
+stops that job at the next training step and registers nothing more. A runner asked to stop
+(SIGTERM: a rolling update, a scale-down) stops its job at the next training step too and hands
+it back (state PENDING): it is queued again at once and the attempt does not count.
 
 Registration goes through the SDK (valora/client.py) to `admin_address`: the gateway (with the
 admin key), or the store itself, which serves the registry part of AdminService. The runner is
@@ -17,9 +28,12 @@ source), 90% once test accuracy is measured and bundles exported, 100% when regi
 
 from __future__ import annotations
 
+import hashlib
+import os
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -33,8 +47,8 @@ from valora.v1 import resources_pb2 as res
 
 log = structlog.get_logger()
 
-RUNNING, SUCCEEDED, FAILED = (res.GENERATION_JOB_STATE_RUNNING, res.GENERATION_JOB_STATE_SUCCEEDED,
-                              res.GENERATION_JOB_STATE_FAILED)
+PENDING, RUNNING, SUCCEEDED, FAILED = (res.GENERATION_JOB_STATE_PENDING, res.GENERATION_JOB_STATE_RUNNING,
+                                       res.GENERATION_JOB_STATE_SUCCEEDED, res.GENERATION_JOB_STATE_FAILED)
 
 
 class RunnerSettings(ServiceSettings):
@@ -48,30 +62,151 @@ class RunnerSettings(ServiceSettings):
     threads: int = Field(1, ge=1, description="torch CPU threads.")
     batch_size: int = Field(16, ge=1, description="Training batch size (each batch holds one task).")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of each call to the store.")
+    heartbeat_s: float = Field(0.0, ge=0, description="Longest gap between reports on a running job (a heartbeat "
+                               "re-sends the last progress); 0 means a third of the store's lease.")
+
+
+# Transient failures of the store: a progress report or heartbeat that meets one is retried later
+# (the lease covers the gap); the final report retries them while the lease lasts.
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class JobCancelled(Exception):
-    """The job left RUNNING (an admin cancelled it) while the runner worked on it."""
+    """The runner must stop the job: an admin cancelled it (reason JOB_NOT_RUNNING) or the
+    runner's lease was lost, the job requeued or claimed by another runner (LEASE_LOST)."""
+
+    def __init__(self, detail: str, reason: str = "") -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class RunnerStopping(Exception):
+    """The runner was asked to stop (SIGTERM) while it worked on a job: it hands the job back."""
+
+
+def _reason(err: grpc.RpcError) -> str:
+    from services.common.errors import from_rpc_error
+
+    return from_rpc_error(err).reason
 
 
 @dataclass
 class Reporter:
-    """Reports a claimed job's progress; raises JobCancelled once the store refuses the report."""
+    """Reports a claimed job's progress under the claim's lease; raises JobCancelled once the
+    store refuses a report (and from then on, without asking it again). `start_heartbeat`
+    renews the lease from a thread while the caller is busy, re-sending the last progress and
+    message (`message` until the first report); `check()`, called at every training step,
+    raises JobCancelled as soon as a heartbeat learned the job must stop, and RunnerStopping
+    once the runner is asked to stop."""
 
     stub: store_grpc.AdapterStoreServiceStub
     name: str
     timeout_s: float
+    lease_id: str = ""
+    attempt: int = 1
+    lease_s: float = 60.0
+    message: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _last: tuple[float, str] = (0.0, "")
+    _sent_at: float = field(default_factory=time.monotonic)
+    _stopped: JobCancelled | None = None
+    _beat: threading.Thread | None = field(default=None, repr=False)
+    _beat_stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Set when the runner is asked to stop; check() (each training step) then raises RunnerStopping.
+    stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self._last = (0.0, self.message)
 
     def __call__(self, progress: float, message: str, state: int = RUNNING,
-                 result: res.GenerationJobResult | None = None, error: str = "") -> res.GenerationJob:
+                 result: res.GenerationJobResult | None = None, error: str = "") -> res.GenerationJob | None:
+        """Progress (RUNNING) returns the job, or None when the store could not be reached (the
+        heartbeat retries); the final report (SUCCEEDED/FAILED) retries transient failures while
+        the lease lasts, then raises."""
+        progress = min(max(progress, 0.0), 1.0)
+        deadline = time.monotonic() + self.lease_s
+        delay = 0.2
+        while True:
+            with self._lock:
+                if state == RUNNING:
+                    self._last = (max(progress, self._last[0]), message)
+                try:
+                    return self._send(progress, message, state, result, error)
+                except grpc.RpcError as err:
+                    if err.code() not in TRANSIENT:
+                        raise
+                    if state == RUNNING:
+                        log.warning("job_report_failed", job=self.name, code=str(err.code()))
+                        return None
+                    if time.monotonic() + delay > deadline:
+                        raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _send(self, progress: float, message: str, state: int, result, error: str) -> res.GenerationJob:
+        """One UpdateGenerationJob; the caller holds the lock."""
+        if self._stopped is not None:
+            raise JobCancelled(str(self._stopped), self._stopped.reason)
         try:
-            return self.stub.UpdateGenerationJob(store_pb.UpdateGenerationJobRequest(
-                name=self.name, progress=min(max(progress, 0.0), 1.0), message=message, state=state,
+            job = self.stub.UpdateGenerationJob(store_pb.UpdateGenerationJobRequest(
+                name=self.name, lease_id=self.lease_id, progress=progress, message=message, state=state,
                 result=result, error=error), timeout=self.timeout_s).job
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise JobCancelled(err.details()) from None
+                self._stopped = JobCancelled(err.details(), _reason(err))
+                raise JobCancelled(err.details(), self._stopped.reason) from None
             raise
+        self._sent_at = time.monotonic()
+        return job
+
+    def check(self, stopping: bool = True) -> None:
+        """Raises JobCancelled when a report or heartbeat learned that the job must stop, and
+        (with `stopping`) RunnerStopping when the runner is asked to stop."""
+        stopped = self._stopped
+        if stopped is not None:
+            raise JobCancelled(str(stopped), stopped.reason)
+        if stopping and self.stopping.is_set():
+            raise RunnerStopping("the runner is stopping")
+
+    def hand_back(self, message: str) -> res.GenerationJob | None:
+        """Returns the unfinished job to the queue (PENDING; this attempt does not count)."""
+        with self._lock:
+            try:
+                return self._send(0.0, message, PENDING, None, "")
+            except (JobCancelled, grpc.RpcError) as exc:  # lost meanwhile, or the lease will lapse instead
+                log.warning("job_hand_back_failed", job=self.name, error=repr(exc))
+                return None
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        """From now on, no more than `interval_s` passes between two reports while the job runs."""
+        interval_s = max(interval_s, 0.01)
+
+        def beat() -> None:
+            while True:
+                wait = interval_s - (time.monotonic() - self._sent_at)
+                if self._beat_stop.wait(max(wait, 0.01)):
+                    return
+                with self._lock:
+                    if self._beat_stop.is_set() or self._stopped is not None:
+                        return
+                    if time.monotonic() - self._sent_at < interval_s:
+                        continue
+                    try:
+                        self._send(*self._last, RUNNING, None, "")
+                    except JobCancelled as exc:
+                        log.info("job_stopping", job=self.name, reason=exc.reason, detail=str(exc))
+                        return
+                    except grpc.RpcError as err:  # the store is away: try again next interval
+                        log.warning("job_heartbeat_failed", job=self.name, code=str(err.code()))
+                        self._sent_at = time.monotonic()
+
+        self._beat = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._beat_stop.set()
+        if self._beat is not None:
+            self._beat.join(self.timeout_s + 1)
 
 
 def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_key: str | None = None,
@@ -98,7 +233,9 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
     report(0.01, f"loading {job.base_model} and {len(names)} task datasets")
     tasks = build_tasks(names, limit=job.split_limit or None)
     base = BaseModel.load(job.base_model, rank=rank, lora_alpha=alpha)
-    trainer = TorchTrainer(base, tasks, TrainConfig(epochs=epochs, batch_size=batch_size))
+    check = getattr(report, "check", None)  # stops training at the next step once the job must stop
+    trainer = TorchTrainer(base, tasks, TrainConfig(epochs=epochs, batch_size=batch_size),
+                           progress=(lambda *_: check()) if check is not None else None)
     report(0.05, "fusing " + ", ".join(names))
 
     done = 0
@@ -113,35 +250,59 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
     greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step)
     bundles = pipeline.bundles_of(fusion, tasks, rank, alpha, prefix, base_model=job.base_model)
     report(0.9, f"registering {len(bundles)} adapters")
+    if check is not None:
+        check(stopping=False)  # cancelled or lost in the last step: register nothing; stopping: finish
     return register(admin_address, job_id, prefix, bundles, greedy_result,
-                    {t: tasks[t].prompt for t in names}, admin_key)
+                    {t: tasks[t].prompt for t in names}, admin_key, attempt=getattr(report, "attempt", 1))
+
+
+def attempt_request_id(job_id: str, bundle_name: str, attempt: int) -> str:
+    """The upload request id of a bundle in a later attempt whose bundle differs from the one a
+    lost attempt registered under the job's own request id (at most 128 characters)."""
+    rid = f"{job_id}/{bundle_name}#{attempt}"
+    return rid if len(rid) <= 128 else f"{job_id}/{hashlib.sha256(rid.encode()).hexdigest()[:48]}"
 
 
 def register(address: str, job_id: str, prefix: str, bundles, result, prompts: dict[str, str],
-             admin_key: str | None = None) -> res.GenerationJobResult:
+             admin_key: str | None = None, attempt: int = 1) -> res.GenerationJobResult:
     """Each bundle as a version of `adapters/{bundle.name}` (request id derived from the job, so a
-    rerun of the same job registers nothing twice) and one task `tasks/{prefix}-{task}` per head."""
+    rerun of the same job registers nothing twice) and one task `tasks/{prefix}-{task}` per head.
+
+    In a retry (attempt > 1) the lost attempt may have registered already: a byte-identical
+    bundle is found by its request id; a different one (FAILED_PRECONDITION, the request id
+    names another bundle) is registered under a request id of this attempt, and a task this
+    job created for another version is replaced."""
     from valora.client import ValoraClient
 
     out = res.GenerationJobResult()
+    made_by = f"(generated by {job_id})"
     with ValoraClient(address, admin_key=admin_key) as client:
         for b in bundles:
-            v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
-                                              request_id=f"{job_id}/{b.name}")
+            try:
+                v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
+                                                  request_id=f"{job_id}/{b.name}")
+            except grpc.RpcError as err:
+                if attempt <= 1 or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
+                                                  request_id=attempt_request_id(job_id, b.name, attempt))
             out.adapter_versions.append(v.name)
             for task in b.heads:
                 row = result.tasks[task]
                 task_id = f"{prefix}-{task}"
+                kw = dict(adapter=v.name, head=task, description=f"prompt: {prompts[task]} {made_by}",
+                          accuracy_threshold=row["threshold"], measured_accuracy=row["accuracy"])
                 try:
-                    t = client.create_task(task_id, adapter=v.name, head=task,
-                                           description=f"prompt: {prompts[task]} (generated by {job_id})",
-                                           accuracy_threshold=row["threshold"], measured_accuracy=row["accuracy"])
+                    t = client.create_task(task_id, **kw)
                 except grpc.RpcError as err:
                     if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                         raise
                     t = client.get_task(task_id)
-                    if t.adapter != v.name:  # someone else's task by that name
-                        raise
+                    if t.adapter != v.name:
+                        if attempt <= 1 or not t.description.endswith(made_by):
+                            raise  # someone else's task by that name
+                        client.delete_task(task_id)  # a lost attempt's, for a bundle now replaced
+                        t = client.create_task(task_id, **kw)
                 out.tasks.append(res.GenerationTaskResult(task=t.name, adapter_version=v.name,
                                                           accuracy_threshold=row["threshold"],
                                                           measured_accuracy=row["accuracy"]))
@@ -152,37 +313,77 @@ class Runner:
     def __init__(self, settings: RunnerSettings,
                  run: Callable[..., res.GenerationJobResult] = run_job) -> None:
         self.settings = settings
-        self.name = settings.runner_name or f"{socket.gethostname()}-{__import__('os').getpid()}"
+        self.name = settings.runner_name or f"{socket.gethostname()}-{os.getpid()}"
         self._channel = grpc.insecure_channel(settings.adapter_store_address, options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes)])
         self.stub = store_grpc.AdapterStoreServiceStub(self._channel)
         self._run = run
+        self._health = None
+        self._health_server: grpc.Server | None = None
+        self.stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Asks the runner to stop (a signal handler may call it): a job in progress is stopped at
+        its next training step and handed back, and serve_forever returns."""
+        self.stopping.set()
+
+    def start_health(self) -> int:
+        """gRPC health (grpc.health.v1, what the container probes ask) on settings.host:port,
+        SERVING until close(); returns the bound port. Nothing calls the runner otherwise."""
+        from concurrent import futures
+
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        self._health = health.HealthServicer()
+        self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        port = self._health_server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        self._health_server.start()
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return port
 
     def close(self) -> None:
+        if self._health_server is not None:
+            from grpc_health.v1 import health_pb2
+
+            self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._health_server.stop(None)
         self._channel.close()
 
     def run_once(self) -> res.GenerationJob | None:
         """Claims one PENDING job and runs it to its end; returns the job as last reported (None
-        when nothing was pending)."""
+        when nothing was pending, or when the job was cancelled or its lease lost meanwhile)."""
         s = self.settings
         claimed = self.stub.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner=self.name),
                                                timeout=s.rpc_timeout_s)
         if not claimed.HasField("job"):
             return None
         job = claimed.job
-        report = Reporter(self.stub, job.name, s.rpc_timeout_s)
-        log.info("job_claimed", job=job.name, sources=[x.task for x in job.sources])
+        lease_s = claimed.lease_duration.ToTimedelta().total_seconds() or 60.0
+        report = Reporter(self.stub, job.name, s.rpc_timeout_s, lease_id=claimed.lease_id,
+                          attempt=claimed.attempt or 1, lease_s=lease_s, message=job.message,
+                          stopping=self.stopping)
+        log.info("job_claimed", job=job.name, sources=[x.task for x in job.sources], attempt=claimed.attempt,
+                 max_attempts=claimed.max_attempts, lease_s=lease_s)
+        report.start_heartbeat(s.heartbeat_s or lease_s / 3)
         started = time.monotonic()
         try:
-            result = self._run(job, report, s.admin_address or s.adapter_store_address, s.admin_key or None,
-                               s.threads, s.batch_size)
+            try:
+                result = self._run(job, report, s.admin_address or s.adapter_store_address, s.admin_key or None,
+                                   s.threads, s.batch_size)
+            finally:
+                report.stop_heartbeat()
             final = report(1.0, f"done in {time.monotonic() - started:.0f}s: {len(result.adapter_versions)} "
                                 f"adapters for {len(result.tasks)} tasks", SUCCEEDED, result)
             log.info("job_succeeded", job=job.name, adapters=list(result.adapter_versions))
             return final
         except JobCancelled as exc:
-            log.info("job_cancelled", job=job.name, detail=str(exc))
+            log.info("job_stopped", job=job.name, reason=exc.reason, detail=str(exc))
+            return None
+        except RunnerStopping:
+            log.info("job_handed_back", job=job.name)
+            report.hand_back(f"handed back by {self.name} (stopping) after {time.monotonic() - started:.0f}s")
             return None
         except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's FAILED outcome
             log.warning("job_failed", job=job.name, error=repr(exc))
@@ -192,11 +393,11 @@ class Runner:
                 return None
 
     def serve_forever(self, stop: Callable[[], bool] = lambda: False) -> None:
-        while not stop():
+        while not stop() and not self.stopping.is_set():
             try:
                 job = self.run_once()
             except grpc.RpcError as err:  # the store is down or restarting: try again later
                 log.warning("store_unreachable", code=str(err.code()), detail=err.details())
                 job = None
             if job is None:
-                time.sleep(self.settings.poll_s)
+                self.stopping.wait(self.settings.poll_s)

@@ -36,8 +36,13 @@ def create(rs, job_id="", request_id="", j=None):
         job_id=job_id, job=j or job(("digit", 0.8)), request_id=request_id)).job
 
 
-def update(rs, name, **kw):
-    return rs.store.UpdateGenerationJob(store_pb.UpdateGenerationJobRequest(name=name, **kw)).job
+def claim(rs, runner="r"):
+    """The claim response (job, lease_id, lease_duration, attempt, max_attempts)."""
+    return rs.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner=runner))
+
+
+def update(rs, name, lease_id, **kw):
+    return rs.store.UpdateGenerationJob(store_pb.UpdateGenerationJobRequest(name=name, lease_id=lease_id, **kw)).job
 
 
 def code_of(fn) -> tuple[grpc.StatusCode, str]:
@@ -83,31 +88,44 @@ def test_get_unknown_and_malformed_names(rs):
 
 
 def test_claim_progress_result(rs):
-    assert not rs.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner="r1")).HasField("job")
+    nothing = claim(rs, "r1")
+    assert not nothing.HasField("job") and not nothing.lease_id and not nothing.attempt
     a, b = create(rs, "gen-a"), create(rs, "gen-b")
-    claimed = rs.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner="r1")).job
+    first = claim(rs, "r1")
+    claimed, lease_a = first.job, first.lease_id
     assert claimed.name == a.name and claimed.state == RUNNING and "r1" in claimed.message
-    second = rs.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner="r2")).job
-    assert second.name == b.name  # never the same job twice
-    assert not rs.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner="r3")).HasField("job")
+    assert (first.attempt, first.max_attempts) == (1, 3) and first.lease_duration.seconds == 60 and lease_a
+    second = claim(rs, "r2")
+    assert second.job.name == b.name and second.lease_id != lease_a  # never the same job twice
+    assert not claim(rs, "r3").HasField("job")
 
-    j = update(rs, a.name, state=RUNNING, progress=0.5, message="fused digit")
+    j = update(rs, a.name, lease_a, state=RUNNING, progress=0.5, message="fused digit")
     assert (j.state, round(j.progress, 3), j.message) == (RUNNING, 0.5, "fused digit")
-    assert code_of(lambda: update(rs, a.name, state=RUNNING, progress=2.0))[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert code_of(lambda: update(rs, a.name, state=CANCELLED))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: update(rs, a.name, lease_a, state=RUNNING, progress=2.0))[0] == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: update(rs, a.name, lease_a, state=CANCELLED))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    # the lease is required, and only the claim's own lease is accepted
+    code, details = code_of(lambda: update(rs, a.name, "", state=RUNNING, progress=0.6))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lease_id" in details
+    code, details = code_of(lambda: update(rs, a.name, second.lease_id, state=RUNNING, progress=0.9, message="x"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no longer held" in details
+    got = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name=a.name)).job
+    assert (round(got.progress, 3), got.message) == (0.5, "fused digit")
     result = res.GenerationJobResult(adapter_versions=["adapters/gen-a-0/versions/1"], tasks=[
         res.GenerationTaskResult(task="tasks/digit", adapter_version="adapters/gen-a-0/versions/1",
                                  accuracy_threshold=0.8, measured_accuracy=0.93)])
-    done = update(rs, a.name, state=SUCCEEDED, message="done", result=result)
+    done = update(rs, a.name, lease_a, state=SUCCEEDED, message="done", result=result)
     assert done.state == SUCCEEDED and done.progress == 1.0 and done.result == result
     got = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name=a.name)).job
     assert got == done and got.update_time.ToDatetime() >= got.create_time.ToDatetime()
     # a finished job takes no more updates and cannot be cancelled
-    assert code_of(lambda: update(rs, a.name, state=RUNNING, progress=0.9))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: update(rs, a.name, lease_a, state=RUNNING, progress=0.9))[0] == \
+        grpc.StatusCode.FAILED_PRECONDITION
     assert code_of(lambda: rs.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(
         name=a.name)))[0] == grpc.StatusCode.FAILED_PRECONDITION
 
-    failed = update(rs, b.name, state=FAILED, progress=0.3, message="failed", error="unknown task 'x'")
+    failed = update(rs, b.name, second.lease_id, state=FAILED, progress=0.3, message="failed",
+                    error="unknown task 'x'")
     assert failed.state == FAILED and failed.error == "unknown task 'x'" and round(failed.progress, 3) == 0.3
 
 
@@ -116,11 +134,11 @@ def test_cancel_pending_and_running(rs):
     cancelled = rs.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(name=pending.name)).job
     assert cancelled.state == CANCELLED
     # a cancelled PENDING job is never claimed
-    claimed = rs.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner="r")).job
-    assert claimed.name == running.name
+    claimed = claim(rs)
+    assert claimed.job.name == running.name
     rs.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(name=running.name))
     # the runner learns at its next report, and cancelling again is a no-op
-    code, details = code_of(lambda: update(rs, running.name, state=RUNNING, progress=0.5))
+    code, details = code_of(lambda: update(rs, running.name, claimed.lease_id, state=RUNNING, progress=0.5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "CANCELLED" in details
     again = rs.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(name=running.name)).job
     assert again.state == CANCELLED

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from valora.v1 import resources_pb2 as _resources_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -49,26 +52,36 @@ class ClaimGenerationJobRequest(_message.Message):
     def __init__(self, runner: _Optional[str] = ...) -> None: ...
 
 class ClaimGenerationJobResponse(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "lease_id", "lease_duration", "attempt", "max_attempts")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DURATION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     job: _resources_pb2.GenerationJob
-    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...
+    lease_id: str
+    lease_duration: _duration_pb2.Duration
+    attempt: int
+    max_attempts: int
+    def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ..., lease_id: _Optional[str] = ..., lease_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., attempt: _Optional[int] = ..., max_attempts: _Optional[int] = ...) -> None: ...
 
 class UpdateGenerationJobRequest(_message.Message):
-    __slots__ = ("name", "progress", "message", "state", "result", "error")
+    __slots__ = ("name", "progress", "message", "state", "result", "error", "lease_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     progress: float
     message: str
     state: _resources_pb2.GenerationJobState
     result: _resources_pb2.GenerationJobResult
     error: str
-    def __init__(self, name: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., state: _Optional[_Union[_resources_pb2.GenerationJobState, str]] = ..., result: _Optional[_Union[_resources_pb2.GenerationJobResult, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, name: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., state: _Optional[_Union[_resources_pb2.GenerationJobState, str]] = ..., result: _Optional[_Union[_resources_pb2.GenerationJobResult, _Mapping]] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class UpdateGenerationJobResponse(_message.Message):
     __slots__ = ("job",)

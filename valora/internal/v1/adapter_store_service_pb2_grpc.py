@@ -79,15 +79,20 @@ class AdapterStoreServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimGenerationJob(self, request, context):
-        """Generation runners: take the oldest PENDING job (it turns RUNNING), report progress and finish.
+        """Generation runners: take the oldest PENDING job (it turns RUNNING under a lease held by the
+        caller), report progress and finish. A RUNNING job whose lease expired (its runner stopped
+        reporting) goes back to PENDING and is claimed again, up to the store's attempt limit;
+        after that it ends FAILED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateGenerationJob(self, request, context):
-        """Fails with FAILED_PRECONDITION (reason JOB_NOT_RUNNING) once the job was cancelled: the
-        runner stops there.
+        """Renews the caller's lease with every call (a runner heartbeats with its last progress while
+        a long step runs). Fails with FAILED_PRECONDITION, and changes nothing, once the job was
+        cancelled (reason JOB_NOT_RUNNING) or the caller's lease was lost to a newer claim or a
+        requeue (reason LEASE_LOST): the runner stops there.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
