@@ -45,6 +45,7 @@ SETTINGS = {
         "services.adapter_store.server:StoreSettings",
     ],
     "worker": ["services.worker.config:WorkerSettings", "services.worker.server:WorkerSettings"],
+    "generator": ["services.generator.runner:RunnerSettings"],
 }
 # Compose service / chart component -> `python -m` module.
 MODULES = {
@@ -52,7 +53,13 @@ MODULES = {
     "scheduler": "services.scheduler",
     "adapter-store": "services.adapter_store",
     "worker": "services.worker",
+    "generator": "services.generator",
 }
+# The command each runs: `python -m <module>`, plus the subcommand where the module has several.
+COMMANDS = {name: ["python", "-m", module] for name, module in MODULES.items()}
+COMMANDS["generator"] += ["serve"]
+# Which deploy/Dockerfile target (image) each runs: torch where it is needed.
+TARGETS = {name: "cpu" for name in MODULES} | {"worker": "worker", "generator": "worker"}
 # Settings the deployment sets ahead of the services: a missing field is reported as an
 # expected failure, not an error.
 PENDING_FIELDS = {"VALORA_METRICS_PORT"}
@@ -171,8 +178,8 @@ def test_compose_has_the_cluster():
     services = load_compose()["services"]
     for name in ("postgres", "minio", "minio-init", *MODULES):
         assert name in services, f"compose lacks {name}"
-    for name, module in MODULES.items():
-        assert services[name]["command"] == ["python", "-m", module]
+    for name, command in COMMANDS.items():
+        assert services[name]["command"] == command
 
 
 def test_every_long_running_service_has_a_healthcheck():
@@ -212,6 +219,7 @@ def test_depends_on_waits_for_health():
     assert seen >= 8
     assert set(compose["services"]["gateway"]["depends_on"]) == {"scheduler", "adapter-store"}
     assert set(compose["services"]["adapter-store"]["depends_on"]) >= {"postgres", "minio-init"}
+    assert set(compose["services"]["generator"]["depends_on"]) == {"adapter-store"}
 
 
 def test_worker_reserves_a_gpu():
@@ -243,8 +251,22 @@ def test_builds_use_the_shared_dockerfile_targets():
     for name in MODULES:
         build = services[name]["build"]
         assert build["dockerfile"] == "deploy/Dockerfile" and (COMPOSE.parent / build["context"]).resolve() == ROOT
-        assert build["target"] == ("worker" if name == "worker" else "cpu")
+        assert build["target"] == TARGETS[name]
         assert build["target"] in stages
+        assert services[name]["image"].startswith(f"valora-{TARGETS[name]}:")
+
+
+def test_generator_runs_on_the_cpu_against_the_store():
+    """The runner trains with torch (the worker image) but reserves no GPU, reaches the store
+    (jobs and registration) and mounts the base model it trains on."""
+    services = load_compose()["services"]
+    gen = services["generator"]
+    assert "deploy" not in gen, "the generator reserves no GPU"
+    env = env_of(gen)
+    store = f"adapter-store:{env_of(services['adapter-store'])['VALORA_PORT']}"
+    assert env["VALORA_ADAPTER_STORE_ADDRESS"] == store and env["VALORA_ADMIN_ADDRESS"] == store
+    assert gen["depends_on"]["adapter-store"]["condition"] == "service_healthy"
+    assert "container_name" not in gen, "`--scale generator=N` needs generated names"
 
 
 def test_volumes_are_named_and_the_model_is_a_read_only_bind_mount():
@@ -260,10 +282,11 @@ def test_volumes_are_named_and_the_model_is_a_read_only_bind_mount():
             elif vol["type"] == "volume":
                 used.add(vol["source"])
     assert used == declared and {"postgres-data", "minio-data"} <= declared
-    for name in ("worker", "adapter-store"):
+    for name in ("worker", "adapter-store", "generator"):
         mounts = [v for v in compose["services"][name]["volumes"] if isinstance(v, dict) and v["type"] == "bind"]
         assert any(m["target"] == "/models/base" and m.get("read_only") for m in mounts), name
-        assert env_of(compose["services"][name])["VALORA_MODEL_PATH"] == "/models/base"
+        if name != "generator":  # the generator trains on the model a job names (--base-model /models/base)
+            assert env_of(compose["services"][name])["VALORA_MODEL_PATH"] == "/models/base"
 
 
 def test_service_addresses_and_ports_agree():
@@ -273,6 +296,10 @@ def test_service_addresses_and_ports_agree():
     assert gateway["VALORA_SCHEDULER_ADDRESS"] == f"scheduler:{ports['scheduler']}"
     assert gateway["VALORA_ADAPTER_STORE_ADDRESS"] == f"adapter-store:{ports['adapter-store']}"
     assert env_of(services["worker"])["VALORA_ADAPTER_STORE_ADDRESS"] == f"adapter-store:{ports['adapter-store']}"
+    assert env_of(services["generator"])["VALORA_ADAPTER_STORE_ADDRESS"] == f"adapter-store:{ports['adapter-store']}"
+    assert len(set(ports.values())) == len(ports), ports
+    metrics = [env_of(services[name])["VALORA_METRICS_PORT"] for name in MODULES]
+    assert len(set(metrics)) == len(metrics), metrics
     assert env_of(services["scheduler"])["VALORA_WORKER_ADDRESSES"] == f"worker:{ports['worker']}"
     for name in MODULES:
         env = env_of(services[name])
@@ -553,16 +580,44 @@ def test_chart_metadata_and_values_parse():
 def test_chart_renders_the_cluster():
     objs = rendered_objects()
     deployments = by_kind(objs, "Deployment")
-    assert set(deployments) == {"valora-gateway", "valora-scheduler", "valora-adapter-store"}
+    assert set(deployments) == {"valora-gateway", "valora-scheduler", "valora-adapter-store", "valora-generator"}
     statefulsets = by_kind(objs, "StatefulSet")
     assert set(statefulsets) == {"valora-worker"}
     services = by_kind(objs, "Service")
     assert {"valora-gateway", "valora-scheduler", "valora-adapter-store", "valora-worker"} <= set(services)
     for name, dep in deployments.items():
         cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
-        assert cmd == ["python", "-m", MODULES[name.removeprefix("valora-")]]
+        assert cmd == COMMANDS[name.removeprefix("valora-")]
     assert deployments["valora-scheduler"]["spec"]["strategy"]["type"] == "Recreate"
-    assert len(by_kind(objs, "ServiceMonitor")) == 4
+    assert len(by_kind(objs, "ServiceMonitor")) == len(MODULES)
+
+
+def test_generator_is_a_cpu_deployment_of_the_worker_image():
+    objs = rendered_objects()
+    dep = by_kind(objs, "Deployment")["valora-generator"]
+    assert dep["spec"]["replicas"] == 1  # the default
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"].startswith("valora-worker:")
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert "tolerations" not in pod
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/models/base"]["readOnly"] is True and {"/tmp", "/var/lib/valora/cache"} <= set(mounts)
+    cm = by_kind(objs, "ConfigMap")["valora-generator"]["data"]
+    store_port = by_kind(objs, "ConfigMap")["valora-adapter-store"]["data"]["VALORA_PORT"]
+    assert cm["VALORA_ADAPTER_STORE_ADDRESS"] == cm["VALORA_ADMIN_ADDRESS"] == f"valora-adapter-store:{store_port}"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["VALORA_RUNNER_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    service = by_kind(objs, "Service")["valora-generator"]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["metrics"]
+
+
+def test_generator_replicas_follow_values():
+    values = json.loads(json.dumps(CHART_VALUES))
+    values["generator"] = {"replicas": 3, "threads": 8}
+    objs = rendered_objects(values)
+    assert by_kind(objs, "Deployment")["valora-generator"]["spec"]["replicas"] == 3
+    assert by_kind(objs, "ConfigMap")["valora-generator"]["data"]["VALORA_THREADS"] == "8"
 
 
 def test_workers_are_a_gpu_statefulset_found_by_dns():
