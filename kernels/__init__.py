@@ -3,12 +3,31 @@
 Standalone: imports no service. CPU machines (and any machine without nvcc/the extension) use the
 references in `kernels.reference`; `kernels.atmm` / `kernels.switch` dispatch automatically.
 See kernels/README.md for the build, the API and the measured numbers.
+
+The names below are imported on first use, so `kernels.tile_table` (plain Python) imports without
+torch: the adapter store validates tile tables with it.
 """
 
-from kernels.atmm import AtmmPlan, LoraWeights, atmm_
-from kernels.reference import SegmentPlan, multi_lora_reference_, switch_reference_
-from kernels.switch import LoraTerm, SwitchPlan, merge_, switch_, unmerge_
-from kernels.tile_table import TileConfig, TileTable
+from __future__ import annotations
 
-__all__ = ["AtmmPlan", "LoraTerm", "LoraWeights", "SegmentPlan", "SwitchPlan", "TileConfig", "TileTable", "atmm_",
-           "merge_", "multi_lora_reference_", "switch_", "switch_reference_", "unmerge_"]
+import importlib
+
+_EXPORTS = {
+    "AtmmPlan": "kernels.atmm", "LoraWeights": "kernels.atmm", "atmm_": "kernels.atmm",
+    "SegmentPlan": "kernels.reference", "multi_lora_reference_": "kernels.reference",
+    "switch_reference_": "kernels.reference",
+    "LoraTerm": "kernels.switch", "SwitchPlan": "kernels.switch", "merge_": "kernels.switch",
+    "switch_": "kernels.switch", "unmerge_": "kernels.switch",
+    "TileConfig": "kernels.tile_table", "TileTable": "kernels.tile_table",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
+from valora.internal.v1 import adapter_store_service_pb2 as store_pb
 from valora.v1 import admin_service_pb2 as admin_pb
 from valora.v1 import resources_pb2 as res_pb
 
@@ -14,6 +15,7 @@ from services.common.errors import invalid_field
 
 from services.adapter_store.domain import Adapter, Head, Task, Version
 from services.adapter_store.jobs import Job, JobResult, JobSource, JobSpec, TaskOutcome
+from services.adapter_store.tile_tables import StoredTileTable
 from services.adapter_store.validation import UploadRequest, normalize_sha256
 
 _STATES = {
@@ -150,3 +152,9 @@ def job_spec_from_pb(job_id: str, j: res_pb.GenerationJob) -> JobSpec:
         names.check_id(j.adapter_prefix, "job.adapter_prefix")
     return JobSpec(j.base_model, tuple(JobSource(s.task, s.accuracy_threshold) for s in j.sources),
                    j.rank or 8, j.epochs or 4, j.adapter_prefix, j.split_limit)
+
+
+def tile_table_to_pb(t: StoredTileTable) -> store_pb.TileTable:
+    return store_pb.TileTable(gpu_name=t.gpu_name, gpu_arch=t.gpu_arch, dtype=t.dtype, table_json=t.table_json,
+                              sha256=t.sha256, create_time=timestamp(t.created_at),
+                              update_time=timestamp(t.updated_at))

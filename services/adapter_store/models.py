@@ -147,21 +147,19 @@ class FusedMemberRow(Base):
     added_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
-class TileEntryRow(Base):
-    """One tile-table entry: the ATMM tile config measured fastest for a shape bucket on a GPU."""
+class TileTableRow(Base):
+    """The ATMM tile table (kernels.tile_table JSON) of one GPU name/arch and dtype; a put
+    replaces it (the latest wins)."""
 
-    __tablename__ = "tile_entries"
-    __table_args__ = (UniqueConstraint("gpu_name", "gpu_arch", "dtype", "op", "shape_bucket"),)
+    __tablename__ = "tile_tables"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    gpu_name: Mapped[str] = mapped_column(String(128))
-    gpu_arch: Mapped[str] = mapped_column(String(32))
-    dtype: Mapped[str] = mapped_column(String(16))
-    op: Mapped[str] = mapped_column(String(32))
-    shape_bucket: Mapped[str] = mapped_column(String(128))
-    tile_config_id: Mapped[int] = mapped_column(Integer)
-    measured_us: Mapped[float] = mapped_column(Float)
+    gpu_name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    gpu_arch: Mapped[str] = mapped_column(String(32), primary_key=True)
+    dtype: Mapped[str] = mapped_column(String(16), primary_key=True)
+    table_json: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(SHA_LEN))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
 class GenerationJobRow(Base):

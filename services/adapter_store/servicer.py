@@ -27,6 +27,7 @@ from services.adapter_store import convert
 from services.adapter_store.domain import PageRequest
 from services.adapter_store.jobs import GenerationJobs, parse_job_name
 from services.adapter_store.registry import Registry
+from services.adapter_store.tile_tables import TileTables
 from services.adapter_store.validation import BundleChecker
 
 R = TypeVar("R")
@@ -209,11 +210,21 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
 class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
     def __init__(self, registry: Registry, executor: Executor, chunk_bytes: int,
-                 jobs: GenerationJobs | None = None) -> None:
+                 jobs: GenerationJobs | None = None, tile_tables: TileTables | None = None) -> None:
         _Blocking.__init__(self, executor)
         self.registry = registry
         self.chunk_bytes = chunk_bytes
         self.jobs = jobs or GenerationJobs(registry.sessions)
+        self.tile_tables = tile_tables or TileTables(registry.sessions)
+
+    async def PutTileTable(self, request, context):
+        t = await self.run(self.tile_tables.put, request.gpu_name, request.gpu_arch, request.dtype,
+                           request.table_json)
+        return store_pb.PutTileTableResponse(table=convert.tile_table_to_pb(t))
+
+    async def GetTileTable(self, request, context):
+        t = await self.run(self.tile_tables.get, request.gpu_name, request.gpu_arch, request.dtype)
+        return store_pb.GetTileTableResponse(table=convert.tile_table_to_pb(t))
 
     async def ClaimGenerationJob(self, request, context):
         if len(request.runner) > 128:

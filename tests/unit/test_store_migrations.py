@@ -18,7 +18,7 @@ def test_upgrade_head_matches_models(tmp_path):
             assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}),
                                     Base.metadata) == []
         tables = set(inspect(engine).get_table_names())
-        assert {"adapters", "adapter_versions", "aliases", "tasks", "fused_adapter_members", "tile_entries",
+        assert {"adapters", "adapter_versions", "aliases", "tasks", "fused_adapter_members", "tile_tables",
                 "generation_jobs", "alembic_version"} <= tables
     finally:
         engine.dispose()

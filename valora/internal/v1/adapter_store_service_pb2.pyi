@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from valora.v1 import resources_pb2 as _resources_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -88,3 +89,55 @@ class UpdateGenerationJobResponse(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     job: _resources_pb2.GenerationJob
     def __init__(self, job: _Optional[_Union[_resources_pb2.GenerationJob, _Mapping]] = ...) -> None: ...
+
+class TileTable(_message.Message):
+    __slots__ = ("gpu_name", "gpu_arch", "dtype", "table_json", "sha256", "create_time", "update_time")
+    GPU_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_ARCH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    gpu_name: str
+    gpu_arch: str
+    dtype: str
+    table_json: str
+    sha256: str
+    create_time: _timestamp_pb2.Timestamp
+    update_time: _timestamp_pb2.Timestamp
+    def __init__(self, gpu_name: _Optional[str] = ..., gpu_arch: _Optional[str] = ..., dtype: _Optional[str] = ..., table_json: _Optional[str] = ..., sha256: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class PutTileTableRequest(_message.Message):
+    __slots__ = ("gpu_name", "gpu_arch", "dtype", "table_json")
+    GPU_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_ARCH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    gpu_name: str
+    gpu_arch: str
+    dtype: str
+    table_json: str
+    def __init__(self, gpu_name: _Optional[str] = ..., gpu_arch: _Optional[str] = ..., dtype: _Optional[str] = ..., table_json: _Optional[str] = ...) -> None: ...
+
+class PutTileTableResponse(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: TileTable
+    def __init__(self, table: _Optional[_Union[TileTable, _Mapping]] = ...) -> None: ...
+
+class GetTileTableRequest(_message.Message):
+    __slots__ = ("gpu_name", "gpu_arch", "dtype")
+    GPU_NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_ARCH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    gpu_name: str
+    gpu_arch: str
+    dtype: str
+    def __init__(self, gpu_name: _Optional[str] = ..., gpu_arch: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class GetTileTableResponse(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: TileTable
+    def __init__(self, table: _Optional[_Union[TileTable, _Mapping]] = ...) -> None: ...

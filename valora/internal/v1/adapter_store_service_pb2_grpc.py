@@ -56,6 +56,16 @@ class AdapterStoreServiceStub:
                 request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.SerializeToString,
                 response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.FromString,
                 _registered_method=True)
+        self.PutTileTable = channel.unary_unary(
+                '/valora.internal.v1.AdapterStoreService/PutTileTable',
+                request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableResponse.FromString,
+                _registered_method=True)
+        self.GetTileTable = channel.unary_unary(
+                '/valora.internal.v1.AdapterStoreService/GetTileTable',
+                request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.GetTileTableRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.GetTileTableResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterStoreServiceServicer:
@@ -98,6 +108,23 @@ class AdapterStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutTileTable(self, request, context):
+        """ATMM tile tables (kernels.tile_table JSON), one per GPU name, arch and dtype: the offline
+        tile search uploads, CUDA workers read theirs at start-up. Put replaces the key's table (the
+        latest wins); INVALID_ARGUMENT when the JSON is not a tile table, names another key or is
+        too large.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTileTable(self, request, context):
+        """NOT_FOUND when no table was put for the key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +147,16 @@ def add_AdapterStoreServiceServicer_to_server(servicer, server):
                     servicer.UpdateGenerationJob,
                     request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.FromString,
                     response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.SerializeToString,
+            ),
+            'PutTileTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutTileTable,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableResponse.SerializeToString,
+            ),
+            'GetTileTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTileTable,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.GetTileTableRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.GetTileTableResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -232,6 +269,60 @@ class AdapterStoreService:
             '/valora.internal.v1.AdapterStoreService/UpdateGenerationJob',
             valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.SerializeToString,
             valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutTileTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.AdapterStoreService/PutTileTable',
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTileTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.internal.v1.AdapterStoreService/GetTileTable',
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.GetTileTableRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.GetTileTableResponse.FromString,
             options,
             channel_credentials,
             insecure,
