@@ -233,13 +233,39 @@ class LoraWeights:
 _tables: dict[tuple, TileTable] = {}
 
 
+def _device_index(device: torch.device | str | int) -> int:
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def gpu_key(device: torch.device | str | int) -> tuple[str, str]:
+    """(GPU name, "sm{major}{minor}") of a CUDA device: with the dtype name, the key of its tile
+    table (the same as `kernels.tile_search` writes and the adapter store keys)."""
+    props = torch.cuda.get_device_properties(_device_index(device))
+    return props.name, f"sm{props.major}{props.minor}"
+
+
 def default_table(device: torch.device, dtype: torch.dtype) -> TileTable:
-    """The committed tile table for this GPU and dtype (cached), or heuristics only."""
-    key = (device.index, dtype)
+    """The tile table in use for this GPU and dtype (cached): the one `use_table` installed, else
+    the committed one, else heuristics only."""
+    key = (_device_index(device), dtype)
     if key not in _tables:
-        props = torch.cuda.get_device_properties(device)
-        _tables[key] = find_table(props.name, f"sm{props.major}{props.minor}", _DTYPES[dtype])
+        gpu, arch = gpu_key(device)
+        _tables[key] = find_table(gpu, arch, _DTYPES[dtype])
     return _tables[key]
+
+
+def use_table(device: torch.device | str | int, dtype: torch.dtype, table: TileTable) -> None:
+    """Install `table` as the tile table `atmm_` uses for `device` and `dtype` (e.g. one fetched
+    from the adapter store), replacing the cached default. Its dtype must be `dtype`'s."""
+    name = _DTYPES.get(dtype)
+    if name is None:
+        raise ValueError(f"tile tables are for bfloat16 or float16, not {dtype}")
+    if table.dtype != name:
+        raise ValueError(f"the table is for {table.dtype}, not {name}")
+    _tables[(_device_index(device), dtype)] = table
 
 
 _config_ids: dict[str, int] = {}
@@ -411,5 +437,5 @@ def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
     return w
 
 
-__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "choose_config", "default_table", "extension", "lora_weights_from_lists",
-           "triton_available"]
+__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "choose_config", "default_table", "extension", "gpu_key",
+           "lora_weights_from_lists", "triton_available", "use_table"]

@@ -9,6 +9,7 @@ again as soon as the engine thread dies.
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import time
 from pathlib import Path
@@ -454,6 +455,40 @@ def prepare_kernels(settings: WorkerSettings) -> bool | None:
     return available
 
 
+async def install_tile_table(settings: WorkerSettings, fetcher: AdapterFetcher, timeout_s: float = 10.0) -> str | None:
+    """CUDA bf16/fp16 workers ask the adapter store for the ATMM tile table of their GPU name/arch
+    and dtype (the key `kernels.tile_search` writes) and install it for `kernels.atmm`. Without
+    one (none stored, no store configured, the store unreachable or the table invalid) the
+    committed JSON or the heuristics stay; a store problem is a warning, never fatal. Returns
+    where the table in use comes from ("store", "committed", "heuristics"); None on CPU/fp32
+    (nothing CUDA is imported)."""
+    if not settings.device.startswith("cuda") or settings.dtype not in ("bfloat16", "float16"):
+        return None
+    import torch  # noqa: PLC0415 - CUDA workers only
+
+    from kernels import atmm  # noqa: PLC0415
+    from kernels.tile_table import TABLE_DIR, TileTable, table_filename  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    gpu, arch = await loop.run_in_executor(None, atmm.gpu_key, settings.device)
+    dtype = getattr(torch, settings.dtype)
+    key = {"gpu": gpu, "arch": arch, "dtype": settings.dtype}
+    if fetcher.store_address:
+        try:
+            stored = await fetcher.get_tile_table(gpu, arch, settings.dtype, timeout_s=timeout_s)
+            if stored is not None:
+                table = TileTable.from_json(json.loads(stored.table_json))
+                atmm.use_table(settings.device, dtype, table)
+                log.info("tile_table", source="store", sha256=stored.sha256, buckets=len(table.entries), **key)
+                return "store"
+        except Exception as exc:  # noqa: BLE001 - start-up goes on with the committed table
+            log.warning("tile_table_fetch_failed", error=f"{type(exc).__name__}: {exc}", **key)
+    committed = (TABLE_DIR / table_filename(gpu, arch, settings.dtype)).is_file()
+    source = "committed" if committed else "heuristics"
+    log.info("tile_table", source=source, file=table_filename(gpu, arch, settings.dtype) if committed else "", **key)
+    return source
+
+
 async def create_server(settings: WorkerSettings) -> Service:
     """Builds the worker's server; the model loads when the service starts (health NOT_SERVING
     until then, and again if the engine dies)."""
@@ -477,6 +512,10 @@ async def create_server(settings: WorkerSettings) -> Service:
 
     async def load_engine() -> None:
         loop = asyncio.get_running_loop()
+        try:
+            await install_tile_table(settings, fetcher)
+        except Exception as exc:  # noqa: BLE001 - e.g. no CUDA device: the engine reports that itself
+            log.warning("tile_table_failed", error=f"{type(exc).__name__}: {exc}")
 
         def build() -> Engine:
             path = Path(settings.model_path).expanduser()

@@ -115,3 +115,15 @@ class AdapterFetcher:
                                {h.name: list(h.labels) for h in meta.version.heads})
         await loop.run_in_executor(None, self._write_cache, bundle)
         return bundle
+
+    async def get_tile_table(self, gpu_name: str, gpu_arch: str, dtype: str,
+                             timeout_s: float | None = None) -> store_pb.TileTable | None:
+        """The store's ATMM tile table for this GPU/arch/dtype, or None when it has none."""
+        try:
+            reply = await self._stub().GetTileTable(
+                store_pb.GetTileTableRequest(gpu_name=gpu_name, gpu_arch=gpu_arch, dtype=dtype), timeout=timeout_s)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise from_rpc_error(err) from err
+        return reply.table
