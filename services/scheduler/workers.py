@@ -137,6 +137,9 @@ class WorkerHandle:
         if not out.device:
             out.device = self.registered_device
         out.running_requests = max(out.running_requests, self.inflight)
+        if self.step_times is not None:
+            out.decode_step_ms_p50 = self.step_times.decode_step_ms_p50
+            out.prefill_step_ms_p50 = self.step_times.prefill_step_ms_p50
         return out
 
     def mark_failed(self, why: str) -> None:

@@ -286,6 +286,7 @@ async def test_pool_view_follows_the_stream_without_polling():
         view = handle.view()
         assert view.merged_adapter == A and view.resident_adapters == frozenset({A})
         assert handle.step_times.decode_step_ms_p50 == 7.5 and handle.step_times.decode_steps == 8
+        assert handle.to_pb().decode_step_ms_p50 == 7.5  # what GetClusterStatus / `valora status` show
 
         w.push(healthy=False)
         await until(lambda: not handle.view().healthy)

@@ -221,7 +221,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "healthy", "mode", "merged_adapter", "resident_adapters", "host_adapters", "running_requests", "max_batch_size", "device", "kv_cache_bytes", "waiting_requests", "last_step_ms", "image_cache_hits", "image_cache_misses")
+    __slots__ = ("address", "healthy", "mode", "merged_adapter", "resident_adapters", "host_adapters", "running_requests", "max_batch_size", "device", "kv_cache_bytes", "waiting_requests", "last_step_ms", "image_cache_hits", "image_cache_misses", "decode_step_ms_p50", "prefill_step_ms_p50")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,8 @@ class WorkerStatus(_message.Message):
     LAST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_MS_P50_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     mode: _types_pb2.InferenceMode
@@ -250,7 +252,9 @@ class WorkerStatus(_message.Message):
     last_step_ms: float
     image_cache_hits: int
     image_cache_misses: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ..., merged_adapter: _Optional[str] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., host_adapters: _Optional[_Iterable[str]] = ..., running_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., last_step_ms: _Optional[float] = ..., image_cache_hits: _Optional[int] = ..., image_cache_misses: _Optional[int] = ...) -> None: ...
+    decode_step_ms_p50: float
+    prefill_step_ms_p50: float
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ..., merged_adapter: _Optional[str] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., host_adapters: _Optional[_Iterable[str]] = ..., running_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., device: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., last_step_ms: _Optional[float] = ..., image_cache_hits: _Optional[int] = ..., image_cache_misses: _Optional[int] = ..., decode_step_ms_p50: _Optional[float] = ..., prefill_step_ms_p50: _Optional[float] = ...) -> None: ...
 
 class GetClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "queued_requests")
