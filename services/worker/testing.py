@@ -1,4 +1,4 @@
-"""Test helpers shared by unit and e2e tests: random PEFT-layout adapter bundles for a model,
+"""Test helpers shared by unit and e2e tests: random images, random PEFT-layout adapter bundles for a model,
 a PEFT directory writer (for `peft.PeftModel.from_pretrained` references), and an in-memory
 AdapterStoreService that serves bundles over gRPC.
 """
@@ -15,6 +15,14 @@ from safetensors.torch import save as save_safetensors
 
 from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, lora_key
 from services.common.errors import AdapterNotFound
+
+
+def random_image(seed: int, size: int = 56):
+    """A deterministic random RGB PIL image (size x size)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
 @dataclass(frozen=True)

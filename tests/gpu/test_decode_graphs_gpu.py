@@ -6,30 +6,18 @@ from __future__ import annotations
 
 import queue
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.model import ensure_tiny_model
 from services.worker.requests import Failed, Finished, WorkRequest
-from services.worker.testing import random_adapter_bundle
+from services.worker.testing import random_adapter_bundle, random_image
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
-
-
-def image(seed: int, size: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 def run(model_path, dtype: str, graphs: str, adapters: list) -> tuple[dict, Engine]:
@@ -41,7 +29,7 @@ def run(model_path, dtype: str, graphs: str, adapters: list) -> tuple[dict, Engi
         for i, name in enumerate((A, B)):
             b = random_adapter_bundle(model_path, rank=8 * (i + 1), lora_alpha=8, seed=i + 1)
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
-        reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [image(i)], adapter=a, max_new_tokens=24)
+        reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=a, max_new_tokens=24)
                 for i, a in enumerate(adapters)]
         events: queue.Queue = queue.Queue()
         with eng._wake:

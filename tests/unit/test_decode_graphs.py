@@ -7,35 +7,23 @@ from __future__ import annotations
 
 import queue
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from services.worker.engine import Engine, EngineConfig
 from services.worker.kv_batch import DecodeBatch
-from services.worker.model import ensure_tiny_model
 from services.worker.requests import Failed, Finished, Mode, WorkRequest
 from services.worker.sampling import SamplingParams
-from services.worker.testing import random_adapter_bundle
+from services.worker.testing import random_adapter_bundle, random_image
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
-
-
-def image(seed: int, size: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 def requests() -> list[WorkRequest]:
     adapters = [None, A, B, A, B, None]
     lengths = [3, 40, 9, 17, 40, 1]  # rows leave at different steps: the batch re-packs
-    out = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [image(i)], adapter=adapters[i],
+    out = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=adapters[i],
                        max_new_tokens=n) for i, n in enumerate(lengths)]
-    out.append(WorkRequest("sampled", "What color?", [image(9)], adapter=A, max_new_tokens=12,
+    out.append(WorkRequest("sampled", "What color?", [random_image(9)], adapter=A, max_new_tokens=12,
                            sampling=SamplingParams(temperature=0.8, top_k=20, seed=7)))
     return out
 

@@ -8,36 +8,25 @@ import os
 import queue
 import threading
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from services.common.errors import AdapterNotFound, CapacityExceeded, FailedPrecondition, InvalidArgument
 from services.worker.adapters import AdapterPool, parse_bundle
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.engine import Engine, EngineConfig
 from services.worker.lora import LoraRuntime, install_lora
-from services.worker.model import build_inputs, ensure_tiny_model, load_model
+from services.worker.model import build_inputs, load_model
 from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.switcher import Switcher
-from services.worker.testing import random_adapter_bundle, write_peft_dir
+from services.worker.testing import random_adapter_bundle, random_image, write_peft_dir
 
 A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
 LABELS = ["red", "green", "blue", "yellow"]
 MAX_NEW = 10
 # The same checks run on a GPU with VALORA_TEST_DEVICE=cuda (fp32, so PEFT agrees token for token).
 DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
-
-
-def image(seed: int, size: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +93,7 @@ def run_concurrently(engine, requests):
 def test_batched_requests_of_different_adapters_match_peft(engine, model_path, bundles, tmp_path):
     prompt = "Describe the image."
     targets = {"base": None, "a": A, "b": B, "c": C}
-    imgs = {"base": image(1), "a": image(1), "b": image(2, 112), "c": image(1)}
+    imgs = {"base": random_image(1), "a": random_image(1), "b": random_image(2, 112), "c": random_image(1)}
     reqs = [WorkRequest(f"{name}-{i}", prompt, [imgs[name]], adapter=ad, max_new_tokens=MAX_NEW)
             for i in range(2) for name, ad in targets.items()]
     engine.peak_decode_entries = 0
@@ -131,7 +120,7 @@ def test_batched_requests_of_different_adapters_match_peft(engine, model_path, b
 def test_label_request_returns_reference_argmax(engine, model_path, bundles, tmp_path):
     from peft import PeftModel
 
-    img = image(5)
+    img = random_image(5)
     _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B,
                                        output_kind=OutputKind.LABEL, head="color"))
     model = PeftModel.from_pretrained(load_model(model_path, DEVICE), write_peft_dir(bundles[B], tmp_path / "b")).eval()
@@ -161,7 +150,7 @@ def test_cancellation_frees_sequence_and_kv_cache(engine):
         events.put(ev)
         first.set()
 
-    handle = engine.submit(engine.prepare(WorkRequest("long", "Count the objects.", [image(3)], adapter=A,
+    handle = engine.submit(engine.prepare(WorkRequest("long", "Count the objects.", [random_image(3)], adapter=A,
                                                       max_new_tokens=1000)), sink)
     assert first.wait(30)
     for _ in range(600):  # stats are published at the end of each step
@@ -184,7 +173,7 @@ def test_cancellation_frees_sequence_and_kv_cache(engine):
 
 
 def test_sampling_is_seeded_and_stop_sequences_cut_text(engine):
-    img = image(4)
+    img = random_image(4)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7)
     runs = [engine.generate(WorkRequest(f"s{i}", "Hello", [img], sampling=params, max_new_tokens=12))[1]
             for i in range(2)]
@@ -244,7 +233,7 @@ def test_adapter_pool_lru_never_evicts_held_slots(model_path, bundles, engine):
 
 
 def test_merged_and_mixture_modes_match_unmerged_outputs(engine):
-    img = image(6)
+    img = random_image(6)
     reqs = {"base": None, "a": A, "b": B}
 
     def run_all():
@@ -342,7 +331,7 @@ def test_tiny_model_loads_back_with_auto_classes(model_path):
                         ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")):
         assert getattr(model.config, attr) == tok.convert_tokens_to_ids(token)
     assert model.config.text_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
-    inputs = build_inputs(processor, [image(1, 56), image(2, 112)], "Hi")
+    inputs = build_inputs(processor, [random_image(1, 56), random_image(2, 112)], "Hi")
     ids = inputs["input_ids"][0].tolist()
     assert ids.count(model.config.image_token_id) == 4 + 16
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 8, 8]]
@@ -366,7 +355,7 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
     ads = {f"adapters/k{r}/versions/1": random_adapter_bundle(model_path, rank=r, lora_alpha=r, seed=r)
            for r in (8, 16)}
     names = [None, *ads]
-    reqs = [WorkRequest(f"r{i}", "Describe the image.", [image(i)], adapter=names[i % 3], max_new_tokens=8)
+    reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i)], adapter=names[i % 3], max_new_tokens=8)
             for i in range(6)]
     outs = []
     for use_atmm in (True, False):
@@ -428,7 +417,7 @@ def test_early_adapter_release(engine, model_path, bundles, tmp_path):
     """LoRazor-style release after half the tokens: the first half equals the adapter run, the
     rest continues on the base path with the adapter's KV cache (PEFT reference, adapter disabled
     mid-generation), in a mixed batch and in merged mode alike; 0 changes nothing."""
-    img, prompt, n = image(7), "Describe the image.", 8
+    img, prompt, n = random_image(7), "Describe the image.", 8
     req = lambda rid, f=0.0, ad=A: WorkRequest(rid, prompt, [img], adapter=ad, max_new_tokens=n,
                                                adapter_release_fraction=f)
     got = {rid: r for rid, (_, r) in run_concurrently(
@@ -458,7 +447,7 @@ def test_released_adapter_leaves_its_device_slot(engine, model_path):
     b = random_adapter_bundle(model_path, rank=2, seed=9)
     engine.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
     events: queue.Queue = queue.Queue()
-    handle = engine.submit(engine.prepare(WorkRequest("rel", "Count.", [image(8)], adapter=name, max_new_tokens=1000,
+    handle = engine.submit(engine.prepare(WorkRequest("rel", "Count.", [random_image(8)], adapter=name, max_new_tokens=1000,
                                                       adapter_release_fraction=0.004)), events.put)  # 4 tokens
     try:
         assert isinstance(events.get(timeout=30), TextDelta)  # running: admitted, slot pinned

@@ -9,29 +9,17 @@ import os
 import queue
 import threading
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.model import ensure_tiny_model
 from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
-from services.worker.testing import random_adapter_bundle
+from services.worker.testing import random_adapter_bundle, random_image
 
 A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
 LABELS = ["red", "green", "blue", "yellow"]
 MAX_NEW = 8
 DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
-
-
-def image(seed: int, size: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +77,14 @@ def outcome(q: queue.Queue):
 def mixed_requests() -> list[WorkRequest]:
     r = lambda rid, prompt, imgs=(), **kw: WorkRequest(rid, prompt, list(imgs), max_new_tokens=MAX_NEW, **kw)
     return [
-        r("base-1img", "Hi.", [image(1)]),
-        r("a-1img-long", "Describe every object in this picture, its colour and where it is.", [image(2)], adapter=A),
-        r("b-2img", "What changed between them?", [image(3), image(4, 112)], adapter=B),
-        r("a-2img", "Compare.", [image(5, 112), image(6)], adapter=A),
+        r("base-1img", "Hi.", [random_image(1)]),
+        r("a-1img-long", "Describe every object in this picture, its colour and where it is.", [random_image(2)], adapter=A),
+        r("b-2img", "What changed between them?", [random_image(3), random_image(4, 112)], adapter=B),
+        r("a-2img", "Compare.", [random_image(5, 112), random_image(6)], adapter=A),
         r("c-text", "Tell me a short story about a cat.", adapter=C),
-        r("label", "What color is it?", [image(7)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
-        r("base-video", "What happens?", [image(8)], videos=[[image(9), image(10), image(11)]]),
-        r("sampled", "Guess.", [image(1)], adapter=C,
+        r("label", "What color is it?", [random_image(7)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
+        r("base-video", "What happens?", [random_image(8)], videos=[[random_image(9), random_image(10), random_image(11)]]),
+        r("sampled", "Guess.", [random_image(1)], adapter=C,
           sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11)),
     ]
 
@@ -140,9 +128,9 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
 
 
 def test_prefill_bound_counts_padded_tokens_and_keeps_fifo(engine, prefills):
-    short = [WorkRequest(f"s{i}", "Hi.", [image(20 + i)], adapter=A if i % 2 else None, max_new_tokens=3)
+    short = [WorkRequest(f"s{i}", "Hi.", [random_image(20 + i)], adapter=A if i % 2 else None, max_new_tokens=3)
              for i in range(3)]
-    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [image(30, 112)],
+    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [random_image(30, 112)],
                        max_new_tokens=3)
     n = engine.prepare(short[0]).prompt_tokens
     assert engine.prepare(long).prompt_tokens > 2 * n
@@ -161,7 +149,7 @@ def test_prefill_bound_counts_padded_tokens_and_keeps_fifo(engine, prefills):
 
 def test_failed_batched_forward_fails_its_requests_only(engine):
     running: queue.Queue = queue.Queue()
-    long = WorkRequest("keeps-going", "Count.", [image(40)], adapter=A, max_new_tokens=24)
+    long = WorkRequest("keeps-going", "Count.", [random_image(40)], adapter=A, max_new_tokens=24)
     engine.submit(engine.prepare(long), running.put)
     assert isinstance(running.get(timeout=60), TextDelta)  # decoding
     armed = threading.Event()
@@ -175,9 +163,9 @@ def test_failed_batched_forward_fails_its_requests_only(engine):
     hook = engine.model.model.language_model.register_forward_pre_hook(boom, with_kwargs=True)
     try:
         failed = {rid: outcome(q)[1] for rid, q in submit_together(engine, [
-            WorkRequest("f1", "Hi.", [image(41)], adapter=B, max_new_tokens=4),
-            WorkRequest("f2", "Describe it.", [image(42, 112)], max_new_tokens=4),
-            WorkRequest("f3", "Which color?", [image(43)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
+            WorkRequest("f1", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
+            WorkRequest("f2", "Describe it.", [random_image(42, 112)], max_new_tokens=4),
+            WorkRequest("f3", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
         ]).items()}
     finally:
         hook.remove()
@@ -188,7 +176,7 @@ def test_failed_batched_forward_fails_its_requests_only(engine):
     deltas, ev = outcome(running)
     assert isinstance(ev, Finished) and ev.result.output_tokens == 24
     assert engine.alive
-    assert engine.generate(WorkRequest("after", "Hi.", [image(41)], adapter=B, max_new_tokens=4))[1].output_tokens == 4
+    assert engine.generate(WorkRequest("after", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4))[1].output_tokens == 4
     for _ in range(200):  # nothing leaked: no sequence, no cache, no pinned adapter slot
         s = engine.stats()
         if s.running == 0 and s.kv_cache_bytes == 0:

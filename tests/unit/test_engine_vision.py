@@ -9,26 +9,16 @@ import os
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.model import build_inputs, ensure_tiny_model, load_model, load_processor
+from services.worker.model import build_inputs, load_model, load_processor
 from services.worker.requests import WorkRequest
-from services.worker.testing import random_adapter_bundle
+from services.worker.testing import random_adapter_bundle, random_image
 from services.worker.vision import FeatureCache
 
 A = "adapters/alpha/versions/1"
 MAX_NEW = 8
 DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
-
-
-def image(seed: int, size: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +54,11 @@ def test_repeated_image_skips_the_vision_tower(engine, vision_calls):
     engine.vision.cache.clear()
     before = engine.stats().image_cache
     req = lambda rid, img, ad=A: WorkRequest(rid, "Describe the image.", [img], adapter=ad, max_new_tokens=MAX_NEW)
-    _, first = engine.generate(req("first", image(11)))
+    _, first = engine.generate(req("first", random_image(11)))
     assert vision_calls.calls == [1]
     # The same pixels in a new PIL object (another client, another turn), for another adapter too.
-    _, again = engine.generate(req("again", image(11)))
-    _, base = engine.generate(req("base", image(11), None))
+    _, again = engine.generate(req("again", random_image(11)))
+    _, base = engine.generate(req("base", random_image(11), None))
     assert vision_calls.calls == [1], "a repeated image ran the vision tower again"
     assert again.token_ids == first.token_ids and again.text == first.text
     assert again.image_tokens == first.image_tokens == 4
@@ -76,11 +66,11 @@ def test_repeated_image_skips_the_vision_tower(engine, vision_calls):
     assert stats.hits - before.hits == 2 and stats.misses - before.misses == 1
     assert stats.entries == 1 and 0 < stats.bytes <= stats.max_bytes
     # A cached image and a new one in one request: the tower runs for the new one only.
-    engine.generate(WorkRequest("mixed", "Compare them.", [image(11), image(12, 112)], max_new_tokens=2))
+    engine.generate(WorkRequest("mixed", "Compare them.", [random_image(11), random_image(12, 112)], max_new_tokens=2))
     assert vision_calls.calls == [1, 1]
     # The cache-free answer is the same.
     engine.vision.cache.clear()
-    _, fresh = engine.generate(req("fresh", image(11), None))
+    _, fresh = engine.generate(req("fresh", random_image(11), None))
     assert fresh.token_ids == base.token_ids
 
 
@@ -115,9 +105,9 @@ def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_
     processor = load_processor(model_path)
     prompt = "What changed between them?"
     cases = {
-        "two-images": ([image(21), image(22, 112)], []),
+        "two-images": ([random_image(21), random_image(22, 112)], []),
         # 3 frames: 2 temporal patches (the last frame repeated), plus a one-frame video and an image.
-        "video": ([image(23)], [[image(24), image(25), image(26)], [image(27, 84)]]),
+        "video": ([random_image(23)], [[random_image(24), random_image(25), random_image(26)], [random_image(27, 84)]]),
     }
     for name, (imgs, vids) in cases.items():
         _, r = engine.generate(WorkRequest(name, prompt, imgs, videos=vids, max_new_tokens=MAX_NEW))
@@ -127,7 +117,7 @@ def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_
         assert r.image_tokens == vision and r.prompt_tokens == inputs["input_ids"].shape[1]
     # One tower call per kind per request (all misses).
     assert vision_calls.calls == [2, 1, 2]
-    assert engine.generate(WorkRequest("v2", prompt, [], videos=[[image(24), image(25), image(26)]],
+    assert engine.generate(WorkRequest("v2", prompt, [], videos=[[random_image(24), random_image(25), random_image(26)]],
                                        max_new_tokens=1))[1].output_tokens == 1
     assert vision_calls.calls == [2, 1, 2], "a repeated video ran the vision tower again"
 
@@ -150,7 +140,7 @@ def test_video_patches_follow_qwen2vl_video_layout(model_path):
     ns = {"torch": torch}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), src, "exec"), ns)
     processor = load_processor(model_path).image_processor
-    frames = [image(30 + i, 56) for i in range(5)]  # odd: the last frame is repeated
+    frames = [random_image(30 + i, 56) for i in range(5)]  # odd: the last frame is repeated
     got, grid = video_inputs(processor, frames)
     mean = torch.tensor(processor.image_mean).view(1, 3, 1, 1)
     std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
@@ -185,7 +175,7 @@ def test_gateway_validates_video_frames_like_images():
     from valora.v1 import inference_service_pb2, types_pb2
 
     buf = io.BytesIO()
-    image(1).save(buf, "PNG")
+    random_image(1).save(buf, "PNG")
     ok = types_pb2.Image(data=buf.getvalue(), mime_type="image/png")
     limits = Limits(max_images=4, max_image_bytes=1 << 20, max_image_pixels=1 << 20, max_prompt_chars=100,
                     max_new_tokens_limit=16, max_stop_sequences=4, max_videos=2, max_video_frames=3)
