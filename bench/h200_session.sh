@@ -3,8 +3,9 @@
 # to $OUT: run.log plus results.tgz (bench/results/*-$SUF* and the tile tables), fetched back here.
 #   SUF=<commit> bash bench/h200_session.sh kernels   # build, GPU tests, tile search, ATMM + switch benches
 #   SUF=<commit> bash bench/h200_session.sh engine    # §3 engine bench (+ profile) and the scale bench
+#   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
 set -uo pipefail
-MODE=${1:?kernels|engine}
+MODE=${1:?kernels|engine|profile}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -17,7 +18,22 @@ say() { echo "== $* ($(( $(date +%s) - t0 )) s)" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$LOG" 2>&1
 python3 -m kernels.build >> "$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
 say build
-if [ "$MODE" = kernels ]; then
+if [ "$MODE" = profile ]; then  # ncu of the ATMM and switch kernels
+  timeout 120 python3 -m bench.profile_kernels 2>&1 | tail -40
+  python3 - > "$OUT/reject.log" 2>&1 <<'PY'
+import re, subprocess, sys
+src = open("tests/gpu/test_kernels_gpu.py").read()
+script = re.search(r'_REJECT_SCRIPT = r"""(.*?)"""', src, re.S).group(1)
+r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True)
+print(r.returncode); print(r.stdout); print(r.stderr[:6000])
+PY
+  head -c 3000 "$OUT/reject.log"
+  timeout 200 ncu --clock-control none -k regex:'atmm|switch' --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 -m bench.profile_kernels --once > "$OUT/ncu.txt" 2>&1
+  grep -E "atmm_|switch_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|Duration|Waves Per SM|Grid Size" "$OUT/ncu.txt" | head -120
+  say profile
+elif [ "$MODE" = kernels ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernels_atmm.py 2>&1 | tail -25 | tee -a "$LOG"
   say tests
   timeout 90 python3 -m kernels.tile_search --shapes 4096x4096 --ranks 16,64 --tokens 16,64,256 --segments 16,64 \
