@@ -61,10 +61,6 @@ def adapters_for(run: str, batch: int, names: list[str]) -> list[str | None]:
     return [names[i % len(names)] for i in range(batch)]
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 # -- valora -----------------------------------------------------------------------------------
 
 def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[list[dict], dict]:
@@ -148,12 +144,12 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                 if rep >= args.warmup:
                     gen.append(ms_gen)
                     pre.append(ms_pre)
-            rows.append({"impl": "valora", "run": run, "generate_ms": _median(gen), "prefill_ms": _median(pre)})
+            rows.append({"impl": "valora", "run": run, "generate_ms": statistics.median(gen), "prefill_ms": statistics.median(pre)})
             pre_steps = [ms for p, d, ms in steps[run] if p and not d]
             dec_steps = [ms for p, d, ms in steps[run] if d and not p]
             detail.setdefault("step_ms", {})[run] = {
-                "prefill_median": _median(pre_steps) if pre_steps else None,
-                "decode_median": _median(dec_steps) if dec_steps else None, "decode_steps": len(dec_steps)}
+                "prefill_median": statistics.median(pre_steps) if pre_steps else None,
+                "decode_median": statistics.median(dec_steps) if dec_steps else None, "decode_steps": len(dec_steps)}
             print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
                   flush=True)
         if args.profile:
@@ -232,7 +228,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
             if rep >= args.warmup:
                 gen.append(ms_gen)
                 pre.append(ms_pre)
-        rows.append({"impl": "hf_peft", "run": run, "generate_ms": _median(gen), "prefill_ms": _median(pre)})
+        rows.append({"impl": "hf_peft", "run": run, "generate_ms": statistics.median(gen), "prefill_ms": statistics.median(pre)})
         print(f"hf_peft {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
               flush=True)
 

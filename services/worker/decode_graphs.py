@@ -25,7 +25,7 @@ static step without graphs: that is how CPU tests check it equals the eager deco
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -41,12 +41,12 @@ class _Entry:
     ids: torch.Tensor  # (rows, 1) long
     pos: torch.Tensor  # (3, rows, 1) long
     mask: torch.Tensor  # (rows, 1, 1, capacity) bool: True = attend
+    cols: torch.Tensor  # (capacity,) position index, for building the mask
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     seen: int = 0
     eager_only: bool = False
-    layers: list = field(default_factory=list)
 
 
 class DecodeGraphs:
@@ -96,7 +96,8 @@ class DecodeGraphs:
             rows, cap = key[0], key[1]
             e = _Entry(ids=torch.zeros((rows, 1), dtype=torch.long, device=self.device),
                        pos=torch.zeros((3, rows, 1), dtype=torch.long, device=self.device),
-                       mask=torch.zeros((rows, 1, 1, cap), dtype=torch.bool, device=self.device))
+                       mask=torch.zeros((rows, 1, 1, cap), dtype=torch.bool, device=self.device),
+                       cols=torch.arange(cap, device=self.device))
             self.entries[key] = e
             while len(self.entries) > self.max_graphs:
                 self.entries.popitem(last=False)
@@ -109,8 +110,7 @@ class DecodeGraphs:
         e.ids.copy_(torch.tensor(last_tokens, dtype=torch.long).view(rows, 1))
         e.pos.copy_(torch.tensor(positions, dtype=torch.long).view(1, rows, 1).expand(3, rows, 1))
         start = torch.tensor([width - n for n in batch.lengths], dtype=torch.long, device=self.device)
-        col = torch.arange(cap, device=self.device)
-        e.mask.copy_(((col >= start[:, None]) & (col <= width)).view(rows, 1, 1, cap))
+        e.mask.copy_(((e.cols >= start[:, None]) & (e.cols <= width)).view(rows, 1, 1, cap))
         self.index.fill_(width)
         layers = batch.cache.layers
         for layer in layers:

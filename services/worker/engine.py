@@ -591,10 +591,9 @@ class Engine:
         # Decode steps between membership changes plan the same rows and entries: reuse the last
         # plan (and the kernel plan already on the device, unless a prefill wrote another since).
         backend = self.runtime.backend
-        key = (tuple(rows), tuple(map(id, entries)), tokens_per_row)
+        key = (tuple(rows), tuple(map(id, entries)), tokens_per_row)  # ids are safe: the kept plan holds its entries
         last = self._last_plan
-        if last is not None and last[0] == key and all(a is b for a, b in zip(last[1].entries, entries)) and (
-                not last[1].kernel or backend.plan.version == last[2]):
+        if last is not None and last[0] == key and (not last[1].kernel or backend.plan.version == last[2]):
             return last[1]
         step = StepLora(entries, rows, tokens_per_row)
         if backend is not None and step.active:
