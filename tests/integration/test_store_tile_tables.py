@@ -125,3 +125,27 @@ def test_push_cli_and_tile_search_upload(store, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert main(["push", str(bad), "--store", store.address]) == 2
+
+
+def test_worker_fetcher_against_the_store(store, tmp_path):
+    """The worker's store client (AdapterFetcher.get_tile_table): NOT_FOUND is None, a stored
+    table comes back, an unreachable store is a ValoraError (not a raw grpc.RpcError)."""
+    import asyncio
+
+    from services.common.errors import ValoraError
+    from services.worker.store_client import AdapterFetcher
+
+    async def fetch(address):
+        f = AdapterFetcher(address, tmp_path / "cache")
+        try:
+            return await f.get_tile_table(GPU, ARCH, DTYPE, timeout_s=5)
+        finally:
+            await f.close()
+
+    assert asyncio.run(fetch(store.address)) is None
+    text = table_text(make_table())
+    put(store, text)
+    got = asyncio.run(fetch(store.address))
+    assert got.table_json == text and got.sha256 == hashlib.sha256(text.encode()).hexdigest()
+    with pytest.raises(ValoraError):
+        asyncio.run(fetch("127.0.0.1:1"))

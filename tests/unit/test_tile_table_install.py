@@ -1,5 +1,6 @@
 """The tile table a CUDA worker uses: `kernels.atmm.use_table` replaces the cached default, and
-the worker installs the store's table at start-up (fake store, CUDA checks mocked; CPU only)."""
+the worker installs the store's table at start-up (store client faked to steer its answers, CUDA checks
+mocked; CPU only). The client against a real store: tests/integration/test_store_tile_tables.py."""
 
 from __future__ import annotations
 
@@ -112,38 +113,3 @@ def test_cpu_and_fp32_workers_do_nothing(monkeypatch, device, dtype):
     fake = FakeStore(store_table())
     assert install(WorkerSettings(device=device, dtype=dtype), fake) is None
     assert fake.calls == []
-
-
-def test_fetcher_maps_not_found(monkeypatch):
-    """AdapterFetcher.get_tile_table: NOT_FOUND -> None, other errors -> ValoraError."""
-    import grpc
-
-    from services.worker.store_client import AdapterFetcher
-
-    class Err(grpc.RpcError):
-        def __init__(self, code):
-            self._code = code
-
-        def code(self):
-            return self._code
-
-        def details(self):
-            return "x"
-
-        def trailing_metadata(self):
-            return ()
-
-    class Stub:
-        def __init__(self, code):
-            self.code = code
-
-        async def GetTileTable(self, req, timeout=None):
-            raise Err(self.code)
-
-    f = AdapterFetcher("store:1", "/tmp/unused")
-    monkeypatch.setattr(f, "_stub", lambda: Stub(grpc.StatusCode.NOT_FOUND))
-    assert asyncio.run(f.get_tile_table(*H200, "bfloat16")) is None
-    monkeypatch.setattr(f, "_stub", lambda: Stub(grpc.StatusCode.UNAVAILABLE))
-    with pytest.raises(Exception) as info:
-        asyncio.run(f.get_tile_table(*H200, "bfloat16"))
-    assert not isinstance(info.value, grpc.RpcError)
