@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CUDA_SOURCES = ("atmm_bf16.cu", "atmm_fp16.cu", "switch.cu", "grouped.cu")
+CUDA_SOURCES = ("atmm_bf16.cu", "atmm_fp16.cu", "switch.cu", "grouped.cu", "layer_ops.cu")
 BINDING = "binding.cpp"
-HEADERS = ("atmm.cuh", "atmm_api.h", "launch_util.cuh")
+HEADERS = ("atmm.cuh", "atmm_api.h", "launch_util.cuh", "layer_ops.h")
 EXT_NAME = "valora_kernels_ext"
 NVCC_ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")

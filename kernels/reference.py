@@ -80,3 +80,28 @@ def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor,
     base = w if src is None else src
     w.copy_((base.float() + b_cat.float() @ a_cat.float()).to(w.dtype))
     return w
+
+
+# -- decoder-layer elementwise ops (kernels/csrc/layer_ops.cu): HF Qwen2/Qwen2-VL's own expressions,
+# so a layer built on these equals the HF layer exactly on CPU; the CUDA kernels round where these do.
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2RMSNorm: w * (x / rms(x)) computed in fp32, normalised value rounded to x's dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary_reference_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place x = x·cos + rotate_half(x)·sin for q (tokens, q_heads, d) and k (tokens, k_heads, d);
+    cos, sin (tokens, d) broadcast over heads (HF's apply_rotary_pos_emb)."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_((x * c) + (rotated * s))
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Qwen2MLP's act_fn(gate) * up for act_fn = SiLU."""
+    return torch.nn.functional.silu(gate) * up

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "atmm_api.h"
+#include "layer_ops.h"
 
 namespace valora {
 namespace {
@@ -320,6 +321,93 @@ void switch_packed(torch::Tensor work, int64_t n, int64_t total_tiles, int64_t r
   check_cuda(e.launch(&l, grid, smem, c10::cuda::getCurrentCUDAStream(), pdl), "switch launch", e);
 }
 
+// ---- decoder-layer elementwise ops (layer_ops.cu) ----
+
+int layer_dtype(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kBFloat16) return kLayerBF16;
+  if (t.scalar_type() == torch::kHalf) return kLayerFP16;
+  if (t.scalar_type() == torch::kFloat) return kLayerFP32;
+  VALORA_CHECK(false, "expected a bfloat16, float16 or float32 tensor, got ", t.scalar_type());
+  return -1;
+}
+
+// A (rows, features) operand: CUDA, on `dev`, of dtype `st`, unit stride along features.
+void check_rows(const torch::Tensor& t, const char* name, const torch::Device& dev, torch::ScalarType st, int64_t rows,
+                int64_t features) {
+  VALORA_CHECK(t.is_cuda() && t.device() == dev, name, " must be on ", dev, ", is on ", t.device());
+  VALORA_CHECK(t.scalar_type() == st, name, " must be ", st, ", got ", t.scalar_type());
+  VALORA_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == features, name, " must be (", rows, ", ", features,
+              "), got ", t.dim(), "-D with ", t.numel(), " elements");
+  VALORA_CHECK(t.stride(1) == 1 || features == 1, name, " needs unit stride along features");
+}
+
+void check_layer(cudaError_t err, const char* what) {
+  VALORA_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+}
+
+// out = w * norm(x) (add absent) or sum = x + add, out = w * norm(sum); all (rows, hidden).
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> add,
+              c10::optional<torch::Tensor> sum) {
+  VALORA_CHECK(x.dim() == 2, "x must be 2-D (rows, hidden), got ", x.dim(), "-D");
+  const auto dev = x.device();
+  const auto st = x.scalar_type();
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  check_rows(x, "x", dev, st, rows, hidden);
+  check_rows(out, "out", dev, st, rows, hidden);
+  VALORA_CHECK(w.is_cuda() && w.device() == dev && w.scalar_type() == st && w.dim() == 1 && w.size(0) == hidden &&
+                  w.is_contiguous(),
+              "w must be a contiguous (", hidden, ",) ", st, " tensor on ", dev);
+  VALORA_CHECK(add.has_value() == sum.has_value(), "add and sum go together");
+  RmsNormArgs a{out.data_ptr(), x.data_ptr(), nullptr, nullptr, w.data_ptr(), (int)rows, (int)hidden,
+                out.stride(0), x.stride(0), 0, 0, (float)eps};
+  if (add.has_value()) {
+    check_rows(*add, "add", dev, st, rows, hidden);
+    check_rows(*sum, "sum", dev, st, rows, hidden);
+    a.add = add->data_ptr();
+    a.sum = sum->data_ptr();
+    a.add_ld = add->stride(0);
+    a.sum_ld = sum->stride(0);
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  check_layer(launch_rms_norm(layer_dtype(x), a, c10::cuda::getCurrentCUDAStream()), "rms_norm");
+}
+
+// In place on q (tokens, q_heads, head_dim) and k (tokens, k_heads, head_dim); cos/sin (tokens, head_dim).
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  VALORA_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be 3-D (tokens, heads, head_dim)");
+  const auto dev = q.device();
+  const auto st = q.scalar_type();
+  const int64_t tokens = q.size(0), d = q.size(2);
+  VALORA_CHECK(d % 2 == 0, "head_dim must be even, got ", d);
+  for (const auto* t : {&q, &k}) {
+    VALORA_CHECK(t->is_cuda() && t->device() == dev && t->scalar_type() == st, "q and k must share device and dtype");
+    VALORA_CHECK(t->size(0) == tokens && t->size(2) == d, "q and k must have the same tokens and head_dim");
+    VALORA_CHECK(t->stride(2) == 1 && t->stride(1) == d, "q and k need contiguous heads (strides (*, head_dim, 1))");
+  }
+  check_rows(cos, "cos", dev, st, tokens, d);
+  check_rows(sin, "sin", dev, st, tokens, d);
+  VALORA_CHECK(cos.stride(0) == sin.stride(0), "cos and sin must have the same token stride");
+  RotaryArgs a{q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), (int)tokens, (int)q.size(1),
+               (int)k.size(1), (int)d, q.stride(0), k.stride(0), cos.stride(0)};
+  const c10::cuda::CUDAGuard guard(dev);
+  check_layer(launch_rotary(layer_dtype(q), a, c10::cuda::getCurrentCUDAStream()), "rotary");
+}
+
+// out = silu(gate) * up, all (rows, width); out may be gate.
+void silu_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
+  VALORA_CHECK(gate.dim() == 2, "gate must be 2-D (rows, width)");
+  const auto dev = gate.device();
+  const auto st = gate.scalar_type();
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  check_rows(gate, "gate", dev, st, rows, width);
+  check_rows(up, "up", dev, st, rows, width);
+  check_rows(out, "out", dev, st, rows, width);
+  SiluMulArgs a{out.data_ptr(), gate.data_ptr(), up.data_ptr(), rows, (int)width, out.stride(0), gate.stride(0),
+                up.stride(0)};
+  const c10::cuda::CUDAGuard guard(dev);
+  check_layer(launch_silu_mul(layer_dtype(gate), a, c10::cuda::getCurrentCUDAStream()), "silu_mul");
+}
+
 pybind11::list configs() {
   pybind11::list out;
   const auto& reg = registry();
@@ -354,5 +442,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("switch_packed", &valora::switch_packed, "switch over descriptors already packed on the device");
   m.def("set_grid_policy", [](int p) { valora::g_grid_policy = p; },
         "0: persistent grid (default), -1: one item per CTA, k > 0: k CTAs per SM");
+  m.def("rms_norm", &valora::rms_norm, "out = w * rmsnorm(x), or sum = x + add and out = w * rmsnorm(sum)",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"),
+        pybind11::arg("add") = pybind11::none(), pybind11::arg("sum") = pybind11::none());
+  m.def("rotary_", &valora::rotary_, "in place q, k = x cos + rotate_half(x) sin");
+  m.def("silu_mul", &valora::silu_mul, "out = silu(gate) * up");
   m.def("switch_desc_bytes", [] { return (int)sizeof(valora::SwitchDesc); });
 }

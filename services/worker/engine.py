@@ -51,6 +51,7 @@ from services.worker.atmm_backend import AtmmBackend
 from services.worker.attention import use_grouped_decode_attention
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.fused_layers import install_fused_layers
 from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
 from services.worker.model import build_inputs, load_model, load_processor
@@ -100,6 +101,7 @@ class EngineConfig:
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
     use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
+    fused_layers: bool = True  # decoder layers on the fused elementwise ops (fused_layers.py); False: HF's, for A/B
     image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
     load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
     # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "static" = the same static
@@ -167,6 +169,8 @@ class Engine:
         self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
         self.runtime = LoraRuntime()
         self.lora_layers = install_lora(self.model, self.runtime)
+        if config.fused_layers:
+            install_fused_layers(self.model)
         if config.use_atmm and AtmmBackend.available(self.device, self.dtype):
             self.runtime.backend = AtmmBackend({k: self.shapes.features[k[1]] for k in self.lora_layers},
                                                self.device, self.dtype)
