@@ -70,7 +70,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     cfg = EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=args.batch,
                        max_prefills_per_step=args.batch, device_slots=len(names) + 1, image_cache_bytes=0,
                        load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
-                       decode_graphs=args.decode_graphs)
+                       decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers)
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
@@ -158,6 +158,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
             detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
                                        "static_steps": eng.graphs.static_steps}
         detail["peak_decode_rows"] = eng.peak_decode_rows
+        detail["fused_layers"] = cfg.fused_layers
         detail["peak_decode_entries"] = eng.peak_decode_entries
     finally:
         eng.stop()
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
+    ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--profile", default="", choices=("", *RUNS), help="also profile one batch of this run")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
