@@ -483,3 +483,40 @@ def test_switcher_kernel_path_on_cuda():
         slow.set(None)
         for k in shapes:
             assert torch.equal(lk[k].base.weight, fast.pristine[k])
+
+
+@pytest.mark.parametrize("tokens,h_in,h_out", [(16, 3584, 18944), (300, 1024, 2048)])
+def test_linear_with_lora_overlapped_shrink(tokens, h_in, h_out):
+    """The shrink on a side stream beside the base GEMM (atmm.linear_with_lora) gives the same bits
+    as base then atmm_, eagerly and replayed from a CUDA graph on fresh inputs."""
+    from kernels.atmm import linear_with_lora
+    from kernels.tile_table import TileTable
+
+    table = TileTable("none", "none", "bfloat16", {}, {})  # heuristics: the two-kernel CUDA backend
+    a, b, scales, slots, x, _ = make_case(tokens, [16, 8, 32, 16], h_in, h_out, torch.bfloat16, seed=tokens)
+    weights = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(64, 4096, "cuda").update_from_token_slots(slots, weights.ranks)
+    base = torch.nn.Linear(h_in, h_out, bias=True, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def want_of(inp):
+        y = base(inp)
+        return atmm_(y, inp, plan, weights, table=table)
+
+    with torch.inference_mode():
+        assert torch.equal(linear_with_lora(base, x, plan, weights, side, table=table), want_of(x))
+        static_x = x.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            linear_with_lora(base, static_x, plan, weights, side, table=table)  # warm-up off the default stream
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = linear_with_lora(base, static_x, plan, weights, side, table=table)
+        for seed in (1, 2):
+            static_x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want_of(static_x))
+            assert rel_err(out, reference(base(static_x), static_x, slots, a, b, scales)) < 2e-2
