@@ -2,7 +2,7 @@
 # One device call per mode (run from the repo root on the H200, .whl carried). Results and logs go
 # to $OUT: run.log plus results.tgz (bench/results/*-$SUF* and the tile tables), fetched back here.
 #   SUF=<commit> bash bench/h200_session.sh kernels   # build, GPU tests, tile search, ATMM + switch benches
-#   SUF=<commit> bash bench/h200_session.sh engine    # §3 engine bench (+ profile) and the scale bench
+#   SUF=<commit> bash bench/h200_session.sh engine    # GPU tests, §3 engine bench (+ profile, A/B runs), scale bench
 #   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
 set -uo pipefail
 MODE=${1:?kernels|engine|profile}
@@ -46,17 +46,25 @@ elif [ "$MODE" = kernels ]; then
   say switch_bench
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* kernels/tile_tables/*.json 2>/dev/null
 elif [ "$MODE" = engine ]; then
-  [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_graphs_gpu.py \
-    tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py -k "gpu or graphs or atmm or switcher" 2>&1 | tail -6 | tee -a "$LOG"
+  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py \
+    tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py \
+    -k "gpu or graphs or atmm or switcher" 2>&1 | tail -8 | tee -a "$LOG"
   say tests
-  # the decode buckets of the 7B shapes (T=16, 8 adapters), merged into the table the engine then reads
-  timeout 60 python3 -m kernels.tile_search --shapes 3584x3584,3584x512,3584x18944,18944x3584 --ranks 16 --tokens 16 \
-    --segments 16 --merge --budget-s 40 --validate 1 --name "tile_search_decode_$SUF" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
-  cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "bench/results/tile_table-$SUF.json"
-  say search
+  if [ -n "${SEARCH:-}" ]; then  # the decode buckets of the 7B shapes (T=16, 8 adapters), merged into the table
+    timeout 60 python3 -m kernels.tile_search --shapes 3584x3584,3584x512,3584x18944,18944x3584 --ranks 16 --tokens 16 \
+      --segments 16 --merge --budget-s 40 --validate 1 --name "tile_search_decode_$SUF" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
+    cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "bench/results/tile_table-$SUF.json"
+    say search
+  fi
   timeout 330 python3 -m bench.engine_bench --name "engine-$SUF" --profile unmerged_mixed 2>&1 \
     | grep -v -E "Loading|Writing" | tee -a "$LOG"
   say engine_bench
+  # A/B: the same engine with one optimisation off per run (valora only), e.g. AB="--no-fused-layers --no-shrink-overlap"
+  for flag in ${AB:-}; do
+    timeout 200 python3 -m bench.engine_bench --skip-peer --name "engine-$SUF$flag" $flag 2>&1 \
+      | grep -E "^valora|x[0-9.]+ of" | tee -a "$LOG"
+    say "engine_bench $flag"
+  done
   [ -n "${SKIP_SCALE:-}" ] || timeout -s TERM 100 python3 -m bench.scale_bench --device cuda --dtype float32 --workers 1,2,4 --requests 128 \
     --warmup 32 --concurrency 32 --max-new-tokens 16 --out "bench/results/scale-$SUF.json" 2>&1 | tail -20 | tee -a "$LOG"
   say scale_bench
