@@ -72,8 +72,6 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                        load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
                        decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers)
     eng = Engine(cfg)
-    if args.no_shrink_overlap and eng.runtime.backend is not None:
-        eng.runtime.backend.side = None  # A/B: the LoRA shrink after the base GEMM, on one stream
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
     rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
@@ -161,7 +159,6 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                                        "static_steps": eng.graphs.static_steps}
         detail["peak_decode_rows"] = eng.peak_decode_rows
         detail["fused_layers"] = cfg.fused_layers
-        detail["shrink_overlap"] = eng.runtime.backend is not None and eng.runtime.backend.side is not None
         detail["peak_decode_entries"] = eng.peak_decode_entries
     finally:
         eng.stop()
@@ -275,7 +272,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
-    ap.add_argument("--no-shrink-overlap", action="store_true", help="LoRA shrink after the base GEMM (A/B)")
     ap.add_argument("--profile", default="", choices=("", *RUNS), help="also profile one batch of this run")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)

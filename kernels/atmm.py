@@ -28,7 +28,7 @@ kernel for small token counts) that the offline search found fastest.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -406,28 +406,13 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     tokens = plan.num_tokens
     if x.shape[0] != tokens or y.shape[0] != tokens:
         raise ValueError(f"plan covers {tokens} tokens, x has {x.shape[0]}, y has {y.shape[0]}")
-    resolved = _resolve_launch(y, x, plan, weights, config, table)
-    if resolved is None:
-        return multi_lora_reference_(y, x, plan.segment_plan, weights.a, weights.b, weights.scales)
-    ext, config, dtype = resolved
-    if config is not None:
-        BACKEND_RUNNERS[config.backend](ext, y, x, plan, weights, config, dtype, pdl)
-    return y
-
-
-def _resolve_launch(y, x, plan: AtmmPlan, weights: LoraWeights, config: TileConfig | None,
-                    table: TileTable | None):
-    """(ext, config, dtype name) for a kernel launch — config None: nothing to add (no tokens or no
-    LoRA segment) — or None: the torch reference (no CUDA/extension, misaligned weights without
-    Triton)."""
     ext = _kernel_ext(y)
     if ext is not None and not weights.aligned16 and not triton_available():
         ext = None
     if ext is None:
-        return None
-    tokens = plan.num_tokens
+        return multi_lora_reference_(y, x, plan.segment_plan, weights.a, weights.b, weights.scales)
     if tokens == 0 or plan.active_segments == 0:
-        return ext, None, None
+        return y
     dtype = _DTYPES.get(x.dtype)
     if dtype is None:
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
@@ -438,38 +423,7 @@ def _resolve_launch(y, x, plan: AtmmPlan, weights: LoraWeights, config: TileConf
     config = choose_config(config, weights.h_in, weights.h_out, rs, tokens, plan.active_segments, dtype)
     if not weights.aligned16 and config.backend != "triton":
         config = _UNALIGNED_TRITON
-    return ext, config, dtype
-
-
-def linear_with_lora(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, plan: AtmmPlan,
-                     weights: LoraWeights, side: torch.cuda.Stream, *, table: TileTable | None = None
-                     ) -> torch.Tensor:
-    """`base(x)` plus the multi-LoRA term, with the shrink (x·A, which does not need base's
-    output) running on stream `side` while `base` runs on the current stream; the expand then adds
-    into base's output. Same result as `y = base(x); atmm_(y, x2d, ...)`, which is what runs when
-    the step's config is not the two-kernel CUDA backend. x: (..., h_in) contiguous."""
-    xf = x.reshape(-1, x.shape[-1])
-    if xf.shape[1] != weights.h_in or xf.shape[0] != plan.num_tokens:
-        raise ValueError(f"x {tuple(xf.shape)} does not match the plan's {plan.num_tokens} tokens and the "
-                         f"weights' {weights.h_in} input features")
-    resolved = _resolve_launch(xf, xf, plan, weights, None, table) if x.is_cuda else None
-    if resolved is None or resolved[1] is None or resolved[1].backend != "cuda":
-        y = base(x)
-        atmm_(y.view(-1, weights.h_out), xf, plan, weights, table=table)
-        return y
-    ext, config, dtype = resolved
-    rs = plan.rank_stride
-    shrink_id, expand_id, split_k = _resolve(config, dtype, rs, plan, plan.num_tokens)
-    main = torch.cuda.current_stream(x.device)
-    side.wait_stream(main)  # x is ready
-    args = (plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table, weights.scale_table,
-            plan.workspace)
-    with torch.cuda.stream(side):  # the shrink reads x and writes the workspace only (x stands in for y)
-        ext.atmm_shrink(xf, xf, *args, shrink_id, split_k, rs, plan.tiles[config.shrink_bt], False)
-    y = base(x)
-    main.wait_stream(side)
-    yf = y.view(-1, weights.h_out)
-    ext.atmm_expand(yf, xf, *args, expand_id, split_k, rs, plan.tiles[config.expand_bt], False)
+    BACKEND_RUNNERS[config.backend](ext, y, x, plan, weights, config, dtype, pdl)
     return y
 
 
@@ -484,4 +438,4 @@ def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
 
 
 __all__ = ["AtmmPlan", "LoraWeights", "atmm_", "choose_config", "default_table", "extension", "gpu_key",
-           "linear_with_lora", "lora_weights_from_lists", "triton_available", "use_table"]
+           "lora_weights_from_lists", "triton_available", "use_table"]

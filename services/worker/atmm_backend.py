@@ -22,7 +22,7 @@ from services.worker.lora import LayerModule, LoraEntry, StepLora
 
 class AtmmBackend:
     def __init__(self, features: dict[LayerModule, tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                 max_entries: int = 32, max_segments: int = 64, max_tokens: int = 16384, overlap: bool = True) -> None:
+                 max_entries: int = 32, max_segments: int = 64, max_tokens: int = 16384) -> None:
         from kernels import atmm
 
         self._atmm = atmm
@@ -33,8 +33,6 @@ class AtmmBackend:
                        for k, (fin, fout) in features.items()}
         self._slots: OrderedDict[int, tuple[LoraEntry, int]] = OrderedDict()  # id(entry) -> (entry, slot); LRU
         self._synced: list[tuple[LoraEntry, int]] = []
-        # x·A does not need the base GEMM's output: run it beside the GEMM (atmm.linear_with_lora)
-        self.side = torch.cuda.Stream(device) if overlap else None
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -106,12 +104,5 @@ class AtmmBackend:
         p = self.plan
         return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())))
 
-    def linear(self, key: LayerModule, base, x: torch.Tensor) -> torch.Tensor:
-        """base(x) plus the step's multi-LoRA term; the shrink overlaps base's GEMM on a side stream
-        unless `overlap` is off."""
-        x = x if x.is_contiguous() else x.contiguous()
-        if self.side is not None:
-            return self._atmm.linear_with_lora(base, x, self.plan, self.weights[key], self.side)
-        y = base(x)
-        self._atmm.atmm_(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), self.plan, self.weights[key])
-        return y
+    def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
+        self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, self.weights[key])

@@ -106,7 +106,7 @@ class LoraRuntime:
 
     def __init__(self, op: MultiLoraOp = multi_lora_reference_, backend=None) -> None:
         self.op = op
-        self.backend = backend  # e.g. AtmmBackend: begin(step) -> bool, linear(key, base, x) -> y
+        self.backend = backend  # e.g. AtmmBackend: begin(step) -> bool, run(key, y, x, step)
         self.step: StepLora | None = None
 
 
@@ -124,15 +124,16 @@ class LoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
         step = self.runtime.step
         if step is None or not step.active:
-            return self.base(x)
-        if step.kernel:
-            return self.runtime.backend.linear(self.key, self.base, x)
-        y = self.base(x)
+            return y
         plan, a_list, b_list, scales = step.for_key(self.key)
         xf = x.reshape(-1, x.shape[-1])
         yf = y.reshape(-1, y.shape[-1])
+        if step.kernel:
+            self.runtime.backend.run(self.key, yf, xf, step)
+            return y
         if step.perm is None:
             self.runtime.op(yf, xf, plan, a_list, b_list, scales)
         else:
