@@ -111,9 +111,10 @@ __global__ void rotary_kernel(RotaryArgs a) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float a1 = to_f(x1.v[j]), a2 = to_f(x2.v[j]);
-      // rotate_half(x) = [-x2, x1]; HF rounds each product, then the sum
-      o1.v[j] = from_f<T>(rnd<T>(a1 * to_f(c1.v[j])) + rnd<T>(-a2 * to_f(s1.v[j])));
-      o2.v[j] = from_f<T>(rnd<T>(a2 * to_f(c2.v[j])) + rnd<T>(a1 * to_f(s2.v[j])));
+      // rotate_half(x) = [-x2, x1]; HF rounds each product, then the sum (_rn: no FMA contraction,
+      // which would skip the products' rounding in fp32)
+      o1.v[j] = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(a1, to_f(c1.v[j]))), rnd<T>(__fmul_rn(-a2, to_f(s1.v[j])))));
+      o2.v[j] = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(a2, to_f(c2.v[j]))), rnd<T>(__fmul_rn(a1, to_f(s2.v[j])))));
     }
     store<T, VEC>(x + i, o1);
     store<T, VEC>(x + half + i, o2);
