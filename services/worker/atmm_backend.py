@@ -17,17 +17,27 @@ from collections import OrderedDict
 
 import torch
 
-from services.worker.lora import LayerModule, LoraEntry, StepLora
+from services.worker.lora import LayerModule, LoraEntry, StepLora, group_tensors
 
 
 class AtmmBackend:
     def __init__(self, features: dict[LayerModule, tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                 max_entries: int = 32, max_segments: int = 64, max_tokens: int = 16384) -> None:
+                 max_entries: int = 32, max_segments: int = 64, max_tokens: int = 16384,
+                 groups: dict[LayerModule, tuple[LayerModule, ...]] | None = None) -> None:
         from kernels import atmm
 
         self._atmm = atmm
         self.max_entries = max_entries
         self.plan = atmm.AtmmPlan(max_segments, max_tokens, device)
+        # LoraGroups (group key -> part keys): one call over block-diagonal factors (lora.group_tensors),
+        # on a plan of its own (same segments, the workspace strided by the entries' summed ranks)
+        self.groups = dict(groups or {})
+        self.group_plan = atmm.AtmmPlan(max_segments, max_tokens, device) if self.groups else None
+        self.grouped = False  # this step's groups run as one call (every entry's summed rank fits the kernel)
+        features = dict(features)
+        for g, parts in self.groups.items():
+            features[g] = (features[parts[0]][0], sum(features[k][1] for k in parts))
+        self._sizes = {g: [features[k][1] for k in parts] for g, parts in self.groups.items()}
         self.weights = {k: atmm.LoraWeights(max_entries, fin, fout, dtype, device) for k, (fin, fout) in features.items()}
         self._zeros = {k: (torch.zeros(fin, 8, dtype=dtype, device=device), torch.zeros(8, fout, dtype=dtype, device=device))
                        for k, (fin, fout) in features.items()}
@@ -75,12 +85,22 @@ class AtmmBackend:
                 return False
             busy.add(s)
             slots.append(s)
+        seg_slots = [slots[k] if k >= 0 else -1 for k in plan.seg_slots]
         table = [0] * self.max_entries
         for s, r in zip(slots, ranks):
             table[s] = r
+        group_ranks = [max((self._group_rank(e, g) for g in self.groups), default=0) for e in step.entries]
+        self.grouped = bool(self.groups) and all(r <= self._atmm.MAX_RANK for r in group_ranks)
         self._sync_weights(step.entries, slots)
-        self.plan.update(plan.seg_starts, [slots[k] if k >= 0 else -1 for k in plan.seg_slots], table)
+        self.plan.update(plan.seg_starts, seg_slots, table)
+        if self.grouped:
+            for s, r in zip(slots, group_ranks):
+                table[s] = max(r, 8)  # 0: the entry targets no part, its slot holds the rank-8 zero term
+            self.group_plan.update(plan.seg_starts, seg_slots, table)
         return True
+
+    def _group_rank(self, entry: LoraEntry, group: LayerModule) -> int:
+        return sum(t[0].shape[1] for k in self.groups[group] if (t := entry.tensors(k)) is not None)
 
     def _sync_weights(self, entries: list[LoraEntry], slots: list[int]) -> None:
         """Puts every entry's tensors in its slot of every projection's table — here, before the
@@ -90,8 +110,11 @@ class AtmmBackend:
                 e is e0 and s == s0 for (e, s), (e0, s0) in zip(zip(entries, slots), self._synced)):
             return
         for key, w in self.weights.items():
+            parts = self.groups.get(key)
+            if parts is not None and not self.grouped:
+                continue  # synced on the first step that runs the groups
             for e, s in zip(entries, slots):
-                t = e.tensors(key)
+                t = e.tensors(key) if parts is None else group_tensors(e, parts, self._sizes[key])
                 a, b, scale = (*self._zeros[key], 0.0) if t is None else t
                 if w.a[s] is not a or w.b[s] is not b or w.scales[s] != scale:
                     w.set(s, a, b, scale)
@@ -102,7 +125,19 @@ class AtmmBackend:
         choice, grid sizes, rank stride): steps with equal keys launch the same kernels, so a CUDA
         graph captured for one replays correctly for the other (the plan's data is on the device)."""
         p = self.plan
-        return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())))
+        return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())),
+                self.group_plan.rank_stride if self.grouped else None)
 
     def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
         self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, self.weights[key])
+
+    def run_group(self, group: LayerModule, parts: tuple[LayerModule, ...], y: torch.Tensor, x: torch.Tensor,
+                  step: StepLora) -> None:
+        """A LoraGroup's term into its concatenated output y: one call, or one per part (into
+        column views of y) when some entry's summed rank is over the kernel's limit."""
+        x = x if x.is_contiguous() else x.contiguous()
+        if self.grouped:
+            self._atmm.atmm_(y, x, self.group_plan, self.weights[group])
+            return
+        for key, col in zip(parts, y.split(self._sizes[group], dim=1)):
+            self._atmm.atmm_(col, x, self.plan, self.weights[key])

@@ -11,10 +11,11 @@ decoder layer's forward to `fused_layer_forward`: the same computation, with
     residual add + post-attn RMSNorm   1 kernel   (add_rms_norm)
     SiLU(gate) · up                    1 kernel   (silu_mul)
 
-The projections stay the layer's own modules (LoraLinear, tensor-parallel wrappers), the KV
-cache and attention go through HF's Cache.update and attention interface as before. On CPU the
-ops are HF's expressions, so the layer is exactly the HF layer (tests compare them); on CUDA
-they round where HF rounds.
+Projections that share an input run as one where the engine grouped them (lora.LoraGroup:
+`self_attn.qkv_proj`, `mlp.gate_up_proj`); otherwise the layer's own modules (LoraLinear,
+tensor-parallel wrappers) run one by one. The KV cache and attention go through HF's
+Cache.update and attention interface as before. On CPU the ops are HF's expressions, so the
+layer is exactly the HF layer (tests compare them); on CUDA they round where HF rounds.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def fused_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, 
     b, s, _ = hidden_states.shape
     d = attn.head_dim
     x = layer_ops.rms_norm(hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
-    q = attn.q_proj(x).view(b * s, -1, d)
-    k = attn.k_proj(x).view(b * s, -1, d)
-    v = attn.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+    qkv = attn.qkv_proj(x) if hasattr(attn, "qkv_proj") else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    q, k = qkv[0].view(b * s, -1, d), qkv[1].view(b * s, -1, d)  # column views of one output when grouped
+    v = qkv[2].view(b, s, -1, d).transpose(1, 2)
     cos, sin = position_embeddings
     layer_ops.rotary_(q, k, cos.reshape(b * s, d), sin.reshape(b * s, d))
     q = q.view(b, s, -1, d).transpose(1, 2)
@@ -52,7 +53,8 @@ def fused_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, 
     out = attn.o_proj(out.reshape(b, s, -1).contiguous())
     norm = self.post_attention_layernorm
     residual, x = layer_ops.add_rms_norm(hidden_states, out, norm.weight, norm.variance_epsilon)
-    return residual + mlp.down_proj(layer_ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    gate, up = mlp.gate_up_proj(x) if hasattr(mlp, "gate_up_proj") else (mlp.gate_proj(x), mlp.up_proj(x))
+    return residual + mlp.down_proj(layer_ops.silu_mul(gate, up))
 
 
 def install_fused_layers(model: nn.Module) -> int:

@@ -12,6 +12,7 @@ mixture mode. Rows the engine already sorted by entry need no permutation.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class LoraRuntime:
 
     def __init__(self, op: MultiLoraOp = multi_lora_reference_, backend=None) -> None:
         self.op = op
-        self.backend = backend  # e.g. AtmmBackend: begin(step) -> bool, run(key, y, x, step)
+        self.backend = backend  # e.g. AtmmBackend: begin(step) -> bool, run(key, y, x, step), run_group(...)
         self.step: StepLora | None = None
 
 
@@ -128,20 +129,101 @@ class LoraLinear(nn.Module):
         step = self.runtime.step
         if step is None or not step.active:
             return y
-        plan, a_list, b_list, scales = step.for_key(self.key)
-        xf = x.reshape(-1, x.shape[-1])
         yf = y.reshape(-1, y.shape[-1])
+        self.add_lora(yf, x.reshape(-1, x.shape[-1]), step)
+        return yf.view_as(y) if yf.data_ptr() == y.data_ptr() else yf.reshape(y.shape)
+
+    def add_lora(self, yf: torch.Tensor, xf: torch.Tensor, step: StepLora) -> None:
+        """In place yf (tokens, out) += this projection's multi-LoRA term of x (yf may be a column
+        view of a wider output, as in LoraGroup)."""
         if step.kernel:
             self.runtime.backend.run(self.key, yf, xf, step)
-            return y
+            return
+        plan, a_list, b_list, scales = step.for_key(self.key)
         if step.perm is None:
             self.runtime.op(yf, xf, plan, a_list, b_list, scales)
         else:
-            perm = step.perm.to(x.device)
+            perm = step.perm.to(xf.device)
             ys = yf.index_select(0, perm)
             self.runtime.op(ys, xf.index_select(0, perm), plan, a_list, b_list, scales)
             yf.index_copy_(0, perm, ys)
-        return yf.view_as(y) if yf.data_ptr() == y.data_ptr() else yf.reshape(y.shape)
+
+
+# Projections of a decoder layer that read the same input: computed as one LoraGroup.
+PROJECTION_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class LoraGroup(nn.Module):
+    """Projections reading the same x (q/k/v, gate/up) as ONE linear: one GEMM over their
+    concatenated weights and, on the ATMM backend, one multi-LoRA call over block-diagonal factors
+    (`group_tensors`): two launch pairs fewer than q, k, v apart, which is most of a decode
+    step's LoRA cost (each launch is latency, not bytes). The parts stay LoraLinears whose weight
+    and bias are views of the group's, so the switcher, the adapter tables and HF's own forward
+    (which calls the parts) keep working on them. forward returns the parts' outputs (views).
+    """
+
+    def __init__(self, parts: Sequence[LoraLinear], key: LayerModule, runtime: LoraRuntime) -> None:
+        super().__init__()
+        bases = [p.base for p in parts]
+        self.key = key
+        self.runtime = runtime
+        self.part_keys = tuple(p.key for p in parts)
+        self.sizes = [b.out_features for b in bases]
+        self.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
+        has_bias = [b.bias is not None for b in bases]
+        self.bias = None
+        if any(has_bias):
+            self.bias = nn.Parameter(torch.cat([b.bias.detach() if b.bias is not None else b.weight.new_zeros(n)
+                                                for b, n in zip(bases, self.sizes)]), requires_grad=False)
+        lo = 0
+        for b, n, with_bias in zip(bases, self.sizes, has_bias):
+            b.weight = nn.Parameter(self.weight[lo:lo + n], requires_grad=False)  # a view: updates reach the group
+            if with_bias:
+                b.bias = nn.Parameter(self.bias[lo:lo + n], requires_grad=False)
+            lo += n
+        self._parts = list(parts)  # not submodules: they stay registered where HF put them
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        step = self.runtime.step
+        if step is not None and step.active:
+            yf, xf = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+            if step.kernel:
+                self.runtime.backend.run_group(self.key, self.part_keys, yf, xf, step)
+            else:
+                for part, col in zip(self._parts, yf.split(self.sizes, dim=1)):
+                    part.add_lora(col, xf, step)
+        return y.split(self.sizes, dim=-1)
+
+
+_group_cache: "weakref.WeakKeyDictionary[LoraEntry, dict]" = weakref.WeakKeyDictionary()
+
+
+def group_tensors(entry: LoraEntry, parts: Sequence[LayerModule], sizes: Sequence[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """One entry's LoRA over a group's concatenated output: A = [A_1 | A_2 | ...] (in, Σr),
+    B = block-diagonal (Σr, Σout) with each part's s·B in its own rows and columns, scale 1.
+    Parts the entry does not target add nothing. Built once per (entry, group) and kept while the
+    entry lives (a device copy of the parts' factors, the zero blocks included)."""
+    per_entry = _group_cache.setdefault(entry, {})
+    if parts in per_entry:
+        return per_entry[parts]
+    got = [entry.tensors(k) for k in parts]
+    present = [t for t in got if t is not None]
+    result = None
+    if present:
+        a = torch.cat([t[0] for t in present], dim=1).contiguous()
+        b = present[0][1].new_zeros((a.shape[1], sum(sizes)))
+        row = col = 0
+        for t, n in zip(got, sizes):
+            if t is not None:
+                r = t[0].shape[1]
+                b[row:row + r, col:col + n] = (t[1].float() * t[2]).to(b.dtype)
+                row += r
+            col += n
+        result = (a, b, 1.0)
+    per_entry[parts] = result
+    return result
 
 
 @dataclass(eq=False)
@@ -191,3 +273,20 @@ def install_lora(model: nn.Module, runtime: LoraRuntime) -> dict[LayerModule, Lo
             setattr(parent, module, lin)
             wrapped[(i, module)] = lin
     return wrapped
+
+
+def install_lora_groups(model: nn.Module, layers: dict[LayerModule, LoraLinear], runtime: LoraRuntime
+                        ) -> dict[LayerModule, LoraGroup]:
+    """Puts a LoraGroup beside each decoder layer's q/k/v and gate/up LoraLinears (as
+    `self_attn.qkv_proj` and `mlp.gate_up_proj`, which fused_layers' forward calls); returns them
+    by (layer, group name)."""
+    groups: dict[LayerModule, LoraGroup] = {}
+    for i, layer in enumerate(language_layers(model)):
+        for name, modules in PROJECTION_GROUPS.items():
+            parts = [layers.get((i, m)) for m in modules]
+            if any(p is None for p in parts):
+                continue
+            group = LoraGroup(parts, (i, name), runtime)
+            setattr(getattr(layer, module_parent(modules[0])), name, group)
+            groups[(i, name)] = group
+    return groups

@@ -382,6 +382,28 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                     got = y0.clone()
                     eng.runtime.backend.run(key, got, x, step)
                     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+                backend = eng.runtime.backend
+
+                def check_groups(step):  # every LoraGroup's term vs the reference per part
+                    for group, parts in backend.groups.items():
+                        sizes = [eng.shapes.features[k[1]][1] for k in parts]
+                        x = torch.randn(35, eng.shapes.features[parts[0][1]][0], device="cuda", generator=g)
+                        x = x.to(torch.bfloat16)
+                        y0 = torch.randn(35, sum(sizes), device="cuda", generator=g).to(torch.bfloat16)
+                        want = torch.cat([multi_lora_reference_(col.clone(), x, *step.for_key(k))
+                                          for k, col in zip(parts, y0.split(sizes, dim=1))], dim=1)
+                        got = y0.clone()
+                        backend.run_group(group, parts, got, x, step)
+                        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+                assert backend.grouped and backend.groups  # q/k/v and gate/up as one call each
+                check_groups(step)
+                # an entry whose q+k+v ranks exceed the kernel's 128: per part, into column views
+                big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
+                eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
+                step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [0, 0, -1, 1], 5)
+                assert backend.begin(step) and not backend.grouped
+                check_groups(step)
         finally:
             eng.stop()
     assert outs[0] == outs[1]

@@ -49,3 +49,53 @@ def test_reference_ops_match_hf_modules():
     assert torch.equal(q, want_q.transpose(0, 1)) and torch.equal(k, want_k.transpose(0, 1))
     gate, up = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
     assert torch.equal(silu_mul_reference(gate, up), torch.nn.SiLU()(gate) * up)
+
+
+def test_grouped_projections_equal_hf_layers(model_path):
+    """q/k/v and gate/up as one linear each (lora.LoraGroup, the parts' weights views of the
+    group's): the same logits as HF's layers, and a part's weight written in place (as the
+    switcher does) reaches the group's GEMM."""
+    from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
+
+    model = load_model(model_path)
+    inputs = build_inputs(load_processor(model_path), [random_image(5)], "What is in the image?")
+    with torch.inference_mode():
+        want = generate_logits(model, inputs)
+        runtime = LoraRuntime()
+        layers = install_lora(model, runtime)
+        groups = install_lora_groups(model, layers, runtime)
+        install_fused_layers(model)
+        assert len(groups) == 2 * len(model.model.language_model.layers)
+        got = generate_logits(model, inputs)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert [w.argmax(-1) for w in want] == [g.argmax(-1) for g in got]
+        group = groups[(0, "qkv_proj")]
+        x = torch.randn(3, group.weight.shape[1])
+        k_proj = model.model.language_model.layers[0].self_attn.k_proj
+        k_proj.weight.add_(1.0)  # in place, like a merge
+        _, k, _ = group(x)
+        torch.testing.assert_close(k, k_proj(x))
+
+
+def test_group_tensors_are_the_parts_side_by_side():
+    from services.worker.lora import AdapterEntry, MixtureEntry, group_tensors
+
+    g = torch.Generator().manual_seed(1)
+    parts, sizes = ((0, "q_proj"), (0, "k_proj"), (0, "v_proj")), [24, 8, 8]
+
+    def adapter(rank, skip=()):
+        a = {k: torch.randn(16, rank, generator=g) for k in parts if k not in skip}
+        return AdapterEntry(a, {k: torch.randn(rank, n, generator=g) for k, n in zip(parts, sizes) if k not in skip},
+                            scale=0.5)
+
+    x = torch.randn(5, 16, generator=g)
+    for entry in (adapter(4), adapter(8, skip=[(0, "k_proj")]), MixtureEntry(adapter(4), adapter(8))):
+        a, b, scale = group_tensors(entry, parts, sizes)
+        got = scale * (x @ a) @ b
+        cols = []
+        for k, n in zip(parts, sizes):
+            t = entry.tensors(k)
+            cols.append(torch.zeros(5, n) if t is None else t[2] * (x @ t[0]) @ t[1])
+        torch.testing.assert_close(got, torch.cat(cols, dim=1))
+        assert group_tensors(entry, parts, sizes)[0] is a  # built once per entry
