@@ -53,7 +53,8 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
 from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
-from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
+from services.worker.lora import (AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora,
+                                  install_lora_groups)
 from services.worker.model import build_inputs, load_model, load_processor
 from services.worker.requests import (
     EngineStats,
@@ -169,11 +170,14 @@ class Engine:
         self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
         self.runtime = LoraRuntime()
         self.lora_layers = install_lora(self.model, self.runtime)
-        if config.fused_layers:
+        groups = {}
+        if config.fused_layers:  # its forward runs q/k/v and gate/up as one linear each (lora.LoraGroup)
+            groups = install_lora_groups(self.model, self.lora_layers, self.runtime)
             install_fused_layers(self.model)
         if config.use_atmm and AtmmBackend.available(self.device, self.dtype):
             self.runtime.backend = AtmmBackend({k: self.shapes.features[k[1]] for k in self.lora_layers},
-                                               self.device, self.dtype)
+                                               self.device, self.dtype,
+                                               groups={k: g.part_keys for k, g in groups.items()})
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
