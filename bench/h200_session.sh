@@ -50,9 +50,11 @@ elif [ "$MODE" = engine ]; then
     tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py \
     -k "gpu or graphs or atmm or switcher" 2>&1 | tail -8 | tee -a "$LOG"
   say tests
-  if [ -n "${SEARCH:-}" ]; then  # the decode buckets of the 7B shapes (T=16, 8 adapters), merged into the table
-    timeout 60 python3 -m kernels.tile_search --shapes 3584x3584,3584x512,3584x18944,18944x3584 --ranks 16 --tokens 16 \
-      --segments 16 --merge --budget-s 40 --validate 1 --name "tile_search_decode_$SUF" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
+  if [ -n "${SEARCH:-}" ]; then  # buckets of the 7B shapes (8 adapters), merged into the table the engine reads
+    # (default: the projection groups' shapes — q|k|v 3584x4608, gate|up 3584x37888 — at their summed ranks)
+    timeout 150 python3 -m kernels.tile_search --shapes "${SEARCH_SHAPES:-3584x4608,3584x37888}" \
+      --ranks "${SEARCH_RANKS:-32,48,64,96}" --tokens "${SEARCH_TOKENS:-16,4096}" --segments 16 --merge \
+      --budget-s 120 --validate 1 --name "tile_search_groups_$SUF" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
     cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "bench/results/tile_table-$SUF.json"
     say search
   fi
