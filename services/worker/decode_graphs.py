@@ -10,11 +10,15 @@ replayed:
 The KV cache lives in DecodeBatch's preallocated arenas (stable addresses, kv_batch.py). In the
 static step every layer writes its new token at a device-side index and attends over the whole
 capacity under a boolean mask (the row's cached positions and the new one), so shapes do not
-change as the cache grows; inputs (token ids, M-RoPE positions, mask, write index) are copied
-into the graph's own tensors before each replay. The LoRA term must be the ATMM kernel (its
-segment plan is device data written before the replay; `AtmmBackend.launch_key` names the host
-values its launches depend on) or absent; the torch reference slices on the host, so such
-steps stay eager, as do steps whose cache is full (it grows eagerly).
+change as the cache grows. A step's inputs are one small tensor per key (token ids, positions,
+each row's first cached column, the write index): the host fills it with one asynchronous copy
+(from pinned memory on CUDA, so nothing waits for the device) and the graph derives the M-RoPE
+positions and the mask from it. The token ids may instead come from the device: pipelined
+decode (engine.py) feeds a step the previous step's greedy tokens without a host round trip.
+The LoRA term must be the ATMM kernel (its segment plan is device data written before the
+replay; `AtmmBackend.launch_key` names the host values its launches depend on) or absent; the
+torch reference slices on the host, so such steps stay eager, as do steps whose cache is full
+(it grows eagerly).
 
 A key is captured the second time it is seen (its first, eager, static step is the warm-up), and
 the most recently used `max_graphs` are kept in one memory pool. A capture that fails (e.g. an
@@ -38,15 +42,20 @@ log = structlog.get_logger()
 
 @dataclass(eq=False)
 class _Entry:
-    ids: torch.Tensor  # (rows, 1) long
-    pos: torch.Tensor  # (3, rows, 1) long
-    mask: torch.Tensor  # (rows, 1, 1, capacity) bool: True = attend
+    # (3 * rows + 1,) long: token ids, positions (the same on the 3 M-RoPE axes), each row's first
+    # cached column, the write index (= the batch width); views of it below.
+    inp: torch.Tensor
     cols: torch.Tensor  # (capacity,) position index, for building the mask
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     seen: int = 0
     eager_only: bool = False
+
+    def __post_init__(self) -> None:
+        rows = (self.inp.shape[0] - 1) // 3
+        self.ids, self.host_part = self.inp[:rows], self.inp[rows:]  # what the host fills when ids are on the device
+        self.pos, self.start, self.index = self.inp[rows:2 * rows], self.inp[2 * rows:3 * rows], self.inp[3 * rows:]
 
 
 class DecodeGraphs:
@@ -59,7 +68,7 @@ class DecodeGraphs:
         self.capture = capture and device.type == "cuda"
         self.max_graphs = max_graphs
         self.mask_kinds = sorted(set(getattr(self.lm.config, "layer_types", None) or ["full_attention"]))
-        self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.pin = device.type == "cuda"  # host inputs from pinned memory: their copy does not wait for the device
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.static_steps = 0  # observability + tests
@@ -83,38 +92,42 @@ class DecodeGraphs:
                 lora = "reference"
         return rows, cap, layer.kbuf.data_ptr(), lora
 
-    def step(self, batch: DecodeBatch, last_tokens: list[int], positions: list[int],
-             step: StepLora | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Runs one decode step (cache advanced by one token in every layer) and returns (greedy
-        tokens (rows,), logits (rows, vocab)) — tensors owned by the graph: read them before the
-        next step. None when this step cannot run static (the caller runs it eagerly)."""
+    def _lookup(self, batch: DecodeBatch, step: StepLora | None) -> _Entry | None:
         key = self._key(batch, step)
         if key is None:
             return None
         e = self.entries.get(key)
         if e is None:
             rows, cap = key[0], key[1]
-            e = _Entry(ids=torch.zeros((rows, 1), dtype=torch.long, device=self.device),
-                       pos=torch.zeros((3, rows, 1), dtype=torch.long, device=self.device),
-                       mask=torch.zeros((rows, 1, 1, cap), dtype=torch.bool, device=self.device),
+            e = _Entry(inp=torch.zeros(3 * rows + 1, dtype=torch.long, device=self.device),
                        cols=torch.arange(cap, device=self.device))
             self.entries[key] = e
             while len(self.entries) > self.max_graphs:
                 self.entries.popitem(last=False)
         else:
             self.entries.move_to_end(key)
-        if e.eager_only:
+        return None if e.eager_only else e
+
+    def step(self, batch: DecodeBatch, ids: list[int] | torch.Tensor, positions: list[int],
+             step: StepLora | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Runs one decode step (cache advanced by one token in every layer) and returns (greedy
+        tokens (rows,), logits (rows, vocab)) — tensors owned by the graph: read them (or queue
+        their copy) before the next step. `ids`: each row's last token, from the host or a (rows,)
+        long tensor on the device. None when this step cannot run static (the caller runs it
+        eagerly); nothing is done then."""
+        e = self._lookup(batch, step)
+        if e is None:
             return None
-        rows, cap = key[0], key[1]
         width = batch.width
-        e.ids.copy_(torch.tensor(last_tokens, dtype=torch.long).view(rows, 1))
-        e.pos.copy_(torch.tensor(positions, dtype=torch.long).view(1, rows, 1).expand(3, rows, 1))
-        start = torch.tensor([width - n for n in batch.lengths], dtype=torch.long, device=self.device)
-        e.mask.copy_(((e.cols >= start[:, None]) & (e.cols <= width)).view(rows, 1, 1, cap))
-        self.index.fill_(width)
+        host = [*positions, *(width - n for n in batch.lengths), width]
+        if isinstance(ids, torch.Tensor):
+            e.host_part.copy_(torch.tensor(host, dtype=torch.long, pin_memory=self.pin), non_blocking=True)
+            e.ids.copy_(ids)
+        else:
+            e.inp.copy_(torch.tensor(ids + host, dtype=torch.long, pin_memory=self.pin), non_blocking=True)
         layers = batch.cache.layers
         for layer in layers:
-            layer.static_index = self.index
+            layer.static_index = e.index
         try:
             e.seen += 1
             self.static_steps += 1
@@ -133,8 +146,11 @@ class DecodeGraphs:
         return e.tokens, e.logits
 
     def _forward(self, e: _Entry, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.lm(input_ids=e.ids, attention_mask={kind: e.mask for kind in self.mask_kinds},
-                      position_ids=e.pos, past_key_values=batch.cache, use_cache=True)
+        rows, cap = e.ids.shape[0], e.cols.shape[0]
+        mask = ((e.cols >= e.start[:, None]) & (e.cols <= e.index)).view(rows, 1, 1, cap)
+        out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: mask for kind in self.mask_kinds},
+                      position_ids=e.pos.view(1, rows, 1).expand(3, rows, 1), past_key_values=batch.cache,
+                      use_cache=True)
         logits = self.head(out.last_hidden_state[:, -1])
         return logits.argmax(-1), logits
 

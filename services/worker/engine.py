@@ -11,6 +11,11 @@ their last real token). Then every running sequence decodes in ONE forward over 
 left-padded caches (kv_batch.py), with explicit 3D M-RoPE positions = cached length + the
 sequence's rope delta from prefill. LoRA is planned once per forward (lora.StepLora).
 
+Decode is pipelined (EngineConfig.pipeline_decode): while the batch stays the same and every row
+is greedy, step n+1 is launched with step n's tokens as input, copied on the device, before the
+host takes step n's tokens (detokenize, stream, finish checks), so that host work overlaps the
+device's (_decode_step says how rows that finish meanwhile are handled).
+
 Prefill embeds images and video chunks through vision.VisionEncoder: features are cached by
 content hash, so a repeated image skips the vision tower. A request may ask for early adapter
 release (LoRazor): after ceil(fraction * max_new_tokens) tokens its rows leave the LoRA segments
@@ -108,6 +113,9 @@ class EngineConfig:
     # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "static" = the same static
     # step without capture (CPU tests); "off" = always the eager step.
     decode_graphs: str = "auto"
+    # Pipelined decode: while the device runs a greedy decode step fed by the previous step's
+    # tokens (device to device), the host processes the previous step's tokens (see _decode_step).
+    pipeline_decode: bool = True
 
 
 @dataclass
@@ -140,10 +148,21 @@ class _Seq:
     t_first: float = 0.0
     mode: Mode = Mode.BASE
     released: bool = False  # early adapter release: decodes on the base path from now on
+    finished: bool = False  # out of the engine (answered, failed or cancelled)
 
     @property
     def req(self) -> WorkRequest:
         return self.prep.request
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A launched decode step whose greedy tokens the host has not taken yet (pipelined decode)."""
+
+    rows: list[_Seq]
+    tokens: torch.Tensor  # (rows,) on the device: the next step's input ids
+    host: torch.Tensor  # (rows,) host copy of `tokens` (pinned on CUDA), valid once `copied` has completed
+    copied: torch.cuda.Event | None  # None on CPU: the copy was synchronous
 
 
 class Engine:
@@ -202,6 +221,8 @@ class Engine:
         self._commands: collections.deque = collections.deque()
         self._entries: dict = {}
         self._last_plan: tuple | None = None  # (key, StepLora, kernel plan version)
+        self._pending: _Pending | None = None  # pipelined decode: the launched step not yet taken
+        self.pipelined_steps = 0  # decode steps launched from the previous step's device tokens
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
@@ -302,6 +323,7 @@ class Engine:
                 if not self._commands:
                     return
                 fn, args, done, box = self._commands.popleft()
+            self._flush()  # a command runs between fully processed steps, as without pipelining
             try:
                 box["result"] = fn(*args)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
@@ -419,6 +441,7 @@ class Engine:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     self._step()
+                self._flush()  # the last launched step's tokens reach their requests before the rest fail
         except BaseException as exc:  # noqa: BLE001 - the engine is dead; health must say so
             self._error = exc
             log.error("engine_died", error=repr(exc))
@@ -450,12 +473,17 @@ class Engine:
         t0 = time.perf_counter()
         batch = self._take_prefills()
         decoding = len(self._running)
-        if batch:
+        if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
             self._guard(batch, self._prefill_batch, batch)
         if self._running:
             self._guard(list(self._running), self._decode_step)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._pending is None:
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
+        # step_log / last_step_ms: a step that leaves a decode step pending does not wait for it;
+        # its time ends once it has launched it (and taken the previous step's tokens), the rest
+        # counts in the next step's. In steady pipelined decoding a step's time is thus the interval
+        # between consecutive steps' tokens reaching the host (the decode rate, not one forward's
+        # latency); consecutive step times still add up to wall time.
         ms = (time.perf_counter() - t0) * 1e3
         self.step_log.append((len(batch), decoding, ms))
         self._update_stats(step_ms=ms)
@@ -516,6 +544,7 @@ class Engine:
         if s in self._running:
             self._running.remove(s)
         s.kv = None
+        s.finished = True
         self._release(s)
 
     def _release(self, s: _Seq) -> None:
@@ -706,7 +735,26 @@ class Engine:
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode_step(self) -> None:
+        """One decode step of every running sequence.
+
+        Pipelined decode: a step whose rows are all greedy is left pending (its tokens copied to
+        the host asynchronously) when another step will follow. If at the next step boundary the
+        batch is the same (no row joined, left or was cancelled) and the step can run static, it
+        is launched at once with the pending step's tokens as input ids, copied on the device,
+        and only then are the pending step's tokens taken on the host (detokenized, streamed,
+        finish checks) while the device computes. A row that finishes there has computed one
+        token too many in the step just launched: it is never emitted, and the row leaves the
+        batch at the next boundary. Otherwise the pending step is taken first and this step runs
+        from host tokens, as do all steps with pipelining off. Commands and the engine's stop
+        take a pending step first too."""
         rows = sorted(self._running, key=self._lora_key)
+        if self._pending is not None:
+            if self._pipelined_step(rows):
+                return
+            self._flush()
+            rows = sorted(self._running, key=self._lora_key)
+            if not rows:
+                return
         if [s.id for s in rows] != self._batch.rows:
             kvs = self._batch.unpack()
             for s in rows:
@@ -734,12 +782,85 @@ class Engine:
                 got = logits.argmax(-1), logits
         finally:
             self.runtime.step = None
-        self._batch.advance()
+        self._advance(rows)
+        if self._holdable(rows):
+            self._pending = self._hold(rows, got[0])
+            return
         greedy, logits = got[0].tolist(), got[1]  # one device->host copy for every greedy row
         for i, s in enumerate(rows):
-            s.length += 1
             token = greedy[i] if s.req.sampling.greedy else choose_token(logits[i], s.req.sampling, s.generator)
             self._accept(s, token)
+
+    def _pipelined_step(self, rows: list[_Seq]) -> bool:
+        """Launches the next step from the pending one's device tokens, then takes the pending
+        step's tokens. False (nothing done) when the batch changed or the step cannot run static."""
+        pending = self._pending
+        if rows != pending.rows:  # _Seq compares by identity
+            return False
+        positions = [s.length + s.rope_delta for s in rows]
+        self.runtime.step = step = self._plan(rows, 1)  # the plan of the pending step, kept
+        try:
+            got = self.graphs.step(self._batch, pending.tokens, positions, step)
+        finally:
+            self.runtime.step = None
+        if got is None:  # e.g. the cache is full: the eager step grows it, from host tokens
+            return False
+        self._advance(rows)
+        self._pending = self._hold(rows, got[0])
+        self.pipelined_steps += 1
+        self._take(pending)
+        if not self._holdable(rows):
+            self._flush()
+        return True
+
+    def _advance(self, rows: list[_Seq]) -> None:
+        """After a decode step's launch: every row cached one more token."""
+        self._batch.advance()
+        for s in rows:
+            s.length += 1
+
+    def _holdable(self, rows: list[_Seq]) -> bool:
+        """Whether a launched step's tokens may wait for the next step's launch: pipelining is on,
+        every row is greedy, some row goes on after this step's token (no speculative step when
+        all are done: finished, or at max_new_tokens), and none releases its adapter with it
+        (the next step's LoRA plan changes)."""
+        if not self.config.pipeline_decode or self.graphs is None:
+            return False
+        goes_on = False
+        for s in rows:
+            if s.finished:
+                continue
+            if not s.req.sampling.greedy:
+                return False
+            n = len(s.tokens) + 1  # its tokens once this step's is taken
+            if s.prep.release_after and not s.released and n >= s.prep.release_after:
+                return False
+            goes_on = goes_on or n < s.prep.max_new_tokens
+        return goes_on
+
+    def _hold(self, rows: list[_Seq], tokens: torch.Tensor) -> _Pending:
+        """Queues the copy of a launched step's greedy tokens to the host, right behind the step."""
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(tokens, non_blocking=True)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return _Pending(rows, tokens, host, copied)
+
+    def _take(self, pending: _Pending) -> None:
+        """Accepts a pending step's tokens; a row that finished or left since its launch drops its own."""
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        for s, token in zip(pending.rows, pending.host.tolist()):
+            if not s.finished:
+                self._accept(s, token)
+
+    def _flush(self) -> None:
+        """Takes the pending decode step, if any (before anything that needs every token known)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._guard([s for s in pending.rows if not s.finished], self._take, pending)
 
     def _accept(self, s: _Seq, token: int) -> None:
         """A new token for `s`: stream it, and finish the sequence if it is done."""

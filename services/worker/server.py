@@ -73,6 +73,9 @@ class WorkerSettings(ServiceSettings):
                                "static step without capture) or off (always the eager step).")
     kv_headroom: int = Field(64, ge=1, description="Decode steps a freshly packed batch KV cache holds before "
                              "it grows (larger: fewer re-packs, more device memory).")
+    pipeline_decode: bool = Field(True, description="Pipelined decode: launch a greedy decode step from the "
+                                  "previous step's tokens on the device, then process those on the host while it "
+                                  "runs (needs the static/graph decode step; false: strictly serial steps).")
     default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens when a request leaves it 0.")
     max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens accepted.")
     device_slots: int = Field(4, ge=1, description="Adapters resident on the device at once (LRU).")
@@ -436,6 +439,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         image_cache_bytes=settings.image_cache_bytes, max_prefills_per_step=settings.max_prefills_per_step,
         max_prefill_tokens=settings.max_prefill_tokens, kv_headroom=settings.kv_headroom,
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
+        pipeline_decode=settings.pipeline_decode,
     )
 
 
