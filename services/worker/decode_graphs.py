@@ -142,7 +142,7 @@ class DecodeGraphs:
             for layer in layers:
                 layer.static_index = None
         for layer in layers:
-            layer.adopt(layer.kbuf, layer.vbuf, layer.length + 1)
+            layer.length += 1
         return e.tokens, e.logits
 
     def _forward(self, e: _Entry, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -774,7 +774,7 @@ class Engine:
                 got = self.graphs.step(self._batch, [s.last_token for s in rows], positions, step)
             if got is None:
                 ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
-                mask = torch.cat([self._batch.mask, self._batch.mask.new_ones((b, 1))], dim=1)
+                mask = self._batch.mask(new=1)
                 pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(1, b, 1).expand(3, b, 1)
                 out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                        past_key_values=self._batch.cache, use_cache=True)

@@ -29,7 +29,9 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, kv_h
 
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys/values are views into buffers with spare capacity along the
-    sequence; appending writes in place and reallocates (doubling) only when full."""
+    sequence; appending writes in place and reallocates (doubling) only when full. The views are
+    made when read, from `length`: a static decode step only counts its token (no per-layer
+    tensor work on the host)."""
 
     kbuf: torch.Tensor | None = None
     vbuf: torch.Tensor | None = None
@@ -38,10 +40,30 @@ class GrowingLayer(DynamicLayer):
     # and return the whole buffers (the caller masks positions past `length`).
     static_index: torch.Tensor | None = None
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.kbuf is None else self.kbuf[:, :, :self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ clears it; nothing may replace the view
+            raise AttributeError("GrowingLayer.keys is a view of its buffer: adopt() buffers instead")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.vbuf is None else self.vbuf[:, :, :self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("GrowingLayer.values is a view of its buffer: adopt() buffers instead")
+
+    def get_seq_length(self) -> int:
+        return self.length
+
     def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
         self.dtype, self.device = kbuf.dtype, kbuf.device
         self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
-        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -104,7 +126,8 @@ def cache_nbytes(cache: DynamicCache) -> int:
 
 
 class DecodeBatch:
-    """Rows (sequence ids) in batch order, the stacked cache and its (rows, length) mask."""
+    """Rows (sequence ids) in batch order, their cached lengths and the stacked cache (`width`
+    positions, each row right-aligned)."""
 
     MIN_CAPACITY = 256  # smallest arena capacity (positions)
 
@@ -113,14 +136,10 @@ class DecodeBatch:
         self.headroom = headroom  # decode steps the stacked cache takes before it must grow
         self.rows: list[int] = []
         self.lengths: list[int] = []  # real cached tokens per row
+        self.width = 0  # positions of the stacked cache (the longest row's length)
         self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None
         self._arenas: list[KV | None] = [None, None]
         self._current = 0
-
-    @property
-    def width(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[1]
 
     def nbytes(self) -> int:
         return 0 if self.cache is None else cache_nbytes(self.cache)
@@ -141,9 +160,9 @@ class DecodeBatch:
         self.rows = list(rows)
         self.lengths = [lengths[s] for s in rows]
         if not rows:
-            self.cache, self.mask = None, None
+            self.cache, self.width = None, 0
             return
-        width = max(self.lengths)
+        width = self.width = max(self.lengths)
         first = kvs[rows[0]]
         stacked = self._arena(len(rows), width + self.headroom, first)
         for li, (ks, vs) in enumerate(stacked):
@@ -153,10 +172,13 @@ class DecodeBatch:
                 ks[i, :, width - n:width] = k[0, :, -n:]
                 vs[i, :, width - n:width] = v[0, :, -n:]
         self.cache = cache_from_buffers(self.config, stacked, width)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=first[0][0].device)
-        for i, n in enumerate(self.lengths):
-            mask[i, width - n:] = 1
-        self.mask = mask
+
+    def mask(self, new: int = 0) -> torch.Tensor:
+        """(rows, width + new) long attention mask: 1 at each row's cached positions and at the
+        `new` ones after them. Built when asked (eager steps; a static step masks from `lengths`)."""
+        device = self.cache.layers[0].kbuf.device
+        start = torch.tensor([self.width - n for n in self.lengths], device=device)
+        return (torch.arange(self.width + new, device=device) >= start[:, None]).long()
 
     def _arena(self, rows: int, need: int, like: KV) -> KV:
         """Zeroed (rows, kv_heads, capacity, head_dim) views of the arena not holding the current
@@ -189,6 +211,6 @@ class DecodeBatch:
 
     def advance(self) -> None:
         """After a decode step: every row cached one more token."""
-        assert self.mask is not None
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        assert self.cache is not None
+        self.width += 1
         self.lengths = [n + 1 for n in self.lengths]
