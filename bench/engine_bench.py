@@ -16,6 +16,11 @@ The peer runs first in the same process (same weights: one seed), then is freed.
 
     python -m bench.engine_bench                       # H200: 7B shape, writes results/engine-<suffix>.json
     python -m bench.engine_bench --arch tiny --device cpu --dtype float32 --batch 4 --adapters 2 --new-tokens 3
+
+Decode is pipelined by default (EngineConfig.pipeline_decode); `--no-pipeline` runs serial steps for
+an A/B. The detail file says which (valora.pipeline_decode, valora.pipelined_steps). Its decode
+step_ms is one step's latency when serial, the interval between consecutive steps' tokens when
+pipelined.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     cfg = EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=args.batch,
                        max_prefills_per_step=args.batch, device_slots=len(names) + 1, image_cache_bytes=0,
                        load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
-                       decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers)
+                       decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
+                       pipeline_decode=not args.no_pipeline)
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
@@ -159,6 +165,8 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                                        "static_steps": eng.graphs.static_steps}
         detail["peak_decode_rows"] = eng.peak_decode_rows
         detail["fused_layers"] = cfg.fused_layers
+        detail["pipeline_decode"] = cfg.pipeline_decode
+        detail["pipelined_steps"] = eng.pipelined_steps  # decode steps launched from device tokens
         detail["peak_decode_entries"] = eng.peak_decode_entries
     finally:
         eng.stop()
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
+    ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
     ap.add_argument("--profile", default="", choices=("", *RUNS), help="also profile one batch of this run")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)

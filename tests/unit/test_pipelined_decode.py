@@ -4,10 +4,11 @@ tokens, finish reason, exactly one terminal event — with pipelining on and off
 at different steps (length, stop sequence, EOS), cancellation, sampled rows (which turn the
 overlap off), requests joining mid-decode, early adapter release and mixture mode; the next step
 really is launched before the previous step's tokens are accepted, and no step is launched that
-no row needs."""
+no row needs; the engine bench records whether it was on."""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from bench import engine_bench
 from services.worker.engine import Engine, EngineConfig
 from services.worker.kv_batch import DecodeBatch
 from services.worker.requests import Failed, Finished, FinishReason, Mode, TextDelta, WorkRequest
@@ -292,3 +294,13 @@ def test_pipeline_decode_setting(monkeypatch):
     monkeypatch.setenv("VALORA_PIPELINE_DECODE", "sometimes")
     with pytest.raises(ValueError, match="pipeline_decode"):
         WorkerSettings()
+
+
+@pytest.mark.parametrize("flags, on", [([], True), (["--no-pipeline"], False)], ids=["default", "no-pipeline"])
+def test_engine_bench_records_pipelining(tmp_path, flags, on):
+    engine_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--device", "cpu", "--dtype", "float32",
+                       "--batch", "2", "--adapters", "1", "--new-tokens", "5", "--reps", "1", "--warmup", "0",
+                       "--skip-peer", "--decode-graphs", "static", "--out-dir", str(tmp_path), "--name", "e", *flags])
+    detail = json.loads((tmp_path / "e.detail.json").read_text())["valora"]
+    assert detail["pipeline_decode"] is on
+    assert (detail["pipelined_steps"] > 0) is on
