@@ -6,6 +6,11 @@ term) keeps its kernel slot across steps, so weights are (re)registered only whe
 appears; slots are recycled least-recently-used. A projection an entry does not target gets a
 shared zero term of rank 8 (the kernel reads one plan for every layer).
 
+A LoraGroup (q/k/v, gate/up: one input, one concatenated output) runs as ONE call over each
+entry's block-diagonal factors (`lora.group_tensors`) on a plan per group name, whose workspace
+stride is that group's summed rank; when some entry's summed rank is over the kernel's limit the
+group runs per part, into column views of its output, on the projections' own tables.
+
 `begin(step)` returns False when the kernel cannot take the step (fp32 model, a rank that is not
 a multiple of 8 or is over the kernel's limit, a permuted batch, too many segments or tokens):
 the layers then use the torch reference for that step, with the same semantics.
@@ -30,10 +35,11 @@ class AtmmBackend:
         self.max_entries = max_entries
         self.plan = atmm.AtmmPlan(max_segments, max_tokens, device)
         # LoraGroups (group key -> part keys): one call over block-diagonal factors (lora.group_tensors),
-        # on a plan of its own (same segments, the workspace strided by the entries' summed ranks)
+        # on a plan per group name (same segments; the workspace strided by that group's summed ranks)
         self.groups = dict(groups or {})
-        self.group_plan = atmm.AtmmPlan(max_segments, max_tokens, device) if self.groups else None
-        self.grouped = False  # this step's groups run as one call (every entry's summed rank fits the kernel)
+        self.group_plans = {name: atmm.AtmmPlan(max_segments, max_tokens, device)
+                            for name in sorted({g[1] for g in self.groups})}
+        self.grouped: set[str] = set()  # group names run as one call this step (summed ranks fit the kernel)
         features = dict(features)
         for g, parts in self.groups.items():
             features[g] = (features[parts[0]][0], sum(features[k][1] for k in parts))
@@ -89,14 +95,18 @@ class AtmmBackend:
         table = [0] * self.max_entries
         for s, r in zip(slots, ranks):
             table[s] = r
-        group_ranks = [max((self._group_rank(e, g) for g in self.groups), default=0) for e in step.entries]
-        self.grouped = bool(self.groups) and all(r <= self._atmm.MAX_RANK for r in group_ranks)
+        group_ranks = {name: [max(self._group_rank(e, g) for g in self.groups if g[1] == name) for e in step.entries]
+                       for name in self.group_plans}
+        grouped = {name for name, rs in group_ranks.items() if all(r <= self._atmm.MAX_RANK for r in rs)}
+        if grouped != self.grouped:
+            self._synced = []  # group tables to fill (or skip) anew
+        self.grouped = grouped
         self._sync_weights(step.entries, slots)
         self.plan.update(plan.seg_starts, seg_slots, table)
-        if self.grouped:
-            for s, r in zip(slots, group_ranks):
+        for name in grouped:
+            for s, r in zip(slots, group_ranks[name]):
                 table[s] = max(r, 8)  # 0: the entry targets no part, its slot holds the rank-8 zero term
-            self.group_plan.update(plan.seg_starts, seg_slots, table)
+            self.group_plans[name].update(plan.seg_starts, seg_slots, table)
         return True
 
     def _group_rank(self, entry: LoraEntry, group: LayerModule) -> int:
@@ -111,8 +121,8 @@ class AtmmBackend:
             return
         for key, w in self.weights.items():
             parts = self.groups.get(key)
-            if parts is not None and not self.grouped:
-                continue  # synced on the first step that runs the groups
+            if parts is not None and key[1] not in self.grouped:
+                continue  # synced on the first step that runs this group as one call
             for e, s in zip(entries, slots):
                 t = e.tensors(key) if parts is None else group_tensors(e, parts, self._sizes[key])
                 a, b, scale = (*self._zeros[key], 0.0) if t is None else t
@@ -126,7 +136,7 @@ class AtmmBackend:
         graph captured for one replays correctly for the other (the plan's data is on the device)."""
         p = self.plan
         return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())),
-                self.group_plan.rank_stride if self.grouped else None)
+                tuple((name, self.group_plans[name].rank_stride) for name in sorted(self.grouped)))
 
     def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
         self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, self.weights[key])
@@ -136,8 +146,8 @@ class AtmmBackend:
         """A LoraGroup's term into its concatenated output y: one call, or one per part (into
         column views of y) when some entry's summed rank is over the kernel's limit."""
         x = x if x.is_contiguous() else x.contiguous()
-        if self.grouped:
-            self._atmm.atmm_(y, x, self.group_plan, self.weights[group])
+        if group[1] in self.grouped:
+            self._atmm.atmm_(y, x, self.group_plans[group[1]], self.weights[group])
             return
         for key, col in zip(parts, y.split(self._sizes[group], dim=1)):
             self._atmm.atmm_(col, x, self.plan, self.weights[key])

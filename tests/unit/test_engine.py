@@ -396,13 +396,14 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                         backend.run_group(group, parts, got, x, step)
                         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
-                assert backend.grouped and backend.groups  # q/k/v and gate/up as one call each
+                assert backend.grouped == {"qkv_proj", "gate_up_proj"}  # q/k/v and gate/up as one call each
                 check_groups(step)
                 # an entry whose q+k+v ranks exceed the kernel's 128: per part, into column views
                 big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
                 eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
+                assert eng.pool.acquire("adapters/k48/versions/1") is not None  # resident, as a request makes it
                 step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [0, 0, -1, 1], 5)
-                assert backend.begin(step) and not backend.grouped
+                assert backend.begin(step) and backend.grouped == {"gate_up_proj"}  # 3 x 48 > 128 for q/k/v
                 check_groups(step)
         finally:
             eng.stop()
