@@ -76,7 +76,7 @@ from services.worker.requests import (
 )
 from services.worker.sampling import choose_token
 from services.worker.switcher import Switcher
-from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, vision_items
+from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, vision_items
 
 log = structlog.get_logger()
 
@@ -376,6 +376,7 @@ class Engine:
         except (ValueError, TypeError) as exc:
             raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
                                 reason="BAD_IMAGE") from exc
+        stage_pixels(inputs, self.device, self.dtype)
         ids = inputs["input_ids"]
         limit = self.text_config.max_position_embeddings
         if ids.shape[1] + n > limit:
@@ -843,9 +844,9 @@ class Engine:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
         copied = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the engine thread need not have selected the engine's device
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(self.device))
         return _Pending(rows, tokens, host, copied)
 
     def _take(self, pending: _Pending) -> None:
