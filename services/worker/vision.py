@@ -130,6 +130,19 @@ class FeatureCache:
                               self.max_bytes)
 
 
+def stage_pixels(inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """For a CUDA worker: the request's pixels in the tower's dtype and in pinned memory, done
+    when the request is prepared (its own thread), so the engine loop only starts async copies
+    (16 images of 448 px are 77 MB of fp32: ~11 ms of pageable copy, blocking the loop, otherwise).
+    The tower casts to its dtype first thing, so the features are the same."""
+    if device.type != "cuda":
+        return
+    for kind in (IMAGE, VIDEO):
+        key = _INPUT_KEYS[kind][0]
+        if key in inputs:
+            inputs[key] = inputs[key].to(dtype).pin_memory()
+
+
 class VisionEncoder:
     """The model's vision tower behind the feature cache."""
 
@@ -142,7 +155,11 @@ class VisionEncoder:
     def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
         """Runs the vision tower once over the given (request inputs, item) pairs of one kind."""
         pix_key, _ = _INPUT_KEYS[kind]
-        rows = torch.cat([inputs[pix_key][it.start:it.end] for inputs, it in todo]).to(self.device)
+        parts = [inputs[pix_key][it.start:it.end] for inputs, it in todo]
+        if self.device.type == "cuda":  # staged (pinned) pixels copy asynchronously; cat on the device
+            rows = torch.cat([p.to(self.device, non_blocking=True) for p in parts])
+        else:
+            rows = torch.cat(parts)
         grid = torch.tensor([it.grid for _, it in todo], dtype=torch.long, device=self.device)
         inner = self.model.model
         if kind == IMAGE:
