@@ -131,15 +131,17 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
 
         steps: dict[str, list] = {run: [] for run in RUNS}
 
-        for run in RUNS:
-            if run in ("merged", "mixture"):
-                eng.set_mode(Mode.MERGED if run == "merged" else Mode.MIXTURE, names[0])
-            elif eng.stats().merged_adapter:
-                eng.set_mode(Mode.UNMERGED)
-            if run != "base" and not names:
-                continue
-            gen, pre = [], []
-            for rep in range(args.warmup + args.reps):
+        # Runs interleaved rep by rep (base, merged, ..., base, merged, ...): drift of the machine
+        # (clocks, heat, neighbours) falls on every run alike, so their ratios hold within a run.
+        runs = [run for run in RUNS if run == "base" or names]
+        gen: dict[str, list] = {run: [] for run in runs}
+        pre: dict[str, list] = {run: [] for run in runs}
+        for rep in range(args.warmup + args.reps):
+            for run in runs:
+                if run in ("merged", "mixture"):
+                    eng.set_mode(Mode.MERGED if run == "merged" else Mode.MIXTURE, names[0])
+                elif eng.stats().merged_adapter:
+                    eng.set_mode(Mode.UNMERGED)
                 ms_gen, tokens = batch_ms(run, args.new_tokens, rep)
                 ms_pre, _ = batch_ms(run, 1, rep + 100)
                 if rep == 0:  # the peer's rep 0 has the same images: compare tokens and logits on it
@@ -148,14 +150,17 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                     detail["first_logits"][run] = torch.stack([first_logits.pop(k) for k in order])
                     first_logits.clear()
                 if rep >= args.warmup:
-                    gen.append(ms_gen)
-                    pre.append(ms_pre)
-            rows.append({"impl": "valora", "run": run, "generate_ms": statistics.median(gen), "prefill_ms": statistics.median(pre)})
+                    gen[run].append(ms_gen)
+                    pre[run].append(ms_pre)
+        for run in runs:
+            rows.append({"impl": "valora", "run": run, "generate_ms": statistics.median(gen[run]),
+                         "prefill_ms": statistics.median(pre[run])})
             pre_steps = [ms for p, d, ms in steps[run] if p and not d]
             dec_steps = [ms for p, d, ms in steps[run] if d and not p]
             detail.setdefault("step_ms", {})[run] = {
                 "prefill_median": statistics.median(pre_steps) if pre_steps else None,
                 "decode_median": statistics.median(dec_steps) if dec_steps else None, "decode_steps": len(dec_steps)}
+            detail.setdefault("generate_ms_reps", {})[run] = gen[run]
             print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
                   flush=True)
         if args.profile:
@@ -274,7 +279,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapter-std", type=float, default=0.01, help="std of the random LoRA A and B entries")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--peer-reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-peer", action="store_true")
