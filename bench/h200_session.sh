@@ -47,15 +47,15 @@ elif [ "$MODE" = kernels ]; then
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* kernels/tile_tables/*.json 2>/dev/null
 elif [ "$MODE" = engine ]; then
   [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py \
-    tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py \
-    -k "gpu or graphs or atmm or switcher" 2>&1 | tail -8 | tee -a "$LOG"
+    tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py ${GPU_TESTS:-} \
+    -k "gpu or graphs or atmm or switcher" > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
   say tests
   if [ -n "${SEARCH:-}" ]; then  # buckets of the 7B shapes (8 adapters), merged into the table the engine reads
     # (default: the projection groups' shapes — q|k|v 3584x4608, gate|up 3584x37888 — at their summed ranks)
     timeout 150 python3 -m kernels.tile_search --shapes "${SEARCH_SHAPES:-3584x4608,3584x37888}" \
       --ranks "${SEARCH_RANKS:-32,48,64,96}" --tokens "${SEARCH_TOKENS:-16,4096}" --segments 16 --merge \
       --budget-s 120 --validate 1 --name "tile_search_groups_$SUF" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
-    cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "bench/results/tile_table-$SUF.json"
+    cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "$OUT/"  # the merged table, to commit
     say search
   fi
   timeout 330 python3 -m bench.engine_bench --name "engine-$SUF" --profile unmerged_mixed 2>&1 \

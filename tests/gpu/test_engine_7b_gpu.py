@@ -25,7 +25,10 @@ def test_7b_engine_first_token_logits_match_peft(tmp_path):
     assert detail["valora"]["op"] == "atmm"
     cmp = detail["first_token_logits"]
     assert set(cmp) == {"base", "merged", "unmerged_one", "unmerged_mixed"}
-    assert cmp["base"]["relerr"] < 1e-2, cmp["base"]
+    # base: valora's layers are not HF's kernels (fused RMSNorm/rotary/SiLU, one GEMM for q|k|v and for
+    # gate|up), so bf16 rounding differs a little in each of 28 layers: 2.4 % of the logits on the H200
+    # (engine-bc9e30a.detail.json); a wrong layer moves them by tens of %
+    assert cmp["base"]["relerr"] < 5e-2, cmp["base"]
     for run, c in cmp.items():
         assert c["top1_agreement"] >= 0.75, (run, c)
         if run != "base":
