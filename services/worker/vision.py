@@ -43,7 +43,7 @@ class VisionItem:
 def content_key(kind: str, grid: tuple[int, int, int], patches: torch.Tensor) -> str:
     h = hashlib.sha256()
     h.update(f"{kind}:{grid[0]}x{grid[1]}x{grid[2]}:{patches.dtype}:{tuple(patches.shape)}:".encode())
-    h.update(patches.detach().contiguous().cpu().numpy().tobytes())
+    h.update(patches.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())  # any dtype (bf16 staged pixels)
     return h.hexdigest()
 
 

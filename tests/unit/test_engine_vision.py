@@ -194,3 +194,20 @@ def test_gateway_validates_video_frames_like_images():
     with pytest.raises(InvalidArgument) as err:
         asyncio.run(validate(bad, "r", limits))
     assert [v.field for v in err.value.field_violations] == ["input.videos[0].frames[1].data"]
+
+
+def test_content_keys_of_staged_bf16_pixels(model_path):
+    """A CUDA worker stages pixels in bf16 (vision.stage_pixels): their content keys are computed
+    like fp32 ones (numpy has no bf16), equal for equal images and different otherwise."""
+    from services.worker.vision import vision_items
+
+    processor = load_processor(model_path)
+
+    def keys(*seeds):
+        inputs = build_inputs(processor, [random_image(s) for s in seeds], "Describe.")
+        inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+        return [it.key for it in vision_items(inputs)]
+
+    a, b, a2 = keys(1, 2, 1)
+    assert a == a2 and a != b
+    assert keys(1)[0] == a
