@@ -183,10 +183,16 @@ class LoraWeights:
         self.b: list[torch.Tensor | None] = [None] * num_slots
         self.ranks: list[int] = [0] * num_slots
         self.scales: list[float] = [0.0] * num_slots
-        self.a_ptrs = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
-        self.b_ptrs = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
-        self.rank_table = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
-        self.scale_table = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        # The four device tables are views of one buffer, written by one async copy per flush: a
+        # per-element write of a CUDA tensor is a synchronous pageable copy, i.e. a stall of the
+        # engine loop for every slot of every projection when a new set of adapters arrives.
+        self._table = torch.zeros(num_slots * 24, dtype=torch.uint8, device=self.device)
+        n8 = num_slots * 8
+        self.a_ptrs = self._table[:n8].view(torch.int64)
+        self.b_ptrs = self._table[n8:2 * n8].view(torch.int64)
+        self.rank_table = self._table[2 * n8:2 * n8 + num_slots * 4].view(torch.int32)
+        self.scale_table = self._table[2 * n8 + num_slots * 4:].view(torch.float32)
+        self._dirty = False
         self._misaligned: set[int] = set()  # slots whose A or B does not start on 16 bytes
 
     @property
@@ -194,8 +200,9 @@ class LoraWeights:
         """Every A/B data pointer is 16-byte aligned (rows are: r and h_out are multiples of 8)."""
         return not self._misaligned and self.h_in % 8 == 0 and self.h_out % 8 == 0
 
-    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        """Place adapter (A: (h_in, r), B: (r, h_out), contiguous, this dtype/device) in `slot`."""
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float, flush: bool = True) -> None:
+        """Place adapter (A: (h_in, r), B: (r, h_out), contiguous, this dtype/device) in `slot`.
+        flush=False defers the device tables' update to `flush()` (batching many slots)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
         r = a.shape[1] if a.dim() == 2 else -1
@@ -211,23 +218,37 @@ class LoraWeights:
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         self.a[slot], self.b[slot], self.ranks[slot], self.scales[slot] = a, b, r, float(scale)
-        self._sync_slot(slot)
+        self._slot_changed(slot, flush)
 
-    def clear(self, slot: int) -> None:
+    def clear(self, slot: int, flush: bool = True) -> None:
         self.a[slot] = self.b[slot] = None
         self.ranks[slot], self.scales[slot] = 0, 0.0
-        self._sync_slot(slot)
+        self._slot_changed(slot, flush)
 
-    def _sync_slot(self, slot: int) -> None:
+    def _slot_changed(self, slot: int, flush: bool) -> None:
         a, b = self.a[slot], self.b[slot]
         if a is not None and (a.data_ptr() % 16 or b.data_ptr() % 16):
             self._misaligned.add(slot)
         else:
             self._misaligned.discard(slot)
-        self.a_ptrs[slot] = a.data_ptr() if a is not None else 0
-        self.b_ptrs[slot] = b.data_ptr() if b is not None else 0
-        self.rank_table[slot] = self.ranks[slot]
-        self.scale_table[slot] = self.scales[slot]
+        self._dirty = True
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes the slots' pointers, ranks and scales to the device tables (one async copy from
+        pinned memory; torch's pinned allocator keeps the staging block until the copy ran)."""
+        if not self._dirty:
+            return
+        n = self.num_slots
+        host = torch.empty(n * 24, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        n8 = n * 8
+        host[:n8].view(torch.int64).copy_(torch.tensor([t.data_ptr() if t is not None else 0 for t in self.a]))
+        host[n8:2 * n8].view(torch.int64).copy_(torch.tensor([t.data_ptr() if t is not None else 0 for t in self.b]))
+        host[2 * n8:2 * n8 + n * 4].view(torch.int32).copy_(torch.tensor(self.ranks, dtype=torch.int32))
+        host[2 * n8 + n * 4:].view(torch.float32).copy_(torch.tensor(self.scales, dtype=torch.float32))
+        self._table.copy_(host, non_blocking=True)
+        self._dirty = False
 
 
 _tables: dict[tuple, TileTable] = {}

@@ -127,7 +127,8 @@ class AtmmBackend:
                 t = e.tensors(key) if parts is None else group_tensors(e, parts, self._sizes[key])
                 a, b, scale = (*self._zeros[key], 0.0) if t is None else t
                 if w.a[s] is not a or w.b[s] is not b or w.scales[s] != scale:
-                    w.set(s, a, b, scale)
+                    w.set(s, a, b, scale, flush=False)
+            w.flush()  # one async copy per table, before the forward (and outside any graph capture)
         self._synced = list(zip(entries, slots))
 
     def launch_key(self) -> tuple:

@@ -351,7 +351,7 @@ class Engine:
         if previous is not None:
             self.pool.release(previous)
         self._merged, self._mode = merged, mode
-        self._entries.clear()
+        self._drop_stale_entries()
 
     # -- requests ----------------------------------------------------------------------------
     def prepare(self, request: WorkRequest) -> PreparedRequest:
@@ -598,6 +598,22 @@ class Engine:
         if entry is None or entry.a is not dev.a:  # slot content changed since it was cached
             entry = self._entries[("lora", name)] = AdapterEntry(dev.a, dev.b, dev.weights.scale)
         return entry
+
+    def _drop_stale_entries(self) -> None:
+        """Keeps the cached LoRA entries across a mode switch (building one again means new
+        concatenated and block-diagonal factors and kernel table writes on the next step), except
+        those whose adapter left its device slot: they would keep its tensors alive."""
+        def resident(name: str, entry: AdapterEntry | None) -> bool:
+            slot = self.pool.slot_of(name)
+            dev = self.pool.slot(slot) if slot is not None else None
+            return dev is not None and entry is not None and entry.a is dev.a
+
+        def live(spec: tuple, entry: LoraEntry) -> bool:
+            if spec[0] == "lora":
+                return resident(spec[1], entry)
+            return (not spec[1] or resident(spec[1], entry.x)) and resident(spec[2], entry.m)
+
+        self._entries = {spec: e for spec, e in self._entries.items() if live(spec, e)}
 
     def _entry(self, spec: tuple) -> LoraEntry:
         if spec[0] == "lora":

@@ -402,7 +402,7 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                 big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
                 eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
                 assert eng.pool.acquire("adapters/k48/versions/1") is not None  # resident, as a request makes it
-                step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [0, 0, -1, 1], 5)
+                step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 1], 5)
                 assert backend.begin(step) and backend.grouped == {"gate_up_proj"}  # 3 x 48 > 128 for q/k/v
                 check_groups(step)
         finally:
@@ -487,3 +487,26 @@ def test_released_adapter_leaves_its_device_slot(engine, model_path):
         assert engine.stats().running == 1
     finally:
         handle.cancel()
+
+
+def test_lora_entries_survive_mode_switches_unless_their_adapter_left(model_path, bundles):
+    """A mode switch keeps the cached LoRA entries (rebuilding them costs new factor copies and
+    kernel table writes on the next step) but drops one whose adapter left the device (it would
+    keep the adapter's tensors alive)."""
+    eng = Engine(EngineConfig(model_path=model_path, device_slots=3))
+    eng.start()
+    try:
+        for name in (A, B):
+            b = bundles[name]
+            eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads, to_device=True)
+        a_entry = eng._entry(("lora", A))
+        eng._entry(("lora", B))
+        mix = eng._entry(("mix", B, A))
+        eng.set_mode(Mode.MERGED, A)
+        eng.set_mode(Mode.UNMERGED)
+        assert eng._entry(("lora", A)) is a_entry and eng._entry(("mix", B, A)) is mix
+        eng.offload_adapter(B)
+        eng.set_mode(Mode.MERGED, A)
+        assert eng._entries == {("lora", A): a_entry}
+    finally:
+        eng.stop()

@@ -72,6 +72,13 @@ def test_weights_check_shapes_dtype_and_rank():
     assert w.a_ptrs[1].item() == w.a[1].data_ptr()
     w.clear(1)
     assert w.ranks == [0, 0] and w.a_ptrs.tolist() == [0, 0]
+    # deferred: the tables change at flush() only (the ATMM backend batches a step's new slots)
+    a, b = torch.zeros(32, 8, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16)
+    w.set(0, a, b, 2.0, flush=False)
+    assert w.rank_table.tolist() == [0, 0]
+    w.flush()
+    assert w.rank_table.tolist() == [8, 0] and w.scale_table.tolist() == [2.0, 0.0]
+    assert w.a_ptrs.tolist() == [a.data_ptr(), 0] and w.b_ptrs.tolist() == [b.data_ptr(), 0]
 
 
 def test_atmm_falls_back_to_reference_on_cpu():
