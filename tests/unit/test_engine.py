@@ -402,7 +402,7 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                 big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
                 eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
                 assert eng.pool.acquire("adapters/k48/versions/1") is not None  # resident, as a request makes it
-                step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 1], 5)
+                step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 0, 1, 1, 1], 5)
                 assert backend.begin(step) and backend.grouped == {"gate_up_proj"}  # 3 x 48 > 128 for q/k/v
                 check_groups(step)
         finally:
