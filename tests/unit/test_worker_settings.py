@@ -47,15 +47,15 @@ def test_settings_from_the_environment_reach_the_engine_config(clean_env):
         "VALORA_MAX_PREFILL_TOKENS": "2048", "VALORA_DECODE_GRAPHS": "off", "VALORA_LOAD_FORMAT": "dummy",
         "VALORA_KV_HEADROOM": "16", "VALORA_IMAGE_CACHE_BYTES": "0", "VALORA_SWITCH_STRATEGY": "delta",
         "VALORA_USE_ATMM": "false", "VALORA_DEVICE_SLOTS": "2", "VALORA_MAX_BATCH_SIZE": "32",
-        "VALORA_MODEL_PATH": "~/models/qwen2-vl-7b",
+        "VALORA_MODEL_PATH": "~/models/qwen2-vl-7b", "VALORA_FUSED_LAYERS": "false",
     }
     for k, v in env.items():
         clean_env.setenv(k, v)
     cfg = engine_config(WorkerSettings())
     assert (cfg.device, cfg.dtype, cfg.max_prefills_per_step, cfg.max_prefill_tokens, cfg.decode_graphs,
             cfg.load_format, cfg.kv_headroom, cfg.image_cache_bytes, cfg.switch_strategy, cfg.use_atmm,
-            cfg.device_slots, cfg.max_batch_size) == (
-        "cuda:1", "bfloat16", 4, 2048, "off", "dummy", 16, 0, "delta", False, 2, 32)
+            cfg.device_slots, cfg.max_batch_size, cfg.fused_layers) == (
+        "cuda:1", "bfloat16", 4, 2048, "off", "dummy", 16, 0, "delta", False, 2, 32, False)
     assert cfg.model_path == Path("~/models/qwen2-vl-7b").expanduser()
 
 
