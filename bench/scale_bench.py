@@ -325,11 +325,9 @@ def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None
 
 
 def default_out(device: str) -> Path:
-    import subprocess
+    from kernels.results import git_commit
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                            check=False).stdout.strip() or os.environ.get("VALORA_GIT_COMMIT", "run")
-    return RESULTS / f"scale-{device}-{commit}.json"
+    return RESULTS / f"scale-{device}-{git_commit()[:7]}.json"
 
 
 def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model: Path, wall_s: float,

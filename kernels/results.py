@@ -20,13 +20,17 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 
 def git_commit() -> str:
-    """HEAD's commit, else $VALORA_GIT_COMMIT, else "unknown" (e.g. a copy without .git)."""
+    """$VALORA_GIT_COMMIT when set (a copy of a tree run elsewhere, e.g. `git archive` on the GPU
+    machine, may sit inside another checkout whose HEAD is not its commit), else HEAD's commit,
+    else "unknown"."""
+    if os.environ.get("VALORA_GIT_COMMIT"):
+        return os.environ["VALORA_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=False).stdout.strip()
     except OSError:
         out = ""
-    return out or os.environ.get("VALORA_GIT_COMMIT", "unknown")
+    return out or "unknown"
 
 
 def _driver_version() -> str:
