@@ -142,3 +142,10 @@ class InMemoryAdapterStore:
 
         pb_grpc.add_AdapterStoreServiceServicer_to_server(_Servicer(), server)
         return [pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name]
+
+
+def load_random_adapters(engine, model_path, names) -> None:
+    """Loads a random adapter under each name into `engine` (the i-th: rank 4·(i+1), seed i+1)."""
+    for i, name in enumerate(names):
+        b = random_adapter_bundle(model_path, rank=4 * (i + 1), lora_alpha=8, seed=i + 1)
+        engine.load_adapter_bytes(name, b.sha256, b.data, b.config_json)

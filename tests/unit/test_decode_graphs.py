@@ -13,7 +13,7 @@ from services.worker.engine import Engine, EngineConfig
 from services.worker.kv_batch import DecodeBatch
 from services.worker.requests import Failed, Finished, Mode, WorkRequest
 from services.worker.sampling import SamplingParams
-from services.worker.testing import random_adapter_bundle, random_image
+from services.worker.testing import load_random_adapters, random_image
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 
@@ -34,9 +34,7 @@ def run(model_path, mode: str, merged: Mode | None = None) -> tuple[dict, Engine
     eng.eos_ids = set()  # every request runs its full length
     eng.start()
     try:
-        for i, name in enumerate((A, B)):
-            b = random_adapter_bundle(model_path, rank=4 * (i + 1), lora_alpha=8, seed=i + 1)
-            eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+        load_random_adapters(eng, model_path, (A, B))
         if merged is not None:
             eng.set_mode(merged, A)
         events: queue.Queue = queue.Queue()

@@ -22,7 +22,7 @@ from services.worker.kv_batch import DecodeBatch
 from services.worker.requests import Failed, Finished, FinishReason, Mode, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.server import WorkerSettings, engine_config
-from services.worker.testing import random_adapter_bundle, random_image
+from services.worker.testing import load_random_adapters, random_image
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 
@@ -92,9 +92,7 @@ def run(model_path, requests, pipeline: bool, *, merged: Mode | None = None, eos
     eng.start()
     r = Run(eng, hook=hook)
     try:
-        for i, name in enumerate((A, B)):
-            b = random_adapter_bundle(model_path, rank=4 * (i + 1), lora_alpha=8, seed=i + 1)
-            eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+        load_random_adapters(eng, model_path, (A, B))
         if merged is not None:
             eng.set_mode(merged, A)
         with eng._wake:
