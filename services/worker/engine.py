@@ -24,15 +24,27 @@ and its device slot is unpinned; its KV cache is kept.
 
 Callers (the gRPC server) `prepare()` a request (image decode + processor, any thread), then
 `submit()` it with a sink that receives TextDelta / Finished / Failed events on the engine thread.
+
+Tensor parallelism (EngineConfig.tp, world size > 1; tensor_parallel.py): every rank runs its own
+Engine over its shard of the model, in lockstep, SPMD. Only rank 0 takes requests and commands;
+at the start of every step it broadcasts everything that can differ between ranks (`_sync`:
+the requests submitted since the last step, the commands — mode switches, adapter loads with
+their bytes, offloads —, the requests cancelled or past their deadline on rank 0's clock, and
+the stop), and every rank applies the same events in the same order. Everything else the loop
+decides (admission, prefill batches, KV packing, LoRA plans, pipelining, tokens) follows from
+that state and the forwards' all-reduced (identical) outputs, so it is the same on every rank.
+Followers have no sinks: they emit nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import math
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,13 +88,14 @@ from services.worker.requests import (
 )
 from services.worker.sampling import choose_token
 from services.worker.switcher import Switcher
+from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, vision_items
 
 log = structlog.get_logger()
 
 
-def _stop_reason(s: "_Seq") -> ValoraError:
-    if s.handle.cancelled:
+def _stop_reason(s: "_Seq", cancelled: bool) -> ValoraError:
+    if cancelled:
         return Cancelled("request cancelled", reason="CANCELLED")
     return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")
 
@@ -116,6 +129,9 @@ class EngineConfig:
     # Pipelined decode: while the device runs a greedy decode step fed by the previous step's
     # tokens (device to device), the host processes the previous step's tokens (see _decode_step).
     pipeline_decode: bool = True
+    # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
+    # that starts the ranks); None or world size 1: one process, no communication.
+    tp: TPGroup | None = None
 
 
 @dataclass
@@ -134,7 +150,7 @@ class PreparedRequest:
 class _Seq:
     id: int
     prep: PreparedRequest
-    sink: object
+    sink: object  # None on a tensor-parallel follower: it emits nothing
     handle: RequestHandle
     detok: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
@@ -187,14 +203,21 @@ class Engine:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
+        self.tp = config.tp if config.tp is not None and config.tp.world_size > 1 else None
+        self.leader = self.tp is None or self.tp.rank == 0
         self.runtime = LoraRuntime()
-        self.lora_layers = install_lora(self.model, self.runtime)
+        features = self.shapes.features
+        if self.tp is None:
+            self.lora_layers = install_lora(self.model, self.runtime)
+        else:  # this rank's shard of every decoder projection, with the TP LoRA layers
+            self.lora_layers = shard_model_(self.model, self.tp, self.runtime)
+            features = local_features(self.shapes, self.tp)
         groups = {}
         if config.fused_layers:  # its forward runs q/k/v and gate/up as one linear each (lora.LoraGroup)
             groups = install_lora_groups(self.model, self.lora_layers, self.runtime)
             install_fused_layers(self.model)
         if config.use_atmm and AtmmBackend.available(self.device, self.dtype):
-            self.runtime.backend = AtmmBackend({k: self.shapes.features[k[1]] for k in self.lora_layers},
+            self.runtime.backend = AtmmBackend({k: features[k[1]] for k in self.lora_layers},
                                                self.device, self.dtype,
                                                groups={k: g.part_keys for k, g in groups.items()})
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
@@ -219,6 +242,11 @@ class Engine:
         self._merged: str | None = None
         self._switcher: Switcher | None = None
         self._commands: collections.deque = collections.deque()
+        # Tensor parallelism: this step's commands and stopped requests (id -> cancelled, else
+        # past its deadline), as rank 0 broadcast them; and whether it said stop.
+        self._step_commands: collections.deque = collections.deque()
+        self._halts: dict[int, bool] = {}
+        self._tp_stop = False
         self._entries: dict = {}
         self._last_plan: tuple | None = None  # (key, StepLora, kernel plan version)
         self._pending: _Pending | None = None  # pipelined decode: the launched step not yet taken
@@ -239,6 +267,8 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stops the loop (a tensor-parallel follower's ends when rank 0's stop reaches it: this
+        waits for that, up to `timeout`)."""
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
@@ -252,21 +282,42 @@ class Engine:
     # -- adapters ----------------------------------------------------------------------------
     def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
                            head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
-        """Validates and adds an adapter bundle; False if that version was already loaded."""
+        """Validates and adds an adapter bundle; False if that version was already loaded.
+        Tensor parallel: runs on every rank's engine thread at the same step (the loop must run)."""
+        if self.tp is not None:
+            return self._call(self._load_adapter, name, sha256, data, config_json, head_labels, to_device,
+                              timeout=120.0)
+        return self._load_adapter(name, sha256, data, config_json, head_labels, to_device)
+
+    def _load_adapter(self, name: str, sha256: str, data: bytes, config_json: str,
+                      head_labels: dict[str, list[str]] | None, to_device: bool) -> bool:
         if self.pool.has(name):
             if to_device:
                 self.pool.to_device(name)
             return False
         weights = parse_bundle(name, sha256, data, config_json, self.shapes, self.config.max_rank, head_labels)
+        if self.tp is not None:  # validated at full shape, then this rank's shard
+            weights = shard_adapter(weights, self.tp)
         added = self.pool.add(weights)
         if to_device:
             self.pool.to_device(name)
         return added
 
     def add_adapter(self, weights: AdapterWeights) -> bool:
+        """Adds full-shape adapter weights (tensor parallel: every rank its shard, via the loop)."""
+        if self.tp is not None:
+            return self._call(self._add_adapter, weights, timeout=120.0)
         return self.pool.add(weights)
 
+    def _add_adapter(self, weights: AdapterWeights) -> bool:
+        return self.pool.add(shard_adapter(weights, self.tp))
+
     def offload_adapter(self, name: str) -> None:
+        if self.tp is not None:
+            return self._call(self._offload_adapter, name, timeout=120.0)
+        return self._offload_adapter(name)
+
+    def _offload_adapter(self, name: str) -> None:
         if name == self._merged:
             raise FailedPrecondition(f"adapter {name} is merged into the base weights; change mode first",
                                      reason="ADAPTER_MERGED")
@@ -304,6 +355,7 @@ class Engine:
 
     def _call(self, fn, *args, timeout: float):
         """Runs fn(*args) on the engine thread between steps; returns its result or raises its error."""
+        self._check_leader()
         if not self.alive:
             raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
         done = threading.Event()
@@ -317,18 +369,25 @@ class Engine:
             raise box["error"]
         return box.get("result")
 
+    def _check_leader(self) -> None:
+        if not self.leader:
+            raise FailedPrecondition("a tensor-parallel follower takes no requests or commands; rank 0 does",
+                                     reason="TP_FOLLOWER")
+
     def _run_commands(self) -> None:
+        commands = self._commands if self.tp is None else self._step_commands
         while True:
             with self._wake:
-                if not self._commands:
+                if not commands:
                     return
-                fn, args, done, box = self._commands.popleft()
+                fn, args, done, box = commands.popleft()
             self._flush()  # a command runs between fully processed steps, as without pipelining
             try:
                 box["result"] = fn(*args)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 box["error"] = exc
-            done.set()
+            if done is not None:  # None: a follower's copy of rank 0's command
+                done.set()
 
     def _apply_mode(self, mode: Mode, merged: str | None) -> None:
         previous = self._merged
@@ -391,9 +450,14 @@ class Engine:
     def submit(self, prep: PreparedRequest, sink, deadline: float | None = None) -> RequestHandle:
         """Queues a prepared request; `sink(event)` is called on the engine thread. Past `deadline`
         (time.monotonic()) the engine drops it at the next step boundary with DEADLINE_EXCEEDED."""
+        self._check_leader()
         if not self.alive:
             raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
         req = prep.request
+        if self.tp is not None and not req.sampling.greedy and not req.sampling.seed:
+            # Seed 0 draws a random seed per generator: draw it once here, so every rank samples alike.
+            req = prep.request = dataclasses.replace(
+                req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63) or 1))
         if req.adapter:
             weights = self.pool.get(req.adapter)  # AdapterNotFound when not loaded
             if req.output_kind == OutputKind.LABEL and req.head not in weights.heads:
@@ -439,8 +503,10 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            if self.tp is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # this thread's collectives (NCCL) on the rank's device
             with torch.inference_mode():
-                while not self._stop.is_set():
+                while not (self._tp_stop if self.tp is not None else self._stop.is_set()):
                     self._step()
                 self._flush()  # the last launched step's tokens reach their requests before the rest fail
         except BaseException as exc:  # noqa: BLE001 - the engine is dead; health must say so
@@ -462,11 +528,15 @@ class Engine:
             self._update_stats()
 
     def _step(self) -> None:
+        if self.tp is not None:
+            self._sync()
         self._run_commands()
         self._admit()
         self._drop_cancelled()
         if not self._prefill and not self._running:
             self._update_stats()
+            if not self.leader:
+                return  # a follower idles in the next step's broadcast, until rank 0's events
             with self._wake:
                 if not self._incoming and not self._commands and not self._stop.is_set():
                     self._wake.wait(timeout=0.1)
@@ -489,6 +559,46 @@ class Engine:
         self.step_log.append((len(batch), decoding, ms))
         self._update_stats(step_ms=ms)
 
+    def _sync(self) -> None:
+        """Tensor parallelism, at the start of every step: rank 0 broadcasts what arrived from
+        outside since the last step (new requests, commands, stops decided on its handles and
+        its clock, the engine's stop); every rank, rank 0 included, then runs the step on exactly
+        that, whatever else reaches rank 0 meanwhile."""
+        msg = None
+        if self.leader:
+            with self._wake:
+                new, commands = list(self._incoming), list(self._commands)
+                self._incoming.clear()
+                self._commands.clear()
+            now = time.monotonic()
+            halts = {s.id: s.handle.cancelled for s in (*new, *self._waiting, *self._prefill, *self._running)
+                     if s.handle.cancelled or s.handle.expired(now)}
+            # Followers need no raw images (the prepared inputs hold the pixels) and no sinks.
+            msg = ([(s.id, dataclasses.replace(s.prep, request=dataclasses.replace(s.req, images=[], videos=[])))
+                    for s in new],
+                   [(fn.__name__, args) for fn, args, _, _ in commands], halts, self._stop.is_set())
+        got = self.tp.broadcast_object(msg)
+        if not self.leader:
+            new = []
+            for sid, prep in got[0]:
+                stage_pixels(prep.inputs, self.device, self.dtype)  # pinned memory does not survive pickling
+                handle = RequestHandle(prep.request.request_id, self._wake)  # never cancelled: halts say
+                new.append(_Seq(id=sid, prep=prep, sink=None, handle=handle))
+            commands = [(getattr(self, name), args, None, {}) for name, args in got[1]]
+        _, _, self._halts, self._tp_stop = got
+        with self._wake:
+            self._waiting.extend(new)
+        self._step_commands.extend(commands)
+
+    def _halted(self, s: _Seq, now: float) -> bool:
+        """Cancelled or past its deadline (tensor parallel: as rank 0 saw it at this step's start)."""
+        if self.tp is not None:
+            return s.id in self._halts
+        return s.handle.cancelled or s.handle.expired(now)
+
+    def _halt_error(self, s: _Seq) -> ValoraError:
+        return _stop_reason(s, self._halts[s.id] if self.tp is not None else s.handle.cancelled)
+
     def _guard(self, seqs: list[_Seq], fn, *args) -> None:
         """Runs one unit of work; an exception fails the requests involved, not the engine."""
         try:
@@ -503,13 +613,14 @@ class Engine:
 
     def _admit(self) -> None:
         with self._wake:
-            self._waiting.extend(self._incoming)
-            self._incoming.clear()
+            if self.tp is None:  # tensor parallel: _sync moved this step's arrivals to _waiting
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
             kept: collections.deque[_Seq] = collections.deque()
             now = time.monotonic()
             for s in self._waiting:
-                if s.handle.cancelled or s.handle.expired(now):
-                    self._emit(s, Failed(_stop_reason(s)))
+                if self._halted(s, now):
+                    self._emit(s, Failed(self._halt_error(s)))
                 else:
                     kept.append(s)
             self._waiting = kept
@@ -534,9 +645,9 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
-        for s in [s for s in (*self._prefill, *self._running) if s.handle.cancelled or s.handle.expired(now)]:
+        for s in [s for s in (*self._prefill, *self._running) if self._halted(s, now)]:
             self._finish_out(s)
-            self._emit(s, Failed(_stop_reason(s)))
+            self._emit(s, Failed(self._halt_error(s)))
 
     def _finish_out(self, s: _Seq) -> None:
         """Removes a sequence from the engine and frees its cache and adapter hold."""
@@ -554,6 +665,8 @@ class Engine:
             s.pinned = None
 
     def _emit(self, s: _Seq, event: Event) -> None:
+        if s.sink is None:  # a tensor-parallel follower's copy of a request
+            return
         try:
             s.sink(event)
         except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine

@@ -97,6 +97,16 @@ class TPGroup:
             dist.broadcast(t, src=src, group=self.group)
         return t
 
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0's picklable `obj`, on every rank (the engine's per-step events). With NCCL the
+        pickled bytes travel through the current CUDA device."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

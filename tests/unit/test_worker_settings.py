@@ -21,7 +21,9 @@ from services.worker.model import ensure_tiny_model
 from services.worker.server import WorkerSettings, create_server, engine_config, prepare_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-NOT_SETTINGS = {"model_path", "on_adapter_swap"}  # the path is model_path (str); the callback is metrics
+# The path is model_path (str); the callback is metrics; tp is a live process group, made by the
+# process that starts the ranks (the server does not start a tensor-parallel group yet).
+NOT_SETTINGS = {"model_path", "on_adapter_swap", "tp"}
 
 
 @pytest.fixture
