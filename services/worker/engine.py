@@ -312,6 +312,16 @@ class Engine:
     def _add_adapter(self, weights: AdapterWeights) -> bool:
         return self.pool.add(shard_adapter(weights, self.tp))
 
+    def adapter_to_device(self, name: str) -> int | None:
+        """Makes a loaded adapter resident now (AdapterPool.to_device: its slot, or None when every
+        slot is held); tensor parallel: on every rank, via the loop (slots and LRU order stay alike)."""
+        if self.tp is not None:
+            return self._call(self._adapter_to_device, name, timeout=120.0)
+        return self.pool.to_device(name)
+
+    def _adapter_to_device(self, name: str) -> int | None:
+        return self.pool.to_device(name)
+
     def offload_adapter(self, name: str) -> None:
         if self.tp is not None:
             return self._call(self._offload_adapter, name, timeout=120.0)

@@ -223,7 +223,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 raise FailedPrecondition(f"{version} is loaded with sha256 {held.sha256}, not {sha256}",
                                          reason="SHA256_MISMATCH")
             if to_device:
-                engine.pool.to_device(version)
+                engine.adapter_to_device(version)
             return True
         lock = self._adapter_locks.setdefault(version, asyncio.Lock())
         async with lock:

@@ -82,6 +82,11 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: object = None
+    # The group `broadcast_object` uses (None: `group`). init_tp_group gives an NCCL group a gloo
+    # one over the same ranks: broadcast_object_list over NCCL stages the pickled bytes on the
+    # device and reads their size on the host, which would wait for the decode step in flight at
+    # every engine step (no pipelined decode).
+    object_group: object = None
 
     @classmethod
     def from_dist(cls, group=None) -> "TPGroup":
@@ -102,9 +107,10 @@ class TPGroup:
         pickled bytes travel through the current CUDA device."""
         if self.world_size == 1:
             return obj
+        group = self.group if self.object_group is None else self.object_group
         box = [obj if self.rank == 0 else None]
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
 
     def barrier(self) -> None:
@@ -135,18 +141,21 @@ def free_loopback_port() -> int:
 def init_tp_group(rank: int, world_size: int, port: int, backend: str | None = None,
                   device: torch.device | None = None, timeout_s: float = 300.0) -> TPGroup:
     """Joins the default process group on loopback (one host): gloo on CPU, NCCL on CUDA
-    (keep NCCL_NVLS_ENABLE=0 in the environment on the lent H200 hosts)."""
+    (keep NCCL_NVLS_ENABLE=0 in the environment on the lent H200 hosts) with a gloo group beside
+    it for `broadcast_object`."""
     if backend is None:
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     kw = {}
-    if backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too, not the hostname's address
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too, not the hostname's address
     if backend == "nccl" and device is not None:
         torch.cuda.set_device(device)
         kw["device_id"] = device
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kw)
-    return TPGroup.from_dist()
+    tp = TPGroup.from_dist()
+    if backend == "nccl":
+        tp = dataclasses.replace(tp, object_group=dist.new_group(backend="gloo"))
+    return tp
 
 
 # -- layers ------------------------------------------------------------------------------------

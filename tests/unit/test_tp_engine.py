@@ -2,7 +2,8 @@
 
 Rank 0 runs one scenario through its Engine — requests with images and mixed adapters (unmerged),
 a sampled request with a random seed, requests arriving while others decode, a mode switch to
-merged then mixture in the middle, a cancellation and a request past its deadline — while rank 1
+merged then mixture in the middle, a cancellation, a request past its deadline, an adapter made
+resident ahead of its requests and one offloaded at the end — while rank 1
 runs its Engine as a follower. The same scenario on a single-process engine is the reference: the
 greedy tokens and finish reasons must agree. Followers have no sinks; what each would have emitted
 (recorded under its _emit) must equal rank 0's events, and both ranks must have run the same steps.
@@ -10,6 +11,7 @@ greedy tokens and finish reasons must agree. Followers have no sinks; what each 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import time
@@ -56,6 +58,7 @@ def _scenario(eng: Engine, model_path) -> dict[str, list]:
         kw = {"target_modules": modules} if modules else {}
         b = random_adapter_bundle(model_path, rank=4 * (i + 1), lora_alpha=8, seed=i + 1, **kw)
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+    assert eng.adapter_to_device(C) is not None
     sinks: dict[str, queue.Queue] = {}
     handles = {}
 
@@ -94,12 +97,15 @@ def _scenario(eng: Engine, model_path) -> dict[str, list]:
             if not isinstance(ev, TextDelta):
                 out[rid] = _outcome(ev)
                 break
+    eng.offload_adapter(C)
     return out
 
 
 def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     tp = tpm.init_tp_group(rank, world, port, backend="gloo", timeout_s=60)
+    # The step events on a group of their own, as init_tp_group sets up beside an NCCL group.
+    tp = dataclasses.replace(tp, object_group=dist.new_group(backend="gloo"))
     try:
         eng = Engine(_config(model_path, tp))
         # The fused layers' projection groups concatenate this rank's column-parallel shards.
@@ -145,6 +151,7 @@ def test_tp2_engine_matches_single_process_engine(model_path, tmp_path):
     # the follower computed (but did not emit) equal to rank 0's, the sampled request's included.
     assert follower == lead
     assert lead["mode"] == Mode.MIXTURE.value and lead["merged"] == B
+    assert lead["host"] == sorted([A, B]) and lead["resident"] == sorted([A, B])
     assert lead["outcomes"][CANCELLED] == ["failed", "CANCELLED"]
     assert lead["outcomes"][EXPIRED] == ["failed", "DEADLINE_EXCEEDED"]
     assert lead["pipelined"] > 0
