@@ -353,4 +353,4 @@ async def test_scheduler_reports_pushed_status():
         finally:
             await channel.close()
             await service.stop(0)
-        assert w.open == 0
+        await until(lambda: w.open == 0)  # the stopped scheduler's stream ends (the worker sees it a moment later)
