@@ -44,13 +44,25 @@ copies a full checkpoint's slices into an already sharded model; `shard_adapter(
 shards an adapter; `local_features(shapes, tp)` gives the per-rank projection shapes (for the
 ATMM backend's tables). `TPGroup` wraps the process group (world size 1: no communication).
 
-Not wired into the engine yet. A TP worker needs: one process per GPU; rank 0 runs the engine
-loop (admission, LoRA planning, sampling) and broadcasts each step's inputs (token ids or
-prefill embeddings, positions, mask, row → entry specs, KV pack/split decisions) to followers
-that replay the same forward; `shard_model_` instead of `install_lora`; adapters parsed at full
-shape then `shard_adapter` into each rank's pool; mode switches applied on every rank at the same
-step boundary; `AtmmBackend(local_features(...))`; the decode CUDA graphs captured with the
-NCCL all-reduces inside; per-rank KV memory in the stats (a rank caches its KV heads only).
+The engine drives a TP group (engine.py, `EngineConfig.tp`), SPMD: one process per device, each
+running its own Engine over its shard (`shard_model_` instead of `install_lora`; the fused
+layers' projection groups concatenate the rank's column-parallel shards; `AtmmBackend` sized by
+`local_features`). At the start of every step rank 0 broadcasts (`broadcast_object`, on a gloo
+group beside NCCL) what arrived from outside — requests (prepared, without their raw images),
+commands (mode switches, adapter loads with their bytes, offloads, make-resident), cancellations
+and deadline expiries decided on its clock, the stop — and every rank applies the same events in
+the same order; every other decision follows from identical state and the all-reduced outputs.
+Each rank parses an adapter at full shape and keeps its `shard_adapter` in its pool. Followers
+emit nothing; a random sampling seed is drawn once on rank 0. Tested on CPU only (2 gloo ranks,
+tests/unit/test_tp_engine.py, against the single-process engine).
+
+Not done: the gRPC worker server starting the ranks (`init_tp_group`, one engine per rank, rank
+0 serving); any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA
+graphs, the ATMM backend on sharded tables, the gloo event group's per-step cost are untested
+here (no GPU); a full model is loaded on every rank before it is sliced (`load_full_state_dict_`
+into a sharded model would avoid the peak); a rank whose step fails alone (e.g. out of memory)
+desynchronises the group (the others wait in the next collective until its timeout); the stats
+report the rank's own KV memory (its KV heads only).
 """
 
 from __future__ import annotations
