@@ -1,6 +1,8 @@
 """Shared pieces of the reliability suite (tests/reliability, issue 9).
 
-- `record()` writes one figure to bench/results/reliability-<name>.json.
+- `record()` writes one figure to reliability-<name>.json: in bench/results/ when VALORA_RECORD=1
+  (to refresh the committed figures), else in a temporary directory (a plain test run leaves the
+  checkout as it was).
 - `cluster`: the four services as processes (valora.cluster), 2 workers, auth on, small limits,
   started once per session; `restart_worker()` brings a killed/stopped worker back on its port.
 - `InProcessStack`: worker + scheduler + gateway servers in this process (own event loop thread,
@@ -30,7 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Hypothesis keeps a cache directory (constants, examples); not in the checkout.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       str(Path(os.environ.get("TMPDIR", "/tmp")) / "valora-hypothesis"))
-RESULTS = REPO / "bench" / "results"
+RESULTS = REPO / "bench" / "results" if os.environ.get("VALORA_RECORD") == "1" else \
+    Path(os.environ.get("TMPDIR", "/tmp")) / "valora-reliability-results"
 API_KEY = "rk-inference-7f3a9c1e5b2d4f60"
 ADMIN_KEY = "rk-admin-0d8e2b6a4c1f9e37"
 MAX_BATCH = 4
