@@ -3,7 +3,9 @@
 Protobuf stops here: handlers convert WorkItems into `WorkRequest`s and engine results into
 `InferResult`s. Torch work (model load, image processing, adapter parsing) runs in executors;
 the engine's own thread runs the model. Health is NOT_SERVING until the model is loaded and
-again as soon as the engine thread dies.
+again as soon as the engine thread dies. With VALORA_TP_SIZE > 1 this process is rank 0 of a
+tensor-parallel group: it spawns the other ranks (tp_ranks.py), serves, and its engine's stop
+ends theirs; a follower process that dies takes health to NOT_SERVING too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 import structlog
+import torch.distributed as dist
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.channels import client_credentials
@@ -39,7 +42,9 @@ from services.worker.requests import (
 )
 from services.worker.sampling import SamplingParams
 from services.worker.store_client import AdapterFetcher
+from services.worker.tensor_parallel import TPGroup, check_divisible, free_loopback_port
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_tiny_model
+from services.worker.tp_ranks import Followers, build_rank_engine, init_rank
 from valora.internal.v1 import worker_service_pb2 as pb
 from valora.internal.v1 import worker_service_pb2_grpc as pb_grpc
 from valora.v1 import admin_service_pb2, inference_service_pb2, types_pb2
@@ -97,6 +102,13 @@ class WorkerSettings(ServiceSettings):
                                    "backoff until it answers. Empty: no registration (static worker_addresses).")
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats to the scheduler (at most a "
                                "third of the scheduler's worker_ttl_s is used).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks (devices) of this worker: this process is "
+                         "rank 0 and serves; it spawns ranks 1..N-1 (device cuda → rank i on cuda:i, cpu → cpu). "
+                         "Must divide the model's attention heads, KV heads and intermediate size.")
+    tp_port: int = Field(0, ge=0, le=65535, description="Loopback port of the tensor-parallel group's rendezvous "
+                         "(0: a free one).")
+    tp_timeout_s: float = Field(300.0, gt=0, description="Tensor-parallel group timeout: the longest a rank waits "
+                                "in a collective (start-up, a step) for the others before failing.")
 
     @field_validator("device")
     @classmethod
@@ -206,6 +218,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         # One event per open WatchWorkerStatus stream, set to send a fresh status now.
         self._watchers: set[asyncio.Event] = set()
         self._closing = False
+        self.followers: Followers | None = None  # tensor parallel: ranks 1..N-1 (tp_ranks.py)
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -430,6 +443,20 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             self._watchers.discard(wake)
 
 
+def check_tp_size(settings: WorkerSettings, model_path: Path) -> None:
+    """ValueError naming VALORA_TP_SIZE unless the model's heads, KV heads and intermediate size
+    split over tp_size ranks."""
+    if settings.tp_size == 1:
+        return
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    config = AutoConfig.from_pretrained(model_path)
+    try:
+        check_divisible(getattr(config, "text_config", config), TPGroup(world_size=settings.tp_size))
+    except ValueError as exc:
+        raise ValueError(f"VALORA_TP_SIZE={settings.tp_size}: {exc}") from None
+
+
 def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:
     return EngineConfig(
         on_adapter_swap=lambda direction: metrics.ADAPTER_SWAPS.labels(worker_name, direction).inc(),
@@ -529,21 +556,52 @@ async def create_server(settings: WorkerSettings) -> Service:
                 if not settings.build_tiny_model:
                     raise FileNotFoundError(f"no model at {path} (VALORA_MODEL_PATH)")
                 ensure_tiny_model(path)
-            prepare_kernels(settings)
-            engine = Engine(engine_config(settings, servicer.worker_name))
+            check_tp_size(settings, path)
+            if settings.tp_size == 1:
+                prepare_kernels(settings)
+                engine = Engine(engine_config(settings, servicer.worker_name))
+            else:
+                engine = build_tp_leader()
             engine.start()
             return engine
 
+        def build_tp_leader() -> Engine:
+            """Spawns the followers, joins the group as rank 0, builds this rank's engine and
+            waits for theirs (an engine loop must not start before every rank runs one)."""
+            tp_settings = settings.model_copy(update={"tp_port": settings.tp_port or free_loopback_port()})
+            servicer.followers = Followers(tp_settings)
+            try:
+                tp = init_rank(tp_settings, 0)
+                try:
+                    engine = build_rank_engine(tp_settings, 0, tp, servicer.worker_name)
+                    servicer.followers.wait_ready(tp_settings.tp_timeout_s)
+                except BaseException:
+                    dist.destroy_process_group()
+                    raise
+            except BaseException:
+                servicer.followers.terminate()
+                raise
+            log.info("tp_ranks_ready", tp_size=settings.tp_size, tp_port=tp_settings.tp_port,
+                     followers=[p.pid for p in servicer.followers.procs])
+            return engine
+
         servicer.engine = await loop.run_in_executor(None, build)
-        log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype)
+        log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
+                 tp_size=settings.tp_size)
         watchdog.append(asyncio.create_task(_watch(service, servicer)))
 
     async def shutdown() -> None:
         servicer.close_watches()
         for t in watchdog:
             t.cancel()
+        loop = asyncio.get_running_loop()
         if servicer.engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, servicer.engine.stop)
+            # Tensor parallel: rank 0's stop reaches the followers at its loop's last step.
+            await loop.run_in_executor(None, servicer.engine.stop)
+        if servicer.followers is not None:
+            await loop.run_in_executor(None, servicer.followers.join, 30.0)
+            if dist.is_initialized():  # not when start-up failed (left already)
+                dist.destroy_process_group()
         await fetcher.close()
 
     service.on_start.append(load_engine)
@@ -562,7 +620,8 @@ async def create_server(settings: WorkerSettings) -> Service:
 
 
 async def _watch(service: Service, servicer: WorkerServicer, period_s: float = 0.5) -> None:
-    """Health follows the engine thread: NOT_SERVING as soon as it dies."""
+    """Health follows the engine thread (and a tensor-parallel worker's follower processes):
+    NOT_SERVING as soon as one dies."""
     while True:
         await asyncio.sleep(period_s)
         if servicer.engine is not None:
@@ -572,5 +631,10 @@ async def _watch(service: Service, servicer: WorkerServicer, period_s: float = 0
                 metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == stats.mode else 0)
         if servicer.engine is not None and not servicer.engine.alive:
             log.error("engine_not_alive")
+            await service.set_serving(False)
+            return
+        dead = servicer.followers.dead() if servicer.followers is not None else []
+        if dead:  # rank 0's engine fails at its next collective with the lost rank, or at the group timeout
+            log.error("tp_follower_died", followers=dead)
             await service.set_serving(False)
             return

@@ -211,7 +211,8 @@ def _text_model(model: nn.Module) -> nn.Module:
     return model.model.language_model
 
 
-def _check_divisible(config, tp: TPGroup) -> None:
+def check_divisible(config, tp: TPGroup) -> None:
+    """ValueError unless the text config's heads, KV heads and intermediate size split over tp."""
     tp.part(config.num_attention_heads, "attention heads")
     tp.part(config.num_key_value_heads or config.num_attention_heads,
             "KV heads (replicating KV heads across ranks is not supported)")
@@ -249,7 +250,7 @@ def shard_model_(model: nn.Module, tp: TPGroup, runtime: LoraRuntime | None = No
     if any(isinstance(m, TP_LAYERS) for m in text.modules()):
         raise ValueError("model is already sharded")
     config = text.config
-    _check_divisible(config, tp)
+    check_divisible(config, tp)
     wrapped: dict[LayerModule, LoraLinear] = {}
     for i, layer in enumerate(text.layers):
         attn = layer.self_attn
@@ -374,6 +375,6 @@ def local_features(shapes: BaseModelShapes, tp: TPGroup) -> dict[str, tuple[int,
 
 __all__ = [
     "COLUMN_MODULES", "ROW_MODULES", "ColumnParallelLoraLinear", "RowParallelLoraLinear", "TPGroup",
-    "free_loopback_port", "init_tp_group", "load_full_state_dict_", "local_features", "shard_adapter",
-    "shard_lora", "shard_lora_dicts", "shard_model_", "shard_state_dict",
+    "check_divisible", "free_loopback_port", "init_tp_group", "load_full_state_dict_", "local_features",
+    "shard_adapter", "shard_lora", "shard_lora_dicts", "shard_model_", "shard_state_dict",
 ]

@@ -196,7 +196,7 @@ def test_shard_helpers_single_rank_and_divisibility():
     ra, rb = tpm.shard_lora("down_proj", a, b, r1)
     assert torch.equal(ra, a[3:]) and rb is b
     with pytest.raises(ValueError, match="KV heads"):
-        tpm._check_divisible(SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, intermediate_size=8),
+        tpm.check_divisible(SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, intermediate_size=8),
                              tpm.TPGroup(0, 8))
     assert tpm._shard_dim("model.language_model.layers.3.self_attn.o_proj.weight") == 1
     assert tpm._shard_dim("model.language_model.layers.3.self_attn.o_proj.bias") is None

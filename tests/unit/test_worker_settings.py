@@ -21,8 +21,8 @@ from services.worker.model import ensure_tiny_model
 from services.worker.server import WorkerSettings, create_server, engine_config, prepare_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-# The path is model_path (str); the callback is metrics; tp is a live process group, made by the
-# process that starts the ranks (the server does not start a tensor-parallel group yet).
+# The path is model_path (str); the callback is metrics; tp is a live process group, made for each
+# rank from VALORA_TP_SIZE by the worker that starts the ranks (tp_ranks.py).
 NOT_SETTINGS = {"model_path", "on_adapter_swap", "tp"}
 
 
@@ -83,6 +83,8 @@ def test_dtype_aliases(clean_env, value, expected):
     ("VALORA_DEVICE_SLOTS", "0", "greater than or equal to 1"),
     ("VALORA_MAX_BATCH_SIZE", "0", "greater than or equal to 1"),
     ("VALORA_USE_ATMM", "maybe", "valid boolean"),
+    ("VALORA_TP_SIZE", "0", "greater than or equal to 1"),
+    ("VALORA_TP_PORT", "70000", "less than or equal to 65535"),
 ])
 def test_invalid_values_are_refused(clean_env, name, value, message):
     clean_env.setenv(name, value)
