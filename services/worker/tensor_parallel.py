@@ -56,13 +56,17 @@ Each rank parses an adapter at full shape and keeps its `shard_adapter` in its p
 emit nothing; a random sampling seed is drawn once on rank 0. Tested on CPU only (2 gloo ranks,
 tests/unit/test_tp_engine.py, against the single-process engine).
 
-Not done: the gRPC worker server starting the ranks (`init_tp_group`, one engine per rank, rank
-0 serving); any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA
+The gRPC worker starts the ranks (VALORA_TP_SIZE, services/worker/tp_ranks.py): its process is
+rank 0 and serves; it spawns one process per other rank, each calling `init_tp_group` and running
+its Engine until rank 0's stop (CPU-tested: tests/unit/test_worker_tp.py).
+
+Not done: any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA
 graphs, the ATMM backend on sharded tables, the gloo event group's per-step cost are untested
 here (no GPU); a full model is loaded on every rank before it is sliced (`load_full_state_dict_`
 into a sharded model would avoid the peak); a rank whose step fails alone (e.g. out of memory)
 desynchronises the group (the others wait in the next collective until its timeout); the stats
-report the rank's own KV memory (its KV heads only).
+report the rank's own KV memory (its KV heads only); the follower processes never ask the
+adapter store for the ATMM tile table (they use the committed one or the heuristics).
 """
 
 from __future__ import annotations
