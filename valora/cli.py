@@ -61,7 +61,10 @@ def up(home: Path = HOME, workers: int = typer.Option(1, min=1, help="Worker pro
        dtype: WorkerDtype = typer.Option(None, "--dtype", envvar="VALORA_DTYPE", show_default=False,
                                          help="Workers' model dtype (default: float32 on cpu, bfloat16 on cuda). "
                                          "CUDA workers in bfloat16/float16 build the kernels extension at "
-                                         "start-up (ATMM, switch).")):
+                                         "start-up (ATMM, switch)."),
+       tp: int = typer.Option(1, "--tp", min=1, envvar="VALORA_TP_SIZE",
+                              help="Tensor-parallel size of every worker (VALORA_TP_SIZE): with --device cuda "
+                              "each worker takes the next block of this many visible GPUs.")):
     """Start the local cluster (adapter_store, workers, scheduler, gateway) and print the ports.
 
     --device cuda: GPUs are counted without initialising CUDA here, from
@@ -77,7 +80,7 @@ def up(home: Path = HOME, workers: int = typer.Option(1, min=1, help="Worker pro
     dtype_name = WorkerDtype(dtype).value if dtype else ("bfloat16" if device_name == "cuda" else "float32")
     gpu_ids = cluster_mod.visible_gpus() if device_name == "cuda" else []
     try:
-        worker_env = cluster_mod.worker_device_env(workers, device_name, dtype_name, gpu_ids)
+        worker_env = cluster_mod.worker_device_env(workers, device_name, dtype_name, gpu_ids, tp)
     except ValueError as e:
         console.print(f"[red]{e}")
         raise typer.Exit(2) from None
@@ -91,10 +94,11 @@ def up(home: Path = HOME, workers: int = typer.Option(1, min=1, help="Worker pro
         table.add_row(p.service, p.name, p.address, p.metrics_url, str(p.pid), p.log)
     console.print(table)
     if device_name == "cuda":
-        used = sorted({e["CUDA_VISIBLE_DEVICES"] for e in worker_env}, key=gpu_ids.index)
-        console.print(f"workers: cuda {dtype_name} on GPU {', '.join(used)}"
+        used = sorted({g for e in worker_env for g in e["CUDA_VISIBLE_DEVICES"].split(",")}, key=gpu_ids.index)
+        blocks = " | ".join(e["CUDA_VISIBLE_DEVICES"] for e in worker_env) if tp > 1 else ", ".join(used)
+        console.print(f"workers: cuda {dtype_name} on GPU {blocks}" + (f" (tensor parallel {tp})" if tp > 1 else "")
                       + (f" ({workers} workers share {len(used)} GPU{'s' if len(used) > 1 else ''})"
-                         if workers > len(used) else ""))
+                         if workers * tp > len(used) else ""))
     console.print(f"gateway: [bold]{c.gateway}[/bold]  OpenAI-compatible HTTP: [bold]{c.http_url}[/bold]")
 
 

@@ -176,21 +176,30 @@ def visible_gpus() -> list[str]:
 
 
 def worker_device_env(workers: int, device: str = "cpu", dtype: str = "float32",
-                      gpu_ids: Sequence[str] = ()) -> list[dict[str, str]]:
+                      gpu_ids: Sequence[str] = (), tp: int = 1) -> list[dict[str, str]]:
     """Per-worker environment (start_cluster's `worker_env`) for `workers` workers on `device`.
     CUDA: worker i runs on gpu_ids[i % len(gpu_ids)] through its own CUDA_VISIBLE_DEVICES (it sees
     that GPU alone, as cuda:0), so several GPUs get one worker each in turn and with one GPU every
-    worker shares it."""
+    worker shares it. tp > 1 (VALORA_TP_SIZE): worker i gets the next block of tp GPUs in turn
+    (its ranks run on cuda:0..tp-1 of that block); fewer than tp visible GPUs is an error."""
     if device not in WORKER_DEVICES:
         raise ValueError(f"device {device!r} is not one of {', '.join(WORKER_DEVICES)}")
     if dtype not in WORKER_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(WORKER_DTYPES)}")
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size must be >= 1, got {tp}")
     envs = [{"VALORA_DEVICE": device, "VALORA_DTYPE": dtype} for _ in range(workers)]
+    if tp > 1:
+        for env in envs:
+            env["VALORA_TP_SIZE"] = str(tp)
     if device == "cuda":
         if not gpu_ids:
             raise ValueError("device cuda: no GPU visible (CUDA_VISIBLE_DEVICES, nvidia-smi -L)")
+        if len(gpu_ids) < tp:
+            raise ValueError(f"tensor-parallel size {tp} needs {tp} GPUs per worker, {len(gpu_ids)} visible")
+        n = len(gpu_ids)
         for i, env in enumerate(envs):
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids[i % len(gpu_ids)])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu_ids[(i * tp + j) % n]) for j in range(tp))
     return envs
 
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def started(monkeypatch):
     """The start_cluster calls of `valora up` (kwargs), with a fake cluster back."""
-    for name in ("VALORA_DEVICE", "VALORA_DTYPE", "CUDA_VISIBLE_DEVICES"):
+    for name in ("VALORA_DEVICE", "VALORA_DTYPE", "VALORA_TP_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     calls = []
 
@@ -150,3 +150,27 @@ def test_counting_listed_gpus_imports_no_torch():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_tensor_parallel_workers_take_blocks_of_gpus(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, ["0", "1", "2", "3"])
+    result = up(tmp_path, "--device", "cuda", "--workers", "2", "--tp", "2")
+    assert result.exit_code == 0, result.output
+    env = started[0]["worker_env"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0,1", "2,3"]
+    assert {e["VALORA_TP_SIZE"] for e in env} == {"2"}
+    assert "GPU 0,1 | 2,3 (tensor parallel 2)" in result.output
+
+
+def test_tensor_parallel_needs_enough_gpus(tmp_path, started, monkeypatch):
+    gpus(monkeypatch, ["0"])
+    result = up(tmp_path, "--device", "cuda", "--tp", "2")
+    assert result.exit_code == 2 and "tensor-parallel size 2 needs 2 GPUs per worker, 1 visible" in result.output
+    assert not started
+
+
+def test_tensor_parallel_on_cpu_sets_only_the_size(tmp_path, started, monkeypatch):
+    monkeypatch.setattr(cluster_mod, "visible_gpus", lambda: pytest.fail("counted GPUs for CPU workers"))
+    result = up(tmp_path, "--tp", "2")
+    assert result.exit_code == 0, result.output
+    assert started[0]["worker_env"] == [{"VALORA_DEVICE": "cpu", "VALORA_DTYPE": "float32", "VALORA_TP_SIZE": "2"}]
