@@ -282,12 +282,14 @@ class Engine:
     # -- adapters ----------------------------------------------------------------------------
     def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
                            head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
-        """Validates and adds an adapter bundle; False if that version was already loaded.
-        Tensor parallel: runs on every rank's engine thread at the same step (the loop must run)."""
-        if self.tp is not None:
-            return self._call(self._load_adapter, name, sha256, data, config_json, head_labels, to_device,
-                              timeout=120.0)
-        return self._load_adapter(name, sha256, data, config_json, head_labels, to_device)
+        """Validates and adds an adapter bundle; False if that version was already loaded."""
+        return self._pool_change(self._load_adapter, name, sha256, data, config_json, head_labels, to_device)
+
+    def _pool_change(self, fn, *args):
+        """Runs an adapter-pool change: here and now in one process; tensor parallel, on every
+        rank's engine thread at the same step (the loop must run), so slots and LRU order stay
+        alike. `fn` is an Engine method: followers look it up by name."""
+        return fn(*args) if self.tp is None else self._call(fn, *args, timeout=120.0)
 
     def _load_adapter(self, name: str, sha256: str, data: bytes, config_json: str,
                       head_labels: dict[str, list[str]] | None, to_device: bool) -> bool:
@@ -296,36 +298,28 @@ class Engine:
                 self.pool.to_device(name)
             return False
         weights = parse_bundle(name, sha256, data, config_json, self.shapes, self.config.max_rank, head_labels)
-        if self.tp is not None:  # validated at full shape, then this rank's shard
-            weights = shard_adapter(weights, self.tp)
-        added = self.pool.add(weights)
+        added = self._add_adapter(weights)  # validated at full shape, then (tensor parallel) this rank's shard
         if to_device:
             self.pool.to_device(name)
         return added
 
     def add_adapter(self, weights: AdapterWeights) -> bool:
-        """Adds full-shape adapter weights (tensor parallel: every rank its shard, via the loop)."""
-        if self.tp is not None:
-            return self._call(self._add_adapter, weights, timeout=120.0)
-        return self.pool.add(weights)
+        """Adds full-shape adapter weights (tensor parallel: every rank its shard)."""
+        return self._pool_change(self._add_adapter, weights)
 
     def _add_adapter(self, weights: AdapterWeights) -> bool:
-        return self.pool.add(shard_adapter(weights, self.tp))
+        return self.pool.add(weights if self.tp is None else shard_adapter(weights, self.tp))
 
     def adapter_to_device(self, name: str) -> int | None:
         """Makes a loaded adapter resident now (AdapterPool.to_device: its slot, or None when every
-        slot is held); tensor parallel: on every rank, via the loop (slots and LRU order stay alike)."""
-        if self.tp is not None:
-            return self._call(self._adapter_to_device, name, timeout=120.0)
-        return self.pool.to_device(name)
+        slot is held)."""
+        return self._pool_change(self._adapter_to_device, name)
 
     def _adapter_to_device(self, name: str) -> int | None:
         return self.pool.to_device(name)
 
     def offload_adapter(self, name: str) -> None:
-        if self.tp is not None:
-            return self._call(self._offload_adapter, name, timeout=120.0)
-        return self._offload_adapter(name)
+        return self._pool_change(self._offload_adapter, name)
 
     def _offload_adapter(self, name: str) -> None:
         if name == self._merged:

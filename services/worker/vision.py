@@ -155,11 +155,8 @@ class VisionEncoder:
     def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
         """Runs the vision tower once over the given (request inputs, item) pairs of one kind."""
         pix_key, _ = _INPUT_KEYS[kind]
-        parts = [inputs[pix_key][it.start:it.end] for inputs, it in todo]
-        if self.device.type == "cuda":  # staged (pinned) pixels copy asynchronously; cat on the device
-            rows = torch.cat([p.to(self.device, non_blocking=True) for p in parts])
-        else:
-            rows = torch.cat(parts)
+        # staged (pinned) pixels copy asynchronously; one cat on the device
+        rows = torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True) for inputs, it in todo])
         grid = torch.tensor([it.grid for _, it in todo], dtype=torch.long, device=self.device)
         inner = self.model.model
         if kind == IMAGE:
