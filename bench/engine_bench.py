@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from bench.common import RESULTS, run_info
+from bench.common import RESULTS, run_info, write_json
 from services.worker.model import ensure_shape_model, ensure_tiny_model, load_model, load_processor
 from services.worker.processor import chat_text
 from services.worker.requests import Failed, Finished, Mode, WorkRequest
@@ -136,12 +136,15 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
         runs = [run for run in RUNS if run == "base" or names]
         gen: dict[str, list] = {run: [] for run in runs}
         pre: dict[str, list] = {run: [] for run in runs}
+        def enter(run: str) -> None:  # the engine mode the run needs
+            if run in ("merged", "mixture"):
+                eng.set_mode(Mode.MERGED if run == "merged" else Mode.MIXTURE, names[0])
+            elif eng.stats().merged_adapter:
+                eng.set_mode(Mode.UNMERGED)
+
         for rep in range(args.warmup + args.reps):
             for run in runs:
-                if run in ("merged", "mixture"):
-                    eng.set_mode(Mode.MERGED if run == "merged" else Mode.MIXTURE, names[0])
-                elif eng.stats().merged_adapter:
-                    eng.set_mode(Mode.UNMERGED)
+                enter(run)
                 ms_gen, tokens = batch_ms(run, args.new_tokens, rep)
                 ms_pre, _ = batch_ms(run, 1, rep + 100)
                 if rep == 0:  # the peer's rep 0 has the same images: compare tokens and logits on it
@@ -164,7 +167,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
             print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
                   flush=True)
         if args.profile:
-            detail["profile"] = profile(eng, args, lambda: batch_ms(args.profile, args.new_tokens, 999))
+            detail["profile"] = profile(eng, args, enter, batch_ms)
         if eng.graphs is not None:
             detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
                                        "static_steps": eng.graphs.static_steps}
@@ -182,21 +185,34 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     return rows, detail
 
 
-def profile(eng, args, run_batch) -> str:
-    """One batch under torch.profiler (engine thread included): the top ops by device and host
-    time, written next to the results."""
+def profile(eng, args, enter, batch_ms) -> dict:
+    """Batches under torch.profiler (every device kernel, the engine thread's included; on CPU only
+    this thread's ops), for each run of --profile: one
+    generate and one prefill (1 new token). Writes the first run's top ops by device and host time
+    (<name>.profile.txt) and every profile's device time per kernel (host time per op on CPU; <name>.kernels.json: the
+    difference between two runs' tables is where one costs more than the other)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    with torch_profile(activities=acts) as prof:
-        run_batch()
-    ka = prof.key_averages()
-    text = ka.table(sort_by="self_cuda_time_total" if len(acts) > 1 else "self_cpu_time_total", row_limit=30)
-    text += "\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
-    path = args.out_dir / f"{args.name or 'engine'}.profile.txt"
-    path.write_text(text)
-    return str(path)
+    on_cuda = args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    kernels: dict[str, dict] = {}
+    text = ""
+    for run in args.profile.split(","):
+        enter(run)
+        for what, new_tokens in (("generate", args.new_tokens), ("prefill", 1)):
+            with torch_profile(activities=acts) as prof:
+                batch_ms(run, new_tokens, 999)
+            ka = prof.key_averages()
+            own = (lambda e: e.self_device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
+            kernels[f"{run}/{what}"] = {e.key: {"calls": e.count, "us": round(own(e), 1)} for e in ka if own(e) > 0}
+            if not text:
+                text = ka.table(sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=40)
+                text += "\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
+    name = args.name or "engine"
+    table = args.out_dir / f"{name}.profile.txt"
+    table.write_text(text)
+    return {"table": str(table), "kernels": [str(p) for p in write_json(f"{name}.kernels", kernels, args.out_dir)]}
 
 
 # -- HF transformers + PEFT -------------------------------------------------------------------
@@ -286,10 +302,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
-    ap.add_argument("--profile", default="", choices=("", *RUNS), help="also profile one batch of this run")
+    ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if unknown := [r for r in args.profile.split(",") if r and r not in RUNS]:
+        ap.error(f"--profile: unknown runs {unknown} (runs: {', '.join(RUNS)})")
 
     model_dir = args.model_dir or Path(f"~/.cache/valora/{args.arch}").expanduser()
     if args.arch == "tiny":

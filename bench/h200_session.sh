@@ -4,8 +4,9 @@
 #   SUF=<commit> bash bench/h200_session.sh kernels   # build, GPU tests, tile search, ATMM + switch benches
 #   SUF=<commit> bash bench/h200_session.sh engine    # GPU tests, §3 engine bench (+ profile, A/B runs), scale bench
 #   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
+#   SUF=<commit> bash bench/h200_session.sh layers    # LoRA cost per projection by method + engine kernel tables
 set -uo pipefail
-MODE=${1:?kernels|engine|profile}
+MODE=${1:?kernels|engine|profile|layers}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -45,6 +46,13 @@ elif [ "$MODE" = kernels ]; then
   timeout 120 python3 -m bench.switch_bench --suffix "$SUF" 2>&1 | tail -30 | tee -a "$LOG"
   say switch_bench
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* kernels/tile_tables/*.json 2>/dev/null
+elif [ "$MODE" = layers ]; then  # where the mixed-adapter step's extra time goes
+  timeout 200 python3 -m bench.lora_layer_bench --name "lora_layer-$SUF" 2>&1 | tee -a "$LOG"
+  say lora_layer_bench
+  timeout 300 python3 -m bench.engine_bench --skip-peer --reps 3 --name "engine-$SUF-profile" \
+    --profile "${PROFILE:-base,unmerged_mixed}" ${AB:-} 2>&1 | grep -v -E "Loading|Writing" | tee -a "$LOG"
+  say engine_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = engine ]; then
   [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py \
     tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py ${GPU_TESTS:-} \
@@ -58,7 +66,7 @@ elif [ "$MODE" = engine ]; then
     cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "$OUT/"  # the merged table, to commit
     say search
   fi
-  timeout 330 python3 -m bench.engine_bench --name "engine-$SUF" --profile unmerged_mixed 2>&1 \
+  timeout 330 python3 -m bench.engine_bench --name "engine-$SUF" --profile "${PROFILE:-base,unmerged_mixed}" 2>&1 \
     | grep -v -E "Loading|Writing" | tee -a "$LOG"
   say engine_bench
   # A/B: the same engine with one optimisation off per run (valora only), e.g. AB="--no-fused-layers --no-shrink-overlap"

@@ -25,3 +25,24 @@ def test_engine_bench_rows_and_agreement_with_peft(tmp_path):
         assert cmp["relerr"] < 1e-4 and cmp["top1_agreement"] == 1.0, (run, cmp)
     assert set(detail["first_token_logits"]) == {"base", "merged", "unmerged_one", "unmerged_mixed"}
     assert detail["valora"]["peak_decode_entries"] == 2  # the mixed run decoded both adapters in one batch
+
+
+def test_engine_bench_profiles_each_run(tmp_path):
+    # structure only: on CPU the profiler sees the calling thread's ops, not the engine thread's
+    # (on CUDA it records every device kernel, which is what the kernel tables are for)
+    engine_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--device", "cpu",
+                       "--dtype", "float32", "--batch", "2", "--adapters", "2", "--new-tokens", "2",
+                       "--reps", "1", "--warmup", "0", "--skip-peer", "--profile", "base,unmerged_mixed",
+                       "--out-dir", str(tmp_path), "--name", "engine-prof"])
+    kernels = json.loads((tmp_path / "engine-prof.kernels.json").read_text())
+    assert set(kernels) == {"base/generate", "base/prefill", "unmerged_mixed/generate", "unmerged_mixed/prefill"}
+    for ops in kernels.values():
+        assert ops and all(v["calls"] > 0 and v["us"] > 0 for v in ops.values())
+    assert (tmp_path / "engine-prof.profile.txt").read_text()
+
+
+def test_engine_bench_rejects_unknown_profile_run(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        engine_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--profile", "bogus"])
