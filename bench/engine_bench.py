@@ -76,7 +76,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                        max_prefills_per_step=args.batch, device_slots=len(names) + 1, image_cache_bytes=0,
                        load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
                        decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
-                       pipeline_decode=not args.no_pipeline)
+                       pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512)
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
@@ -174,6 +174,9 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
         detail["peak_decode_rows"] = eng.peak_decode_rows
         detail["fused_layers"] = cfg.fused_layers
         detail["pipeline_decode"] = cfg.pipeline_decode
+        detail["lora_fold_rows"] = cfg.lora_fold_rows
+        if eng.runtime.backend is not None:
+            detail["folded_calls"] = eng.runtime.backend.folded_calls  # projections run with the shrink folded
         detail["pipelined_steps"] = eng.pipelined_steps  # decode steps launched from device tokens
         detail["peak_decode_entries"] = eng.peak_decode_entries
     finally:
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
+    ap.add_argument("--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
     ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.build import load_extension
-from kernels.reference import SegmentPlan, multi_lora_reference_
+from kernels.reference import SegmentPlan, lora_expand_reference_, multi_lora_reference_
 from kernels.tile_table import (FUSED_MAX_RANK_BLOCK, TileConfig, TileTable, find_table, fused_groups,
                                 heuristic_config, rank_block)
 
@@ -175,8 +175,8 @@ class LoraWeights:
 
     def __init__(self, num_slots: int, h_in: int, h_out: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu"):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+        if dtype not in _DTYPES and dtype != torch.float32:  # float32: the torch reference only (CPU tests)
+            raise ValueError(f"dtype must be bfloat16 or float16 (float32 for the reference), got {dtype}")
         self.num_slots, self.h_in, self.h_out, self.dtype = num_slots, h_in, h_out, dtype
         self.device = torch.device(device)
         self.a: list[torch.Tensor | None] = [None] * num_slots
@@ -448,6 +448,44 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     return y
 
 
+def atmm_expand_xa_(y: torch.Tensor, xa: torch.Tensor, cols: torch.Tensor, plan: AtmmPlan, weights: LoraWeights,
+                    *, host_cols: Sequence[int] | None = None, config: TileConfig | None = None,
+                    table: TileTable | None = None, pdl: bool = True) -> torch.Tensor:
+    """In place: y[seg] += s_k xa[seg, cols[k]:cols[k] + r_k] B_k — ATMM's expand alone, on x·A
+    that something else computed: e.g. the extra output columns of a base GEMM whose weight
+    carries the slots' A^T as extra rows (services/worker/atmm_backend.py "folded" projections),
+    which saves the shrink launch and its read of x. `cols` (int32, one per slot) lives on y's
+    device; `host_cols` (its host copy) is what the torch reference reads. x·A is rounded to
+    xa's dtype once (as PEFT rounds lora_A's output); scale, B and y as in `atmm_`.
+    The expand tiles come from `config`, else the tile table's config for the projection's
+    (h_in, h_out) when it names an own expand ("cuda", "cutlass_grouped"), else the heuristic's."""
+    if xa.dim() != 2 or y.dim() != 2 or xa.shape[0] != y.shape[0]:
+        raise ValueError("xa and y must be 2-D with one row per token")
+    if y.shape[1] != weights.h_out:
+        raise ValueError(f"y has {y.shape[1]} features, the weights {weights.h_out}")
+    tokens = plan.num_tokens
+    if xa.shape[0] != tokens:
+        raise ValueError(f"plan covers {tokens} tokens, xa has {xa.shape[0]}")
+    ext = _kernel_ext(y)
+    if ext is None or not weights.aligned16:
+        hc = list(host_cols) if host_cols is not None else cols.tolist()
+        return lora_expand_reference_(y, xa, hc, plan.segment_plan, weights.b, weights.scales)
+    if tokens == 0 or plan.active_segments == 0:
+        return y
+    dtype = _DTYPES.get(y.dtype)
+    if dtype is None or xa.dtype != y.dtype:
+        raise ValueError(f"y and xa must be bfloat16 or float16 of one dtype, got {y.dtype}, {xa.dtype}")
+    rs = plan.rank_stride
+    if config is None:
+        config = (table or default_table(y.device, y.dtype)).lookup(
+            weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
+    if config.backend not in ("", "cuda", "cutlass_grouped"):  # those record the best own expand
+        config = heuristic_config(weights.h_in, weights.h_out, rs, tokens, plan.active_segments, dtype=dtype)
+    ext.atmm_expand_xa(y, xa, cols, plan.meta, plan.seg_cap, weights.b_ptrs, weights.rank_table, weights.scale_table,
+                       plan.workspace, config_id(config.expand_name(dtype)), rs, plan.tiles[config.expand_bt], pdl)
+    return y
+
+
 def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scales: Sequence[float],
                             num_slots: int | None = None) -> LoraWeights:
     """LoraWeights holding adapters k = 0..n-1 (convenience for tests and benchmarks)."""
@@ -458,5 +496,5 @@ def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
     return w
 
 
-__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "choose_config", "default_table", "extension", "gpu_key",
+__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "atmm_expand_xa_", "choose_config", "default_table", "extension", "gpu_key",
            "lora_weights_from_lists", "triton_available", "use_table"]

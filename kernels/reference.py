@@ -69,6 +69,28 @@ def multi_lora_reference_(
     return y
 
 
+def lora_expand_reference_(
+    y: torch.Tensor,
+    xa: torch.Tensor,
+    cols: Sequence[int],
+    plan: SegmentPlan,
+    b: Sequence[torch.Tensor | None],
+    scales: Sequence[float],
+) -> torch.Tensor:
+    """In place: y[seg] += scales[k] * xa[seg, cols[k]:cols[k] + r_k] @ b[k] (r_k = b[k].shape[0]),
+    the expand half of `multi_lora_reference_` on x·A computed elsewhere."""
+    if xa.shape[0] != plan.num_tokens or y.shape[0] != plan.num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens, xa has {xa.shape[0]}, y has {y.shape[0]}")
+    for s, k in enumerate(plan.seg_slots):
+        lo, hi = plan.seg_starts[s], plan.seg_starts[s + 1]
+        if k < 0 or hi == lo:
+            continue
+        r = b[k].shape[0]
+        delta = xa[lo:hi, cols[k]:cols[k] + r].float() @ b[k].float()
+        y[lo:hi] = (y[lo:hi].float() + scales[k] * delta).to(y.dtype)
+    return y
+
+
 def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor,
                       src: torch.Tensor | None = None) -> torch.Tensor:
     """W = src + B_cat @ A_cat (src defaults to W: in place), fp32 accumulate, one rounding (the

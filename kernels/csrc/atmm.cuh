@@ -78,6 +78,7 @@ struct SegCache {
   int* start;
   int* rank;
   float* scale;
+  int* xcol;
 };
 
 // Copies the plan's segments into shared memory (a few parallel loads, once per CTA) so that
@@ -91,6 +92,7 @@ __device__ __forceinline__ int load_seg_cache(const AtmmArgs& p, int bt_idx, uns
   c.start = c.off + cap + 1;
   c.rank = c.start + cap + 1;
   c.scale = reinterpret_cast<float*>(c.rank + cap);
+  c.xcol = reinterpret_cast<int*>(c.scale + cap);
   const int S = p.meta[0];
   const int* seg_starts = p.meta + 1;
   const int* seg_slots = seg_starts + cap + 1;
@@ -100,17 +102,19 @@ __device__ __forceinline__ int load_seg_cache(const AtmmArgs& p, int bt_idx, uns
     c.start[s] = seg_starts[s];
     if (s < S) {
       const int slot = seg_slots[s];
-      int r = 0;
+      int r = 0, xcol = 0;
       float sc = 0.f;
       long long ptr = 0;
       if (slot >= 0) {
         r = p.ranks[slot];
         sc = p.scales[slot];
         ptr = kUseA ? p.a_ptrs[slot] : p.b_ptrs[slot];
+        if (!kUseA && p.xa_cols) xcol = p.xa_cols[slot];
       }
       c.rank[s] = r;
       c.scale[s] = sc;
       c.ptr[s] = ptr;
+      c.xcol[s] = xcol;
     }
   }
   __syncthreads();
@@ -309,13 +313,14 @@ __global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 4 : 2)) atmm_expa
   const int tid = threadIdx.x, warp = tid >> 5;
   const T* Y0 = reinterpret_cast<const T*>(p.y);
   T* Yw = reinterpret_cast<T*>(p.y);
+  const T* XA = reinterpret_cast<const T*>(p.xa);
   // each CTA takes a contiguous run of items, column-chunk major: consecutive items share the
   // segment's B tile (kept in shared memory) and walk down y
   const int chunk = (items + gridDim.x - 1) / gridDim.x;
   const int it_lo = blockIdx.x * chunk, it_hi = min(items, it_lo + chunk);
 
   struct Item {
-    int row0, nrows, r, n0;
+    int row0, nrows, r, n0, xcol;
     float scale;
     const T* B;
   };
@@ -326,6 +331,7 @@ __global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 4 : 2)) atmm_expa
     d.row0 = sc.start[s] + (tile - sc.off[s]) * BT;
     d.nrows = min(BT, sc.start[s + 1] - d.row0);
     d.r = sc.rank[s];
+    d.xcol = sc.xcol[s];
     d.scale = sc.scale[s];
     d.B = reinterpret_cast<const T*>(sc.ptr[s]);
     d.n0 = tn * BN;
@@ -376,8 +382,12 @@ __global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 4 : 2)) atmm_expa
       const int row = e / r16, col = e - row * r16;
       float v = 0.f;
       if (row < cur.nrows && col < cur.r) {
-        const float* w = p.ws + (long long)(cur.row0 + row) * rs + col;
-        for (int kc = 0; kc < p.split_k; ++kc) v += w[(long long)kc * p.T * rs];
+        if (XA) {
+          v = Cvt<T>::to(XA[(long long)(cur.row0 + row) * p.xa_ld + cur.xcol + col]);
+        } else {
+          const float* w = p.ws + (long long)(cur.row0 + row) * rs + col;
+          for (int kc = 0; kc < p.split_k; ++kc) v += w[(long long)kc * p.T * rs];
+        }
         v *= cur.scale;
       }
       const T hi = Cvt<T>::from(v);

@@ -28,6 +28,12 @@ struct AtmmArgs {
   float* ws;  // split-K partials [split_k][T][rank_stride]
   int T, h_in, h_out, rank_stride, split_k, k_chunk;
   long long x_ld, y_ld;
+  // Expand only: x·A read from `xa` (T-typed, row stride xa_ld; slot k's r_k values start at
+  // column xa_cols[k]) instead of the workspace, e.g. the extra output columns of a base GEMM
+  // whose weight carries the slots' A^T as extra rows. nullptr: the workspace.
+  const void* xa;
+  const int* xa_cols;
+  long long xa_ld;
 };
 
 
@@ -44,9 +50,9 @@ struct SwitchDesc {
 
 // Per-CTA shared-memory copy of the plan's segments (ATMM kernels), placed at the start of the
 // dynamic shared memory: ptr[cap] (A or B pointer per segment), off[cap+1] (tile offsets for the
-// kernel's BT), start[cap+1], rank[cap] (0 = no LoRA), scale[cap].
+// kernel's BT), start[cap+1], rank[cap] (0 = no LoRA), scale[cap], xcol[cap] (x·A column, xa only).
 constexpr size_t seg_cache_bytes(int cap) {
-  return ((size_t)cap * 8 + (size_t)(cap + 1) * 8 + (size_t)cap * 8 + 127) & ~(size_t)127;
+  return ((size_t)cap * 8 + (size_t)(cap + 1) * 8 + (size_t)cap * 12 + 127) & ~(size_t)127;
 }
 // Switch kernels keep the descriptors' first tiles in shared memory the same way.
 constexpr size_t desc_cache_bytes(int n) { return ((size_t)n * 8 + 127) & ~(size_t)127; }

@@ -181,6 +181,9 @@ Atmm make_args(const torch::Tensor& y, const torch::Tensor& x, const torch::Tens
   p.k_chunk = 0;
   p.x_ld = x.stride(0);
   p.y_ld = y.stride(0);
+  p.xa = nullptr;
+  p.xa_cols = nullptr;
+  p.xa_ld = 0;
   return a;
 }
 
@@ -231,6 +234,22 @@ void atmm_expand(torch::Tensor y, torch::Tensor x, torch::Tensor meta, int64_t s
                  int64_t split_k, int64_t rank_stride, int64_t tiles, bool pdl) {
   Atmm a = make_args(y, x, meta, seg_cap, a_ptrs, b_ptrs, ranks, scales, ws, split_k, rank_stride);
   const c10::cuda::CUDAGuard guard(x.device());
+  launch_expand(a, cfg, tiles, pdl);
+}
+
+// y += s_k xa[:, cols[k] : cols[k] + r_k] B_k over the plan's segments: the expand alone, on x·A
+// that something else computed (a base GEMM over weights extended with the slots' A^T rows).
+void atmm_expand_xa(torch::Tensor y, torch::Tensor xa, torch::Tensor xa_cols, torch::Tensor meta, int64_t seg_cap,
+                    torch::Tensor b_ptrs, torch::Tensor ranks, torch::Tensor scales, torch::Tensor ws, int64_t cfg,
+                    int64_t rank_stride, int64_t tiles, bool pdl) {
+  Atmm a = make_args(y, xa, meta, seg_cap, b_ptrs, b_ptrs, ranks, scales, ws, 1, rank_stride);
+  check_on(xa_cols, "xa_cols", xa.device(), torch::kInt32);
+  VALORA_CHECK(xa_cols.numel() == b_ptrs.numel(), "xa_cols must have one entry per slot (", b_ptrs.numel(), "), got ",
+              xa_cols.numel());
+  a.args.xa = xa.data_ptr();
+  a.args.xa_cols = xa_cols.data_ptr<int>();
+  a.args.xa_ld = xa.stride(0);
+  const c10::cuda::CUDAGuard guard(xa.device());
   launch_expand(a, cfg, tiles, pdl);
 }
 
@@ -435,6 +454,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("atmm", &valora::atmm, "y += s_k (x A_k) B_k over the plan's segments (shrink + expand)");
   m.def("atmm_shrink", &valora::atmm_shrink, "split-K shrink into the workspace only");
   m.def("atmm_expand", &valora::atmm_expand, "expand from the workspace into y only");
+  m.def("atmm_expand_xa", &valora::atmm_expand_xa, "expand from x·A columns of another tensor into y");
   m.def("atmm_grouped", &valora::atmm_grouped, "shrink + CUTLASS grouped-GEMM expand");
   m.def("atmm_grouped_expand", &valora::atmm_grouped_expand, "CUTLASS grouped-GEMM expand only");
   m.def("grouped_aux_bytes", [](int cap, int T, int rs) { return (int64_t)valora::grouped_aux_bytes(cap, T, rs); });

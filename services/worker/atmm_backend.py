@@ -11,6 +11,14 @@ entry's block-diagonal factors (`lora.group_tensors`) on a plan per group name, 
 stride is that group's summed rank; when some entry's summed rank is over the kernel's limit the
 group runs per part, into column views of its output, on the projections' own tables.
 
+Folded projections (`enable_fold`, EngineConfig.lora_fold_rows): a projection's weight sits in a
+buffer with spare rows below it (`reserve_lora_rows`), which hold the step's entries' A^T, each
+slot at a column offset shared by every layer of that projection kind. One GEMM over
+[W; A_1^T; ...; A_n^T] then gives y and every entry's x·A together, and only the expand runs
+(`kernels.atmm.atmm_expand_xa_`): one launch and one read of x fewer per projection. Used where
+the tile table picks our own shrink + expand for the step's shape (decode steps; the Triton
+kernels win prefill, which keeps the unfolded path), when the entries' rows fit the spare rows.
+
 `begin(step)` returns False when the kernel cannot take the step (fp32 model, a rank that is not
 a multiple of 8 or is over the kernel's limit, a permuted batch, too many segments or tokens):
 the layers then use the torch reference for that step, with the same semantics.
@@ -21,8 +29,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 
 from services.worker.lora import LayerModule, LoraEntry, StepLora, group_tensors
+
+_OWN_EXPAND = ("", "cuda")  # tile-table backends whose expand is our kernel (the fold keeps the table's tiles)
 
 
 class AtmmBackend:
@@ -49,6 +60,19 @@ class AtmmBackend:
                        for k, (fin, fout) in features.items()}
         self._slots: OrderedDict[int, tuple[LoraEntry, int]] = OrderedDict()  # id(entry) -> (entry, slot); LRU
         self._synced: list[tuple[LoraEntry, int]] = []
+        # folding (enable_fold): modules by key, their keys by kind, spare rows per module
+        self.device = torch.device(device)
+        self.fold_rows = 0
+        self._fold_modules: dict[LayerModule, object] = {}
+        self._fold_kinds: dict[str, list[LayerModule]] = {}
+        self._fold_alloc: dict[str, dict[int, tuple[int, int]]] = {}  # kind -> slot -> (column, rows)
+        self._fold_cols: dict[str, torch.Tensor] = {}  # kind -> int32 column per slot, on the device
+        self._fold_host: dict[str, list[int]] = {}
+        self._fold_written: dict[LayerModule, dict[int, tuple[torch.Tensor, int]]] = {}  # slot -> (A, column)
+        self._fold_sig: dict[str, tuple] = {}
+        self._sync_version = 0  # bumped whenever _sync_weights changes a table
+        self.folded: dict[str, tuple[int, object, object]] = {}  # this step: kind -> (rows used, config, plan)
+        self.folded_calls = 0
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -107,7 +131,119 @@ class AtmmBackend:
             for s, r in zip(slots, group_ranks[name]):
                 table[s] = max(r, 8)  # 0: the entry targets no part, its slot holds the rank-8 zero term
             self.group_plans[name].update(plan.seg_starts, seg_slots, table)
+        self._fold_step(slots)
         return True
+
+    def enable_fold(self, modules: dict[LayerModule, object], rows: int) -> None:
+        """Fold the shrink of these modules (LoraLinear / LoraGroup, each `reserve_lora_rows(rows)`
+        already) into their base GEMM from the next `begin` on."""
+        self.fold_rows = rows
+        self._fold_modules = dict(modules)
+        self._fold_kinds = {}
+        for key in sorted(modules):
+            self._fold_kinds.setdefault(key[1], []).append(key)
+        self._fold_written = {key: {} for key in modules}
+        for kind in self._fold_kinds:
+            self._fold_alloc[kind] = {}
+            self._fold_host[kind] = [0] * self.max_entries
+            self._fold_cols[kind] = torch.zeros(self.max_entries, dtype=torch.int32, device=self.device)
+
+    def _fold_step(self, slots: list[int]) -> None:
+        """Decides which kinds run folded this step and writes their rows (see module doc)."""
+        self.folded = {}
+        if not self.fold_rows or not slots:
+            return
+        for kind, keys in self._fold_kinds.items():
+            plan = self.group_plans.get(kind, self.plan)
+            if kind in self.group_plans and kind not in self.grouped:
+                continue  # this group runs per part this step
+            w0 = self.weights[keys[0]]
+            config = None
+            if self.device.type == "cuda":
+                config = self._atmm.default_table(self.device, w0.dtype).lookup(
+                    w0.h_in, w0.h_out, plan.rank_stride, plan.num_tokens, plan.active_segments)
+                if config.backend not in _OWN_EXPAND:
+                    continue
+            need = {s: max(self.weights[k].ranks[s] for k in keys) for s in slots}
+            cols = self._fold_allocate(kind, need)
+            if cols is None:
+                continue  # the step's entries do not fit the spare rows: unfolded
+            self.folded[kind] = (max(cols[s] + need[s] for s in slots), config, plan)
+            sig = (self._sync_version, tuple((s, cols[s]) for s in slots))
+            if self._fold_sig.get(kind) == sig:
+                continue  # same entries in the same rows as the last step that wrote them
+            self._fold_sig[kind] = sig
+            for key in keys:
+                module, w, written = self._fold_modules[key], self.weights[key], self._fold_written[key]
+                base = module.out_features
+                for s in slots:
+                    a, col = w.a[s], cols[s]
+                    prev = written.get(s)
+                    if prev is None or prev[0] is not a or prev[1] != col:
+                        module.w_ext[base + col:base + col + a.shape[1]].copy_(a.t())
+                        written[s] = (a, col)
+
+    def _fold_allocate(self, kind: str, need: dict[int, int]) -> dict[int, int] | None:
+        """Column (spare-row offset) per slot for this step: kept where the slot already has
+        enough rows, else first fit; slots not in the step give way when space runs out."""
+        alloc = self._fold_alloc[kind]
+        for s, r in need.items():
+            if s in alloc and alloc[s][1] < r:
+                del alloc[s]
+
+        def place(s: int) -> bool:
+            col = 0
+            for c, n in sorted(alloc.values()):
+                if c - col >= need[s]:
+                    break
+                col = max(col, c + n)
+            if col + need[s] > self.fold_rows:
+                return False
+            alloc[s] = (col, need[s])
+            for key in self._fold_kinds[kind]:  # rows of other slots that this placement overwrites
+                written = self._fold_written[key]
+                for o in [o for o, (a, c) in written.items() if o != s and c < col + need[s] and col < c + a.shape[1]]:
+                    del written[o]
+            return True
+
+        for s in sorted(set(need) - set(alloc), key=lambda s: -need[s]):
+            if place(s):
+                continue
+            for other in [o for o in alloc if o not in need]:
+                del alloc[other]
+            if not place(s):
+                alloc.clear()
+                if sum(need.values()) > self.fold_rows:
+                    return None
+                for t in sorted(need, key=lambda s: -need[s]):
+                    place(t)
+                break
+        host = self._fold_host[kind]
+        cols = {s: alloc[s][0] for s in need}
+        if any(host[s] != c for s, c in cols.items()):
+            for s, c in cols.items():
+                host[s] = c
+            self._fold_cols[kind].copy_(torch.tensor(host, dtype=torch.int32).pin_memory()
+                                        if self.device.type == "cuda" else torch.tensor(host, dtype=torch.int32),
+                                        non_blocking=True)
+        return cols
+
+    def folded_linear(self, key: LayerModule, x: torch.Tensor, module) -> torch.Tensor | None:
+        """y = module's projection of x plus the step's multi-LoRA term, with the shrink folded
+        into the base GEMM; None when this projection is not folded this step. y is a view (row
+        stride out + rows) of the GEMM's output."""
+        got = self.folded.get(key[1])
+        if got is None or key not in self._fold_modules:
+            return None
+        rows, config, plan = got
+        n = module.out_features
+        xf = x.reshape(-1, x.shape[-1])
+        y_ext = F.linear(xf, module.w_ext[:n + rows], None if module.b_ext is None else module.b_ext[:n + rows])
+        y = y_ext[:, :n]
+        self._atmm.atmm_expand_xa_(y, y_ext[:, n:], self._fold_cols[key[1]], plan, self.weights[key],
+                                   host_cols=self._fold_host[key[1]], config=config)
+        self.folded_calls += 1
+        return y.view(*x.shape[:-1], n)
 
     def _group_rank(self, entry: LoraEntry, group: LayerModule) -> int:
         return sum(t[0].shape[1] for k in self.groups[group] if (t := entry.tensors(k)) is not None)
@@ -130,6 +266,7 @@ class AtmmBackend:
                     w.set(s, a, b, scale, flush=False)
             w.flush()  # one async copy per table, before the forward (and outside any graph capture)
         self._synced = list(zip(entries, slots))
+        self._sync_version += 1
 
     def launch_key(self) -> tuple:
         """Everything on the host that the kernel launches of the current plan depend on (tile
@@ -137,7 +274,8 @@ class AtmmBackend:
         graph captured for one replays correctly for the other (the plan's data is on the device)."""
         p = self.plan
         return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())),
-                tuple((name, self.group_plans[name].rank_stride) for name in sorted(self.grouped)))
+                tuple((name, self.group_plans[name].rank_stride) for name in sorted(self.grouped)),
+                tuple((kind, f[0], f[1]) for kind, f in sorted(self.folded.items())))
 
     def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
         self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, self.weights[key])

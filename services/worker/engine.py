@@ -120,6 +120,10 @@ class EngineConfig:
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
     use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
+    # Spare weight rows per projection for the step's LoRA A^T: the base GEMM then computes x·A too
+    # and ATMM runs only its expand (atmm_backend.py, "folded"); 0 = off. Costs rows x in_features
+    # per projection and layer (7B, 512: ~0.85 GB).
+    lora_fold_rows: int = 512
     fused_layers: bool = True  # decoder layers on the fused elementwise ops (fused_layers.py); False: HF's, for A/B
     image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
     load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
@@ -189,6 +193,8 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
+        if config.lora_fold_rows < 0:
+            raise ValueError("lora_fold_rows must be >= 0")
         if config.max_prefills_per_step < 1 or config.max_prefill_tokens < 1:
             raise ValueError("max_prefills_per_step and max_prefill_tokens must be positive")
         self.dtype = DTYPES[config.dtype]
@@ -220,6 +226,12 @@ class Engine:
             self.runtime.backend = AtmmBackend({k: features[k[1]] for k in self.lora_layers},
                                                self.device, self.dtype,
                                                groups={k: g.part_keys for k, g in groups.items()})
+            if config.lora_fold_rows > 0 and self.tp is None:  # the projections the forward calls
+                in_groups = {k for g in groups.values() for k in g.part_keys}
+                folded = {**groups, **{k: m for k, m in self.lora_layers.items() if k not in in_groups}}
+                for m in folded.values():
+                    m.reserve_lora_rows(config.lora_fold_rows)
+                self.runtime.backend.enable_fold(folded, config.lora_fold_rows)
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")

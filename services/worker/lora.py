@@ -124,9 +124,24 @@ class LoraLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def reserve_lora_rows(self, rows: int) -> None:
+        """Moves the weight (and bias) into a buffer with `rows` spare rows below it, which the
+        backend fills with the step's A^T (`AtmmBackend` folding); the weight stays a view."""
+        self.w_ext, self.b_ext = _with_spare_rows(self.base.weight, self.base.bias, rows)
+        n = self.base.out_features
+        self.base.weight = nn.Parameter(self.w_ext[:n], requires_grad=False)
+        if self.b_ext is not None:
+            self.base.bias = nn.Parameter(self.b_ext[:n], requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         step = self.runtime.step
+        if step is not None and step.kernel and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None:
+            return y
+        y = self.base(x)
         if step is None or not step.active:
             return y
         yf = y.reshape(-1, y.shape[-1])
@@ -170,22 +185,41 @@ class LoraGroup(nn.Module):
         self.part_keys = tuple(p.key for p in parts)
         self.sizes = [b.out_features for b in bases]
         self.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
-        has_bias = [b.bias is not None for b in bases]
+        self._has_bias = [b.bias is not None for b in bases]
         self.bias = None
-        if any(has_bias):
+        if any(self._has_bias):
             self.bias = nn.Parameter(torch.cat([b.bias.detach() if b.bias is not None else b.weight.new_zeros(n)
                                                 for b, n in zip(bases, self.sizes)]), requires_grad=False)
-        lo = 0
-        for b, n, with_bias in zip(bases, self.sizes, has_bias):
-            b.weight = nn.Parameter(self.weight[lo:lo + n], requires_grad=False)  # a view: updates reach the group
-            if with_bias:
-                b.bias = nn.Parameter(self.bias[lo:lo + n], requires_grad=False)
-            lo += n
         self._parts = list(parts)  # not submodules: they stay registered where HF put them
+        self._point_parts()
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.sizes)
+
+    def _point_parts(self) -> None:
+        """The parts' weights (and biases) become views of the group's: updates reach the group."""
+        lo = 0
+        for p, n, with_bias in zip(self._parts, self.sizes, self._has_bias):
+            p.base.weight = nn.Parameter(self.weight[lo:lo + n], requires_grad=False)
+            if with_bias:
+                p.base.bias = nn.Parameter(self.bias[lo:lo + n], requires_grad=False)
+            lo += n
+
+    def reserve_lora_rows(self, rows: int) -> None:
+        """As `LoraLinear.reserve_lora_rows`, for the concatenated weight (parts re-pointed)."""
+        self.w_ext, self.b_ext = _with_spare_rows(self.weight, self.bias, rows)
+        n = self.out_features
+        self.weight = nn.Parameter(self.w_ext[:n], requires_grad=False)
+        if self.b_ext is not None:
+            self.bias = nn.Parameter(self.b_ext[:n], requires_grad=False)
+        self._point_parts()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = nn.functional.linear(x, self.weight, self.bias)
         step = self.runtime.step
+        if step is not None and step.kernel and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None:
+            return y.split(self.sizes, dim=-1)
+        y = nn.functional.linear(x, self.weight, self.bias)
         if step is not None and step.active:
             yf, xf = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
             if step.kernel:
@@ -194,6 +228,19 @@ class LoraGroup(nn.Module):
                 for part, col in zip(self._parts, yf.split(self.sizes, dim=1)):
                     part.add_lora(col, xf, step)
         return y.split(self.sizes, dim=-1)
+
+
+def _with_spare_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out + rows, in) copy of weight with zero rows below it (and the bias with zeros)."""
+    n = weight.shape[0]
+    w_ext = weight.new_zeros((n + rows, weight.shape[1]))
+    w_ext[:n].copy_(weight.detach())
+    b_ext = None
+    if bias is not None:
+        b_ext = bias.new_zeros(n + rows)
+        b_ext[:n].copy_(bias.detach())
+    return w_ext, b_ext
 
 
 _group_cache: "weakref.WeakKeyDictionary[LoraEntry, dict]" = weakref.WeakKeyDictionary()

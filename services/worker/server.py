@@ -90,6 +90,8 @@ class WorkerSettings(ServiceSettings):
     use_atmm: bool = Field(True, description="Run the multi-LoRA term on the ATMM CUDA kernel where it can.")
     fused_layers: bool = Field(True, description="Decoder layers on valora's fused ops (RMSNorm, rotary, SiLU·up "
                                "kernels; q|k|v and gate|up as one linear each); false: HF's layers.")
+    lora_fold_rows: int = Field(512, ge=0, description="Spare weight rows per projection that hold the step's "
+                                "LoRA A^T, so one GEMM gives y and x·A (ATMM runs only its expand); 0 = off.")
     image_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Device bytes of vision features kept "
                                    "by image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
@@ -469,6 +471,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         max_prefill_tokens=settings.max_prefill_tokens, kv_headroom=settings.kv_headroom,
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
         pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
+        lora_fold_rows=settings.lora_fold_rows,
     )
 
 

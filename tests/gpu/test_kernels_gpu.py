@@ -139,6 +139,64 @@ def test_atmm_every_config_and_split_k():
         assert rel_err(got, want) < 4e-3, ex["name"]
 
 
+def _xa_case(tokens, ranks, h_in, h_out, dt, seed):
+    """A base GEMM's output with the slots' x·A as extra columns (at shuffled offsets), as the
+    engine's folded projections produce it: y and xa are column views of one (T, h_out + R) tensor."""
+    a, b, scales, slots, x, y0 = make_case(tokens, ranks, h_in, h_out, dt, seed)
+    order = list(range(len(ranks)))
+    random.Random(seed).shuffle(order)
+    cols, c = [0] * len(ranks), 8  # a gap of 8 unused columns first: offsets need not start at 0
+    for k in order:
+        cols[k], c = c, c + ranks[k]
+    out = torch.zeros(tokens, h_out + c, device="cuda", dtype=dt)
+    out[:, :h_out] = y0
+    for k in range(len(ranks)):
+        out[:, h_out + cols[k]:h_out + cols[k] + ranks[k]] = (x.float() @ a[k].float()).to(dt)
+    return a, b, scales, slots, x, y0, out, cols
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens,ranks,h_in,h_out", [(16, [8, 16, 48, 64], 3584, 4608), (300, [16] * 8, 1024, 2048),
+                                                     (5, [128, 8], 512, 1024)])
+def test_atmm_expand_xa_matches_reference_every_expand(dtype, tokens, ranks, h_in, h_out):
+    """expand_xa (the folded projections' expand) on every compiled expand config equals the
+    reference expand of the same bf16/fp16 x·A, into a strided y; rows of slot -1 untouched."""
+    from kernels.atmm import atmm_expand_xa_
+    from kernels.reference import lora_expand_reference_
+
+    dt = DT[dtype]
+    a, b, scales, slots, x, y0, out, cols = _xa_case(tokens, ranks, h_in, h_out, dt, seed=tokens + h_out)
+    w = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(max_segments=16, max_tokens=512, device="cuda").update_from_token_slots(slots, w.ranks)
+    xa = out[:, h_out:]
+    want = lora_expand_reference_(y0.float().clone(), xa, cols, plan.segment_plan, [t.float() for t in b], scales)
+    cols_dev = torch.tensor(cols + [0] * (w.num_slots - len(cols)), dtype=torch.int32, device="cuda")
+    none_rows = [i for i, s in enumerate(slots) if s < 0]
+    for ex in [c for c in EXT.configs() if c["dtype"] == dtype and c["kind"] == "expand"]:
+        got = out.clone()
+        y = got[:, :h_out]
+        EXT.atmm_expand_xa(y, got[:, h_out:], cols_dev, plan.meta, plan.seg_cap, w.b_ptrs, w.rank_table,
+                           w.scale_table, plan.workspace, ex["id"], plan.rank_stride, plan.tiles[ex["bt"]], True)
+        torch.cuda.synchronize()
+        assert rel_err(y, want) < (4e-3 if dt == torch.bfloat16 else 1e-3), ex["name"]
+        assert rel_err(y.float() - y0.float(), want - y0.float()) < 2e-2, ex["name"]
+        assert torch.equal(got[:, h_out:], out[:, h_out:])  # xa is read, never written
+        if none_rows:
+            assert torch.equal(y[none_rows], y0[none_rows])
+    got = out.clone()  # the Python entry point (tile table or heuristic config) in a CUDA graph, replayed
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        atmm_expand_xa_(got[:, :h_out].clone(), got[:, h_out:], cols_dev, plan, w)  # warm-up (config ids)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        atmm_expand_xa_(got[:, :h_out], got[:, h_out:], cols_dev, plan, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(got[:, :h_out], want) < (4e-3 if dt == torch.bfloat16 else 1e-3)
+
+
 def test_atmm_cuda_graph_replays_new_plans():
     dt = torch.bfloat16
     a, b, scales, slots, x, y = make_case(64, [16, 32, 8], 1024, 768, dt, seed=5)
