@@ -66,12 +66,12 @@ elif [ "$MODE" = engine ]; then
     cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "$OUT/"  # the merged table, to commit
     say search
   fi
-  timeout 330 python3 -m bench.engine_bench --name "engine-$SUF" --profile "${PROFILE:-base,unmerged_mixed}" 2>&1 \
+  timeout 400 python3 -m bench.engine_bench --name "engine-$SUF" --reps "${REPS:-5}" --profile "${PROFILE:-base,unmerged_mixed}" 2>&1 \
     | grep -v -E "Loading|Writing" | tee -a "$LOG"
   say engine_bench
   # A/B: the same engine with one optimisation off per run (valora only), e.g. AB="--no-fused-layers --no-shrink-overlap"
   for flag in ${AB:-}; do
-    timeout 200 python3 -m bench.engine_bench --skip-peer --name "engine-$SUF$flag" $flag 2>&1 \
+    timeout 200 python3 -m bench.engine_bench --skip-peer --reps "${REPS:-5}" --name "engine-$SUF$flag" $flag 2>&1 \
       | grep -E "^valora|x[0-9.]+ of" | tee -a "$LOG"
     say "engine_bench $flag"
   done
