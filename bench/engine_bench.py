@@ -78,8 +78,6 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
                        decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
                        pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512)
     eng = Engine(cfg)
-    if args.fold_own_expand_only and eng.runtime.backend is not None:
-        eng.runtime.backend.fold_own_expand_only = True
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
     rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
@@ -308,8 +306,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
     ap.add_argument("--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
-    ap.add_argument("--fold-own-expand-only", action="store_true",
-                    help="fold only where the tile table picks our own expand (decode), not prefill (A/B)")
     ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)

@@ -15,10 +15,9 @@ Folded projections (`enable_fold`, EngineConfig.lora_fold_rows): a projection's 
 buffer with spare rows below it (`reserve_lora_rows`), which hold the step's entries' A^T, each
 slot at a column offset shared by every layer of that projection kind. One GEMM over
 [W; A_1^T; ...; A_n^T] then gives y and every entry's x·A together, and only the expand runs
-(`kernels.atmm.atmm_expand_xa_`): one launch and one read of x fewer per projection. Used for
-every step whose entries' rows fit the spare rows, with the table's expand tiles where it picks
-our own kernels (decode) and the heuristic's elsewhere (prefill, where the table picks Triton
-by device time but the step is host-bound and a Triton launch costs ~40 µs of Python).
+(`kernels.atmm.atmm_expand_xa_`): one launch and one read of x fewer per projection. Used where
+the tile table picks our own shrink + expand for the step's shape (decode steps; the Triton
+kernels win prefill, which keeps the unfolded path), when the entries' rows fit the spare rows.
 
 `begin(step)` returns False when the kernel cannot take the step (fp32 model, a rank that is not
 a multiple of 8 or is over the kernel's limit, a permuted batch, too many segments or tokens):
@@ -74,9 +73,6 @@ class AtmmBackend:
         self._sync_version = 0  # bumped whenever _sync_weights changes a table
         self.folded: dict[str, tuple[int, object, object]] = {}  # this step: kind -> (rows used, config, plan)
         self.folded_calls = 0
-        # False: fold every shape (prefill too, where the table's pick, Triton, costs ~40 µs of
-        # Python per launch on a host-bound step); True: only where the table picks our expand
-        self.fold_own_expand_only = False
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -167,9 +163,7 @@ class AtmmBackend:
                 config = self._atmm.default_table(self.device, w0.dtype).lookup(
                     w0.h_in, w0.h_out, plan.rank_stride, plan.num_tokens, plan.active_segments)
                 if config.backend not in _OWN_EXPAND:
-                    if self.fold_own_expand_only:
-                        continue
-                    config = None  # atmm_expand_xa_ takes the heuristic's own expand
+                    continue
             need = {s: max(self.weights[k].ranks[s] for k in keys) for s in slots}
             cols = self._fold_allocate(kind, need)
             if cols is None:
