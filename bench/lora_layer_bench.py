@@ -28,20 +28,11 @@ from kernels.atmm import AtmmPlan, atmm_, lora_weights_from_lists
 from kernels.reference import SegmentPlan
 from kernels.results import git_commit
 from kernels.timing import time_graph
+from services.worker.lora import AdapterEntry, group_tensors
 
 # name -> (h_in, part widths, bias)  (Qwen2-VL-7B)
 PROJECTIONS = {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),
                "gate_up": (3584, (18944, 18944), False), "down": (18944, (3584,), False)}
-
-
-def block_diag_b(bs: list[torch.Tensor], widths: tuple[int, ...]) -> torch.Tensor:
-    rows = sum(b.shape[0] for b in bs)
-    out = bs[0].new_zeros(rows, sum(widths))
-    r = c = 0
-    for b, w in zip(bs, widths):
-        out[r:r + b.shape[0], c:c + w] = b
-        r, c = r + b.shape[0], c + w
-    return out
 
 
 def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers: int, dev, dt) -> dict:
@@ -61,9 +52,11 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
              for _ in range(n_adapters)]
         b = [[torch.randn(rank, wd, device=dev, dtype=dt, generator=g) * rank ** -0.5 for wd in widths]
              for _ in range(n_adapters)]
-        grp_a = [torch.cat(ak, 1).contiguous() for ak in a]
-        grp_b = [block_diag_b([(bb.float() * scale).to(dt) for bb in bk], widths) for bk in b]
-        weights = lora_weights_from_lists(grp_a, grp_b, [1.0] * n_adapters)
+        parts_keys = tuple((0, f"p{p}") for p in range(len(widths)))  # the engine's group factors
+        grp = [group_tensors(AdapterEntry(dict(zip(parts_keys, a[k])), dict(zip(parts_keys, b[k])), scale),
+                             parts_keys, widths) for k in range(n_adapters)]
+        grp_a = [t[0] for t in grp]
+        weights = lora_weights_from_lists(grp_a, [t[1] for t in grp], [1.0] * n_adapters)
         parts = [lora_weights_from_lists([a[k][p] for k in range(n_adapters)], [b[k][p] for k in range(n_adapters)],
                                          [scale] * n_adapters) for p in range(len(widths))]
         # dense: A_all (h_in, n*Σr) with each adapter's parts adjacent; per part B_all (n*r, width), s folded
@@ -120,11 +113,9 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
         def f():
             shrink(m)
             for p, c in enumerate(cols):
-                if m["bias"] is None:
-                    torch.matmul(t_part(p), m["b_all"][p], out=y[:, c]) if len(cols) == 1 else \
-                        y[:, c].addmm_(t_part(p), m["b_all"][p], beta=0)
-                else:
-                    y[:, c].addmm_(t_part(p), m["b_all"][p], beta=0).add_(m["bias"][c])
+                y[:, c].addmm_(t_part(p), m["b_all"][p], beta=0)  # written, not read
+                if m["bias"] is not None:
+                    y[:, c].add_(m["bias"][c])
             y.addmm_(x, m["w"].t())
         return f
 

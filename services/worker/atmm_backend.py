@@ -70,6 +70,7 @@ class AtmmBackend:
         self._fold_host: dict[str, list[int]] = {}
         self._fold_written: dict[LayerModule, dict[int, tuple[torch.Tensor, int]]] = {}  # slot -> (A, column)
         self._fold_sig: dict[str, tuple] = {}
+        self._fold_rank_cache: dict[str, tuple[int, list[int]]] = {}
         self._sync_version = 0  # bumped whenever _sync_weights changes a table
         self.folded: dict[str, tuple[int, object, object]] = {}  # this step: kind -> (rows used, config, plan)
         self.folded_calls = 0
@@ -164,7 +165,7 @@ class AtmmBackend:
                     w0.h_in, w0.h_out, plan.rank_stride, plan.num_tokens, plan.active_segments)
                 if config.backend not in _OWN_EXPAND:
                     continue
-            need = {s: max(self.weights[k].ranks[s] for k in keys) for s in slots}
+            need = {s: self._fold_ranks(kind)[s] for s in slots}
             cols = self._fold_allocate(kind, need)
             if cols is None:
                 continue  # the step's entries do not fit the spare rows: unfolded
@@ -182,6 +183,15 @@ class AtmmBackend:
                     if prev is None or prev[0] is not a or prev[1] != col:
                         module.w_ext[base + col:base + col + a.shape[1]].copy_(a.t())
                         written[s] = (a, col)
+
+    def _fold_ranks(self, kind: str) -> list[int]:
+        """Rows each slot needs in this kind: its largest rank over the kind's layers (an adapter
+        may target some layers only). Recomputed only after the tables changed."""
+        got = self._fold_rank_cache.get(kind)
+        if got is None or got[0] != self._sync_version:
+            tables = [self.weights[k].ranks for k in self._fold_kinds[kind]]
+            got = self._fold_rank_cache[kind] = (self._sync_version, [max(r) for r in zip(*tables)])
+        return got[1]
 
     def _fold_allocate(self, kind: str, need: dict[int, int]) -> dict[int, int] | None:
         """Column (spare-row offset) per slot for this step: kept where the slot already has
@@ -223,9 +233,8 @@ class AtmmBackend:
         if any(host[s] != c for s, c in cols.items()):
             for s, c in cols.items():
                 host[s] = c
-            self._fold_cols[kind].copy_(torch.tensor(host, dtype=torch.int32).pin_memory()
-                                        if self.device.type == "cuda" else torch.tensor(host, dtype=torch.int32),
-                                        non_blocking=True)
+            staged = torch.tensor(host, dtype=torch.int32)
+            self._fold_cols[kind].copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
         return cols
 
     def folded_linear(self, key: LayerModule, x: torch.Tensor, module) -> torch.Tensor | None:

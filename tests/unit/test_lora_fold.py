@@ -12,8 +12,9 @@ import torch
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.engine import Engine, EngineConfig
 from services.worker.lora import LoraGroup, StepLora
-from services.worker.requests import Finished, WorkRequest
+from services.worker.requests import WorkRequest
 from services.worker.testing import random_adapter_bundle, random_image
+from tests.unit.test_engine import run_concurrently
 
 NAMES = ("adapters/r8/versions/1", "adapters/r16/versions/1", "adapters/qv/versions/1")
 
@@ -36,29 +37,13 @@ def make_engine(model_path, bundles, monkeypatch, fold_rows: int, use_atmm: bool
 
 
 def generate(eng: Engine, adapters) -> dict[str, list[int]]:
-    import threading
-
-    done, out = threading.Event(), {}
     reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i)], adapter=a, max_new_tokens=6)
             for i, a in enumerate(adapters)]
-
-    def sink(rid):
-        def put(ev):
-            if isinstance(ev, Finished):
-                out[rid] = ev.result.token_ids
-                if len(out) == len(reqs):
-                    done.set()
-        return put
-
     eng.start()
     try:
-        with eng._wake:
-            for r in reqs:
-                eng.submit(eng.prepare(r), sink(r.request_id))
-        assert done.wait(300)
+        return {rid: r.token_ids for rid, (_, r) in run_concurrently(eng, reqs).items()}
     finally:
         eng.stop()
-    return out
 
 
 MIXED = [NAMES[0], None, NAMES[1], NAMES[2], NAMES[0], NAMES[1]]

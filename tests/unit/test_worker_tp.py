@@ -6,6 +6,7 @@ the model is refused at start-up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -91,6 +92,21 @@ async def test_tp2_worker_serves_the_single_process_tokens_and_stops_its_followe
     assert not dist.is_initialized()  # the worker left the group: another can start in this process
 
 
+@contextlib.asynccontextmanager
+async def _serving_tp2_worker(model_path, tmp_path):
+    """A TP=2 worker (rank 0 here, its follower a process) seen SERVING: (worker, channel, health
+    stub); stopped on leaving."""
+    worker = await create_server(_settings(model_path, tmp_path, tp_size=2))
+    await worker.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert (await health.Check(HEALTH)).status == health_pb2.HealthCheckResponse.SERVING
+            yield worker, channel, health
+    finally:
+        await worker.stop(0)
+
+
 async def _wait_not_serving(health) -> None:
     deadline = time.monotonic() + 20
     while (await health.Check(HEALTH)).status == health_pb2.HealthCheckResponse.SERVING:
@@ -101,45 +117,31 @@ async def _wait_not_serving(health) -> None:
 async def test_a_follower_seen_dead_takes_the_worker_out_of_service(model_path, tmp_path, monkeypatch):
     """The watchdog's own check of the follower processes (for a collective that would hang rather
     than fail, e.g. NCCL): rank 0's engine still alive, health goes NOT_SERVING."""
-    worker = await create_server(_settings(model_path, tmp_path, tp_size=2))
-    await worker.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            assert (await health.Check(HEALTH)).status == health_pb2.HealthCheckResponse.SERVING
-            monkeypatch.setattr(worker.servicer.followers, "dead", lambda: ["valora-tp1 (exit code -9)"])
-            await _wait_not_serving(health)
-            assert worker.servicer.engine.alive
-    finally:
-        await worker.stop(0)
+    async with _serving_tp2_worker(model_path, tmp_path) as (worker, channel, health):
+        monkeypatch.setattr(worker.servicer.followers, "dead", lambda: ["valora-tp1 (exit code -9)"])
+        await _wait_not_serving(health)
+        assert worker.servicer.engine.alive
     assert not worker.servicer.followers.procs[0].is_alive()
 
 
 # Rank 0's engine thread dies of the broken collective (logged, re-raised: pytest reports the thread).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_a_killed_follower_fails_rank_0s_engine_instead_of_hanging(model_path, tmp_path):
-    worker = await create_server(_settings(model_path, tmp_path, tp_size=2))
-    await worker.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            assert (await health.Check(HEALTH)).status == health_pb2.HealthCheckResponse.SERVING
-            os.kill(worker.servicer.followers.procs[0].pid, signal.SIGKILL)
-            await _wait_not_serving(health)
-            stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-            status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
-            assert not status.healthy
-            # Its next collective with the lost rank fails (an idle rank 0 still broadcasts every step).
-            deadline = time.monotonic() + 20
-            while worker.servicer.engine.alive:
-                assert time.monotonic() < deadline, "rank 0's engine outlived its follower"
-                await asyncio.sleep(0.1)
-            with pytest.raises(grpc.RpcError) as err:
-                await generate(stub, request_id="r", prompt="hi")
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        t0 = time.monotonic()
-        await worker.stop(0)
+    async with _serving_tp2_worker(model_path, tmp_path) as (worker, channel, health):
+        os.kill(worker.servicer.followers.procs[0].pid, signal.SIGKILL)
+        await _wait_not_serving(health)
+        stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+        assert not status.healthy
+        # Its next collective with the lost rank fails (an idle rank 0 still broadcasts every step).
+        deadline = time.monotonic() + 20
+        while worker.servicer.engine.alive:
+            assert time.monotonic() < deadline, "rank 0's engine outlived its follower"
+            await asyncio.sleep(0.1)
+        with pytest.raises(grpc.RpcError) as err:
+            await generate(stub, request_id="r", prompt="hi")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        t0 = time.monotonic()  # the worker stops on leaving the block
     assert time.monotonic() - t0 < 30
     assert not dist.is_initialized()
 
