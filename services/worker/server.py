@@ -525,6 +525,15 @@ async def install_tile_table(settings: WorkerSettings, fetcher: AdapterFetcher, 
     return source
 
 
+def store_table_json(settings: WorkerSettings) -> dict:
+    """The tile table `install_tile_table` installed from the store, as JSON (for the TP followers)."""
+    import torch  # noqa: PLC0415
+
+    from kernels import atmm  # noqa: PLC0415
+
+    return atmm.default_table(torch.device(settings.device), getattr(torch, settings.dtype)).to_json()
+
+
 async def create_server(settings: WorkerSettings) -> Service:
     """Builds the worker's server; the model loads when the service starts (health NOT_SERVING
     until then, and again if the engine dies)."""
@@ -548,8 +557,9 @@ async def create_server(settings: WorkerSettings) -> Service:
 
     async def load_engine() -> None:
         loop = asyncio.get_running_loop()
+        table_source = None
         try:
-            await install_tile_table(settings, fetcher)
+            table_source = await install_tile_table(settings, fetcher)
         except Exception as exc:  # noqa: BLE001 - e.g. no CUDA device: the engine reports that itself
             log.warning("tile_table_failed", error=f"{type(exc).__name__}: {exc}")
 
@@ -572,7 +582,7 @@ async def create_server(settings: WorkerSettings) -> Service:
             """Spawns the followers, joins the group as rank 0, builds this rank's engine and
             waits for theirs (an engine loop must not start before every rank runs one)."""
             tp_settings = settings.model_copy(update={"tp_port": settings.tp_port or free_loopback_port()})
-            servicer.followers = Followers(tp_settings)
+            servicer.followers = Followers(tp_settings, store_table_json(settings) if table_source == "store" else None)
             try:
                 tp = init_rank(tp_settings, 0)
                 try:

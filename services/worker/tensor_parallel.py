@@ -65,8 +65,8 @@ graphs, the ATMM backend on sharded tables, the gloo event group's per-step cost
 here (no GPU); a full model is loaded on every rank before it is sliced (`load_full_state_dict_`
 into a sharded model would avoid the peak); a rank whose step fails alone (e.g. out of memory)
 desynchronises the group (the others wait in the next collective until its timeout); the stats
-report the rank's own KV memory (its KV heads only); the follower processes never ask the
-adapter store for the ATMM tile table (they use the committed one or the heuristics).
+report the rank's own KV memory (its KV heads only). The followers install the ATMM tile table
+rank 0 got from the adapter store (tp_ranks.install_leader_table); none stored: the committed one.
 """
 
 from __future__ import annotations

@@ -55,7 +55,21 @@ def build_rank_engine(settings, rank: int, tp, worker_name: str = ""):
     return Engine(dataclasses.replace(config, device=rank_device(settings.device, rank), tp=tp))
 
 
-def _follower(settings, rank: int, conn) -> None:
+def install_leader_table(settings, rank: int, table_json: dict | None) -> None:
+    """Installs, for this rank's device, the ATMM tile table rank 0 got from the adapter store
+    (every rank of a group runs on the same GPU model, so one fetch serves them all); None: the
+    rank keeps the committed table, as rank 0 did."""
+    if table_json is None:
+        return
+    import torch  # noqa: PLC0415
+
+    from kernels import atmm  # noqa: PLC0415
+    from kernels.tile_table import TileTable  # noqa: PLC0415
+
+    atmm.use_table(rank_device(settings.device, rank), getattr(torch, settings.dtype), TileTable.from_json(table_json))
+
+
+def _follower(settings, rank: int, conn, table_json: dict | None = None) -> None:
     """A follower process: join, build, report ready (None) or the error (str), run, exit."""
     from services.common.logging import configure_logging  # noqa: PLC0415
 
@@ -63,6 +77,7 @@ def _follower(settings, rank: int, conn) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(f"worker-tp{rank}", settings.log_level, settings.log_json)
     try:
+        install_leader_table(settings, rank, table_json)
         tp = init_rank(settings, rank)
     except BaseException:
         conn.send(traceback.format_exc())
@@ -86,7 +101,8 @@ def _follower(settings, rank: int, conn) -> None:
 class Followers:
     """Ranks 1..N-1 of this worker, as processes."""
 
-    def __init__(self, settings) -> None:
+    def __init__(self, settings, table_json: dict | None = None) -> None:
+        """table_json: the tile table rank 0 installed from the store (install_leader_table)."""
         ctx = mp.get_context("spawn")
         self._conns = []
         self.procs = []
@@ -94,7 +110,8 @@ class Followers:
             parent, child = ctx.Pipe(duplex=False)
             # daemon: if rank 0 exits without its shutdown (a crash), multiprocessing's atexit
             # terminates them instead of joining processes blocked in a collective with it.
-            p = ctx.Process(target=_follower, args=(settings, rank, child), name=f"valora-tp{rank}", daemon=True)
+            p = ctx.Process(target=_follower, args=(settings, rank, child, table_json), name=f"valora-tp{rank}",
+                            daemon=True)
             p.start()
             child.close()
             self.procs.append(p)

@@ -113,3 +113,19 @@ def test_cpu_and_fp32_workers_do_nothing(monkeypatch, device, dtype):
     fake = FakeStore(store_table())
     assert install(WorkerSettings(device=device, dtype=dtype), fake) is None
     assert fake.calls == []
+
+
+def test_tensor_parallel_followers_install_the_table_rank_0_got_from_the_store():
+    """Rank 0 fetches once; each follower installs that table for its own device (cuda:N + rank)."""
+    from services.worker.server import store_table_json
+    from services.worker.tp_ranks import install_leader_table
+
+    settings = WorkerSettings(device="cuda:2", dtype="bfloat16")
+    assert install(settings, FakeStore(store_table())) == "store"
+    table_json = store_table_json(settings)  # what the worker hands to Followers
+    assert TileTable.from_json(table_json).lookup(*SHAPE) == CFG
+    install_leader_table(settings, 1, table_json)
+    assert atmm.default_table(torch.device("cuda:3"), torch.bfloat16).lookup(*SHAPE) == CFG
+    install_leader_table(settings, 2, None)  # rank 0 had no store table: the committed one stays
+    assert atmm.default_table(torch.device("cuda:4"), torch.bfloat16).lookup(*SHAPE) == \
+        find_table(*H200, "bfloat16").lookup(*SHAPE)
