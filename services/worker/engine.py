@@ -72,7 +72,7 @@ from services.worker.fused_layers import install_fused_layers
 from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
 from services.worker.lora import (AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora,
                                   install_lora_groups)
-from services.worker.model import build_inputs, load_model, load_processor
+from services.worker.model import build_inputs, load_model, load_processor, load_sharded_model
 from services.worker.requests import (
     EngineStats,
     Event,
@@ -201,7 +201,15 @@ class Engine:
         path = Path(config.model_path).expanduser()
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
-        self.model = load_model(path, self.device, self.dtype, config.load_format)
+        self.tp = config.tp if config.tp is not None and config.tp.world_size > 1 else None
+        self.leader = self.tp is None or self.tp.rank == 0
+        self.runtime = LoraRuntime()
+        if self.tp is not None and config.load_format == "auto":  # the rank's shard, never the whole model
+            self.model, self.lora_layers = load_sharded_model(path, self.device, self.dtype, self.tp, self.runtime)
+        else:
+            self.model = load_model(path, self.device, self.dtype, config.load_format)
+            self.lora_layers = (install_lora(self.model, self.runtime) if self.tp is None
+                                else shard_model_(self.model, self.tp, self.runtime))  # TP LoRA layers
         use_grouped_decode_attention(self.model.config.text_config)
         self.model_config = json.loads((path / "config.json").read_text())
         self.shapes = BaseModelShapes.from_config(self.model_config)
@@ -209,15 +217,7 @@ class Engine:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
-        self.tp = config.tp if config.tp is not None and config.tp.world_size > 1 else None
-        self.leader = self.tp is None or self.tp.rank == 0
-        self.runtime = LoraRuntime()
-        features = self.shapes.features
-        if self.tp is None:
-            self.lora_layers = install_lora(self.model, self.runtime)
-        else:  # this rank's shard of every decoder projection, with the TP LoRA layers
-            self.lora_layers = shard_model_(self.model, self.tp, self.runtime)
-            features = local_features(self.shapes, self.tp)
+        features = self.shapes.features if self.tp is None else local_features(self.shapes, self.tp)
         groups = {}
         if config.fused_layers:  # its forward runs q/k/v and gate/up as one linear each (lora.LoraGroup)
             groups = install_lora_groups(self.model, self.lora_layers, self.runtime)

@@ -7,16 +7,19 @@ loads the tiny model's processor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, GenerationConfig, Qwen2VLForConditionalGeneration
 
 from services.worker.processor import ImageQwen2VLProcessor, build_inputs, chat_text, load_processor
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_shape_model, ensure_tiny_model
 
 __all__ = ["DEFAULT_TINY_MODEL_PATH", "LOAD_FORMATS", "ImageQwen2VLProcessor", "build_inputs", "chat_text",
-           "ensure_shape_model", "ensure_tiny_model", "load_model", "load_processor"]
+           "ensure_shape_model", "ensure_tiny_model", "load_model", "load_processor", "load_sharded_model"]
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -40,3 +43,62 @@ def load_model(path: Path | str, device: str | torch.device = "cpu", dtype: torc
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model.eval()
+
+
+class _Checkpoint(Mapping):
+    """A directory's safetensors weights by the MODEL's parameter names (transformers' own
+    checkpoint-key renamings applied), each tensor read from its file when asked for."""
+
+    def __init__(self, path: Path, model: nn.Module) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+        from transformers.core_model_loading import WeightConverter, rename_source_key  # noqa: PLC0415
+
+        transforms = get_model_conversion_mapping(model)
+        if any(isinstance(t, WeightConverter) for t in transforms):  # tensors merged/split on load
+            raise NotImplementedError(f"{type(model).__name__}'s checkpoint format needs converters")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        meta = model.state_dict()
+        self._where: dict[str, tuple[Path, str]] = {}
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    name, _ = rename_source_key(key, transforms, [], model.base_model_prefix, meta)
+                    self._where[name] = (f, key)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f, key = self._where[name]
+        with safe_open(str(f), "pt") as st:
+            return st.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_sharded_model(path: Path | str, device: str | torch.device, dtype: torch.dtype, tp, runtime=None):
+    """A tensor-parallel rank's model from a checkpoint directory without ever holding the whole
+    model: built on the meta device, sharded (`tensor_parallel.shard_model_`), materialised on
+    `device`, then filled tensor by tensor from the safetensors files (one full tensor in host
+    memory at a time, sliced to the rank's part). Returns (model, shard_model_'s LoRA layers)."""
+    from services.worker.tensor_parallel import load_full_state_dict_, shard_model_  # noqa: PLC0415
+
+    path = Path(path).expanduser()
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=dtype)
+    checkpoint = _Checkpoint(path, model)
+    layers = shard_model_(model, tp, runtime)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():  # non-persistent buffers (rotary inv_freq): recomputed by HF's init
+            if module._non_persistent_buffers_set:
+                model._init_weights(module)
+    load_full_state_dict_(model, checkpoint, tp)
+    model.tie_weights()
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    return model.eval(), layers

@@ -62,11 +62,12 @@ its Engine until rank 0's stop (CPU-tested: tests/unit/test_worker_tp.py).
 
 Not done: any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA
 graphs, the ATMM backend on sharded tables, the gloo event group's per-step cost are untested
-here (no GPU); a full model is loaded on every rank before it is sliced (`load_full_state_dict_`
-into a sharded model would avoid the peak); a rank whose step fails alone (e.g. out of memory)
+here (no GPU); a rank whose step fails alone (e.g. out of memory)
 desynchronises the group (the others wait in the next collective until its timeout); the stats
 report the rank's own KV memory (its KV heads only). The followers install the ATMM tile table
 rank 0 got from the adapter store (tp_ranks.install_leader_table); none stored: the committed one.
+A rank loads only its shard of a checkpoint (`model.load_sharded_model`: meta build, shard, fill
+tensor by tensor); load_format "dummy" still builds the whole random model on every rank first.
 """
 
 from __future__ import annotations

@@ -221,3 +221,23 @@ def test_tp_bench_cpu_smoke(tmp_path):
         assert r["throughput_rps"] > 0 and 0 < r["mean_ms"] <= r["p99_ms"]
     for r in rows:  # same random weights on every world size: TP=2 first-token logits agree with TP=1
         assert r["first_logits_relerr_vs_tp1"] < REL_TOL, r
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sharded_load_equals_full_load_then_shard(model_path, rank):
+    """load_sharded_model (meta build, shard, fill from the safetensors files) gives a rank the
+    same parameters and buffers as loading the whole model and sharding it."""
+    from services.worker.lora import LoraRuntime
+    from services.worker.model import load_model, load_sharded_model
+
+    tp = tpm.TPGroup(rank, 2)
+    full = load_model(model_path, "cpu", torch.float32)
+    want_layers = tpm.shard_model_(full, tp, LoraRuntime())
+    got, layers = load_sharded_model(model_path, "cpu", torch.float32, tp, LoraRuntime())
+    assert layers.keys() == want_layers.keys()
+    want = {**dict(full.named_parameters()), **dict(full.named_buffers())}
+    have = {**dict(got.named_parameters()), **dict(got.named_buffers())}
+    assert have.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(have[name], t), name
+    assert not any(t.is_meta for t in have.values())
