@@ -60,17 +60,16 @@ class _Checkpoint(Mapping):
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         meta = model.state_dict()
-        self._where: dict[str, tuple[Path, str]] = {}
-        for f in files:
-            with safe_open(str(f), "pt") as st:
-                for key in st.keys():
-                    name, _ = rename_source_key(key, transforms, [], model.base_model_prefix, meta)
-                    self._where[name] = (f, key)
+        self._files = [safe_open(str(f), "pt") for f in files]  # headers parsed once; tensors read on demand
+        self._where: dict[str, tuple[int, str]] = {}
+        for i, st in enumerate(self._files):
+            for key in st.keys():
+                name, _ = rename_source_key(key, transforms, [], model.base_model_prefix, meta)
+                self._where[name] = (i, key)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        f, key = self._where[name]
-        with safe_open(str(f), "pt") as st:
-            return st.get_tensor(key)
+        i, key = self._where[name]
+        return self._files[i].get_tensor(key)
 
     def __iter__(self):
         return iter(self._where)
