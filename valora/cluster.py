@@ -67,7 +67,11 @@ class Cluster:
         return [p for p in self.processes if p.service == service]
 
     def save(self) -> None:
-        Path(self.home, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        """Atomically (temp file + rename): `valora status` or a test may read it while `up` writes."""
+        path = Path(self.home, STATE_FILE)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, home: Path) -> "Cluster | None":

@@ -174,3 +174,32 @@ def test_tensor_parallel_on_cpu_sets_only_the_size(tmp_path, started, monkeypatc
     result = up(tmp_path, "--tp", "2")
     assert result.exit_code == 0, result.output
     assert started[0]["worker_env"] == [{"VALORA_DEVICE": "cpu", "VALORA_DTYPE": "float32", "VALORA_TP_SIZE": "2"}]
+
+
+def test_cluster_state_is_never_read_half_written(tmp_path):
+    """`up` rewrites the state file as processes start while `status` (or a waiting test) reads
+    it: a reader sees the previous or the next state, never an empty or partial file."""
+    import threading
+
+    procs = [cluster_mod.ProcessInfo("worker", f"worker-{i}", 100 + i, 6000 + i, f"w{i}.log") for i in range(200)]
+    done, errors = threading.Event(), []
+
+    def read():
+        while not done.is_set():
+            try:
+                got = cluster_mod.Cluster.load(tmp_path)
+                assert got is None or got.processes == procs[:len(got.processes)]
+            except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for n in range(1, 201):
+            cluster_mod.Cluster(home=str(tmp_path), processes=procs[:n]).save()
+    finally:
+        done.set()
+        reader.join()
+    assert not errors, errors[0]
+    assert not list(tmp_path.glob(".*.tmp"))
