@@ -13,6 +13,7 @@ how membership works).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from google.protobuf import duration_pb2
@@ -118,6 +119,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                         out.result.worker = out.result.worker or worker
                         out.result.timing.queue_ms += queue_ms
                         yield out
+                        await _read_end(call)
                         return
                     yield out
                     resp = await call.read()
@@ -176,6 +178,14 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
 
 
 _LOST = object()
+
+
+async def _read_end(call, timeout_s: float = 1.0) -> None:
+    """After the result: the worker's end of stream and status, so the call closes as the worker
+    ended it — cancelling it first (the `finally`) would end a finished request as CANCELLED at
+    both ends (an error span on the scheduler's client side) whenever the status is still in flight."""
+    with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+        await asyncio.wait_for(call.read(), timeout_s)
 
 
 async def _first_response(call, lost: asyncio.Event):

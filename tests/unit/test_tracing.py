@@ -52,6 +52,7 @@ class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer):
 
 class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
     fail_with: grpc.StatusCode | None = None
+    after_result_s = 0.0  # the end of stream (and OK status) that long after the result
 
     async def Generate(self, request, context):
         if self.fail_with is not None:
@@ -59,6 +60,7 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
         yield worker_service_pb2.GenerateResponse(text_delta="two cars")
         yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
             text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS))
+        await asyncio.sleep(self.after_result_s)
 
     async def GetWorkerStatus(self, request, context):
         return worker_service_pb2.GetWorkerStatusResponse(
@@ -150,6 +152,19 @@ async def test_one_trace_from_gateway_through_scheduler_to_worker():
     assert worker_span.attributes["rpc.grpc.status_code"] == 0
     errors = [(s.name, s.kind, s.status.description) for s in spans if s.status.status_code == StatusCode.ERROR]
     assert not errors, errors
+
+
+async def test_a_late_end_of_stream_after_the_result_is_not_a_cancellation():
+    """The scheduler reads the worker's end of stream after the result instead of cancelling the
+    call: a status still in flight must not turn a finished request into CANCELLED spans."""
+    async with traced_stack() as (worker, infer, exporter, _gw):
+        worker.after_result_s = 0.3
+        resp = await infer.Infer(request(request_id="late-end"))
+        spans = await finished(exporter, {INFER, SUBMIT, GENERATE})
+    assert resp.result.text == "two cars"
+    client = one(spans, GENERATE, SpanKind.CLIENT)
+    assert client.status.status_code != StatusCode.ERROR, client.status.description
+    assert one(spans, GENERATE, SpanKind.SERVER).attributes["rpc.grpc.status_code"] == 0
 
 
 async def test_a_callers_traceparent_is_continued():
