@@ -5,13 +5,15 @@
 #   SUF=<commit> bash bench/h200_session.sh engine    # GPU tests, §3 engine bench (+ profile, A/B runs), scale bench
 #   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
 #   SUF=<commit> bash bench/h200_session.sh layers    # LoRA cost per projection by method + engine kernel tables
+#   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU test, 13B-shape TP bench, 7B worker scaling, TP worker
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers}
+MODE=${1:?kernels|engine|profile|layers|multigpu}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL:-.whl}/*.whl \
   || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # lent hosts: multicast off
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VALORA_KERNELS_CACHE=/tmp/valora_kernels MAX_JOBS=16 VALORA_GIT_COMMIT=$SUF
 LOG=$OUT/run.log
 t0=$(date +%s)
@@ -52,6 +54,25 @@ elif [ "$MODE" = layers ]; then  # where the mixed-adapter step's extra time goe
   timeout 300 python3 -m bench.engine_bench --skip-peer --reps 3 --name "engine-$SUF-profile" \
     --profile "${PROFILE:-base,unmerged_mixed}" ${AB:-} 2>&1 | grep -v -E "Loading|Writing" | tee -a "$LOG"
   say engine_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
+  NGPU=${NGPU:-2}
+  nvidia-smi topo -m >> "$LOG" 2>&1
+  [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_engine_gpu.py \
+    > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
+  say tests
+  # 7B workers, one per GPU (the issue's scaling), then one worker over all NGPU GPUs (tensor parallel)
+  W=1; WS=1; while [ $(( W * 2 )) -le "$NGPU" ]; do W=$(( W * 2 )); WS="$WS,$W"; done
+  SCALE="--device cuda --arch qwen2-vl-7b --atmm --requests ${REQUESTS:-256} --concurrency ${CONC:-64} --image-size 448 --max-batch-size 32 --env VALORA_MAX_PREFILLS_PER_STEP=8"
+  timeout -s TERM 240 python3 -m bench.scale_bench $SCALE --workers "$WS" --out "bench/results/scale-7b-h200x$NGPU-$SUF.json" \
+    2>&1 | tail -16 | tee -a "$LOG"
+  say scale_bench
+  timeout -s TERM 150 python3 -m bench.scale_bench $SCALE --workers 1 --tp "$NGPU" \
+    --out "bench/results/scale-7b-tp$NGPU-h200x$NGPU-$SUF.json" 2>&1 | tail -12 | tee -a "$LOG"
+  say scale_bench_tp
+  [ -n "${SKIP_TP_BENCH:-}" ] || timeout 240 python3 -m bench.tp_bench --gpus "$NGPU" --atmm auto --reps "${REPS:-5}" \
+    --name "scale-tp-h200x$NGPU-$SUF" 2>&1 | tail -16 | tee -a "$LOG"
+  say tp_bench
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = engine ]; then
   [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py \

@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
                    "(python -m kernels.build) or use float32.")
     p.add_argument("--model", type=Path, default=None,
                    help="Local model directory (default: the tiny embedded model, built once if missing).")
+    p.add_argument("--arch", default="", help="A full-size architecture with random weights instead of --model "
+                   "(qwen2-vl-7b, qwen2-vl-2b): its weightless directory is written under ~/.cache/valora and the "
+                   "workers load it with VALORA_LOAD_FORMAT=dummy.")
+    p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size of every worker (VALORA_TP_SIZE): "
+                   "with --device cuda worker i gets the next block of --tp GPUs.")
     p.add_argument("--requests", type=int, default=200, help="Measured requests per worker count.")
     p.add_argument("--warmup", type=int, default=-1, help="Unmeasured requests first (-1: 2 x concurrency).")
     p.add_argument("--concurrency", type=int, default=16, help="Closed loop: requests in flight.")
@@ -113,8 +118,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     args = p.parse_args(argv)
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.atmm else "float32"
-    if args.requests < 1 or args.concurrency < 1 or args.adapters < 0 or args.gpus < 0:
-        p.error("--requests and --concurrency must be >= 1, --adapters and --gpus >= 0")
+    if args.requests < 1 or args.concurrency < 1 or args.adapters < 0 or args.gpus < 0 or args.tp < 1:
+        p.error("--requests, --concurrency and --tp must be >= 1, --adapters and --gpus >= 0")
+    if args.arch and args.model is not None:
+        p.error("--arch and --model are exclusive")
     if args.warmup < 0:
         args.warmup = 2 * args.concurrency
     return args
@@ -122,19 +129,19 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
 
 # -- placement ----------------------------------------------------------------------------------
 
-def gpu_plan(device: str, workers: int, gpu_ids: list[str], dtype: str, threads: int = 0
+def gpu_plan(device: str, workers: int, gpu_ids: list[str], dtype: str, threads: int = 0, tp: int = 1
              ) -> tuple[int, list[dict[str, str]]]:
     """(distinct GPUs used, per-worker environment): cluster.worker_device_env's placement (worker
-    i on gpu_ids[i % len], seen by it as its only GPU); CPU workers get `threads` torch threads each
-    (OMP_NUM_THREADS; 0: torch's default)."""
+    i on gpu_ids[i % len], seen by it as its only GPU; with tp > 1 the next block of tp GPUs); CPU
+    workers get `threads` torch threads each (OMP_NUM_THREADS; 0: torch's default)."""
     try:
-        envs = cluster_mod.worker_device_env(workers, device, dtype, gpu_ids)
+        envs = cluster_mod.worker_device_env(workers, device, dtype, gpu_ids, tp)
     except ValueError as exc:
         raise SystemExit(f"--device {device}: {exc}") from None
     if device == "cpu":
         cap = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
         return 0, [{**e, **cap} for e in envs]
-    return len({e["CUDA_VISIBLE_DEVICES"] for e in envs}), envs
+    return len({g for e in envs for g in e["CUDA_VISIBLE_DEVICES"].split(",")}), envs
 
 
 # -- workload -----------------------------------------------------------------------------------
@@ -264,6 +271,8 @@ def service_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
         env["VALORA_MAX_BATCH_SIZE"] = str(args.max_batch_size)
     if args.policy:
         env["VALORA_POLICY"] = args.policy
+    if args.arch:
+        env["VALORA_LOAD_FORMAT"] = "dummy"  # the architecture's directory holds no weights
     env.update(dict(args.env))
     return env
 
@@ -279,7 +288,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     threads = args.threads_per_worker
     if threads < 0:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, args.dtype, threads if args.device == "cpu" else 0)
+    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, args.dtype, threads if args.device == "cpu" else 0,
+                                args.tp)
     rng = np.random.default_rng(args.seed + workers)
     t0 = time.perf_counter()
     try:
@@ -297,7 +307,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     finally:
         cluster_mod.stop_cluster(home)
     row = summarize(outcomes, workers, gpus)
-    row.update(device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
+    row.update(tp=args.tp, device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
                max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
                worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],
                threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)))
@@ -306,7 +316,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
 
 def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None:
     load = f"open loop {args.rate:g} req/s" if args.rate > 0 else f"closed loop, concurrency {args.concurrency}"
-    table = Table(title=f"scale: {args.device} {args.dtype}, {model.name}, {load}, {args.max_new_tokens} new "
+    tp = f" tensor parallel {args.tp}," if args.tp > 1 else ""
+    table = Table(title=f"scale: {args.device} {args.dtype}, {model.name},{tp} {load}, {args.max_new_tokens} new "
                         f"tokens, {args.adapters} adapters r{args.rank}")
     for col in ("gpus", "workers", "ok/req", "req/s", "speedup", "tok/s", "mean ms", "p50 ms", "p99 ms",
                 "ttft ms", "per worker"):
@@ -338,7 +349,7 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model:
             "requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency, "rate": args.rate,
             "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "rank": args.rank,
             "image_size": args.image_size, "max_batch_size": args.max_batch_size, "policy": args.policy,
-            "atmm": args.atmm, "env": dict(args.env), "threads_per_worker": args.threads_per_worker,
+            "atmm": args.atmm, "arch": args.arch, "tp": args.tp, "env": dict(args.env), "threads_per_worker": args.threads_per_worker,
             "seed": args.seed, "cpu_count": os.cpu_count(), "wall_s": round(wall_s, 1)}
     text = json.dumps({"info": info, "rows": rows, "failures": failures}, indent=1, default=str) + "\n"
     paths = [path.resolve()]
@@ -360,11 +371,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     if args.rate <= 0 and args.concurrency < max(args.workers):
         console.print(f"[yellow]concurrency {args.concurrency} < {max(args.workers)} workers: some stay idle")
-    model = Path(args.model or cluster_mod.default_model_path(cluster_mod.DEFAULT_HOME)).expanduser().resolve()
-    if args.model is None:
+    if args.arch:
+        from services.worker.tiny_model import ensure_shape_model
+
+        model = ensure_shape_model(Path(f"~/.cache/valora/{args.arch}").expanduser(), args.arch).resolve()
+    elif args.model is None:
+        model = cluster_mod.default_model_path(cluster_mod.DEFAULT_HOME).expanduser().resolve()
         cluster_mod.ensure_model(model)
-    elif not (model / "config.json").exists():
-        raise SystemExit(f"--model {model}: no config.json")
+    else:
+        model = args.model.expanduser().resolve()
+        if not (model / "config.json").exists():
+            raise SystemExit(f"--model {model}: no config.json")
     gpu_ids = cluster_mod.visible_gpus() if args.device == "cuda" else []
     if args.gpus:
         gpu_ids = gpu_ids[:args.gpus]

@@ -39,10 +39,11 @@ CANCELLED = "long"
 EXPIRED = "late"
 
 
-def _config(model_path, tp=None) -> EngineConfig:
-    # "static" decode: the pipelined decode path runs too (CPU: no graph capture).
+def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
+    # CPU: "static" decode, so the pipelined decode path runs too (no graph capture); CUDA: decode
+    # steps captured as CUDA graphs, the ranks' NCCL all-reduces inside them.
     return EngineConfig(model_path=Path(model_path), max_batch_size=8, device_slots=3, default_max_new_tokens=8,
-                        kv_headroom=3, decode_graphs="static", tp=tp)
+                        kv_headroom=3, decode_graphs="static" if device == "cpu" else "auto", tp=tp, device=device)
 
 
 def _outcome(event) -> list:
@@ -101,13 +102,17 @@ def _scenario(eng: Engine, model_path) -> dict[str, list]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
+def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, device: str = "cpu") -> None:
     torch.set_num_threads(1)
-    tp = tpm.init_tp_group(rank, world, port, backend="gloo", timeout_s=60)
-    # The step events on a group of their own, as init_tp_group sets up beside an NCCL group.
-    tp = dataclasses.replace(tp, object_group=dist.new_group(backend="gloo"))
+    if device == "cpu":
+        tp = tpm.init_tp_group(rank, world, port, backend="gloo", timeout_s=60)
+        # The step events on a group of their own, as init_tp_group sets up beside an NCCL group.
+        tp = dataclasses.replace(tp, object_group=dist.new_group(backend="gloo"))
+    else:  # NCCL on cuda:<rank>, gloo beside it for the step events
+        device = f"cuda:{rank}"
+        tp = tpm.init_tp_group(rank, world, port, device=torch.device(device), timeout_s=120)
     try:
-        eng = Engine(_config(model_path, tp))
+        eng = Engine(_config(model_path, tp, device))
         # The fused layers' projection groups concatenate this rank's column-parallel shards.
         attn = eng.model.model.language_model.layers[0].self_attn
         assert attn.qkv_proj.sizes == [p.base.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -144,7 +149,14 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str) -> No
 
 
 def test_tp2_engine_matches_single_process_engine(model_path, tmp_path):
-    mp.spawn(_rank, args=(WORLD, tpm.free_loopback_port(), str(model_path), str(tmp_path)), nprocs=WORLD, join=True)
+    check_tp2_against_single_process(model_path, tmp_path, "cpu")
+
+
+def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
+    """The scenario on 2 ranks (gloo on CPU; NCCL on cuda:0 and cuda:1) against one process on
+    `device` (cuda: cuda:0)."""
+    mp.spawn(_rank, args=(WORLD, tpm.free_loopback_port(), str(model_path), str(tmp_path), device), nprocs=WORLD,
+             join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     lead, follower = ranks
     # Lockstep: the same steps (prefill rows, decode rows), the same final state, and every event
@@ -156,7 +168,7 @@ def test_tp2_engine_matches_single_process_engine(model_path, tmp_path):
     assert lead["outcomes"][EXPIRED] == ["failed", "DEADLINE_EXCEEDED"]
     assert lead["pipelined"] > 0
 
-    single = Engine(_config(model_path))
+    single = Engine(_config(model_path, device=device))
     single.start()
     try:
         ref = _scenario(single, model_path)
