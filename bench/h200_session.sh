@@ -64,10 +64,19 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   # 7B workers, one per GPU (the issue's scaling), then one worker over all NGPU GPUs (tensor parallel)
   W=1; WS=1; while [ $(( W * 2 )) -le "$NGPU" ]; do W=$(( W * 2 )); WS="$WS,$W"; done
   SCALE="--device cuda --arch qwen2-vl-7b --atmm --requests ${REQUESTS:-256} --concurrency ${CONC:-64} --image-size 448 --max-batch-size 32 --env VALORA_MAX_PREFILLS_PER_STEP=8"
+  top -b -d 2 -c -w 200 -o %CPU | awk '/^top -/{n=0} n++ < 24 {print; fflush()}' > "$OUT/top.log" 2>&1 &  # who saturates
+  TOP=$!
   timeout -s TERM 240 python3 -m bench.scale_bench $SCALE --workers "$WS" --out "bench/results/scale-7b-h200x$NGPU-$SUF.json" \
     2>&1 | tail -16 | tee -a "$LOG"
   say scale_bench
-  timeout -s TERM 150 python3 -m bench.scale_bench $SCALE --workers 1 --tp "$NGPU" \
+  # A/B: the same with extra service environment, e.g. SCALE_ENV="OMP_NUM_THREADS=4"
+  for kv in ${SCALE_ENV:-}; do
+    timeout -s TERM 240 python3 -m bench.scale_bench $SCALE --workers "$WS" --env "$kv" \
+      --out "bench/results/scale-7b-h200x$NGPU-$SUF-${kv%%=*}.json" 2>&1 | tail -8 | tee -a "$LOG"
+    say "scale_bench $kv"
+  done
+  kill $TOP
+  [ -n "${SKIP_SCALE_TP:-}" ] || timeout -s TERM 150 python3 -m bench.scale_bench $SCALE --workers 1 --tp "$NGPU" \
     --out "bench/results/scale-7b-tp$NGPU-h200x$NGPU-$SUF.json" 2>&1 | tail -12 | tee -a "$LOG"
   say scale_bench_tp
   [ -n "${SKIP_TP_BENCH:-}" ] || timeout 240 python3 -m bench.tp_bench --gpus "$NGPU" --atmm auto --reps "${REPS:-5}" \

@@ -20,9 +20,15 @@ if not torch.cuda.is_available():
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 
 
-def run(model_path, dtype: str, graphs: str, adapters: list) -> tuple[dict, Engine]:
-    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype=dtype, decode_graphs=graphs,
-                              max_batch_size=8, max_prefills_per_step=8, device_slots=3))
+def config(model_path, dtype: str, graphs: str, **kw) -> EngineConfig:
+    return EngineConfig(model_path=model_path, device=kw.pop("device", "cuda"), dtype=dtype, decode_graphs=graphs,
+                        max_batch_size=8, max_prefills_per_step=8, device_slots=3, **kw)
+
+
+def run(model_path, dtype: str, graphs: str, adapters: list, **kw) -> tuple[dict, Engine]:
+    """Greedy requests (one per entry of `adapters`), 24 tokens each, no EOS; `kw` to the config
+    (a tensor-parallel group's rank 0: tp, device)."""
+    eng = Engine(config(model_path, dtype, graphs, **kw))
     eng.eos_ids = set()
     eng.start()
     try:

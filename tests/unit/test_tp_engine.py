@@ -166,7 +166,8 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
     assert lead["host"] == sorted([A, B]) and lead["resident"] == sorted([A, B])
     assert lead["outcomes"][CANCELLED] == ["failed", "CANCELLED"]
     assert lead["outcomes"][EXPIRED] == ["failed", "DEADLINE_EXCEEDED"]
-    assert lead["pipelined"] > 0
+    if device == "cpu":  # CUDA fp32: LoRA steps run eager (the torch reference is not capturable)
+        assert lead["pipelined"] > 0
 
     single = Engine(_config(model_path, device=device))
     single.start()
