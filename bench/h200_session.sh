@@ -58,11 +58,17 @@ elif [ "$MODE" = layers ]; then  # where the mixed-adapter step's extra time goe
 elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   NGPU=${NGPU:-2}
   nvidia-smi topo -m >> "$LOG" 2>&1
-  [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_engine_gpu.py \
-    > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
+  [ -n "${SKIP_TESTS:-}" ] || timeout -s INT "${TESTS_S:-200}" python3 -m pytest -q -s -p no:cacheprovider \
+    tests/gpu/test_tp_engine_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
   say tests
   # 7B workers, one per GPU (the issue's scaling), then one worker over all NGPU GPUs (tensor parallel)
   W=1; WS=1; while [ $(( W * 2 )) -le "$NGPU" ]; do W=$(( W * 2 )); WS="$WS,$W"; done
+  WS=${WORKERS:-$WS}
+  if [ -n "${PYSPY:-}" ]; then  # the first worker's threads sampled by py-spy (.whl) over warm-up and the measured run
+    ( for _ in $(seq 120); do P=$(pgrep -f "m services.worker" | head -1); [ -n "$P" ] && break; sleep 1; done
+      sleep "${PYSPY_DELAY:-50}"; /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 100 -d "${PYSPY_S:-30}" \
+        -f raw -o "$OUT/worker-pyspy.txt" --pid "$P" ) > "$OUT/pyspy.log" 2>&1 &
+  fi
   SCALE="--device cuda --arch qwen2-vl-7b --atmm --requests ${REQUESTS:-256} --concurrency ${CONC:-64} --image-size 448 --max-batch-size 32 --env VALORA_MAX_PREFILLS_PER_STEP=8"
   top -b -d 2 -c -w 200 -o %CPU | awk '/^top -/{n=0} n++ < 24 {print; fflush()}' > "$OUT/top.log" 2>&1 &  # who saturates
   TOP=$!

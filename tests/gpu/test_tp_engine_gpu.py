@@ -9,6 +9,7 @@ events), against one process on cuda:0:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 from pathlib import Path
@@ -36,6 +37,7 @@ def test_tp2_engine_on_two_gpus_matches_one_gpu(model_path, tmp_path):
 
 
 def _bf16_rank(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
+    faulthandler.dump_traceback_later(120, exit=True)  # a rank stuck in a collective: its stacks, then exit
     device = f"cuda:{rank}"
     tp = tpm.init_tp_group(rank, world, port, device=torch.device(device), timeout_s=120)
     try:
