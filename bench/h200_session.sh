@@ -66,8 +66,9 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   WS=${WORKERS:-$WS}
   if [ -n "${PYSPY:-}" ]; then  # the first worker's threads sampled by py-spy (.whl) over warm-up and the measured run
     ( for _ in $(seq 120); do P=$(pgrep -f "m services.worker" | head -1); [ -n "$P" ] && break; sleep 1; done
-      sleep "${PYSPY_DELAY:-50}"; /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 100 -d "${PYSPY_S:-30}" \
+      sleep "${PYSPY_DELAY:-50}"; /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-30}" \
         -f raw -o "$OUT/worker-pyspy.txt" --pid "$P" ) > "$OUT/pyspy.log" 2>&1 &
+    PYSPY_PID=$!
   fi
   SCALE="--device cuda --arch qwen2-vl-7b --atmm --requests ${REQUESTS:-256} --concurrency ${CONC:-64} --image-size 448 --max-batch-size 32 --env VALORA_MAX_PREFILLS_PER_STEP=8"
   top -b -d 2 -c -w 200 -o %CPU | awk '/^top -/{n=0} n++ < 24 {print; fflush()}' > "$OUT/top.log" 2>&1 &  # who saturates
@@ -82,6 +83,8 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
     say "scale_bench $kv"
   done
   kill $TOP
+  [ -z "${PYSPY:-}" ] || { wait "$PYSPY_PID"; python3 -m bench.pyspy_summary "$OUT/worker-pyspy.txt" --threads 4 --top 40 \
+    > "$OUT/worker-pyspy-summary.txt" 2>&1; gzip -f "$OUT/worker-pyspy.txt"; }
   [ -n "${SKIP_SCALE_TP:-}" ] || timeout -s TERM 150 python3 -m bench.scale_bench $SCALE --workers 1 --tp "$NGPU" \
     --out "bench/results/scale-7b-tp$NGPU-h200x$NGPU-$SUF.json" 2>&1 | tail -12 | tee -a "$LOG"
   say scale_bench_tp

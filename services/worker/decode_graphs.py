@@ -154,6 +154,14 @@ class DecodeGraphs:
         logits = self.head(out.last_hidden_state[:, -1])
         return logits.argmax(-1), logits
 
+    def release(self) -> None:
+        """Frees every captured graph (at the engine's stop). A graph that captured NCCL
+        collectives keeps the communicator busy: destroy_process_group hangs while one is alive
+        (pytorch/pytorch#115388). Static (uncaptured) entries hold no graph: kept."""
+        if self.capture:
+            torch.cuda.synchronize(self.device)
+            self.entries.clear()
+
     def _capture(self, e: _Entry, batch: DecodeBatch) -> None:
         graph = torch.cuda.CUDAGraph()
         try:

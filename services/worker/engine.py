@@ -541,6 +541,8 @@ class Engine:
                 self._release(s)
                 self._emit(s, Failed(err))
             self._batch.release()
+            if self.graphs is not None:
+                self.graphs.release()
             self._update_stats()
 
     def _step(self) -> None:
