@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 
 from bench.common import RESULTS, run_info, write_json
+from services.common.server import freeze_startup_heap
 from services.worker.model import ensure_shape_model, ensure_tiny_model, load_model, load_processor
 from services.worker.processor import chat_text
 from services.worker.requests import Failed, Finished, Mode, WorkRequest
@@ -68,6 +69,14 @@ def adapters_for(run: str, batch: int, names: list[str]) -> list[str | None]:
 
 # -- valora -----------------------------------------------------------------------------------
 
+def freeze_heap(args) -> None:
+    """As a serving process does once started (services.common.server.freeze_startup_heap): the
+    loaded model's objects out of the cyclic GC's reach, so no full collection walks them inside a
+    timed batch; undone (gc.unfreeze) when the implementation's runs end. Off: --no-gc-freeze."""
+    if not args.no_gc_freeze:
+        freeze_startup_heap()
+
+
 def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[list[dict], dict]:
     from services.worker.engine import Engine, EngineConfig
 
@@ -94,6 +103,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     try:
         for name, b in bundles.items():
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, to_device=True)
+        freeze_heap(args)
 
         def batch_ms(run: str, new_tokens: int, rep: int) -> tuple[float, dict]:
             reqs = [WorkRequest(f"{run}-{rep}-{i}", PROMPT, [img], adapter=a, max_new_tokens=new_tokens)
@@ -175,6 +185,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
         detail["fused_layers"] = cfg.fused_layers
         detail["pipeline_decode"] = cfg.pipeline_decode
         detail["lora_fold_rows"] = cfg.lora_fold_rows
+        detail["gc_freeze"] = not args.no_gc_freeze
         if eng.runtime.backend is not None:
             detail["folded_calls"] = eng.runtime.backend.folded_calls  # projections run with the shrink folded
         detail["pipelined_steps"] = eng.pipelined_steps  # decode steps launched from device tokens
@@ -182,6 +193,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
     finally:
         eng.stop()
         del eng
+        gc.unfreeze()
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -265,6 +277,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
         print(f"hf_peft {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
               flush=True)
 
+    freeze_heap(args)
     measure("base", model.generate)
     if names:
         peft = PeftModel.from_pretrained(model, write_peft_dir(bundles[names[0]], tmp / "a0"), adapter_name="a0")
@@ -273,6 +286,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
         peft.eval()
         peft.set_adapter("a0")
         peft.merge_adapter()
+        freeze_heap(args)
         measure("merged", peft.generate)
         peft.unmerge_adapter()
         measure("unmerged_one", peft.generate)
@@ -280,6 +294,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
         measure("unmerged_mixed", lambda **kw: peft.generate(**kw, adapter_names=mixed))
         del peft
     del model
+    gc.unfreeze()
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -306,6 +321,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
     ap.add_argument("--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
+    ap.add_argument("--no-gc-freeze", action="store_true", help="leave the loaded models in the cyclic GC's "
+                    "generations (A/B of the served processes' gc.freeze)")
     ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)

@@ -31,10 +31,16 @@ def short(frame: str, line: bool = True) -> str:
     return frame if line else re.sub(r":\d+\)$", ")", frame)
 
 
-def summary(threads: dict[str, list[tuple[list[str], int]]], n_threads: int, top: int) -> str:
+def summary(threads: dict[str, list[tuple[list[str], int]]], n_threads: int, top: int, match: str = "") -> str:
+    """Every thread's samples; broken down: the threads whose name matches `match` (regex), then
+    the busiest others up to n_threads in all."""
     totals = {t: sum(c for _, c in stacks) for t, stacks in threads.items()}
-    lines = ["samples per thread:"] + [f"  {c:8d}  {t}" for t, c in sorted(totals.items(), key=lambda x: -x[1])]
-    for t, total in sorted(totals.items(), key=lambda x: -x[1])[:n_threads]:
+    ranked = sorted(totals, key=lambda t: -totals[t])
+    lines = ["samples per thread:"] + [f"  {totals[t]:8d}  {t}" for t in ranked]
+    chosen = [t for t in ranked if match and re.search(match, t)]
+    chosen += [t for t in ranked if t not in chosen][:max(0, n_threads - len(chosen))]
+    for t in chosen:
+        total = totals[t]
         incl: collections.Counter = collections.Counter()
         leaf: collections.Counter = collections.Counter()
         for frames, c in threads[t]:
@@ -54,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("path")
     p.add_argument("--threads", type=int, default=3, help="Busiest threads to break down.")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--match", default="valora-engine", help="Threads always broken down (regex on the name).")
     args = p.parse_args(argv)
     with open(args.path) as f:
-        print(summary(parse(f), args.threads, args.top))
+        print(summary(parse(f), args.threads, args.top, args.match))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ health NOT_SERVING, `stop(grace)`, then the service's own cleanup.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import signal
 import traceback
@@ -214,10 +215,23 @@ def build_service(
                    tracer_provider=tracer_provider)
 
 
+def freeze_startup_heap() -> int:
+    """Takes every object alive now out of the cyclic garbage collector's reach (gc.freeze) and
+    returns how many there are. Called once a service has started: in a worker they are the
+    model's modules and parameters and every imported module (~460k objects with the 7B
+    architecture), which live as long as the process, yet each full collection walked them all —
+    ~200 ms with the engine loop stalled behind the GIL, every few seconds under load. Objects
+    made later are collected as before; refcounting still frees frozen ones."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:
     service = await create(settings)
     start_metrics_server(settings.metrics_port, settings.host)
     await service.start()
+    log.info("heap_frozen", objects=freeze_startup_heap())
     log.info("serving", service=service.name, host=settings.host, port=service.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

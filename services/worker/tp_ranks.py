@@ -23,6 +23,8 @@ import traceback
 import structlog
 import torch.distributed as dist
 
+from services.common.server import freeze_startup_heap
+
 log = structlog.get_logger()
 
 
@@ -90,6 +92,7 @@ def _follower(settings, rank: int, conn, table_json: dict | None = None) -> None
             conn.send(traceback.format_exc())
             raise
         conn.send(None)
+        log.info("heap_frozen", objects=freeze_startup_heap())
         engine.stop(timeout=None)  # a follower's loop ends on rank 0's stop (or a failed collective)
         log.info("tp_follower_stopped", rank=rank, error=repr(engine._error) if engine._error else "")
         if engine._error is not None:

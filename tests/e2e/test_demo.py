@@ -64,3 +64,11 @@ def test_demo_serves_generated_adapters_and_reports_served_accuracy(home_and_clu
     assert second["cache_key"] == first["cache_key"]
     assert second["registered"] == first["registered"]
     assert second["tasks"][0]["served_accuracy"] == task["served_accuracy"]
+
+
+def test_every_service_freezes_its_startup_heap(home_and_cluster):
+    # The worker's model and imports leave the cyclic GC's reach once it serves (no ~200 ms full
+    # collections stalling the engine loop); the other services do the same.
+    _, cluster = home_and_cluster
+    for p in cluster.processes:
+        assert "heap_frozen" in Path(p.log).read_text(errors="replace"), p.name
