@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -77,15 +78,49 @@ def freeze_heap(args) -> None:
         freeze_startup_heap()
 
 
-def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[list[dict], dict]:
-    from services.worker.engine import Engine, EngineConfig
+def engine_config(args, model_dir: Path, load_format: str, adapters: int, rank: int = 0, tp=None):
+    """The engine of the run (tensor parallel: rank `rank`'s, on its device)."""
+    from services.worker.engine import EngineConfig
+    from services.worker.tp_ranks import rank_device
+
+    return EngineConfig(model_path=model_dir, device=rank_device(args.device, rank), dtype=args.dtype,
+                        max_batch_size=args.batch, max_prefills_per_step=args.batch, device_slots=adapters + 1,
+                        image_cache_bytes=0, load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
+                        decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
+                        pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512, tp=tp)
+
+
+def join_tp_group(args, rank: int, port: int):
+    from services.worker.tensor_parallel import init_tp_group
+    from services.worker.tp_ranks import rank_device
+
+    return init_tp_group(rank, args.tp, port, device=torch.device(rank_device(args.device, rank)), timeout_s=600)
+
+
+def tp_follower(rank: int, args, port: int, model_dir: Path, load_format: str, adapters: int) -> None:
+    """Rank `rank` of a --tp run: its engine in lockstep with rank 0's until rank 0 stops."""
+    import torch.distributed as dist
+
+    from services.worker.engine import Engine
+
+    tp = join_tp_group(args, rank, port)
+    try:
+        eng = Engine(engine_config(args, model_dir, load_format, adapters, rank, tp))
+        eng.eos_ids = set()  # as rank 0's: the ranks must end rows alike
+        eng.start()
+        freeze_heap(args)
+        eng.stop(timeout=None)  # returns once rank 0's stop reached this rank's loop
+        if eng._error is not None:
+            raise SystemExit(f"rank {rank}: {eng._error!r}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) -> tuple[list[dict], dict]:
+    from services.worker.engine import Engine
 
     names = list(bundles)
-    cfg = EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=args.batch,
-                       max_prefills_per_step=args.batch, device_slots=len(names) + 1, image_cache_bytes=0,
-                       load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
-                       decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
-                       pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512)
+    cfg = engine_config(args, model_dir, load_format, len(names), 0, tp)
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
@@ -186,6 +221,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[
         detail["pipeline_decode"] = cfg.pipeline_decode
         detail["lora_fold_rows"] = cfg.lora_fold_rows
         detail["gc_freeze"] = not args.no_gc_freeze
+        detail["tp"] = args.tp
         if eng.runtime.backend is not None:
             detail["folded_calls"] = eng.runtime.backend.folded_calls  # projections run with the shrink folded
         detail["pipelined_steps"] = eng.pipelined_steps  # decode steps launched from device tokens
@@ -301,9 +337,42 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
     return rows, detail
 
 
+def run_valora_tp(args, model_dir: Path, bundles: dict, load_format: str) -> tuple[list[dict], dict]:
+    """run_valora on rank 0 of a tensor-parallel group of --tp ranks (one process each: gloo on
+    CPU, NCCL on cuda:0..tp-1); rows carry "tp"."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from services.worker.tensor_parallel import free_loopback_port
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent hosts; the ranks inherit it
+    port = free_loopback_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=tp_follower, args=(r, args, port, model_dir, load_format, len(bundles)), daemon=True)
+             for r in range(1, args.tp)]
+    for p in procs:
+        p.start()
+    try:
+        tp = join_tp_group(args, 0, port)
+        try:
+            rows, detail = run_valora(args, model_dir, bundles, load_format, tp)
+        finally:
+            dist.destroy_process_group()
+        for p in procs:
+            p.join(600)
+        if failed := [(r, p.exitcode) for r, p in enumerate(procs, 1) if p.exitcode != 0]:
+            raise RuntimeError(f"tensor-parallel followers failed (rank, exit code): {failed}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return [{**r, "tp": args.tp} for r in rows], detail
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="qwen2-vl-7b", help="qwen2-vl-7b | qwen2-vl-2b (random weights) | tiny")
+    ap.add_argument("--arch", default="qwen2-vl-7b", help="qwen2-vl-7b | qwen2-vl-2b | qwen2-vl-13b-like "
+                    "(random weights) | tiny")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/valora/<arch>")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
@@ -317,6 +386,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--peer-reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine (one process each; "
+                    "the peer is skipped): cuda:0..tp-1, or gloo on CPU")
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
@@ -327,6 +398,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if args.tp > 1:
+        args.skip_peer = True  # HF + PEFT runs on one device
     if unknown := [r for r in args.profile.split(",") if r and r not in RUNS]:
         ap.error(f"--profile: unknown runs {unknown} (runs: {', '.join(RUNS)})")
 
@@ -346,7 +419,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not args.skip_peer:
             peer_rows, detail["hf_peft"] = run_hf_peft(args, model_dir, bundles, load_format, Path(tmp))
             rows += peer_rows
-        ours, detail["valora"] = run_valora(args, model_dir, bundles, load_format)
+        ours, detail["valora"] = (run_valora_tp if args.tp > 1 else run_valora)(args, model_dir, bundles, load_format)
         rows += ours
     if not args.skip_peer:  # same greedy tokens as the peer? (bf16 near-ties may differ; reported, not asserted)
         for run, toks in detail["hf_peft"]["tokens"].items():
@@ -365,11 +438,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "relerr_vs_peer_base": float((got - base).norm() / base.norm())}
     for d in detail.values():
         if isinstance(d, dict):
-            d.pop("tokens", None)
-            d.pop("first_logits", None)
+            d.pop("first_logits", None)  # tensors; their comparison is in first_token_logits
+            # rep 0's greedy tokens per run (checks across runs: --tp N against one process)
     name = args.name or f"engine-{time.strftime('%Y-%m-%d')}"
     workload = {k: getattr(args, k) for k in ("arch", "device", "dtype", "batch", "image", "new_tokens", "adapters",
-                                              "rank", "adapter_std", "reps", "peer_reps", "warmup", "decode_graphs")}
+                                              "rank", "adapter_std", "reps", "peer_reps", "warmup", "decode_graphs", "tp")}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out_dir / f"{name}.detail.json").write_text(

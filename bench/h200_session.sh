@@ -5,7 +5,8 @@
 #   SUF=<commit> bash bench/h200_session.sh engine    # GPU tests, §3 engine bench (+ profile, A/B runs), scale bench
 #   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
 #   SUF=<commit> bash bench/h200_session.sh layers    # LoRA cost per projection by method + engine kernel tables
-#   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU test, 13B-shape TP bench, 7B worker scaling, TP worker
+#   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU tests, 7B worker scaling, TP worker,
+#                                                     # 13B-like engine at TP 1 and N, 13B-shape TP layer bench
 set -uo pipefail
 MODE=${1:?kernels|engine|profile|layers|multigpu}
 SUF=${SUF:-run}
@@ -88,6 +89,12 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   [ -n "${SKIP_SCALE_TP:-}" ] || timeout -s TERM 150 python3 -m bench.scale_bench $SCALE --workers 1 --tp "$NGPU" \
     --out "bench/results/scale-7b-tp$NGPU-h200x$NGPU-$SUF.json" 2>&1 | tail -12 | tee -a "$LOG"
   say scale_bench_tp
+  # the engine itself (decode CUDA graphs with the all-reduces inside) on the 13B-like shape, TP 1 then NGPU
+  [ -n "${SKIP_ENGINE_TP:-}" ] || for t in 1 "$NGPU"; do
+    timeout 300 python3 -m bench.engine_bench --arch qwen2-vl-13b-like --tp "$t" --reps "${REPS:-3}" \
+      --name "engine-13b-tp$t-h200x$NGPU-$SUF" 2>&1 | grep -v -E "Loading|Writing" | tail -8 | tee -a "$LOG"
+    say "engine_bench tp $t"
+  done
   [ -n "${SKIP_TP_BENCH:-}" ] || timeout 240 python3 -m bench.tp_bench --gpus "$NGPU" --atmm auto --reps "${REPS:-5}" \
     --name "scale-tp-h200x$NGPU-$SUF" 2>&1 | tail -16 | tee -a "$LOG"
   say tp_bench

@@ -40,10 +40,11 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from kernels.results import RESULTS_DIR, git_commit, run_info, write_json  # noqa: E402
+from services.worker.tiny_model import SHAPES  # noqa: E402
 
-# The 13B-like shape of the issue (Llama-2-13B's decoder dimensions, Qwen2-VL's vocab and M-RoPE).
-SHAPE_13B = dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                 num_attention_heads=40, num_key_value_heads=40, mrope_section=[16, 24, 24])
+# The 13B-like shape of the issue (Llama-2-13B's decoder dimensions, Qwen2-VL's vocab and M-RoPE): the
+# language model of services.worker.tiny_model's "qwen2-vl-13b-like" architecture.
+SHAPE_13B = {k: v for k, v in SHAPES["qwen2-vl-13b-like"]["text"].items() if k != "max_position_embeddings"}
 SHAPE_TINY = dict(vocab_size=640, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, mrope_section=[4, 6, 6])
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

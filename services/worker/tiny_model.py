@@ -45,6 +45,15 @@ SHAPES = {
         vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4),
         pixels=(56 * 56, 28 * 28 * 1280),  # Qwen2-VL's processor bounds
     ),
+    # Issue 10's 13B shape for tensor parallelism: Llama-2-13B's decoder dimensions with Qwen2-VL's
+    # vocabulary, M-RoPE and 7B vision tower (merging into the 5120-wide language model).
+    "qwen2-vl-13b-like": dict(
+        text=dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                  num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=32768,
+                  mrope_section=[16, 24, 24]),
+        vision=dict(depth=32, embed_dim=1280, hidden_size=5120, num_heads=16, mlp_ratio=4),
+        pixels=(56 * 56, 28 * 28 * 1280),
+    ),
     "qwen2-vl-2b": dict(
         text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,

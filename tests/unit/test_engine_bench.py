@@ -46,3 +46,17 @@ def test_engine_bench_rejects_unknown_profile_run(tmp_path):
 
     with pytest.raises(SystemExit):
         engine_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--profile", "bogus"])
+
+
+def test_engine_bench_tensor_parallel_gives_one_process_tokens(tmp_path):
+    # --tp 2 on CPU (gloo): the same greedy tokens as one process for every run, rows tagged tp=2
+    common = ["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--device", "cpu", "--dtype", "float32",
+              "--batch", "3", "--adapters", "2", "--new-tokens", "3", "--reps", "1", "--warmup", "0",
+              "--skip-peer", "--decode-graphs", "static", "--out-dir", str(tmp_path)]
+    one = engine_bench.main([*common, "--name", "one"])
+    two = engine_bench.main([*common, "--tp", "2", "--name", "two"])
+    assert [(r["run"], r["tp"]) for r in two] == [(r["run"], 2) for r in one]
+    one_detail, two_detail = (json.loads((tmp_path / f"{n}.detail.json").read_text()) for n in ("one", "two"))
+    assert two_detail["workload"]["tp"] == 2 and two_detail["valora"]["tp"] == 2
+    assert set(two_detail["valora"]["tokens"]) == set(engine_bench.RUNS)
+    assert two_detail["valora"]["tokens"] == one_detail["valora"]["tokens"]
