@@ -87,7 +87,8 @@ def engine_config(args, model_dir: Path, load_format: str, adapters: int, rank: 
                         max_batch_size=args.batch, max_prefills_per_step=args.batch, device_slots=adapters + 1,
                         image_cache_bytes=0, load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
                         decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
-                        pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512, tp=tp)
+                        pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512,
+                        pad_decode_rows=not args.no_pad_decode, tp=tp)
 
 
 def join_tp_group(args, rank: int, port: int):
@@ -221,6 +222,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
         detail["pipeline_decode"] = cfg.pipeline_decode
         detail["lora_fold_rows"] = cfg.lora_fold_rows
         detail["gc_freeze"] = not args.no_gc_freeze
+        detail["pad_decode_rows"] = cfg.pad_decode_rows
         detail["tp"] = args.tp
         if eng.runtime.backend is not None:
             detail["folded_calls"] = eng.runtime.backend.folded_calls  # projections run with the shrink folded
@@ -392,6 +394,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
     ap.add_argument("--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
+    ap.add_argument("--no-pad-decode", action="store_true", help="static decode steps on the exact rows (A/B of "
+                    "pad_decode_rows)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave the loaded models in the cyclic GC's "
                     "generations (A/B of the served processes' gc.freeze)")
     ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")

@@ -7,6 +7,12 @@ replayed:
 
     key = (rows, cache capacity, cache buffer address, LoRA launch key)
 
+Rows are the batch's rounded up to a power of two (DecodeBatch.bucket_rows; spare rows of the
+KV arena, each attending only to its own new token, outputs dropped), so the graphs survive
+requests joining and leaving: with exact rows, a served batch whose size moves with arrivals
+and finishes often met a new key instead of replaying (bench/decode_keys.py: 70% of static
+steps replayed with exact rows, 92% padded).
+
 The KV cache lives in DecodeBatch's preallocated arenas (stable addresses, kv_batch.py). In the
 static step every layer writes its new token at a device-side index and attends over the whole
 capacity under a boolean mask (the row's cached positions and the new one), so shapes do not
@@ -74,13 +80,14 @@ class DecodeGraphs:
         self.static_steps = 0  # observability + tests
         self.replays = 0
         self.captures = 0
+        self.new_keys = 0  # entries made (each costs an eager warm-up step, then a capture)
 
-    def _key(self, batch: DecodeBatch, step: StepLora | None) -> tuple | None:
-        layer = batch.cache.layers[0]
+    def _key(self, cache, width: int, step: StepLora | None) -> tuple | None:
+        layer = cache.layers[0]
         if getattr(layer, "kbuf", None) is None:
             return None
         rows, cap = layer.kbuf.shape[0], layer.kbuf.shape[2]
-        if batch.width + 1 > cap:
+        if width + 1 > cap:
             return None  # full: the eager step grows the buffers
         lora = None
         if step is not None and step.active:
@@ -92,8 +99,8 @@ class DecodeGraphs:
                 lora = "reference"
         return rows, cap, layer.kbuf.data_ptr(), lora
 
-    def _lookup(self, batch: DecodeBatch, step: StepLora | None) -> _Entry | None:
-        key = self._key(batch, step)
+    def _lookup(self, cache, width: int, step: StepLora | None) -> _Entry | None:
+        key = self._key(cache, width, step)
         if key is None:
             return None
         e = self.entries.get(key)
@@ -102,6 +109,7 @@ class DecodeGraphs:
             e = _Entry(inp=torch.zeros(3 * rows + 1, dtype=torch.long, device=self.device),
                        cols=torch.arange(cap, device=self.device))
             self.entries[key] = e
+            self.new_keys += 1
             while len(self.entries) > self.max_graphs:
                 self.entries.popitem(last=False)
         else:
@@ -109,47 +117,56 @@ class DecodeGraphs:
         return None if e.eager_only else e
 
     def step(self, batch: DecodeBatch, ids: list[int] | torch.Tensor, positions: list[int],
-             step: StepLora | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+             step: StepLora | None, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Runs one decode step (cache advanced by one token in every layer) and returns (greedy
         tokens (rows,), logits (rows, vocab)) — tensors owned by the graph: read them (or queue
         their copy) before the next step. `ids`: each row's last token, from the host or a (rows,)
-        long tensor on the device. None when this step cannot run static (the caller runs it
-        eagerly); nothing is done then."""
-        e = self._lookup(batch, step)
+        long tensor on the device. `rows`: run that many rows (batch.bucket_rows(); `step` planned
+        for them): the batch's own, then padding rows whose outputs are dropped; 0: the batch's
+        own. None when this step cannot run static (the caller runs it eagerly); nothing is done
+        then."""
+        b = len(positions)
+        pad = max(rows, b) - b
+        cache = batch.static_cache(b + pad)
+        width = batch.width
+        e = self._lookup(cache, width, step)
         if e is None:
             return None
-        width = batch.width
-        host = [*positions, *(width - n for n in batch.lengths), width]
+        # padding rows: position 0, first cached column = the write index (each sees only itself)
+        host = [*positions, *[0] * pad, *(width - n for n in batch.lengths), *[width] * pad, width]
         if isinstance(ids, torch.Tensor):
             e.host_part.copy_(torch.tensor(host, dtype=torch.long, pin_memory=self.pin), non_blocking=True)
-            e.ids.copy_(ids)
+            e.ids[:b].copy_(ids)  # padding rows keep earlier (valid) token ids
         else:
-            e.inp.copy_(torch.tensor(ids + host, dtype=torch.long, pin_memory=self.pin), non_blocking=True)
-        layers = batch.cache.layers
+            e.inp.copy_(torch.tensor([*ids, *[0] * pad, *host], dtype=torch.long, pin_memory=self.pin),
+                        non_blocking=True)
+        layers = cache.layers
         for layer in layers:
             layer.static_index = e.index
         try:
             e.seen += 1
             self.static_steps += 1
             if e.graph is None and self.capture and e.seen >= 2:
-                self._capture(e, batch)
+                self._capture(e, cache)
             if e.graph is not None:
                 e.graph.replay()
                 self.replays += 1
             else:
-                e.tokens, e.logits = self._forward(e, batch)
+                e.tokens, e.logits = self._forward(e, cache)
         finally:
             for layer in layers:
                 layer.static_index = None
-        for layer in layers:
+        for layer in batch.cache.layers:  # the batch's own cache (a padded one syncs from it)
             layer.length += 1
+        if pad:
+            return e.tokens[:b], e.logits[:b]
         return e.tokens, e.logits
 
-    def _forward(self, e: _Entry, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, e: _Entry, cache) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cap = e.ids.shape[0], e.cols.shape[0]
         mask = ((e.cols >= e.start[:, None]) & (e.cols <= e.index)).view(rows, 1, 1, cap)
         out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: mask for kind in self.mask_kinds},
-                      position_ids=e.pos.view(1, rows, 1).expand(3, rows, 1), past_key_values=batch.cache,
+                      position_ids=e.pos.view(1, rows, 1).expand(3, rows, 1), past_key_values=cache,
                       use_cache=True)
         logits = self.head(out.last_hidden_state[:, -1])
         return logits.argmax(-1), logits
@@ -162,11 +179,11 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             self.entries.clear()
 
-    def _capture(self, e: _Entry, batch: DecodeBatch) -> None:
+    def _capture(self, e: _Entry, cache) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                tokens, logits = self._forward(e, batch)
+                tokens, logits = self._forward(e, cache)
         except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: this key stays eager
             e.eager_only = True
             log.warning("decode_graph_capture_failed", error=repr(exc)[:500], rows=e.ids.shape[0])

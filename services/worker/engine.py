@@ -130,6 +130,9 @@ class EngineConfig:
     # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "static" = the same static
     # step without capture (CPU tests); "off" = always the eager step.
     decode_graphs: str = "auto"
+    # Static decode steps run the batch's rows rounded up to a power of two (padding rows in the
+    # KV arena), so requests joining or leaving rarely change the graph key; False: exact rows.
+    pad_decode_rows: bool = True
     # Pipelined decode: while the device runs a greedy decode step fed by the previous step's
     # tokens (device to device), the host processes the previous step's tokens (see _decode_step).
     pipeline_decode: bool = True
@@ -758,7 +761,14 @@ class Engine:
             entry = self._entries[spec] = MixtureEntry(x, m)
         return entry
 
-    def _plan(self, seqs: list[_Seq], tokens_per_row: int) -> StepLora:
+    def _static_rows(self) -> int:
+        """Rows of the next static decode step (padding rows past the batch's own; decode_graphs)."""
+        return self._batch.bucket_rows() if self.config.pad_decode_rows else len(self._batch.rows)
+
+    def _plan(self, seqs: list[_Seq], tokens_per_row: int, pad_rows: int = 0) -> StepLora:
+        """The step's LoRA plan; `pad_rows`: that many rows in all, the ones past `seqs` (padding
+        of a static decode step) in the last row's segment — the kernels' launches depend on
+        the token count, and extending a segment keeps the rows sorted by entry."""
         entries: list[LoraEntry] = []
         index: dict[tuple, int] = {}
         rows = []
@@ -773,6 +783,8 @@ class Engine:
                 index[spec] = len(entries)
                 entries.append(self._entry(spec))
             rows.append(index[spec])
+        if rows and pad_rows > len(rows):
+            rows += [rows[-1]] * (pad_rows - len(rows))
         # Decode steps between membership changes plan the same rows and entries: reuse the last
         # plan (and the kernel plan already on the device, unless a prefill wrote another since).
         backend = self.runtime.backend
@@ -913,14 +925,17 @@ class Engine:
                 s.kv = None
         b = len(rows)
         positions = [s.length + s.rope_delta for s in rows]
-        self.runtime.step = step = self._plan(rows, 1)
+        pad = self._static_rows()
+        self.runtime.step = step = self._plan(rows, 1, pad)
         self.peak_decode_rows = max(self.peak_decode_rows, b)
         self.peak_decode_entries = max(self.peak_decode_entries, len(step.entries))
         try:
             got = None
             if self.graphs is not None:
-                got = self.graphs.step(self._batch, [s.last_token for s in rows], positions, step)
+                got = self.graphs.step(self._batch, [s.last_token for s in rows], positions, step, pad)
             if got is None:
+                if pad > b:  # the eager step runs the batch's own rows
+                    self.runtime.step = step = self._plan(rows, 1)
                 ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
                 mask = self._batch.mask(new=1)
                 pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(1, b, 1).expand(3, b, 1)
@@ -946,9 +961,10 @@ class Engine:
         if rows != pending.rows:  # _Seq compares by identity
             return False
         positions = [s.length + s.rope_delta for s in rows]
-        self.runtime.step = step = self._plan(rows, 1)  # the plan of the pending step, kept
+        pad = self._static_rows()
+        self.runtime.step = step = self._plan(rows, 1, pad)  # the plan of the pending step, kept
         try:
-            got = self.graphs.step(self._batch, pending.tokens, positions, step)
+            got = self.graphs.step(self._batch, pending.tokens, positions, step, pad)
         finally:
             self.runtime.step = None
         if got is None:  # e.g. the cache is full: the eager step grows it, from host tokens

@@ -140,6 +140,7 @@ class DecodeBatch:
         self.cache: DynamicCache | None = None
         self._arenas: list[KV | None] = [None, None]
         self._current = 0
+        self._static: dict[int, DynamicCache] = {}  # bucket rows -> cache over the arena's first rows
 
     def nbytes(self) -> int:
         return 0 if self.cache is None else cache_nbytes(self.cache)
@@ -159,6 +160,7 @@ class DecodeBatch:
         """Stacks the given sequences' caches, right-aligned, in `rows` order."""
         self.rows = list(rows)
         self.lengths = [lengths[s] for s in rows]
+        self._static = {}
         if not rows:
             self.cache, self.width = None, 0
             return
@@ -172,6 +174,37 @@ class DecodeBatch:
                 ks[i, :, width - n:width] = k[0, :, -n:]
                 vs[i, :, width - n:width] = v[0, :, -n:]
         self.cache = cache_from_buffers(self.config, stacked, width)
+
+    def _in_arena(self) -> bool:
+        """Whether the stacked cache still lives in its arena (an eager step that found it full
+        moved it to buffers of its own rows)."""
+        arena = self._arenas[self._current]
+        if self.cache is None or arena is None:
+            return False
+        k, a = self.cache.layers[0].kbuf, arena[0][0]
+        return k is not None and k.data_ptr() == a.data_ptr() and k.shape[2] == a.shape[2]
+
+    def bucket_rows(self) -> int:
+        """Rows a static decode step runs: the batch's rows rounded up to a power of two, the rows
+        past them being spare rows of the arena (so steps of 5 to 8 rows share one CUDA graph as
+        requests come and go); the batch's own rows when the cache left the arena."""
+        n = len(self.rows)
+        if n == 0 or not self._in_arena():
+            return n
+        return min(self._arenas[self._current][0][0].shape[0], 1 << (n - 1).bit_length())
+
+    def static_cache(self, rows: int) -> DynamicCache:
+        """The stacked cache over `rows` rows (bucket_rows): the batch's own rows, then padding
+        rows of the arena whose contents are don't-care (each attends to its own new token only)."""
+        if rows == len(self.rows):
+            return self.cache
+        cache = self._static.get(rows)
+        if cache is None:
+            bufs = [(k[:rows], v[:rows]) for k, v in self._arenas[self._current]]
+            cache = self._static[rows] = cache_from_buffers(self.config, bufs, 0)
+        for pad, own in zip(cache.layers, self.cache.layers):
+            pad.length = own.length
+        return cache
 
     def mask(self, new: int = 0) -> torch.Tensor:
         """(rows, width + new) long attention mask: 1 at each row's cached positions and at the

@@ -78,6 +78,9 @@ class WorkerSettings(ServiceSettings):
                                "static step without capture) or off (always the eager step).")
     kv_headroom: int = Field(64, ge=1, description="Decode steps a freshly packed batch KV cache holds before "
                              "it grows (larger: fewer re-packs, more device memory).")
+    pad_decode_rows: bool = Field(True, description="Static decode steps run the batch's rows rounded up to a "
+                                  "power of two, so requests joining or leaving rarely need a new CUDA graph "
+                                  "(false: exact rows, a graph per batch size).")
     pipeline_decode: bool = Field(True, description="Pipelined decode: launch a greedy decode step from the "
                                   "previous step's tokens on the device, then process those on the host while it "
                                   "runs (needs the static/graph decode step; false: strictly serial steps).")
@@ -471,7 +474,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         max_prefill_tokens=settings.max_prefill_tokens, kv_headroom=settings.kv_headroom,
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
         pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
-        lora_fold_rows=settings.lora_fold_rows,
+        lora_fold_rows=settings.lora_fold_rows, pad_decode_rows=settings.pad_decode_rows,
     )
 
 

@@ -28,9 +28,11 @@ def requests() -> list[WorkRequest]:
     return out
 
 
-def run(model_path, mode: str, merged: Mode | None = None) -> tuple[dict, Engine]:
+def run(model_path, mode: str, merged: Mode | None = None, pad: bool = True,
+        reqs: list[WorkRequest] | None = None) -> tuple[dict, Engine]:
+    reqs = reqs or requests()
     eng = Engine(EngineConfig(model_path=model_path, decode_graphs=mode, max_batch_size=8, max_prefills_per_step=8,
-                              device_slots=3, kv_headroom=4))
+                              device_slots=3, kv_headroom=4, pad_decode_rows=pad))
     eng.eos_ids = set()  # every request runs its full length
     eng.start()
     try:
@@ -39,10 +41,10 @@ def run(model_path, mode: str, merged: Mode | None = None) -> tuple[dict, Engine
             eng.set_mode(merged, A)
         events: queue.Queue = queue.Queue()
         with eng._wake:  # all prefilled in one step: identical batches in both runs
-            for r in requests():
+            for r in reqs:
                 eng.submit(eng.prepare(r), events.put)
         out = {}
-        while len(out) < len(requests()):
+        while len(out) < len(reqs):
             ev = events.get(timeout=120)
             if isinstance(ev, Failed):
                 raise ev.error
@@ -64,3 +66,19 @@ def test_static_decode_equals_eager(model_path, merged, monkeypatch):
     assert graphs is not None and graphs.captures == 0 and graphs.replays == 0  # no CUDA: never captured
     assert graphs.static_steps > 20  # most steps ran static ...
     assert len({k[1] for k in graphs.entries}) >= 2  # ... at more than one capacity (the cache grew)
+
+
+def test_static_steps_pad_rows_to_a_power_of_two(model_path):
+    # 8 rows leaving one by one down to 5: padded static steps stay on one 8-row key per KV
+    # arena (the two arenas alternate at each re-pack), with the exact rows' tokens; exact-row
+    # steps make a key at every batch size.
+    lengths = [2, 3, 4, 30, 30, 30, 30, 30]
+    reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)],
+                        adapter=(None, A, B)[i % 3], max_new_tokens=n) for i, n in enumerate(lengths)]
+    padded, eng = run(model_path, "static", reqs=reqs)
+    exact, eng_exact = run(model_path, "static", pad=False, reqs=reqs)
+    assert padded == exact
+    assert {k[0] for k in eng.graphs.entries} == {8}
+    assert {k[0] for k in eng_exact.graphs.entries} >= {8, 6, 5}
+    assert eng.graphs.new_keys == 2 < eng_exact.graphs.new_keys
+    assert eng.graphs.static_steps == eng_exact.graphs.static_steps > 20
