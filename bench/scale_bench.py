@@ -14,6 +14,8 @@ i % (visible GPUs, or --gpus) through its own CUDA_VISIBLE_DEVICES.
 
     python -m bench.scale_bench --workers 1,2 --requests 40 --concurrency 8            # CPU, tiny model
     python -m bench.scale_bench --device cuda --workers 1,2,4 --requests 400 --concurrency 32
+    python -m bench.scale_bench --device cuda --arch qwen2-vl-7b --atmm --workers 1,2 --image-size 448  # 7B workers
+    python -m bench.scale_bench --device cuda --arch qwen2-vl-7b --atmm --workers 1 --tp 2             # a TP worker
     valora bench scale --help                                                          # the same options
 """
 
