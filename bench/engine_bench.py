@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from bench.common import RESULTS, run_info, write_json
+from bench.common import RESULTS, exit_rank, run_info, write_json
 from services.common.server import freeze_startup_heap
 from services.worker.model import ensure_shape_model, ensure_tiny_model, load_model, load_processor
 from services.worker.processor import chat_text
@@ -100,21 +100,17 @@ def join_tp_group(args, rank: int, port: int):
 
 def tp_follower(rank: int, args, port: int, model_dir: Path, load_format: str, adapters: int) -> None:
     """Rank `rank` of a --tp run: its engine in lockstep with rank 0's until rank 0 stops."""
-    import torch.distributed as dist
-
     from services.worker.engine import Engine
 
     tp = join_tp_group(args, rank, port)
-    try:
-        eng = Engine(engine_config(args, model_dir, load_format, adapters, rank, tp))
-        eng.eos_ids = set()  # as rank 0's: the ranks must end rows alike
-        eng.start()
-        freeze_heap(args)
-        eng.stop(timeout=None)  # returns once rank 0's stop reached this rank's loop
-        if eng._error is not None:
-            raise SystemExit(f"rank {rank}: {eng._error!r}")
-    finally:
-        dist.destroy_process_group()
+    eng = Engine(engine_config(args, model_dir, load_format, adapters, rank, tp))
+    eng.eos_ids = set()  # as rank 0's: the ranks must end rows alike
+    eng.start()
+    freeze_heap(args)
+    eng.stop(timeout=None)  # returns once rank 0's stop reached this rank's loop
+    if eng._error is not None:
+        raise SystemExit(f"rank {rank}: {eng._error!r}")
+    exit_rank()  # no group teardown (bench.common.exit_rank); rank 0 waits for this exit before its own
 
 
 def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) -> tuple[list[dict], dict]:
@@ -358,10 +354,10 @@ def run_valora_tp(args, model_dir: Path, bundles: dict, load_format: str) -> tup
         tp = join_tp_group(args, 0, port)
         try:
             rows, detail = run_valora(args, model_dir, bundles, load_format, tp)
+            for p in procs:  # the followers leave first: rank 0 hosts the group's store
+                p.join(600)
         finally:
             dist.destroy_process_group()
-        for p in procs:
-            p.join(600)
         if failed := [(r, p.exitcode) for r, p in enumerate(procs, 1) if p.exitcode != 0]:
             raise RuntimeError(f"tensor-parallel followers failed (rank, exit code): {failed}")
     finally:
@@ -464,4 +460,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    if any(r.get("tp", 1) > 1 for r in main()):
+        exit_rank()  # results written: skip the interpreter's teardown of gloo/NCCL state (see exit_rank)

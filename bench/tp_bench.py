@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench.common import exit_rank  # noqa: E402
 from kernels.results import RESULTS_DIR, git_commit, run_info, write_json  # noqa: E402
 from services.worker.tiny_model import SHAPES  # noqa: E402
 
@@ -201,15 +202,11 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, resul
     if device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     tp = init_tp_group(rank, world, port, device=device)
-    try:
-        got = measure(args, tp, device)
-        if rank == 0:
-            torch.save(got, result_path)
-        tp.barrier()
-    finally:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    got = measure(args, tp, device)
+    if rank == 0:
+        torch.save(got, result_path)
+    tp.barrier()
+    exit_rank()
 
 
 def run_world(args: argparse.Namespace, world: int) -> list[dict]:

@@ -94,7 +94,7 @@ def test_registration_survives_cut_connections(proxied):
         except ValoraError as exc:
             outcomes[name] = exc.code.name
         except Exception as exc:  # noqa: BLE001 - would be INTERNAL at the RPC
-            outcomes[name] = f"INTERNAL ({type(exc).__name__})"
+            outcomes[name] = f"INTERNAL ({type(exc).__name__}: {str(exc)[:300]})"  # the cause, in the record
         outcomes[name] += f" in {time.monotonic() - t0:.1f}s"
         for p in (pg, s3):
             p.restore()
