@@ -54,8 +54,26 @@ def _backend_down(exc: BaseException) -> bool:
     from urllib3 import exceptions as http_exc
 
     if isinstance(exc, sa_exc.DBAPIError):
-        return bool(exc.connection_invalidated) or isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError))
+        if exc.connection_invalidated or isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+            return True
+        return _lost_connection_underneath(exc.orig)
     return isinstance(exc, (http_exc.HTTPError, ConnectionError, TimeoutError))
+
+
+def _lost_connection_underneath(error: BaseException | None) -> bool:
+    """Whether a driver error was raised while handling a lost connection. SQLAlchemy's psycopg
+    ping restores autocommit in a `finally`: when the link died mid-command, that raises
+    ProgrammingError ("can't change 'autocommit' now: connection in transaction status ACTIVE")
+    over the OperationalError that says what happened, which stays in the exception's context."""
+    import psycopg  # noqa: PLC0415
+
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError)):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):

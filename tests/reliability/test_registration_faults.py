@@ -130,7 +130,7 @@ def test_registration_survives_cut_connections(proxied):
     assert not ready_without_blob, ready_without_blob
     assert not orphans and not missing, (orphans, missing)
     assert all(retried), retried
-    assert not internal, outcomes  # an outage is UNAVAILABLE/ABORTED, never INTERNAL
+    assert not internal, {k: outcomes[k] for k in internal}  # an outage is UNAVAILABLE/ABORTED, never INTERNAL
 
 
 def _blob_ok(registry, v) -> bool:
