@@ -762,8 +762,11 @@ class Engine:
         return entry
 
     def _static_rows(self) -> int:
-        """Rows of the next static decode step (padding rows past the batch's own; decode_graphs)."""
-        return self._batch.bucket_rows() if self.config.pad_decode_rows else len(self._batch.rows)
+        """Rows of the next static decode step (padding rows past the batch's own; decode_graphs);
+        the batch's own without static steps (their plan is the eager step's)."""
+        if self.graphs is None or not self.config.pad_decode_rows:
+            return len(self._batch.rows)
+        return self._batch.bucket_rows()
 
     def _plan(self, seqs: list[_Seq], tokens_per_row: int, pad_rows: int = 0) -> StepLora:
         """The step's LoRA plan; `pad_rows`: that many rows in all, the ones past `seqs` (padding

@@ -82,3 +82,17 @@ def test_static_steps_pad_rows_to_a_power_of_two(model_path):
     assert {k[0] for k in eng_exact.graphs.entries} >= {8, 6, 5}
     assert eng.graphs.new_keys == 2 < eng_exact.graphs.new_keys
     assert eng.graphs.static_steps == eng_exact.graphs.static_steps > 20
+
+
+def test_eager_decode_plans_once_per_batch(model_path, monkeypatch):
+    # Without static steps there is nothing to pad: a decode step plans its own rows once, and
+    # steps of the same batch reuse that plan (40 decode steps, a handful of batch compositions).
+    from services.worker import engine as engine_mod
+
+    built = []
+    step_lora = engine_mod.StepLora
+    monkeypatch.setattr(engine_mod, "StepLora", lambda *a, **kw: built.append(a[1]) or step_lora(*a, **kw))
+    out, eng = run(model_path, "off")
+    assert len(out) == len(requests()) and eng.graphs is None
+    assert len(built) < 15, len(built)
+    assert all(len(rows) <= len(requests()) for rows in built)
