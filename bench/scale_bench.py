@@ -280,16 +280,21 @@ def service_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
     return env
 
 
-def worker_step_times(addresses: list[str]) -> list[dict]:
-    """Each worker's recent engine step times (GetWorkerStatus): with the run's wall time they tell
-    a busy engine (steps fill the wall time) from one waiting for work upstream."""
-    out = []
+def worker_engine_stats(addresses: list[str]) -> tuple[list[dict], list[dict]]:
+    """Each worker's recent engine step times and how its decode steps ran (GetWorkerStatus):
+    with the run's wall time the step times tell a busy engine (steps fill the wall time) from
+    one waiting for work upstream; the decode-graph counts tell replays from warm-ups/captures."""
+    def fields(msg) -> dict:
+        return {f.name: round(v, 3) if isinstance(v, float) else v for f, v in msg.ListFields()}
+
+    steps, graphs = [], []
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
-            st = worker_service_pb2_grpc.WorkerServiceStub(channel).GetWorkerStatus(
-                worker_service_pb2.GetWorkerStatusRequest(), timeout=10).step_times
-        out.append({f.name: round(v, 3) if isinstance(v, float) else v for f, v in st.ListFields()})
-    return out
+            got = worker_service_pb2_grpc.WorkerServiceStub(channel).GetWorkerStatus(
+                worker_service_pb2.GetWorkerStatusRequest(), timeout=10)
+        steps.append(fields(got.step_times))
+        graphs.append(fields(got.decode_graphs))
+    return steps, graphs
 
 
 def log_tails(home: Path, chars: int = 1500) -> str:
@@ -319,14 +324,15 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         if warm:
             asyncio.run(drive(c.gateway, warm, args.concurrency, 0.0, args.timeout_s, args.seed))
         outcomes = asyncio.run(drive(c.gateway, measured, args.concurrency, args.rate, args.timeout_s, args.seed))
-        steps = worker_step_times([p.address for p in c.by_service("worker")])
+        steps, graphs = worker_engine_stats([p.address for p in c.by_service("worker")])
     finally:
         cluster_mod.stop_cluster(home)
     row = summarize(outcomes, workers, gpus)
     row.update(tp=args.tp, device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
                max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
                worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],
-               threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)), worker_steps=steps)
+               threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)), worker_steps=steps,
+               worker_decode_graphs=graphs)
     return row
 
 

@@ -382,7 +382,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                                  mode=_MODE_PB[engine.stats().mode])
 
     async def GetWorkerStatus(self, request, context):
-        return pb.GetWorkerStatusResponse(status=self._status(), step_times=self._step_times())
+        return pb.GetWorkerStatusResponse(status=self._status(), step_times=self._step_times(),
+                                          decode_graphs=self._decode_graphs())
 
     def _status(self) -> admin_service_pb2.WorkerStatus:
         if self.engine is None:
@@ -406,6 +407,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             steps=t.steps, decode_steps=t.decode_steps, prefill_steps=t.prefill_steps,
             decode_step_ms_p50=t.decode_ms_p50, decode_step_ms_p90=t.decode_ms_p90,
             prefill_step_ms_p50=t.prefill_ms_p50, prefill_step_ms_p90=t.prefill_ms_p90)
+
+    def _decode_graphs(self) -> pb.WorkerDecodeGraphs:
+        g = self.engine.graphs if self.engine is not None else None
+        if g is None:
+            return pb.WorkerDecodeGraphs()
+        return pb.WorkerDecodeGraphs(static_steps=g.static_steps, replays=g.replays, captures=g.captures,
+                                     new_keys=g.new_keys)
 
     def _notify_watchers(self) -> None:
         for wake in self._watchers:

@@ -73,6 +73,9 @@ def test_rows_for_one_and_two_workers(model, tmp_path):
         assert sum(r["per_worker"].values()) == requests
         assert set(r["per_worker"]) == {f"worker-{i}" for i in range(r["workers"])}, r["per_worker"]
         assert r["worker_devices"] == ["cpu"] * r["workers"]
+        # each worker's engine: its steps ran the model; no decode graphs on CPU workers by default
+        assert len(r["worker_steps"]) == r["workers"] and all(w["steps"] > 0 for w in r["worker_steps"])
+        assert r["worker_decode_graphs"] == [{}] * r["workers"]
     assert rows[0]["speedup"] == 1.0
     assert "req/s" in run.stdout  # the rich table
     assert processes_of(home) == []

@@ -284,3 +284,25 @@ def test_freeze_startup_heap_takes_live_objects_out_of_gc_reach():
         assert id(c) in {id(o) for o in gc.get_objects()}  # made later: collected as usual
     finally:
         gc.unfreeze()  # the rest of the test session as before
+
+
+async def test_status_reports_how_decode_steps_ran(tmp_path):
+    # A worker with static decode steps (what CUDA graphs capture; no capture on CPU): after a
+    # generation, GetWorkerStatus counts its static steps, the keys they made and the replays.
+    model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
+    settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, decode_graphs="static",
+                              default_max_new_tokens=6, adapter_cache_dir=str(tmp_path / "cache"))
+    worker = await create_server(settings)
+    await worker.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+            before = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).decode_graphs
+            assert before.static_steps == 0
+            _, result = await generate(stub, request_id="g", images=[types_pb2.Image(data=png(3))], prompt="Hi",
+                                       params=types_pb2.GenerationParams(max_new_tokens=6))
+            assert result.usage.output_tokens == 6
+            g = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).decode_graphs
+            assert g.static_steps == 5 and g.new_keys >= 1 and g.captures == 0  # 5 decode steps; CPU: no capture
+    finally:
+        await worker.stop(0)
