@@ -92,10 +92,12 @@ def engine_config(args, model_dir: Path, load_format: str, adapters: int, rank: 
 
 
 def join_tp_group(args, rank: int, port: int):
-    from services.worker.tensor_parallel import init_tp_group
-    from services.worker.tp_ranks import rank_device
+    """Joins the run's group as `rank`, as a TP worker's rank does (tp_ranks.init_rank)."""
+    from types import SimpleNamespace
 
-    return init_tp_group(rank, args.tp, port, device=torch.device(rank_device(args.device, rank)), timeout_s=600)
+    from services.worker.tp_ranks import init_rank
+
+    return init_rank(SimpleNamespace(device=args.device, tp_size=args.tp, tp_port=port, tp_timeout_s=600), rank)
 
 
 def tp_follower(rank: int, args, port: int, model_dir: Path, load_format: str, adapters: int) -> None:

@@ -191,7 +191,7 @@ class DecodeBatch:
         n = len(self.rows)
         if n == 0 or not self._in_arena():
             return n
-        return min(self._arenas[self._current][0][0].shape[0], 1 << (n - 1).bit_length())
+        return 1 << (n - 1).bit_length()  # the arena's rows are a power of two >= n: they hold it
 
     def static_cache(self, rows: int) -> DynamicCache:
         """The stacked cache over `rows` rows (bucket_rows): the batch's own rows, then padding
