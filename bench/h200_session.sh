@@ -84,7 +84,7 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
     say "scale_bench $kv"
   done
   kill $TOP
-  [ -z "${PYSPY:-}" ] || { wait "$PYSPY_PID"; python3 -m bench.pyspy_summary "$OUT/worker-pyspy.txt" --threads 4 --top 40 \
+  [ -z "${PYSPY:-}" ] || { wait "$PYSPY_PID"; python3 -m bench.pyspy_summary "$OUT/worker-pyspy.txt" --threads 4 --top 40 --match valora-engine \
     > "$OUT/worker-pyspy-summary.txt" 2>&1; gzip -f "$OUT/worker-pyspy.txt"; }
   [ -n "${SKIP_SCALE_TP:-}" ] || timeout -s TERM 150 python3 -m bench.scale_bench $SCALE --workers 1 --tp "$NGPU" \
     --out "bench/results/scale-7b-tp$NGPU-h200x$NGPU-$SUF.json" 2>&1 | tail -12 | tee -a "$LOG"
