@@ -5,6 +5,8 @@
 #   SUF=<commit> bash bench/h200_session.sh engine    # GPU tests, §3 engine bench (+ profile, A/B runs), scale bench
 #   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
 #   SUF=<commit> bash bench/h200_session.sh layers    # LoRA cost per projection by method + engine kernel tables
+#   (engine: SEARCH=1 [BEFORE_SEARCH=1: the engine on the committed table first] SEARCH_SHAPES/RANKS/TOKENS,
+#    SKIP_EXPAND=1 skips bench/expand_bench.py)
 #   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU tests, 7B worker scaling, TP worker,
 #                                                     # 13B-like engine at TP 1 and N, 13B-shape TP layer bench
 set -uo pipefail
@@ -104,6 +106,13 @@ elif [ "$MODE" = engine ]; then
     tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py ${GPU_TESTS:-} \
     -k "gpu or graphs or atmm or switcher" > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
   say tests
+  [ -n "${SKIP_EXPAND:-}" ] || timeout 120 python3 -m bench.expand_bench --name "expand-$SUF" 2>&1 | tee -a "$LOG"
+  say expand_bench
+  if [ -n "${SEARCH:-}" ] && [ -n "${BEFORE_SEARCH:-}" ]; then  # the engine on the committed table first (A/B)
+    timeout 200 python3 -m bench.engine_bench --skip-peer --reps "${REPS:-5}" --name "engine-$SUF-before-search" 2>&1 \
+      | grep -E "^valora|x[0-9.]+ of" | tee -a "$LOG"
+    say "engine_bench before search"
+  fi
   if [ -n "${SEARCH:-}" ]; then  # buckets of the 7B shapes (8 adapters), merged into the table the engine reads
     # (default: the projection groups' shapes — q|k|v 3584x4608, gate|up 3584x37888 — at their summed ranks)
     timeout 150 python3 -m kernels.tile_search --shapes "${SEARCH_SHAPES:-3584x4608,3584x37888}" \

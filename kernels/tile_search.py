@@ -36,9 +36,10 @@ from kernels.atmm import (AtmmPlan, atmm_, config_id, extension, fused_launch_ar
                           triton_available)
 from kernels.results import write_results
 from kernels.timing import time_graph
-from kernels.tile_table import (FUSED_MAX_RANK_BLOCK, SPLIT_K_MENU, TABLE_DIR, TileConfig, TileTable,
-                                default_fused_groups, find_table, fused_group_options, heuristic_config, rank_block,
-                                segment_bucket, shape_key, table_filename)
+from kernels.tile_table import (FMA_EXPAND_MAX_TOKENS, FMA_EXPAND_MIN_BN, FUSED_MAX_RANK_BLOCK, SPLIT_K_MENU,
+                                TABLE_DIR, TileConfig, TileTable, default_fused_groups, find_table,
+                                fused_group_options, heuristic_config, rank_block, segment_bucket, shape_key,
+                                table_filename)
 
 # Qwen2-VL-7B (q/o, k/v, gate/up, down) and LLaMA-7B projections
 MODEL_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (3584, 3584), (3584, 512), (3584, 18944),
@@ -128,7 +129,8 @@ def candidates(ext, dtype: str, rank_stride: int, h_in: int, tokens: int, ws_flo
     rb = rank_block(rank_stride)
     shr = [c for c in cfgs if c["kind"] == "shrink" and c["name"].startswith("shrink_") and c["dtype"] == dtype
            and c["rb"] == rb and c["smem_r16"] <= smem_limit and c["bt"] <= max(16, 2 * tokens)]
-    exp = [c for c in cfgs if c["kind"] == "expand" and c["dtype"] == dtype and c["bt"] <= max(16, 2 * tokens)]
+    exp = [c for c in cfgs if c["kind"] == "expand" and c["dtype"] == dtype and c["bt"] <= max(16, 2 * tokens)
+           and (c["bn"] < FMA_EXPAND_MIN_BN or tokens <= FMA_EXPAND_MAX_TOKENS)]
     exp += [c for c in cfgs if c["kind"] == "grouped_expand" and c["dtype"] == dtype and tokens >= 256]
     splits = [s for s in SPLIT_K_MENU if h_in // s >= 64 and s * tokens * rank_stride <= ws_floats]
     return shr, exp, splits

@@ -20,6 +20,10 @@ SPLIT_K_MENU = (1, 2, 4, 8, 16, 32)
 BACKENDS = ("cuda", "cutlass_grouped", "triton", "fused")
 FUSED_MAX_RANK_BLOCK = 4    # the fused kernels are compiled for rank blocks 1, 2, 4 (r <= 64)
 FUSED_CLUSTERS = (1, 2, 4, 8)
+# expand tiles at least this wide are the CUDA-core kernel (csrc/atmm.cuh atmm_expand_fma_kernel: few rows
+# per segment, e.g. decode); the search times them up to this many tokens
+FMA_EXPAND_MIN_BN = 512
+FMA_EXPAND_MAX_TOKENS = 256
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 
 
@@ -27,7 +31,8 @@ NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 class TileConfig:
     """One ATMM launch choice: which implementation (`backend`) and its tiles.
 
-    backend "cuda": our CUDA shrink kernel (BT, BK, stages, RB), split-K, our expand kernel (BT, BN).
+    backend "cuda": our CUDA shrink kernel (BT, BK, stages, RB), split-K, our expand kernel (BT, BN;
+    BN >= FMA_EXPAND_MIN_BN names the CUDA-core expand).
     backend "cutlass_grouped": the same shrink, then the CUTLASS grouped-GEMM expand named by
     `grouped` (e.g. "grouped_bf16_m64n128"; expand_bt/bn then record the best own expand).
     backend "triton": `kernels.triton_sgmv` (shrink BLOCK_M/BLOCK_K/num_stages = shrink_bt/bk/

@@ -448,6 +448,119 @@ __global__ void __launch_bounds__(kThreads, (BT * BN <= 4096 ? 4 : 2)) atmm_expa
 }
 
 // ------------------------------------------------------------------------------------------
+// expand on CUDA cores, for tiles of few rows (decode: a segment is 1-4 tokens). The tensor-core
+// expand stages a 16-row tile of B per item and computes mostly zero rows; here each thread owns
+// VEC output columns (one 8- or 16-byte vector) of a BN = VEC * kThreads wide column block and
+// streams its r B vectors straight from global memory into registers (8 loads in flight per
+// thread, no shared-memory staging), so an item costs about one HBM round trip for B and one for
+// y. Items are (BT = 16-row tile of a segment, column block), like the tensor-core expand's; the
+// tile's x·A rows (scaled, fp32) go through shared memory; rows are done RT at a time, later
+// passes re-reading B from L1. fp32 FMA over fp32 x·A: one rounding, into y.
+template <int VEC> struct VecOf;
+template <> struct VecOf<4> { using type = uint2; };
+template <> struct VecOf<8> { using type = uint4; };
+
+template <typename T, int VEC>
+struct ExpandFmaCfg {
+  static constexpr int BT = 16, RT = 4, BN = VEC * kThreads;
+  static __host__ __device__ size_t smem(int rs) { return (size_t)BT * rs * sizeof(float); }
+};
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads, 4) atmm_expand_fma_kernel(AtmmArgs p) {
+  using C = ExpandFmaCfg<T, VEC>;
+  using V = typename VecOf<VEC>::type;
+  constexpr int BT = C::BT, RT = C::RT, BN = C::BN;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  SegCache sc;
+  const int S = load_seg_cache<false>(p, bt_index(BT), smem_raw, sc);
+  const int rs = p.rank_stride;
+  float* xs = reinterpret_cast<float*>(smem_raw + seg_cache_bytes(p.seg_cap));  // [BT][rs], scaled x·A
+
+  const int ntn = (p.h_out + BN - 1) / BN;
+  const int tiles = S > 0 ? sc.off[S] : 0;
+  const int items = tiles * ntn;
+  const int tid = threadIdx.x;
+  const T* XA = reinterpret_cast<const T*>(p.xa);
+  T* Y = reinterpret_cast<T*>(p.y);
+
+  auto segment_of = [&](int item, int& s, int& tile, int& n) {
+    const int tn = item / tiles;
+    tile = item - tn * tiles;
+    s = find_segment(sc.off, S, tile);
+    n = tn * BN + tid * VEC;
+  };
+  if (blockIdx.x < items) {  // B does not depend on the preceding kernel: start pulling it into L2
+    int s, tile, n;
+    segment_of(blockIdx.x, s, tile, n);
+    const T* B = reinterpret_cast<const T*>(sc.ptr[s]);
+    if (n < p.h_out)
+      for (int j = 0; j < sc.rank[s]; ++j) prefetch_l2(B + (long long)j * p.h_out + n);
+  }
+  griddep_wait();  // x·A (ws or xa) and y are written by the preceding kernels
+  griddep_launch();
+
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    int s, tile, n;
+    segment_of(item, s, tile, n);
+    const int row0 = sc.start[s] + (tile - sc.off[s]) * BT;
+    const int nrows = min(BT, sc.start[s + 1] - row0);
+    const int r = sc.rank[s];
+    const float scale = sc.scale[s];
+    const T* B = reinterpret_cast<const T*>(sc.ptr[s]);
+    for (int e = tid; e < nrows * r; e += kThreads) {
+      const int row = e / r, j = e - row * r;
+      float v = 0.f;
+      if (XA) {
+        v = Cvt<T>::to(XA[(long long)(row0 + row) * p.xa_ld + sc.xcol[s] + j]);
+      } else {
+        const float* w = p.ws + (long long)(row0 + row) * rs + j;
+        for (int kc = 0; kc < p.split_k; ++kc) v += w[(long long)kc * p.T * rs];
+      }
+      xs[row * rs + j] = v * scale;
+    }
+    __syncthreads();
+    if (n < p.h_out) {
+      for (int rb = 0; rb < nrows; rb += RT) {
+        float acc[RT][VEC];
+#pragma unroll
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+          for (int c = 0; c < VEC; ++c) acc[i][c] = 0.f;
+#pragma unroll 2
+        for (int j0 = 0; j0 < r; j0 += 8) {  // ranks are multiples of 8
+          V bv[8];
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bv[jj] = __ldg(reinterpret_cast<const V*>(B + (long long)(j0 + jj) * p.h_out + n));
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const T* bh = reinterpret_cast<const T*>(&bv[jj]);
+#pragma unroll
+            for (int i = 0; i < RT; ++i) {
+              const float xv = xs[(rb + i < nrows ? rb + i : rb) * rs + j0 + jj];  // rows past the tile: unused
+#pragma unroll
+              for (int c = 0; c < VEC; ++c) acc[i][c] = fmaf(xv, Cvt<T>::to(bh[c]), acc[i][c]);
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < RT; ++i) {
+          if (rb + i < nrows) {
+            V* yp = reinterpret_cast<V*>(Y + (long long)(row0 + rb + i) * p.y_ld + n);
+            V yv = *yp;
+            T* yh = reinterpret_cast<T*>(&yv);
+#pragma unroll
+            for (int c = 0; c < VEC; ++c) yh[c] = Cvt<T>::from(Cvt<T>::to(yh[c]) + acc[i][c]);
+            *yp = yv;
+          }
+        }
+      }
+    }
+    __syncthreads();  // xs is rewritten by the next item
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // fused (small T): shrink and expand in ONE launch, no x·A round trip through global memory.
 // A cluster of CL CTAs owns one work item = (BT-token tile of one segment, column group g); the
 // item's CL CTAs split h_in into CL slices, each computes its slice's x·A partial (fp32, the same

@@ -10,6 +10,8 @@ using T = __nv_bfloat16;
 
 #define SHRINK(BT, BK, ST, RB) out.push_back(ShrinkOp<T, BT, BK, ST, RB>::entry("shrink_bf16" "_bt" #BT "_bk" #BK "_s" #ST "_r" #RB, kBF16))
 #define EXPAND(BT, BN) out.push_back(ExpandOp<T, BT, BN>::entry("expand_bf16" "_bt" #BT "_bn" #BN, kBF16))
+#define EXPAND_FMA(VEC, WIDTH) do { static_assert(ExpandFmaCfg<T, VEC>::BN == WIDTH, "name"); \
+    out.push_back(ExpandFmaOp<T, VEC>::entry("expand_bf16" "_bt16" "_bn" #WIDTH, kBF16)); } while (0)
 #define FUSED(BT, BN, RB, CL) out.push_back(FusedOp<T, BT, BN, RB, CL>::entry("fused_bf16" "_bt" #BT "_bn" #BN "_r" #RB "_c" #CL, kBF16))
 
 void register_atmm_bf16(std::vector<OpEntry>& out) {
@@ -24,6 +26,8 @@ void register_atmm_bf16(std::vector<OpEntry>& out) {
   EXPAND(16, 64);  EXPAND(16, 128);  EXPAND(16, 256);
   EXPAND(32, 64);  EXPAND(32, 128);  EXPAND(32, 256);
   EXPAND(64, 64);  EXPAND(64, 128);  EXPAND(128, 64);
+  // CUDA-core expand for few rows per segment (decode): BT 16, BN = VEC x 128 threads
+  EXPAND_FMA(4, 512);  EXPAND_FMA(8, 1024);
   // fused single-launch small-T path (atmm.cuh): BT x BN x rank block RB x cluster size CL;
   // CL CTAs split the shrink's K and share x·A through distributed shared memory
   FUSED(16, 128, 1, 1);  FUSED(16, 128, 1, 4);  FUSED(16, 128, 1, 8);  FUSED(16, 256, 1, 8);

@@ -58,6 +58,20 @@ struct ExpandOp {
   }
 };
 
+// CUDA-core expand (atmm_expand_fma_kernel): registered as an expand of BT 16 and BN = VEC * kThreads
+// (512 / 1024; the tensor-core expand's BN is at most 256).
+template <typename T, int VEC>
+struct ExpandFmaOp {
+  static size_t smem(int rs) { return ExpandFmaCfg<T, VEC>::smem(rs); }
+  static cudaError_t occ(int* b, size_t s) { return occupancy_of(atmm_expand_fma_kernel<T, VEC>, b, s); }
+  static cudaError_t launch(const void* a, int grid, size_t s, cudaStream_t st, bool pdl) {
+    return launch_kernel(atmm_expand_fma_kernel<T, VEC>, grid, s, st, pdl, *static_cast<const AtmmArgs*>(a));
+  }
+  static OpEntry entry(const char* name, int dtype) {
+    return OpEntry{name, kExpand, dtype, ExpandFmaCfg<T, VEC>::BT, 0, 0, 0, ExpandFmaCfg<T, VEC>::BN, 0, &smem, &occ, &launch};
+  }
+};
+
 template <typename T, int BM, int BN>
 struct SwitchOp {
   static size_t smem(int R) { return SwitchCfg<T, BM, BN>::smem(R); }

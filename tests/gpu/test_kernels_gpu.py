@@ -157,7 +157,7 @@ def _xa_case(tokens, ranks, h_in, h_out, dt, seed):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("tokens,ranks,h_in,h_out", [(16, [8, 16, 48, 64], 3584, 4608), (300, [16] * 8, 1024, 2048),
-                                                     (5, [128, 8], 512, 1024)])
+                                                     (5, [128, 8], 512, 1024), (16, [32] * 8, 3584, 37888)])
 def test_atmm_expand_xa_matches_reference_every_expand(dtype, tokens, ranks, h_in, h_out):
     """expand_xa (the folded projections' expand) on every compiled expand config equals the
     reference expand of the same bf16/fp16 x·A, into a strided y; rows of slot -1 untouched."""
@@ -195,6 +195,17 @@ def test_atmm_expand_xa_matches_reference_every_expand(dtype, tokens, ranks, h_i
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(got[:, :h_out], want) < (4e-3 if dt == torch.bfloat16 else 1e-3)
+
+
+def test_cuda_core_expand_is_in_the_menu():
+    """The decode shapes' CUDA-core expand (BN >= FMA_EXPAND_MIN_BN) is compiled for both dtypes, so
+    the every-expand tests above run it."""
+    from kernels.tile_table import FMA_EXPAND_MIN_BN
+
+    for dtype in ("bfloat16", "float16"):
+        wide = [c["name"] for c in EXT.configs() if c["kind"] == "expand" and c["dtype"] == dtype
+                and c["bn"] >= FMA_EXPAND_MIN_BN]
+        assert len(wide) == 2, wide
 
 
 def test_atmm_cuda_graph_replays_new_plans():

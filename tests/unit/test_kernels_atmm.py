@@ -468,6 +468,26 @@ def test_tile_search_prunes_fused_configs_and_keeps_them_out_of_the_shrink_list(
     assert fused_candidates(Ext(), "bfloat16", 128, 16, 8, 64, 232448) == []
 
 
+def test_tile_search_times_the_cuda_core_expand_for_small_token_counts_only():
+    from kernels.tile_search import candidates
+    from kernels.tile_table import FMA_EXPAND_MAX_TOKENS
+
+    def cfg(i, name, kind, bt=16, bn=0):
+        return {"id": i, "name": name, "kind": kind, "dtype": "bfloat16", "bt": bt, "bk": 64, "stages": 4, "rb": 1,
+                "bn": bn, "bm": 0, "smem_r16": 1000, "smem_r128": 1000}
+
+    class Ext:
+        def configs(self):
+            return [cfg(0, "shrink_bf16_bt16_bk64_s4_r1", "shrink"), cfg(1, "expand_bf16_bt16_bn256", "expand", bn=256),
+                    cfg(2, "expand_bf16_bt16_bn1024", "expand", bn=1024)]
+
+    def expands(tokens):
+        return [c["id"] for c in candidates(Ext(), "bfloat16", 16, 4096, tokens, 1 << 24, 232448)[1]]
+
+    assert expands(16) == expands(FMA_EXPAND_MAX_TOKENS) == [1, 2]
+    assert expands(FMA_EXPAND_MAX_TOKENS + 1) == [1]
+
+
 def test_kernels_do_not_import_bench():
     import re
     from pathlib import Path
