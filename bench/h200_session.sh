@@ -5,7 +5,8 @@
 #   SUF=<commit> bash bench/h200_session.sh engine    # GPU tests, §3 engine bench (+ profile, A/B runs), scale bench
 #   bash bench/h200_session.sh profile                 # ncu of the kernels (bench.profile_kernels)
 #   SUF=<commit> bash bench/h200_session.sh layers    # LoRA cost per projection by method + engine kernel tables
-#   (engine: SEARCH=1 [BEFORE_SEARCH=1: the engine on the committed table first] SEARCH_SHAPES/RANKS/TOKENS,
+#   (engine: SEARCH=1 [BEFORE_SEARCH=1: the engine on the committed table first] SEARCH_SHAPES/RANKS/TOKENS
+#    or SEARCH_SPECS="HxN:RANK ..." with SEARCH_TOKENS, SEARCH_BUDGET_S,
 #    SKIP_EXPAND=1 skips bench/expand_bench.py)
 #   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU tests, 7B worker scaling, TP worker,
 #                                                     # 13B-like engine at TP 1 and N, 13B-shape TP layer bench
@@ -68,8 +69,10 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   W=1; WS=1; while [ $(( W * 2 )) -le "$NGPU" ]; do W=$(( W * 2 )); WS="$WS,$W"; done
   WS=${WORKERS:-$WS}
   if [ -n "${PYSPY:-}" ]; then  # the first worker's threads sampled by py-spy (.whl) over warm-up and the measured run
-    ( for _ in $(seq 120); do P=$(pgrep -f "m services.worker" | head -1); [ -n "$P" ] && break; sleep 1; done
-      sleep "${PYSPY_DELAY:-50}"; /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-30}" \
+    # waits for PYSPY_WORKERS (default: the largest count) worker processes, i.e. the run with the most workers,
+    # then PYSPY_DELAY s of start-up and warm-up; the pid is looked up after the delay (a run may have ended)
+    ( n=${PYSPY_WORKERS:-$NGPU}; for _ in $(seq 300); do [ "$(pgrep -fc "m services.worker")" -ge "$n" ] && break; sleep 1; done
+      sleep "${PYSPY_DELAY:-35}"; P=$(pgrep -f "m services.worker" | head -1); /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-30}" \
         -f raw -o "$OUT/worker-pyspy.txt" --pid "$P" ) > "$OUT/pyspy.log" 2>&1 &
     PYSPY_PID=$!
   fi
@@ -115,9 +118,12 @@ elif [ "$MODE" = engine ]; then
   fi
   if [ -n "${SEARCH:-}" ]; then  # buckets of the 7B shapes (8 adapters), merged into the table the engine reads
     # (default: the projection groups' shapes — q|k|v 3584x4608, gate|up 3584x37888 — at their summed ranks)
-    timeout 150 python3 -m kernels.tile_search --shapes "${SEARCH_SHAPES:-3584x4608,3584x37888}" \
-      --ranks "${SEARCH_RANKS:-32,48,64,96}" --tokens "${SEARCH_TOKENS:-16,4096}" --segments 16 --merge \
-      --budget-s 120 --validate 1 --name "tile_search_groups_$SUF" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
+    # SEARCH_SPECS="HxN:RANK ..." searches one shape at one rank each (no shapes x ranks cross product)
+    for spec in ${SEARCH_SPECS:-"${SEARCH_SHAPES:-3584x4608,3584x37888}:${SEARCH_RANKS:-32,48,64,96}"}; do
+      timeout 150 python3 -m kernels.tile_search --shapes "${spec%%:*}" --ranks "${spec##*:}" \
+        --tokens "${SEARCH_TOKENS:-16,4096}" --segments 16 --merge --budget-s "${SEARCH_BUDGET_S:-120}" --validate "${SEARCH_VALIDATE:-1}" \
+        --name "tile_search_groups_$SUF-${spec%%:*}" 2>&1 | grep -v "━" | tail -4 | tee -a "$LOG"
+    done
     cp kernels/tile_tables/nvidia_h200-sm90-bfloat16.json "$OUT/"  # the merged table, to commit
     say search
   fi
