@@ -41,7 +41,8 @@ def run_shape(name, h_in, h_out, rank, tokens, adapters, sets=4, ops=20, dtype=t
     plan = AtmmPlan(max_segments=64, max_tokens=tokens, device=dev).update_from_token_slots(slots, cases[0][0].ranks)
     cols = torch.tensor([k * rank for k in range(cases[0][0].num_slots)], dtype=torch.int32, device=dev)
     # correctness of each timed kernel on set 0 against fp32 math
-    w0, b0, xa0, y0 = cases[0]
+    w0, b0, xa0, y_set0 = cases[0]
+    y0 = y_set0.clone()  # the timed ops add into the sets' y: each check starts from this copy
     want = y0.float().clone()
     for t, k in enumerate(slots):
         want[t] += 0.5 * xa0[t, k * rank:(k + 1) * rank].float() @ b0[k].float()

@@ -4,7 +4,8 @@ For each bucket (h_in, h_out, rank stride, token bucket, segment bucket) a repre
 is built (T tokens spread uniformly over S adapters) and every shrink kernel of the menu that
 fits (rank block, shared-memory limit, BK multiple of 64, split-K with K chunks >= BK and a
 workspace that fits) is timed in a CUDA graph over rotating inputs; then every expand kernel
-with the winning split-K, and that pair is timed. The Triton backend's menu
+with the winning split-K, and alone on given x·A (the engine's folded projections' launch, which
+picks the own expand's tiles), and that pair is timed. The Triton backend's menu
 (`kernels.triton_sgmv.TRITON_MENU`, each at its default split-K, then other split-Ks for the
 best shape) is timed the same way (whole shrink+expand through `atmm_`, in a CUDA graph). For
 token counts up to --fused-max-tokens the fused single-launch kernels (`fused_*` entries of the
@@ -66,6 +67,10 @@ class Bench:
             w = lora_weights_from_lists(a, b, [1.0] * segments)
             self.sets.append((w, torch.randn(tokens, h_in, device=dev, dtype=dtype, generator=None),
                               torch.randn(tokens, h_out, device=dev, dtype=dtype)))
+        # x·A as the folded projections get it (extra columns of the base GEMM's output, slot k at k * rank)
+        self.xa = [torch.randn(tokens, segments * rank, device=dev, dtype=dtype) for _ in range(self.nsets)]
+        self.xa_cols = torch.tensor([k * rank for k in range(self.sets[0][0].num_slots)], dtype=torch.int32,
+                                    device=dev)
         self.plan = AtmmPlan(max_segments=max(64, segments), max_tokens=tokens, device=dev)
         self.plan.update_from_token_slots(slots, self.sets[0][0].ranks)
         self.h_in, self.tokens = h_in, tokens
@@ -74,6 +79,10 @@ class Bench:
     def _time(self, launch, ops=10, reps=10) -> float:
         """Median µs per op of `ops` launches over rotating input sets, replayed from one CUDA graph."""
         return time_graph([lambda i=i: launch(*self.sets[i % self.nsets]) for i in range(ops)], reps=reps, warmup=1)
+
+    def _time_sets(self, launch, ops=10, reps=10) -> float:
+        """As `_time`, for a launch that takes the input set's index."""
+        return time_graph([lambda i=i: launch(i % self.nsets) for i in range(ops)], reps=reps, warmup=1)
 
     def _args(self, w, x, y, split_k):
         p = self.plan
@@ -88,6 +97,14 @@ class Bench:
         p = self.plan
         return self._time(lambda w, x, y: self.ext.atmm_expand(
             *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True))
+
+    def time_expand_xa(self, cfg: dict) -> float:
+        """The expand alone on given x·A (atmm_expand_xa): what the engine's folded projections run."""
+        p = self.plan
+        return self._time_sets(lambda i: self.ext.atmm_expand_xa(
+            self.sets[i][2], self.xa[i], self.xa_cols, p.meta, p.seg_cap, self.sets[i][0].b_ptrs,
+            self.sets[i][0].rank_table, self.sets[i][0].scale_table, p.workspace, cfg["id"], p.rank_stride,
+            p.tiles[cfg["bt"]], True))
 
     def time_grouped(self, cfg: dict, split_k: int) -> float:
         p = self.plan
@@ -198,11 +215,21 @@ def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_
             pass
     own = {k: v for k, v in expand_times.items() if v[1]["kind"] == "expand"}
     (et, ec) = min(expand_times.values(), key=lambda v: v[0])
-    (_, oc) = min(own.values(), key=lambda v: v[0])
+    # the table's own-expand tiles also serve the folded projections' expand-only launch
+    # (atmm_expand_xa, x·A from the base GEMM), which the engine runs wherever the table names our
+    # kernels: pick them on that launch (on the workspace path above, split-K partials sums blur it)
+    xa_times = {}
+    for name, (_, c) in own.items():
+        try:
+            xa_times[name] = (b.time_expand_xa(c), c)
+        except RuntimeError:
+            pass
+    (xt, oc) = min((xa_times or own).values(), key=lambda v: v[0])
     grouped = ec["name"] if ec["kind"] == "grouped_expand" else ""
     best = TileConfig(sc["bt"], sc["bk"], sc["stages"], ss, oc["bt"], oc["bn"], grouped)
     pair = b.time_pair(best, dname)
-    stats = {"shrink_us": st, "expand_us": et, "cuda_pair_us": pair, "cuda_backend": best.backend,
+    stats = {"shrink_us": st, "expand_us": et, "expand_xa_us": xt, "expand_xa_config": oc["name"],
+             "cuda_pair_us": pair, "cuda_backend": best.backend,
              "candidates": len(shrink_times) + len(expand_times), "tokens": tokens, "segments": segments,
              "rank": rank}
     if "triton" in backends and triton_available():
