@@ -842,31 +842,43 @@ class Engine:
             for key, found in grids.items():
                 if inp.get(key) is not None:
                     found.append(inp[key])
-        # One vision-tower pass for every image/video of the batch not in the feature cache.
-        row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"].to(self.device), s.prep.inputs, s.prep.vision)
-                                              for s in rows])
-        embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
-        for i, (e, n) in enumerate(zip(row_embeds, lengths)):
-            embeds[i, :n] = e[0]
+        # The step launches everything before it waits on the device once, for the first tokens:
+        # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
+        # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
         # On the host: the rope index walks every row in Python (no device syncs per row).
         position_ids, deltas = self.model.model.get_rope_index(
             ids, mm_token_type_ids=types, attention_mask=mask,
             **{key: torch.cat(found) if found else None for key, found in grids.items()})
+        # One vision-tower pass for every image/video of the batch not in the feature cache.
+        row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
+        embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
+        for i, (e, n) in enumerate(zip(row_embeds, lengths)):
+            embeds[i, :n] = e[0]
         cache = new_cache(self.text_config)
         self.runtime.step = self._plan(rows, width)
         self.peak_prefill_rows = max(self.peak_prefill_rows, b)
         try:
-            out = self.model.model(inputs_embeds=embeds, position_ids=position_ids.to(self.device),
+            out = self.model.model(inputs_embeds=embeds, position_ids=self._upload(position_ids),
                                    past_key_values=cache, use_cache=True)
         finally:
             self.runtime.step = None
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        last = self._upload(torch.tensor([n - 1 for n in lengths]))
         hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
         kvs = split_rows(cache, lengths)
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
-        logits = dict(zip(text, self.model.lm_head(hidden[text]))) if text else {}
+        if text:
+            head_in = hidden if len(text) == b else hidden[self._upload(torch.tensor(text))]
+            logits = dict(zip(text, self.model.lm_head(head_in)))
+        else:
+            logits = {}
         for i, s in enumerate(rows):  # from here on a failure is that request's alone
             self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], kvs[i], logits.get(i))
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device, without waiting for the stream's queued work (torch's
+        blocking host-to-device copy synchronizes the stream). Pageable memory is staged at once,
+        so the host tensor may be dropped right after."""
+        return t.to(self.device, non_blocking=True)
 
     def _prefilled(self, s: _Seq, length: int, rope_delta: int, hidden: torch.Tensor, kv: KV,
                    logits: torch.Tensor | None) -> None:
@@ -939,9 +951,9 @@ class Engine:
             if got is None:
                 if pad > b:  # the eager step runs the batch's own rows
                     self.runtime.step = step = self._plan(rows, 1)
-                ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
+                ids = self._upload(torch.tensor([[s.last_token] for s in rows], dtype=torch.long))
                 mask = self._batch.mask(new=1)
-                pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(1, b, 1).expand(3, b, 1)
+                pos = self._upload(torch.tensor(positions, dtype=torch.long)).view(1, b, 1).expand(3, b, 1)
                 out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                        past_key_values=self._batch.cache, use_cache=True)
                 logits = self.model.lm_head(out.last_hidden_state[:, -1])

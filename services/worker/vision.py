@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from transformers.utils.generic import is_flash_attention_requested
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
 IMAGE = "image"
 VIDEO = "video"
@@ -157,12 +159,24 @@ class VisionEncoder:
         pix_key, _ = _INPUT_KEYS[kind]
         # staged (pinned) pixels copy asynchronously; one cat on the device
         rows = torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True) for inputs, it in todo])
-        grid = torch.tensor([it.grid for _, it in todo], dtype=torch.long, device=self.device)
         inner = self.model.model
+        # The grid stays on the host, with the tower's rotary positions and attention segments
+        # computed from it here: from a device grid HF reads it back per image, and its SDPA path
+        # reads the segment lengths back in every block (32 device syncs per 7B prefill, each
+        # idling the GPU while the host launches the next block). The SDPA path splits by the host
+        # cu_seqlens; flash attention takes them on the device.
+        grid = torch.tensor([it.grid for _, it in todo], dtype=torch.long)
+        cu_seqlens = get_vision_cu_seqlens(grid)
+        if is_flash_attention_requested(inner.visual.config):
+            cu_seqlens = cu_seqlens.to(self.device)
+        positions = get_vision_position_ids(grid, inner.visual.spatial_merge_size)
+        if self.device.type == "cuda":
+            positions = positions.pin_memory()
+        pre = {"cu_seqlens": cu_seqlens, "position_ids": positions.to(self.device, non_blocking=True)}
         if kind == IMAGE:
-            out = inner.get_image_features(rows, grid).pooler_output
+            out = inner.get_image_features(rows, grid, **pre).pooler_output
         else:
-            out = inner.get_video_features(rows, grid).pooler_output
+            out = inner.get_video_features(rows, grid, **pre).pooler_output
         return [t.to(self.dtype).clone() for t in out]  # own storage: cache bytes are what they say
 
     def features(self, requests: list[tuple[dict, list[VisionItem]]]) -> dict[str, torch.Tensor]:
@@ -188,7 +202,9 @@ class VisionEncoder:
         return found
 
     def embed_batch(self, requests: list[tuple[torch.Tensor, dict, list[VisionItem]]]) -> list[torch.Tensor]:
-        """`embed` for several requests (input_ids, inputs, items), one vision pass for all."""
+        """`embed` for several requests (input_ids, inputs, items), one vision pass for all.
+        input_ids may live on the host (the processor's): they are copied to the device here and
+        the placeholder counts are checked on the host copy (no device sync per request)."""
         found = self.features([(inputs, items) for _, inputs, items in requests])
         return [self._embed(ids, items, found) for ids, _, items in requests]
 
@@ -197,7 +213,8 @@ class VisionEncoder:
         return self.embed_batch([(input_ids, inputs, items)])[0]
 
     def _embed(self, input_ids: torch.Tensor, items: list[VisionItem], found: dict[str, torch.Tensor]) -> torch.Tensor:
-        embeds = self.model.model.get_input_embeddings()(input_ids)
+        ids = input_ids.to(self.device, non_blocking=True)  # a blocking copy would wait for the vision tower
+        embeds = self.model.model.get_input_embeddings()(ids)
         if not items:
             return embeds
         config = self.model.config
@@ -206,9 +223,10 @@ class VisionEncoder:
             if not feats:
                 continue
             values = torch.cat(feats).to(embeds.device, embeds.dtype)
-            mask = (input_ids == token_id).unsqueeze(-1).expand_as(embeds)
-            if int(mask[..., 0].sum()) != values.shape[0]:
+            # placeholder positions on input_ids' device (the host's in the engine: no sync)
+            where = (input_ids.reshape(-1) == token_id).nonzero().squeeze(1)
+            if where.numel() != values.shape[0]:
                 raise ValueError(f"{kind} features ({values.shape[0]} tokens) do not match the prompt's "
-                                 f"{int(mask[..., 0].sum())} {kind} tokens")
-            embeds = embeds.masked_scatter(mask, values)
+                                 f"{where.numel()} {kind} tokens")
+            embeds.view(-1, embeds.shape[-1])[where.to(self.device, non_blocking=True)] = values
         return embeds

@@ -1,0 +1,49 @@
+"""The prefill's vision path launches without waiting on the device (tiny Qwen2-VL on CUDA): a
+device sync there idles the GPU while the host prepares the next launch (HF reads the grid and
+every vision block's segment lengths back from the device; blocking host-to-device copies wait for
+the queued vision tower). Checked with torch's sync debug mode, and the features against HF's own
+device-grid path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.engine import Engine, EngineConfig
+from services.worker.requests import WorkRequest
+from services.worker.testing import random_image
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
+    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=4))
+    try:
+        reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i, size=s)], max_new_tokens=2)
+                for i, s in enumerate((224, 224, 336))]
+        preps = [eng.prepare(r) for r in reqs]
+        batch = [(p.inputs["input_ids"], p.inputs, p.vision) for p in preps]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            embeds = eng.vision.embed_batch(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        inner = eng.model.model
+        for p, got in zip(preps, embeds):
+            pixels = p.inputs["pixel_values"].cuda()
+            grid = p.inputs["image_grid_thw"].cuda()  # HF's path: grid on the device
+            with torch.no_grad():
+                want_feats = torch.cat(inner.get_image_features(pixels, grid).pooler_output)
+            ids = p.inputs["input_ids"].cuda()
+            mask = (ids == eng.model.config.image_token_id)[0]
+            assert mask.sum().item() == want_feats.shape[0]
+            torch.testing.assert_close(got[0][mask], want_feats.to(got.dtype), rtol=2e-2, atol=2e-2)
+            with torch.no_grad():
+                text = inner.get_input_embeddings()(ids)[0][~mask]
+            assert torch.equal(got[0][~mask], text)
+    finally:
+        eng.stop()
