@@ -339,8 +339,10 @@ def main() -> None:
     if "triton" in backends and not triton_available():
         print("triton is not installed: the Triton backend is not searched")
     entries, stats = {}, {}
-    if args.merge:
-        entries.update(find_table(props.name, arch, args.dtype).entries)
+    if args.merge:  # the committed buckets keep their entries and their measurements
+        committed = find_table(props.name, arch, args.dtype)
+        entries.update(committed.entries)
+        stats.update(committed.meta.get("bucket_stats", {}))
     t_start = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as prog:
         task = prog.add_task("tile search", total=len(buckets))
