@@ -70,10 +70,10 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   WS=${WORKERS:-$WS}
   if [ -n "${PYSPY:-}" ]; then  # the first worker's threads sampled by py-spy (.whl) over warm-up and the measured run
     # waits for PYSPY_WORKERS (default: the largest count) worker processes, i.e. the run with the most workers,
-    # then PYSPY_DELAY s of start-up and warm-up; the newest worker is looked up after the delay (an earlier
-    # run's worker may still be alive and idle)
+    # then PYSPY_DELAY s of start-up and warm-up; then the busiest worker by CPU (the first and the newest
+    # were both seen idle: an earlier run's worker still alive, a worker the run never routed to)
     ( n=${PYSPY_WORKERS:-$NGPU}; for _ in $(seq 300); do [ "$(pgrep -fc "m services.worker")" -ge "$n" ] && break; sleep 1; done
-      sleep "${PYSPY_DELAY:-35}"; P=$(pgrep -nf "m services.worker"); /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-30}" \
+      sleep "${PYSPY_DELAY:-35}"; P=$(ps -o pid= --sort=-pcpu -p "$(pgrep -d, -f "m services.worker")" | head -1 | tr -d ' '); /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-30}" \
         -f raw -o "$OUT/worker-pyspy.txt" --pid "$P" ) > "$OUT/pyspy.log" 2>&1 &
     PYSPY_PID=$!
   fi
