@@ -10,7 +10,6 @@ fp32 softmax inside the kernel, no copy. Prefill (several tokens, no mask) keeps
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -72,7 +72,7 @@ from services.worker.fused_layers import install_fused_layers
 from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
 from services.worker.lora import (AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora,
                                   install_lora_groups)
-from services.worker.model import build_inputs, load_model, load_processor, load_sharded_model
+from services.worker.model import load_model, load_processor, load_sharded_model
 from services.worker.requests import (
     EngineStats,
     Event,
@@ -89,7 +89,8 @@ from services.worker.requests import (
 from services.worker.sampling import choose_token
 from services.worker.switcher import Switcher
 from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
-from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, vision_items
+from services.worker.preprocess import process_request
+from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels
 
 log = structlog.get_logger()
 
@@ -432,8 +433,15 @@ class Engine:
         self._drop_stale_entries()
 
     # -- requests ----------------------------------------------------------------------------
-    def prepare(self, request: WorkRequest) -> PreparedRequest:
-        """Validates and tokenizes (any thread; CPU work)."""
+    def pixel_dtype(self) -> torch.dtype | None:
+        """The dtype requests' pixels are prepared in (the tower's on CUDA; None: the processor's)."""
+        return self.dtype if self.device.type == "cuda" else None
+
+    def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None
+                ) -> PreparedRequest:
+        """Validates and tokenizes (any thread; CPU work). `processed`: the request's processor
+        inputs and content keys from `preprocess.process_request` run elsewhere (a preprocessing
+        process, with `pixel_dtype()`); the request's images are not read then."""
         n = request.max_new_tokens or self.config.default_max_new_tokens
         if n < 0 or n > self.config.max_new_tokens_limit:
             raise invalid_field("item.params.max_new_tokens",
@@ -446,14 +454,7 @@ class Engine:
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
         release_after = math.ceil(fraction * n) if request.adapter and fraction > 0 else 0
-        for i, frames in enumerate(request.videos):
-            if not frames:
-                raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
-        try:
-            inputs = build_inputs(self.processor, request.images, request.prompt, request.videos)
-        except (ValueError, TypeError) as exc:
-            raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
-                                reason="BAD_IMAGE") from exc
+        inputs, vision = processed or process_request(self.processor, request, self.pixel_dtype())
         stage_pixels(inputs, self.device, self.dtype)
         ids = inputs["input_ids"]
         limit = self.text_config.max_position_embeddings
@@ -462,9 +463,9 @@ class Engine:
                                 f"model's {limit} positions", reason="PROMPT_TOO_LONG")
         vision_ids = (self.model.config.image_token_id, self.model.config.video_token_id)
         image_tokens = int(torch.isin(ids, torch.tensor(vision_ids)).sum())  # images' and videos' tokens
-        return PreparedRequest(request=request, inputs=dict(inputs), max_new_tokens=n,
+        return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
-                               vision=vision_items(inputs), release_after=release_after)
+                               vision=vision, release_after=release_after)
 
     def submit(self, prep: PreparedRequest, sink, deadline: float | None = None) -> RequestHandle:
         """Queues a prepared request; `sink(event)` is called on the engine thread. Past `deadline`

@@ -28,19 +28,16 @@ from services.common import metrics
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.worker.engine import Engine, EngineConfig
-from services.worker.processor import decode_image
+from services.worker.preprocess import Preprocessor, work_request_from_pb
 from services.worker.registration import SchedulerRegistration
 from services.worker.requests import (
     Failed,
     Finished,
     FinishReason,
     Mode,
-    OutputKind,
     TextDelta,
-    WorkRequest,
     step_times,
 )
-from services.worker.sampling import SamplingParams
 from services.worker.store_client import AdapterFetcher
 from services.worker.tensor_parallel import TPGroup, check_divisible, free_loopback_port
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_tiny_model
@@ -107,6 +104,9 @@ class WorkerSettings(ServiceSettings):
                                    "backoff until it answers. Empty: no registration (static worker_addresses).")
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats to the scheduler (at most a "
                                "third of the scheduler's worker_ttl_s is used).")
+    preprocess_processes: int = Field(0, ge=0, description="Processes decoding images and running the processor "
+                                      "(services/worker/preprocess.py): on the worker's own threads that work holds "
+                                      "the GIL against the engine loop. 0: on the worker's threads.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks (devices) of this worker: this process is "
                          "rank 0 and serves; it spawns ranks 1..N-1 (device cuda → rank i on cuda:i, cpu → cpu). "
                          "Must divide the model's attention heads, KV heads and intermediate size.")
@@ -177,28 +177,6 @@ def result_to_pb(r, worker: str) -> inference_service_pb2.InferResult:
     )
 
 
-def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
-    """WorkItem -> WorkRequest (decodes images: CPU work, call from an executor)."""
-    p = item.params
-    kind = OutputKind.LABEL if item.output_kind == types_pb2.OUTPUT_KIND_LABEL else OutputKind.TEXT
-    if p.max_new_tokens < 0:
-        raise invalid_field("item.params.max_new_tokens", "must not be negative")
-    return WorkRequest(
-        request_id=item.request_id,
-        prompt=item.prompt,
-        images=[decode_image(img.data, f"item.images[{i}]") for i, img in enumerate(item.images)],
-        videos=[[decode_image(f.data, f"item.videos[{i}].frames[{j}]") for j, f in enumerate(v.frames)]
-                for i, v in enumerate(item.videos)],
-        adapter=adapter,
-        output_kind=kind,
-        head=item.head,
-        max_new_tokens=p.max_new_tokens,
-        sampling=SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed),
-        stop=list(p.stop),
-        adapter_release_fraction=p.adapter_release_fraction,
-    )
-
-
 # WatchWorkerStatus: how often a stream samples the status for changes, and the bounds of the
 # longest gap between two of its messages (interval_ms; 0 = the default).
 WATCH_TICK_S = 0.05
@@ -224,6 +202,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._watchers: set[asyncio.Event] = set()
         self._closing = False
         self.followers: Followers | None = None  # tensor parallel: ranks 1..N-1 (tp_ranks.py)
+        self.preprocessor: Preprocessor | None = None  # preprocess_processes > 0
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -262,7 +241,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             adapter = item.adapter.version
             await self.ensure_adapter(adapter, item.adapter.sha256, field_path="item.adapter.version")
         loop = asyncio.get_running_loop()
-        prep = await loop.run_in_executor(None, lambda: engine.prepare(work_request_from_pb(item, adapter)))
+        if self.preprocessor is not None:  # decode + processor in the preprocessing processes
+            work, inputs, vision = await self.preprocessor.prepare(item, adapter)
+            prep = await loop.run_in_executor(None, lambda: engine.prepare(work, (inputs, vision)))
+        else:
+            prep = await loop.run_in_executor(None, lambda: engine.prepare(work_request_from_pb(item, adapter)))
         events: asyncio.Queue = asyncio.Queue()
 
         def sink(ev) -> None:  # engine thread
@@ -610,6 +593,10 @@ async def create_server(settings: WorkerSettings) -> Service:
             return engine
 
         servicer.engine = await loop.run_in_executor(None, build)
+        if settings.preprocess_processes:
+            servicer.preprocessor = Preprocessor(Path(settings.model_path).expanduser(), settings.preprocess_processes,
+                                                 servicer.engine.pixel_dtype())
+            await servicer.preprocessor.start()
         log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
                  tp_size=settings.tp_size)
         watchdog.append(asyncio.create_task(_watch(service, servicer)))
@@ -626,6 +613,8 @@ async def create_server(settings: WorkerSettings) -> Service:
             await loop.run_in_executor(None, servicer.followers.join, 30.0)
             if dist.is_initialized():  # not when start-up failed (left already)
                 dist.destroy_process_group()
+        if servicer.preprocessor is not None:
+            servicer.preprocessor.close()
         await fetcher.close()
 
     service.on_start.append(load_engine)

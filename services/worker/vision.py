@@ -132,6 +132,14 @@ class FeatureCache:
                               self.max_bytes)
 
 
+def cast_pixels(inputs: dict, dtype: torch.dtype) -> None:
+    """The request's pixels (images, videos) in `dtype`, in place in the inputs dict."""
+    for kind in (IMAGE, VIDEO):
+        key = _INPUT_KEYS[kind][0]
+        if key in inputs:
+            inputs[key] = inputs[key].to(dtype)
+
+
 def stage_pixels(inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
     """For a CUDA worker: the request's pixels in the tower's dtype and in pinned memory, done
     when the request is prepared (its own thread), so the engine loop only starts async copies
@@ -139,10 +147,11 @@ def stage_pixels(inputs: dict, device: torch.device, dtype: torch.dtype) -> None
     The tower casts to its dtype first thing, so the features are the same."""
     if device.type != "cuda":
         return
+    cast_pixels(inputs, dtype)  # a no-op when the preprocessing already cast them
     for kind in (IMAGE, VIDEO):
         key = _INPUT_KEYS[kind][0]
         if key in inputs:
-            inputs[key] = inputs[key].to(dtype).pin_memory()
+            inputs[key] = inputs[key].pin_memory()
 
 
 class VisionEncoder:

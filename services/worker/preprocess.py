@@ -1,0 +1,120 @@
+"""Request preprocessing: a WorkItem's images decoded, the processor run (resize, normalize,
+patchify, tokenize), the pixels cast to the tower's dtype and content-hashed for the feature cache.
+
+That is ~13 ms of CPU per 448 px image (Qwen2-VL-7B's processor), and much of it holds the GIL:
+on the worker's threads it slows the engine thread, whose step is host-bound Python. As vLLM keeps
+its engine core apart from the frontend's preprocessing, a worker can run it in spawned processes
+(`Preprocessor`, VALORA_PREPROCESS_PROCESSES): the worker process then only receives tensors.
+`python -m bench.prepare_gil` measures it: on 2 cores an engine-like loop kept 0.69 of its speed
+beside one preparing thread, 0.86 beside one preparing process
+(bench/results/prepare-gil-cpu2-2026-11-29.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from services.common.errors import invalid_field
+from services.worker.processor import build_inputs, decode_image
+from services.worker.requests import OutputKind, WorkRequest
+from services.worker.sampling import SamplingParams
+from services.worker.vision import VisionItem, cast_pixels, vision_items
+from valora.internal.v1 import work_pb2
+from valora.v1 import types_pb2
+
+
+def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
+    """WorkItem -> WorkRequest (decodes images: CPU work, call from an executor)."""
+    p = item.params
+    kind = OutputKind.LABEL if item.output_kind == types_pb2.OUTPUT_KIND_LABEL else OutputKind.TEXT
+    if p.max_new_tokens < 0:
+        raise invalid_field("item.params.max_new_tokens", "must not be negative")
+    return WorkRequest(
+        request_id=item.request_id,
+        prompt=item.prompt,
+        images=[decode_image(img.data, f"item.images[{i}]") for i, img in enumerate(item.images)],
+        videos=[[decode_image(f.data, f"item.videos[{i}].frames[{j}]") for j, f in enumerate(v.frames)]
+                for i, v in enumerate(item.videos)],
+        adapter=adapter,
+        output_kind=kind,
+        head=item.head,
+        max_new_tokens=p.max_new_tokens,
+        sampling=SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed),
+        stop=list(p.stop),
+        adapter_release_fraction=p.adapter_release_fraction,
+    )
+
+
+def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | None
+                    ) -> tuple[dict, list[VisionItem]]:
+    """The processor's inputs for the request (pixels cast to `pixel_dtype` when given) and its
+    images'/videos' content keys; INVALID_ARGUMENT (BAD_IMAGE) for images it cannot take."""
+    for i, frames in enumerate(request.videos):
+        if not frames:
+            raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
+    try:
+        inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos))
+    except (ValueError, TypeError) as exc:
+        raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
+                            reason="BAD_IMAGE") from exc
+    if pixel_dtype is not None:
+        cast_pixels(inputs, pixel_dtype)
+    return inputs, vision_items(inputs)  # keys over the pixels the tower gets
+
+
+# -- the pool's processes ---------------------------------------------------------------------
+_processor = None
+_pixel_dtype: torch.dtype | None = None
+
+
+def _init_child(model_path: str, pixel_dtype: str | None) -> None:
+    global _processor, _pixel_dtype
+    from services.worker.model import load_processor  # noqa: PLC0415
+
+    torch.set_num_threads(1)  # one request at a time per process; the pool is the parallelism
+    _processor = load_processor(Path(model_path))
+    _pixel_dtype = getattr(torch, pixel_dtype) if pixel_dtype else None
+
+
+def _ready() -> bool:
+    return _processor is not None
+
+
+def _child_prepare(item_bytes: bytes, adapter: str | None) -> tuple[WorkRequest, dict, list[VisionItem]]:
+    request = work_request_from_pb(work_pb2.WorkItem.FromString(item_bytes), adapter)
+    inputs, vision = process_request(_processor, request, _pixel_dtype)
+    # the decoded images stay here: the engine needs their processed inputs only
+    request.images, request.videos = [], []
+    return request, inputs, vision
+
+
+class Preprocessor:
+    """A pool of `processes` spawned processes running `process_request` (each loads the model
+    directory's processor once). `prepare` takes the request's WorkItem; errors raised in a
+    process (ValoraError: INVALID_ARGUMENT for a bad image) come back as they were raised."""
+
+    def __init__(self, model_path: Path | str, processes: int, pixel_dtype: torch.dtype | None) -> None:
+        if processes < 1:
+            raise ValueError("a Preprocessor needs at least one process")
+        dtype = str(pixel_dtype).removeprefix("torch.") if pixel_dtype is not None else None
+        self._processes = processes
+        self._pool = ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_init_child, initargs=(str(model_path), dtype))
+
+    async def start(self) -> None:
+        """Starts every process (spawn, imports, processor load) before the first request."""
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._pool, _ready) for _ in range(self._processes)))
+
+    async def prepare(self, item, adapter: str | None) -> tuple[WorkRequest, dict, list[VisionItem]]:
+        """(request without its decoded images, processor inputs, content keys) of a WorkItem."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _child_prepare, item.SerializeToString(), adapter)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

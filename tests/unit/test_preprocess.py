@@ -1,0 +1,110 @@
+"""Request preprocessing in spawned processes (services/worker/preprocess.py) on the tiny Qwen2-VL:
+the same inputs and content keys as on the worker's own thread, bad images as INVALID_ARGUMENT,
+and a worker serving through it answers like one without it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import multiprocessing
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from services.common.errors import InvalidArgument
+from services.common.server import build_service
+from services.worker.engine import Engine, EngineConfig
+from services.worker.model import ensure_tiny_model
+from services.worker.preprocess import Preprocessor, work_request_from_pb
+from services.worker.server import WorkerSettings, create_server
+from services.worker.testing import InMemoryAdapterStore
+from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
+from valora.v1 import types_pb2
+
+
+def png(seed: int, size: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def item(rid: str, *images: bytes, frames: tuple[bytes, ...] = ()) -> work_pb2.WorkItem:
+    videos = [types_pb2.Video(frames=[types_pb2.Image(data=f) for f in frames])] if frames else []
+    return work_pb2.WorkItem(request_id=rid, prompt="Describe the images.", videos=videos,
+                             images=[types_pb2.Image(data=d) for d in images],
+                             params=types_pb2.GenerationParams(max_new_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+
+
+def test_pool_prepares_what_the_thread_prepares_and_reports_bad_images(model):
+    eng = Engine(EngineConfig(model_path=model, device="cpu"))
+    pre = Preprocessor(model, 2, torch.bfloat16)  # a CUDA worker's pixel dtype: cast before hashing
+
+    async def run(items):
+        await pre.start()
+        return await asyncio.gather(*(pre.prepare(it, None) for it in items), return_exceptions=True)
+
+    try:
+        items = [item("a", png(1, 56), png(2, 84)), item("b", png(3, 56), frames=(png(4, 56), png(5, 56))),
+                 item("bad", b"not an image")]
+        got = asyncio.run(run(items))
+    finally:
+        pre.close()
+    for it, res in zip(items[:2], got[:2]):
+        work, inputs, vision = res
+        assert work.request_id == it.request_id and work.images == [] and work.prompt == it.prompt
+        want = eng.prepare(work_request_from_pb(it, None))  # on this thread (CPU: processor dtype)
+        assert set(inputs) == set(want.inputs)
+        for key, value in want.inputs.items():
+            if key.startswith("pixel_values"):
+                assert inputs[key].dtype == torch.bfloat16
+                assert torch.equal(inputs[key], value.to(torch.bfloat16))
+            else:
+                assert torch.equal(inputs[key], value), key
+        assert [(v.kind, v.start, v.end, v.grid) for v in vision] == [(v.kind, v.start, v.end, v.grid)
+                                                                        for v in want.vision]
+        assert len({v.key for v in vision}) == len(vision)
+        prep = eng.prepare(work, (inputs, vision))  # the engine takes the pool's output as is
+        assert prep.prompt_tokens == want.prompt_tokens and prep.image_tokens == want.image_tokens
+    err = got[2]
+    assert isinstance(err, InvalidArgument) and err.reason == "BAD_IMAGE"
+    assert err.field_violations and err.field_violations[0].field == "item.images[0]"
+
+
+def test_worker_serves_through_the_pool(model, tmp_path):
+    async def serve(processes: int):
+        settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
+                                  default_max_new_tokens=8, preprocess_processes=processes,
+                                  adapter_cache_dir=str(tmp_path / f"cache{processes}"))
+        store = build_service("store", settings, InMemoryAdapterStore({}).register)
+        await store.start()
+        settings.adapter_store_address = f"127.0.0.1:{store.port}"
+        worker = await create_server(settings)
+        await worker.start()
+        assert len(multiprocessing.active_children()) >= processes  # the pool started with the worker
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+                stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+                out = []
+                for it in (item("r1", png(7, 56)), item("r2", png(8, 84), png(9, 56))):
+                    async for msg in stub.Generate(worker_service_pb2.GenerateRequest(item=it)):
+                        if msg.HasField("result"):
+                            out.append((msg.result.text, msg.result.usage.output_tokens))
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    async for _ in stub.Generate(worker_service_pb2.GenerateRequest(item=item("x", b"\x00junk"))):
+                        pass
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                return out
+        finally:
+            await worker.stop(0)
+            await store.stop(0)
+
+    pooled = asyncio.run(serve(1))
+    assert pooled == asyncio.run(serve(0)) and all(0 < n <= 4 for _, n in pooled)
