@@ -130,6 +130,8 @@ def test_heuristic_configs_exist_in_the_menu():
     src = (Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "atmm_bf16.cu").read_text()
     shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
     expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
+    expand |= {(16, int(w)) for w in re.findall(r"EXPAND_FMA\(\d+, (\d+)\)", src)}  # CUDA-core: BT 16
+    assert (16, 512) in expand and (16, 1024) in expand
     gsrc = (Path(__file__).resolve().parents[2] / "kernels" / "csrc" / "grouped.cu").read_text()
     grouped = set(re.findall(r'"(grouped_bf16_\w+)"', gsrc)) | {""}
     for h_in, h_out in [(4096, 4096), (3584, 512), (18944, 3584)]:
@@ -151,6 +153,8 @@ def test_committed_tile_tables_name_compiled_configs():
     src = (root / "csrc" / "atmm_bf16.cu").read_text()
     shrink = {tuple(map(int, m)) for m in re.findall(r"SHRINK\((\d+), (\d+), (\d+), (\d+)\)", src)}
     expand = {tuple(map(int, m)) for m in re.findall(r"EXPAND\((\d+), (\d+)\)", src)}
+    expand |= {(16, int(w)) for w in re.findall(r"EXPAND_FMA\(\d+, (\d+)\)", src)}  # CUDA-core: BT 16
+    assert (16, 512) in expand and (16, 1024) in expand
     grouped = set(re.findall(r'"(grouped_\w+)"', (root / "csrc" / "grouped.cu").read_text())) | {""}
     fused = {tuple(map(int, m)) for m in re.findall(r"FUSED\((\d+), (\d+), (\d+), (\d+)\)", src)}
     from kernels.triton_sgmv import TRITON_MENU
