@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import io
 import json
 import os
@@ -43,6 +44,7 @@ if __package__ in (None, ""):  # `python bench/scale_bench.py`: the repo root is
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 from PIL import Image  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -297,6 +299,36 @@ def worker_engine_stats(addresses: list[str]) -> tuple[list[dict], list[dict]]:
     return steps, graphs
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each named cluster process and its live descendants (a worker's
+    preprocessing pool, tensor-parallel ranks) have used so far, and this process's own ("client":
+    the load generator, without the cluster it started)."""
+    own = psutil.Process().cpu_times()
+    out = {"client": own.user + own.system}
+    for name, pid in pids.items():
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        total = 0.0
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        out[name] = total
+    return out
+
+
+def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int, wall_s: float
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+    """(CPU ms per request, CPU cores busy) per process over the measured run: a front-end service
+    near one core (its asyncio loop) caps the cluster however many GPUs serve behind it."""
+    used = {k: after[k] - before[k] for k in after if k in before}
+    return ({k: round(v * 1e3 / max(1, requests), 3) for k, v in used.items()},
+            {k: round(v / wall_s, 3) if wall_s > 0 else 0.0 for k, v in used.items()})
+
+
 def log_tails(home: Path, chars: int = 1500) -> str:
     parts = []
     for log in sorted((home / "logs").glob("*.log")):
@@ -323,11 +355,16 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         measured = make_requests(args.requests, adapters, args.image_size, args.max_new_tokens, rng)
         if warm:
             asyncio.run(drive(c.gateway, warm, args.concurrency, 0.0, args.timeout_s, args.seed))
+        pids = {p.name: p.pid for p in c.processes}
+        cpu_before = cpu_seconds(pids)
         outcomes = asyncio.run(drive(c.gateway, measured, args.concurrency, args.rate, args.timeout_s, args.seed))
+        cpu_after = cpu_seconds(pids)
         steps, graphs = worker_engine_stats([p.address for p in c.by_service("worker")])
     finally:
         cluster_mod.stop_cluster(home)
     row = summarize(outcomes, workers, gpus)
+    row["service_cpu_ms_per_request"], row["service_cpu_cores"] = cpu_per_request(
+        cpu_before, cpu_after, len(outcomes), row["wall_s"])
     row.update(tp=args.tp, device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
                max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
                worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],

@@ -76,6 +76,12 @@ def test_rows_for_one_and_two_workers(model, tmp_path):
         # each worker's engine: its steps ran the model; no decode graphs on CPU workers by default
         assert len(r["worker_steps"]) == r["workers"] and all(w["steps"] > 0 for w in r["worker_steps"])
         assert r["worker_decode_graphs"] == [{}] * r["workers"]
+        # CPU per request of every process over the measured run (front-end headroom)
+        cpu = r["service_cpu_ms_per_request"]
+        assert set(cpu) == {"client", "adapter_store", "scheduler", "gateway",
+                            *(f"worker-{i}" for i in range(r["workers"]))}, cpu
+        assert all(cpu[k] > 0 for k in ("client", "gateway", "scheduler", "worker-0")), cpu
+        assert set(r["service_cpu_cores"]) == set(cpu)
     assert rows[0]["speedup"] == 1.0
     assert "req/s" in run.stdout  # the rich table
     assert processes_of(home) == []
