@@ -31,6 +31,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from kernels.tile_table import segment_bucket
 from services.worker.lora import LayerModule, LoraEntry, StepLora, group_tensors
 
 _OWN_EXPAND = ("", "cuda")  # tile-table backends whose expand is our kernel (the fold keeps the table's tiles)
@@ -169,7 +170,10 @@ class AtmmBackend:
             cols = self._fold_allocate(kind, need)
             if cols is None:
                 continue  # the step's entries do not fit the spare rows: unfolded
-            self.folded[kind] = (max(cols[s] + need[s] for s in slots), config, plan)
+            # GEMM width: the step's rows rounded up to a power of two, so another mix of the same
+            # entries mostly keeps the width (and the decode graph); the extra rows' x·A is unused
+            rows = max(cols[s] + need[s] for s in slots)
+            self.folded[kind] = (min(self.fold_rows, 1 << (rows - 1).bit_length()), config, plan)
             sig = (self._sync_version, tuple((s, cols[s]) for s in slots))
             if self._fold_sig.get(kind) == sig:
                 continue  # same entries in the same rows as the last step that wrote them
@@ -278,11 +282,17 @@ class AtmmBackend:
         self._sync_version += 1
 
     def launch_key(self) -> tuple:
-        """Everything on the host that the kernel launches of the current plan depend on (tile
-        choice, grid sizes, rank stride): steps with equal keys launch the same kernels, so a CUDA
-        graph captured for one replays correctly for the other (the plan's data is on the device)."""
+        """What a CUDA graph of the step's launches must match for a later plan: tokens and rank
+        strides (tensor shapes, workspace layout, the shrink's rank block), the folded kinds with
+        their GEMM widths and tiles, and the segment bucket that the tile table is keyed by.
+        Every backend's kernels read segments and tile offsets from the plan's device metadata and
+        walk their items grid-stride, so a graph captured for one adapter mix stays correct for any
+        other (`test_atmm_cuda_graph_replays_new_plans`); exact segment and tile counts only sized
+        the grids, and keying on them made every new mix an eager warm-up step and a capture
+        (16-17 new keys per ~235 decode steps of a served 7B worker, scale-7b-h200x2-27fd175.json)."""
         p = self.plan
-        return (p.num_tokens, p.num_segments, p.active_segments, p.rank_stride, tuple(sorted(p.tiles.items())),
+        # active > 0: without LoRA rows atmm_ launches nothing (and segment_bucket(0) == segment_bucket(1))
+        return (p.num_tokens, p.active_segments > 0, segment_bucket(p.active_segments), p.rank_stride,
                 tuple((name, self.group_plans[name].rank_stride) for name in sorted(self.grouped)),
                 tuple((kind, f[0], f[1]) for kind, f in sorted(self.folded.items())))
 

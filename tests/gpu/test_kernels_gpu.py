@@ -230,6 +230,43 @@ def test_atmm_cuda_graph_replays_new_plans():
         assert rel_err(out, reference(y, x, new_slots, a, b, scales)) < 4e-3
 
 
+def test_expand_xa_graph_replays_new_plans_every_expand():
+    """The folded projections' expand captured once per config and replayed for other adapter
+    mixes over the same tokens (other segment and tile counts than at capture): what lets the
+    decode graph key drop them (AtmmBackend.launch_key)."""
+    from kernels.reference import lora_expand_reference_
+
+    dt = torch.bfloat16
+    tokens, ranks, h_in, h_out = 32, [16, 16, 16, 16], 1024, 3584
+    a, b, scales, slots, x, y0, out, cols = _xa_case(tokens, ranks, h_in, h_out, dt, seed=21)
+    w = lora_weights_from_lists(a, b, scales)
+    plan = AtmmPlan(max_segments=16, max_tokens=tokens, device="cuda").update_from_token_slots(slots, w.ranks)
+    cols_dev = torch.tensor(cols + [0] * (w.num_slots - len(cols)), dtype=torch.int32, device="cuda")
+    for ex in [c for c in EXT.configs() if c["dtype"] == "bfloat16" and c["kind"] == "expand"]:
+        plan.update_from_token_slots(slots, w.ranks)
+        got = out.clone()
+
+        def launch():
+            EXT.atmm_expand_xa(got[:, :h_out], got[:, h_out:], cols_dev, plan.meta, plan.seg_cap, w.b_ptrs,
+                               w.rank_table, w.scale_table, plan.workspace, ex["id"], plan.rank_stride,
+                               plan.tiles[ex["bt"]], True)
+        launch()  # warm-up (attributes)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+        for seed in range(3):
+            rnd = random.Random(seed)
+            new_slots = sorted(rnd.choice([-1, 0, 1, 2, 3]) for _ in range(tokens))
+            plan.update_from_token_slots(new_slots, w.ranks)
+            got.copy_(out)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = lora_expand_reference_(y0.float().clone(), out[:, h_out:], cols, plan.segment_plan,
+                                          [t.float() for t in b], scales)
+            assert rel_err(got[:, :h_out], want) < 4e-3, (ex["name"], seed)
+
+
 # ---- fused single-launch kernels (kind "shrink" in the registry, launched through atmm_shrink) ----
 FUSED = [c for c in EXT.configs() if c["name"].startswith("fused_")]
 FUSED_RANKS = {1: [8, 16], 2: [8, 16, 24, 32], 4: [8, 16, 32, 64]}
