@@ -199,6 +199,28 @@ def test_incremental_detokenizer_never_splits_characters(engine):
     assert out == "Ünïcödé " and d.stopped
 
 
+def test_detokenizer_stream_and_window_paths_equal_a_full_decode(engine):
+    """Random token sequences (byte-level pieces that split characters, invalid UTF-8 included):
+    the deltas plus the final flush equal one full decode, on the fast tokenizer's DecodeStream
+    path and on the sliding-window path of tokenizers without a Rust backend."""
+    import random
+
+    tok = engine.tokenizer
+
+    class WindowOnly:  # no backend_tokenizer: the sliding-window path
+        def decode(self, *args, **kw):
+            return tok.decode(*args, **kw)
+
+    vocab = tok.backend_tokenizer.get_vocab_size()
+    for seed in range(200):
+        rng = random.Random(seed)
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        full = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        for t in (tok, WindowOnly()):
+            d = IncrementalDetokenizer(t)
+            assert "".join(d.push(i) for i in ids) + d.finish() == full, (seed, type(t).__name__)
+
+
 def test_queue_limit_and_bad_params(model_path):
     eng = Engine(EngineConfig(model_path=model_path, max_waiting=1, max_new_tokens_limit=16))
     eng.start()
