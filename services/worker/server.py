@@ -11,6 +11,7 @@ ends theirs; a follower process that dies takes health to NOT_SERVING too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import contextlib
 import time
@@ -30,6 +31,7 @@ from services.common.tracing import tracer_provider
 from services.worker.engine import Engine, EngineConfig
 from services.worker.preprocess import Preprocessor, work_request_from_pb
 from services.worker.registration import SchedulerRegistration
+from services.worker.relay import EventRelay
 from services.worker.requests import (
     Failed,
     Finished,
@@ -203,6 +205,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._closing = False
         self.followers: Followers | None = None  # tensor parallel: ranks 1..N-1 (tp_ranks.py)
         self.preprocessor: Preprocessor | None = None  # preprocess_processes > 0
+        self._event_relay: tuple[asyncio.AbstractEventLoop, EventRelay] | None = None
+
+    def _relay(self, loop: asyncio.AbstractEventLoop) -> EventRelay:
+        """The relay of engine events into this loop's request queues (one per loop)."""
+        if self._event_relay is None or self._event_relay[0] is not loop:
+            self._event_relay = (loop, EventRelay(loop))
+        return self._event_relay[1]
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -248,8 +257,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             prep = await loop.run_in_executor(None, lambda: engine.prepare(work_request_from_pb(item, adapter)))
         events: asyncio.Queue = asyncio.Queue()
 
-        def sink(ev) -> None:  # engine thread
-            loop.call_soon_threadsafe(events.put_nowait, ev)
+        sink = functools.partial(self._relay(loop).put, events)  # called on the engine thread
 
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
