@@ -12,6 +12,8 @@
     detokenizer.py   incremental detokenization and stop sequences
     sampling.py      greedy / temperature, top-k, top-p, seeded
     processor.py     Qwen2-VL processor (no torchvision), frames -> video patches, build_inputs
+    preprocess.py    WorkItem -> WorkRequest -> processor inputs, optionally in spawned processes
+    relay.py         engine-thread events to the request streams, one loop wake-up per burst
     vision.py        images/videos -> prompt embeddings, the image-feature cache by content hash
     model.py         loading the model; re-exports build_inputs
     tiny_model.py    the tiny Qwen2-VL built locally (python -m services.worker.tiny_model PATH)
