@@ -170,10 +170,11 @@ class AtmmBackend:
             cols = self._fold_allocate(kind, need)
             if cols is None:
                 continue  # the step's entries do not fit the spare rows: unfolded
-            # GEMM width: the step's rows rounded up to a power of two, so another mix of the same
-            # entries mostly keeps the width (and the decode graph); the extra rows' x·A is unused
+            # GEMM width: the step's rows rounded up to a multiple of 64 (at most the spare rows),
+            # so another mix of the same entries mostly keeps the width (and the decode graph);
+            # the extra rows' x·A is unused
             rows = max(cols[s] + need[s] for s in slots)
-            self.folded[kind] = (min(self.fold_rows, 1 << (rows - 1).bit_length()), config, plan)
+            self.folded[kind] = (min(self.fold_rows, -(-rows // 64) * 64), config, plan)
             sig = (self._sync_version, tuple((s, cols[s]) for s in slots))
             if self._fold_sig.get(kind) == sig:
                 continue  # same entries in the same rows as the last step that wrote them
