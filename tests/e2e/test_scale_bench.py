@@ -80,7 +80,8 @@ def test_rows_for_one_and_two_workers(model, tmp_path):
         cpu = r["service_cpu_ms_per_request"]
         assert set(cpu) == {"client", "adapter_store", "scheduler", "gateway",
                             *(f"worker-{i}" for i in range(r["workers"]))}, cpu
-        assert all(cpu[k] > 0 for k in ("client", "gateway", "scheduler", "worker-0")), cpu
+        # (CPU time counts in clock ticks: a light process may show 0 over this short run)
+        assert all(v >= 0 for v in cpu.values()) and cpu["gateway"] > 0 and cpu["worker-0"] > 0, cpu
         assert set(r["service_cpu_cores"]) == set(cpu)
     assert rows[0]["speedup"] == 1.0
     assert "req/s" in run.stdout  # the rich table
