@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from bench.common import COPY_BW, run_info, write_json
-from kernels.atmm import AtmmPlan, config_id, extension, lora_weights_from_lists
+from kernels.atmm import AtmmPlan, extension, lora_weights_from_lists
 from kernels.timing import time_graph
 
 # (name, h_in, h_out, rank): the projections (groups) of one Qwen2-VL-7B layer in the §3 workload

@@ -5,10 +5,7 @@ INTERNAL or UNKNOWN statuses, zero hangs (every call has a deadline well past it
 from __future__ import annotations
 
 import collections
-import hashlib
-import io
 import json
-import time
 from pathlib import Path
 
 import grpc
