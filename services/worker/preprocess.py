@@ -15,17 +15,21 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import structlog
 import torch
 
-from services.common.errors import invalid_field
+from services.common.errors import ValoraError, invalid_field
 from services.worker.processor import build_inputs, decode_image
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
 from valora.internal.v1 import work_pb2
 from valora.v1 import types_pb2
+
+log = structlog.get_logger()
 
 
 def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
@@ -96,15 +100,21 @@ def _child_prepare(item_bytes: bytes, adapter: str | None) -> tuple[WorkRequest,
 class Preprocessor:
     """A pool of `processes` spawned processes running `process_request` (each loads the model
     directory's processor once). `prepare` takes the request's WorkItem; errors raised in a
-    process (ValoraError: INVALID_ARGUMENT for a bad image) come back as they were raised."""
+    process (ValoraError: INVALID_ARGUMENT for a bad image) come back as they were raised. A
+    process that dies (killed, out of memory, a crash in a decoder) breaks the whole pool: it is
+    replaced, a request that met the broken pool is tried once more on the new one, and fails
+    INTERNAL if that pool breaks too (a request that kills its process every time)."""
 
     def __init__(self, model_path: Path | str, processes: int, pixel_dtype: torch.dtype | None) -> None:
         if processes < 1:
             raise ValueError("a Preprocessor needs at least one process")
-        dtype = str(pixel_dtype).removeprefix("torch.") if pixel_dtype is not None else None
         self._processes = processes
-        self._pool = ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_init_child, initargs=(str(model_path), dtype))
+        self._initargs = (str(model_path), str(pixel_dtype).removeprefix("torch.") if pixel_dtype is not None else None)
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=self._processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_child, initargs=self._initargs)
 
     async def start(self) -> None:
         """Starts every process (spawn, imports, processor load) before the first request."""
@@ -114,7 +124,18 @@ class Preprocessor:
     async def prepare(self, item, adapter: str | None) -> tuple[WorkRequest, dict, list[VisionItem]]:
         """(request without its decoded images, processor inputs, content keys) of a WorkItem."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _child_prepare, item.SerializeToString(), adapter)
+        data = item.SerializeToString()
+        for attempt in range(2):
+            pool = self._pool
+            try:
+                return await loop.run_in_executor(pool, _child_prepare, data, adapter)
+            except BrokenProcessPool:
+                if self._pool is pool:  # the first request to notice replaces it
+                    log.warning("preprocess_pool_broken", request_id=item.request_id, attempt=attempt)
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = self._new_pool()
+        raise ValoraError(f"request {item.request_id}: its preprocessing process died twice",
+                          reason="PREPROCESS_FAILED")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

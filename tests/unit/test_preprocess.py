@@ -78,6 +78,31 @@ def test_pool_prepares_what_the_thread_prepares_and_reports_bad_images(model):
     assert err.field_violations and err.field_violations[0].field == "item.images[0]"
 
 
+def test_a_dead_preprocessing_process_is_replaced(model):
+    """A killed pool process breaks the pool; the next request runs on a new one."""
+    import os
+    import signal
+
+    pre = Preprocessor(model, 1, None)
+
+    async def run():
+        await pre.start()
+        first = await pre.prepare(item("a", png(1, 56)), None)
+        before = multiprocessing.active_children()
+        for p in before:
+            os.kill(p.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        again = await pre.prepare(item("b", png(1, 56)), None)
+        return first, again, {p.pid for p in before}, {p.pid for p in multiprocessing.active_children()}
+
+    try:
+        first, again, old, now = asyncio.run(run())
+    finally:
+        pre.close()
+    assert torch.equal(first[1]["pixel_values"], again[1]["pixel_values"]) and again[0].request_id == "b"
+    assert old and not (old & now)  # served by a new process
+
+
 def test_worker_serves_through_the_pool(model, tmp_path):
     async def serve(processes: int):
         settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
