@@ -106,7 +106,7 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   say tp_bench
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = engine ]; then
-  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py \
+  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py tests/gpu/test_prefill_gpu.py \
     tests/gpu/test_decode_graphs_gpu.py tests/unit/test_engine.py tests/gpu/test_kernels_gpu.py ${GPU_TESTS:-} \
     -k "gpu or graphs or atmm or switcher" > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
   say tests
