@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.common import save
+from bench.scale_bench import random_png
 from services.worker.model import load_processor
 from services.worker.preprocess import Preprocessor, process_request, work_request_from_pb
-from services.worker.testing import random_image
 from services.worker.tiny_model import ensure_shape_model
 from valora.internal.v1 import work_pb2
 from valora.v1 import types_pb2
@@ -40,13 +40,9 @@ def engine_like_loop(seconds: float) -> int:
 
 
 def png_items(n: int, size: int) -> list[work_pb2.WorkItem]:
-    items = []
-    for i in range(n):
-        buf = io.BytesIO()
-        random_image(i, size=size).save(buf, "PNG")
-        items.append(work_pb2.WorkItem(request_id=f"r{i}", prompt="Describe the image.",
-                                       images=[types_pb2.Image(data=buf.getvalue())]))
-    return items
+    return [work_pb2.WorkItem(request_id=f"r{i}", prompt="Describe the image.",
+                              images=[types_pb2.Image(data=random_png(np.random.default_rng(i), size))])
+            for i in range(n)]
 
 
 def main() -> None:

@@ -78,10 +78,10 @@ class Bench:
 
     def _time(self, launch, ops=10, reps=10) -> float:
         """Median µs per op of `ops` launches over rotating input sets, replayed from one CUDA graph."""
-        return time_graph([lambda i=i: launch(*self.sets[i % self.nsets]) for i in range(ops)], reps=reps, warmup=1)
+        return self._time_sets(lambda i: launch(*self.sets[i]), ops, reps)
 
     def _time_sets(self, launch, ops=10, reps=10) -> float:
-        """As `_time`, for a launch that takes the input set's index."""
+        """As `_time`, for a launch that takes the input set's index (to reach per-set extras)."""
         return time_graph([lambda i=i: launch(i % self.nsets) for i in range(ops)], reps=reps, warmup=1)
 
     def _args(self, w, x, y, split_k):

@@ -76,13 +76,13 @@ _processor = None
 _pixel_dtype: torch.dtype | None = None
 
 
-def _init_child(model_path: str, pixel_dtype: str | None) -> None:
+def _init_child(model_path: str, pixel_dtype: torch.dtype | None) -> None:
     global _processor, _pixel_dtype
     from services.worker.model import load_processor  # noqa: PLC0415
 
     torch.set_num_threads(1)  # one request at a time per process; the pool is the parallelism
     _processor = load_processor(Path(model_path))
-    _pixel_dtype = getattr(torch, pixel_dtype) if pixel_dtype else None
+    _pixel_dtype = pixel_dtype
 
 
 def _ready() -> bool:
@@ -109,7 +109,7 @@ class Preprocessor:
         if processes < 1:
             raise ValueError("a Preprocessor needs at least one process")
         self._processes = processes
-        self._initargs = (str(model_path), str(pixel_dtype).removeprefix("torch.") if pixel_dtype is not None else None)
+        self._initargs = (str(model_path), pixel_dtype)
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:

@@ -205,13 +205,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._closing = False
         self.followers: Followers | None = None  # tensor parallel: ranks 1..N-1 (tp_ranks.py)
         self.preprocessor: Preprocessor | None = None  # preprocess_processes > 0
-        self._event_relay: tuple[asyncio.AbstractEventLoop, EventRelay] | None = None
-
-    def _relay(self, loop: asyncio.AbstractEventLoop) -> EventRelay:
-        """The relay of engine events into this loop's request queues (one per loop)."""
-        if self._event_relay is None or self._event_relay[0] is not loop:
-            self._event_relay = (loop, EventRelay(loop))
-        return self._event_relay[1]
+        self._event_relay: EventRelay | None = None  # engine events into the server loop's request queues
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -257,7 +251,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             prep = await loop.run_in_executor(None, lambda: engine.prepare(work_request_from_pb(item, adapter)))
         events: asyncio.Queue = asyncio.Queue()
 
-        sink = functools.partial(self._relay(loop).put, events)  # called on the engine thread
+        if self._event_relay is None:
+            self._event_relay = EventRelay(loop)
+        sink = functools.partial(self._event_relay.put, events)  # called on the engine thread
 
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining

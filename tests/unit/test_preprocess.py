@@ -5,14 +5,11 @@ and a worker serving through it answers like one without it."""
 from __future__ import annotations
 
 import asyncio
-import io
 import multiprocessing
 
 import grpc
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from services.common.errors import InvalidArgument
 from services.common.server import build_service
@@ -21,14 +18,9 @@ from services.worker.model import ensure_tiny_model
 from services.worker.preprocess import Preprocessor, work_request_from_pb
 from services.worker.server import WorkerSettings, create_server
 from services.worker.testing import InMemoryAdapterStore
+from tests.unit.test_worker_server import png
 from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
 from valora.v1 import types_pb2
-
-
-def png(seed: int, size: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def item(rid: str, *images: bytes, frames: tuple[bytes, ...] = ()) -> work_pb2.WorkItem:
