@@ -8,7 +8,7 @@
 #   (engine: SEARCH=1 [BEFORE_SEARCH=1: the engine on the committed table first] SEARCH_SHAPES/RANKS/TOKENS
 #    or SEARCH_SPECS="HxN:RANK ..." with SEARCH_TOKENS, SEARCH_BUDGET_S,
 #    SKIP_EXPAND=1 skips bench/expand_bench.py)
-#   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU tests, 7B worker scaling, TP worker,
+#   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU tests (+GPU_TESTS), 7B worker scaling, TP worker,
 #                                                     # 13B-like engine at TP 1 and N, 13B-shape TP layer bench
 set -uo pipefail
 MODE=${1:?kernels|engine|profile|layers|multigpu}
@@ -63,7 +63,7 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   NGPU=${NGPU:-2}
   nvidia-smi topo -m >> "$LOG" 2>&1
   [ -n "${SKIP_TESTS:-}" ] || timeout -s INT "${TESTS_S:-200}" python3 -m pytest -q -s -p no:cacheprovider \
-    tests/gpu/test_tp_engine_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
+    tests/gpu/test_tp_engine_gpu.py ${GPU_TESTS:-} ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" | tee -a "$LOG"
   say tests
   # 7B workers, one per GPU (the issue's scaling), then one worker over all NGPU GPUs (tensor parallel)
   W=1; WS=1; while [ $(( W * 2 )) -le "$NGPU" ]; do W=$(( W * 2 )); WS="$WS,$W"; done
@@ -77,7 +77,8 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
         -f raw -o "$OUT/worker-pyspy.txt" --pid "$P" ) > "$OUT/pyspy.log" 2>&1 &
     PYSPY_PID=$!
   fi
-  SCALE="--device cuda --arch qwen2-vl-7b --atmm --requests ${REQUESTS:-256} --concurrency ${CONC:-64} --image-size 448 --max-batch-size 32 --env VALORA_MAX_PREFILLS_PER_STEP=8"
+  # SCALE_ARGS: more scale_bench options, e.g. "--load-per-worker" (concurrency, requests per worker)
+  SCALE="--device cuda --arch qwen2-vl-7b --atmm --requests ${REQUESTS:-256} --concurrency ${CONC:-64} --image-size 448 --max-batch-size 32 --env VALORA_MAX_PREFILLS_PER_STEP=8 ${SCALE_ARGS:-}"
   top -b -d 2 -c -w 200 -o %CPU | awk '/^top -/{n=0} n++ < 24 {print; fflush()}' > "$OUT/top.log" 2>&1 &  # who saturates
   TOP=$!
   timeout -s TERM 240 python3 -m bench.scale_bench $SCALE --workers "$WS" --out "bench/results/scale-7b-h200x$NGPU-$SUF.json" \
@@ -97,7 +98,7 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   say scale_bench_tp
   # the engine itself (decode CUDA graphs with the all-reduces inside) on the 13B-like shape, TP 1 then NGPU
   [ -n "${SKIP_ENGINE_TP:-}" ] || for t in 1 "$NGPU"; do
-    timeout 300 python3 -m bench.engine_bench --arch qwen2-vl-13b-like --tp "$t" --reps "${REPS:-3}" \
+    timeout 300 python3 -m bench.engine_bench --arch qwen2-vl-13b-like --tp "$t" --reps "${REPS:-3}" --skip-peer \
       --name "engine-13b-tp$t-h200x$NGPU-$SUF" 2>&1 | grep -v -E "Loading|Writing" | tail -8 | tee -a "$LOG"
     say "engine_bench tp $t"
   done

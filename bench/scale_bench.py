@@ -5,7 +5,10 @@ loopback gRPC, `valora.cluster.start_cluster`) is started, a few random adapters
 the gateway's admin API, a warm-up runs, then generation requests with images (a distinct image per
 request, adapters round-robin) go through the public InferenceService, closed loop (--concurrency
 requests in flight) or open loop (--rate: Poisson arrivals). The cluster is stopped before the next N,
-and on any failure or SIGTERM/SIGINT.
+and on any failure or SIGTERM/SIGINT. With --load-per-worker the offered load (concurrency or rate,
+requests, warm-up) is per worker: N workers get N times it, so each count is measured at the same
+per-worker saturation (a fixed total concurrency leaves each of N workers 1/N of the queue, which
+measures latency under a load rather than capacity).
 
 Rows `{"gpus", "workers", "throughput_rps", "mean_ms", "p99_ms", ...}` go to
 bench/results/scale-<device>-<commit>.json (and $OUT when set). `gpus` is the number of distinct GPUs
@@ -15,6 +18,7 @@ i % (visible GPUs, or --gpus) through its own CUDA_VISIBLE_DEVICES.
     python -m bench.scale_bench --workers 1,2 --requests 40 --concurrency 8            # CPU, tiny model
     python -m bench.scale_bench --device cuda --workers 1,2,4 --requests 400 --concurrency 32
     python -m bench.scale_bench --device cuda --arch qwen2-vl-7b --atmm --workers 1,2 --image-size 448  # 7B workers
+    python -m bench.scale_bench --device cuda --arch qwen2-vl-7b --atmm --workers 1,2 --load-per-worker  # capacity
     python -m bench.scale_bench --device cuda --arch qwen2-vl-7b --atmm --workers 1 --tp 2             # a TP worker
     valora bench scale --help                                                          # the same options
 """
@@ -100,6 +104,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     p.add_argument("--concurrency", type=int, default=16, help="Closed loop: requests in flight.")
     p.add_argument("--rate", type=float, default=0.0, help="Open loop: Poisson arrivals at this rate (req/s), "
                    "no cap on requests in flight; 0 = closed loop.")
+    p.add_argument("--load-per-worker", action="store_true", help="--concurrency/--rate, --requests and --warmup "
+                   "are per worker: N workers are offered N times them (capacity scaling at equal saturation).")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--adapters", type=int, default=4, help="Random adapters registered; requests round-robin.")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters.")
@@ -336,7 +342,14 @@ def log_tails(home: Path, chars: int = 1500) -> str:
     return "\n".join(parts)
 
 
+def offered_load(args: argparse.Namespace, workers: int) -> tuple[int, float, int, int]:
+    """(concurrency, rate, measured requests, warm-up requests) offered to a cluster of `workers`."""
+    k = workers if args.load_per_worker else 1
+    return args.concurrency * k, args.rate * k, args.requests * k, args.warmup * k
+
+
 def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path, gpu_ids: list[str]) -> dict:
+    concurrency, rate, n_requests, n_warmup = offered_load(args, workers)
     threads = args.threads_per_worker
     if threads < 0:
         threads = max(1, (os.cpu_count() or 1) // workers)
@@ -351,13 +364,13 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s)  # polled healthy, not just up
         startup_s = time.perf_counter() - t0
         adapters = register_adapters(c.gateway, model_path, args.adapters, args.rank, args.seed)
-        warm = make_requests(args.warmup, adapters, args.image_size, args.max_new_tokens, rng)
-        measured = make_requests(args.requests, adapters, args.image_size, args.max_new_tokens, rng)
+        warm = make_requests(n_warmup, adapters, args.image_size, args.max_new_tokens, rng)
+        measured = make_requests(n_requests, adapters, args.image_size, args.max_new_tokens, rng)
         if warm:
-            asyncio.run(drive(c.gateway, warm, args.concurrency, 0.0, args.timeout_s, args.seed))
+            asyncio.run(drive(c.gateway, warm, concurrency, 0.0, args.timeout_s, args.seed))
         pids = {p.name: p.pid for p in c.processes}
         cpu_before = cpu_seconds(pids)
-        outcomes = asyncio.run(drive(c.gateway, measured, args.concurrency, args.rate, args.timeout_s, args.seed))
+        outcomes = asyncio.run(drive(c.gateway, measured, concurrency, rate, args.timeout_s, args.seed))
         cpu_after = cpu_seconds(pids)
         steps, graphs = worker_engine_stats([p.address for p in c.by_service("worker")])
     finally:
@@ -365,7 +378,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     row = summarize(outcomes, workers, gpus)
     row["service_cpu_ms_per_request"], row["service_cpu_cores"] = cpu_per_request(
         cpu_before, cpu_after, len(outcomes), row["wall_s"])
-    row.update(tp=args.tp, device=args.device, dtype=args.dtype, concurrency=args.concurrency, rate=args.rate,
+    row.update(tp=args.tp, device=args.device, dtype=args.dtype, concurrency=concurrency, rate=rate,
                max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
                worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],
                threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)), worker_steps=steps,
@@ -375,6 +388,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
 
 def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None:
     load = f"open loop {args.rate:g} req/s" if args.rate > 0 else f"closed loop, concurrency {args.concurrency}"
+    if args.load_per_worker:
+        load += " per worker"
     tp = f" tensor parallel {args.tp}," if args.tp > 1 else ""
     table = Table(title=f"scale: {args.device} {args.dtype}, {model.name},{tp} {load}, {args.max_new_tokens} new "
                         f"tokens, {args.adapters} adapters r{args.rank}")
@@ -406,6 +421,7 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model:
 
     info = {**run_info(), "bench": "scale", "device": args.device, "dtype": args.dtype, "model": str(model),
             "requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency, "rate": args.rate,
+            "load_per_worker": args.load_per_worker,
             "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "rank": args.rank,
             "image_size": args.image_size, "max_batch_size": args.max_batch_size, "policy": args.policy,
             "atmm": args.atmm, "arch": args.arch, "tp": args.tp, "env": dict(args.env), "threads_per_worker": args.threads_per_worker,
@@ -428,7 +444,7 @@ def _raise_on_sigterm(signum, frame):  # noqa: ARG001
 def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench") -> int:
     args = parse_args(argv, prog)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    if args.rate <= 0 and args.concurrency < max(args.workers):
+    if args.rate <= 0 and not args.load_per_worker and args.concurrency < max(args.workers):
         console.print(f"[yellow]concurrency {args.concurrency} < {max(args.workers)} workers: some stay idle")
     if args.arch:
         from services.worker.tiny_model import ensure_shape_model
@@ -453,9 +469,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
     try:
         for n in args.workers:
             sub = home / f"w{n}"
+            _, _, n_requests, n_warmup = offered_load(args, n)
             try:
                 with console.status(f"{n} worker{'s' if n > 1 else ''} on {args.device}: start, register, "
-                                    f"{args.warmup} warm-up + {args.requests} requests…"):
+                                    f"{n_warmup} warm-up + {n_requests} requests…"):
                     row = run_one(n, args, model, sub, gpu_ids)
             except Exception as err:  # noqa: BLE001 - reported, the other worker counts still run
                 console.print(f"[red]{n} workers failed: {err!r}; logs under {sub / 'logs'}:\n{log_tails(sub)}")

@@ -53,16 +53,19 @@ def processes_of(home: Path) -> list[int]:
 
 def test_rows_for_one_and_two_workers(model, tmp_path):
     home, out = tmp_path / "home", tmp_path / "scale.json"
-    requests = 12
-    run = subprocess.run(bench(model, home, out, "--workers", "1,2", "--requests", str(requests),
-                               "--concurrency", "4", "--warmup", "4"),
+    per_worker = 6  # --load-per-worker: 2 workers get 12 requests at concurrency 4
+    run = subprocess.run(bench(model, home, out, "--workers", "1,2", "--requests", str(per_worker),
+                               "--concurrency", "2", "--warmup", "2", "--load-per-worker"),
                          cwd=REPO, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [r["workers"] for r in rows] == [1, 2] and data["failures"] == []
-    assert data["info"]["device"] == "cpu" and data["info"]["requests"] == requests
+    assert data["info"]["device"] == "cpu" and data["info"]["requests"] == per_worker
+    assert data["info"]["load_per_worker"] is True
     for r in rows:
+        requests = per_worker * r["workers"]
+        assert r["concurrency"] == 2 * r["workers"]
         assert all(k in r for k in ROW_KEYS), r
         assert r["gpus"] == 0  # CPU workers
         assert r["requests"] == r["ok"] == requests and r["failed"] == 0 and r["errors"] == {}, r
