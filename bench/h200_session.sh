@@ -68,12 +68,23 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   # 7B workers, one per GPU (the issue's scaling), then one worker over all NGPU GPUs (tensor parallel)
   W=1; WS=1; while [ $(( W * 2 )) -le "$NGPU" ]; do W=$(( W * 2 )); WS="$WS,$W"; done
   WS=${WORKERS:-$WS}
-  if [ -n "${PYSPY:-}" ]; then  # the first worker's threads sampled by py-spy (.whl) over warm-up and the measured run
-    # waits for PYSPY_WORKERS (default: the largest count) worker processes, i.e. the run with the most workers,
-    # then PYSPY_DELAY s of start-up and warm-up; then the busiest worker by CPU (the first and the newest
-    # were both seen idle: an earlier run's worker still alive, a worker the run never routed to)
-    ( n=${PYSPY_WORKERS:-$NGPU}; for _ in $(seq 300); do [ "$(pgrep -fc "m services.worker")" -ge "$n" ] && break; sleep 1; done
-      sleep "${PYSPY_DELAY:-35}"; P=$(ps -o pid= --sort=-pcpu -p "$(pgrep -d, -f "m services.worker")" | head -1 | tr -d ' '); /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-30}" \
+  if [ -n "${PYSPY:-}" ]; then  # the busiest worker's threads sampled by py-spy (.whl) while it serves
+    # once the run with PYSPY_WORKERS (default: the largest count) workers starts its measured requests
+    # (scale_bench writes their pids to $MARK/measuring-N; fixed delays caught idle workers), PYSPY_DELAY s
+    # more, then the one with the most CPU over one second
+    MARK=/tmp/scale_marks; rm -rf "$MARK"; mkdir -p "$MARK"; export SCALE_BENCH_MARK_DIR=$MARK
+    ( f=$MARK/measuring-${PYSPY_WORKERS:-$NGPU}; for _ in $(seq 900); do [ -s "$f" ] && break; sleep 1; done
+      sleep "${PYSPY_DELAY:-1}"
+      P=$(python3 -c 'import sys, time
+pids = open(sys.argv[1]).read().split()
+def cpu(p):
+    try:
+        f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        return int(f[11]) + int(f[12])
+    except OSError:
+        return 0
+a = {p: cpu(p) for p in pids}; time.sleep(1); print(max(pids, key=lambda p: cpu(p) - a[p]))' "$f")
+      echo "sampling worker $P"; /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-15}" \
         -f raw -o "$OUT/worker-pyspy.txt" --pid "$P" ) > "$OUT/pyspy.log" 2>&1 &
     PYSPY_PID=$!
   fi
@@ -98,7 +109,7 @@ elif [ "$MODE" = multigpu ]; then  # issue 10 on a host of NGPU (default 2) GPUs
   say scale_bench_tp
   # the engine itself (decode CUDA graphs with the all-reduces inside) on the 13B-like shape, TP 1 then NGPU
   [ -n "${SKIP_ENGINE_TP:-}" ] || for t in 1 "$NGPU"; do
-    timeout 300 python3 -m bench.engine_bench --arch qwen2-vl-13b-like --tp "$t" --reps "${REPS:-3}" --skip-peer \
+    timeout "${ENGINE_TP_S:-300}" python3 -m bench.engine_bench --arch qwen2-vl-13b-like --tp "$t" --reps "${REPS:-3}" --skip-peer \
       --name "engine-13b-tp$t-h200x$NGPU-$SUF" 2>&1 | grep -v -E "Loading|Writing" | tail -8 | tee -a "$LOG"
     say "engine_bench tp $t"
   done

@@ -30,7 +30,9 @@ import asyncio
 import collections
 import contextlib
 import io
+import itertools
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -40,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,17 +181,36 @@ def register_adapters(gateway: str, model_path: Path, count: int, rank: int, see
     return refs
 
 
-def make_requests(n: int, adapters: list[str], image_size: int, max_new_tokens: int,
-                  rng: np.random.Generator) -> list[inf_pb.InferRequest]:
-    out = []
-    for i in range(n):
-        inp = inf_pb.InferenceInput(
-            prompt=f"Describe picture {i} in a few words.", images=[types_pb2.Image(data=random_png(rng, image_size))],
-            output_kind=types_pb2.OUTPUT_KIND_TEXT, params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens))
+def _seeded_png(seed: int, size: int) -> bytes:
+    return random_png(np.random.default_rng(seed), size)
+
+
+def random_pngs(n: int, size: int, rng: np.random.Generator) -> list[bytes]:
+    """n distinct random PNGs (distinct: the worker's feature cache must not serve them), one
+    seed each from rng. Encoding one 448 px image takes ~40 ms, so many go to a process pool."""
+    seeds = [int(s) for s in rng.integers(0, 2**63, size=n)]
+    procs = min(os.cpu_count() or 1, 16)
+    if n < 64 or procs < 2:
+        return [_seeded_png(s, size) for s in seeds]
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_seeded_png, seeds, itertools.repeat(size), chunksize=16))
+
+
+def make_requests(n: int, image_size: int, max_new_tokens: int, rng: np.random.Generator
+                  ) -> list[inf_pb.InferRequest]:
+    """n requests, each with its own random image, made before the cluster starts (not while its
+    GPUs idle); adapters come later (use_adapters)."""
+    return [inf_pb.InferRequest(request_id=uuid.uuid4().hex, input=inf_pb.InferenceInput(
+        prompt=f"Describe picture {i} in a few words.", images=[types_pb2.Image(data=png)],
+        output_kind=types_pb2.OUTPUT_KIND_TEXT, params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens)))
+        for i, png in enumerate(random_pngs(n, image_size, rng))]
+
+
+def use_adapters(requests: list[inf_pb.InferRequest], adapters: list[str]) -> None:
+    """Adapters round-robin over the requests (none: the base model)."""
+    for i, r in enumerate(requests):
         if adapters:
-            inp.adapter = adapters[i % len(adapters)]
-        out.append(inf_pb.InferRequest(input=inp, request_id=uuid.uuid4().hex))
-    return out
+            r.input.adapter = adapters[i % len(adapters)]
 
 
 @dataclass
@@ -356,6 +378,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, args.dtype, threads if args.device == "cpu" else 0,
                                 args.tp)
     rng = np.random.default_rng(args.seed + workers)
+    warm = make_requests(n_warmup, args.image_size, args.max_new_tokens, rng)
+    measured = make_requests(n_requests, args.image_size, args.max_new_tokens, rng)
     t0 = time.perf_counter()
     try:
         c = cluster_mod.start_cluster(home, workers=workers, model_path=model_path, env=service_env(args, home),
@@ -364,11 +388,14 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s)  # polled healthy, not just up
         startup_s = time.perf_counter() - t0
         adapters = register_adapters(c.gateway, model_path, args.adapters, args.rank, args.seed)
-        warm = make_requests(n_warmup, adapters, args.image_size, args.max_new_tokens, rng)
-        measured = make_requests(n_requests, adapters, args.image_size, args.max_new_tokens, rng)
+        use_adapters(warm, adapters)
+        use_adapters(measured, adapters)
         if warm:
             asyncio.run(drive(c.gateway, warm, concurrency, 0.0, args.timeout_s, args.seed))
         pids = {p.name: p.pid for p in c.processes}
+        if os.environ.get("SCALE_BENCH_MARK_DIR"):  # tells profilers (h200_session.sh's py-spy) when and whom
+            Path(os.environ["SCALE_BENCH_MARK_DIR"], f"measuring-{workers}").write_text(
+                "\n".join(str(p.pid) for p in c.by_service("worker")) + "\n")
         cpu_before = cpu_seconds(pids)
         outcomes = asyncio.run(drive(c.gateway, measured, concurrency, rate, args.timeout_s, args.seed))
         cpu_after = cpu_seconds(pids)
