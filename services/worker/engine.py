@@ -90,7 +90,7 @@ from services.worker.sampling import choose_token
 from services.worker.switcher import Switcher
 from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
 from services.worker.preprocess import process_request
-from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels
+from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, without_pixels
 
 log = structlog.get_logger()
 
@@ -242,7 +242,8 @@ class Engine:
         self.graphs = None
         if config.decode_graphs == "static" or (config.decode_graphs == "auto" and self.device.type == "cuda"):
             self.graphs = DecodeGraphs(self.model, self.runtime, self.device, capture=config.decode_graphs == "auto")
-        self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype)
+        self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
+                                    self.tp)
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self._wake = threading.Condition()
         self._incoming: collections.deque[_Seq] = collections.deque()
@@ -595,15 +596,16 @@ class Engine:
             now = time.monotonic()
             halts = {s.id: s.handle.cancelled for s in (*new, *self._waiting, *self._prefill, *self._running)
                      if s.handle.cancelled or s.handle.expired(now)}
-            # Followers need no raw images (the prepared inputs hold the pixels) and no sinks.
-            msg = ([(s.id, dataclasses.replace(s.prep, request=dataclasses.replace(s.req, images=[], videos=[])))
+            # Followers need no raw images, no pixels (the vision encoder broadcasts those it
+            # encodes) and no sinks.
+            msg = ([(s.id, dataclasses.replace(s.prep, request=dataclasses.replace(s.req, images=[], videos=[]),
+                                               inputs=without_pixels(s.prep.inputs)))
                     for s in new],
                    [(fn.__name__, args) for fn, args, _, _ in commands], halts, self._stop.is_set())
         got = self.tp.broadcast_object(msg)
         if not self.leader:
             new = []
             for sid, prep in got[0]:
-                stage_pixels(prep.inputs, self.device, self.dtype)  # pinned memory does not survive pickling
                 handle = RequestHandle(prep.request.request_id, self._wake)  # never cancelled: halts say
                 new.append(_Seq(id=sid, prep=prep, sink=None, handle=handle))
             commands = [(getattr(self, name), args, None, {}) for name, args in got[1]]
