@@ -857,7 +857,7 @@ class Engine:
         embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
         for i, (e, n) in enumerate(zip(row_embeds, lengths)):
             embeds[i, :n] = e[0]
-        cache = new_cache(self.text_config, stacked=True)
+        cache = new_cache(self.text_config)
         self.runtime.step = self._plan(rows, width)
         self.peak_prefill_rows = max(self.peak_prefill_rows, b)
         try:

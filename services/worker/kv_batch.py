@@ -16,12 +16,6 @@ stack is copied from views of the old one) and reused while big enough. Stable b
 lets a captured CUDA graph of the decode step (decode_graphs.py) be replayed across re-packs.
 In that graph a layer writes the new token at a device-side index (`static_index`) and attends
 over the whole capacity under a mask, so the step's shapes do not change as the cache grows.
-
-Every layer's keys and values of an arena, and of a prefill's batch cache (`new_cache(stacked=
-True)`), are slices of one tensor (2, layers, rows, kv_heads, capacity, head_dim). A row then
-moves into the new stack with one copy for all layers (`all_layers`) instead of two per layer: a
-re-pack of 32 rows of a 28-layer model was 1792 copies launched from Python, ~35% of the engine
-thread's time in a serving worker (py-spy, bench/results/worker-pyspy-summary-fdbdeb8.txt).
 """
 
 from __future__ import annotations
@@ -42,8 +36,6 @@ class GrowingLayer(DynamicLayer):
     kbuf: torch.Tensor | None = None
     vbuf: torch.Tensor | None = None
     length = 0
-    # (the cache's _Stack, this layer's index): the first update takes its buffers from the stack
-    stack: tuple["_Stack", int] | None = None
     # Set by decode_graphs for one step: write the token at this device index (a (1,) long tensor)
     # and return the whole buffers (the caller masks positions past `length`).
     static_index: torch.Tensor | None = None
@@ -80,9 +72,6 @@ class GrowingLayer(DynamicLayer):
             self.vbuf.index_copy_(2, self.static_index, value_states)
             return self.kbuf, self.vbuf
         n, add = self.length, key_states.shape[-2]
-        if self.kbuf is None and self.stack is not None:
-            stack, index = self.stack
-            self.kbuf, self.vbuf = stack.buffers(index, key_states, value_states)
         if self.kbuf is None or n + add > self.kbuf.shape[-2]:
             cap = n + add if n == 0 else 2 * (n + add)
             shape = (*key_states.shape[:2], cap, key_states.shape[-1])
@@ -102,52 +91,10 @@ class GrowingLayer(DynamicLayer):
         return self.kbuf.numel() * self.kbuf.element_size() * 2
 
 
-class _Stack:
-    """One (2, layers, *key shape) tensor for a cache's layers, made at the first layer's first
-    update: a prefill's layers all take the same tokens, so each gets exactly its share."""
-
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
-        self.big: torch.Tensor | None = None
-
-    def buffers(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        if key_states.shape != value_states.shape or key_states.dtype != value_states.dtype:
-            return None, None  # keys and values of different shapes: per-layer buffers
-        if self.big is None:
-            self.big = key_states.new_empty((2, self.layers, *key_states.shape))
-        elif self.big.shape[2:] != key_states.shape:
-            return None, None
-        return self.big[0, index], self.big[1, index]
-
-
-def new_cache(config, stacked: bool = False) -> DynamicCache:
-    """An empty cache of GrowingLayers; stacked: their first buffers are one tensor (_Stack)."""
+def new_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() for _ in cache.layers]
-    if stacked:
-        stack = _Stack(len(cache.layers))
-        for i, layer in enumerate(cache.layers):
-            layer.stack = (stack, i)
     return cache
-
-
-def all_layers(kv: KV) -> torch.Tensor | None:
-    """One (2, layers, *shape) view over a row's keys and values of every layer when they are
-    equally spaced slices of one tensor (an arena or a stacked prefill cache), else None."""
-    k0, v0 = kv[0]
-    size = k0.element_size()
-    base, storage = k0.data_ptr(), k0.untyped_storage().data_ptr()
-    kv_step = v0.data_ptr() - base
-    layer_step = kv[1][0].data_ptr() - base if len(kv) > 1 else 0
-    if kv_step <= 0 or layer_step < 0 or kv_step % size or layer_step % size:
-        return None
-    for i, (k, v) in enumerate(kv):
-        if (k.data_ptr() != base + i * layer_step or v.data_ptr() != base + kv_step + i * layer_step
-                or k.shape != k0.shape or v.shape != k0.shape or k.stride() != k0.stride()
-                or v.stride() != k0.stride() or k.dtype != k0.dtype or v.dtype != k0.dtype
-                or k.untyped_storage().data_ptr() != storage or v.untyped_storage().data_ptr() != storage):
-            return None
-    return k0.as_strided((2, len(kv), *k0.shape), (kv_step // size, layer_step // size, *k0.stride()))
 
 
 def cache_from_buffers(config, bufs: KV, length: int) -> DynamicCache:
@@ -192,7 +139,6 @@ class DecodeBatch:
         self.width = 0  # positions of the stacked cache (the longest row's length)
         self.cache: DynamicCache | None = None
         self._arenas: list[KV | None] = [None, None]
-        self._bigs: list[torch.Tensor | None] = [None, None]  # each arena's one tensor (None: per layer)
         self._current = 0
         self._static: dict[int, DynamicCache] = {}  # bucket rows -> cache over the arena's first rows
 
@@ -221,14 +167,10 @@ class DecodeBatch:
         width = self.width = max(self.lengths)
         first = kvs[rows[0]]
         stacked = self._arena(len(rows), width + self.headroom, first)
-        big = self._bigs[self._current]
-        for i, sid in enumerate(rows):
-            n, kv = self.lengths[i], kvs[sid]
-            src = all_layers(kv) if big is not None else None
-            if src is not None:  # one copy for every layer's keys and values
-                big[:, :, i:i + 1, :, width - n:width] = src[:, :, :, :, -n:]
-                continue
-            for (ks, vs), (k, v) in zip(stacked, kv):
+        for li, (ks, vs) in enumerate(stacked):
+            for i, sid in enumerate(rows):
+                k, v = kvs[sid][li]
+                n = self.lengths[i]
                 ks[i, :, width - n:width] = k[0, :, -n:]
                 vs[i, :, width - n:width] = v[0, :, -n:]
         self.cache = cache_from_buffers(self.config, stacked, width)
@@ -283,32 +225,22 @@ class DecodeBatch:
                     or a0.dtype != k0.dtype or a0.device != k0.device or len(arena) != len(like)):
                 arena = None
         if arena is None:
-            self._arenas[self._current] = self._bigs[self._current] = None  # free them before allocating
+            self._arenas[self._current] = None  # free it before allocating the new one
             cap, r = max(self.MIN_CAPACITY, 1 << (need - 1).bit_length()), 1 << (rows - 1).bit_length()
-            if all(k.shape[1:] == v.shape[1:] == k0.shape[1:] and k.dtype == v.dtype for k, v in like):
-                big = k0.new_zeros((2, len(like), r, k0.shape[1], cap, k0.shape[3]))
-                arena = [(big[0, i], big[1, i]) for i in range(len(like))]
-                self._bigs[self._current] = big
-            else:
-                arena = [(k.new_zeros((r, k.shape[1], cap, k.shape[3])), v.new_zeros((r, v.shape[1], cap, v.shape[3])))
-                         for k, v in like]
+            arena = [(k.new_zeros((r, k.shape[1], cap, k.shape[3])), v.new_zeros((r, v.shape[1], cap, v.shape[3])))
+                     for k, v in like]
             self._arenas[self._current] = arena
             return [(k[:rows], v[:rows]) for k, v in arena]
         views = [(k[:rows], v[:rows]) for k, v in arena]
-        big = self._bigs[self._current]
-        if big is not None:  # masked positions must hold finite values (0 x NaN is NaN)
-            big[:, :, :rows].zero_()
-        else:
-            for k, v in views:
-                k.zero_()
-                v.zero_()
+        for k, v in views:  # masked positions must hold finite values (0 x NaN is NaN)
+            k.zero_()
+            v.zero_()
         return views
 
     def release(self) -> None:
         """Frees the arenas (no rows left)."""
         self.pack([], {}, {})
         self._arenas = [None, None]
-        self._bigs = [None, None]
 
     def advance(self) -> None:
         """After a decode step: every row cached one more token."""
