@@ -7,7 +7,9 @@ its engine core apart from the frontend's preprocessing, a worker can run it in 
 (`Preprocessor`, VALORA_PREPROCESS_PROCESSES): the worker process then only receives tensors.
 `python -m bench.prepare_gil` measures it: on 2 cores an engine-like loop kept 0.69 of its speed
 beside one preparing thread, 0.86 beside one preparing process
-(bench/results/prepare-gil-cpu2-2026-11-29.json).
+(bench/results/prepare-gil-cpu2-2026-11-29.json). But on the H200 host a 7B worker with 4 such
+processes served 18.7 req/s instead of 36.6, its decode p90 84-140 ms instead of 8
+(bench/results/scale-7b-h200x2-0bb1dc8-VALORA_PREPROCESS_PROCESSES.json): off by default.
 """
 
 from __future__ import annotations
