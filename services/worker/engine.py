@@ -933,12 +933,9 @@ class Engine:
             rows = sorted(self._running, key=self._lora_key)
             if not rows:
                 return
-        if [s.id for s in rows] != self._batch.rows:
-            kvs = self._batch.unpack()
-            for s in rows:
-                if s.kv is not None:
-                    kvs[s.id] = s.kv
-            self._batch.pack([s.id for s in rows], kvs, {s.id: s.length for s in rows})
+        if [s.id for s in rows] != self._batch.rows:  # joining rows bring their caches; the rest stay
+            self._batch.pack([s.id for s in rows], {s.id: s.kv for s in rows if s.kv is not None},
+                             {s.id: s.length for s in rows})
             for s in rows:
                 s.kv = None
         b = len(rows)

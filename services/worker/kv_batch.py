@@ -16,6 +16,12 @@ stack is copied from views of the old one) and reused while big enough. Stable b
 lets a captured CUDA graph of the decode step (decode_graphs.py) be replayed across re-packs.
 In that graph a layer writes the new token at a device-side index (`static_index`) and attends
 over the whole capacity under a mask, so the step's shapes do not change as the cache grows.
+
+A re-pack moves the rows that stay in the batch straight from the current stack: they are all
+right-aligned at the old width, so each run of rows consecutive in both stacks is one slice copy
+per layer (two per layer and row before: 1792 copies launched from Python for 32 rows of the 7B
+shape, ~36% of a serving worker's engine thread, bench/results/worker-pyspy-summary-fdbdeb8.txt).
+Only the joining rows (their prefill caches) are copied row by row.
 """
 
 from __future__ import annotations
@@ -125,6 +131,17 @@ def cache_nbytes(cache: DynamicCache) -> int:
                layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
 
 
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(dst, src) row pairs -> (dst, src, count) runs consecutive in both."""
+    runs: list[list[int]] = []
+    for dst, src in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+            runs[-1][2] += 1
+        else:
+            runs.append([dst, src, 1])
+    return [(d, s, c) for d, s, c in runs]
+
+
 class DecodeBatch:
     """Rows (sequence ids) in batch order, their cached lengths and the stacked cache (`width`
     positions, each row right-aligned)."""
@@ -145,19 +162,13 @@ class DecodeBatch:
     def nbytes(self) -> int:
         return 0 if self.cache is None else cache_nbytes(self.cache)
 
-    def unpack(self) -> dict[int, KV]:
-        """Each row's own cache (views into the stacked one), keyed by sequence id."""
-        out: dict[int, KV] = {}
-        if self.cache is None:
-            return out
-        kv = kv_from_cache(self.cache)
-        w = self.width
-        for i, (sid, n) in enumerate(zip(self.rows, self.lengths)):
-            out[sid] = [(k[i:i + 1, :, w - n:], v[i:i + 1, :, w - n:]) for k, v in kv]
-        return out
-
     def pack(self, rows: list[int], kvs: dict[int, KV], lengths: dict[int, int]) -> None:
-        """Stacks the given sequences' caches, right-aligned, in `rows` order."""
+        """Stacks the sequences `rows`, right-aligned, in that order: those in `kvs` from their own
+        caches (joining rows), the others from the current stack (rows staying in the batch)."""
+        old_index = {sid: i for i, sid in enumerate(self.rows)}
+        staying = [(i, old_index[sid]) for i, sid in enumerate(rows) if sid not in kvs]  # KeyError: unknown row
+        old_kv = kv_from_cache(self.cache) if staying else []  # (old rows, heads, old width, dim) per layer
+        old_width = self.width
         self.rows = list(rows)
         self.lengths = [lengths[s] for s in rows]
         self._static = {}
@@ -165,12 +176,18 @@ class DecodeBatch:
             self.cache, self.width = None, 0
             return
         width = self.width = max(self.lengths)
-        first = kvs[rows[0]]
-        stacked = self._arena(len(rows), width + self.headroom, first)
-        for li, (ks, vs) in enumerate(stacked):
-            for i, sid in enumerate(rows):
-                k, v = kvs[sid][li]
-                n = self.lengths[i]
+        stacked = self._arena(len(rows), width + self.headroom, kvs[rows[0]] if rows[0] in kvs else old_kv)
+        # staying rows keep their tokens and their (zero) left padding: the last m columns move
+        m = min(width, old_width)
+        for dst, src, count in _runs(staying):
+            for (ks, vs), (k, v) in zip(stacked, old_kv):
+                ks[dst:dst + count, :, width - m:width] = k[src:src + count, :, old_width - m:old_width]
+                vs[dst:dst + count, :, width - m:width] = v[src:src + count, :, old_width - m:old_width]
+        for i, sid in enumerate(rows):
+            if sid not in kvs:
+                continue
+            n = self.lengths[i]
+            for (ks, vs), (k, v) in zip(stacked, kvs[sid]):
                 ks[i, :, width - n:width] = k[0, :, -n:]
                 vs[i, :, width - n:width] = v[0, :, -n:]
         self.cache = cache_from_buffers(self.config, stacked, width)
