@@ -30,12 +30,12 @@ def closed_loop(model: Path, pad: bool, concurrency: int, total: int, max_batch:
     counts: collections.Counter = collections.Counter()
     lookup = decode_graphs.DecodeGraphs._lookup
 
-    def counted(self, cache, width, step):
-        key = self._key(cache, width, step)
+    def counted(self, cache, width, step, buffers):
+        key = self._key(cache, width, step, buffers)
         if key is not None:
             e = self.entries.get(key)
             counts["warm-up" if e is None else "capture" if e.seen == 1 else "replay"] += 1
-        return lookup(self, cache, width, step)
+        return lookup(self, cache, width, step, buffers)
 
     decode_graphs.DecodeGraphs._lookup = counted
     eng = Engine(EngineConfig(model_path=model, max_batch_size=max_batch, max_prefills_per_step=8,

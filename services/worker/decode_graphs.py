@@ -5,7 +5,7 @@ thousand kernels from Python (HF layers + LoRA), which takes several times longe
 language model forward, lm_head and greedy argmax — is captured once per *shape key* and
 replayed:
 
-    key = (rows, cache capacity, cache buffer address, LoRA launch key)
+    key = (rows, cache capacity, the cache buffers (DecodeBatch.buffers_key), LoRA launch key)
 
 Rows are the batch's rounded up to a power of two (DecodeBatch.bucket_rows; spare rows of the
 KV arena, each attending only to its own new token, outputs dropped), so the graphs survive
@@ -82,7 +82,8 @@ class DecodeGraphs:
         self.captures = 0
         self.new_keys = 0  # entries made (each costs an eager warm-up step, then a capture)
 
-    def _key(self, cache, width: int, step: StepLora | None) -> tuple | None:
+    def _key(self, cache, width: int, step: StepLora | None, buffers: tuple) -> tuple | None:
+        """`buffers`: DecodeBatch.buffers_key() of the cache the step runs on."""
         layer = cache.layers[0]
         if getattr(layer, "kbuf", None) is None:
             return None
@@ -97,10 +98,10 @@ class DecodeGraphs:
                 return None  # the torch reference slices segments on the host: not capturable
             else:
                 lora = "reference"
-        return rows, cap, layer.kbuf.data_ptr(), lora
+        return rows, cap, buffers, lora
 
-    def _lookup(self, cache, width: int, step: StepLora | None) -> _Entry | None:
-        key = self._key(cache, width, step)
+    def _lookup(self, cache, width: int, step: StepLora | None, buffers: tuple) -> _Entry | None:
+        key = self._key(cache, width, step, buffers)
         if key is None:
             return None
         e = self.entries.get(key)
@@ -129,7 +130,7 @@ class DecodeGraphs:
         pad = max(rows, b) - b
         cache = batch.static_cache(b + pad)
         width = batch.width
-        e = self._lookup(cache, width, step)
+        e = self._lookup(cache, width, step, batch.buffers_key())
         if e is None:
             return None
         # padding rows: position 0, first cached column = the write index (each sees only itself)

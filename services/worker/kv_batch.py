@@ -156,6 +156,8 @@ class DecodeBatch:
         self.width = 0  # positions of the stacked cache (the longest row's length)
         self.cache: DynamicCache | None = None
         self._arenas: list[KV | None] = [None, None]
+        self._serials = [0, 0]  # each arena's allocation number (buffers_key)
+        self._allocations = 0
         self._current = 0
         self._static: dict[int, DynamicCache] = {}  # bucket rows -> cache over the arena's first rows
 
@@ -200,6 +202,16 @@ class DecodeBatch:
             return False
         k, a = self.cache.layers[0].kbuf, arena[0][0]
         return k is not None and k.data_ptr() == a.data_ptr() and k.shape[2] == a.shape[2]
+
+    def buffers_key(self) -> tuple:
+        """What the stacked cache's buffers are, for the keys of captured decode graphs (which
+        hold their addresses): an arena by its allocation number — a freed arena's address can
+        come back as a new arena's first layer with the other layers elsewhere, and a graph
+        captured on the old one would then write into whatever lives at its other addresses — and
+        a cache that left its arena by every layer's buffer addresses."""
+        if self._in_arena():
+            return "arena", self._serials[self._current]
+        return "own", *(t.data_ptr() for layer in self.cache.layers for t in (layer.kbuf, layer.vbuf))
 
     def bucket_rows(self) -> int:
         """Rows a static decode step runs: the batch's rows rounded up to a power of two, the rows
@@ -247,6 +259,8 @@ class DecodeBatch:
             arena = [(k.new_zeros((r, k.shape[1], cap, k.shape[3])), v.new_zeros((r, v.shape[1], cap, v.shape[3])))
                      for k, v in like]
             self._arenas[self._current] = arena
+            self._allocations += 1
+            self._serials[self._current] = self._allocations
             return [(k[:rows], v[:rows]) for k, v in arena]
         views = [(k[:rows], v[:rows]) for k, v in arena]
         for k, v in views:  # masked positions must hold finite values (0 x NaN is NaN)

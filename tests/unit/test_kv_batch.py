@@ -94,3 +94,29 @@ def test_staying_rows_move_in_one_copy_per_run_and_layer(monkeypatch):
     new = {9: _prefill([7], gen)[0]}
     batch.pack([0, 1, 9, 3], new, {0: 4, 1: 6, 9: 7, 3: 3})  # row 2 left, 9 joined between
     assert runs == [(0, 0, 2), (3, 3, 1)]
+
+
+def test_buffers_key_names_each_arena_allocation_not_its_address(monkeypatch):
+    # A freed arena's address can come back as a new arena's first layer (the other layers
+    # elsewhere); a captured graph keyed by that address would replay into stale addresses.
+    # Every address reads the same here: only the allocation may tell arenas apart.
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 4096)
+    gen = torch.Generator().manual_seed(0)
+    batch = DecodeBatch(_config(), headroom=2)
+    batch.MIN_CAPACITY = 16
+    keys, ids = [], iter(range(1000))
+
+    def repack(n: int) -> tuple:
+        new = {next(ids): kv for kv in _prefill([3] * n, gen)}
+        batch.pack(list(new), new, {sid: 3 for sid in new})
+        keys.append((batch.buffers_key(), batch._arenas[batch._current][0][0].shape))
+        return keys[-1][0]
+
+    first = repack(2)  # arena slot A, 2 rows
+    repack(2)  # slot B
+    assert repack(2) == first  # slot A again, the same allocation: its graphs replay
+    repack(2)
+    repack(8)  # slot A is too small: reallocated
+    assert keys[-1][1][2] == keys[0][1][2]  # same capacity (and, here, same address) ...
+    assert keys[-1][0] != first  # ... yet another key
+    assert len({k for k, _ in keys}) == 3  # two first allocations + the reallocation
