@@ -6,6 +6,7 @@ travel with the forwarded call; downstream errors pass through unchanged."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -15,6 +16,11 @@ from services.gateway.auth import AUTHORIZATION_KEY
 from services.gateway.config import GatewaySettings
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 from valora.v1 import admin_service_pb2, admin_service_pb2_grpc
+
+# Registry RPCs that change what a reference resolves to: after one succeeds, this gateway's
+# cached resolutions are dropped (InferenceServicer.resolved).
+CHANGING = {"CreateAdapter", "DeleteAdapter", "DeleteAdapterVersion", "SetAlias", "DeleteAlias", "CreateTask",
+            "DeleteTask", "UploadAdapterVersion"}
 
 # Unary registry RPCs forwarded as they are.
 FORWARDED_UNARY = (
@@ -44,7 +50,10 @@ def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, st
 
 def _forward_unary(method: str):
     async def handler(self, request, context):
-        return await self._call(getattr(self.store, method), request, context)
+        resp = await self._call(getattr(self.store, method), request, context)
+        if method in CHANGING:
+            self.on_registry_change()
+        return resp
 
     handler.__name__ = method
     handler.__doc__ = f"Forwards {method} to the adapter store."
@@ -53,10 +62,12 @@ def _forward_unary(method: str):
 
 class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     def __init__(self, settings: GatewaySettings, store: admin_service_pb2_grpc.AdminServiceStub,
-                 scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub) -> None:
+                 scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub,
+                 on_registry_change: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self.store = store
         self.scheduler = scheduler
+        self.on_registry_change = on_registry_change  # after a CHANGING call succeeded
 
     def _timeout(self, context) -> float:
         return self.settings.deadline_s(context.time_remaining(), self.settings.admin_deadline_s)
@@ -80,7 +91,9 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
                 await call.done_writing()
             except (asyncio.InvalidStateError, grpc.RpcError):
                 pass  # the store already answered; its status is raised below
-            return await call
+            resp = await call
+            self.on_registry_change()
+            return resp
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         finally:

@@ -31,6 +31,10 @@ class GatewaySettings(ServiceSettings):
     default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request whose client set none.")
     max_deadline_s: float = Field(600.0, gt=0, description="Longest deadline honoured; longer ones are cut to it.")
     admin_deadline_s: float = Field(300.0, gt=0, description="Default deadline of admin calls (uploads are long).")
+    resolve_cache_s: float = Field(
+        2.0, ge=0, description="Seconds a resolved adapter/task reference (READY versions only) is reused "
+        "without asking the adapter store; an alias moved or a version deleted elsewhere shows within this time "
+        "(this gateway's own admin calls clear it at once). 0: the store is asked for every request.")
 
     http_enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API next to gRPC.")
     http_port: int = Field(0, ge=0, description="Port of the OpenAI-compatible HTTP API; 0 picks a free one.")

@@ -27,7 +27,7 @@ async def create_server(settings: GatewaySettings) -> Service:
     inference = InferenceServicer(settings, scheduler,
                                   adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
     store_admin = admin_service_pb2_grpc.AdminServiceStub(store_channel)
-    admin = AdminServicer(settings, store_admin, scheduler)
+    admin = AdminServicer(settings, store_admin, scheduler, on_registry_change=inference.resolved.clear)
     auth = ApiKeyAuthInterceptor([k.get_secret_value() for k in settings.api_keys],
                                  [k.get_secret_value() for k in settings.admin_keys])
 

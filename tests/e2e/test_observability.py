@@ -53,6 +53,7 @@ def adapter(cluster) -> str:
     with ValoraClient(cluster.gateway) as client:
         version = client.upload_adapter_version("obs", bundle, cfg, request_id="obs-upload")
         client.set_alias("adapters/obs", "prod", version.name)
+        client.set_alias("adapters/obs", "traced", version.name)  # resolved only by the trace test
     return "adapters/obs@prod"
 
 
@@ -127,10 +128,12 @@ def test_one_trace_across_the_gateway_scheduler_and_worker_processes(cluster, ad
 
     from valora.v1 import inference_service_pb2, inference_service_pb2_grpc
 
+    # a reference no other request used: the gateway asks the store (it reuses READY resolutions)
+    traced = adapter.replace("@prod", "@traced")
     with grpc.insecure_channel(cluster.gateway) as channel:
         stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
         stub.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
-            prompt="Traced?", adapter=adapter, params={"max_new_tokens": 2})),
+            prompt="Traced?", adapter=traced, params={"max_new_tokens": 2})),
             metadata=(("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),), timeout=60)
     want = {
         "gateway": {"valora.v1.InferenceService/Infer", "valora.internal.v1.SchedulerService/Submit",

@@ -55,9 +55,15 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
     def __init__(self):
         self.metadata: list[dict] = []
         self.uploaded = b""
+        self.resolved: list[str] = []  # every ResolveReference asked
+        self.pending: set[str] = set()  # references whose version is not READY yet
 
     async def ResolveReference(self, request, context):
         ref = request.reference
+        self.resolved.append(ref)
+        if ref in self.pending:
+            return adapter_store_service_pb2.ResolveReferenceResponse(version=resources_pb2.AdapterVersion(
+                name=f"{ref}/versions/9", state=resources_pb2.ADAPTER_VERSION_STATE_PENDING))
         if ref in TASKS:
             return adapter_store_service_pb2.ResolveReferenceResponse(version=V1, task=TASKS[ref])
         if ref.startswith("adapters/cars"):
@@ -69,6 +75,9 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
         if request.name != "adapters/cars":
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.name} not found")
         return admin_service_pb2.GetAdapterResponse(adapter=resources_pb2.Adapter(name="adapters/cars"))
+
+    async def SetAlias(self, request, context):
+        return admin_service_pb2.SetAliasResponse()
 
     async def UploadAdapterVersion(self, request_iterator, context):
         meta = None
@@ -325,6 +334,44 @@ async def test_admin_rpcs_are_forwarded_without_credentials():
 
         status = await env.admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest(), metadata=md)
         assert status.queued_requests == 2 and status.workers[0].address == "w1"
+
+
+async def test_resolutions_of_ready_versions_are_reused_until_the_registry_changes():
+    async with gateway(resolve_cache_s=60.0) as env:
+        for _ in range(3):
+            await env.infer.Infer(request(adapter="adapters/cars@prod"))
+        await env.infer.Infer(request(task="tasks/caption"))
+        assert env.store.resolved == ["adapters/cars@prod", "tasks/caption"]
+        # not READY: asked again every time (the version must be served once it is READY)
+        env.store.pending.add("adapters/cars@next")
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await env.infer.Infer(request(adapter="adapters/cars@next"))
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert env.store.resolved[2:] == ["adapters/cars@next"] * 2
+        # NOT_FOUND is not kept either
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await env.infer.Infer(request(adapter="adapters/nope"))
+        assert env.store.resolved[4:] == ["adapters/nope"] * 2
+        # a registry change through this gateway drops what it kept
+        await env.admin.SetAlias(admin_service_pb2.SetAliasRequest(adapter="adapters/cars", alias="prod", version="adapters/cars/versions/3"))
+        await env.infer.Infer(request(adapter="adapters/cars@prod"))
+        assert env.store.resolved[-1] == "adapters/cars@prod" and len(env.store.resolved) == 7
+
+
+async def test_resolutions_expire_and_can_be_off():
+    async with gateway(resolve_cache_s=0.2) as env:
+        await env.infer.Infer(request(adapter="adapters/cars"))
+        await env.infer.Infer(request(adapter="adapters/cars"))
+        assert len(env.store.resolved) == 1
+        await asyncio.sleep(0.3)
+        await env.infer.Infer(request(adapter="adapters/cars"))
+        assert len(env.store.resolved) == 2
+    async with gateway(resolve_cache_s=0) as env:
+        for _ in range(3):
+            await env.infer.Infer(request(adapter="adapters/cars"))
+        assert len(env.store.resolved) == 3
 
 
 async def test_auth():
