@@ -49,6 +49,7 @@ class ResolutionCache:
     def __init__(self, ttl_s: float, size: int = 4096) -> None:
         self.ttl_s = ttl_s
         self.size = size
+        self.generation = 0  # clear() count: an answer asked for before a clear is not kept
         self._entries: OrderedDict[str, tuple[float, adapter_store_service_pb2.ResolveReferenceResponse]] = OrderedDict()
 
     def get(self, reference: str) -> adapter_store_service_pb2.ResolveReferenceResponse | None:
@@ -61,9 +62,13 @@ class ResolutionCache:
         self._entries.move_to_end(reference)
         return hit[1]
 
-    def put(self, reference: str, resp: adapter_store_service_pb2.ResolveReferenceResponse) -> None:
+    def put(self, reference: str, resp: adapter_store_service_pb2.ResolveReferenceResponse, generation: int
+            ) -> None:
+        """Keeps `resp`, asked for when `generation` was current (a registry change since: dropped)."""
         if self.ttl_s <= 0 or resp.version.state != resources_pb2.ADAPTER_VERSION_STATE_READY:
             return  # a version on its way to READY must be seen as soon as it gets there
+        if generation != self.generation:
+            return
         self._entries[reference] = (time.monotonic() + self.ttl_s, resp)
         self._entries.move_to_end(reference)
         while len(self._entries) > self.size:
@@ -71,6 +76,7 @@ class ResolutionCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self.generation += 1
 
 
 class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
@@ -149,13 +155,14 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         reference = inp.adapter if kind == "adapter" else inp.task
         resp = self.resolved.get(reference)
         if resp is None:
+            generation = self.resolved.generation
             try:
                 resp = await self.store.ResolveReference(
                     adapter_store_service_pb2.ResolveReferenceRequest(reference=reference),
                     timeout=max(0.0, deadline - time.monotonic()), metadata=metadata)
             except grpc.RpcError as err:
                 raise errors.from_rpc_error(err) from None
-            self.resolved.put(reference, resp)
+            self.resolved.put(reference, resp, generation)
         version = resp.version
         if version.state not in (resources_pb2.ADAPTER_VERSION_STATE_READY,
                                  resources_pb2.ADAPTER_VERSION_STATE_UNSPECIFIED):

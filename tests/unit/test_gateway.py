@@ -436,3 +436,16 @@ def test_settings_lists_from_env(monkeypatch):
     assert [k.get_secret_value() for k in s.api_keys] == ["k1", "k2"]
     assert [k.get_secret_value() for k in s.admin_keys] == ["a1"]
     assert "k1" not in repr(s)  # secrets never show up in logs of the settings
+
+
+def test_an_answer_asked_for_before_a_registry_change_is_not_kept():
+    from services.gateway.inference import ResolutionCache
+
+    cache = ResolutionCache(60.0)
+    ready = adapter_store_service_pb2.ResolveReferenceResponse(version=V1)
+    before = cache.generation
+    cache.clear()  # e.g. SetAlias through this gateway while the store was being asked
+    cache.put("adapters/cars@prod", ready, before)
+    assert cache.get("adapters/cars@prod") is None
+    cache.put("adapters/cars@prod", ready, cache.generation)
+    assert cache.get("adapters/cars@prod") is ready
