@@ -132,12 +132,16 @@ class FeatureCache:
                               self.max_bytes)
 
 
+def _map_pixels(inputs: dict, fn) -> None:
+    """Replaces the request's pixel tensors (images, videos) in `inputs` by fn(tensor)."""
+    for pix_key, _ in _INPUT_KEYS.values():
+        if pix_key in inputs:
+            inputs[pix_key] = fn(inputs[pix_key])
+
+
 def cast_pixels(inputs: dict, dtype: torch.dtype) -> None:
     """The request's pixels (images, videos) in `dtype`, in place in the inputs dict."""
-    for kind in (IMAGE, VIDEO):
-        key = _INPUT_KEYS[kind][0]
-        if key in inputs:
-            inputs[key] = inputs[key].to(dtype)
+    _map_pixels(inputs, lambda t: t.to(dtype))
 
 
 def stage_pixels(inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
@@ -145,25 +149,17 @@ def stage_pixels(inputs: dict, device: torch.device, dtype: torch.dtype) -> None
     when the request is prepared (its own thread), so the engine loop only starts async copies
     (16 images of 448 px are 77 MB of fp32: ~11 ms of pageable copy, blocking the loop, otherwise).
     The tower casts to its dtype first thing, so the features are the same."""
-    if device.type != "cuda":
-        return
-    cast_pixels(inputs, dtype)  # a no-op when the preprocessing already cast them
-    for kind in (IMAGE, VIDEO):
-        key = _INPUT_KEYS[kind][0]
-        if key in inputs:
-            inputs[key] = inputs[key].pin_memory()
+    if device.type == "cuda":
+        _map_pixels(inputs, lambda t: t.to(dtype).pin_memory())  # the cast: a no-op when preprocessing did it
 
 
 def without_pixels(inputs: dict) -> dict:
     """The inputs with their pixel tensors as meta tensors (shape and dtype, no bytes): what a
     tensor-parallel follower gets of a request; the pixels the tower needs follow at the prefill,
     broadcast by VisionEncoder._encode (pickled through the gloo event group, 16 448 px images
-    were 38 MB and held every rank's step start for ~0.1-0.5 s)."""
+    were 38 MB and held every rank's step start for ~0.1-0.5 s on 2 CPU cores)."""
     out = dict(inputs)
-    for kind in (IMAGE, VIDEO):
-        key = _INPUT_KEYS[kind][0]
-        if key in out:
-            out[key] = out[key].to("meta")
+    _map_pixels(out, lambda t: t.to("meta"))
     return out
 
 
@@ -176,7 +172,7 @@ class VisionEncoder:
         self.cache = cache
         self.device = device
         self.dtype = dtype
-        self.tp = tp if tp is not None and tp.world_size > 1 else None  # TPGroup
+        self.tp = tp  # TPGroup of more than one rank (Engine.tp), or None
 
     def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
         """Runs the vision tower once over the given (request inputs, item) pairs of one kind."""
