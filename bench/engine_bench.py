@@ -88,7 +88,7 @@ def engine_config(args, model_dir: Path, load_format: str, adapters: int, rank: 
                         image_cache_bytes=0, load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
                         decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
                         pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512,
-                        pad_decode_rows=not args.no_pad_decode, tp=tp)
+                        kv_cache_bytes=int(args.kv_cache_gib * 2**30), tp=tp)
 
 
 def join_tp_group(args, rank: int, port: int):
@@ -128,10 +128,10 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
     first_logits: dict[str, torch.Tensor] = {}
     prefilled = eng._prefilled
 
-    def record_prefill(s, length, rope_delta, hidden, kv, logits):  # first-token logits of rep 0
+    def record_prefill(s, length, rope_delta, hidden, logits):  # first-token logits of rep 0
         if logits is not None and s.req.request_id.split("-")[1] == "0":
             first_logits[s.req.request_id] = logits.float().cpu()
-        return prefilled(s, length, rope_delta, hidden, kv, logits)
+        return prefilled(s, length, rope_delta, hidden, logits)
 
     eng._prefilled = record_prefill
     try:
@@ -212,15 +212,14 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
                   flush=True)
         if args.profile:
             detail["profile"] = profile(eng, args, enter, batch_ms)
-        if eng.graphs is not None:
-            detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
-                                       "static_steps": eng.graphs.static_steps}
+        detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
+                                   "static_steps": eng.graphs.static_steps, "eager_steps": eng.graphs.eager_steps}
         detail["peak_decode_rows"] = eng.peak_decode_rows
         detail["fused_layers"] = cfg.fused_layers
         detail["pipeline_decode"] = cfg.pipeline_decode
         detail["lora_fold_rows"] = cfg.lora_fold_rows
         detail["gc_freeze"] = not args.no_gc_freeze
-        detail["pad_decode_rows"] = cfg.pad_decode_rows
+        detail["kv_cache_bytes"] = cfg.kv_cache_bytes
         detail["tp"] = args.tp
         if eng.runtime.backend is not None:
             detail["folded_calls"] = eng.runtime.backend.folded_calls  # projections run with the shrink folded
@@ -392,8 +391,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
     ap.add_argument("--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
-    ap.add_argument("--no-pad-decode", action="store_true", help="static decode steps on the exact rows (A/B of "
-                    "pad_decode_rows)")
+    ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="the engine's paged KV pool (the HF peer "
+                    "shares the device)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave the loaded models in the cyclic GC's "
                     "generations (A/B of the served processes' gc.freeze)")
     ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")

@@ -110,7 +110,7 @@ def measure(args: argparse.Namespace, tp, device: torch.device) -> list[dict]:
     from services.common.adapter_format import BaseModelShapes
     from services.worker.atmm_backend import AtmmBackend
     from services.worker.attention import use_grouped_decode_attention
-    from services.worker.kv_batch import new_cache
+    from transformers import DynamicCache
     from services.worker.lora import AdapterEntry, LoraRuntime, StepLora
     from services.worker.tensor_parallel import local_features, shard_lora_dicts, shard_model_
 
@@ -166,7 +166,7 @@ def measure(args: argparse.Namespace, tp, device: torch.device) -> list[dict]:
                 tp.barrier()
                 _sync(device)
                 t0 = time.perf_counter()
-                cache = new_cache(cfg)
+                cache = DynamicCache(config=cfg)
                 runtime.step = plan(rows, P)
                 h = lm(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
                 logits = lm_head(h[:, -1])

@@ -3,7 +3,9 @@
     server.py        gRPC servicer, WorkerSettings (VALORA_*), create_server
     engine.py        the iteration-level loop: admission, prefill, batched decode, modes
     requests.py      domain objects: WorkRequest, GenerationResult, events, stats
-    kv_batch.py      KV caches: growing per-layer buffers, the left-padded decode batch
+    kv_cache.py      the paged KV pool, block manager and block tables; the HF cache over them
+    decode_graphs.py the decode step over the pool, CUDA graphs keyed by the padded batch size
+    attention.py     decode attention through the block tables (kernels.paged_attention), prefill SDPA
     lora.py          LoRA-aware linears, the per-step plan (StepLora) and its entries
     atmm_backend.py  the step's multi-LoRA term on the ATMM CUDA kernel
     switcher.py      merge / unmerge / switch in place, drift-free

@@ -1,35 +1,32 @@
-"""CUDA graphs for the decode step: one replay instead of ~2000 kernel launches from Python.
+"""The decode step, replayed as CUDA graphs keyed by the padded batch size.
 
 A decode step of a 7B model on an H200 reads ~17 GB of weights (~4 ms) but launches a couple of
 thousand kernels from Python (HF layers + LoRA), which takes several times longer. So the step —
-language model forward, lm_head and greedy argmax — is captured once per *shape key* and
-replayed:
+language model forward over the paged KV cache, lm_head and greedy argmax — is captured once per
 
-    key = (rows, cache capacity, the cache buffers (DecodeBatch.buffers_key), LoRA launch key)
+    key = (rows bucket, LoRA launch key)
 
-Rows are the batch's rounded up to a power of two (DecodeBatch.bucket_rows; spare rows of the
-KV arena, each attending only to its own new token, outputs dropped), so the graphs survive
-requests joining and leaving: with exact rows, a served batch whose size moves with arrivals
-and finishes often met a new key instead of replaying (bench/decode_keys.py: 70% of static
-steps replayed with exact rows, 92% padded).
+and replayed. Rows are the batch's rounded up to a bucket (`bucket_rows`: 1, 2, 3, 4, 6, 8, 12,
+16, ...; powers of two and 1.5x them); the padding rows past the batch's own attend to the null
+block only and their outputs are dropped. Nothing else of the batch is in the key: the KV pool
+and the block tables have fixed addresses (kv_cache.py), and everything that changes from step
+to step is data in the entry's input buffer, filled by one asynchronous host copy (from pinned
+memory on CUDA, so nothing waits for the device): token ids, positions (the same on the 3
+M-RoPE axes), each row's slot for its new token, its context length and its block-table row.
+The step gathers the batch's block tables from the manager's table inside the graph. So after a
+bucket's warm-up no step of that size runs eagerly, whatever the batch's composition, its
+context lengths or where its blocks are.
 
-The KV cache lives in DecodeBatch's preallocated arenas (stable addresses, kv_batch.py). In the
-static step every layer writes its new token at a device-side index and attends over the whole
-capacity under a boolean mask (the row's cached positions and the new one), so shapes do not
-change as the cache grows. A step's inputs are one small tensor per key (token ids, positions,
-each row's first cached column, the write index): the host fills it with one asynchronous copy
-(from pinned memory on CUDA, so nothing waits for the device) and the graph derives the M-RoPE
-positions and the mask from it. The token ids may instead come from the device: pipelined
-decode (engine.py) feeds a step the previous step's greedy tokens without a host round trip.
-The LoRA term must be the ATMM kernel (its segment plan is device data written before the
-replay; `AtmmBackend.launch_key` names the host values its launches depend on) or absent; the
-torch reference slices on the host, so such steps stay eager, as do steps whose cache is full
-(it grows eagerly).
+The token ids may instead come from the device: pipelined decode (engine.py) feeds a step the
+previous step's greedy tokens without a host round trip. The LoRA term must be the ATMM kernel
+(its segment plan is device data written before the replay; `AtmmBackend.launch_key` names the
+host values its launches depend on) or absent; the torch reference slices on the host, so such
+steps run without a graph (counted in `eager_steps`).
 
-A key is captured the second time it is seen (its first, eager, static step is the warm-up), and
-the most recently used `max_graphs` are kept in one memory pool. A capture that fails (e.g. an
-op that synchronises) marks the key eager for good and logs why. `capture=False` runs the same
-static step without graphs: that is how CPU tests check it equals the eager decode.
+A key is captured the second time it is seen (its first step, run without a graph, is the
+warm-up: lazy initialisation and kernel compilation happen outside the capture), and the most
+recently used `max_graphs` are kept in one memory pool. A capture that fails marks the key
+graph-less for good and logs why. `capture=False` runs the same step without graphs (CPU).
 """
 
 from __future__ import annotations
@@ -40,153 +37,155 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from services.worker.kv_batch import DecodeBatch
+from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedDecode
 from services.worker.lora import LoraRuntime, StepLora
 
 log = structlog.get_logger()
 
 
+def bucket_rows(n: int) -> int:
+    """The smallest bucket >= n: a power of two or 1.5 times one (1, 2, 3, 4, 6, 8, 12, ...)."""
+    if n <= 2:
+        return max(n, 1)
+    p = 1 << (n - 1).bit_length()
+    return 3 * p // 4 if n <= 3 * p // 4 else p
+
+
 @dataclass(eq=False)
 class _Entry:
-    # (3 * rows + 1,) long: token ids, positions (the same on the 3 M-RoPE axes), each row's first
-    # cached column, the write index (= the batch width); views of it below.
+    # (5 * rows,) long: token ids, positions, new-token slots, context lengths, table rows.
     inp: torch.Tensor
-    cols: torch.Tensor  # (capacity,) position index, for building the mask
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     seen: int = 0
-    eager_only: bool = False
+    graphless: bool = False
 
     def __post_init__(self) -> None:
-        rows = (self.inp.shape[0] - 1) // 3
-        self.ids, self.host_part = self.inp[:rows], self.inp[rows:]  # what the host fills when ids are on the device
-        self.pos, self.start, self.index = self.inp[rows:2 * rows], self.inp[2 * rows:3 * rows], self.inp[3 * rows:]
+        r = self.inp.shape[0] // 5
+        self.ids, self.host_part = self.inp[:r], self.inp[r:]  # what the host fills when ids are on the device
+        self.pos, self.slots = self.inp[r:2 * r], self.inp[2 * r:3 * r]
+        self.lens, self.rows = self.inp[3 * r:4 * r], self.inp[4 * r:]
+
+
+@dataclass
+class DecodeRow:
+    """One row of a decode step: its last token, M-RoPE position, the pool slot of the new token,
+    its context length with it, and its block-table row."""
+
+    token: int
+    position: int
+    slot: int
+    length: int
+    table_row: int
 
 
 class DecodeGraphs:
-    def __init__(self, model, runtime: LoraRuntime, device: torch.device, capture: bool = True,
-                 max_graphs: int = 16) -> None:
+    def __init__(self, model, runtime: LoraRuntime, pool: KVPool, blocks: BlockManager, device: torch.device,
+                 capture: bool = True, max_graphs: int = 32) -> None:
         self.lm = model.model.language_model
         self.head = model.lm_head
+        self.text_config = self.lm.config
         self.runtime = runtime
+        self.pool, self.blocks = pool, blocks
         self.device = device
         self.capture = capture and device.type == "cuda"
         self.max_graphs = max_graphs
         self.mask_kinds = sorted(set(getattr(self.lm.config, "layer_types", None) or ["full_attention"]))
         self.pin = device.type == "cuda"  # host inputs from pinned memory: their copy does not wait for the device
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
-        self.static_steps = 0  # observability + tests
+        # observability + tests
+        self.static_steps = 0  # decode steps run (every one is static: same shapes for a bucket)
         self.replays = 0
         self.captures = 0
-        self.new_keys = 0  # entries made (each costs an eager warm-up step, then a capture)
+        self.new_keys = 0  # entries made (each costs a warm-up step without a graph, then a capture)
+        self.warmup_steps = 0  # a key's first step
+        self.eager_steps = 0  # steps after their key's warm-up that ran without a graph while capturing
 
-    def _key(self, cache, width: int, step: StepLora | None, buffers: tuple) -> tuple | None:
-        """`buffers`: DecodeBatch.buffers_key() of the cache the step runs on."""
-        layer = cache.layers[0]
-        if getattr(layer, "kbuf", None) is None:
-            return None
-        rows, cap = layer.kbuf.shape[0], layer.kbuf.shape[2]
-        if width + 1 > cap:
-            return None  # full: the eager step grows the buffers
+    def _key(self, rows: int, step: StepLora | None) -> tuple:
         lora = None
         if step is not None and step.active:
-            if step.kernel:
-                lora = self.runtime.backend.launch_key()
-            elif self.capture:
-                return None  # the torch reference slices segments on the host: not capturable
-            else:
-                lora = "reference"
-        return rows, cap, buffers, lora
+            lora = self.runtime.backend.launch_key() if step.kernel else "reference"
+        return rows, lora
 
-    def _lookup(self, cache, width: int, step: StepLora | None, buffers: tuple) -> _Entry | None:
-        key = self._key(cache, width, step, buffers)
-        if key is None:
-            return None
+    def _entry(self, key: tuple, step: StepLora | None) -> _Entry:
         e = self.entries.get(key)
         if e is None:
-            rows, cap = key[0], key[1]
-            e = _Entry(inp=torch.zeros(3 * rows + 1, dtype=torch.long, device=self.device),
-                       cols=torch.arange(cap, device=self.device))
+            e = _Entry(inp=torch.zeros(5 * key[0], dtype=torch.long, device=self.device))
+            e.graphless = not self.capture or (step is not None and step.active and not step.kernel)
             self.entries[key] = e
             self.new_keys += 1
             while len(self.entries) > self.max_graphs:
                 self.entries.popitem(last=False)
         else:
             self.entries.move_to_end(key)
-        return None if e.eager_only else e
+        return e
 
-    def step(self, batch: DecodeBatch, ids: list[int] | torch.Tensor, positions: list[int],
-             step: StepLora | None, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Runs one decode step (cache advanced by one token in every layer) and returns (greedy
-        tokens (rows,), logits (rows, vocab)) — tensors owned by the graph: read them (or queue
-        their copy) before the next step. `ids`: each row's last token, from the host or a (rows,)
-        long tensor on the device. `rows`: run that many rows (batch.bucket_rows(); `step` planned
-        for them): the batch's own, then padding rows whose outputs are dropped; 0: the batch's
-        own. None when this step cannot run static (the caller runs it eagerly); nothing is done
-        then."""
-        b = len(positions)
+    def step(self, batch: list[DecodeRow], step: StepLora | None, rows: int = 0,
+             ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs one decode step of `batch` (each row's new token written into the pool) and
+        returns (greedy tokens (b,), logits (b, vocab)) — tensors owned by the entry: read them
+        (or queue their copy) before the next step. `rows`: run that many rows (bucket_rows;
+        `step` planned for them), the ones past the batch's padding; 0: the batch's own. `ids`:
+        the rows' last tokens as a (b,) long device tensor instead of `batch`'s (pipelined)."""
+        b = len(batch)
         pad = max(rows, b) - b
-        cache = batch.static_cache(b + pad)
-        width = batch.width
-        e = self._lookup(cache, width, step, batch.buffers_key())
-        if e is None:
-            return None
-        # padding rows: position 0, first cached column = the write index (each sees only itself)
-        host = [*positions, *[0] * pad, *(width - n for n in batch.lengths), *[width] * pad, width]
-        if isinstance(ids, torch.Tensor):
+        e = self._entry(self._key(b + pad, step), step)
+        null = self.blocks.null_row
+        # padding rows: position 0, the null block's first slot, context 1, the null table row
+        host = [*(r.position for r in batch), *[0] * pad, *(r.slot for r in batch), *[0] * pad,
+                *(r.length for r in batch), *[1] * pad, *(r.table_row for r in batch), *[null] * pad]
+        self.blocks.sync()
+        if ids is not None:
             e.host_part.copy_(torch.tensor(host, dtype=torch.long, pin_memory=self.pin), non_blocking=True)
             e.ids[:b].copy_(ids)  # padding rows keep earlier (valid) token ids
         else:
-            e.inp.copy_(torch.tensor([*ids, *[0] * pad, *host], dtype=torch.long, pin_memory=self.pin),
-                        non_blocking=True)
-        layers = cache.layers
-        for layer in layers:
-            layer.static_index = e.index
-        try:
-            e.seen += 1
-            self.static_steps += 1
-            if e.graph is None and self.capture and e.seen >= 2:
-                self._capture(e, cache)
-            if e.graph is not None:
-                e.graph.replay()
-                self.replays += 1
-            else:
-                e.tokens, e.logits = self._forward(e, cache)
-        finally:
-            for layer in layers:
-                layer.static_index = None
-        for layer in batch.cache.layers:  # the batch's own cache (a padded one syncs from it)
-            layer.length += 1
+            e.inp.copy_(torch.tensor([*(r.token for r in batch), *[0] * pad, *host], dtype=torch.long,
+                                     pin_memory=self.pin), non_blocking=True)
+        e.seen += 1
+        self.static_steps += 1
+        if e.seen == 1:
+            self.warmup_steps += 1
+        elif e.graph is None and not e.graphless:
+            self._capture(e)
+        if e.graph is not None:
+            e.graph.replay()
+            self.replays += 1
+        else:
+            if e.seen > 1 and self.capture:
+                self.eager_steps += 1
+            e.tokens, e.logits = self._forward(e)
         if pad:
             return e.tokens[:b], e.logits[:b]
         return e.tokens, e.logits
 
-    def _forward(self, e: _Entry, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, cap = e.ids.shape[0], e.cols.shape[0]
-        mask = ((e.cols >= e.start[:, None]) & (e.cols <= e.index)).view(rows, 1, 1, cap)
-        out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: mask for kind in self.mask_kinds},
+    def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = e.ids.shape[0]
+        paged = PagedDecode(block_tables=self.blocks.tables.index_select(0, e.rows),
+                            seq_lens=e.lens.to(torch.int32))
+        cache = PagedCache(self.text_config, self.pool, e.slots, paged)
+        out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: None for kind in self.mask_kinds},
                       position_ids=e.pos.view(1, rows, 1).expand(3, rows, 1), past_key_values=cache,
-                      use_cache=True)
+                      use_cache=True, paged_decode=paged)
         logits = self.head(out.last_hidden_state[:, -1])
         return logits.argmax(-1), logits
 
     def release(self) -> None:
         """Frees every captured graph (at the engine's stop). A graph that captured NCCL
         collectives keeps the communicator busy: destroy_process_group hangs while one is alive
-        (pytorch/pytorch#115388). Static (uncaptured) entries hold no graph: kept."""
+        (pytorch/pytorch#115388). Entries without graphs are kept (tests read their keys)."""
         if self.capture:
             torch.cuda.synchronize(self.device)
             self.entries.clear()
 
-    def _capture(self, e: _Entry, cache) -> None:
+    def _capture(self, e: _Entry) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                tokens, logits = self._forward(e, cache)
-        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: this key stays eager
-            e.eager_only = True
+            with torch.cuda.graph(graph, pool=self.pool_handle):
+                tokens, logits = self._forward(e)
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: this key runs without a graph
+            e.graphless = True
             log.warning("decode_graph_capture_failed", error=repr(exc)[:500], rows=e.ids.shape[0])
             torch.cuda.synchronize(self.device)
             return

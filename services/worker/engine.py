@@ -1,15 +1,22 @@
 """The iteration-level engine: one thread, one model, continuous batching with multi-LoRA.
 
 Each iteration (a "step boundary") the loop: frees cancelled sequences, admits waiting requests
-(up to max_batch_size running; each pins its adapter's device slot), prefills a few new ones
-(at most max_prefills_per_step requests and max_prefill_tokens padded tokens) in ONE forward of
-the language model: their image + prompt embeddings stacked right-padded, rows ordered by LoRA
+(up to max_batch_size running; each pins its adapter's device slot and takes the KV blocks of
+its prompt from the paged pool, kv_cache.py), prefills a few new ones (at most
+max_prefills_per_step requests and max_prefill_tokens padded tokens) in ONE forward of the
+language model: their image + prompt embeddings stacked right-padded, rows ordered by LoRA
 entry, 3D M-RoPE positions per row; causal attention keeps every real token from seeing the
-padding after it, so the prefill needs no attention mask. The batch cache is then split into
-each sequence's own KV cache, padding dropped (LABEL requests end here with their task head on
-their last real token). Then every running sequence decodes in ONE forward over the stacked,
-left-padded caches (kv_batch.py), with explicit 3D M-RoPE positions = cached length + the
-sequence's rope delta from prefill. LoRA is planned once per forward (lora.StepLora).
+padding after it, so the prefill needs no attention mask. Each layer writes the real tokens'
+keys and values into their sequence's blocks (padding into the null block); LABEL requests end
+here with their task head on their last real token. Then every running sequence decodes in ONE
+forward over the pool through its block table (decode_graphs.py), with explicit 3D M-RoPE
+positions = cached length + the sequence's rope delta from prefill. LoRA is planned once per
+forward (lora.StepLora).
+
+When a decode step needs a block and none is free, the youngest running sequence is preempted:
+its blocks are freed and it waits at the head of the queue, to be prefilled again over its
+prompt and the tokens it has generated (recompute), then decodes on; what it streamed stays
+streamed. A request that could never fit the pool is refused when prepared.
 
 Decode is pipelined (EngineConfig.pipeline_decode): while the batch stays the same and every row
 is greedy, step n+1 is launched with step n's tokens as input, copied on the device, before the
@@ -66,10 +73,11 @@ from services.common.errors import (
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.attention import use_grouped_decode_attention
-from services.worker.decode_graphs import DecodeGraphs
+from services.worker.decode_graphs import DecodeGraphs, DecodeRow, bucket_rows
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
-from services.worker.kv_batch import KV, DecodeBatch, kv_nbytes, new_cache, split_rows
+from services.worker.kv_cache import (BlockManager, KVPool, OutOfBlocks, PagedCache, device_budget,
+                                      kv_bytes_per_token, pool_blocks)
 from services.worker.lora import (AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora,
                                   install_lora_groups)
 from services.worker.model import load_model, load_processor, load_sharded_model
@@ -119,7 +127,14 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # padded tokens (rows x longest prompt) per prefill forward; longer: alone
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
-    kv_headroom: int = 64  # decode steps a freshly packed batch cache holds before it grows
+    # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps
+    # this process within gpu_memory_fraction of the device's memory less kv_reserve_bytes; on the
+    # CPU 256 MiB); the longest context a sequence may reach (0: the model's max positions).
+    kv_block_size: int = 16
+    kv_cache_bytes: int = 0
+    gpu_memory_fraction: float = 0.9
+    kv_reserve_bytes: int = 4 << 30
+    max_model_len: int = 0
     use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
     # Spare weight rows per projection for the step's LoRA A^T: the base GEMM then computes x·A too
     # and ATMM runs only its expand (atmm_backend.py, "folded"); 0 = off. Costs rows x in_features
@@ -128,12 +143,9 @@ class EngineConfig:
     fused_layers: bool = True  # decoder layers on the fused elementwise ops (fused_layers.py); False: HF's, for A/B
     image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
     load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
-    # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "static" = the same static
-    # step without capture (CPU tests); "off" = always the eager step.
+    # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "off" (or "static") = the
+    # same step without capture.
     decode_graphs: str = "auto"
-    # Static decode steps run the batch's rows rounded up to a power of two (padding rows in the
-    # KV arena), so requests joining or leaving rarely change the graph key; False: exact rows.
-    pad_decode_rows: bool = True
     # Pipelined decode: while the device runs a greedy decode step fed by the previous step's
     # tokens (device to device), the host processes the previous step's tokens (see _decode_step).
     pipeline_decode: bool = True
@@ -162,8 +174,8 @@ class _Seq:
     handle: RequestHandle
     detok: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
-    kv: KV | None = None  # own cache until packed into the decode batch
     length: int = 0  # tokens in its KV cache
+    preemptions: int = 0  # times its blocks were taken back (it is prefilled again over its tokens)
     rope_delta: int = 0
     last_token: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -239,9 +251,9 @@ class Engine:
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
-        self.graphs = None
-        if config.decode_graphs == "static" or (config.decode_graphs == "auto" and self.device.type == "cuda"):
-            self.graphs = DecodeGraphs(self.model, self.runtime, self.device, capture=config.decode_graphs == "auto")
+        self.kv_pool, self.kv = self._make_kv_pool()
+        self.graphs = DecodeGraphs(self.model, self.runtime, self.kv_pool, self.kv, self.device,
+                                   capture=config.decode_graphs == "auto")
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
                                     self.tp)
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
@@ -249,8 +261,7 @@ class Engine:
         self._incoming: collections.deque[_Seq] = collections.deque()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._prefill: collections.deque[_Seq] = collections.deque()
-        self._running: list[_Seq] = []  # decoding, packed (or about to be) in self._batch
-        self._batch = DecodeBatch(self.text_config, config.kv_headroom)
+        self._running: list[_Seq] = []  # decoding
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -268,6 +279,7 @@ class Engine:
         self._last_plan: tuple | None = None  # (key, StepLora, kernel plan version)
         self._pending: _Pending | None = None  # pipelined decode: the launched step not yet taken
         self.pipelined_steps = 0  # decode steps launched from the previous step's device tokens
+        self.preemptions = 0  # sequences whose blocks were taken back (recomputed later)
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
@@ -277,6 +289,34 @@ class Engine:
         self.peak_decode_rows = 0
         self.peak_decode_entries = 0
         self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
+
+    def _make_kv_pool(self) -> tuple[KVPool, BlockManager]:
+        """The paged KV pool, preallocated now (kv_cache.py); every tensor-parallel rank gets the
+        smallest rank's block count, so block decisions are the same on every rank."""
+        cfg, tc = self.config, self.text_config
+        if not 8 <= cfg.kv_block_size <= 256 or cfg.kv_block_size & (cfg.kv_block_size - 1):
+            raise ValueError(f"kv_block_size {cfg.kv_block_size} is not a power of two in 8..256")
+        if not 0 < cfg.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        kv_heads = tc.num_key_value_heads // (self.tp.world_size if self.tp is not None else 1)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        block_bytes = cfg.kv_block_size * kv_bytes_per_token(tc, self.dtype, kv_heads)
+        if cfg.kv_cache_bytes > 0:
+            budget = cfg.kv_cache_bytes
+        elif self.device.type == "cuda":
+            budget = device_budget(self.device, cfg.gpu_memory_fraction, cfg.kv_reserve_bytes)
+        else:
+            budget = 256 << 20
+        blocks = pool_blocks(budget, block_bytes)
+        if self.tp is not None:
+            blocks = self.tp.min_int(blocks)
+        self.max_model_len = min(cfg.max_model_len or tc.max_position_embeddings, tc.max_position_embeddings)
+        pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, self.dtype, self.device)
+        manager = BlockManager(blocks, cfg.kv_block_size, cfg.max_batch_size,
+                               math.ceil(self.max_model_len / cfg.kv_block_size), self.device)
+        log.info("kv_pool", blocks=blocks, block_size=cfg.kv_block_size, gib=round(blocks * block_bytes / 2**30, 2),
+                 tokens=(blocks - 1) * cfg.kv_block_size)
+        return pool, manager
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -458,10 +498,14 @@ class Engine:
         inputs, vision = processed or process_request(self.processor, request, self.pixel_dtype())
         stage_pixels(inputs, self.device, self.dtype)
         ids = inputs["input_ids"]
-        limit = self.text_config.max_position_embeddings
+        limit = self.max_model_len
         if ids.shape[1] + n > limit:
             raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
-                                f"model's {limit} positions", reason="PROMPT_TOO_LONG")
+                                f"worker's {limit} positions", reason="PROMPT_TOO_LONG")
+        if self.kv.blocks_for(ids.shape[1] + n) > self.kv.usable_blocks:
+            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
+                                f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
+                                reason="EXCEEDS_KV_CACHE")
         vision_ids = (self.model.config.image_token_id, self.model.config.video_token_id)
         image_tokens = int(torch.isin(ids, torch.tensor(vision_ids)).sum())  # images' and videos' tokens
         return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
@@ -544,10 +588,9 @@ class Engine:
             self._running = []
             for s in everyone:
                 self._release(s)
+                self.kv.close(s.id)
                 self._emit(s, Failed(err))
-            self._batch.release()
-            if self.graphs is not None:
-                self.graphs.release()
+            self.graphs.release()
             self._update_stats()
 
     def _step(self) -> None:
@@ -650,10 +693,16 @@ class Engine:
             self._waiting = kept
         # FIFO, except that a request whose adapter finds no free device slot (every slot held by
         # running requests) lets the ones behind it in; it keeps its place for the next step.
+        # A request whose prompt finds too few free KV blocks stops admission (FIFO: the blocks
+        # that running sequences free go to it first).
         blocked: collections.deque[_Seq] = collections.deque()
         while self._waiting and len(self._prefill) + len(self._running) < self.config.max_batch_size:
-            seq = self._waiting.popleft()
-            if seq.req.adapter:
+            seq = self._waiting[0]
+            keeps_cache = seq.req.output_kind != OutputKind.LABEL
+            if keeps_cache and self.kv.blocks_for(self._context(seq)) > self.kv.free_blocks:
+                break
+            self._waiting.popleft()
+            if seq.req.adapter and not seq.released:
                 try:
                     slot = self.pool.acquire(seq.req.adapter)
                 except ValoraError as exc:  # offloaded while it waited
@@ -663,6 +712,8 @@ class Engine:
                     blocked.append(seq)
                     continue
                 seq.pinned = seq.req.adapter
+            if keeps_cache:
+                self.kv.open(seq.id, self._context(seq))
             self._prefill.append(seq)
         blocked.extend(self._waiting)
         self._waiting = blocked
@@ -679,9 +730,9 @@ class Engine:
             self._prefill.remove(s)
         if s in self._running:
             self._running.remove(s)
-        s.kv = None
         s.finished = True
         self._release(s)
+        self.kv.close(s.id)
 
     def _release(self, s: _Seq) -> None:
         if s.pinned:
@@ -697,12 +748,9 @@ class Engine:
             log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
 
     def _update_stats(self, step_ms: float | None = None) -> None:
-        own = sum(kv_nbytes(s.kv) for s in (*self._prefill, *self._running) if s.kv is not None)
-        if not self._running and self._batch.rows:
-            self._batch.pack([], {}, {})  # the last sequences left: free the stacked cache now
         with self._stats_lock:
             self._running_count = len(self._prefill) + len(self._running)
-            self._kv_bytes = own + self._batch.nbytes()
+            self._kv_bytes = self.kv.used_blocks * self.kv_pool.block_bytes
             if step_ms is not None:
                 self._last_step_ms = step_ms
 
@@ -764,12 +812,11 @@ class Engine:
             entry = self._entries[spec] = MixtureEntry(x, m)
         return entry
 
-    def _static_rows(self) -> int:
-        """Rows of the next static decode step (padding rows past the batch's own; decode_graphs);
-        the batch's own without static steps (their plan is the eager step's)."""
-        if self.graphs is None or not self.config.pad_decode_rows:
-            return len(self._batch.rows)
-        return self._batch.bucket_rows()
+    @staticmethod
+    def _context(s: _Seq) -> int:
+        """Tokens a prefill of `s` runs over: its prompt, and after a preemption the tokens it
+        generated too."""
+        return s.prep.prompt_tokens + len(s.tokens)
 
     def _plan(self, seqs: list[_Seq], tokens_per_row: int, pad_rows: int = 0) -> StepLora:
         """The step's LoRA plan; `pad_rows`: that many rows in all, the ones past `seqs` (padding
@@ -811,7 +858,7 @@ class Engine:
         batch: list[_Seq] = []
         width = 0
         while self._prefill and len(batch) < self.config.max_prefills_per_step:
-            w = max(width, self._prefill[0].prep.prompt_tokens)
+            w = max(width, self._context(self._prefill[0]))
             if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
                 break
             batch.append(self._prefill.popleft())
@@ -826,22 +873,31 @@ class Engine:
         never attends to the padding after it, so no attention mask is passed (SDPA keeps
         is_causal); the padding's own outputs and KV are dropped. M-RoPE positions come from
         get_rope_index over the batch with the padding masked out, so every row gets the
-        positions and rope delta it has alone. If the forward fails, every request in it fails."""
+        positions and rope delta it has alone. A sequence prefilled again after a preemption
+        runs over its prompt and its generated tokens (text). Each row's keys and values go to
+        its blocks, the padding's to the null block. If the forward fails, every request in it
+        fails."""
         t0 = time.monotonic()
         rows = sorted(seqs, key=self._lora_key)
-        lengths = [s.prep.prompt_tokens for s in rows]
+        lengths = [self._context(s) for s in rows]
         b, width = len(rows), max(lengths)
         first = rows[0].prep.inputs
         ids = first["input_ids"].new_zeros((b, width))
         types = first["mm_token_type_ids"].new_zeros((b, width))
         mask = torch.zeros((b, width), dtype=torch.long)
+        slots = torch.zeros((b, width), dtype=torch.long)  # padding and LABEL rows: the null block's slot 0
         grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
         for i, (s, n) in enumerate(zip(rows, lengths)):
-            s.t_prefill = t0
+            if not s.tokens:
+                s.t_prefill = t0
             inp = s.prep.inputs
-            ids[i, :n] = inp["input_ids"][0]
-            types[i, :n] = inp["mm_token_type_ids"][0]
+            p = s.prep.prompt_tokens
+            ids[i, :p] = inp["input_ids"][0]
+            ids[i, p:n] = torch.tensor(s.tokens, dtype=ids.dtype)
+            types[i, :p] = inp["mm_token_type_ids"][0]
             mask[i, :n] = 1
+            if self.kv.holds(s.id):
+                slots[i, :n] = self.kv.slots(s.id, 0, n)
             for key, found in grids.items():
                 if inp.get(key) is not None:
                     found.append(inp[key])
@@ -855,9 +911,13 @@ class Engine:
         # One vision-tower pass for every image/video of the batch not in the feature cache.
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
         embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
-        for i, (e, n) in enumerate(zip(row_embeds, lengths)):
-            embeds[i, :n] = e[0]
-        cache = new_cache(self.text_config)
+        for i, (e, s) in enumerate(zip(row_embeds, rows)):
+            p = s.prep.prompt_tokens
+            embeds[i, :p] = e[0]
+            if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
+                embeds[i, p:p + len(s.tokens)] = self.model.model.language_model.embed_tokens(
+                    self._upload(ids[i, p:p + len(s.tokens)]))
+        cache = PagedCache(self.text_config, self.kv_pool, self._upload(slots.view(-1)))
         self.runtime.step = self._plan(rows, width)
         self.peak_prefill_rows = max(self.peak_prefill_rows, b)
         try:
@@ -867,7 +927,6 @@ class Engine:
             self.runtime.step = None
         last = self._upload(torch.tensor([n - 1 for n in lengths]))
         hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
-        kvs = split_rows(cache, lengths)
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
         if text:
             head_in = hidden if len(text) == b else hidden[self._upload(torch.tensor(text))]
@@ -875,7 +934,7 @@ class Engine:
         else:
             logits = {}
         for i, s in enumerate(rows):  # from here on a failure is that request's alone
-            self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], kvs[i], logits.get(i))
+            self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], logits.get(i))
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's
@@ -883,17 +942,17 @@ class Engine:
         so the host tensor may be dropped right after."""
         return t.to(self.device, non_blocking=True)
 
-    def _prefilled(self, s: _Seq, length: int, rope_delta: int, hidden: torch.Tensor, kv: KV,
+    def _prefilled(self, s: _Seq, length: int, rope_delta: int, hidden: torch.Tensor,
                    logits: torch.Tensor | None) -> None:
-        """After the prefill forward: answers a LABEL request, or starts decoding with its first token."""
+        """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next token."""
         s.length = length
         s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:
             self._answer_label(s, hidden)
             return
-        s.kv = kv
-        s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
-        s.generator = s.req.sampling.generator()
+        if s.detok is None:  # a recomputed sequence keeps its detokenizer and generator
+            s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
+            s.generator = s.req.sampling.generator()
         self._running.append(s)
         self._accept(s, choose_token(logits, s.req.sampling, s.generator))
 
@@ -930,34 +989,15 @@ class Engine:
             if self._pipelined_step(rows):
                 return
             self._flush()
-            rows = sorted(self._running, key=self._lora_key)
-            if not rows:
-                return
-        if [s.id for s in rows] != self._batch.rows:  # joining rows bring their caches; the rest stay
-            self._batch.pack([s.id for s in rows], {s.id: s.kv for s in rows if s.kv is not None},
-                             {s.id: s.length for s in rows})
-            for s in rows:
-                s.kv = None
-        b = len(rows)
-        positions = [s.length + s.rope_delta for s in rows]
-        pad = self._static_rows()
-        self.runtime.step = step = self._plan(rows, 1, pad)
-        self.peak_decode_rows = max(self.peak_decode_rows, b)
+        self._reserve_blocks()
+        rows = sorted(self._running, key=self._lora_key)
+        if not rows:
+            return
+        self.runtime.step = step = self._plan(rows, 1, self._bucket(rows))
+        self.peak_decode_rows = max(self.peak_decode_rows, len(rows))
         self.peak_decode_entries = max(self.peak_decode_entries, len(step.entries))
         try:
-            got = None
-            if self.graphs is not None:
-                got = self.graphs.step(self._batch, [s.last_token for s in rows], positions, step, pad)
-            if got is None:
-                if pad > b:  # the eager step runs the batch's own rows
-                    self.runtime.step = step = self._plan(rows, 1)
-                ids = self._upload(torch.tensor([[s.last_token] for s in rows], dtype=torch.long))
-                mask = self._batch.mask(new=1)
-                pos = self._upload(torch.tensor(positions, dtype=torch.long)).view(1, b, 1).expand(3, b, 1)
-                out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                       past_key_values=self._batch.cache, use_cache=True)
-                logits = self.model.lm_head(out.last_hidden_state[:, -1])
-                got = logits.argmax(-1), logits
+            got = self.graphs.step(self._decode_rows(rows), step, self._bucket(rows))
         finally:
             self.runtime.step = None
         self._advance(rows)
@@ -969,21 +1009,57 @@ class Engine:
             token = greedy[i] if s.req.sampling.greedy else choose_token(logits[i], s.req.sampling, s.generator)
             self._accept(s, token)
 
+    def _bucket(self, rows: list[_Seq]) -> int:
+        """Rows a decode step runs (decode_graphs.bucket_rows; padding past the batch's own)."""
+        return bucket_rows(len(rows))
+
+    def _decode_rows(self, rows: list[_Seq]) -> list[DecodeRow]:
+        kv = self.kv
+        return [DecodeRow(token=s.last_token, position=s.length + s.rope_delta, slot=kv.slot(s.id, s.length),
+                          length=s.length + 1, table_row=kv.row(s.id)) for s in rows]
+
+    def _reserve_blocks(self) -> None:
+        """Gives every running sequence room for its next token, oldest first; when the pool runs
+        out, preempts the youngest running sequence (it may be the one asking) and goes on."""
+        for s in sorted(self._running, key=lambda x: x.id):
+            while s in self._running:
+                try:
+                    self.kv.grow(s.id, s.length + 1)
+                    break
+                except OutOfBlocks:
+                    self._preempt(max(self._running, key=lambda x: x.id))
+
+    def _preempt(self, s: _Seq) -> None:
+        """Takes `s`'s blocks back: it waits at the head of the queue, to be prefilled again over
+        its prompt and generated tokens (no decode step is pending: the caller flushed it)."""
+        self._running.remove(s)
+        self._release(s)
+        self.kv.close(s.id)
+        s.length = 0
+        s.preemptions += 1
+        self.preemptions += 1
+        with self._wake:
+            self._waiting.appendleft(s)
+        log.info("sequence_preempted", request_id=s.req.request_id, tokens=len(s.tokens),
+                 free_blocks=self.kv.free_blocks)
+
     def _pipelined_step(self, rows: list[_Seq]) -> bool:
         """Launches the next step from the pending one's device tokens, then takes the pending
-        step's tokens. False (nothing done) when the batch changed or the step cannot run static."""
+        step's tokens. False (nothing done) when the batch changed or a row's next token needs a
+        block the pool does not have."""
         pending = self._pending
         if rows != pending.rows:  # _Seq compares by identity
             return False
-        positions = [s.length + s.rope_delta for s in rows]
-        pad = self._static_rows()
-        self.runtime.step = step = self._plan(rows, 1, pad)  # the plan of the pending step, kept
         try:
-            got = self.graphs.step(self._batch, pending.tokens, positions, step, pad)
+            for s in rows:
+                self.kv.grow(s.id, s.length + 1)
+        except OutOfBlocks:
+            return False
+        self.runtime.step = step = self._plan(rows, 1, self._bucket(rows))  # the plan of the pending step, kept
+        try:
+            got = self.graphs.step(self._decode_rows(rows), step, self._bucket(rows), ids=pending.tokens)
         finally:
             self.runtime.step = None
-        if got is None:  # e.g. the cache is full: the eager step grows it, from host tokens
-            return False
         self._advance(rows)
         self._pending = self._hold(rows, got[0])
         self.pipelined_steps += 1
@@ -994,7 +1070,6 @@ class Engine:
 
     def _advance(self, rows: list[_Seq]) -> None:
         """After a decode step's launch: every row cached one more token."""
-        self._batch.advance()
         for s in rows:
             s.length += 1
 
@@ -1003,7 +1078,7 @@ class Engine:
         every row is greedy, some row goes on after this step's token (no speculative step when
         all are done: finished, or at max_new_tokens), and none releases its adapter with it
         (the next step's LoRA plan changes)."""
-        if not self.config.pipeline_decode or self.graphs is None:
+        if not self.config.pipeline_decode:
             return False
         goes_on = False
         for s in rows:

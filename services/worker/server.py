@@ -73,13 +73,19 @@ class WorkerSettings(ServiceSettings):
                                        "forward) per engine step.")
     max_prefill_tokens: int = Field(8192, ge=1, description="Bound of one batched prefill in padded tokens "
                                     "(rows x longest prompt); a longer prompt is prefilled alone.")
-    decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs: auto (on CUDA), static (the "
-                               "static step without capture) or off (always the eager step).")
-    kv_headroom: int = Field(64, ge=1, description="Decode steps a freshly packed batch KV cache holds before "
-                             "it grows (larger: fewer re-packs, more device memory).")
-    pad_decode_rows: bool = Field(True, description="Static decode steps run the batch's rows rounded up to a "
-                                  "power of two, so requests joining or leaving rarely need a new CUDA graph "
-                                  "(false: exact rows, a graph per batch size).")
+    decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
+                               "size: auto (on CUDA) or off (static, the same step without capture).")
+    kv_block_size: int = Field(16, ge=8, le=256, description="Tokens per block of the paged KV cache (a power "
+                               "of two).")
+    kv_cache_bytes: int = Field(0, ge=0, description="Bytes of the paged KV pool, allocated at start-up; 0: on "
+                                "CUDA what keeps the worker within gpu_memory_fraction of the device's memory "
+                                "(less kv_reserve_bytes), on the CPU 256 MiB.")
+    gpu_memory_fraction: float = Field(0.9, gt=0, le=1, description="Share of the device's memory this worker "
+                                       "may use (weights, KV pool, activations); workers sharing a GPU split it.")
+    kv_reserve_bytes: int = Field(4 << 30, ge=0, description="Device bytes left out of the KV pool for "
+                                  "activations, CUDA graphs and adapters loaded later.")
+    max_model_len: int = Field(0, ge=0, description="Longest context (prompt + new tokens) a request may reach; "
+                               "0: the model's max positions.")
     pipeline_decode: bool = Field(True, description="Pipelined decode: launch a greedy decode step from the "
                                   "previous step's tokens on the device, then process those on the host while it "
                                   "runs (needs the static/graph decode step; false: strictly serial steps).")
@@ -129,6 +135,13 @@ class WorkerSettings(ServiceSettings):
     @classmethod
     def _known_dtype(cls, value: object) -> object:
         return _choice("dtype", value, _DTYPE_ALIASES)
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"VALORA_KV_BLOCK_SIZE={value}: must be a power of two")
+        return value
 
     @field_validator("load_format", "decode_graphs", "switch_strategy", mode="before")
     @classmethod
@@ -400,7 +413,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if g is None:
             return pb.WorkerDecodeGraphs()
         return pb.WorkerDecodeGraphs(static_steps=g.static_steps, replays=g.replays, captures=g.captures,
-                                     new_keys=g.new_keys)
+                                     new_keys=g.new_keys, eager_steps=getattr(g, "eager_steps", 0))
 
     def _notify_watchers(self) -> None:
         for wake in self._watchers:
@@ -466,10 +479,12 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         max_new_tokens_limit=settings.max_new_tokens_limit, device_slots=settings.device_slots,
         max_rank=settings.max_rank, switch_strategy=settings.switch_strategy, use_atmm=settings.use_atmm,
         image_cache_bytes=settings.image_cache_bytes, max_prefills_per_step=settings.max_prefills_per_step,
-        max_prefill_tokens=settings.max_prefill_tokens, kv_headroom=settings.kv_headroom,
+        max_prefill_tokens=settings.max_prefill_tokens, kv_block_size=settings.kv_block_size,
+        kv_cache_bytes=settings.kv_cache_bytes, gpu_memory_fraction=settings.gpu_memory_fraction,
+        kv_reserve_bytes=settings.kv_reserve_bytes, max_model_len=settings.max_model_len,
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
         pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
-        lora_fold_rows=settings.lora_fold_rows, pad_decode_rows=settings.pad_decode_rows,
+        lora_fold_rows=settings.lora_fold_rows,
     )
 
 

@@ -130,6 +130,17 @@ class TPGroup:
         dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
 
+    def min_int(self, n: int) -> int:
+        """The smallest rank's `n`."""
+        if self.world_size == 1:
+            return n
+        group = self.group if self.object_group is None else self.object_group  # gloo when there is one
+        t = torch.tensor([n], dtype=torch.long)
+        if dist.get_backend(group) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t.item())
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

@@ -1,7 +1,7 @@
-"""The static decode step that CUDA graphs capture (decode_graphs.py), run without capture on the
-tiny Qwen2-VL (fp32, CPU): same tokens as the eager decode for mixed adapters, merged/mixture
-modes, sequences joining and leaving (arena re-packs), sampled rows, and a cache that fills up
-(the full step falls back to eager and grows the buffers)."""
+"""The decode step over the paged KV cache (decode_graphs.py) in the engine, on the tiny Qwen2-VL
+(fp32, CPU, no capture): one graph key per padded batch size whatever the batch's composition,
+preemption when the pool runs out giving the same tokens as a pool that never does, and a
+request that could never fit refused when prepared."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import queue
 
 import pytest
 
+from services.common.errors import InvalidArgument
+from services.worker.decode_graphs import bucket_rows
 from services.worker.engine import Engine, EngineConfig
-from services.worker.kv_batch import DecodeBatch
 from services.worker.requests import Failed, Finished, Mode, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.testing import load_random_adapters, random_image
@@ -20,7 +21,7 @@ A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 
 def requests() -> list[WorkRequest]:
     adapters = [None, A, B, A, B, None]
-    lengths = [3, 40, 9, 17, 40, 1]  # rows leave at different steps: the batch re-packs
+    lengths = [3, 40, 9, 17, 40, 1]  # rows leave at different steps
     out = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=adapters[i],
                        max_new_tokens=n) for i, n in enumerate(lengths)]
     out.append(WorkRequest("sampled", "What color?", [random_image(9)], adapter=A, max_new_tokens=12,
@@ -28,11 +29,10 @@ def requests() -> list[WorkRequest]:
     return out
 
 
-def run(model_path, mode: str, merged: Mode | None = None, pad: bool = True,
-        reqs: list[WorkRequest] | None = None) -> tuple[dict, Engine]:
+def run(model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None = None, **config) -> tuple[dict, Engine]:
     reqs = reqs or requests()
-    eng = Engine(EngineConfig(model_path=model_path, decode_graphs=mode, max_batch_size=8, max_prefills_per_step=8,
-                              device_slots=3, kv_headroom=4, pad_decode_rows=pad))
+    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", max_batch_size=8,
+                              max_prefills_per_step=8, device_slots=3, **config))
     eng.eos_ids = set()  # every request runs its full length
     eng.start()
     try:
@@ -40,7 +40,7 @@ def run(model_path, mode: str, merged: Mode | None = None, pad: bool = True,
         if merged is not None:
             eng.set_mode(merged, A)
         events: queue.Queue = queue.Queue()
-        with eng._wake:  # all prefilled in one step: identical batches in both runs
+        with eng._wake:  # all admitted in one step: identical batches in every run
             for r in reqs:
                 eng.submit(eng.prepare(r), events.put)
         out = {}
@@ -55,44 +55,38 @@ def run(model_path, mode: str, merged: Mode | None = None, pad: bool = True,
         eng.stop()
 
 
-@pytest.mark.parametrize("merged", [None, Mode.MIXTURE], ids=["unmerged", "mixture"])
-def test_static_decode_equals_eager(model_path, merged, monkeypatch):
-    monkeypatch.setattr(DecodeBatch, "MIN_CAPACITY", 16)  # prompts ~30 tokens + 40 new: the cache fills up
-    eager, _ = run(model_path, "off", merged)
-    static, eng = run(model_path, "static", merged)
-    assert static == eager
-    assert {len(t) for t in static.values()} == {3, 40, 9, 17, 1, 12}
-    graphs = eng.graphs
-    assert graphs is not None and graphs.captures == 0 and graphs.replays == 0  # no CUDA: never captured
-    assert graphs.static_steps > 20  # most steps ran static ...
-    assert len({k[1] for k in graphs.entries}) >= 2  # ... at more than one capacity (the cache grew)
-
-
-def test_static_steps_pad_rows_to_a_power_of_two(model_path):
-    # 8 rows leaving one by one down to 5: padded static steps stay on one 8-row key per KV
-    # arena (the two arenas alternate at each re-pack), with the exact rows' tokens; exact-row
-    # steps make a key at every batch size.
-    lengths = [2, 3, 4, 30, 30, 30, 30, 30]
+def test_one_key_per_batch_bucket(model_path):
+    # 8 rows leaving one by one, adapters mixed: whatever the rows' composition, lengths and
+    # blocks, a step's key is its padded row count (and whether LoRA runs).
+    lengths = [2, 3, 4, 5, 6, 30, 30, 30]
     reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)],
                         adapter=(None, A, B)[i % 3], max_new_tokens=n) for i, n in enumerate(lengths)]
-    padded, eng = run(model_path, "static", reqs=reqs)
-    exact, eng_exact = run(model_path, "static", pad=False, reqs=reqs)
-    assert padded == exact
-    assert {k[0] for k in eng.graphs.entries} == {8}
-    assert {k[0] for k in eng_exact.graphs.entries} >= {8, 6, 5}
-    assert eng.graphs.new_keys == 2 < eng_exact.graphs.new_keys
-    assert eng.graphs.static_steps == eng_exact.graphs.static_steps > 20
+    out, eng = run(model_path, reqs)
+    assert [len(out[r.request_id]) for r in reqs] == lengths
+    g = eng.graphs
+    assert {k[0] for k in g.entries} == {bucket_rows(n) for n in (8, 7, 6, 5, 4, 3)} == {8, 6, 4, 3}
+    assert g.new_keys == len(g.entries) <= 2 * 4  # every key made once: nothing else forces a new one
+    assert g.static_steps > 25 and g.replays == 0 and g.eager_steps == 0  # no CUDA: nothing captured
+    assert eng.kv.used_blocks == 0
 
 
-def test_eager_decode_plans_once_per_batch(model_path, monkeypatch):
-    # Without static steps there is nothing to pad: a decode step plans its own rows once, and
-    # steps of the same batch reuse that plan (40 decode steps, a handful of batch compositions).
-    from services.worker import engine as engine_mod
+@pytest.mark.parametrize("merged", [None, Mode.MIXTURE], ids=["unmerged", "mixture"])
+def test_preemption_recomputes_the_same_tokens(model_path, merged):
+    roomy, eng = run(model_path, merged=merged)
+    assert eng.preemptions == 0
+    # 30 blocks of 8 tokens: the 7 prompts (~30-40 tokens each) fit, their growth does not
+    block_bytes = eng.kv_pool.block_bytes // (eng.kv.block_size // 8)
+    tight, eng = run(model_path, merged=merged, kv_block_size=8, kv_cache_bytes=31 * block_bytes)
+    assert eng.kv.usable_blocks == 30
+    assert eng.preemptions > 0
+    assert tight == roomy
+    assert eng.kv.used_blocks == 0
 
-    built = []
-    step_lora = engine_mod.StepLora
-    monkeypatch.setattr(engine_mod, "StepLora", lambda *a, **kw: built.append(a[1]) or step_lora(*a, **kw))
-    out, eng = run(model_path, "off")
-    assert len(out) == len(requests()) and eng.graphs is None
-    assert len(built) < 15, len(built)
-    assert all(len(rows) <= len(requests()) for rows in built)
+
+def test_request_larger_than_the_pool_is_refused(model_path):
+    eng = Engine(EngineConfig(model_path=model_path, kv_block_size=8, kv_cache_bytes=1 << 16))
+    too_long = WorkRequest("big", "Describe the image.", [random_image(0)], max_new_tokens=eng.kv.usable_blocks * 8)
+    with pytest.raises(InvalidArgument) as e:
+        eng.prepare(too_long)
+    assert e.value.reason == "EXCEEDS_KV_CACHE"
+    eng.prepare(WorkRequest("fits", "Hi.", [], max_new_tokens=4))

@@ -41,7 +41,7 @@ def bundles(model_path):
 @pytest.fixture(scope="module")
 def engine(model_path, bundles):
     eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3,
-                              default_max_new_tokens=MAX_NEW, max_waiting=64, kv_headroom=3))
+                              default_max_new_tokens=MAX_NEW, max_waiting=64))
     eng.start()
     for name, b in bundles.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)

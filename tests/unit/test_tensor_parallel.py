@@ -37,11 +37,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run(model, runtime, step_of, ids, decode_tokens):
     """The engine's forwards: one prefill (no mask, explicit 3D positions) into a fresh growing
     cache, then decode steps with the given tokens; returns hidden states and logits."""
-    from services.worker.kv_batch import new_cache
+    from transformers import DynamicCache
 
     b, n = ids.shape
     lm = model.model
-    cache = new_cache(model.config.text_config)
+    cache = DynamicCache(config=model.config.text_config)
     out = {}
     runtime.step = step_of(n)
     try:

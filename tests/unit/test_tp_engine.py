@@ -44,7 +44,7 @@ def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
     # CPU: "static" decode, so the pipelined decode path runs too (no graph capture); CUDA: decode
     # steps captured as CUDA graphs, the ranks' NCCL all-reduces inside them.
     return EngineConfig(model_path=Path(model_path), max_batch_size=8, device_slots=3, default_max_new_tokens=8,
-                        kv_headroom=3, decode_graphs="static" if device == "cpu" else "auto", tp=tp, device=device)
+                        decode_graphs="static" if device == "cpu" else "auto", tp=tp, device=device)
 
 
 def _outcome(event) -> list:

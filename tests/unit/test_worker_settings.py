@@ -47,7 +47,7 @@ def test_settings_from_the_environment_reach_the_engine_config(clean_env):
     env = {
         "VALORA_DEVICE": "cuda:1", "VALORA_DTYPE": "bf16", "VALORA_MAX_PREFILLS_PER_STEP": "4",
         "VALORA_MAX_PREFILL_TOKENS": "2048", "VALORA_DECODE_GRAPHS": "off", "VALORA_LOAD_FORMAT": "dummy",
-        "VALORA_KV_HEADROOM": "16", "VALORA_IMAGE_CACHE_BYTES": "0", "VALORA_SWITCH_STRATEGY": "delta",
+        "VALORA_KV_BLOCK_SIZE": "32", "VALORA_IMAGE_CACHE_BYTES": "0", "VALORA_SWITCH_STRATEGY": "delta",
         "VALORA_USE_ATMM": "false", "VALORA_DEVICE_SLOTS": "2", "VALORA_MAX_BATCH_SIZE": "32",
         "VALORA_MODEL_PATH": "~/models/qwen2-vl-7b", "VALORA_FUSED_LAYERS": "false",
     }
@@ -55,9 +55,9 @@ def test_settings_from_the_environment_reach_the_engine_config(clean_env):
         clean_env.setenv(k, v)
     cfg = engine_config(WorkerSettings())
     assert (cfg.device, cfg.dtype, cfg.max_prefills_per_step, cfg.max_prefill_tokens, cfg.decode_graphs,
-            cfg.load_format, cfg.kv_headroom, cfg.image_cache_bytes, cfg.switch_strategy, cfg.use_atmm,
+            cfg.load_format, cfg.kv_block_size, cfg.image_cache_bytes, cfg.switch_strategy, cfg.use_atmm,
             cfg.device_slots, cfg.max_batch_size, cfg.fused_layers) == (
-        "cuda:1", "bfloat16", 4, 2048, "off", "dummy", 16, 0, "delta", False, 2, 32, False)
+        "cuda:1", "bfloat16", 4, 2048, "off", "dummy", 32, 0, "delta", False, 2, 32, False)
     assert cfg.model_path == Path("~/models/qwen2-vl-7b").expanduser()
 
 
@@ -78,7 +78,9 @@ def test_dtype_aliases(clean_env, value, expected):
     ("VALORA_MAX_PREFILLS_PER_STEP", "0", "greater than or equal to 1"),
     ("VALORA_MAX_PREFILL_TOKENS", "-5", "greater than or equal to 1"),
     ("VALORA_MAX_PREFILL_TOKENS", "lots", "valid integer"),
-    ("VALORA_KV_HEADROOM", "0", "greater than or equal to 1"),
+    ("VALORA_KV_BLOCK_SIZE", "4", "greater than or equal to 8"),
+    ("VALORA_KV_BLOCK_SIZE", "24", "VALORA_KV_BLOCK_SIZE=24: must be a power of two"),
+    ("VALORA_GPU_MEMORY_FRACTION", "1.5", "less than or equal to 1"),
     ("VALORA_IMAGE_CACHE_BYTES", "-1", "greater than or equal to 0"),
     ("VALORA_DEVICE_SLOTS", "0", "greater than or equal to 1"),
     ("VALORA_MAX_BATCH_SIZE", "0", "greater than or equal to 1"),

@@ -1,0 +1,233 @@
+"""The paged KV cache: one pool of fixed-size blocks for every sequence, and block tables.
+
+The pool is allocated once at start-up (`KVPool`, sized by `pool_blocks` from free device memory
+or a byte budget): per layer, keys and values of shape (num_blocks, block_size, kv_heads,
+head_dim). A sequence owns a list of blocks (`BlockManager`): token j of a sequence lives at
+slot `blocks[j // block_size] * block_size + j % block_size`. Rows join and leave a decode batch
+without anyone's KV being copied, and nothing is sized by the longest row.
+
+Block 0 is the null block: it belongs to no sequence. Prefill padding and LABEL requests (which
+keep no cache) write there, and the padding rows of a static decode step (decode_graphs.py)
+attend to it alone; its contents are don't-care but always finite.
+
+Each sequence holding blocks also holds a row of the device block table (`tables`, (rows + 1,
+max_blocks) int32; the last row is the null row, all zeros). A decode step gathers the rows of
+its batch from it inside the step, so the host only writes a table entry when a sequence gets a
+new block (`sync` pushes the step's writes in one copy), and a CUDA graph captured for a batch
+size replays for any batch of that size.
+
+`PagedCache` is the HF `Cache` a forward runs on: each layer writes the step's keys and values
+at the step's slots; a prefill then attends over the keys it was given (causal SDPA over the
+batch, as before), a decode step over the pool through the block tables (attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+NULL_BLOCK = 0
+
+
+def kv_bytes_per_token(text_config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """Bytes of keys and values one token takes over all layers (`kv_heads`: this rank's)."""
+    heads = kv_heads or text_config.num_key_value_heads
+    d = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return 2 * text_config.num_hidden_layers * heads * d * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_blocks(budget_bytes: int, block_bytes: int) -> int:
+    """Blocks a byte budget holds (the null block included; at least 2)."""
+    return max(2, budget_bytes // block_bytes)
+
+
+def device_budget(device: torch.device, memory_fraction: float, reserve_bytes: int) -> int:
+    """Bytes the KV pool may take on a CUDA device: what keeps this process's use of the device
+    within `memory_fraction` of its memory, less `reserve_bytes` for activations, graphs and
+    adapters loaded later, and never more than is free now."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free  # everything resident now: weights, other processes
+    return max(0, min(free - reserve_bytes, int(memory_fraction * total) - used - reserve_bytes))
+
+
+class KVPool:
+    """The preallocated keys and values: (layers, num_blocks, block_size, kv_heads, head_dim) each."""
+
+    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"kv block size {block_size} is not a power of two")
+        shape = (layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, NULL_BLOCK].zero_()
+        self.v[:, NULL_BLOCK].zero_()
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+
+class OutOfBlocks(Exception):
+    """No free block: the caller preempts a sequence or waits."""
+
+
+class BlockManager:
+    """Free blocks, each sequence's blocks, and the device block table (one row per sequence
+    holding blocks, `rows` of them, plus the null row)."""
+
+    def __init__(self, num_blocks: int, block_size: int, rows: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # a stack: pop() takes the lowest
+        self._blocks: dict[int, list[int]] = {}  # sequence id -> its blocks
+        self._rows: dict[int, int] = {}  # sequence id -> its table row
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self.null_row = rows
+        self.tables = torch.zeros((rows + 1, max_blocks), dtype=torch.int32, device=device)
+        self._writes: list[tuple[int, int]] = []  # (flat table index, block) not yet on the device
+        self._pin = device.type == "cuda"
+
+    # -- accounting --------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks sequences can hold (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def used_blocks(self) -> int:
+        return self.usable_blocks - len(self._free)
+
+    def holds(self, sid: int) -> bool:
+        return sid in self._blocks
+
+    def blocks(self, sid: int) -> list[int]:
+        return self._blocks[sid]
+
+    def row(self, sid: int) -> int:
+        return self._rows[sid]
+
+    # -- changes -----------------------------------------------------------------------------
+    def open(self, sid: int, tokens: int) -> bool:
+        """Gives sequence `sid` a table row and blocks for `tokens` tokens; False (nothing taken)
+        when there are not enough free blocks or rows."""
+        if sid in self._blocks:
+            raise ValueError(f"sequence {sid} already holds blocks")
+        need = self.blocks_for(tokens)
+        if need > self.max_blocks:
+            raise ValueError(f"{tokens} tokens exceed the block table's {self.max_blocks * self.block_size}")
+        if need > len(self._free) or not self._free_rows:
+            return False
+        self._rows[sid] = self._free_rows.pop()
+        self._blocks[sid] = []
+        self._append(sid, need)
+        return True
+
+    def grow(self, sid: int, tokens: int) -> None:
+        """Makes sequence `sid`'s blocks hold `tokens` tokens; OutOfBlocks (nothing taken) when the
+        pool has too few free blocks."""
+        need = self.blocks_for(tokens) - len(self._blocks[sid])
+        if need <= 0:
+            return
+        if len(self._blocks[sid]) + need > self.max_blocks:
+            raise ValueError(f"{tokens} tokens exceed the block table's {self.max_blocks * self.block_size}")
+        if need > len(self._free):
+            raise OutOfBlocks(f"sequence {sid} needs {need} more blocks, {len(self._free)} free")
+        self._append(sid, need)
+
+    def _append(self, sid: int, n: int) -> None:
+        blocks, row = self._blocks[sid], self._rows[sid]
+        for _ in range(n):
+            block = self._free.pop()
+            self._writes.append((row * self.max_blocks + len(blocks), block))
+            blocks.append(block)
+
+    def close(self, sid: int) -> None:
+        """Frees sequence `sid`'s blocks and row (no-op when it holds none). Its table row keeps
+        stale entries: only a sequence that holds the row reads it, up to its own length."""
+        blocks = self._blocks.pop(sid, None)
+        if blocks is None:
+            return
+        self._free.extend(reversed(blocks))
+        self._free_rows.append(self._rows.pop(sid))
+
+    def sync(self) -> None:
+        """Writes the table entries changed since the last sync to the device (one copy)."""
+        if not self._writes:
+            return
+        flat = torch.tensor(self._writes, dtype=torch.int64, pin_memory=self._pin)
+        self._writes = []
+        dev = flat.to(self.tables.device, non_blocking=True)
+        self.tables.view(-1).index_copy_(0, dev[:, 0], dev[:, 1].to(torch.int32))
+
+    # -- addresses ---------------------------------------------------------------------------
+    def slot(self, sid: int, position: int) -> int:
+        """The pool slot of token `position` of sequence `sid`."""
+        bs = self.block_size
+        return self._blocks[sid][position // bs] * bs + position % bs
+
+    def slots(self, sid: int, start: int, end: int) -> torch.Tensor:
+        """(end - start,) long host tensor: the slots of tokens [start, end) of sequence `sid`."""
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(self._blocks[sid], dtype=torch.long)
+        return blocks[pos // bs] * bs + pos % bs
+
+
+@dataclass
+class PagedDecode:
+    """What a decode step's attention reads besides the pool: each row's block table (rows,
+    max_blocks) int32 and its context length including the new token (rows,) int32."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class PagedLayer(DynamicLayer):
+    """One layer of the pool as an HF cache layer: `update` writes the step's tokens at the
+    cache's slots and returns the step's own keys and values (prefill: attention over the batch
+    as given) or the layer's whole pool (decode: attention through the block tables)."""
+
+    def __init__(self, cache: "PagedCache", k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+        super().__init__()
+        self.cache, self.k_pool, self.v_pool = cache, k_pool, v_pool
+        self.is_initialized = True
+        self.dtype, self.device = k_pool.dtype, k_pool.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        b, h, s, d = key_states.shape
+        slots = self.cache.slots
+        self.k_pool.view(-1, h, d).index_copy_(0, slots, key_states.transpose(1, 2).reshape(b * s, h, d))
+        self.v_pool.view(-1, h, d).index_copy_(0, slots, value_states.transpose(1, 2).reshape(b * s, h, d))
+        if self.cache.decode is not None:
+            return self.k_pool, self.v_pool
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0  # a prefill starts from no cached tokens; decode steps pass their positions and masks
+
+
+class PagedCache(DynamicCache):
+    """The pool as the HF cache of one forward: `slots` (tokens,) long device tensor, where the
+    forward's (rows x tokens, flattened) keys and values go; `decode` set for a decode step."""
+
+    def __init__(self, text_config, pool: KVPool, slots: torch.Tensor, decode: PagedDecode | None = None) -> None:
+        super().__init__(config=text_config)
+        self.slots, self.decode = slots, decode
+        self.layers = [PagedLayer(self, *pool.layer(i)) for i in range(len(self.layers))]
