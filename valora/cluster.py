@@ -6,6 +6,8 @@ Used by `valora up/down` and by the e2e tests. State (pids, ports, logs) lives i
 
 from __future__ import annotations
 
+import collections
+
 import itertools
 import json
 import os
@@ -204,6 +206,12 @@ def worker_device_env(workers: int, device: str = "cpu", dtype: str = "float32",
         n = len(gpu_ids)
         for i, env in enumerate(envs):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu_ids[(i * tp + j) % n]) for j in range(tp))
+        # Workers sharing a GPU split its memory: each preallocates its KV pool from its share.
+        sharing = collections.Counter(g for env in envs for g in env["CUDA_VISIBLE_DEVICES"].split(","))
+        for env in envs:
+            most = max(sharing[g] for g in env["CUDA_VISIBLE_DEVICES"].split(","))
+            if most > 1:
+                env["VALORA_GPU_MEMORY_FRACTION"] = f"{0.9 / most:.3f}"
     return envs
 
 

@@ -51,8 +51,9 @@ def test_one_gpu_is_shared_by_every_worker(tmp_path, started, monkeypatch):
     gpus(monkeypatch, ["0"])
     result = up(tmp_path, "--device", "cuda", "--workers", "3")
     assert result.exit_code == 0, result.output
-    assert started[0]["worker_env"] == [
-        {"VALORA_DEVICE": "cuda", "VALORA_DTYPE": "bfloat16", "CUDA_VISIBLE_DEVICES": "0"}] * 3
+    assert started[0]["worker_env"] == [  # each preallocates its KV pool from its share of the memory
+        {"VALORA_DEVICE": "cuda", "VALORA_DTYPE": "bfloat16", "CUDA_VISIBLE_DEVICES": "0",
+         "VALORA_GPU_MEMORY_FRACTION": "0.300"}] * 3
     assert "3 workers share 1 GPU" in result.output
 
 
@@ -71,6 +72,7 @@ def test_more_workers_than_gpus_wrap_around(tmp_path, started, monkeypatch):
     result = up(tmp_path, "--device", "cuda", "--workers", "4")
     assert result.exit_code == 0, result.output
     assert [e["CUDA_VISIBLE_DEVICES"] for e in started[0]["worker_env"]] == ["0", "1", "2", "0"]
+    assert [e.get("VALORA_GPU_MEMORY_FRACTION") for e in started[0]["worker_env"]] == ["0.450", None, None, "0.450"]
 
 
 def test_restricted_gpus_keep_their_ids(tmp_path, started, monkeypatch):
