@@ -286,5 +286,29 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     return out.copy_(ref)
 
 
+def self_check(device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    """Runs the Triton kernels once on random inputs of a model's attention shape and compares
+    them with the reference: None when they agree, else why not (the caller then serves on the
+    reference, without CUDA graphs). A worker calls it at start-up, so a GPU or triton version the
+    kernels were never run on fails there, once, and not in every decode step."""
+    if not available(device):
+        return "triton or CUDA is not available"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    b, blocks = 3, 12
+    try:
+        q = torch.randn(b, heads, head_dim, generator=g).to(device, dtype)
+        k = torch.randn(blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+        v = torch.randn(blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+        tables = torch.randperm(blocks, generator=g).view(b, blocks // b).to(device, torch.int32)
+        lens = torch.tensor([1, block_size + 3, blocks // b * block_size], dtype=torch.int32, device=device)
+        got = paged_decode_attention_triton(q, k, v, tables, lens, None).float()
+        want = paged_decode_attention_reference(q, k, v, tables, lens, None).float()
+    except Exception as exc:  # noqa: BLE001 - a build or launch failure is the answer
+        return f"{type(exc).__name__}: {exc}"[:500]
+    err = float((got - want).abs().max())
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    return None if err <= tol else f"max error {err:.3g} over {tol}"
+
+
 __all__ = ["available", "default_num_splits", "paged_decode_attention", "paged_decode_attention_reference",
-           "paged_decode_attention_triton"]
+           "paged_decode_attention_triton", "self_check"]

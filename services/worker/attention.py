@@ -2,7 +2,8 @@
 
 A decode step over the paged KV cache (kv_cache.py) passes `paged_decode` (block tables and
 context lengths): the query attends to the layer's pool through the block tables
-(`kernels.paged_attention`: a split-KV Triton kernel on CUDA, its torch reference elsewhere).
+(`kernels.paged_attention`: a split-KV Triton kernel on CUDA, its torch reference elsewhere or
+when the engine's start-up check of the kernel failed).
 
 With a mask, HF's SDPA path copies the KV cache to every query head (`repeat_kv`) before calling
 the kernel — for a 7B model with 7 query heads per KV head that is ~7x the cache written and read
@@ -19,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kernels.paged_attention import paged_decode_attention
+from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
 NAME = "valora_sdpa"
 
@@ -28,8 +29,9 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout:
                              is_causal=None, paged_decode=None, **kwargs):
     if paged_decode is not None:  # key, value: the layer's pool (PagedLayer.update)
         b, heads, _, d = query.shape
-        out = paged_decode_attention(query.reshape(b, heads, d), key, value, paged_decode.block_tables,
-                                     paged_decode.seq_lens, scaling)
+        attend = paged_decode_attention if paged_decode.kernel else paged_decode_attention_reference
+        out = attend(query.reshape(b, heads, d), key, value, paged_decode.block_tables, paged_decode.seq_lens,
+                     scaling)
         return out.view(b, 1, heads, d), None
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None:

@@ -82,14 +82,16 @@ class DecodeRow:
 
 class DecodeGraphs:
     def __init__(self, model, runtime: LoraRuntime, pool: KVPool, blocks: BlockManager, device: torch.device,
-                 capture: bool = True, max_graphs: int = 32) -> None:
+                 capture: bool = True, max_graphs: int = 32, attention_kernel: bool = True) -> None:
         self.lm = model.model.language_model
         self.head = model.lm_head
         self.text_config = self.lm.config
         self.runtime = runtime
         self.pool, self.blocks = pool, blocks
         self.device = device
-        self.capture = capture and device.type == "cuda"
+        # The reference attention reads lengths on the host: such steps run without graphs.
+        self.attention_kernel = attention_kernel
+        self.capture = capture and device.type == "cuda" and attention_kernel
         self.max_graphs = max_graphs
         self.mask_kinds = sorted(set(getattr(self.lm.config, "layer_types", None) or ["full_attention"]))
         self.pin = device.type == "cuda"  # host inputs from pinned memory: their copy does not wait for the device
@@ -163,7 +165,7 @@ class DecodeGraphs:
     def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
         rows = e.ids.shape[0]
         paged = PagedDecode(block_tables=self.blocks.tables.index_select(0, e.rows),
-                            seq_lens=e.lens.to(torch.int32))
+                            seq_lens=e.lens.to(torch.int32), kernel=self.attention_kernel)
         cache = PagedCache(self.text_config, self.pool, e.slots, paged)
         out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: None for kind in self.mask_kinds},
                       position_ids=e.pos.view(1, rows, 1).expand(3, rows, 1), past_key_values=cache,

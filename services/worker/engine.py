@@ -60,6 +60,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from kernels import paged_attention
 from services.common.adapter_format import BaseModelShapes
 from services.common.errors import (
     CapacityExceeded,
@@ -252,8 +253,18 @@ class Engine:
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
         self.kv_pool, self.kv = self._make_kv_pool()
+        attention_kernel = self.device.type == "cuda"
+        if attention_kernel:
+            tc = self.text_config
+            world = self.tp.world_size if self.tp is not None else 1
+            problem = paged_attention.self_check(self.device, self.dtype, tc.num_attention_heads // world,
+                                                 self.kv_pool.k.shape[3], self.kv_pool.k.shape[4], config.kv_block_size)
+            attention_kernel = problem is None
+            if problem is not None:  # correct but slow: the reference, no decode graphs
+                log.warning("paged_attention_kernel_unusable", reason=problem)
+        log.info("decode_attention", op="triton_paged" if attention_kernel else "torch_reference")
         self.graphs = DecodeGraphs(self.model, self.runtime, self.kv_pool, self.kv, self.device,
-                                   capture=config.decode_graphs == "auto")
+                                   capture=config.decode_graphs == "auto", attention_kernel=attention_kernel)
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
                                     self.tp)
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)

@@ -197,6 +197,7 @@ class PagedDecode:
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    kernel: bool = True  # the Triton kernels (engine's start-up check passed); False: the torch reference
 
 
 class PagedLayer(DynamicLayer):

@@ -191,3 +191,24 @@ def test_triton_kernels_under_interpreter():
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpreter_main()
+
+
+def test_self_check_reports_a_wrong_or_failing_kernel(monkeypatch):
+    """The worker's start-up check: a kernel that disagrees with the reference, or fails to build
+    or launch, is reported (the worker then serves on the reference); a correct one passes."""
+    from kernels import paged_attention as pa
+
+    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8) == "triton or CUDA is not available"
+    monkeypatch.setattr(pa, "available", lambda device: True)
+    monkeypatch.setattr(pa, "paged_decode_attention_triton",
+                        lambda *a, **kw: pa.paged_decode_attention_reference(*a[:6]))
+    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8) is None
+    monkeypatch.setattr(pa, "paged_decode_attention_triton",
+                        lambda *a, **kw: pa.paged_decode_attention_reference(*a[:6]) * 1.1)
+    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8).startswith("max error")
+
+    def broken(*a, **kw):
+        raise RuntimeError("PTX JIT compilation failed")
+
+    monkeypatch.setattr(pa, "paged_decode_attention_triton", broken)
+    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8) == "RuntimeError: PTX JIT compilation failed"
