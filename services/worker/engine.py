@@ -18,9 +18,9 @@ its blocks are freed and it waits at the head of the queue, to be prefilled agai
 prompt and the tokens it has generated (recompute), then decodes on; what it streamed stays
 streamed. A request that could never fit the pool is refused when prepared.
 
-Decode is pipelined (EngineConfig.pipeline_decode): while the batch stays the same and every row
-is greedy, step n+1 is launched with step n's tokens as input, copied on the device, before the
-host takes step n's tokens (detokenize, stream, finish checks), so that host work overlaps the
+Decode is pipelined (EngineConfig.pipeline_decode): while the batch stays the same, step n+1 is
+launched with step n's tokens (greedy or sampled, chosen on the device: sampling.py) as input,
+copied on the device, before the host takes step n's tokens (detokenize, stream, finish checks), so that host work overlaps the
 device's (_decode_step says how rows that finish meanwhile are handled).
 
 Prefill embeds images and video chunks through vision.VisionEncoder: features are cached by
@@ -51,7 +51,6 @@ import itertools
 import json
 import math
 import queue
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -95,7 +94,7 @@ from services.worker.requests import (
     TextDelta,
     WorkRequest,
 )
-from services.worker.sampling import choose_token
+from services.worker.sampling import RowSampling, sample
 from services.worker.switcher import Switcher
 from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
 from services.worker.preprocess import process_request
@@ -147,7 +146,7 @@ class EngineConfig:
     # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "off" (or "static") = the
     # same step without capture.
     decode_graphs: str = "auto"
-    # Pipelined decode: while the device runs a greedy decode step fed by the previous step's
+    # Pipelined decode: while the device runs a decode step fed by the previous step's
     # tokens (device to device), the host processes the previous step's tokens (see _decode_step).
     pipeline_decode: bool = True
     # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
@@ -174,7 +173,6 @@ class _Seq:
     sink: object  # None on a tensor-parallel follower: it emits nothing
     handle: RequestHandle
     detok: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
     length: int = 0  # tokens in its KV cache
     preemptions: int = 0  # times its blocks were taken back (it is prefilled again over its tokens)
     rope_delta: int = 0
@@ -194,7 +192,7 @@ class _Seq:
 
 @dataclass(eq=False)
 class _Pending:
-    """A launched decode step whose greedy tokens the host has not taken yet (pipelined decode)."""
+    """A launched decode step whose tokens the host has not taken yet (pipelined decode)."""
 
     rows: list[_Seq]
     tokens: torch.Tensor  # (rows,) on the device: the next step's input ids
@@ -506,6 +504,9 @@ class Engine:
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
         release_after = math.ceil(fraction * n) if request.adapter and fraction > 0 else 0
+        seeded = request.sampling.seeded()  # seed 0: a random seed, drawn once here (every TP rank alike)
+        if seeded is not request.sampling:
+            request = dataclasses.replace(request, sampling=seeded)
         inputs, vision = processed or process_request(self.processor, request, self.pixel_dtype())
         stage_pixels(inputs, self.device, self.dtype)
         ids = inputs["input_ids"]
@@ -530,10 +531,6 @@ class Engine:
         if not self.alive:
             raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
         req = prep.request
-        if self.tp is not None and not req.sampling.greedy and not req.sampling.seed:
-            # Seed 0 draws a random seed per generator: draw it once here, so every rank samples alike.
-            req = prep.request = dataclasses.replace(
-                req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63) or 1))
         if req.adapter:
             weights = self.pool.get(req.adapter)  # AdapterNotFound when not loaded
             if req.output_kind == OutputKind.LABEL and req.head not in weights.heads:
@@ -939,13 +936,16 @@ class Engine:
         last = self._upload(torch.tensor([n - 1 for n in lengths]))
         hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
+        logits, tokens = {}, {}
         if text:
             head_in = hidden if len(text) == b else hidden[self._upload(torch.tensor(text))]
-            logits = dict(zip(text, self.model.lm_head(head_in)))
-        else:
-            logits = {}
+            head_out = self.model.lm_head(head_in)
+            # each row's token takes position (its context + rope delta): the sampler's counter
+            chosen = self._choose([rows[i] for i in text], head_out.argmax(-1), head_out,
+                                  [lengths[i] + int(deltas[i]) for i in text])
+            logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
         for i, s in enumerate(rows):  # from here on a failure is that request's alone
-            self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], logits.get(i))
+            self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], logits.get(i), tokens.get(i))
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's
@@ -954,18 +954,18 @@ class Engine:
         return t.to(self.device, non_blocking=True)
 
     def _prefilled(self, s: _Seq, length: int, rope_delta: int, hidden: torch.Tensor,
-                   logits: torch.Tensor | None) -> None:
-        """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next token."""
+                   logits: torch.Tensor | None, token: int | None) -> None:
+        """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next
+        token (`logits`: the ones it was chosen from)."""
         s.length = length
         s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:
             self._answer_label(s, hidden)
             return
-        if s.detok is None:  # a recomputed sequence keeps its detokenizer and generator
+        if s.detok is None:  # a recomputed sequence keeps its detokenizer
             s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
-            s.generator = s.req.sampling.generator()
         self._running.append(s)
-        self._accept(s, choose_token(logits, s.req.sampling, s.generator))
+        self._accept(s, token)
 
     def _answer_label(self, s: _Seq, hidden: torch.Tensor) -> None:
         weights = self.pool.get(s.req.adapter)
@@ -985,8 +985,8 @@ class Engine:
     def _decode_step(self) -> None:
         """One decode step of every running sequence.
 
-        Pipelined decode: a step whose rows are all greedy is left pending (its tokens copied to
-        the host asynchronously) when another step will follow. If at the next step boundary the
+        Pipelined decode: a step is left pending (its tokens, greedy or sampled on the device,
+        copied to the host asynchronously) when another step will follow. If at the next step boundary the
         batch is the same (no row joined, left or was cancelled) and the step can run static, it
         is launched at once with the pending step's tokens as input ids, copied on the device,
         and only then are the pending step's tokens taken on the host (detokenized, streamed,
@@ -1012,13 +1012,20 @@ class Engine:
         finally:
             self.runtime.step = None
         self._advance(rows)
+        tokens = self._choose(rows, *got, [s.length + s.rope_delta for s in rows])
         if self._holdable(rows):
-            self._pending = self._hold(rows, got[0])
+            self._pending = self._hold(rows, tokens)
             return
-        greedy, logits = got[0].tolist(), got[1]  # one device->host copy for every greedy row
-        for i, s in enumerate(rows):
-            token = greedy[i] if s.req.sampling.greedy else choose_token(logits[i], s.req.sampling, s.generator)
+        for s, token in zip(rows, tokens.tolist()):  # one device->host copy for the batch
             self._accept(s, token)
+
+    def _choose(self, rows: list[_Seq], greedy: torch.Tensor, logits: torch.Tensor, counters: list[int]) -> torch.Tensor:
+        """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy, else
+        sampled in one batched call (sampling.py; `counters`: the positions the tokens take)."""
+        params = [s.req.sampling for s in rows]
+        if all(p.greedy for p in params):
+            return greedy
+        return sample(logits, RowSampling.of(params, self.device), self._upload(torch.tensor(counters)))
 
     def _bucket(self, rows: list[_Seq]) -> int:
         """Rows a decode step runs (decode_graphs.bucket_rows; padding past the batch's own)."""
@@ -1072,7 +1079,7 @@ class Engine:
         finally:
             self.runtime.step = None
         self._advance(rows)
-        self._pending = self._hold(rows, got[0])
+        self._pending = self._hold(rows, self._choose(rows, *got, [s.length + s.rope_delta for s in rows]))
         self.pipelined_steps += 1
         self._take(pending)
         if not self._holdable(rows):
@@ -1086,17 +1093,15 @@ class Engine:
 
     def _holdable(self, rows: list[_Seq]) -> bool:
         """Whether a launched step's tokens may wait for the next step's launch: pipelining is on,
-        every row is greedy, some row goes on after this step's token (no speculative step when
-        all are done: finished, or at max_new_tokens), and none releases its adapter with it
-        (the next step's LoRA plan changes)."""
+        some row goes on after this step's token (no speculative step when all are done:
+        finished, or at max_new_tokens), and none releases its adapter with it (the next step's
+        LoRA plan changes). Sampled rows pipeline too: their tokens are chosen on the device."""
         if not self.config.pipeline_decode:
             return False
         goes_on = False
         for s in rows:
             if s.finished:
                 continue
-            if not s.req.sampling.greedy:
-                return False
             n = len(s.tokens) + 1  # its tokens once this step's is taken
             if s.prep.release_after and not s.released and n >= s.prep.release_after:
                 return False
@@ -1104,7 +1109,7 @@ class Engine:
         return goes_on
 
     def _hold(self, rows: list[_Seq], tokens: torch.Tensor) -> _Pending:
-        """Queues the copy of a launched step's greedy tokens to the host, right behind the step."""
+        """Queues the copy of a launched step's tokens to the host, right behind the step."""
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
         copied = None

@@ -1,5 +1,18 @@
-"""Next-token choice per sequence: greedy (temperature 0) or temperature/top-k/top-p sampling
-with a per-request seeded generator (equal seeds give equal outputs)."""
+"""Next-token choice for a batch of rows, on the device: greedy (temperature 0) or temperature /
+top-k / top-p sampling, seeded per request.
+
+`sample` takes a step's logits (rows, vocab) and each row's parameters as device tensors and
+returns the tokens as a device tensor: no host copy of logits, no per-row work on the host, so a
+sampled row can feed the next decode step without a round trip (pipelined decode) and a batch
+with sampled rows costs a few batched ops.
+
+Randomness is counter-based: row i's uniform for vocabulary entry v is a hash of (its seed, the
+position its token will take, v), and the token is the Gumbel-max choice argmax(log p + g) with
+g = -log(-log u) — an exact sample from p. The same seed therefore gives the same tokens however
+the request is batched, pipelined, preempted and recomputed, or sharded over tensor-parallel
+ranks (every rank computes the same noise). Greedy rows, and rows whose temperature is below
+MIN_TEMPERATURE (1/T would overflow), take the argmax.
+"""
 
 from __future__ import annotations
 
@@ -8,40 +21,90 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = 1e-5
+_MASK31 = (1 << 31) - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0  # 0: a random seed
+    seed: int = 0  # 0: a random seed (drawn once, when the request is prepared)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
-    def generator(self) -> torch.Generator | None:
-        if self.greedy:
-            return None
-        g = torch.Generator(device="cpu")
-        g.manual_seed(self.seed or secrets.randbits(63))
-        return g
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k or top-p drops part of the vocabulary (the sampler then sorts)."""
+        return self.top_k > 0 or 0.0 < self.top_p < 1.0
+
+    def seeded(self) -> "SamplingParams":
+        """These parameters with a seed: their own, or a random one."""
+        if self.greedy or self.seed:
+            return self
+        return SamplingParams(self.temperature, self.top_p, self.top_k, secrets.randbits(62) or 1)
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: (vocab,) of one sequence."""
-    if params.greedy:
-        return int(torch.argmax(logits).item())
-    scores = logits.float().cpu() / params.temperature
-    if params.top_k > 0 and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if 0.0 < params.top_p < 1.0:
-        sorted_scores, idx = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        drop = cum - probs > params.top_p  # keep the smallest set whose mass reaches top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(0, idx, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash (murmur3's finaliser shape with 31-bit products, so int64 math never
+    overflows): int64 tensor of values in [0, 2^31) -> the same."""
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _MASK31
+    h = h ^ (h >> 13)
+    h = (h * 0x2C1B3C6D) & _MASK31
+    return h ^ (h >> 16)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) float32 in (0, 1): a function of (seed, counter, vocabulary index) only."""
+    key = _mix((seeds & _MASK31) ^ _mix(((seeds >> 31) & _MASK31) ^ _mix(counters & _MASK31)))
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _mix((key[:, None] ^ (v * 0x9E3779B1 & _MASK31)[None, :]) & _MASK31)
+    h = _mix(h ^ key[:, None])
+    return (h.to(torch.float32) + 0.5) / float(1 << 31)
+
+
+@dataclass
+class RowSampling:
+    """A batch's sampling parameters as device tensors (rows,): temperature, top-p and top-k
+    (0: off), seed; `filtered`: some row uses top-k or top-p."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    filtered: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
+        pin = device.type == "cuda"
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32,
+                              pin_memory=pin).to(device, non_blocking=True)
+        longs = torch.tensor([[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64,
+                             pin_memory=pin).to(device, non_blocking=True)
+        return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy))
+
+
+def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor) -> torch.Tensor:
+    """(rows,) long tokens for (rows, vocab) logits. `counters` (rows,) long: the position each
+    row's token will take (the noise's counter)."""
+    greedy = logits.argmax(-1)
+    scores = logits.float() / rows.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    noise = -torch.log(-torch.log(uniforms(rows.seed, counters, logits.shape[-1])))
+    if rows.filtered:
+        scores, idx = torch.sort(scores, dim=-1, descending=True)
+        ranks = torch.arange(scores.shape[-1], device=scores.device)
+        drop = (rows.top_k[:, None] > 0) & (ranks[None, :] >= rows.top_k[:, None])
+        probs = torch.softmax(scores, dim=-1)
+        top_p = rows.top_p[:, None]
+        # keep the smallest prefix whose mass reaches top_p (top_p 0 or 1: off)
+        drop |= (top_p > 0) & (top_p < 1) & (torch.cumsum(probs, dim=-1) - probs > top_p)
+        scores = scores.masked_fill(drop, float("-inf"))
+        choice = (scores + noise.gather(1, idx)).argmax(-1)
+        sampled = idx.gather(1, choice[:, None])[:, 0]
+    else:
+        sampled = (scores + noise).argmax(-1)
+    return torch.where(rows.temperature < MIN_TEMPERATURE, greedy, sampled)

@@ -1,0 +1,69 @@
+"""The batched on-device sampler (sampling.py): exact Gumbel-max samples of softmax(logits / T)
+restricted to top-k / top-p, greedy rows untouched, and tokens a function of (seed, counter) only."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.sampling import RowSampling, SamplingParams, sample, uniforms
+
+CPU = torch.device("cpu")
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 11) -> torch.Tensor:
+    """n samples of one row's distribution: the same row at counters 0..n-1."""
+    p = SamplingParams(params.temperature, params.top_p, params.top_k, seed)
+    return sample(logits.expand(n, -1), RowSampling.of([p] * n, CPU), torch.arange(n))
+
+
+def _freq(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).float() / tokens.numel()
+
+
+def test_uniforms_are_uniform_and_keyed():
+    u = uniforms(torch.tensor([1, 1, 2, 1 << 40]), torch.tensor([5, 6, 5, 5]), 50000)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    same = uniforms(torch.tensor([1]), torch.tensor([5]), 50000)
+    assert torch.equal(u[0], same[0])  # a function of (seed, counter, index) only
+    for a, b in ((0, 1), (0, 2), (0, 3)):  # another counter, seed, or the seed's high bits
+        assert float((u[a] - u[b]).abs().mean()) > 0.2
+
+
+def test_samples_follow_the_tempered_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 8) * 2
+    for t in (0.7, 1.0, 1.5):
+        got = _freq(_draw(logits, SamplingParams(temperature=t), 40000), 8)
+        want = torch.softmax(logits[0] / t, -1)
+        assert float((got - want).abs().max()) < 0.012, (t, got, want)
+
+
+def test_top_k_and_top_p_restrict_then_renormalise():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 10) * 1.5
+    order = torch.argsort(logits[0], descending=True)
+    got = _freq(_draw(logits, SamplingParams(temperature=1.0, top_k=3), 30000), 10)
+    want = torch.zeros(10)
+    want[order[:3]] = torch.softmax(logits[0, order[:3]], -1)
+    assert float((got - want).abs().max()) < 0.012
+    probs = torch.softmax(logits[0], -1)[order]
+    keep = int(((torch.cumsum(probs, 0) - probs) <= 0.6).sum())  # smallest prefix reaching 0.6
+    got = _freq(_draw(logits, SamplingParams(temperature=1.0, top_p=0.6), 30000), 10)
+    want = torch.zeros(10)
+    want[order[:keep]] = probs[:keep] / probs[:keep].sum()
+    assert 1 <= keep < 10 and float((got - want).abs().max()) < 0.012
+    assert torch.equal(_draw(logits, SamplingParams(temperature=1.0, top_k=1), 50),
+                       logits.argmax(-1).expand(50))
+
+
+def test_greedy_rows_and_tiny_temperatures_take_the_argmax():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300)
+    params = [SamplingParams(), SamplingParams(temperature=1e-39, seed=3),
+              SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.9, top_p=0.5, seed=5)]
+    got = sample(logits, RowSampling.of(params, CPU), torch.tensor([7, 7, 7, 7]))
+    assert got[:2].tolist() == logits[:2].argmax(-1).tolist()
+    again = sample(logits, RowSampling.of(params, CPU), torch.tensor([7, 7, 7, 7]))
+    assert torch.equal(got, again)  # seeded: the same tokens again
+    assert SamplingParams(temperature=0.5).seeded().seed != 0 and SamplingParams().seeded().seed == 0
