@@ -1017,7 +1017,7 @@ class Engine:
             self._pending = self._hold(rows, tokens)
             return
         for s, token in zip(rows, tokens.tolist()):  # one device->host copy for the batch
-            self._accept(s, token)
+            self._guard([s], self._accept, s, token)  # a row that fails here fails alone
 
     def _choose(self, rows: list[_Seq], greedy: torch.Tensor, logits: torch.Tensor, counters: list[int]) -> torch.Tensor:
         """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy, else
@@ -1124,7 +1124,7 @@ class Engine:
             pending.copied.synchronize()
         for s, token in zip(pending.rows, pending.host.tolist()):
             if not s.finished:
-                self._accept(s, token)
+                self._guard([s], self._accept, s, token)
 
     def _flush(self) -> None:
         """Takes the pending decode step, if any (before anything that needs every token known)."""

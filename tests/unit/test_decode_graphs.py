@@ -90,3 +90,42 @@ def test_request_larger_than_the_pool_is_refused(model_path):
         eng.prepare(too_long)
     assert e.value.reason == "EXCEEDS_KV_CACHE"
     eng.prepare(WorkRequest("fits", "Hi.", [], max_new_tokens=4))
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_a_row_that_fails_while_decoding_fails_alone(model_path, monkeypatch, pipeline):
+    # The poisoned request's detokenizer raises at its 5th token: that request fails, the others
+    # in its batch run to their lengths, and its blocks go back to the pool.
+    from services.worker import engine as engine_mod
+
+    class Poisoned(engine_mod.IncrementalDetokenizer):
+        def push(self, token):
+            if "POISON" in self._stop and len(self._ids) >= 4:
+                raise RuntimeError("poisoned row")
+            return super().push(token)
+
+    monkeypatch.setattr(engine_mod, "IncrementalDetokenizer", Poisoned)
+    reqs = requests()
+    reqs[1] = WorkRequest("poisoned", "Describe the image.", [random_image(1)], adapter=A, max_new_tokens=20,
+                          stop=["POISON"])
+    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", max_batch_size=8,
+                              max_prefills_per_step=8, device_slots=3, pipeline_decode=pipeline))
+    eng.eos_ids = set()
+    eng.start()
+    try:
+        load_random_adapters(eng, model_path, (A, B))
+        events: queue.Queue = queue.Queue()
+        with eng._wake:
+            for r in reqs:
+                eng.submit(eng.prepare(r), lambda ev, rid=r.request_id: events.put((rid, ev)))
+        ends = {}
+        while len(ends) < len(reqs):
+            rid, ev = events.get(timeout=120)
+            if isinstance(ev, (Failed, Finished)):
+                ends[rid] = ev
+    finally:
+        eng.stop()
+    assert isinstance(ends.pop("poisoned"), Failed)
+    assert {rid: len(ev.result.token_ids) for rid, ev in ends.items()} == {
+        r.request_id: r.max_new_tokens for r in reqs if r.request_id != "poisoned"}
+    assert eng.kv.used_blocks == 0
