@@ -10,8 +10,13 @@
 #    SKIP_EXPAND=1 skips bench/expand_bench.py)
 #   SUF=<commit> bash bench/h200_session.sh multigpu  # (2+ GPUs) TP GPU tests (+GPU_TESTS), 7B worker scaling, TP worker,
 #                                                     # 13B-like engine at TP 1 and N, 13B-shape TP layer bench
+#   SUF=<commit> bash bench/h200_session.sh serve     # docs/workloads.md: mixed-vision on one GPU, closed loop
+#                                                     # CONC (128) x2 then Poisson RATE (30 req/s) x2, REQUESTS (1024) a run
+#   (serve: SERVE_ARGS adds serve_bench options, e.g. "--env VALORA_MAX_PREFILLS_PER_STEP=8"; SERVE_S bounds it, 420 s)
+#   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged-attention bench, §3 engine bench
+#                                                     # (valora only) and its 32-adapter r8 batch-32 variant
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers|multigpu}
+MODE=${1:?kernels|engine|profile|layers|multigpu|serve|paged}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -116,6 +121,28 @@ a = {p: cpu(p) for p in pids}; time.sleep(1); print(max(pids, key=lambda p: cpu(
   [ -n "${SKIP_TP_BENCH:-}" ] || timeout 240 python3 -m bench.tp_bench --gpus "$NGPU" --atmm auto --reps "${REPS:-5}" \
     --name "scale-tp-h200x$NGPU-$SUF" 2>&1 | tail -16 | tee -a "$LOG"
   say tp_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weights) behind the public API
+  # ~20 s start + ~25 s images/adapters + warm-up, then 4 runs of ~25-70 s each (1024 requests at 40-15 req/s;
+  # Poisson 1024 arrivals over 34 s, longer when the worker falls behind); SIGTERM at SERVE_S still writes the rows
+  OUT="$OUT" timeout -s TERM "${SERVE_S:-420}" python3 -m bench.serve_bench --device cuda --arch qwen2-vl-7b --atmm \
+    --dtype bfloat16 --concurrency "${CONC:-128}" --rate "${RATE:-30}" --requests "${REQUESTS:-1024}" --repeat 2 \
+    --out "bench/results/serve-h200-$SUF.json" ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
+  say serve_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
+  [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \
+    tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_prefill_gpu.py tests/unit/test_engine.py tests/unit/test_kv_cache.py \
+    tests/unit/test_decode_graphs.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1; tail -12 "$OUT/tests.log" | tee -a "$LOG"
+  say tests
+  timeout 150 python3 -m bench.paged_attention_bench --name "paged-attention-$SUF" 2>&1 | tail -30 | tee -a "$LOG"
+  say paged_attention_bench
+  timeout 240 python3 -m bench.engine_bench --skip-peer --reps "${REPS:-5}" --name "engine-$SUF" 2>&1 \
+    | grep -v -E "Loading|Writing" | tail -14 | tee -a "$LOG"
+  say engine_bench
+  [ -n "${SKIP_WIDE:-}" ] || timeout 200 python3 -m bench.engine_bench --skip-peer --reps 3 --adapters 32 --rank 8 --batch 32 \
+    --name "engine-$SUF-a32r8b32" 2>&1 | grep -v -E "Loading|Writing" | tail -14 | tee -a "$LOG"
+  say engine_bench_wide
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = engine ]; then
   [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_ops_gpu.py tests/gpu/test_prefill_gpu.py \

@@ -45,6 +45,7 @@ import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 if __package__ in (None, ""):  # `python bench/scale_bench.py`: the repo root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,13 +85,11 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench") -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workers", type=_ints, default=[1, 2, 4], help="Comma-separated worker counts, one cluster each.")
+def add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """The options of the cluster under test that the benchmarks driving it through the public API
+    share (this one and serve_bench): the workers' device, dtype, model and kernels, service
+    environment, deadlines, seed and state directory. check_cluster_options completes them."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="The workers' device.")
-    p.add_argument("--gpus", type=int, default=0,
-                   help="CUDA: spread workers over this many of the visible GPUs (0: all visible).")
     p.add_argument("--dtype", default="auto", help="Model dtype (float32, bfloat16, float16); auto: bfloat16 with "
                    "--atmm, else float32. On CUDA, bf16/fp16 workers build the kernels extension on first use "
                    "(ATMM at start, the switch kernel at the first merge) unless it is cached: build it first "
@@ -100,6 +99,31 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     p.add_argument("--arch", default="", help="A full-size architecture with random weights instead of --model "
                    "(qwen2-vl-7b, qwen2-vl-2b): its weightless directory is written under ~/.cache/valora and the "
                    "workers load it with VALORA_LOAD_FORMAT=dummy.")
+    p.add_argument("--policy", default="", help="Scheduler policy (VALORA_POLICY; empty: default).")
+    p.add_argument("--atmm", action="store_true", help="CUDA: the workers run the multi-LoRA term on the ATMM "
+                   "extension (VALORA_USE_ATMM; bf16/fp16 only); default: the torch reference.")
+    p.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="Extra environment for every service (repeatable).")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="Deadline of one request.")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Per cluster start.")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def check_cluster_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """add_cluster_options' checks and defaults, after parsing."""
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.atmm else "float32"
+    if args.arch and args.model is not None:
+        p.error("--arch and --model are exclusive")
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", type=_ints, default=[1, 2, 4], help="Comma-separated worker counts, one cluster each.")
+    add_cluster_options(p)
+    p.add_argument("--gpus", type=int, default=0,
+                   help="CUDA: spread workers over this many of the visible GPUs (0: all visible).")
     p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size of every worker (VALORA_TP_SIZE): "
                    "with --device cuda worker i gets the next block of --tp GPUs.")
     p.add_argument("--requests", type=int, default=200, help="Measured requests per worker count.")
@@ -117,25 +141,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
     p.add_argument("--threads-per-worker", type=int, default=-1, help="CPU workers' torch threads (OMP_NUM_THREADS); "
                    "-1: the cores divided among the workers (N processes of `cores` threads each thrash); 0: torch's "
                    "default.")
-    p.add_argument("--policy", default="", help="Scheduler policy (VALORA_POLICY; empty: default).")
-    p.add_argument("--atmm", action="store_true", help="CUDA: the workers run the multi-LoRA term on the ATMM "
-                   "extension (VALORA_USE_ATMM; bf16/fp16 only); default: the torch reference.")
-    p.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="Extra environment for every service (repeatable).")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="Deadline of one request.")
-    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Per cluster start.")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--home", type=Path, default=None, help="Cluster state + logs, one sub-directory per worker "
                    "count (default: a temporary directory, removed unless a run fails).")
     p.add_argument("--out", type=Path, default=None, help="Results JSON (default bench/results/scale-<device>-"
                    "<commit>.json; a copy goes to $OUT when set).")
     args = p.parse_args(argv)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.atmm else "float32"
+    check_cluster_options(p, args)
     if args.requests < 1 or args.concurrency < 1 or args.adapters < 0 or args.gpus < 0 or args.tp < 1:
         p.error("--requests, --concurrency and --tp must be >= 1, --adapters and --gpus >= 0")
-    if args.arch and args.model is not None:
-        p.error("--arch and --model are exclusive")
     if args.warmup < 0:
         args.warmup = 2 * args.concurrency
     return args
@@ -166,18 +179,38 @@ def random_png(rng: np.random.Generator, size: int) -> bytes:
     return buf.getvalue()
 
 
-def register_adapters(gateway: str, model_path: Path, count: int, rank: int, seed: int) -> list[str]:
-    """Random PEFT adapters through the admin API; returns their `adapters/{id}@bench` references."""
-    from services.common.adapter_format import BaseModelShapes, make_random_bundle
+def _random_bundle(shapes, rank: int, seed: int) -> tuple[bytes, str]:
+    from services.common.adapter_format import make_random_bundle
+
+    return make_random_bundle(shapes, rank=rank, seed=seed, lora_alpha=2 * rank)
+
+
+def random_bundles(model_path: Path, ranks: Sequence[int], seed: int) -> list[tuple[bytes, str]]:
+    """Random PEFT bundles (LoRA on all seven projections of every layer), one per rank: bundle i
+    seeded seed + i, lora_alpha 2 x its rank. A 7B rank-64 one is ~650 MB of float32 (~2 s to draw),
+    so large sets are drawn in a process pool, before the cluster starts."""
+    from services.common.adapter_format import TARGET_MODULES, BaseModelShapes
 
     shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
+    seeds = [seed + i for i in range(len(ranks))]
+    floats = sum(ranks) * shapes.num_layers * sum(sum(shapes.features[m]) for m in TARGET_MODULES)
+    procs = min(os.cpu_count() or 1, len(ranks), 8)  # each holds a bundle twice (arrays + bytes)
+    if floats < 1 << 28 or procs < 2:  # (a 7B set of 4 rank-8 ones: 81 M, ~1.5 s here)
+        return [_random_bundle(shapes, r, s) for r, s in zip(ranks, seeds, strict=True)]
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_random_bundle, itertools.repeat(shapes), ranks, seeds))
+
+
+def register_adapters(gateway: str, bundles: Sequence[tuple[bytes, str]], seed: int, prefix: str = "scale"
+                      ) -> list[str]:
+    """Registers (bundle, adapter_config_json) pairs (random_bundles) through the admin API as
+    adapters/{prefix}-{i}, alias `bench`; returns their `adapters/{prefix}-{i}@bench` references."""
     refs = []
     with ValoraClient(gateway) as client:
-        for i in range(count):
-            bundle, cfg = make_random_bundle(shapes, rank=rank, seed=seed + i, lora_alpha=2 * rank)
-            version = client.upload_adapter_version(f"scale-{i}", bundle, cfg, request_id=f"scale-{seed}-{i}")
-            client.set_alias(f"adapters/scale-{i}", "bench", version.name)
-            refs.append(f"adapters/scale-{i}@bench")
+        for i, (bundle, cfg) in enumerate(bundles):
+            version = client.upload_adapter_version(f"{prefix}-{i}", bundle, cfg, request_id=f"{prefix}-{seed}-{i}")
+            client.set_alias(f"adapters/{prefix}-{i}", "bench", version.name)
+            refs.append(f"adapters/{prefix}-{i}@bench")
     return refs
 
 
@@ -185,15 +218,19 @@ def _seeded_png(seed: int, size: int) -> bytes:
     return random_png(np.random.default_rng(seed), size)
 
 
-def random_pngs(n: int, size: int, rng: np.random.Generator) -> list[bytes]:
+def random_pngs(n: int, size: int | Sequence[int], rng: np.random.Generator) -> list[bytes]:
     """n distinct random PNGs (distinct: the worker's feature cache must not serve them), one
-    seed each from rng. Encoding one 448 px image takes ~40 ms, so many go to a process pool."""
+    seed each from rng; `size`: the side of all of them, or one side per image. Encoding one
+    448 px image takes ~40 ms, so many go to a process pool."""
     seeds = [int(s) for s in rng.integers(0, 2**63, size=n)]
+    sizes = [size] * n if isinstance(size, int) else list(size)
+    if len(sizes) != n:
+        raise ValueError(f"{len(sizes)} sizes for {n} images")
     procs = min(os.cpu_count() or 1, 16)
     if n < 64 or procs < 2:
-        return [_seeded_png(s, size) for s in seeds]
+        return [_seeded_png(s, side) for s, side in zip(seeds, sizes, strict=True)]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_seeded_png, seeds, itertools.repeat(size), chunksize=16))
+        return list(pool.map(_seeded_png, seeds, sizes, chunksize=16))
 
 
 def make_requests(n: int, image_size: int, max_new_tokens: int, rng: np.random.Generator
@@ -310,21 +347,24 @@ def service_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
     return env
 
 
+def worker_status(address: str) -> worker_service_pb2.GetWorkerStatusResponse:
+    """One worker's GetWorkerStatus: its status, recent step times and decode-graph counters."""
+    with grpc.insecure_channel(address) as channel:
+        return worker_service_pb2_grpc.WorkerServiceStub(channel).GetWorkerStatus(
+            worker_service_pb2.GetWorkerStatusRequest(), timeout=10)
+
+
+def message_fields(msg) -> dict:
+    """The fields a message sets (proto3: its non-zero ones), floats to 3 decimals."""
+    return {f.name: round(v, 3) if isinstance(v, float) else v for f, v in msg.ListFields()}
+
+
 def worker_engine_stats(addresses: list[str]) -> tuple[list[dict], list[dict]]:
     """Each worker's recent engine step times and how its decode steps ran (GetWorkerStatus):
     with the run's wall time the step times tell a busy engine (steps fill the wall time) from
     one waiting for work upstream; the decode-graph counts tell replays from warm-ups/captures."""
-    def fields(msg) -> dict:
-        return {f.name: round(v, 3) if isinstance(v, float) else v for f, v in msg.ListFields()}
-
-    steps, graphs = [], []
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            got = worker_service_pb2_grpc.WorkerServiceStub(channel).GetWorkerStatus(
-                worker_service_pb2.GetWorkerStatusRequest(), timeout=10)
-        steps.append(fields(got.step_times))
-        graphs.append(fields(got.decode_graphs))
-    return steps, graphs
+    got = [worker_status(address) for address in addresses]
+    return [message_fields(g.step_times) for g in got], [message_fields(g.decode_graphs) for g in got]
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -380,6 +420,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     rng = np.random.default_rng(args.seed + workers)
     warm = make_requests(n_warmup, args.image_size, args.max_new_tokens, rng)
     measured = make_requests(n_requests, args.image_size, args.max_new_tokens, rng)
+    bundles = random_bundles(model_path, [args.rank] * args.adapters, args.seed)
     t0 = time.perf_counter()
     try:
         c = cluster_mod.start_cluster(home, workers=workers, model_path=model_path, env=service_env(args, home),
@@ -387,7 +428,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         scheduler = c.by_service("scheduler")[0].address
         cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s)  # polled healthy, not just up
         startup_s = time.perf_counter() - t0
-        adapters = register_adapters(c.gateway, model_path, args.adapters, args.rank, args.seed)
+        adapters = register_adapters(c.gateway, bundles, args.seed)
         use_adapters(warm, adapters)
         use_adapters(measured, adapters)
         if warm:
@@ -463,6 +504,23 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model:
     return paths
 
 
+def resolve_model(args: argparse.Namespace) -> Path:
+    """The model directory the workers load: --arch's weightless one (written once), --model, or
+    the tiny embedded model (built once)."""
+    if args.arch:
+        from services.worker.tiny_model import ensure_shape_model
+
+        return ensure_shape_model(Path(f"~/.cache/valora/{args.arch}").expanduser(), args.arch).resolve()
+    if args.model is None:
+        model = cluster_mod.default_model_path(cluster_mod.DEFAULT_HOME).expanduser().resolve()
+        cluster_mod.ensure_model(model)
+        return model
+    model = args.model.expanduser().resolve()
+    if not (model / "config.json").exists():
+        raise SystemExit(f"--model {model}: no config.json")
+    return model
+
+
 def _raise_on_sigterm(signum, frame):  # noqa: ARG001
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
     raise SystemExit(128 + signum)  # unwinds through run_one's finally: the cluster is stopped
@@ -473,17 +531,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     if args.rate <= 0 and not args.load_per_worker and args.concurrency < max(args.workers):
         console.print(f"[yellow]concurrency {args.concurrency} < {max(args.workers)} workers: some stay idle")
-    if args.arch:
-        from services.worker.tiny_model import ensure_shape_model
-
-        model = ensure_shape_model(Path(f"~/.cache/valora/{args.arch}").expanduser(), args.arch).resolve()
-    elif args.model is None:
-        model = cluster_mod.default_model_path(cluster_mod.DEFAULT_HOME).expanduser().resolve()
-        cluster_mod.ensure_model(model)
-    else:
-        model = args.model.expanduser().resolve()
-        if not (model / "config.json").exists():
-            raise SystemExit(f"--model {model}: no config.json")
+    model = resolve_model(args)
     gpu_ids = cluster_mod.visible_gpus() if args.device == "cuda" else []
     if args.gpus:
         gpu_ids = gpu_ids[:args.gpus]

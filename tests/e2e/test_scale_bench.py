@@ -76,9 +76,12 @@ def test_rows_for_one_and_two_workers(model, tmp_path):
         assert sum(r["per_worker"].values()) == requests
         assert set(r["per_worker"]) == {f"worker-{i}" for i in range(r["workers"])}, r["per_worker"]
         assert r["worker_devices"] == ["cpu"] * r["workers"]
-        # each worker's engine: its steps ran the model; no decode graphs on CPU workers by default
+        # each worker's engine: its steps ran the model; CPU workers run the static decode step
+        # uncaptured (no replays, no eager steps)
         assert len(r["worker_steps"]) == r["workers"] and all(w["steps"] > 0 for w in r["worker_steps"])
-        assert r["worker_decode_graphs"] == [{}] * r["workers"]
+        assert len(r["worker_decode_graphs"]) == r["workers"]
+        assert all(g.get("static_steps", 0) > 0 and not g.get("replays") and not g.get("eager_steps")
+                   for g in r["worker_decode_graphs"]), r["worker_decode_graphs"]
         # CPU per request of every process over the measured run (front-end headroom)
         cpu = r["service_cpu_ms_per_request"]
         assert set(cpu) == {"client", "adapter_store", "scheduler", "gateway",
