@@ -80,15 +80,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> tuple[int, int, int, int, int]:
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out, rows: int | None = None) -> tuple[int, int, int, int, int]:
     """Host-side checks of shapes, dtypes, devices and strides (metadata only, no device sync);
-    returns (B, H, KVH, D, block_size)."""
+    returns (rows, H, KVH, D, block_size). `rows`: how many rows block_tables and seq_lens have
+    (None: q.shape[0], one query token a row; kernels.paged_prefill passes R); out is q's shape."""
     if q.dim() != 3:
-        raise ValueError(f"q must be (B, H, D), got {tuple(q.shape)}")
+        raise ValueError(f"q must be (tokens, H, D), got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be (num_blocks, block_size, KVH, D), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    b, h, d = q.shape
+    _, h, d = q.shape
+    b = q.shape[0] if rows is None else rows
     _, bs, kvh, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"head dim of q ({d}) and of the cache ({dk}) differ")
@@ -100,14 +102,14 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> tuple[int, int, 
         raise TypeError(f"q, k_cache, v_cache must share one dtype of {DTYPES}, got "
                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables must be (B={b}, max_blocks) int32, got {tuple(block_tables.shape)} "
+        raise ValueError(f"block_tables must be (rows={b}, max_blocks) int32, got {tuple(block_tables.shape)} "
                          f"{block_tables.dtype}")
     if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (b,):
-        raise ValueError(f"seq_lens must be (B={b},) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+        raise ValueError(f"seq_lens must be (rows={b},) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
     if out is not None:
-        if tuple(out.shape) != (b, h, d) or out.dtype != q.dtype:
-            raise ValueError(f"out must be (B, H, D) = {(b, h, d)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must be q's {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
         tensors["out"] = out
     for name, t in tensors.items():
         if t.device != q.device:
@@ -143,6 +145,26 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
 
 
 if triton is not None:
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b with fp32 accumulation; IEEE: full fp32 products (no TF32) for fp32 inputs."""
+        if IEEE:
+            c = tl.dot(a, b, input_precision="ieee")
+        else:
+            c = tl.dot(a, b)
+        return c
+
+    @triton.jit
+    def _softmax_step(acc, l_i, m_i, qk, v, IEEE: tl.constexpr):
+        """One online-softmax step over a tile: scores qk (M, N) in the log2 domain (-inf where
+        masked; each row's max over qk and m_i finite), values v (N, D). P is rounded to v's dtype
+        before P.V. Returns the rescaled accumulator (M, D), row sums and row maxima."""
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        return acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE), l_i, m_new
+
     @triton.jit
     def _paged_decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, po_ptr, lse_ptr, out_ptr,
                             stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
@@ -183,21 +205,8 @@ if triton is not None:
                         mask=lmask, other=0.0)
             v = tl.load(v_ptr + page[:, None] * stride_vn + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                         mask=lmask, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))  # log2 domain
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: token t0 is in range
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            qk = tl.where(tmask[None, :], _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))  # log2 domain
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, IEEE)  # finite max: token t0 is in range
 
         nonempty = l_i > 0.0
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -295,17 +304,33 @@ def self_check(device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
         return "triton or CUDA is not available"
     g = torch.Generator(device="cpu").manual_seed(0)
     b, blocks = 3, 12
-    try:
+
+    def run():
         q = torch.randn(b, heads, head_dim, generator=g).to(device, dtype)
-        k = torch.randn(blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
-        v = torch.randn(blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+        k, v = random_pool(g, blocks, block_size, kv_heads, head_dim, device, dtype)
         tables = torch.randperm(blocks, generator=g).view(b, blocks // b).to(device, torch.int32)
         lens = torch.tensor([1, block_size + 3, blocks // b * block_size], dtype=torch.int32, device=device)
-        got = paged_decode_attention_triton(q, k, v, tables, lens, None).float()
-        want = paged_decode_attention_reference(q, k, v, tables, lens, None).float()
+        return (paged_decode_attention_triton(q, k, v, tables, lens, None),
+                paged_decode_attention_reference(q, k, v, tables, lens, None))
+    return compare_with_reference(run, dtype)
+
+
+def random_pool(g: torch.Generator, blocks: int, block_size: int, kv_heads: int, head_dim: int, device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random keys and values (blocks, block_size, kv_heads, head_dim) from the CPU generator `g`."""
+    shape = (blocks, block_size, kv_heads, head_dim)
+    return (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
+
+
+def compare_with_reference(run, dtype: torch.dtype) -> str | None:
+    """The verdict of a self check: `run()` returns (the kernel's output, the reference's); None
+    when they agree within the dtype's tolerance, else why not (a build or launch failure raised
+    inside `run` is the answer too)."""
+    try:
+        got, want = run()
     except Exception as exc:  # noqa: BLE001 - a build or launch failure is the answer
         return f"{type(exc).__name__}: {exc}"[:500]
-    err = float((got - want).abs().max())
+    err = float((got.float() - want.float()).abs().max())
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     return None if err <= tol else f"max error {err:.3g} over {tol}"
 
