@@ -1,7 +1,10 @@
 """The worker: one GPU's engine behind valora.internal.v1.WorkerService.
 
     server.py        gRPC servicer, WorkerSettings (VALORA_*), create_server
-    engine.py        the iteration-level loop: admission, prefill, batched decode, modes
+    engine.py        the iteration-level loop: admission, preemption, pipelined decode, modes, commands
+    model_runner.py  the prefill forward, the decode step, token choice, the KV pool they write
+    lora_plans.py    each forward's LoRA plan: rows to entries (adapter / mixture), merged adapter
+    sequence.py      PreparedRequest, Sequence (a running request), PendingStep (pipelined decode)
     requests.py      domain objects: WorkRequest, GenerationResult, events, stats
     kv_cache.py      the paged KV pool, block manager and block tables; the HF cache over them
     decode_graphs.py the decode step over the pool, CUDA graphs keyed by the padded batch size

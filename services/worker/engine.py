@@ -53,13 +53,12 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from kernels import paged_attention
 from services.common.adapter_format import BaseModelShapes
 from services.common.errors import (
     CapacityExceeded,
@@ -73,14 +72,14 @@ from services.common.errors import (
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.attention import use_grouped_decode_attention
-from services.worker.decode_graphs import DecodeGraphs, DecodeRow, bucket_rows
+from services.worker.decode_graphs import bucket_rows
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
-from services.worker.kv_cache import (BlockManager, KVPool, OutOfBlocks, PagedCache, device_budget,
-                                      kv_bytes_per_token, pool_blocks)
-from services.worker.lora import (AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora, install_lora,
-                                  install_lora_groups)
+from services.worker.kv_cache import OutOfBlocks
+from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
+from services.worker.lora_plans import LoraPlanner
 from services.worker.model import load_model, load_processor, load_sharded_model
+from services.worker.model_runner import ModelRunner
 from services.worker.requests import (
     EngineStats,
     Event,
@@ -94,7 +93,7 @@ from services.worker.requests import (
     TextDelta,
     WorkRequest,
 )
-from services.worker.sampling import RowSampling, sample
+from services.worker.sequence import PendingStep, PreparedRequest, Sequence
 from services.worker.switcher import Switcher
 from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
 from services.worker.preprocess import process_request
@@ -103,7 +102,7 @@ from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stag
 log = structlog.get_logger()
 
 
-def _stop_reason(s: "_Seq", cancelled: bool) -> ValoraError:
+def _stop_reason(s: "Sequence", cancelled: bool) -> ValoraError:
     if cancelled:
         return Cancelled("request cancelled", reason="CANCELLED")
     return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")
@@ -152,52 +151,6 @@ class EngineConfig:
     # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
     # that starts the ranks); None or world size 1: one process, no communication.
     tp: TPGroup | None = None
-
-
-@dataclass
-class PreparedRequest:
-    request: WorkRequest
-    inputs: dict
-    max_new_tokens: int
-    image_tokens: int
-    prompt_tokens: int
-    vision: list[VisionItem] = field(default_factory=list)  # images then videos, with content keys
-    release_after: int = 0  # tokens generated with the adapter before it is released (0: never)
-    arrived: float = field(default_factory=time.monotonic)
-
-
-@dataclass(eq=False)
-class _Seq:
-    id: int
-    prep: PreparedRequest
-    sink: object  # None on a tensor-parallel follower: it emits nothing
-    handle: RequestHandle
-    detok: IncrementalDetokenizer | None = None
-    length: int = 0  # tokens in its KV cache
-    preemptions: int = 0  # times its blocks were taken back (it is prefilled again over its tokens)
-    rope_delta: int = 0
-    last_token: int = 0
-    tokens: list[int] = field(default_factory=list)
-    pinned: str | None = None  # adapter whose device slot this sequence holds
-    t_prefill: float = 0.0
-    t_first: float = 0.0
-    mode: Mode = Mode.BASE
-    released: bool = False  # early adapter release: decodes on the base path from now on
-    finished: bool = False  # out of the engine (answered, failed or cancelled)
-
-    @property
-    def req(self) -> WorkRequest:
-        return self.prep.request
-
-
-@dataclass(eq=False)
-class _Pending:
-    """A launched decode step whose tokens the host has not taken yet (pipelined decode)."""
-
-    rows: list[_Seq]
-    tokens: torch.Tensor  # (rows,) on the device: the next step's input ids
-    host: torch.Tensor  # (rows,) host copy of `tokens` (pinned on CUDA), valid once `copied` has completed
-    copied: torch.cuda.Event | None  # None on CPU: the copy was synchronous
 
 
 class Engine:
@@ -250,33 +203,23 @@ class Engine:
         log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
-        self.kv_pool, self.kv = self._make_kv_pool()
-        attention_kernel = self.device.type == "cuda"
-        if attention_kernel:
-            tc = self.text_config
-            world = self.tp.world_size if self.tp is not None else 1
-            problem = paged_attention.self_check(self.device, self.dtype, tc.num_attention_heads // world,
-                                                 self.kv_pool.k.shape[3], self.kv_pool.k.shape[4], config.kv_block_size)
-            attention_kernel = problem is None
-            if problem is not None:  # correct but slow: the reference, no decode graphs
-                log.warning("paged_attention_kernel_unusable", reason=problem)
-        log.info("decode_attention", op="triton_paged" if attention_kernel else "torch_reference")
-        self.graphs = DecodeGraphs(self.model, self.runtime, self.kv_pool, self.kv, self.device,
-                                   capture=config.decode_graphs == "auto", attention_kernel=attention_kernel)
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
                                     self.tp)
+        self.runner = ModelRunner(self.model, self.runtime, self.vision, config, self.dtype, self.device, self.tp)
+        self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
+        self.max_model_len = self.runner.max_model_len
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
+        self.lora = LoraPlanner(self.pool, self.runtime)
         self._wake = threading.Condition()
-        self._incoming: collections.deque[_Seq] = collections.deque()
-        self._waiting: collections.deque[_Seq] = collections.deque()
-        self._prefill: collections.deque[_Seq] = collections.deque()
-        self._running: list[_Seq] = []  # decoding
+        self._incoming: collections.deque[Sequence] = collections.deque()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._prefill: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []  # decoding
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._mode = Mode.UNMERGED
-        self._merged: str | None = None
         self._switcher: Switcher | None = None
         self._commands: collections.deque = collections.deque()
         # Tensor parallelism: this step's commands and stopped requests (id -> cancelled, else
@@ -284,9 +227,7 @@ class Engine:
         self._step_commands: collections.deque = collections.deque()
         self._halts: dict[int, bool] = {}
         self._tp_stop = False
-        self._entries: dict = {}
-        self._last_plan: tuple | None = None  # (key, StepLora, kernel plan version)
-        self._pending: _Pending | None = None  # pipelined decode: the launched step not yet taken
+        self._pending: PendingStep | None = None  # pipelined decode: the launched step not yet taken
         self.pipelined_steps = 0  # decode steps launched from the previous step's device tokens
         self.preemptions = 0  # sequences whose blocks were taken back (recomputed later)
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
@@ -298,34 +239,6 @@ class Engine:
         self.peak_decode_rows = 0
         self.peak_decode_entries = 0
         self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
-
-    def _make_kv_pool(self) -> tuple[KVPool, BlockManager]:
-        """The paged KV pool, preallocated now (kv_cache.py); every tensor-parallel rank gets the
-        smallest rank's block count, so block decisions are the same on every rank."""
-        cfg, tc = self.config, self.text_config
-        if not 8 <= cfg.kv_block_size <= 256 or cfg.kv_block_size & (cfg.kv_block_size - 1):
-            raise ValueError(f"kv_block_size {cfg.kv_block_size} is not a power of two in 8..256")
-        if not 0 < cfg.gpu_memory_fraction <= 1:
-            raise ValueError("gpu_memory_fraction must be in (0, 1]")
-        kv_heads = tc.num_key_value_heads // (self.tp.world_size if self.tp is not None else 1)
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        block_bytes = cfg.kv_block_size * kv_bytes_per_token(tc, self.dtype, kv_heads)
-        if cfg.kv_cache_bytes > 0:
-            budget = cfg.kv_cache_bytes
-        elif self.device.type == "cuda":
-            budget = device_budget(self.device, cfg.gpu_memory_fraction, cfg.kv_reserve_bytes)
-        else:
-            budget = 256 << 20
-        blocks = pool_blocks(budget, block_bytes)
-        if self.tp is not None:
-            blocks = self.tp.min_int(blocks)
-        self.max_model_len = min(cfg.max_model_len or tc.max_position_embeddings, tc.max_position_embeddings)
-        pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, self.dtype, self.device)
-        manager = BlockManager(blocks, cfg.kv_block_size, cfg.max_batch_size,
-                               math.ceil(self.max_model_len / cfg.kv_block_size), self.device)
-        log.info("kv_pool", blocks=blocks, block_size=cfg.kv_block_size, gib=round(blocks * block_bytes / 2**30, 2),
-                 tokens=(blocks - 1) * cfg.kv_block_size)
-        return pool, manager
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -388,7 +301,7 @@ class Engine:
         return self._pool_change(self._offload_adapter, name)
 
     def _offload_adapter(self, name: str) -> None:
-        if name == self._merged:
+        if name == self.lora.merged:
             raise FailedPrecondition(f"adapter {name} is merged into the base weights; change mode first",
                                      reason="ADAPTER_MERGED")
         self.pool.remove(name)
@@ -414,12 +327,12 @@ class Engine:
         return self._call(self._apply_switch, to, expected or None, timeout=timeout)
 
     def _apply_switch(self, to: str, expected: str | None) -> bool:
-        if self._merged == to:
+        if self.lora.merged == to:
             return False
-        if self._merged is None:
+        if self.lora.merged is None:
             raise FailedPrecondition("no adapter is merged; merge one first", reason="NOTHING_MERGED")
-        if expected is not None and self._merged != expected:
-            raise FailedPrecondition(f"{self._merged} is merged, not {expected}", reason="MERGED_ADAPTER_MISMATCH")
+        if expected is not None and self.lora.merged != expected:
+            raise FailedPrecondition(f"{self.lora.merged} is merged, not {expected}", reason="MERGED_ADAPTER_MISMATCH")
         self._apply_mode(self._mode, to)
         return True
 
@@ -460,7 +373,7 @@ class Engine:
                 done.set()
 
     def _apply_mode(self, mode: Mode, merged: str | None) -> None:
-        previous = self._merged
+        previous = self.lora.merged
         target = None
         if merged is not None:
             slot = self.pool.acquire(merged)  # the merged adapter stays resident while merged
@@ -479,8 +392,8 @@ class Engine:
             raise
         if previous is not None:
             self.pool.release(previous)
-        self._merged, self._mode = merged, mode
-        self._drop_stale_entries()
+        self.lora.merged, self._mode = merged, mode
+        self.lora.drop_stale()
 
     # -- requests ----------------------------------------------------------------------------
     def pixel_dtype(self) -> torch.dtype | None:
@@ -541,7 +454,7 @@ class Engine:
                 raise CapacityExceeded(f"worker queue is full ({self.config.max_waiting} waiting)",
                                        reason="WORKER_QUEUE_FULL", retry_after_s=0.5)
             handle = RequestHandle(req.request_id, self._wake, deadline)
-            seq = _Seq(id=next(self._ids), prep=prep, sink=sink, handle=handle)
+            seq = Sequence(id=next(self._ids), prep=prep, sink=sink, handle=handle)
             self._incoming.append(seq)
             self._wake.notify_all()
         return handle
@@ -567,7 +480,7 @@ class Engine:
             running, kv_bytes, last_step_ms = self._running_count, self._kv_bytes, self._last_step_ms
         return EngineStats(
             running=running, waiting=waiting, kv_cache_bytes=kv_bytes,
-            max_batch_size=self.config.max_batch_size, mode=self._mode, merged_adapter=self._merged or "",
+            max_batch_size=self.config.max_batch_size, mode=self._mode, merged_adapter=self.lora.merged or "",
             resident_adapters=self.pool.resident_names(), host_adapters=self.pool.host_names(),
             device=str(self.device), alive=self.alive, last_step_ms=last_step_ms,
             image_cache=self.vision.cache.stats(),
@@ -658,23 +571,23 @@ class Engine:
             new = []
             for sid, prep in got[0]:
                 handle = RequestHandle(prep.request.request_id, self._wake)  # never cancelled: halts say
-                new.append(_Seq(id=sid, prep=prep, sink=None, handle=handle))
+                new.append(Sequence(id=sid, prep=prep, sink=None, handle=handle))
             commands = [(getattr(self, name), args, None, {}) for name, args in got[1]]
         _, _, self._halts, self._tp_stop = got
         with self._wake:
             self._waiting.extend(new)
         self._step_commands.extend(commands)
 
-    def _halted(self, s: _Seq, now: float) -> bool:
+    def _halted(self, s: Sequence, now: float) -> bool:
         """Cancelled or past its deadline (tensor parallel: as rank 0 saw it at this step's start)."""
         if self.tp is not None:
             return s.id in self._halts
         return s.handle.cancelled or s.handle.expired(now)
 
-    def _halt_error(self, s: _Seq) -> ValoraError:
+    def _halt_error(self, s: Sequence) -> ValoraError:
         return _stop_reason(s, self._halts[s.id] if self.tp is not None else s.handle.cancelled)
 
-    def _guard(self, seqs: list[_Seq], fn, *args) -> None:
+    def _guard(self, seqs: list[Sequence], fn, *args) -> None:
         """Runs one unit of work; an exception fails the requests involved, not the engine."""
         try:
             fn(*args)
@@ -691,7 +604,7 @@ class Engine:
             if self.tp is None:  # tensor parallel: _sync moved this step's arrivals to _waiting
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
-            kept: collections.deque[_Seq] = collections.deque()
+            kept: collections.deque[Sequence] = collections.deque()
             now = time.monotonic()
             for s in self._waiting:
                 if self._halted(s, now):
@@ -703,11 +616,11 @@ class Engine:
         # running requests) lets the ones behind it in; it keeps its place for the next step.
         # A request whose prompt finds too few free KV blocks stops admission (FIFO: the blocks
         # that running sequences free go to it first).
-        blocked: collections.deque[_Seq] = collections.deque()
+        blocked: collections.deque[Sequence] = collections.deque()
         while self._waiting and len(self._prefill) + len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0]
             keeps_cache = seq.req.output_kind != OutputKind.LABEL
-            if keeps_cache and self.kv.blocks_for(self._context(seq)) > self.kv.free_blocks:
+            if keeps_cache and self.kv.blocks_for(seq.context) > self.kv.free_blocks:
                 break
             self._waiting.popleft()
             if seq.req.adapter and not seq.released:
@@ -721,7 +634,7 @@ class Engine:
                     continue
                 seq.pinned = seq.req.adapter
             if keeps_cache:
-                self.kv.open(seq.id, self._context(seq))
+                self.kv.open(seq.id, seq.context)
             self._prefill.append(seq)
         blocked.extend(self._waiting)
         self._waiting = blocked
@@ -732,7 +645,7 @@ class Engine:
             self._finish_out(s)
             self._emit(s, Failed(self._halt_error(s)))
 
-    def _finish_out(self, s: _Seq) -> None:
+    def _finish_out(self, s: Sequence) -> None:
         """Removes a sequence from the engine and frees its cache and adapter hold."""
         if s in self._prefill:
             self._prefill.remove(s)
@@ -742,12 +655,12 @@ class Engine:
         self._release(s)
         self.kv.close(s.id)
 
-    def _release(self, s: _Seq) -> None:
+    def _release(self, s: Sequence) -> None:
         if s.pinned:
             self.pool.release(s.pinned)
             s.pinned = None
 
-    def _emit(self, s: _Seq, event: Event) -> None:
+    def _emit(self, s: Sequence, event: Event) -> None:
         if s.sink is None:  # a tensor-parallel follower's copy of a request
             return
         try:
@@ -762,198 +675,35 @@ class Engine:
             if step_ms is not None:
                 self._last_step_ms = step_ms
 
-    # -- LoRA planning ---------------------------------------------------------------------------
-    def _entry_spec(self, s: _Seq) -> tuple | None:
-        """What this request adds on top of the current weights (None: nothing)."""
-        x, m = None if s.released else s.req.adapter or None, self._merged
-        if m is None:
-            return None if x is None else ("lora", x)
-        if x == m:
-            return None
-        return ("mix", x or "", m)
-
-    def _request_mode(self, s: _Seq) -> Mode:
-        if self._merged is None:
-            return Mode.UNMERGED if s.req.adapter else Mode.BASE
-        return Mode.MERGED if s.req.adapter == self._merged else Mode.MIXTURE
-
-    def _lora_key(self, s: _Seq) -> str:
-        """Sort key grouping rows that share a LoRA entry ('' first: no LoRA)."""
-        spec = self._entry_spec(s)
-        return "" if spec is None else "\0".join(spec)
-
-    def _adapter_entry(self, name: str) -> AdapterEntry:
-        slot = self.pool.slot_of(name)
-        dev = self.pool.slot(slot) if slot is not None else None
-        if dev is None:
-            raise FailedPrecondition(f"adapter {name} is not resident", reason="ADAPTER_NOT_RESIDENT")
-        entry = self._entries.get(("lora", name))
-        if entry is None or entry.a is not dev.a:  # slot content changed since it was cached
-            entry = self._entries[("lora", name)] = AdapterEntry(dev.a, dev.b, dev.weights.scale)
-        return entry
-
-    def _drop_stale_entries(self) -> None:
-        """Keeps the cached LoRA entries across a mode switch (building one again means new
-        concatenated and block-diagonal factors and kernel table writes on the next step), except
-        those whose adapter left its device slot: they would keep its tensors alive."""
-        def resident(name: str, entry: AdapterEntry | None) -> bool:
-            slot = self.pool.slot_of(name)
-            dev = self.pool.slot(slot) if slot is not None else None
-            return dev is not None and entry is not None and entry.a is dev.a
-
-        def live(spec: tuple, entry: LoraEntry) -> bool:
-            if spec[0] == "lora":
-                return resident(spec[1], entry)
-            return (not spec[1] or resident(spec[1], entry.x)) and resident(spec[2], entry.m)
-
-        self._entries = {spec: e for spec, e in self._entries.items() if live(spec, e)}
-
-    def _entry(self, spec: tuple) -> LoraEntry:
-        if spec[0] == "lora":
-            return self._adapter_entry(spec[1])
-        x = self._adapter_entry(spec[1]) if spec[1] else None
-        m = self._adapter_entry(spec[2])
-        entry = self._entries.get(spec)
-        if entry is None or entry.x is not x or entry.m is not m:
-            if len(self._entries) > 256:
-                self._entries.clear()
-            entry = self._entries[spec] = MixtureEntry(x, m)
-        return entry
-
-    @staticmethod
-    def _context(s: _Seq) -> int:
-        """Tokens a prefill of `s` runs over: its prompt, and after a preemption the tokens it
-        generated too."""
-        return s.prep.prompt_tokens + len(s.tokens)
-
-    def _plan(self, seqs: list[_Seq], tokens_per_row: int, pad_rows: int = 0) -> StepLora:
-        """The step's LoRA plan; `pad_rows`: that many rows in all, the ones past `seqs` (padding
-        of a static decode step) in the last row's segment — the kernels' launches depend on
-        the token count, and extending a segment keeps the rows sorted by entry."""
-        entries: list[LoraEntry] = []
-        index: dict[tuple, int] = {}
-        rows = []
-        for s in seqs:
-            if not s.released:  # a released request reports the mode its adapter ran in
-                s.mode = self._request_mode(s)
-            spec = self._entry_spec(s)
-            if spec is None:
-                rows.append(-1)
-                continue
-            if spec not in index:
-                index[spec] = len(entries)
-                entries.append(self._entry(spec))
-            rows.append(index[spec])
-        if rows and pad_rows > len(rows):
-            rows += [rows[-1]] * (pad_rows - len(rows))
-        # Decode steps between membership changes plan the same rows and entries: reuse the last
-        # plan (and the kernel plan already on the device, unless a prefill wrote another since).
-        backend = self.runtime.backend
-        key = (tuple(rows), tuple(map(id, entries)), tokens_per_row)  # ids are safe: the kept plan holds its entries
-        last = self._last_plan
-        if last is not None and last[0] == key and (not last[1].kernel or backend.plan.version == last[2]):
-            return last[1]
-        step = StepLora(entries, rows, tokens_per_row)
-        if backend is not None and step.active:
-            step.kernel = backend.begin(step)
-        self._last_plan = (key, step, backend.plan.version if step.kernel else None)
-        return step
-
     # -- prefill ---------------------------------------------------------------------------------
-    def _take_prefills(self) -> list[_Seq]:
+    def _take_prefills(self) -> list[Sequence]:
         """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
         max_prefill_tokens padded tokens (rows x longest prompt); the first one in any case."""
-        batch: list[_Seq] = []
+        batch: list[Sequence] = []
         width = 0
         while self._prefill and len(batch) < self.config.max_prefills_per_step:
-            w = max(width, self._context(self._prefill[0]))
+            w = max(width, self._prefill[0].context)
             if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
                 break
             batch.append(self._prefill.popleft())
             width = w
         return batch
 
-    def _prefill_batch(self, seqs: list[_Seq]) -> None:
-        """Prefills `seqs` in one forward of the language model.
-
-        Rows are ordered by LoRA entry (one StepLora, no permutation: ATMM takes it) and right-
-        padded to the longest prompt with zero embeddings. Under causal attention a real token
-        never attends to the padding after it, so no attention mask is passed (SDPA keeps
-        is_causal); the padding's own outputs and KV are dropped. M-RoPE positions come from
-        get_rope_index over the batch with the padding masked out, so every row gets the
-        positions and rope delta it has alone. A sequence prefilled again after a preemption
-        runs over its prompt and its generated tokens (text). Each row's keys and values go to
-        its blocks, the padding's to the null block. If the forward fails, every request in it
-        fails."""
+    def _prefill_batch(self, seqs: list[Sequence]) -> None:
+        """Prefills `seqs` in one forward (ModelRunner.prefill), rows ordered by LoRA entry; if the
+        forward fails, every request in it fails, after it each row's hand-off is its own."""
         t0 = time.monotonic()
-        rows = sorted(seqs, key=self._lora_key)
-        lengths = [self._context(s) for s in rows]
-        b, width = len(rows), max(lengths)
-        first = rows[0].prep.inputs
-        ids = first["input_ids"].new_zeros((b, width))
-        types = first["mm_token_type_ids"].new_zeros((b, width))
-        mask = torch.zeros((b, width), dtype=torch.long)
-        slots = torch.zeros((b, width), dtype=torch.long)  # padding and LABEL rows: the null block's slot 0
-        grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
-        for i, (s, n) in enumerate(zip(rows, lengths)):
-            if not s.tokens:
+        rows = sorted(seqs, key=self.lora.sort_key)
+        for s in rows:
+            if not s.tokens:  # a recomputed sequence keeps its first prefill's time
                 s.t_prefill = t0
-            inp = s.prep.inputs
-            p = s.prep.prompt_tokens
-            ids[i, :p] = inp["input_ids"][0]
-            ids[i, p:n] = torch.tensor(s.tokens, dtype=ids.dtype)
-            types[i, :p] = inp["mm_token_type_ids"][0]
-            mask[i, :n] = 1
-            if self.kv.holds(s.id):
-                slots[i, :n] = self.kv.slots(s.id, 0, n)
-            for key, found in grids.items():
-                if inp.get(key) is not None:
-                    found.append(inp[key])
-        # The step launches everything before it waits on the device once, for the first tokens:
-        # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
-        # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
-        # On the host: the rope index walks every row in Python (no device syncs per row).
-        position_ids, deltas = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=types, attention_mask=mask,
-            **{key: torch.cat(found) if found else None for key, found in grids.items()})
-        # One vision-tower pass for every image/video of the batch not in the feature cache.
-        row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
-        embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
-        for i, (e, s) in enumerate(zip(row_embeds, rows)):
-            p = s.prep.prompt_tokens
-            embeds[i, :p] = e[0]
-            if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
-                embeds[i, p:p + len(s.tokens)] = self.model.model.language_model.embed_tokens(
-                    self._upload(ids[i, p:p + len(s.tokens)]))
-        cache = PagedCache(self.text_config, self.kv_pool, self._upload(slots.view(-1)))
-        self.runtime.step = self._plan(rows, width)
-        self.peak_prefill_rows = max(self.peak_prefill_rows, b)
-        try:
-            out = self.model.model(inputs_embeds=embeds, position_ids=self._upload(position_ids),
-                                   past_key_values=cache, use_cache=True)
-        finally:
-            self.runtime.step = None
-        last = self._upload(torch.tensor([n - 1 for n in lengths]))
-        hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
-        text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
-        logits, tokens = {}, {}
-        if text:
-            head_in = hidden if len(text) == b else hidden[self._upload(torch.tensor(text))]
-            head_out = self.model.lm_head(head_in)
-            # each row's token takes position (its context + rope delta): the sampler's counter
-            chosen = self._choose([rows[i] for i in text], head_out.argmax(-1), head_out,
-                                  [lengths[i] + int(deltas[i]) for i in text])
-            logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
-        for i, s in enumerate(rows):  # from here on a failure is that request's alone
-            self._guard([s], self._prefilled, s, lengths[i], int(deltas[i]), hidden[i], logits.get(i), tokens.get(i))
+        self.peak_prefill_rows = max(self.peak_prefill_rows, len(rows))
+        out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
+        for i, s in enumerate(rows):
+            self._guard([s], self._prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i], out.logits.get(i),
+                        out.tokens.get(i))
 
-    def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device, without waiting for the stream's queued work (torch's
-        blocking host-to-device copy synchronizes the stream). Pageable memory is staged at once,
-        so the host tensor may be dropped right after."""
-        return t.to(self.device, non_blocking=True)
-
-    def _prefilled(self, s: _Seq, length: int, rope_delta: int, hidden: torch.Tensor,
+    def _prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
                    logits: torch.Tensor | None, token: int | None) -> None:
         """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next
         token (`logits`: the ones it was chosen from)."""
@@ -967,7 +717,7 @@ class Engine:
         self._running.append(s)
         self._accept(s, token)
 
-    def _answer_label(self, s: _Seq, hidden: torch.Tensor) -> None:
+    def _answer_label(self, s: Sequence, hidden: torch.Tensor) -> None:
         weights = self.pool.get(s.req.adapter)
         w, b = weights.heads[s.req.head]
         logits = hidden.float() @ w.float().to(self.device).t()
@@ -995,46 +745,30 @@ class Engine:
         batch at the next boundary. Otherwise the pending step is taken first and this step runs
         from host tokens, as do all steps with pipelining off. Commands and the engine's stop
         take a pending step first too."""
-        rows = sorted(self._running, key=self._lora_key)
+        rows = sorted(self._running, key=self.lora.sort_key)
         if self._pending is not None:
             if self._pipelined_step(rows):
                 return
             self._flush()
         self._reserve_blocks()
-        rows = sorted(self._running, key=self._lora_key)
+        rows = sorted(self._running, key=self.lora.sort_key)
         if not rows:
             return
-        self.runtime.step = step = self._plan(rows, 1, self._bucket(rows))
+        step = self.lora.plan(rows, 1, self._bucket(rows))
         self.peak_decode_rows = max(self.peak_decode_rows, len(rows))
         self.peak_decode_entries = max(self.peak_decode_entries, len(step.entries))
-        try:
-            got = self.graphs.step(self._decode_rows(rows), step, self._bucket(rows))
-        finally:
-            self.runtime.step = None
+        got = self.runner.decode(rows, step, self._bucket(rows))
         self._advance(rows)
-        tokens = self._choose(rows, *got, [s.length + s.rope_delta for s in rows])
+        tokens = self.runner.choose(rows, *got, [s.length + s.rope_delta for s in rows])
         if self._holdable(rows):
             self._pending = self._hold(rows, tokens)
             return
         for s, token in zip(rows, tokens.tolist()):  # one device->host copy for the batch
             self._guard([s], self._accept, s, token)  # a row that fails here fails alone
 
-    def _choose(self, rows: list[_Seq], greedy: torch.Tensor, logits: torch.Tensor, counters: list[int]) -> torch.Tensor:
-        """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy, else
-        sampled in one batched call (sampling.py; `counters`: the positions the tokens take)."""
-        params = [s.req.sampling for s in rows]
-        if all(p.greedy for p in params):
-            return greedy
-        return sample(logits, RowSampling.of(params, self.device), self._upload(torch.tensor(counters)))
-
-    def _bucket(self, rows: list[_Seq]) -> int:
+    def _bucket(self, rows: list[Sequence]) -> int:
         """Rows a decode step runs (decode_graphs.bucket_rows; padding past the batch's own)."""
         return bucket_rows(len(rows))
-
-    def _decode_rows(self, rows: list[_Seq]) -> list[DecodeRow]:
-        kv = self.kv
-        return [DecodeRow(token=s.last_token, position=s.length + s.rope_delta, slot=kv.slot(s.id, s.length),
-                          length=s.length + 1, table_row=kv.row(s.id)) for s in rows]
 
     def _reserve_blocks(self) -> None:
         """Gives every running sequence room for its next token, oldest first; when the pool runs
@@ -1047,7 +781,7 @@ class Engine:
                 except OutOfBlocks:
                     self._preempt(max(self._running, key=lambda x: x.id))
 
-    def _preempt(self, s: _Seq) -> None:
+    def _preempt(self, s: Sequence) -> None:
         """Takes `s`'s blocks back: it waits at the head of the queue, to be prefilled again over
         its prompt and generated tokens (no decode step is pending: the caller flushed it)."""
         self._running.remove(s)
@@ -1061,37 +795,34 @@ class Engine:
         log.info("sequence_preempted", request_id=s.req.request_id, tokens=len(s.tokens),
                  free_blocks=self.kv.free_blocks)
 
-    def _pipelined_step(self, rows: list[_Seq]) -> bool:
+    def _pipelined_step(self, rows: list[Sequence]) -> bool:
         """Launches the next step from the pending one's device tokens, then takes the pending
         step's tokens. False (nothing done) when the batch changed or a row's next token needs a
         block the pool does not have."""
         pending = self._pending
-        if rows != pending.rows:  # _Seq compares by identity
+        if rows != pending.rows:  # Sequence compares by identity
             return False
         try:
             for s in rows:
                 self.kv.grow(s.id, s.length + 1)
         except OutOfBlocks:
             return False
-        self.runtime.step = step = self._plan(rows, 1, self._bucket(rows))  # the plan of the pending step, kept
-        try:
-            got = self.graphs.step(self._decode_rows(rows), step, self._bucket(rows), ids=pending.tokens)
-        finally:
-            self.runtime.step = None
+        step = self.lora.plan(rows, 1, self._bucket(rows))  # the plan of the pending step, kept
+        got = self.runner.decode(rows, step, self._bucket(rows), ids=pending.tokens)
         self._advance(rows)
-        self._pending = self._hold(rows, self._choose(rows, *got, [s.length + s.rope_delta for s in rows]))
+        self._pending = self._hold(rows, self.runner.choose(rows, *got, [s.length + s.rope_delta for s in rows]))
         self.pipelined_steps += 1
         self._take(pending)
         if not self._holdable(rows):
             self._flush()
         return True
 
-    def _advance(self, rows: list[_Seq]) -> None:
+    def _advance(self, rows: list[Sequence]) -> None:
         """After a decode step's launch: every row cached one more token."""
         for s in rows:
             s.length += 1
 
-    def _holdable(self, rows: list[_Seq]) -> bool:
+    def _holdable(self, rows: list[Sequence]) -> bool:
         """Whether a launched step's tokens may wait for the next step's launch: pipelining is on,
         some row goes on after this step's token (no speculative step when all are done:
         finished, or at max_new_tokens), and none releases its adapter with it (the next step's
@@ -1108,7 +839,7 @@ class Engine:
             goes_on = goes_on or n < s.prep.max_new_tokens
         return goes_on
 
-    def _hold(self, rows: list[_Seq], tokens: torch.Tensor) -> _Pending:
+    def _hold(self, rows: list[Sequence], tokens: torch.Tensor) -> PendingStep:
         """Queues the copy of a launched step's tokens to the host, right behind the step."""
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
@@ -1116,9 +847,9 @@ class Engine:
         if self.device.type == "cuda":  # the engine thread need not have selected the engine's device
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self.device))
-        return _Pending(rows, tokens, host, copied)
+        return PendingStep(rows, tokens, host, copied)
 
-    def _take(self, pending: _Pending) -> None:
+    def _take(self, pending: PendingStep) -> None:
         """Accepts a pending step's tokens; a row that finished or left since its launch drops its own."""
         if pending.copied is not None:
             pending.copied.synchronize()
@@ -1132,7 +863,7 @@ class Engine:
         if pending is not None:
             self._guard([s for s in pending.rows if not s.finished], self._take, pending)
 
-    def _accept(self, s: _Seq, token: int) -> None:
+    def _accept(self, s: Sequence, token: int) -> None:
         """A new token for `s`: stream it, and finish the sequence if it is done."""
         if not s.tokens:
             s.t_first = time.monotonic()
@@ -1159,7 +890,7 @@ class Engine:
         self._finish_out(s)
         self._emit(s, Finished(self._result(s, reason, text=s.detok.text)))
 
-    def _release_adapter(self, s: _Seq) -> None:
+    def _release_adapter(self, s: Sequence) -> None:
         """Early adapter release: the next decode steps run `s` on the base path (its rows leave
         the LoRA segments; the KV cache computed with the adapter is kept) and its device slot is
         unpinned, free for other adapters."""
@@ -1167,7 +898,7 @@ class Engine:
         self._release(s)
         log.debug("adapter_released", request_id=s.req.request_id, adapter=s.req.adapter, after_tokens=len(s.tokens))
 
-    def _result(self, s: _Seq, reason: FinishReason, **kw) -> GenerationResult:
+    def _result(self, s: Sequence, reason: FinishReason, **kw) -> GenerationResult:
         now = time.monotonic()
         t0 = s.prep.arrived
         return GenerationResult(

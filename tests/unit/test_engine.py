@@ -391,8 +391,8 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
             if use_atmm:
                 assert eng.runtime.backend.plan.version > 0  # steps ran on the kernel
                 eng.set_mode(Mode.MIXTURE, names[1])
-                seqs = [eng._entry(("lora", names[2])), eng._entry(("mix", names[2], names[1])),
-                        eng._entry(("mix", "", names[1]))]
+                seqs = [eng.lora.entry(("lora", names[2])), eng.lora.entry(("mix", names[2], names[1])),
+                        eng.lora.entry(("mix", "", names[1]))]
                 step = StepLora(seqs, [-1, 0, 0, 1, 1, 1, 2], 5)
                 assert eng.runtime.backend.begin(step)
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -424,7 +424,7 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                 big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
                 eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
                 assert eng.pool.acquire("adapters/k48/versions/1") is not None  # resident, as a request makes it
-                step = StepLora([eng._entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 0, 1, 1, 1], 5)
+                step = StepLora([eng.lora.entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 0, 1, 1, 1], 5)
                 assert backend.begin(step) and backend.grouped == {"gate_up_proj"}  # 3 x 48 > 128 for q/k/v
                 check_groups(step)
         finally:
@@ -521,14 +521,14 @@ def test_lora_entries_survive_mode_switches_unless_their_adapter_left(model_path
         for name in (A, B):
             b = bundles[name]
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads, to_device=True)
-        a_entry = eng._entry(("lora", A))
-        eng._entry(("lora", B))
-        mix = eng._entry(("mix", B, A))
+        a_entry = eng.lora.entry(("lora", A))
+        eng.lora.entry(("lora", B))
+        mix = eng.lora.entry(("mix", B, A))
         eng.set_mode(Mode.MERGED, A)
         eng.set_mode(Mode.UNMERGED)
-        assert eng._entry(("lora", A)) is a_entry and eng._entry(("mix", B, A)) is mix
+        assert eng.lora.entry(("lora", A)) is a_entry and eng.lora.entry(("mix", B, A)) is mix
         eng.offload_adapter(B)
         eng.set_mode(Mode.MERGED, A)
-        assert eng._entries == {("lora", A): a_entry}
+        assert eng.lora.entries == {("lora", A): a_entry}
     finally:
         eng.stop()

@@ -94,8 +94,8 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     lengths = {r.request_id: engine.prepare(r).prompt_tokens for r in reqs}
     assert len(set(lengths.values())) >= 6, lengths  # rows really are padded to different lengths
     plans = []
-    plan = engine._plan
-    monkeypatch.setattr(engine, "_plan", lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1])
+    plan = engine.lora.plan
+    monkeypatch.setattr(engine.lora, "plan", lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1])
     engine.vision.cache.clear()
     engine.peak_prefill_rows = 0
     together = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}

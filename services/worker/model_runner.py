@@ -1,0 +1,188 @@
+"""Runs the model for the engine: the batched prefill forward, the decode step (through
+decode_graphs), the choice of tokens on the device, and the paged KV pool they write.
+
+The runner holds no request state beyond what a call is given: the engine's scheduler decides
+which sequences run and owns their blocks (kv_cache.BlockManager); the runner turns a batch of
+sequences into device work and hands back tensors (`PrefillOutput`, tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from kernels import paged_attention
+from services.worker.decode_graphs import DecodeGraphs, DecodeRow
+from services.worker.kv_cache import BlockManager, KVPool, PagedCache, device_budget, kv_bytes_per_token, pool_blocks
+from services.worker.lora import LoraRuntime, StepLora
+from services.worker.requests import OutputKind
+from services.worker.sampling import RowSampling, sample
+from services.worker.sequence import Sequence
+from services.worker.tensor_parallel import TPGroup
+from services.worker.vision import VisionEncoder
+
+log = structlog.get_logger()
+
+
+@dataclass
+class PrefillOutput:
+    """A prefill forward's results, by row: context lengths, M-RoPE deltas, the last real token's
+    hidden state (rows, hidden), and for text rows the logits their token was chosen from and
+    the token."""
+
+    lengths: list[int]
+    deltas: list[int]
+    hidden: torch.Tensor
+    logits: dict[int, torch.Tensor]
+    tokens: dict[int, int]
+
+
+class ModelRunner:
+    def __init__(self, model, runtime: LoraRuntime, vision: VisionEncoder, config, dtype: torch.dtype,
+                 device: torch.device, tp: TPGroup | None) -> None:
+        """`config`: the engine's EngineConfig (KV pool, graph and block settings)."""
+        self.model, self.runtime, self.vision = model, runtime, vision
+        self.text_config = model.config.text_config
+        self.device = device
+        self.pool, self.blocks = self._make_pool(config, self.text_config, dtype, tp)
+        attention_kernel = self.device.type == "cuda"
+        if attention_kernel:
+            tc = self.text_config
+            world = tp.world_size if tp is not None else 1
+            problem = paged_attention.self_check(self.device, dtype, tc.num_attention_heads // world,
+                                                 self.pool.k.shape[3], self.pool.k.shape[4], config.kv_block_size)
+            attention_kernel = problem is None
+            if problem is not None:  # correct but slow: the reference, no decode graphs
+                log.warning("paged_attention_kernel_unusable", reason=problem)
+        log.info("decode_attention", op="triton_paged" if attention_kernel else "torch_reference")
+        self.graphs = DecodeGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
+                                   capture=config.decode_graphs == "auto", attention_kernel=attention_kernel)
+
+    def _make_pool(self, cfg, tc, dtype: torch.dtype, tp: TPGroup | None) -> tuple[KVPool, BlockManager]:
+        """The paged KV pool, preallocated now (kv_cache.py); every tensor-parallel rank gets the
+        smallest rank's block count, so block decisions are the same on every rank."""
+        if not 8 <= cfg.kv_block_size <= 256 or cfg.kv_block_size & (cfg.kv_block_size - 1):
+            raise ValueError(f"kv_block_size {cfg.kv_block_size} is not a power of two in 8..256")
+        if not 0 < cfg.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        kv_heads = tc.num_key_value_heads // (tp.world_size if tp is not None else 1)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        block_bytes = cfg.kv_block_size * kv_bytes_per_token(tc, dtype, kv_heads)
+        if cfg.kv_cache_bytes > 0:
+            budget = cfg.kv_cache_bytes
+        elif self.device.type == "cuda":
+            budget = device_budget(self.device, cfg.gpu_memory_fraction, cfg.kv_reserve_bytes)
+        else:
+            budget = 256 << 20
+        blocks = pool_blocks(budget, block_bytes)
+        if tp is not None:
+            blocks = tp.min_int(blocks)
+        self.max_model_len = min(cfg.max_model_len or tc.max_position_embeddings, tc.max_position_embeddings)
+        pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, dtype, self.device)
+        manager = BlockManager(blocks, cfg.kv_block_size, cfg.max_batch_size,
+                               math.ceil(self.max_model_len / cfg.kv_block_size), self.device)
+        log.info("kv_pool", blocks=blocks, block_size=cfg.kv_block_size, gib=round(blocks * block_bytes / 2**30, 2),
+                 tokens=(blocks - 1) * cfg.kv_block_size)
+        return pool, manager
+
+    def prefill(self, rows: list[Sequence], step: StepLora) -> PrefillOutput:
+        """Prefills `rows` in one forward of the language model, `step` their LoRA plan (rows
+        ordered by LoRA entry: one StepLora, no permutation, ATMM takes it).
+
+        Rows are right-padded to the longest prompt with zero embeddings. Under causal attention
+        a real token never attends to the padding after it, so no attention mask is passed (SDPA
+        keeps is_causal); the padding's own outputs and KV are dropped. M-RoPE positions come from
+        get_rope_index over the batch with the padding masked out, so every row gets the
+        positions and rope delta it has alone. A sequence prefilled again after a preemption
+        runs over its prompt and its generated tokens (text). Each row's keys and values go to
+        its blocks, the padding's to the null block. The text rows' first tokens are chosen on
+        the device."""
+        lengths = [s.context for s in rows]
+        b, width = len(rows), max(lengths)
+        first = rows[0].prep.inputs
+        ids = first["input_ids"].new_zeros((b, width))
+        types = first["mm_token_type_ids"].new_zeros((b, width))
+        mask = torch.zeros((b, width), dtype=torch.long)
+        slots = torch.zeros((b, width), dtype=torch.long)  # padding and LABEL rows: the null block's slot 0
+        grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
+        for i, (s, n) in enumerate(zip(rows, lengths)):
+            inp = s.prep.inputs
+            p = s.prep.prompt_tokens
+            ids[i, :p] = inp["input_ids"][0]
+            ids[i, p:n] = torch.tensor(s.tokens, dtype=ids.dtype)
+            types[i, :p] = inp["mm_token_type_ids"][0]
+            mask[i, :n] = 1
+            if self.blocks.holds(s.id):
+                slots[i, :n] = self.blocks.slots(s.id, 0, n)
+            for key, found in grids.items():
+                if inp.get(key) is not None:
+                    found.append(inp[key])
+        # The step launches everything before it waits on the device once, for the first tokens:
+        # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
+        # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
+        # On the host: the rope index walks every row in Python (no device syncs per row).
+        position_ids, deltas = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=types, attention_mask=mask,
+            **{key: torch.cat(found) if found else None for key, found in grids.items()})
+        # One vision-tower pass for every image/video of the batch not in the feature cache.
+        row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
+        embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
+        for i, (e, s) in enumerate(zip(row_embeds, rows)):
+            p = s.prep.prompt_tokens
+            embeds[i, :p] = e[0]
+            if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
+                embeds[i, p:p + len(s.tokens)] = self.model.model.language_model.embed_tokens(
+                    self.upload(ids[i, p:p + len(s.tokens)]))
+        cache = PagedCache(self.text_config, self.pool, self.upload(slots.view(-1)))
+        self.runtime.step = step
+        try:
+            out = self.model.model(inputs_embeds=embeds, position_ids=self.upload(position_ids),
+                                   past_key_values=cache, use_cache=True)
+        finally:
+            self.runtime.step = None
+        last = self.upload(torch.tensor([n - 1 for n in lengths]))
+        hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
+        text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
+        logits, tokens = {}, {}
+        if text:
+            head_in = hidden if len(text) == b else hidden[self.upload(torch.tensor(text))]
+            head_out = self.model.lm_head(head_in)
+            # each row's token takes position (its context + rope delta): the sampler's counter
+            chosen = self.choose([rows[i] for i in text], head_out.argmax(-1), head_out,
+                                  [lengths[i] + int(deltas[i]) for i in text])
+            logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
+        return PrefillOutput(lengths, [int(d) for d in deltas], hidden, logits, tokens)
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device, without waiting for the stream's queued work (torch's
+        blocking host-to-device copy synchronizes the stream). Pageable memory is staged at once,
+        so the host tensor may be dropped right after."""
+        return t.to(self.device, non_blocking=True)
+
+    def decode(self, rows: list[Sequence], step: StepLora, bucket: int,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launches one decode step of `rows` (`step`: their LoRA plan over `bucket` rows; `ids`:
+        their last tokens on the device, else the sequences' own) and returns (greedy tokens,
+        logits) of the batch's rows, owned by the step's graph entry."""
+        self.runtime.step = step
+        try:
+            return self.graphs.step(self.decode_rows(rows), step, bucket, ids=ids)
+        finally:
+            self.runtime.step = None
+
+    def choose(self, rows: list[Sequence], greedy: torch.Tensor, logits: torch.Tensor, counters: list[int]) -> torch.Tensor:
+        """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy, else
+        sampled in one batched call (sampling.py; `counters`: the positions the tokens take)."""
+        params = [s.req.sampling for s in rows]
+        if all(p.greedy for p in params):
+            return greedy
+        return sample(logits, RowSampling.of(params, self.device), self.upload(torch.tensor(counters)))
+
+    def decode_rows(self, rows: list[Sequence]) -> list[DecodeRow]:
+        """Each row's inputs to its next decode step."""
+        kv = self.blocks
+        return [DecodeRow(token=s.last_token, position=s.length + s.rope_delta, slot=kv.slot(s.id, s.length),
+                          length=s.length + 1, table_row=kv.row(s.id)) for s in rows]

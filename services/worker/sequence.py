@@ -1,0 +1,65 @@
+"""What the engine holds of a request: the prepared request, its sequence while it runs, and a
+launched decode step whose tokens the host has not taken yet."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.requests import Mode, RequestHandle, WorkRequest
+from services.worker.vision import VisionItem
+
+
+@dataclass
+class PreparedRequest:
+    request: WorkRequest
+    inputs: dict
+    max_new_tokens: int
+    image_tokens: int
+    prompt_tokens: int
+    vision: list[VisionItem] = field(default_factory=list)  # images then videos, with content keys
+    release_after: int = 0  # tokens generated with the adapter before it is released (0: never)
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    prep: PreparedRequest
+    sink: object  # None on a tensor-parallel follower: it emits nothing
+    handle: RequestHandle
+    detok: IncrementalDetokenizer | None = None
+    length: int = 0  # tokens in its KV cache
+    preemptions: int = 0  # times its blocks were taken back (it is prefilled again over its tokens)
+    rope_delta: int = 0
+    last_token: int = 0
+    tokens: list[int] = field(default_factory=list)
+    pinned: str | None = None  # adapter whose device slot this sequence holds
+    t_prefill: float = 0.0
+    t_first: float = 0.0
+    mode: Mode = Mode.BASE
+    released: bool = False  # early adapter release: decodes on the base path from now on
+    finished: bool = False  # out of the engine (answered, failed or cancelled)
+
+    @property
+    def req(self) -> WorkRequest:
+        return self.prep.request
+
+    @property
+    def context(self) -> int:
+        """Tokens a prefill of this sequence runs over: its prompt, and after a preemption the
+        tokens it generated too."""
+        return self.prep.prompt_tokens + len(self.tokens)
+
+
+@dataclass(eq=False)
+class PendingStep:
+    """A launched decode step whose tokens the host has not taken yet (pipelined decode)."""
+
+    rows: list[Sequence]
+    tokens: torch.Tensor  # (rows,) on the device: the next step's input ids
+    host: torch.Tensor  # (rows,) host copy of `tokens` (pinned on CUDA), valid once `copied` has completed
+    copied: torch.cuda.Event | None  # None on CPU: the copy was synchronous
