@@ -1,7 +1,8 @@
 """The language model's attention: HF's SDPA path, except decode steps.
 
 A decode step over the paged KV cache (kv_cache.py) passes `paged_decode` (block tables and
-context lengths): the query attends to the layer's pool through the block tables
+context lengths), a prefill chunk after cached tokens `paged_prefill` (chunked prefill,
+`kernels.paged_prefill`): the query attends to the layer's pool through the block tables
 (`kernels.paged_attention`: a split-KV Triton kernel on CUDA, its torch reference elsewhere or
 when the engine's start-up check of the kernel failed).
 
@@ -21,18 +22,25 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 NAME = "valora_sdpa"
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                             is_causal=None, paged_decode=None, **kwargs):
+                             is_causal=None, paged_decode=None, paged_prefill=None, **kwargs):
     if paged_decode is not None:  # key, value: the layer's pool (PagedLayer.update)
         b, heads, _, d = query.shape
         attend = paged_decode_attention if paged_decode.kernel else paged_decode_attention_reference
         out = attend(query.reshape(b, heads, d), key, value, paged_decode.block_tables, paged_decode.seq_lens,
                      scaling)
         return out.view(b, 1, heads, d), None
+    if paged_prefill is not None:  # a prefill chunk after cached tokens, packed as one row (1, H, T, d)
+        _, heads, t, d = query.shape
+        attend = paged_prefill_attention if paged_prefill.kernel else paged_prefill_attention_reference
+        out = attend(query[0].transpose(0, 1), key, value, paged_prefill.block_tables, paged_prefill.cu_q,
+                     paged_prefill.seq_lens, scaling)
+        return out.view(1, t, heads, d), None
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

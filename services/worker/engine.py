@@ -18,10 +18,16 @@ its blocks are freed and it waits at the head of the queue, to be prefilled agai
 prompt and the tokens it has generated (recompute), then decodes on; what it streamed stays
 streamed. A request that could never fit the pool is refused when prepared.
 
+Chunked prefill: a context longer than max_prefill_tokens (a step's prefill budget) is prefilled
+alone, one chunk of at most that many tokens a step, each chunk attending to the ones before it
+through the block table (kernels.paged_prefill); the decode steps of running sequences go on
+between its chunks, so a long prompt stalls no stream for more than one step.
+
 Decode is pipelined (EngineConfig.pipeline_decode): while the batch stays the same, step n+1 is
 launched with step n's tokens (greedy or sampled, chosen on the device: sampling.py) as input,
-copied on the device, before the host takes step n's tokens (detokenize, stream, finish checks), so that host work overlaps the
-device's (_decode_step says how rows that finish meanwhile are handled).
+copied on the device, before the host takes step n's tokens (detokenize, stream, finish checks),
+so that host work overlaps the device's (_decode_step says how rows that finish meanwhile are
+handled).
 
 Prefill embeds images and video chunks through vision.VisionEncoder: features are cached by
 content hash, so a repeated image skips the vision tower. A request may ask for early adapter
@@ -123,7 +129,7 @@ class EngineConfig:
     device_slots: int = 4
     max_rank: int = 256
     max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
-    max_prefill_tokens: int = 8192  # padded tokens (rows x longest prompt) per prefill forward; longer: alone
+    max_prefill_tokens: int = 8192  # padded tokens (rows x longest prompt) per prefill forward; longer: chunks
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps
@@ -532,7 +538,7 @@ class Engine:
         batch = self._take_prefills()
         decoding = len(self._running)
         if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
-            self._guard(batch, self._prefill_batch, batch)
+            self._guard(batch, self._prefill_chunk if self._chunked(batch[0]) else self._prefill_batch, batch)
         if self._running:
             self._guard(list(self._running), self._decode_step)
         if self.device.type == "cuda" and self._pending is None:
@@ -619,7 +625,8 @@ class Engine:
         blocked: collections.deque[Sequence] = collections.deque()
         while self._waiting and len(self._prefill) + len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0]
-            keeps_cache = seq.req.output_kind != OutputKind.LABEL
+            # a LABEL request keeps no cache, unless its chunks read back the ones before
+            keeps_cache = seq.req.output_kind != OutputKind.LABEL or self._chunked(seq)
             if keeps_cache and self.kv.blocks_for(seq.context) > self.kv.free_blocks:
                 break
             self._waiting.popleft()
@@ -676,12 +683,22 @@ class Engine:
                 self._last_step_ms = step_ms
 
     # -- prefill ---------------------------------------------------------------------------------
+    def _chunked(self, s: Sequence) -> bool:
+        """Whether `s` is prefilled in chunks: its context is over a step's token budget."""
+        return s.prefilled > 0 or s.context > self.config.max_prefill_tokens
+
     def _take_prefills(self) -> list[Sequence]:
         """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
-        max_prefill_tokens padded tokens (rows x longest prompt); the first one in any case."""
+        max_prefill_tokens padded tokens (rows x longest prompt). A context over that budget is
+        prefilled alone, one chunk of at most max_prefill_tokens tokens a step (it stays at the
+        head of the prefill queue until its last chunk)."""
+        if self._prefill and self._chunked(self._prefill[0]):
+            return [self._prefill[0]]
         batch: list[Sequence] = []
         width = 0
         while self._prefill and len(batch) < self.config.max_prefills_per_step:
+            if self._chunked(self._prefill[0]):
+                break  # its chunks start next step
             w = max(width, self._prefill[0].context)
             if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
                 break
@@ -702,6 +719,19 @@ class Engine:
         for i, s in enumerate(rows):
             self._guard([s], self._prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i], out.logits.get(i),
                         out.tokens.get(i))
+
+    def _prefill_chunk(self, seqs: list[Sequence]) -> None:
+        """The next chunk of the one sequence prefilled in chunks (ModelRunner.prefill_chunk);
+        after its last chunk it leaves the prefill queue and starts decoding."""
+        s, = seqs
+        if s.prefilled == 0 and not s.tokens:
+            s.t_prefill = time.monotonic()
+        end = min(s.context, s.prefilled + self.config.max_prefill_tokens)
+        out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
+        if out is None:
+            return
+        self._prefill.remove(s)
+        self._prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0))
 
     def _prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
                    logits: torch.Tensor | None, token: int | None) -> None:
@@ -787,7 +817,7 @@ class Engine:
         self._running.remove(s)
         self._release(s)
         self.kv.close(s.id)
-        s.length = 0
+        s.length = s.prefilled = 0
         s.preemptions += 1
         self.preemptions += 1
         with self._wake:

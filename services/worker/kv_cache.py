@@ -200,10 +200,24 @@ class PagedDecode:
     kernel: bool = True  # the Triton kernels (engine's start-up check passed); False: the torch reference
 
 
+@dataclass
+class PagedPrefill:
+    """What a prefill chunk's attention reads besides the pool (chunked prefill): the rows' block
+    tables (rows, max_blocks) int32, their query tokens' offsets in the packed forward (rows + 1,)
+    int32, and each row's context length including the chunk (rows,) int32; a chunk's token at
+    position p attends to the row's cached positions 0..p."""
+
+    block_tables: torch.Tensor
+    cu_q: torch.Tensor
+    seq_lens: torch.Tensor
+    kernel: bool = True
+
+
 class PagedLayer(DynamicLayer):
     """One layer of the pool as an HF cache layer: `update` writes the step's tokens at the
-    cache's slots and returns the step's own keys and values (prefill: attention over the batch
-    as given) or the layer's whole pool (decode: attention through the block tables)."""
+    cache's slots and returns the step's own keys and values (a prefill from position 0:
+    attention over the batch as given) or the layer's whole pool (a decode step or a prefill
+    chunk after the first: attention through the block tables)."""
 
     def __init__(self, cache: "PagedCache", k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
         super().__init__()
@@ -216,7 +230,7 @@ class PagedLayer(DynamicLayer):
         slots = self.cache.slots
         self.k_pool.view(-1, h, d).index_copy_(0, slots, key_states.transpose(1, 2).reshape(b * s, h, d))
         self.v_pool.view(-1, h, d).index_copy_(0, slots, value_states.transpose(1, 2).reshape(b * s, h, d))
-        if self.cache.decode is not None:
+        if self.cache.paged is not None:
             return self.k_pool, self.v_pool
         return key_states, value_states
 
@@ -226,9 +240,11 @@ class PagedLayer(DynamicLayer):
 
 class PagedCache(DynamicCache):
     """The pool as the HF cache of one forward: `slots` (tokens,) long device tensor, where the
-    forward's (rows x tokens, flattened) keys and values go; `decode` set for a decode step."""
+    forward's (rows x tokens, flattened) keys and values go; `paged` set when attention reads
+    the pool (a decode step, a prefill chunk with cached tokens before it)."""
 
-    def __init__(self, text_config, pool: KVPool, slots: torch.Tensor, decode: PagedDecode | None = None) -> None:
+    def __init__(self, text_config, pool: KVPool, slots: torch.Tensor,
+                 paged: PagedDecode | PagedPrefill | None = None) -> None:
         super().__init__(config=text_config)
-        self.slots, self.decode = slots, decode
+        self.slots, self.paged = slots, paged
         self.layers = [PagedLayer(self, *pool.layer(i)) for i in range(len(self.layers))]

@@ -16,7 +16,8 @@ import torch
 
 from kernels import paged_attention
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
-from services.worker.kv_cache import BlockManager, KVPool, PagedCache, device_budget, kv_bytes_per_token, pool_blocks
+from services.worker.kv_cache import (BlockManager, KVPool, PagedCache, PagedPrefill, device_budget, kv_bytes_per_token,
+                                      pool_blocks)
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.requests import OutputKind
 from services.worker.sampling import RowSampling, sample
@@ -101,12 +102,67 @@ class ModelRunner:
         its blocks, the padding's to the null block. The text rows' first tokens are chosen on
         the device."""
         lengths = [s.context for s in rows]
+        embeds, position_ids, deltas, slots = self._inputs(rows, lengths)
+        cache = PagedCache(self.text_config, self.pool, self.upload(slots.view(-1)))
+        self.runtime.step = step
+        try:
+            out = self.model.model(inputs_embeds=embeds, position_ids=self.upload(position_ids),
+                                   past_key_values=cache, use_cache=True)
+        finally:
+            self.runtime.step = None
+        last = self.upload(torch.tensor([n - 1 for n in lengths]))
+        hidden = out.last_hidden_state[torch.arange(len(rows), device=self.device), last]  # each row's last real token
+        return self._first_tokens(rows, lengths, deltas, hidden)
+
+    def prefill_chunk(self, s: Sequence, step: StepLora, end: int) -> PrefillOutput | None:
+        """Prefills tokens [s.prefilled, end) of `s`'s context, alone in one forward (chunked
+        prefill: a context longer than a step's token budget takes several steps, and the decode
+        steps of running sequences go on between them); `step`: the chunk's LoRA plan. The first
+        chunk embeds the whole context (images included) and keeps the embeddings and M-RoPE
+        positions on the sequence for the next chunks; a later chunk attends to the cached
+        tokens through the block table (PagedPrefill). None until the last chunk, which gives
+        the sequence's first token as `prefill` does."""
+        start, context = s.prefilled, s.context
+        if start == 0:
+            embeds, position_ids, deltas, _ = self._inputs([s], [context])
+            s.chunk_inputs = (embeds[0], self.upload(position_ids[:, 0]), deltas[0])
+        embeds, positions, delta = s.chunk_inputs
+        n = end - start
+        paged = None
+        if start > 0:  # attention over the cached tokens too
+            self.blocks.sync()
+            row = self.blocks.row(s.id)
+            paged = PagedPrefill(block_tables=self.blocks.tables[row:row + 1],
+                                 cu_q=self.upload(torch.tensor([0, n], dtype=torch.int32)),
+                                 seq_lens=self.upload(torch.tensor([end], dtype=torch.int32)),
+                                 kernel=self.graphs.attention_kernel)
+        cache = PagedCache(self.text_config, self.pool, self.upload(self.blocks.slots(s.id, start, end)), paged)
+        self.runtime.step = step
+        try:
+            out = self.model.model.language_model(
+                inputs_embeds=embeds[start:end][None], position_ids=positions[:, None, start:end],
+                past_key_values=cache, use_cache=True, paged_prefill=paged)
+        finally:
+            self.runtime.step = None
+        s.prefilled = end
+        if end < context:
+            return None
+        s.chunk_inputs = None
+        return self._first_tokens([s], [context], [delta], out.last_hidden_state[:, -1])
+
+    def _inputs(self, rows: list[Sequence], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int],
+                                                                          torch.Tensor]:
+        """The rows' prefill inputs, right-padded to the longest: embeddings (rows, width, hidden)
+        on the device (one vision-tower pass for every image/video not in the feature cache; a
+        recomputed sequence's generated tokens embedded as text), M-RoPE positions (3, rows,
+        width) and deltas, and each token's pool slot (rows, width) on the host (padding and rows
+        without blocks: the null block's slot 0)."""
         b, width = len(rows), max(lengths)
         first = rows[0].prep.inputs
         ids = first["input_ids"].new_zeros((b, width))
         types = first["mm_token_type_ids"].new_zeros((b, width))
         mask = torch.zeros((b, width), dtype=torch.long)
-        slots = torch.zeros((b, width), dtype=torch.long)  # padding and LABEL rows: the null block's slot 0
+        slots = torch.zeros((b, width), dtype=torch.long)
         grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
         for i, (s, n) in enumerate(zip(rows, lengths)):
             inp = s.prep.inputs
@@ -127,7 +183,6 @@ class ModelRunner:
         position_ids, deltas = self.model.model.get_rope_index(
             ids, mm_token_type_ids=types, attention_mask=mask,
             **{key: torch.cat(found) if found else None for key, found in grids.items()})
-        # One vision-tower pass for every image/video of the batch not in the feature cache.
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
         embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
         for i, (e, s) in enumerate(zip(row_embeds, rows)):
@@ -136,15 +191,12 @@ class ModelRunner:
             if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
                 embeds[i, p:p + len(s.tokens)] = self.model.model.language_model.embed_tokens(
                     self.upload(ids[i, p:p + len(s.tokens)]))
-        cache = PagedCache(self.text_config, self.pool, self.upload(slots.view(-1)))
-        self.runtime.step = step
-        try:
-            out = self.model.model(inputs_embeds=embeds, position_ids=self.upload(position_ids),
-                                   past_key_values=cache, use_cache=True)
-        finally:
-            self.runtime.step = None
-        last = self.upload(torch.tensor([n - 1 for n in lengths]))
-        hidden = out.last_hidden_state[torch.arange(b, device=self.device), last]  # each row's last real token
+        return embeds, position_ids, [int(d) for d in deltas], slots
+
+    def _first_tokens(self, rows: list[Sequence], lengths: list[int], deltas: list[int],
+                      hidden: torch.Tensor) -> PrefillOutput:
+        """The text rows' first tokens from their last hidden states (rows, hidden)."""
+        b = len(rows)
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
         logits, tokens = {}, {}
         if text:
@@ -152,9 +204,9 @@ class ModelRunner:
             head_out = self.model.lm_head(head_in)
             # each row's token takes position (its context + rope delta): the sampler's counter
             chosen = self.choose([rows[i] for i in text], head_out.argmax(-1), head_out,
-                                  [lengths[i] + int(deltas[i]) for i in text])
+                                 [lengths[i] + deltas[i] for i in text])
             logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
-        return PrefillOutput(lengths, [int(d) for d in deltas], hidden, logits, tokens)
+        return PrefillOutput(lengths, deltas, hidden, logits, tokens)
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's

@@ -72,7 +72,8 @@ class WorkerSettings(ServiceSettings):
     max_prefills_per_step: int = Field(2, ge=1, description="Waiting requests prefilled together (one batched "
                                        "forward) per engine step.")
     max_prefill_tokens: int = Field(8192, ge=1, description="Bound of one batched prefill in padded tokens "
-                                    "(rows x longest prompt); a longer prompt is prefilled alone.")
+                                    "(rows x longest prompt); a longer prompt is prefilled alone, in chunks of "
+                                    "this many tokens, one a step, between the running requests' decode steps.")
     decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
                                "size: auto (on CUDA) or off (static, the same step without capture).")
     kv_block_size: int = Field(16, ge=8, le=256, description="Tokens per block of the paged KV cache (a power "

@@ -129,3 +129,17 @@ def test_a_row_that_fails_while_decoding_fails_alone(model_path, monkeypatch, pi
     assert {rid: len(ev.result.token_ids) for rid, ev in ends.items()} == {
         r.request_id: r.max_new_tokens for r in reqs if r.request_id != "poisoned"}
     assert eng.kv.used_blocks == 0
+
+
+def test_chunked_prefill_interleaves_decode_and_gives_the_same_tokens(model_path):
+    # A 24-token budget: every prompt (~30-40 tokens with its image) is prefilled in chunks, one
+    # request at a time, while the ones before it decode; with a tight pool some are preempted
+    # and prefilled again in chunks over prompt + generated tokens. Tokens as prefilled whole.
+    whole, eng = run(model_path)
+    block_bytes = eng.kv_pool.block_bytes // (eng.kv.block_size // 8)
+    chunked, eng = run(model_path, max_prefill_tokens=24, kv_block_size=8, kv_cache_bytes=31 * block_bytes)
+    assert chunked == whole
+    assert eng.preemptions > 0
+    beside = [d for p, d, _ in eng.step_log if p == 1 and d > 0]  # a chunk and a decode step in one step
+    assert len(beside) >= 6, eng.step_log
+    assert eng.kv.used_blocks == 0

@@ -39,17 +39,20 @@ def engine(model_path):
 
 @pytest.fixture
 def prefills(engine):
-    """Records the request ids of every prefill forward, in step order."""
+    """Records the request ids of every prefill forward (a chunk of a chunked prefill: its one
+    request), in step order."""
     batches: list[list[str]] = []
-    original = engine._prefill_batch
 
-    def record(seqs):
-        batches.append([s.req.request_id for s in seqs])
-        return original(seqs)
+    def recorder(original):
+        def record(seqs):
+            batches.append([s.req.request_id for s in seqs])
+            return original(seqs)
+        return record
 
-    engine._prefill_batch = record
+    engine._prefill_batch = recorder(engine._prefill_batch)
+    engine._prefill_chunk = recorder(engine._prefill_chunk)
     yield batches
-    del engine._prefill_batch
+    del engine._prefill_batch, engine._prefill_chunk
 
 
 def submit_together(engine, requests) -> dict[str, queue.Queue]:
@@ -140,8 +143,10 @@ def test_prefill_bound_counts_padded_tokens_and_keeps_fifo(engine, prefills):
         results = {rid: outcome(q) for rid, q in submit_together(engine, [*short[:2], long, short[2]]).items()}
     finally:
         engine.config.max_prefill_tokens = old
-    assert [sorted(b) for b in prefills] == [["s0", "s1"], ["long"], ["s2"]]
-    for r in [*short, long]:
+    # the long one in chunks of the budget, alone, before the one behind it (FIFO)
+    chunks = -(-engine.prepare(long).prompt_tokens // (2 * n))
+    assert [sorted(b) for b in prefills] == [["s0", "s1"], *[["long"]] * chunks, ["s2"]] and chunks >= 2
+    for r in [*short, long]:  # the same tokens as prefilled whole (the budget restored)
         _, ev = results[r.request_id]
         assert isinstance(ev, Finished) and ev.result.output_tokens == 3
         assert ev.result.token_ids == engine.generate(r)[1].token_ids, r.request_id
@@ -184,3 +189,20 @@ def test_failed_batched_forward_fails_its_requests_only(engine):
         threading.Event().wait(0.01)
     assert s.running == 0 and s.kv_cache_bytes == 0
     assert not engine.pool._pins  # the failed requests' adapter slots were released
+
+
+def test_label_request_prefilled_in_chunks_answers_alike(engine):
+    # A LABEL request keeps no KV cache, except while its chunks need the ones before them.
+    r = WorkRequest("label", "Which color is it? " * 6, [random_image(50, 112)], adapter=B,
+                    output_kind=OutputKind.LABEL, head="color")
+    whole = engine.generate(r)[1]
+    old = engine.config.max_prefill_tokens
+    engine.config.max_prefill_tokens = 16
+    try:
+        chunked = engine.generate(r)[1]
+    finally:
+        engine.config.max_prefill_tokens = old
+    assert engine.prepare(r).prompt_tokens > 2 * 16
+    assert chunked.label == whole.label
+    assert [s for _, s in chunked.scores] == pytest.approx([s for _, s in whole.scores], abs=1e-4)
+    assert engine.kv.used_blocks == 0
