@@ -81,7 +81,6 @@ from services.worker.attention import use_grouped_decode_attention
 from services.worker.decode_graphs import bucket_rows
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
-from services.worker.kv_cache import OutOfBlocks
 from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
 from services.worker.lora_plans import LoraPlanner
 from services.worker.model import load_model, load_processor, load_sharded_model
@@ -100,6 +99,7 @@ from services.worker.requests import (
     WorkRequest,
 )
 from services.worker.sequence import PendingStep, PreparedRequest, Sequence
+from services.worker.step_scheduler import StepScheduler
 from services.worker.switcher import Switcher
 from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
 from services.worker.preprocess import process_request
@@ -217,10 +217,7 @@ class Engine:
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self.lora = LoraPlanner(self.pool, self.runtime)
         self._wake = threading.Condition()
-        self._incoming: collections.deque[Sequence] = collections.deque()
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._prefill: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []  # decoding
+        self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -235,7 +232,6 @@ class Engine:
         self._tp_stop = False
         self._pending: PendingStep | None = None  # pipelined decode: the launched step not yet taken
         self.pipelined_steps = 0  # decode steps launched from the previous step's device tokens
-        self.preemptions = 0  # sequences whose blocks were taken back (recomputed later)
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
@@ -456,12 +452,12 @@ class Engine:
                 raise invalid_field("item.head", f"adapter {req.adapter} has no head {req.head!r} "
                                     f"(heads: {sorted(weights.heads)})", reason="UNKNOWN_HEAD")
         with self._wake:
-            if len(self._incoming) + len(self._waiting) >= self.config.max_waiting:
+            if len(self.sched.incoming) + len(self.sched.waiting) >= self.config.max_waiting:
                 raise CapacityExceeded(f"worker queue is full ({self.config.max_waiting} waiting)",
                                        reason="WORKER_QUEUE_FULL", retry_after_s=0.5)
             handle = RequestHandle(req.request_id, self._wake, deadline)
             seq = Sequence(id=next(self._ids), prep=prep, sink=sink, handle=handle)
-            self._incoming.append(seq)
+            self.sched.incoming.append(seq)
             self._wake.notify_all()
         return handle
 
@@ -480,8 +476,7 @@ class Engine:
                 raise ev.error
 
     def stats(self) -> EngineStats:
-        with self._wake:
-            waiting = len(self._incoming) + len(self._waiting)
+        waiting = self.sched.queued()
         with self._stats_lock:
             running, kv_bytes, last_step_ms = self._running_count, self._kv_bytes, self._last_step_ms
         return EngineStats(
@@ -507,14 +502,8 @@ class Engine:
             raise
         finally:
             err = WorkerUnavailable("the worker engine stopped", reason="ENGINE_DOWN")
-            with self._wake:
-                everyone = [*self._incoming, *self._waiting, *self._prefill, *self._running]
-                self._incoming.clear()
-                self._waiting.clear()
-                self._prefill.clear()
-            self._running = []
-            for s in everyone:
-                self._release(s)
+            for s in self.sched.take_everyone():
+                self.sched.release_adapter(s)
                 self.kv.close(s.id)
                 self._emit(s, Failed(err))
             self.graphs.release()
@@ -524,23 +513,24 @@ class Engine:
         if self.tp is not None:
             self._sync()
         self._run_commands()
-        self._admit()
+        now = time.monotonic()
+        self.sched.admit(lambda s: self._halted(s, now), self._fail_waiting, take_incoming=self.tp is None)
         self._drop_cancelled()
-        if not self._prefill and not self._running:
+        if not self.sched.active():
             self._update_stats()
             if not self.leader:
                 return  # a follower idles in the next step's broadcast, until rank 0's events
             with self._wake:
-                if not self._incoming and not self._commands and not self._stop.is_set():
+                if not self.sched.incoming and not self._commands and not self._stop.is_set():
                     self._wake.wait(timeout=0.1)
             return
         t0 = time.perf_counter()
-        batch = self._take_prefills()
-        decoding = len(self._running)
+        batch = self.sched.take_prefills()
+        decoding = len(self.sched.running)
         if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
-            self._guard(batch, self._prefill_chunk if self._chunked(batch[0]) else self._prefill_batch, batch)
-        if self._running:
-            self._guard(list(self._running), self._decode_step)
+            self._guard(batch, self._prefill_chunk if self.sched.chunked(batch[0]) else self._prefill_batch, batch)
+        if self.sched.running:
+            self._guard(list(self.sched.running), self._decode_step)
         if self.device.type == "cuda" and self._pending is None:
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
         # step_log / last_step_ms: a step that leaves a decode step pending does not wait for it;
@@ -560,11 +550,11 @@ class Engine:
         msg = None
         if self.leader:
             with self._wake:
-                new, commands = list(self._incoming), list(self._commands)
-                self._incoming.clear()
+                new, commands = list(self.sched.incoming), list(self._commands)
+                self.sched.incoming.clear()
                 self._commands.clear()
             now = time.monotonic()
-            halts = {s.id: s.handle.cancelled for s in (*new, *self._waiting, *self._prefill, *self._running)
+            halts = {s.id: s.handle.cancelled for s in (*new, *self.sched.waiting, *self.sched.active())
                      if s.handle.cancelled or s.handle.expired(now)}
             # Followers need no raw images, no pixels (the vision encoder broadcasts those it
             # encodes) and no sinks.
@@ -581,7 +571,7 @@ class Engine:
             commands = [(getattr(self, name), args, None, {}) for name, args in got[1]]
         _, _, self._halts, self._tp_stop = got
         with self._wake:
-            self._waiting.extend(new)
+            self.sched.waiting.extend(new)
         self._step_commands.extend(commands)
 
     def _halted(self, s: Sequence, now: float) -> bool:
@@ -602,70 +592,18 @@ class Engine:
             error = exc if isinstance(exc, ValoraError) else ValoraError(
                 f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
             for s in seqs:
-                self._finish_out(s)
+                self.sched.finish(s)
                 self._emit(s, Failed(error))
 
-    def _admit(self) -> None:
-        with self._wake:
-            if self.tp is None:  # tensor parallel: _sync moved this step's arrivals to _waiting
-                self._waiting.extend(self._incoming)
-                self._incoming.clear()
-            kept: collections.deque[Sequence] = collections.deque()
-            now = time.monotonic()
-            for s in self._waiting:
-                if self._halted(s, now):
-                    self._emit(s, Failed(self._halt_error(s)))
-                else:
-                    kept.append(s)
-            self._waiting = kept
-        # FIFO, except that a request whose adapter finds no free device slot (every slot held by
-        # running requests) lets the ones behind it in; it keeps its place for the next step.
-        # A request whose prompt finds too few free KV blocks stops admission (FIFO: the blocks
-        # that running sequences free go to it first).
-        blocked: collections.deque[Sequence] = collections.deque()
-        while self._waiting and len(self._prefill) + len(self._running) < self.config.max_batch_size:
-            seq = self._waiting[0]
-            # a LABEL request keeps no cache, unless its chunks read back the ones before
-            keeps_cache = seq.req.output_kind != OutputKind.LABEL or self._chunked(seq)
-            if keeps_cache and self.kv.blocks_for(seq.context) > self.kv.free_blocks:
-                break
-            self._waiting.popleft()
-            if seq.req.adapter and not seq.released:
-                try:
-                    slot = self.pool.acquire(seq.req.adapter)
-                except ValoraError as exc:  # offloaded while it waited
-                    self._emit(seq, Failed(exc))
-                    continue
-                if slot is None:
-                    blocked.append(seq)
-                    continue
-                seq.pinned = seq.req.adapter
-            if keeps_cache:
-                self.kv.open(seq.id, seq.context)
-            self._prefill.append(seq)
-        blocked.extend(self._waiting)
-        self._waiting = blocked
+    def _fail_waiting(self, s: Sequence, error: ValoraError | None) -> None:
+        """A waiting request that will not run: `error`, or (None) why it was halted."""
+        self._emit(s, Failed(error or self._halt_error(s)))
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
-        for s in [s for s in (*self._prefill, *self._running) if self._halted(s, now)]:
-            self._finish_out(s)
+        for s in [s for s in self.sched.active() if self._halted(s, now)]:
+            self.sched.finish(s)
             self._emit(s, Failed(self._halt_error(s)))
-
-    def _finish_out(self, s: Sequence) -> None:
-        """Removes a sequence from the engine and frees its cache and adapter hold."""
-        if s in self._prefill:
-            self._prefill.remove(s)
-        if s in self._running:
-            self._running.remove(s)
-        s.finished = True
-        self._release(s)
-        self.kv.close(s.id)
-
-    def _release(self, s: Sequence) -> None:
-        if s.pinned:
-            self.pool.release(s.pinned)
-            s.pinned = None
 
     def _emit(self, s: Sequence, event: Event) -> None:
         if s.sink is None:  # a tensor-parallel follower's copy of a request
@@ -677,35 +615,12 @@ class Engine:
 
     def _update_stats(self, step_ms: float | None = None) -> None:
         with self._stats_lock:
-            self._running_count = len(self._prefill) + len(self._running)
+            self._running_count = len(self.sched.active())
             self._kv_bytes = self.kv.used_blocks * self.kv_pool.block_bytes
             if step_ms is not None:
                 self._last_step_ms = step_ms
 
     # -- prefill ---------------------------------------------------------------------------------
-    def _chunked(self, s: Sequence) -> bool:
-        """Whether `s` is prefilled in chunks: its context is over a step's token budget."""
-        return s.prefilled > 0 or s.context > self.config.max_prefill_tokens
-
-    def _take_prefills(self) -> list[Sequence]:
-        """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
-        max_prefill_tokens padded tokens (rows x longest prompt). A context over that budget is
-        prefilled alone, one chunk of at most max_prefill_tokens tokens a step (it stays at the
-        head of the prefill queue until its last chunk)."""
-        if self._prefill and self._chunked(self._prefill[0]):
-            return [self._prefill[0]]
-        batch: list[Sequence] = []
-        width = 0
-        while self._prefill and len(batch) < self.config.max_prefills_per_step:
-            if self._chunked(self._prefill[0]):
-                break  # its chunks start next step
-            w = max(width, self._prefill[0].context)
-            if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
-                break
-            batch.append(self._prefill.popleft())
-            width = w
-        return batch
-
     def _prefill_batch(self, seqs: list[Sequence]) -> None:
         """Prefills `seqs` in one forward (ModelRunner.prefill), rows ordered by LoRA entry; if the
         forward fails, every request in it fails, after it each row's hand-off is its own."""
@@ -726,11 +641,10 @@ class Engine:
         s, = seqs
         if s.prefilled == 0 and not s.tokens:
             s.t_prefill = time.monotonic()
-        end = min(s.context, s.prefilled + self.config.max_prefill_tokens)
+        end = self.sched.chunk_end(s)
         out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
         if out is None:
             return
-        self._prefill.remove(s)
         self._prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0))
 
     def _prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
@@ -744,7 +658,7 @@ class Engine:
             return
         if s.detok is None:  # a recomputed sequence keeps its detokenizer
             s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
-        self._running.append(s)
+        self.sched.prefilled(s)
         self._accept(s, token)
 
     def _answer_label(self, s: Sequence, hidden: torch.Tensor) -> None:
@@ -758,7 +672,7 @@ class Engine:
         order = torch.argsort(probs, descending=True).tolist()
         s.t_first = time.monotonic()
         scores = [(labels[i], float(probs[i])) for i in order]
-        self._finish_out(s)
+        self.sched.finish(s)
         self._emit(s, Finished(self._result(s, FinishReason.LABEL, label=scores[0][0], scores=scores)))
 
     # -- decode ----------------------------------------------------------------------------------
@@ -775,13 +689,13 @@ class Engine:
         batch at the next boundary. Otherwise the pending step is taken first and this step runs
         from host tokens, as do all steps with pipelining off. Commands and the engine's stop
         take a pending step first too."""
-        rows = sorted(self._running, key=self.lora.sort_key)
+        rows = sorted(self.sched.running, key=self.lora.sort_key)
         if self._pending is not None:
             if self._pipelined_step(rows):
                 return
             self._flush()
-        self._reserve_blocks()
-        rows = sorted(self._running, key=self.lora.sort_key)
+        self.sched.reserve_decode()
+        rows = sorted(self.sched.running, key=self.lora.sort_key)
         if not rows:
             return
         step = self.lora.plan(rows, 1, self._bucket(rows))
@@ -800,31 +714,6 @@ class Engine:
         """Rows a decode step runs (decode_graphs.bucket_rows; padding past the batch's own)."""
         return bucket_rows(len(rows))
 
-    def _reserve_blocks(self) -> None:
-        """Gives every running sequence room for its next token, oldest first; when the pool runs
-        out, preempts the youngest running sequence (it may be the one asking) and goes on."""
-        for s in sorted(self._running, key=lambda x: x.id):
-            while s in self._running:
-                try:
-                    self.kv.grow(s.id, s.length + 1)
-                    break
-                except OutOfBlocks:
-                    self._preempt(max(self._running, key=lambda x: x.id))
-
-    def _preempt(self, s: Sequence) -> None:
-        """Takes `s`'s blocks back: it waits at the head of the queue, to be prefilled again over
-        its prompt and generated tokens (no decode step is pending: the caller flushed it)."""
-        self._running.remove(s)
-        self._release(s)
-        self.kv.close(s.id)
-        s.length = s.prefilled = 0
-        s.preemptions += 1
-        self.preemptions += 1
-        with self._wake:
-            self._waiting.appendleft(s)
-        log.info("sequence_preempted", request_id=s.req.request_id, tokens=len(s.tokens),
-                 free_blocks=self.kv.free_blocks)
-
     def _pipelined_step(self, rows: list[Sequence]) -> bool:
         """Launches the next step from the pending one's device tokens, then takes the pending
         step's tokens. False (nothing done) when the batch changed or a row's next token needs a
@@ -832,10 +721,7 @@ class Engine:
         pending = self._pending
         if rows != pending.rows:  # Sequence compares by identity
             return False
-        try:
-            for s in rows:
-                self.kv.grow(s.id, s.length + 1)
-        except OutOfBlocks:
+        if not self.sched.can_grow(rows):
             return False
         step = self.lora.plan(rows, 1, self._bucket(rows))  # the plan of the pending step, kept
         got = self.runner.decode(rows, step, self._bucket(rows), ids=pending.tokens)
@@ -917,7 +803,7 @@ class Engine:
         tail = s.detok.finish()
         if tail:
             self._emit(s, TextDelta(tail))
-        self._finish_out(s)
+        self.sched.finish(s)
         self._emit(s, Finished(self._result(s, reason, text=s.detok.text)))
 
     def _release_adapter(self, s: Sequence) -> None:
@@ -925,7 +811,7 @@ class Engine:
         the LoRA segments; the KV cache computed with the adapter is kept) and its device slot is
         unpinned, free for other adapters."""
         s.released = True
-        self._release(s)
+        self.sched.release_adapter(s)
         log.debug("adapter_released", request_id=s.req.request_id, adapter=s.req.adapter, after_tokens=len(s.tokens))
 
     def _result(self, s: Sequence, reason: FinishReason, **kw) -> GenerationResult:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kernels import paged_attention
+from kernels import paged_attention, paged_prefill
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
 from services.worker.kv_cache import (BlockManager, KVPool, PagedCache, PagedPrefill, device_budget, kv_bytes_per_token,
                                       pool_blocks)
@@ -49,18 +49,22 @@ class ModelRunner:
         self.text_config = model.config.text_config
         self.device = device
         self.pool, self.blocks = self._make_pool(config, self.text_config, dtype, tp)
-        attention_kernel = self.device.type == "cuda"
-        if attention_kernel:
-            tc = self.text_config
-            world = tp.world_size if tp is not None else 1
-            problem = paged_attention.self_check(self.device, dtype, tc.num_attention_heads // world,
-                                                 self.pool.k.shape[3], self.pool.k.shape[4], config.kv_block_size)
-            attention_kernel = problem is None
-            if problem is not None:  # correct but slow: the reference, no decode graphs
-                log.warning("paged_attention_kernel_unusable", reason=problem)
-        log.info("decode_attention", op="triton_paged" if attention_kernel else "torch_reference")
+        # The Triton attention kernels, each checked once against its reference on this device;
+        # one that fails there is replaced by its reference (correct, slow; decode without graphs).
+        heads = self.text_config.num_attention_heads // (tp.world_size if tp is not None else 1)
+        shape = (heads, self.pool.k.shape[3], self.pool.k.shape[4], config.kv_block_size)
+        attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
+        self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
         self.graphs = DecodeGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
                                    capture=config.decode_graphs == "auto", attention_kernel=attention_kernel)
+
+    def _kernel_usable(self, name: str, module, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> bool:
+        """Whether `module`'s Triton kernel runs here (its self_check on CUDA; never on the CPU)."""
+        problem = module.self_check(self.device, dtype, *shape) if self.device.type == "cuda" else "no CUDA"
+        if self.device.type == "cuda" and problem is not None:
+            log.warning("paged_attention_kernel_unusable", kernel=name, reason=problem)
+        log.info("paged_attention", kernel=name, op="triton" if problem is None else "torch_reference")
+        return problem is None
 
     def _make_pool(self, cfg, tc, dtype: torch.dtype, tp: TPGroup | None) -> tuple[KVPool, BlockManager]:
         """The paged KV pool, preallocated now (kv_cache.py); every tensor-parallel rank gets the
@@ -135,7 +139,7 @@ class ModelRunner:
             paged = PagedPrefill(block_tables=self.blocks.tables[row:row + 1],
                                  cu_q=self.upload(torch.tensor([0, n], dtype=torch.int32)),
                                  seq_lens=self.upload(torch.tensor([end], dtype=torch.int32)),
-                                 kernel=self.graphs.attention_kernel)
+                                 kernel=self.prefill_kernel)
         cache = PagedCache(self.text_config, self.pool, self.upload(self.blocks.slots(s.id, start, end)), paged)
         self.runtime.step = step
         try:

@@ -73,12 +73,12 @@ def test_one_key_per_batch_bucket(model_path):
 @pytest.mark.parametrize("merged", [None, Mode.MIXTURE], ids=["unmerged", "mixture"])
 def test_preemption_recomputes_the_same_tokens(model_path, merged):
     roomy, eng = run(model_path, merged=merged)
-    assert eng.preemptions == 0
+    assert eng.sched.preemptions == 0
     # 30 blocks of 8 tokens: the 7 prompts (~30-40 tokens each) fit, their growth does not
     block_bytes = eng.kv_pool.block_bytes // (eng.kv.block_size // 8)
     tight, eng = run(model_path, merged=merged, kv_block_size=8, kv_cache_bytes=31 * block_bytes)
     assert eng.kv.usable_blocks == 30
-    assert eng.preemptions > 0
+    assert eng.sched.preemptions > 0
     assert tight == roomy
     assert eng.kv.used_blocks == 0
 
@@ -139,7 +139,7 @@ def test_chunked_prefill_interleaves_decode_and_gives_the_same_tokens(model_path
     block_bytes = eng.kv_pool.block_bytes // (eng.kv.block_size // 8)
     chunked, eng = run(model_path, max_prefill_tokens=24, kv_block_size=8, kv_cache_bytes=31 * block_bytes)
     assert chunked == whole
-    assert eng.preemptions > 0
+    assert eng.sched.preemptions > 0
     beside = [d for p, d, _ in eng.step_log if p == 1 and d > 0]  # a chunk and a decode step in one step
     assert len(beside) >= 6, eng.step_log
     assert eng.kv.used_blocks == 0

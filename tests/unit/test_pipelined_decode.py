@@ -265,7 +265,7 @@ def test_stopping_the_engine_takes_the_pending_step(model_path):
     def hook(r: Run, rid: str, ev) -> None:
         if rid == "r0" and isinstance(ev, TextDelta) and r.out[rid].deltas == 6:
             r.eng._stop.set()
-            seen["seq"] = next(s for s in r.eng._running if s.req.request_id == rid)
+            seen["seq"] = next(s for s in r.eng.sched.running if s.req.request_id == rid)
             seen["tokens"] = len(seen["seq"].tokens)
 
     stopped = run(model_path, [req(0, 20), req(1, 20)], True, hook=hook)

@@ -1,0 +1,189 @@
+"""Which sequences run in each engine step: the queues, admission, the prefill budget, KV growth
+and preemption.
+
+A request moves incoming (submitted, under the engine's lock) -> waiting (queued on the engine
+thread) -> prefill (admitted: holds its adapter's device slot and its context's KV blocks) ->
+running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size, except
+that a request whose adapter finds no free device slot (every slot held by running requests)
+lets the ones behind it in and keeps its place; a request whose context finds too few free KV
+blocks stops admission (the blocks running sequences free go to it first). A step prefills
+either a batch of whole contexts within max_prefill_tokens padded tokens, or the next chunk of
+the one context over that budget (chunked prefill). Before a decode step every running sequence
+gets room for its next token, oldest first; when the pool runs out the youngest is preempted
+(its blocks freed; it waits at the head of the queue to be prefilled again over its prompt and
+generated tokens).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from services.common.errors import ValoraError
+from services.worker.adapters import AdapterPool
+from services.worker.kv_cache import BlockManager, OutOfBlocks
+from services.worker.requests import OutputKind
+from services.worker.sequence import Sequence
+
+log = structlog.get_logger()
+
+
+class StepScheduler:
+    def __init__(self, config, kv: BlockManager, pool: AdapterPool, lock: threading.Condition) -> None:
+        """`config`: the engine's EngineConfig (max_batch_size, max_prefills_per_step,
+        max_prefill_tokens, read when used); `lock`: the engine's condition guarding `incoming`
+        and `waiting` (submit runs on other threads); everything else is the engine thread's."""
+        self.config, self.kv, self.pool, self.lock = config, kv, pool, lock
+        self.incoming: collections.deque[Sequence] = collections.deque()
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.prefill: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0  # sequences whose blocks were taken back (recomputed later)
+
+    def queued(self) -> int:
+        with self.lock:
+            return len(self.incoming) + len(self.waiting)
+
+    def active(self) -> list[Sequence]:
+        """Admitted sequences: prefilling, then running."""
+        return [*self.prefill, *self.running]
+
+    def take_everyone(self) -> list[Sequence]:
+        """Every sequence, out of the queues (the engine stops)."""
+        with self.lock:
+            everyone = [*self.incoming, *self.waiting, *self.prefill, *self.running]
+            self.incoming.clear()
+            self.waiting.clear()
+            self.prefill.clear()
+        self.running = []
+        return everyone
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, halted: Callable[[Sequence], bool], fail: Callable[[Sequence, ValoraError | None], None],
+              take_incoming: bool = True) -> None:
+        """Queues the submitted requests (`take_incoming`; tensor parallel: the engine's broadcast
+        queued them), drops the waiting ones `halted` says stopped (`fail(s, None)`: the engine
+        says why) and admits what fits."""
+        with self.lock:
+            if take_incoming:
+                self.waiting.extend(self.incoming)
+                self.incoming.clear()
+            kept: collections.deque[Sequence] = collections.deque()
+            for s in self.waiting:
+                if halted(s):
+                    fail(s, None)
+                else:
+                    kept.append(s)
+            self.waiting = kept
+        blocked: collections.deque[Sequence] = collections.deque()
+        while self.waiting and len(self.prefill) + len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[0]
+            # a LABEL request keeps no cache, unless its chunks read back the ones before
+            keeps_cache = seq.req.output_kind != OutputKind.LABEL or self.chunked(seq)
+            if keeps_cache and self.kv.blocks_for(seq.context) > self.kv.free_blocks:
+                break
+            self.waiting.popleft()
+            if seq.req.adapter and not seq.released:
+                try:
+                    slot = self.pool.acquire(seq.req.adapter)
+                except ValoraError as exc:  # offloaded while it waited
+                    fail(seq, exc)
+                    continue
+                if slot is None:
+                    blocked.append(seq)
+                    continue
+                seq.pinned = seq.req.adapter
+            if keeps_cache:
+                self.kv.open(seq.id, seq.context)
+            self.prefill.append(seq)
+        blocked.extend(self.waiting)
+        self.waiting = blocked
+
+    # -- prefill -----------------------------------------------------------------------------
+    def chunked(self, s: Sequence) -> bool:
+        """Whether `s` is prefilled in chunks: its context is over a step's token budget."""
+        return s.prefilled > 0 or s.context > self.config.max_prefill_tokens
+
+    def take_prefills(self) -> list[Sequence]:
+        """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
+        max_prefill_tokens padded tokens (rows x longest prompt). A context over that budget is
+        prefilled alone, one chunk of at most max_prefill_tokens tokens a step (it stays at the
+        head of the prefill queue until its last chunk)."""
+        if self.prefill and self.chunked(self.prefill[0]):
+            return [self.prefill[0]]
+        batch: list[Sequence] = []
+        width = 0
+        while self.prefill and len(batch) < self.config.max_prefills_per_step:
+            if self.chunked(self.prefill[0]):
+                break  # its chunks start next step
+            w = max(width, self.prefill[0].context)
+            if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
+                break
+            batch.append(self.prefill.popleft())
+            width = w
+        return batch
+
+    def chunk_end(self, s: Sequence) -> int:
+        """Where the next chunk of `s` ends."""
+        return min(s.context, s.prefilled + self.config.max_prefill_tokens)
+
+    def prefilled(self, s: Sequence) -> None:
+        """`s` was prefilled (its last chunk, or its batch): it decodes from the next step on."""
+        if self.prefill and self.prefill[0] is s:
+            self.prefill.popleft()
+        self.running.append(s)
+
+    # -- decode ------------------------------------------------------------------------------
+    def reserve_decode(self) -> None:
+        """Gives every running sequence room for its next token, oldest first; when the pool runs
+        out, preempts the youngest running sequence (it may be the one asking) and goes on."""
+        for s in sorted(self.running, key=lambda x: x.id):
+            while s in self.running:
+                try:
+                    self.kv.grow(s.id, s.length + 1)
+                    break
+                except OutOfBlocks:
+                    self.preempt(max(self.running, key=lambda x: x.id))
+
+    def can_grow(self, rows: list[Sequence]) -> bool:
+        """Gives `rows` room for their next token if the pool has it (no preemption)."""
+        try:
+            for s in rows:
+                self.kv.grow(s.id, s.length + 1)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def preempt(self, s: Sequence) -> None:
+        """Takes `s`'s blocks back: it waits at the head of the queue, to be prefilled again over
+        its prompt and generated tokens (no decode step is pending: the caller flushed it)."""
+        self.running.remove(s)
+        self.release_adapter(s)
+        self.kv.close(s.id)
+        s.length = s.prefilled = 0
+        s.preemptions += 1
+        self.preemptions += 1
+        with self.lock:
+            self.waiting.appendleft(s)
+        log.info("sequence_preempted", request_id=s.req.request_id, tokens=len(s.tokens),
+                 free_blocks=self.kv.free_blocks)
+
+    # -- leaving -----------------------------------------------------------------------------
+    def finish(self, s: Sequence) -> None:
+        """Removes `s` from the queues and frees its blocks and adapter hold."""
+        if s in self.prefill:
+            self.prefill.remove(s)
+        if s in self.running:
+            self.running.remove(s)
+        s.finished = True
+        self.release_adapter(s)
+        self.kv.close(s.id)
+
+    def release_adapter(self, s: Sequence) -> None:
+        """Unpins the adapter slot `s` holds, if any."""
+        if s.pinned:
+            self.pool.release(s.pinned)
+            s.pinned = None
