@@ -13,7 +13,7 @@
 #   SUF=<commit> bash bench/h200_session.sh serve     # docs/workloads.md: mixed-vision on one GPU, closed loop
 #                                                     # CONC (128) x2 then Poisson RATE (30 req/s) x2, REQUESTS (1024) a run
 #   (serve: SERVE_ARGS adds serve_bench options, e.g. "--env VALORA_MAX_PREFILLS_PER_STEP=8"; SERVE_S bounds it, 420 s)
-#   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged-attention bench, §3 engine bench
+#   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged decode/prefill attention benches, §3 engine bench
 #                                                     # (valora only) and its 32-adapter r8 batch-32 variant
 set -uo pipefail
 MODE=${1:?kernels|engine|profile|layers|multigpu|serve|paged}
@@ -132,11 +132,13 @@ elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weigh
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \
-    tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_prefill_gpu.py tests/unit/test_engine.py tests/unit/test_kv_cache.py \
+    tests/gpu/test_paged_prefill_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_prefill_gpu.py tests/unit/test_engine.py tests/unit/test_kv_cache.py \
     tests/unit/test_decode_graphs.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1; tail -12 "$OUT/tests.log" | tee -a "$LOG"
   say tests
   timeout 150 python3 -m bench.paged_attention_bench --name "paged-attention-$SUF" 2>&1 | tail -30 | tee -a "$LOG"
   say paged_attention_bench
+  timeout 150 python3 -m bench.paged_prefill_bench --name "paged-prefill-$SUF" 2>&1 | tail -30 | tee -a "$LOG"
+  say paged_prefill_bench
   timeout 240 python3 -m bench.engine_bench --skip-peer --reps "${REPS:-5}" --name "engine-$SUF" 2>&1 \
     | grep -v -E "Loading|Writing" | tail -14 | tee -a "$LOG"
   say engine_bench
