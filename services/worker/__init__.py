@@ -1,9 +1,10 @@
 """The worker: one GPU's engine behind valora.internal.v1.WorkerService.
 
     server.py        gRPC servicer, WorkerSettings (VALORA_*), create_server
-    engine.py        the iteration-level loop: pipelined decode, outputs, modes, commands, TP lockstep
+    engine.py        the iteration-level loop: pipelined decode, outputs, commands, TP lockstep
     step_scheduler.py the queues, admission, prefill budget and chunking, KV growth, preemption
     model_runner.py  the prefill forward, the decode step, token choice, the KV pool they write
+    lora_manager.py  the adapters' lifecycle (host, resident, pinned, merged) and the mode, as Commands
     lora_plans.py    each forward's LoRA plan: rows to entries (adapter / mixture), merged adapter
     sequence.py      PreparedRequest, Sequence (a running request), PendingStep (pipelined decode)
     requests.py      domain objects: WorkRequest, GenerationResult, events, stats

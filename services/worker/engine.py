@@ -75,13 +75,14 @@ from services.common.errors import (
     WorkerUnavailable,
     invalid_field,
 )
-from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
+from services.worker.adapters import AdapterPool, AdapterWeights
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.attention import use_grouped_decode_attention
 from services.worker.decode_graphs import bucket_rows
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
 from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
+from services.worker.lora_manager import Command, LoraManager
 from services.worker.lora_plans import LoraPlanner
 from services.worker.model import load_model, load_processor, load_sharded_model
 from services.worker.model_runner import ModelRunner
@@ -100,8 +101,7 @@ from services.worker.requests import (
 )
 from services.worker.sequence import PendingStep, PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
-from services.worker.switcher import Switcher
-from services.worker.tensor_parallel import TPGroup, local_features, shard_adapter, shard_model_
+from services.worker.tensor_parallel import TPGroup, local_features, shard_model_
 from services.worker.preprocess import process_request
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, without_pixels
 
@@ -216,14 +216,14 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
         self.lora = LoraPlanner(self.pool, self.runtime)
+        self.adapters = LoraManager(self.pool, self.lora, self.lora_layers, self.shapes, config.max_rank,
+                                    config.switch_strategy, self.tp)
         self._wake = threading.Condition()
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._mode = Mode.UNMERGED
-        self._switcher: Switcher | None = None
         self._commands: collections.deque = collections.deque()
         # Tensor parallelism: this step's commands and stopped requests (id -> cancelled, else
         # past its deadline), as rank 0 broadcast them; and whether it said stop.
@@ -260,93 +260,51 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
-    # -- adapters ----------------------------------------------------------------------------
+    # -- adapters and modes (lora_manager.py) -------------------------------------------------
     def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
                            head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
         """Validates and adds an adapter bundle; False if that version was already loaded."""
-        return self._pool_change(self._load_adapter, name, sha256, data, config_json, head_labels, to_device)
-
-    def _pool_change(self, fn, *args):
-        """Runs an adapter-pool change: here and now in one process; tensor parallel, on every
-        rank's engine thread at the same step (the loop must run), so slots and LRU order stay
-        alike. `fn` is an Engine method: followers look it up by name."""
-        return fn(*args) if self.tp is None else self._call(fn, *args, timeout=120.0)
-
-    def _load_adapter(self, name: str, sha256: str, data: bytes, config_json: str,
-                      head_labels: dict[str, list[str]] | None, to_device: bool) -> bool:
-        if self.pool.has(name):
-            if to_device:
-                self.pool.to_device(name)
-            return False
-        weights = parse_bundle(name, sha256, data, config_json, self.shapes, self.config.max_rank, head_labels)
-        added = self._add_adapter(weights)  # validated at full shape, then (tensor parallel) this rank's shard
-        if to_device:
-            self.pool.to_device(name)
-        return added
+        return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device)))
 
     def add_adapter(self, weights: AdapterWeights) -> bool:
         """Adds full-shape adapter weights (tensor parallel: every rank its shard)."""
-        return self._pool_change(self._add_adapter, weights)
-
-    def _add_adapter(self, weights: AdapterWeights) -> bool:
-        return self.pool.add(weights if self.tp is None else shard_adapter(weights, self.tp))
+        return self._pool_change(Command("add", (weights,)))
 
     def adapter_to_device(self, name: str) -> int | None:
         """Makes a loaded adapter resident now (AdapterPool.to_device: its slot, or None when every
         slot is held)."""
-        return self._pool_change(self._adapter_to_device, name)
-
-    def _adapter_to_device(self, name: str) -> int | None:
-        return self.pool.to_device(name)
+        return self._pool_change(Command("to_device", (name,)))
 
     def offload_adapter(self, name: str) -> None:
-        return self._pool_change(self._offload_adapter, name)
+        return self._pool_change(Command("offload", (name,)))
 
-    def _offload_adapter(self, name: str) -> None:
-        if name == self.lora.merged:
-            raise FailedPrecondition(f"adapter {name} is merged into the base weights; change mode first",
-                                     reason="ADAPTER_MERGED")
-        self.pool.remove(name)
+    def _pool_change(self, command: Command):
+        """An adapter-pool change: here and now in one process; tensor parallel, on every rank's
+        engine thread at the same step (the loop must run), so slots and LRU order stay alike."""
+        return self.adapters.run(command) if self.tp is None else self._call(command, timeout=120.0)
 
-    # -- modes -------------------------------------------------------------------------------
     def set_mode(self, mode: Mode, merged: str | None = None, timeout: float = 120.0) -> None:
         """UNMERGED, or MERGED/MIXTURE holding `merged` folded into the base weights. Runs on the
         engine thread at the next step boundary (running requests keep going: their LoRA term
         follows the new weights); returns once applied."""
-        if mode not in (Mode.UNMERGED, Mode.MERGED, Mode.MIXTURE):
-            raise invalid_field("mode", f"cannot switch to {mode.value}")
-        if mode != Mode.UNMERGED:
-            if not merged:
-                raise invalid_field("merged_adapter", f"{mode.value} needs the adapter to merge")
-            self.pool.get(merged)
-        self._call(self._apply_mode, mode, merged if mode != Mode.UNMERGED else None, timeout=timeout)
+        self._call(Command("apply_mode", (mode, self.adapters.check_mode(mode, merged))), timeout=timeout)
 
     def switch(self, to: str, expected: str | None = None, timeout: float = 120.0) -> bool:
         """Replaces the merged adapter by `to` in one in-place pass, keeping the mode (MERGED or
         MIXTURE). False when `to` is already merged (nothing done). FailedPrecondition when no
         adapter is merged, or when `expected` is given and is not the merged adapter."""
         self.pool.get(to)
-        return self._call(self._apply_switch, to, expected or None, timeout=timeout)
+        return self._call(Command("switch", (to, expected or None)), timeout=timeout)
 
-    def _apply_switch(self, to: str, expected: str | None) -> bool:
-        if self.lora.merged == to:
-            return False
-        if self.lora.merged is None:
-            raise FailedPrecondition("no adapter is merged; merge one first", reason="NOTHING_MERGED")
-        if expected is not None and self.lora.merged != expected:
-            raise FailedPrecondition(f"{self.lora.merged} is merged, not {expected}", reason="MERGED_ADAPTER_MISMATCH")
-        self._apply_mode(self._mode, to)
-        return True
-
-    def _call(self, fn, *args, timeout: float):
-        """Runs fn(*args) on the engine thread between steps; returns its result or raises its error."""
+    def _call(self, command: Command, timeout: float):
+        """Runs `command` on the engine thread between steps; returns its result or raises its error."""
         self._check_leader()
         if not self.alive:
             raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
         done = threading.Event()
         box: dict = {}
         with self._wake:
-            self._commands.append((fn, args, done, box))
+            self._commands.append((command, done, box))
             self._wake.notify_all()
         if not done.wait(timeout):
             raise WorkerUnavailable("the engine did not apply the command in time", reason="ENGINE_BUSY")
@@ -365,37 +323,14 @@ class Engine:
             with self._wake:
                 if not commands:
                     return
-                fn, args, done, box = commands.popleft()
+                command, done, box = commands.popleft()
             self._flush()  # a command runs between fully processed steps, as without pipelining
             try:
-                box["result"] = fn(*args)
+                box["result"] = self.adapters.run(command)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 box["error"] = exc
             if done is not None:  # None: a follower's copy of rank 0's command
                 done.set()
-
-    def _apply_mode(self, mode: Mode, merged: str | None) -> None:
-        previous = self.lora.merged
-        target = None
-        if merged is not None:
-            slot = self.pool.acquire(merged)  # the merged adapter stays resident while merged
-            if slot is None:
-                raise FailedPrecondition("every device slot is held by running requests; cannot merge",
-                                         reason="NO_DEVICE_SLOT", retry_after_s=0.5)
-            target = self.pool.slot(slot)
-        try:
-            if self._switcher is None and target is not None:
-                self._switcher = Switcher(self.lora_layers, strategy=self.config.switch_strategy)
-            if self._switcher is not None:
-                self._switcher.set(target)
-        except BaseException:
-            if merged is not None:
-                self.pool.release(merged)
-            raise
-        if previous is not None:
-            self.pool.release(previous)
-        self.lora.merged, self._mode = merged, mode
-        self.lora.drop_stale()
 
     # -- requests ----------------------------------------------------------------------------
     def pixel_dtype(self) -> torch.dtype | None:
@@ -481,7 +416,7 @@ class Engine:
             running, kv_bytes, last_step_ms = self._running_count, self._kv_bytes, self._last_step_ms
         return EngineStats(
             running=running, waiting=waiting, kv_cache_bytes=kv_bytes,
-            max_batch_size=self.config.max_batch_size, mode=self._mode, merged_adapter=self.lora.merged or "",
+            max_batch_size=self.config.max_batch_size, mode=self.adapters.mode, merged_adapter=self.lora.merged or "",
             resident_adapters=self.pool.resident_names(), host_adapters=self.pool.host_names(),
             device=str(self.device), alive=self.alive, last_step_ms=last_step_ms,
             image_cache=self.vision.cache.stats(),
@@ -561,14 +496,14 @@ class Engine:
             msg = ([(s.id, dataclasses.replace(s.prep, request=dataclasses.replace(s.req, images=[], videos=[]),
                                                inputs=without_pixels(s.prep.inputs)))
                     for s in new],
-                   [(fn.__name__, args) for fn, args, _, _ in commands], halts, self._stop.is_set())
+                   [command for command, _, _ in commands], halts, self._stop.is_set())
         got = self.tp.broadcast_object(msg)
         if not self.leader:
             new = []
             for sid, prep in got[0]:
                 handle = RequestHandle(prep.request.request_id, self._wake)  # never cancelled: halts say
                 new.append(Sequence(id=sid, prep=prep, sink=None, handle=handle))
-            commands = [(getattr(self, name), args, None, {}) for name, args in got[1]]
+            commands = [(command, None, {}) for command in got[1]]
         _, _, self._halts, self._tp_stop = got
         with self._wake:
             self.sched.waiting.extend(new)

@@ -532,3 +532,13 @@ def test_lora_entries_survive_mode_switches_unless_their_adapter_left(model_path
         assert eng.lora.entries == {("lora", A): a_entry}
     finally:
         eng.stop()
+
+
+def test_only_the_adapter_commands_run(engine):
+    # Tensor-parallel followers run what rank 0 broadcasts by name: nothing but the commands.
+    from services.worker.lora_manager import COMMANDS, Command
+
+    for name in ("__init__", "pool", "planner", "run"):
+        assert name not in COMMANDS
+        with pytest.raises(ValueError, match="unknown adapter command"):
+            engine.adapters.run(Command(name, ()))

@@ -97,7 +97,7 @@ def check_step(eng, entries, row_entries, kinds) -> None:
 def entries(eng):
     for n in NAMES:
         assert eng.pool.acquire(n) is not None  # resident, as a request makes it
-    return [eng._entry(("lora", n)) for n in NAMES]
+    return [eng.lora.entry(("lora", n)) for n in NAMES]
 
 
 ALL = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}

@@ -18,6 +18,7 @@ import pytest
 
 from bench import engine_bench
 from services.worker.engine import Engine, EngineConfig
+from services.worker.lora_manager import Command
 from services.worker.requests import Failed, Finished, FinishReason, Mode, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.server import WorkerSettings, engine_config
@@ -213,9 +214,10 @@ def test_commands_run_between_fully_taken_steps(model_path):
 
     def hook(r: Run, rid: str, ev) -> None:
         if rid == "r0" and isinstance(ev, TextDelta) and r.out[rid].deltas in (3, 8):
-            probe = lambda: seen.append(r.eng._pending)  # noqa: E731
+            run = r.eng.adapters.run  # a probe command: what is pending when it runs
+            r.eng.adapters.run = lambda c, run=run: seen.append(r.eng._pending) if c.name == "probe" else run(c)
             with r.eng._wake:
-                r.eng._commands.append((probe, (), threading.Event(), {}))
+                r.eng._commands.append((Command("probe"), threading.Event(), {}))
 
     on, _ = same_both_ways(model_path, [req(0, 16), req(1, 20, adapter=A)], hook=hook)
     assert seen == [None] * 4 and on.eng.pipelined_steps >= 8
