@@ -4,16 +4,26 @@ A bundle (services/common/adapter_format.py) stores lora_A (r, in) and lora_B (o
 transpose once at load into A (in, r), B (r, out), the multi-LoRA op's layout, at exact rank.
 The pool keeps every loaded adapter in host memory by version name and copies up to
 `device_slots` of them to the device; slots are recycled least-recently-used among adapters no
-running request holds. On a CPU device the host and device copies are the same tensors.
-Slot indices stay inside the worker.
+running request holds. Slot indices stay inside the worker.
+
+How host and device copies are made is chosen once from the pool's device (`Staging`):
+- CPU: the host and device copies are the same tensors (a cast where the dtypes differ).
+- CUDA: `add` packs an adapter's A and B factors, cast to the pool's dtype, into one pinned host
+  buffer (in the caller's thread: the server's loading thread); `to_device` only enqueues one
+  host-to-device copy of that buffer into one device buffer on the pool's copy stream and records
+  an event, so neither the engine thread nor the compute stream waits for it. A reader orders its
+  stream after the upload with `DeviceAdapter.wait()` before reading the slot.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -27,6 +37,12 @@ from services.common.adapter_format import (
 from services.common.errors import AdapterNotFound, FailedPrecondition
 
 LayerModule = tuple[int, str]  # (layer index, module name e.g. "q_proj")
+K = TypeVar("K", bound=Hashable)
+
+# Every packed view starts at a multiple of this many bytes from its buffer's start (the caching
+# allocator's device blocks start 512-byte aligned), so a kernel's vector loads and TMA
+# descriptors see the alignment a fresh tensor would give them.
+ALIGN_BYTES = 256
 
 
 @dataclass
@@ -86,13 +102,160 @@ def parse_bundle(
     )
 
 
+# -- packing --------------------------------------------------------------------------------------
+def pack_tensors(tensors: Mapping[K, torch.Tensor], dtype: torch.dtype | None = None,
+                 pin: bool = False) -> tuple[torch.Tensor, dict[K, torch.Tensor]]:
+    """Copies `tensors` into one new flat 1-D host buffer; returns it and, per key, a contiguous
+    view into it with that tensor's shape and values (cast to `dtype`; default: the dtype all of
+    them promote to). Each view starts ALIGN_BYTES-aligned from the buffer's start; views never
+    overlap; the padding between them is left uninitialized. `pin`: the buffer is page-locked
+    (needs CUDA), so a host-to-device copy of it can run asynchronously."""
+    if dtype is None:
+        dtypes = [t.dtype for t in tensors.values()]
+        dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+    step = max(1, ALIGN_BYTES // dtype.itemsize)
+    offsets: dict[K, int] = {}
+    numel = 0
+    for key, t in tensors.items():
+        offsets[key] = numel
+        numel += -(-t.numel() // step) * step
+    flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
+    views: dict[K, torch.Tensor] = {}
+    for key, t in tensors.items():
+        view = flat[offsets[key]:offsets[key] + t.numel()].view(t.shape)
+        view.copy_(t)
+        views[key] = view
+    return flat, views
+
+
+def views_into(views: Mapping[K, torch.Tensor], flat: torch.Tensor, other: torch.Tensor) -> dict[K, torch.Tensor]:
+    """The views of `flat` (as `pack_tensors` returns them), made into `other`, a buffer of the
+    same numel and dtype (e.g. its device copy): same shapes, strides and offsets."""
+    if other.shape != flat.shape or other.dtype != flat.dtype:
+        raise ValueError(f"buffer {tuple(other.shape)} {other.dtype} is not like {tuple(flat.shape)} {flat.dtype}")
+    base, start = flat.storage_offset(), other.storage_offset()
+    return {k: other.as_strided(v.shape, v.stride(), start + v.storage_offset() - base) for k, v in views.items()}
+
+
+# -- device copies --------------------------------------------------------------------------------
 @dataclass
 class DeviceAdapter:
-    """Device copy of an adapter: what the LoRA layers read through a slot."""
+    """Device copy of an adapter: what the LoRA layers read through a slot.
+
+    On CUDA, a/b are views into `buffer`, written by a copy still in flight on the pool's copy
+    stream until `event` has completed: call `wait()` before any stream reads them."""
 
     weights: AdapterWeights
     a: dict[LayerModule, torch.Tensor]
     b: dict[LayerModule, torch.Tensor]
+    buffer: torch.Tensor | None = None  # the one device buffer a/b view (CUDA); None: a/b are their own
+    event: torch.cuda.Event | None = None  # recorded on the copy stream after the upload (CUDA)
+    _waited: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Orders `stream` (default: the current stream of the adapter's device) after the upload,
+        on the device (stream.wait_event; the host never blocks), and marks the buffer as used by
+        that stream (record_stream), so once the slot is evicted the caching allocator does not
+        hand the memory to the next upload while this stream may still read it. Call it on the
+        thread and stream that will read a/b, after acquiring the slot and before enqueuing the
+        first read (outside CUDA-graph capture: a replay on a stream that waited is ordered).
+        Cheap to repeat: a stream that already waited is ordered for good, so it returns at
+        once. No-op on CPU."""
+        if self.event is None:
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self.buffer.device)
+        key = (stream.device_index, stream.cuda_stream)
+        if key in self._waited:
+            return
+        stream.wait_event(self.event)
+        self.buffer.record_stream(stream)
+        self._waited.add(key)
+
+    def ready(self) -> bool:
+        """Whether the upload has finished (a non-blocking event query; always True on CPU)."""
+        return self.event is None or self.event.query()
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """What the pool holds per adapter: its weights and, on CUDA, the one pinned buffer their a/b
+    view (None: the tensors are as given)."""
+
+    weights: AdapterWeights
+    packed: torch.Tensor | None = None
+
+
+class Staging(Protocol):
+    """How a pool makes host and device copies; chosen once from the pool's device."""
+
+    def host_copy(self, weights: AdapterWeights) -> HostCopy:
+        """Runs in the thread that adds the adapter, outside the pool's lock."""
+
+    def upload(self, host: HostCopy) -> DeviceAdapter:
+        """Runs under the pool's lock: must only enqueue work."""
+
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream uploads run on (None: no copy stream)."""
+
+
+class SameMemoryStaging:
+    """CPU: adapters stay as given; a device copy is the same tensors (cast where dtypes differ)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def host_copy(self, weights: AdapterWeights) -> HostCopy:
+        return HostCopy(weights)
+
+    def upload(self, host: HostCopy) -> DeviceAdapter:
+        conv = {"device": self.device, "dtype": self.dtype, "non_blocking": True}
+        w = host.weights
+        return DeviceAdapter(weights=w, a={k: t.to(**conv) for k, t in w.a.items()},
+                             b={k: t.to(**conv) for k, t in w.b.items()})
+
+    def stream(self) -> torch.cuda.Stream | None:
+        return None
+
+
+class PinnedCopyStreamStaging:
+    """CUDA: one pinned packed host buffer per adapter, one device buffer per resident adapter,
+    uploads as one copy each on a copy stream of our own (created at the first use)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self._stream: torch.cuda.Stream | None = None
+        self._stream_lock = threading.Lock()
+
+    def host_copy(self, weights: AdapterWeights) -> HostCopy:
+        factors = {("a", k): t for k, t in weights.a.items()} | {("b", k): t for k, t in weights.b.items()}
+        packed, views = pack_tensors(factors, self.dtype, pin=True)
+        a = {k: views[("a", k)] for k in weights.a}
+        b = {k: views[("b", k)] for k in weights.b}
+        return HostCopy(dataclasses.replace(weights, a=a, b=b), packed)
+
+    def stream(self) -> torch.cuda.Stream:
+        with self._stream_lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            return self._stream
+
+    def upload(self, host: HostCopy) -> DeviceAdapter:
+        stream = self.stream()
+        # A gRPC thread need not have selected the pool's device; allocating under the copy stream
+        # makes it the buffer's stream, so the allocator reuses it in order after our own copies.
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            buffer = torch.empty(host.packed.shape, dtype=host.packed.dtype, device=self.device)
+            buffer.copy_(host.packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        w = host.weights
+        return DeviceAdapter(weights=w, a=views_into(w.a, host.packed, buffer), b=views_into(w.b, host.packed, buffer),
+                             buffer=buffer, event=event)
+
+
+def staging_for(device: torch.device, dtype: torch.dtype) -> Staging:
+    return PinnedCopyStreamStaging(device, dtype) if device.type == "cuda" else SameMemoryStaging(device, dtype)
 
 
 class AdapterPool:
@@ -100,6 +263,8 @@ class AdapterPool:
 
     Thread-safe: the server adds/removes host adapters; the engine thread acquires/releases
     device slots at step boundaries. A slot held by a running request is never evicted.
+    On CUDA a slot's copy may still be in flight when `to_device`/`acquire` return: its reader
+    calls `slot(i).wait()` first (see DeviceAdapter.wait).
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, device_slots: int,
@@ -110,29 +275,43 @@ class AdapterPool:
         self.device = device
         self.dtype = dtype
         self.num_slots = device_slots
+        self._staging = staging_for(device, dtype)
         self._lock = threading.RLock()
-        self._host: dict[str, AdapterWeights] = {}
+        self._host: dict[str, HostCopy] = {}
         self._slots: list[DeviceAdapter | None] = [None] * device_slots
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order, most recent last
         self._pins: dict[str, int] = {}
         self._on_swap = on_swap or (lambda direction: None)
 
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream host-to-device uploads run on (CUDA; None on CPU)."""
+        return self._staging.stream()
+
     # -- host side -------------------------------------------------------------------------
     def add(self, weights: AdapterWeights) -> bool:
-        """Adds to host memory; False when that version was already there."""
+        """Adds to host memory; False when that version was already there. On CUDA the pool keeps
+        a packed pinned copy in its dtype (made here, in the caller's thread): `get` returns that."""
         with self._lock:
             if weights.name in self._host:
                 return False
-            self._host[weights.name] = weights
+        host = self._staging.host_copy(weights)  # outside the lock: copying and pinning take a while
+        with self._lock:
+            if weights.name in self._host:
+                return False
+            self._host[weights.name] = host
             return True
 
     def get(self, name: str) -> AdapterWeights:
         with self._lock:
-            try:
-                return self._host[name]
-            except KeyError:
-                raise AdapterNotFound(f"adapter {name} is not loaded on this worker",
-                                      reason="ADAPTER_NOT_LOADED") from None
+            return self._host_copy(name).weights
+
+    def _host_copy(self, name: str) -> HostCopy:
+        try:
+            return self._host[name]
+        except KeyError:
+            raise AdapterNotFound(f"adapter {name} is not loaded on this worker",
+                                  reason="ADAPTER_NOT_LOADED") from None
 
     def has(self, name: str) -> bool:
         with self._lock:
@@ -162,25 +341,22 @@ class AdapterPool:
     # -- device side -----------------------------------------------------------------------
     def to_device(self, name: str) -> int | None:
         """Makes `name` resident (evicting the LRU unheld adapter if needed); its slot, or None
-        when every slot is held by running requests."""
+        when every slot is held by running requests. On CUDA it only enqueues the upload: readers
+        call `slot(i).wait()` before using the slot."""
         with self._lock:
             if name in self._slot_of:
                 self._slot_of.move_to_end(name)
                 return self._slot_of[name]
-            weights = self.get(name)
+            host = self._host_copy(name)
             slot = next((i for i, s in enumerate(self._slots) if s is None), None)
             if slot is None:
                 victim = next((n for n in self._slot_of if not self._pins.get(n)), None)
                 if victim is None:
                     return None
                 slot = self._slot_of.pop(victim)
+                self._slots[slot] = None  # its buffer may go back to the allocator before the upload
                 self._on_swap("out")
-            conv = dict(device=self.device, dtype=self.dtype, non_blocking=True)
-            self._slots[slot] = DeviceAdapter(
-                weights=weights,
-                a={k: t.to(**conv) for k, t in weights.a.items()},
-                b={k: t.to(**conv) for k, t in weights.b.items()},
-            )
+            self._slots[slot] = self._staging.upload(host)
             self._slot_of[name] = slot
             self._on_swap("in")
             return slot
@@ -202,6 +378,7 @@ class AdapterPool:
                 self._pins[name] = n
 
     def slot(self, index: int) -> DeviceAdapter | None:
+        """The slot's device copy; on CUDA call its `wait()` before a stream reads it."""
         return self._slots[index]
 
     def slot_of(self, name: str) -> int | None:

@@ -111,6 +111,7 @@ class LoraManager:
                 raise FailedPrecondition("every device slot is held by running requests; cannot merge",
                                          reason="NO_DEVICE_SLOT", retry_after_s=0.5)
             target = self.pool.slot(slot)
+            target.wait()  # the switch kernels read the slot after its upload
         try:
             if self._switcher is None and target is not None:
                 self._switcher = Switcher(self.lora_layers, strategy=self.switch_strategy)

@@ -48,6 +48,7 @@ class LoraPlanner:
         dev = self.pool.slot(slot) if slot is not None else None
         if dev is None:
             raise FailedPrecondition(f"adapter {name} is not resident", reason="ADAPTER_NOT_RESIDENT")
+        dev.wait()  # the step's stream after the slot's upload (on the device; the host goes on)
         entry = self.entries.get(("lora", name))
         if entry is None or entry.a is not dev.a:  # slot content changed since it was cached
             entry = self.entries[("lora", name)] = AdapterEntry(dev.a, dev.b, dev.weights.scale)
