@@ -1,7 +1,8 @@
 """The worker: one GPU's engine behind valora.internal.v1.WorkerService.
 
     server.py        gRPC servicer, WorkerSettings (VALORA_*), create_server
-    engine.py        the iteration-level loop: pipelined decode, outputs, commands, TP lockstep
+    engine.py        the iteration-level loop: pipelined decode, commands, TP lockstep
+    outputs.py       a sequence's tokens to events: stream, stop checks, early release, LABEL answers
     step_scheduler.py the queues, admission, prefill budget and chunking, KV growth, preemption
     model_runner.py  the prefill forward, the decode step, token choice, the KV pool they write
     lora_manager.py  the adapters' lifecycle (host, resident, pinned, merged) and the mode, as Commands

@@ -86,12 +86,12 @@ from services.worker.lora_manager import Command, LoraManager
 from services.worker.lora_plans import LoraPlanner
 from services.worker.model import load_model, load_processor, load_sharded_model
 from services.worker.model_runner import ModelRunner
+from services.worker.outputs import OutputProcessor
 from services.worker.requests import (
     EngineStats,
     Event,
     Failed,
     Finished,
-    FinishReason,
     GenerationResult,
     Mode,
     OutputKind,
@@ -190,7 +190,7 @@ class Engine:
         self.text_config = self.model.config.text_config
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        self.eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
+        eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
         features = self.shapes.features if self.tp is None else local_features(self.shapes, self.tp)
         groups = {}
         if config.fused_layers:  # its forward runs q/k/v and gate/up as one linear each (lora.LoraGroup)
@@ -220,6 +220,7 @@ class Engine:
                                     config.switch_strategy, self.tp)
         self._wake = threading.Condition()
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
+        self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -241,6 +242,15 @@ class Engine:
         self.peak_decode_rows = 0
         self.peak_decode_entries = 0
         self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Tokens that end a sequence (tests clear it so requests run to max_new_tokens)."""
+        return self.outputs.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.outputs.eos_ids = ids
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -440,7 +450,7 @@ class Engine:
             for s in self.sched.take_everyone():
                 self.sched.release_adapter(s)
                 self.kv.close(s.id)
-                self._emit(s, Failed(err))
+                self.outputs.emit(s, Failed(err))
             self.graphs.release()
             self._update_stats()
 
@@ -528,25 +538,17 @@ class Engine:
                 f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
             for s in seqs:
                 self.sched.finish(s)
-                self._emit(s, Failed(error))
+                self.outputs.emit(s, Failed(error))
 
     def _fail_waiting(self, s: Sequence, error: ValoraError | None) -> None:
         """A waiting request that will not run: `error`, or (None) why it was halted."""
-        self._emit(s, Failed(error or self._halt_error(s)))
+        self.outputs.emit(s, Failed(error or self._halt_error(s)))
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
         for s in [s for s in self.sched.active() if self._halted(s, now)]:
             self.sched.finish(s)
-            self._emit(s, Failed(self._halt_error(s)))
-
-    def _emit(self, s: Sequence, event: Event) -> None:
-        if s.sink is None:  # a tensor-parallel follower's copy of a request
-            return
-        try:
-            s.sink(event)
-        except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
-            log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
+            self.outputs.emit(s, Failed(self._halt_error(s)))
 
     def _update_stats(self, step_ms: float | None = None) -> None:
         with self._stats_lock:
@@ -589,26 +591,12 @@ class Engine:
         s.length = length
         s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:
-            self._answer_label(s, hidden)
+            self.outputs.answer_label(s, hidden)
             return
         if s.detok is None:  # a recomputed sequence keeps its detokenizer
             s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
         self.sched.prefilled(s)
-        self._accept(s, token)
-
-    def _answer_label(self, s: Sequence, hidden: torch.Tensor) -> None:
-        weights = self.pool.get(s.req.adapter)
-        w, b = weights.heads[s.req.head]
-        logits = hidden.float() @ w.float().to(self.device).t()
-        if b is not None:
-            logits = logits + b.float().to(self.device)
-        probs = torch.softmax(logits, dim=-1).cpu()
-        labels = weights.head_labels(s.req.head)
-        order = torch.argsort(probs, descending=True).tolist()
-        s.t_first = time.monotonic()
-        scores = [(labels[i], float(probs[i])) for i in order]
-        self.sched.finish(s)
-        self._emit(s, Finished(self._result(s, FinishReason.LABEL, label=scores[0][0], scores=scores)))
+        self.outputs.accept(s, token)
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -643,7 +631,7 @@ class Engine:
             self._pending = self._hold(rows, tokens)
             return
         for s, token in zip(rows, tokens.tolist()):  # one device->host copy for the batch
-            self._guard([s], self._accept, s, token)  # a row that fails here fails alone
+            self._guard([s], self.outputs.accept, s, token)  # a row that fails here fails alone
 
     def _bucket(self, rows: list[Sequence]) -> int:
         """Rows a decode step runs (decode_graphs.bucket_rows; padding past the batch's own)."""
@@ -706,55 +694,10 @@ class Engine:
             pending.copied.synchronize()
         for s, token in zip(pending.rows, pending.host.tolist()):
             if not s.finished:
-                self._guard([s], self._accept, s, token)
+                self._guard([s], self.outputs.accept, s, token)
 
     def _flush(self) -> None:
         """Takes the pending decode step, if any (before anything that needs every token known)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._guard([s for s in pending.rows if not s.finished], self._take, pending)
-
-    def _accept(self, s: Sequence, token: int) -> None:
-        """A new token for `s`: stream it, and finish the sequence if it is done."""
-        if not s.tokens:
-            s.t_first = time.monotonic()
-        s.tokens.append(token)
-        s.last_token = token
-        reason = None
-        if token in self.eos_ids:
-            reason = FinishReason.EOS
-        else:
-            delta = s.detok.push(token)
-            if delta:
-                self._emit(s, TextDelta(delta))
-            if s.detok.stopped:
-                reason = FinishReason.STOP_SEQUENCE
-        if reason is None and len(s.tokens) >= s.prep.max_new_tokens:
-            reason = FinishReason.LENGTH
-        if reason is None:
-            if s.prep.release_after and not s.released and len(s.tokens) >= s.prep.release_after:
-                self._release_adapter(s)
-            return
-        tail = s.detok.finish()
-        if tail:
-            self._emit(s, TextDelta(tail))
-        self.sched.finish(s)
-        self._emit(s, Finished(self._result(s, reason, text=s.detok.text)))
-
-    def _release_adapter(self, s: Sequence) -> None:
-        """Early adapter release: the next decode steps run `s` on the base path (its rows leave
-        the LoRA segments; the KV cache computed with the adapter is kept) and its device slot is
-        unpinned, free for other adapters."""
-        s.released = True
-        self.sched.release_adapter(s)
-        log.debug("adapter_released", request_id=s.req.request_id, adapter=s.req.adapter, after_tokens=len(s.tokens))
-
-    def _result(self, s: Sequence, reason: FinishReason, **kw) -> GenerationResult:
-        now = time.monotonic()
-        t0 = s.prep.arrived
-        return GenerationResult(
-            request_id=s.req.request_id, token_ids=list(s.tokens), finish_reason=reason,
-            image_tokens=s.prep.image_tokens, prompt_tokens=s.prep.prompt_tokens, output_tokens=len(s.tokens),
-            queue_ms=(s.t_prefill - t0) * 1e3, first_token_ms=(s.t_first - t0) * 1e3, total_ms=(now - t0) * 1e3,
-            mode=s.mode, adapter=s.req.adapter or "", **kw,
-        )

@@ -41,7 +41,7 @@ def token_log(stack):
     times.deadlines = deadlines = {}  # request_id -> the deadline the worker got
     lock = threading.Lock()
     engine = stack.engine
-    original_accept, original_step = engine._accept, engine._step
+    original_accept, original_step = engine.outputs.accept, engine._step
     step_start = [0.0]
 
     def step():
@@ -60,9 +60,9 @@ def token_log(stack):
         deadlines[prep.request.request_id] = deadline
         return handle
 
-    engine._step, engine._accept, engine.submit = step, accept, submit
+    engine._step, engine.outputs.accept, engine.submit = step, accept, submit
     yield times
-    engine._step, engine._accept, engine.submit = original_step, original_accept, original_submit
+    engine._step, engine.outputs.accept, engine.submit = original_step, original_accept, original_submit
 
 
 def stream_request(rid: str, max_new_tokens: int) -> inference_service_pb2.InferStreamRequest:

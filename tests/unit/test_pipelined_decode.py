@@ -232,7 +232,7 @@ def test_the_next_step_launches_before_the_previous_tokens_are_accepted(model_pa
         eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", pipeline_decode=pipeline))
         eng.eos_ids = set()
         log: list[str] = []
-        step, accept = eng.graphs.step, eng._accept
+        step, accept = eng.graphs.step, eng.outputs.accept
 
         def launch(*a, step=step, **kw):
             log.append(f"L{eng.graphs.static_steps + 1}")
@@ -242,7 +242,7 @@ def test_the_next_step_launches_before_the_previous_tokens_are_accepted(model_pa
             log.append(f"t{len(s.tokens) + 1}")
             accept(s, token)
 
-        eng.graphs.step, eng._accept = launch, accepted
+        eng.graphs.step, eng.outputs.accept = launch, accepted
         eng.start()
         try:
             _, result = eng.generate(req(0, n))

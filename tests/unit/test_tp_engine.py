@@ -121,7 +121,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
         assert sum(attn.qkv_proj.sizes) == full // world
         would_emit: dict[str, list] = {}
         if rank:
-            emit = eng._emit
+            emit = eng.outputs.emit
 
             def record(s, event):
                 assert s.sink is None
@@ -129,7 +129,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
                     would_emit[s.req.request_id] = _outcome(event)
                 emit(s, event)
 
-            eng._emit = record
+            eng.outputs.emit = record
         eng.start()
         if rank == 0:
             got = _scenario(eng, model_path)

@@ -1,0 +1,97 @@
+"""What the engine hands back for each sequence: streamed text, the finish, LABEL answers.
+
+`OutputProcessor.accept` takes one new token of a sequence: it detokenizes and streams it, checks
+EOS, stop sequences and max_new_tokens, releases the adapter early where the request asked for it
+(LoRazor), and finishes the sequence (through the step scheduler) with its GenerationResult.
+Events go to the request's sink on the engine thread; a tensor-parallel follower's copy of a
+request has no sink and emits nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from services.worker.adapters import AdapterPool
+from services.worker.requests import Event, Finished, FinishReason, GenerationResult, TextDelta
+from services.worker.sequence import Sequence
+from services.worker.step_scheduler import StepScheduler
+
+log = structlog.get_logger()
+
+
+class OutputProcessor:
+    def __init__(self, sched: StepScheduler, pool: AdapterPool, device: torch.device, eos_ids: set[int]) -> None:
+        self.sched, self.pool, self.device = sched, pool, device
+        self.eos_ids = eos_ids
+
+    def emit(self, s: Sequence, event: Event) -> None:
+        if s.sink is None:  # a tensor-parallel follower's copy of a request
+            return
+        try:
+            s.sink(event)
+        except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
+            log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
+
+    def accept(self, s: Sequence, token: int) -> None:
+        """A new token for `s`: stream it, and finish the sequence if it is done."""
+        if not s.tokens:
+            s.t_first = time.monotonic()
+        s.tokens.append(token)
+        s.last_token = token
+        reason = None
+        if token in self.eos_ids:
+            reason = FinishReason.EOS
+        else:
+            delta = s.detok.push(token)
+            if delta:
+                self.emit(s, TextDelta(delta))
+            if s.detok.stopped:
+                reason = FinishReason.STOP_SEQUENCE
+        if reason is None and len(s.tokens) >= s.prep.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            if s.prep.release_after and not s.released and len(s.tokens) >= s.prep.release_after:
+                self.release_adapter(s)
+            return
+        tail = s.detok.finish()
+        if tail:
+            self.emit(s, TextDelta(tail))
+        self.sched.finish(s)
+        self.emit(s, Finished(self.result(s, reason, text=s.detok.text)))
+
+    def release_adapter(self, s: Sequence) -> None:
+        """Early adapter release: the next decode steps run `s` on the base path (its rows leave
+        the LoRA segments; the KV cache computed with the adapter is kept) and its device slot is
+        unpinned, free for other adapters."""
+        s.released = True
+        self.sched.release_adapter(s)
+        log.debug("adapter_released", request_id=s.req.request_id, adapter=s.req.adapter, after_tokens=len(s.tokens))
+
+    def answer_label(self, s: Sequence, hidden: torch.Tensor) -> None:
+        """A LABEL request's answer: its task head over the last token's hidden state."""
+        weights = self.pool.get(s.req.adapter)
+        w, b = weights.heads[s.req.head]
+        logits = hidden.float() @ w.float().to(self.device).t()
+        if b is not None:
+            logits = logits + b.float().to(self.device)
+        probs = torch.softmax(logits, dim=-1).cpu()
+        labels = weights.head_labels(s.req.head)
+        order = torch.argsort(probs, descending=True).tolist()
+        s.t_first = time.monotonic()
+        scores = [(labels[i], float(probs[i])) for i in order]
+        self.sched.finish(s)
+        self.emit(s, Finished(self.result(s, FinishReason.LABEL, label=scores[0][0], scores=scores)))
+
+    @staticmethod
+    def result(s: Sequence, reason: FinishReason, **kw) -> GenerationResult:
+        now = time.monotonic()
+        t0 = s.prep.arrived
+        return GenerationResult(
+            request_id=s.req.request_id, token_ids=list(s.tokens), finish_reason=reason,
+            image_tokens=s.prep.image_tokens, prompt_tokens=s.prep.prompt_tokens, output_tokens=len(s.tokens),
+            queue_ms=(s.t_prefill - t0) * 1e3, first_token_ms=(s.t_first - t0) * 1e3, total_ms=(now - t0) * 1e3,
+            mode=s.mode, adapter=s.req.adapter or "", **kw,
+        )
