@@ -317,9 +317,11 @@ def self_check(device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
 
 def random_pool(g: torch.Generator, blocks: int, block_size: int, kv_heads: int, head_dim: int, device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random keys and values (blocks, block_size, kv_heads, head_dim) from the CPU generator `g`."""
-    shape = (blocks, block_size, kv_heads, head_dim)
-    return (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
+    """Random keys and values (blocks, block_size, kv_heads, head_dim) from the CPU generator `g`,
+    strided as one layer of the engine's block-major pool (services/worker/kv_cache.KVPool: a block
+    holds every layer's keys and values), so a self check meets the strides the engine passes."""
+    storage = torch.randn((blocks, 2, 2, block_size, kv_heads, head_dim), generator=g).to(device, dtype)
+    return storage[:, 1, 0], storage[:, 1, 1]
 
 
 def compare_with_reference(run, dtype: torch.dtype) -> str | None:

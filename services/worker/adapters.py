@@ -150,6 +150,7 @@ class DeviceAdapter:
     b: dict[LayerModule, torch.Tensor]
     buffer: torch.Tensor | None = None  # the one device buffer a/b view (CUDA); None: a/b are their own
     event: torch.cuda.Event | None = None  # recorded on the copy stream after the upload (CUDA)
+    lease: object = None  # the pool memory it lives in (DeviceMemory.take), given back when it leaves
     _waited: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -186,14 +187,25 @@ class HostCopy:
     packed: torch.Tensor | None = None
 
 
+class DeviceMemory(Protocol):
+    """Memory resident adapters can live in (kv_cache.PoolMemory: the KV pool's blocks)."""
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[object, torch.Tensor] | None:
+        """A lease and a flat (numel,) tensor of `dtype`, or None when there is no room."""
+
+    def give(self, lease: object) -> None:
+        """The lease's memory back."""
+
+
 class Staging(Protocol):
     """How a pool makes host and device copies; chosen once from the pool's device."""
 
     def host_copy(self, weights: AdapterWeights) -> HostCopy:
         """Runs in the thread that adds the adapter, outside the pool's lock."""
 
-    def upload(self, host: HostCopy) -> DeviceAdapter:
-        """Runs under the pool's lock: must only enqueue work."""
+    def upload(self, host: HostCopy, buffer: torch.Tensor | None = None) -> DeviceAdapter:
+        """Runs under the pool's lock: must only enqueue work. `buffer`: device memory of the
+        packed copy's size and dtype to upload into (unified pool), else its own."""
 
     def stream(self) -> torch.cuda.Stream | None:
         """The stream uploads run on (None: no copy stream)."""
@@ -208,8 +220,8 @@ class SameMemoryStaging:
     def host_copy(self, weights: AdapterWeights) -> HostCopy:
         return HostCopy(weights)
 
-    def upload(self, host: HostCopy) -> DeviceAdapter:
-        conv = {"device": self.device, "dtype": self.dtype, "non_blocking": True}
+    def upload(self, host: HostCopy, buffer: torch.Tensor | None = None) -> DeviceAdapter:
+        conv = {"device": self.device, "dtype": self.dtype, "non_blocking": True}  # the same memory: no buffer
         w = host.weights
         return DeviceAdapter(weights=w, a={k: t.to(**conv) for k, t in w.a.items()},
                              b={k: t.to(**conv) for k, t in w.b.items()})
@@ -240,12 +252,15 @@ class PinnedCopyStreamStaging:
                 self._stream = torch.cuda.Stream(device=self.device)
             return self._stream
 
-    def upload(self, host: HostCopy) -> DeviceAdapter:
+    def upload(self, host: HostCopy, buffer: torch.Tensor | None = None) -> DeviceAdapter:
         stream = self.stream()
         # A gRPC thread need not have selected the pool's device; allocating under the copy stream
         # makes it the buffer's stream, so the allocator reuses it in order after our own copies.
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            buffer = torch.empty(host.packed.shape, dtype=host.packed.dtype, device=self.device)
+            if buffer is None:
+                buffer = torch.empty(host.packed.shape, dtype=host.packed.dtype, device=self.device)
+            else:  # KV pool memory: the upload comes after every step queued so far, which may read it
+                stream.wait_stream(torch.cuda.default_stream(self.device))
             buffer.copy_(host.packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
@@ -268,8 +283,11 @@ class AdapterPool:
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, device_slots: int,
-                 on_swap: Callable[[str], None] | None = None) -> None:
-        """on_swap("in" | "out") is told about every host->device copy and eviction (metrics)."""
+                 on_swap: Callable[[str], None] | None = None, memory: DeviceMemory | None = None) -> None:
+        """on_swap("in" | "out") is told about every host->device copy and eviction (metrics).
+        `memory`: where resident adapters live (the engine's KV pool, kv_cache.PoolMemory): an
+        upload takes a lease of it, evicting idle resident adapters while it has no room, and
+        falls back to memory of its own when even that does not make room."""
         if device_slots < 1:
             raise ValueError("device_slots must be at least 1")
         self.device = device
@@ -282,6 +300,8 @@ class AdapterPool:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order, most recent last
         self._pins: dict[str, int] = {}
         self._on_swap = on_swap or (lambda direction: None)
+        self.memory = memory
+        self.outside_memory = 0  # uploads that found no room in `memory` (their own allocation)
 
     @property
     def copy_stream(self) -> torch.cuda.Stream | None:
@@ -327,7 +347,7 @@ class AdapterPool:
                 raise AdapterNotFound(f"adapter {name} is not loaded on this worker", reason="ADAPTER_NOT_LOADED")
             slot = self._slot_of.pop(name, None)
             if slot is not None:
-                self._slots[slot] = None
+                self._vacate(slot)
             del self._host[name]
 
     def host_names(self) -> list[str]:
@@ -354,12 +374,49 @@ class AdapterPool:
                 if victim is None:
                     return None
                 slot = self._slot_of.pop(victim)
-                self._slots[slot] = None  # its buffer may go back to the allocator before the upload
+                self._vacate(slot)  # its memory may go back before the upload
                 self._on_swap("out")
-            self._slots[slot] = self._staging.upload(host)
+            lease, buffer = self._lease(host)
+            self._slots[slot] = dev = self._staging.upload(host, buffer)
+            dev.lease = lease
             self._slot_of[name] = slot
             self._on_swap("in")
             return slot
+
+    def _lease(self, host: HostCopy) -> tuple[object, torch.Tensor | None]:
+        """Room in `memory` for an upload of `host`, evicting idle resident adapters (LRU) while
+        there is none: (lease, device buffer; None on the CPU, where the copy is the host
+        tensors), or (None, None): no `memory`, or no room even so."""
+        if self.memory is None:
+            return None, None
+        w = host.weights  # on the CPU the lease only counts what a device copy would take
+        numel = host.packed.numel() if host.packed is not None else sum(
+            t.numel() for t in (*w.a.values(), *w.b.values()))
+        while True:
+            got = self.memory.take(numel, self.dtype)
+            if got is not None:
+                lease, buffer = got
+                return lease, buffer if host.packed is not None else None
+            if not self.evict_idle():
+                self.outside_memory += 1
+                return None, None
+
+    def evict_idle(self) -> bool:
+        """Evicts the least recently used resident adapter no request holds whose memory is a
+        lease of `memory` (so the KV cache can have it); False when there is none."""
+        with self._lock:
+            victim = next((n for n in self._slot_of
+                           if not self._pins.get(n) and self._slots[self._slot_of[n]].lease is not None), None)
+            if victim is None:
+                return False
+            self._vacate(self._slot_of.pop(victim))
+            self._on_swap("out")
+            return True
+
+    def _vacate(self, slot: int) -> None:
+        dev, self._slots[slot] = self._slots[slot], None
+        if dev is not None and dev.lease is not None:
+            self.memory.give(dev.lease)
 
     def acquire(self, name: str) -> int | None:
         """Resident + held by one more request (never evicted while held); None if no slot."""

@@ -81,6 +81,7 @@ from services.worker.attention import use_grouped_decode_attention
 from services.worker.decode_graphs import bucket_rows
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
+from services.worker.kv_cache import PoolMemory
 from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
 from services.worker.lora_manager import Command, LoraManager
 from services.worker.lora_plans import LoraPlanner
@@ -214,7 +215,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.runtime, self.vision, config, self.dtype, self.device, self.tp)
         self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
         self.max_model_len = self.runner.max_model_len
-        self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap)
+        # resident adapters live in the KV pool's blocks (S-LoRA's unified pool): KV and adapters trade memory
+        self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap,
+                                memory=PoolMemory(self.kv_pool, self.kv))
         self.lora = LoraPlanner(self.pool, self.runtime)
         self.adapters = LoraManager(self.pool, self.lora, self.lora_layers, self.shapes, config.max_rank,
                                     config.switch_strategy, self.tp)

@@ -24,8 +24,10 @@ batch, as before), a decode step over the pool through the block tables (attenti
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -55,25 +57,53 @@ def device_budget(device: torch.device, memory_fraction: float, reserve_bytes: i
 
 
 class KVPool:
-    """The preallocated keys and values: (layers, num_blocks, block_size, kv_heads, head_dim) each."""
+    """The preallocated pool, block-major: `storage` (num_blocks, layers, 2, block_size, kv_heads,
+    head_dim), so one block is one contiguous piece of memory with every layer's keys and values of
+    `block_size` tokens, and a run of consecutive blocks can hold an adapter's weights instead
+    (`memory`; S-LoRA's unified pool). A layer's keys (or values) are a strided view (num_blocks,
+    block_size, kv_heads, head_dim)."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"kv block size {block_size} is not a power of two")
-        shape = (layers, num_blocks, block_size, kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, NULL_BLOCK].zero_()
-        self.v[:, NULL_BLOCK].zero_()
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.storage = torch.empty((num_blocks, layers, 2, block_size, kv_heads, head_dim), dtype=dtype, device=device)
+        self.storage[NULL_BLOCK].zero_()
+        self.num_blocks, self.block_size, self.kv_heads, self.head_dim = num_blocks, block_size, kv_heads, head_dim
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+        return self.storage[:, i, 0], self.storage[:, i, 1]
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
+        return self.storage[0].numel() * self.storage.element_size()
+
+    def memory(self, first: int, count: int) -> torch.Tensor:
+        """Blocks [first, first + count) as one flat tensor of the pool's dtype."""
+        return self.storage[first:first + count].view(-1)
+
+
+class PoolMemory:
+    """Adapter device memory from the KV pool (AdapterPool's `memory`; S-LoRA's unified pool): a
+    resident adapter's packed weights take a run of consecutive blocks, given back when it leaves
+    the device, so KV and adapters trade memory."""
+
+    def __init__(self, pool: KVPool, blocks: BlockManager) -> None:
+        self.pool, self.blocks = pool, blocks
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[tuple[int, int], torch.Tensor] | None:
+        """A lease and a flat (numel,) tensor of pool memory, or None (no run that large is free,
+        or another dtype)."""
+        if dtype != self.pool.storage.dtype:
+            return None
+        count = max(1, math.ceil(numel * self.pool.storage.element_size() / self.pool.block_bytes))
+        first = self.blocks.take_run(count)
+        if first is None:
+            return None
+        return (first, count), self.pool.memory(first, count)[:numel]
+
+    def give(self, lease: tuple[int, int]) -> None:
+        self.blocks.give_run(*lease)
 
 
 class OutOfBlocks(Exception):
@@ -88,7 +118,12 @@ class BlockManager:
                  device: torch.device) -> None:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.num_blocks = num_blocks
+        # Sequences run on the engine thread; adapter runs (take_run) come from loading threads too.
+        self._lock = threading.Lock()
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # a stack: pop() takes the lowest
+        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._is_free[NULL_BLOCK] = False
+        self.run_blocks = 0  # blocks lent out as runs (resident adapters' weights)
         self._blocks: dict[int, list[int]] = {}  # sequence id -> its blocks
         self._rows: dict[int, int] = {}  # sequence id -> its table row
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -112,7 +147,8 @@ class BlockManager:
 
     @property
     def used_blocks(self) -> int:
-        return self.usable_blocks - len(self._free)
+        """Blocks sequences hold (not counting runs lent to adapters)."""
+        return self.usable_blocks - len(self._free) - self.run_blocks
 
     def holds(self, sid: int) -> bool:
         return sid in self._blocks
@@ -132,11 +168,12 @@ class BlockManager:
         need = self.blocks_for(tokens)
         if need > self.max_blocks:
             raise ValueError(f"{tokens} tokens exceed the block table's {self.max_blocks * self.block_size}")
-        if need > len(self._free) or not self._free_rows:
-            return False
-        self._rows[sid] = self._free_rows.pop()
-        self._blocks[sid] = []
-        self._append(sid, need)
+        with self._lock:
+            if need > len(self._free) or not self._free_rows:
+                return False
+            self._rows[sid] = self._free_rows.pop()
+            self._blocks[sid] = []
+            self._append(sid, need)
         return True
 
     def grow(self, sid: int, tokens: int) -> None:
@@ -147,25 +184,52 @@ class BlockManager:
             return
         if len(self._blocks[sid]) + need > self.max_blocks:
             raise ValueError(f"{tokens} tokens exceed the block table's {self.max_blocks * self.block_size}")
-        if need > len(self._free):
-            raise OutOfBlocks(f"sequence {sid} needs {need} more blocks, {len(self._free)} free")
-        self._append(sid, need)
+        with self._lock:
+            if need > len(self._free):
+                raise OutOfBlocks(f"sequence {sid} needs {need} more blocks, {len(self._free)} free")
+            self._append(sid, need)
 
     def _append(self, sid: int, n: int) -> None:
         blocks, row = self._blocks[sid], self._rows[sid]
         for _ in range(n):
             block = self._free.pop()
+            self._is_free[block] = False
             self._writes.append((row * self.max_blocks + len(blocks), block))
             blocks.append(block)
 
     def close(self, sid: int) -> None:
         """Frees sequence `sid`'s blocks and row (no-op when it holds none). Its table row keeps
         stale entries: only a sequence that holds the row reads it, up to its own length."""
-        blocks = self._blocks.pop(sid, None)
-        if blocks is None:
-            return
-        self._free.extend(reversed(blocks))
-        self._free_rows.append(self._rows.pop(sid))
+        with self._lock:
+            blocks = self._blocks.pop(sid, None)
+            if blocks is None:
+                return
+            self._free.extend(reversed(blocks))
+            self._is_free[blocks] = True
+            self._free_rows.append(self._rows.pop(sid))
+
+    def take_run(self, count: int) -> int | None:
+        """`count` consecutive free blocks, the highest such run (sequences take the lowest free
+        blocks first, so adapters and KV grow from the two ends): its first block, or None."""
+        with self._lock:
+            if count < 1 or count > len(self._free):
+                return None
+            ends = np.concatenate(([0], np.cumsum(self._is_free, dtype=np.int64)))
+            starts = np.flatnonzero(ends[count:] - ends[:-count] == count)
+            if not len(starts):
+                return None
+            first = int(starts[-1])
+            self._is_free[first:first + count] = False
+            self._free = [b for b in self._free if not first <= b < first + count]
+            self.run_blocks += count
+            return first
+
+    def give_run(self, first: int, count: int) -> None:
+        """Blocks [first, first + count) back from a run (taken after the other free blocks)."""
+        with self._lock:
+            self._is_free[first:first + count] = True
+            self._free[:0] = range(first + count - 1, first - 1, -1)
+            self.run_blocks -= count
 
     def sync(self) -> None:
         """Writes the table entries changed since the last sync to the device (one copy)."""
@@ -227,9 +291,9 @@ class PagedLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         b, h, s, d = key_states.shape
-        slots = self.cache.slots
-        self.k_pool.view(-1, h, d).index_copy_(0, slots, key_states.transpose(1, 2).reshape(b * s, h, d))
-        self.v_pool.view(-1, h, d).index_copy_(0, slots, value_states.transpose(1, 2).reshape(b * s, h, d))
+        at = self.cache.slot_blocks, self.cache.slot_offsets
+        self.k_pool.index_put_(at, key_states.transpose(1, 2).reshape(b * s, h, d))
+        self.v_pool.index_put_(at, value_states.transpose(1, 2).reshape(b * s, h, d))
         if self.cache.paged is not None:
             return self.k_pool, self.v_pool
         return key_states, value_states
@@ -247,4 +311,5 @@ class PagedCache(DynamicCache):
                  paged: PagedDecode | PagedPrefill | None = None) -> None:
         super().__init__(config=text_config)
         self.slots, self.paged = slots, paged
+        self.slot_blocks, self.slot_offsets = slots // pool.block_size, slots % pool.block_size
         self.layers = [PagedLayer(self, *pool.layer(i)) for i in range(len(self.layers))]

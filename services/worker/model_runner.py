@@ -52,7 +52,7 @@ class ModelRunner:
         # The Triton attention kernels, each checked once against its reference on this device;
         # one that fails there is replaced by its reference (correct, slow; decode without graphs).
         heads = self.text_config.num_attention_heads // (tp.world_size if tp is not None else 1)
-        shape = (heads, self.pool.k.shape[3], self.pool.k.shape[4], config.kv_block_size)
+        shape = (heads, self.pool.kv_heads, self.pool.head_dim, config.kv_block_size)
         attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
         self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
         self.graphs = DecodeGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,

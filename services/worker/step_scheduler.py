@@ -6,10 +6,12 @@ thread) -> prefill (admitted: holds its adapter's device slot and its context's 
 running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size, except
 that a request whose adapter finds no free device slot (every slot held by running requests)
 lets the ones behind it in and keeps its place; a request whose context finds too few free KV
-blocks stops admission (the blocks running sequences free go to it first). A step prefills
+blocks stops admission (the blocks running sequences free go to it first); resident adapters no
+running request holds give their blocks back first (they live in the same pool). A step prefills
 either a batch of whole contexts within max_prefill_tokens padded tokens, or the next chunk of
 the one context over that budget (chunked prefill). Before a decode step every running sequence
-gets room for its next token, oldest first; when the pool runs out the youngest is preempted
+gets room for its next token, oldest first; when the pool runs out an idle adapter is evicted,
+and when none is left the youngest sequence is preempted
 (its blocks freed; it waits at the head of the queue to be prefilled again over its prompt and
 generated tokens).
 """
@@ -81,24 +83,23 @@ class StepScheduler:
         blocked: collections.deque[Sequence] = collections.deque()
         while self.waiting and len(self.prefill) + len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
-            # a LABEL request keeps no cache, unless its chunks read back the ones before
-            keeps_cache = seq.req.output_kind != OutputKind.LABEL or self.chunked(seq)
-            if keeps_cache and self.kv.blocks_for(seq.context) > self.kv.free_blocks:
-                break
-            self.waiting.popleft()
-            if seq.req.adapter and not seq.released:
+            # the adapter first: an upload takes its memory from the same pool as the KV blocks
+            if seq.req.adapter and not seq.released and not seq.pinned:
                 try:
                     slot = self.pool.acquire(seq.req.adapter)
                 except ValoraError as exc:  # offloaded while it waited
-                    fail(seq, exc)
+                    fail(self.waiting.popleft(), exc)
                     continue
                 if slot is None:
-                    blocked.append(seq)
+                    blocked.append(self.waiting.popleft())
                     continue
                 seq.pinned = seq.req.adapter
-            if keeps_cache:
-                self.kv.open(seq.id, seq.context)
-            self.prefill.append(seq)
+            # a LABEL request keeps no cache, unless its chunks read back the ones before
+            keeps_cache = seq.req.output_kind != OutputKind.LABEL or self.chunked(seq)
+            if keeps_cache and not (self.room(self.kv.blocks_for(seq.context)) and self.kv.open(seq.id, seq.context)):
+                self.release_adapter(seq)  # resident still, but evictable while it waits
+                break
+            self.prefill.append(self.waiting.popleft())
         blocked.extend(self.waiting)
         self.waiting = blocked
 
@@ -146,15 +147,27 @@ class StepScheduler:
                     self.kv.grow(s.id, s.length + 1)
                     break
                 except OutOfBlocks:
-                    self.preempt(max(self.running, key=lambda x: x.id))
+                    if not self.pool.evict_idle():  # an idle adapter's blocks first
+                        self.preempt(max(self.running, key=lambda x: x.id))
 
     def can_grow(self, rows: list[Sequence]) -> bool:
         """Gives `rows` room for their next token if the pool has it (no preemption)."""
-        try:
-            for s in rows:
-                self.kv.grow(s.id, s.length + 1)
-        except OutOfBlocks:
-            return False
+        for s in rows:
+            while True:
+                try:
+                    self.kv.grow(s.id, s.length + 1)
+                    break
+                except OutOfBlocks:
+                    if not self.pool.evict_idle():
+                        return False
+        return True
+
+    def room(self, blocks: int) -> bool:
+        """Whether `blocks` blocks are free, evicting idle resident adapters (their blocks are
+        the KV pool's) until they are; False when even that leaves too few."""
+        while self.kv.free_blocks < blocks:
+            if not self.pool.evict_idle():
+                return False
         return True
 
     def preempt(self, s: Sequence) -> None:

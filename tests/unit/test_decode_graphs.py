@@ -29,7 +29,9 @@ def requests() -> list[WorkRequest]:
     return out
 
 
-def run(model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None = None, **config) -> tuple[dict, Engine]:
+def run(model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None = None, before=None,
+        **config) -> tuple[dict, Engine]:
+    """`before(engine)`: called once the adapters are loaded, before the requests."""
     reqs = reqs or requests()
     eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", max_batch_size=8,
                               max_prefills_per_step=8, device_slots=3, **config))
@@ -39,6 +41,8 @@ def run(model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None =
         load_random_adapters(eng, model_path, (A, B))
         if merged is not None:
             eng.set_mode(merged, A)
+        if before is not None:
+            before(eng)
         events: queue.Queue = queue.Queue()
         with eng._wake:  # all admitted in one step: identical batches in every run
             for r in reqs:

@@ -144,3 +144,21 @@ def test_paged_decode_equals_contiguous_under_join_leave_preempt(model_path, see
     assert blocks.free_blocks == blocks.usable_blocks
     assert preempted > 0  # 8 blocks for up to 6 rows of up to 4 blocks: the pool runs out
     assert {k[0] for k in graphs.entries} <= {bucket_rows(n) for n in range(1, 7)}
+
+
+def test_runs_of_blocks_come_from_the_top_and_go_back():
+    m = BlockManager(num_blocks=12, block_size=8, rows=2, max_blocks=4, device=torch.device("cpu"))
+    assert m.open(1, 16) and m.blocks(1) == [1, 2]  # sequences from the bottom
+    assert m.take_run(4) == 8  # runs from the top: blocks 8..11
+    assert (m.free_blocks, m.run_blocks, m.used_blocks) == (5, 4, 2)
+    assert m.take_run(6) is None  # 5 free, and no 6 in a row
+    assert m.take_run(5) == 3 and m.free_blocks == 0  # 3..7, consecutive
+    m.give_run(3, 5)
+    m.close(1)
+    assert m.take_run(3) == 5  # the highest free run of 3: 5..7 (8..11 still lent)
+    assert m.open(2, 8) and m.blocks(2) == [1]  # sequences still take the lowest first
+    m.give_run(5, 3)
+    m.give_run(8, 4)
+    m.close(2)
+    assert (m.free_blocks, m.run_blocks, m.used_blocks) == (11, 0, 0)
+    assert m.take_run(11) == 1  # all of it in one run again (never the null block)

@@ -141,6 +141,13 @@ def test_checks_reject_bad_inputs(bad):
         paged_decode_attention(q, k, v, bt, lens, 0.25, **kw)
 
 
+def block_major(k: torch.Tensor, v: torch.Tensor, layers: int = 3, layer: int = 1):
+    """`k`, `v` (blocks, block_size, kv_heads, d) as layer `layer` of a block-major pool."""
+    storage = torch.zeros((k.shape[0], layers, 2, *k.shape[1:]), dtype=k.dtype)
+    storage[:, layer, 0], storage[:, layer, 1] = k, v
+    return storage[:, layer, 0], storage[:, layer, 1]
+
+
 # ---- the Triton kernels under the interpreter -------------------------------------------------
 
 # (lens, block_size, kv_heads, group, head_dim, dtype, num_splits, tile)
@@ -166,6 +173,8 @@ def _interpreter_main() -> None:
             wide = torch.randn(q.shape[0], q.shape[1] + 3, d).to(q.dtype)
             wide[:, :q.shape[1]] = q
             q = wide[:, :q.shape[1]]
+        if i == 1:  # the engine's strides: one layer of a block-major pool (KVPool.storage)
+            k, v = block_major(k, v)
         scale = d ** -0.5
         out = torch.full_like(q, float("nan")).contiguous()
         got = paged_decode_attention_triton(q, k, v, bt, lens_t, scale, out=out, num_splits=splits, tile=tile)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_paged_attention import make_case  # the decode tests' pool builder (tests/unit is on sys.path)
+from test_paged_attention import block_major, make_case  # the decode tests' pool builders (tests/unit is on sys.path)
 
 from kernels.paged_attention import paged_decode_attention_reference
 from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
@@ -166,6 +166,8 @@ def _interpreter_main() -> None:
             wide = torch.randn(q.shape[0], q.shape[1] + 3, d).to(q.dtype)
             wide[:, :q.shape[1]] = q
             q = wide[:, :q.shape[1]]
+        if i == 1:  # the engine's strides: one layer of a block-major pool (KVPool.storage)
+            k, v = block_major(k, v)
         scale = d ** -0.5
         out = torch.full_like(q, float("nan")).contiguous()
         got = paged_prefill_attention_triton(q, k, v, bt, cu_q, lens, scale, out=out, block_m=bm, tile_n=tn)
