@@ -183,16 +183,26 @@ def _interpreter_main() -> None:
                           "finite": bool(torch.isfinite(got).all())}))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (optional dependency)")
-def test_triton_kernels_under_interpreter():
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="triton is not installed (optional dependency)")
+
+
+def interpreter_rows(test_file: str, cases: int) -> list[dict]:
+    """Runs `test_file --interpret` with TRITON_INTERPRET=1 (it must be set before triton is
+    imported: a subprocess) and returns the JSON line it printed for each of its `cases` cases."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+    proc = subprocess.run([sys.executable, test_file, "--interpret"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in rows] == list(range(len(INTERPRETER_CASES)))
-    for r in rows:
+    assert [r["case"] for r in rows] == list(range(cases))
+    return rows
+
+
+@needs_triton
+def test_triton_kernels_under_interpreter():
+    for r in interpreter_rows(__file__, len(INTERPRETER_CASES)):
         dtype = INTERPRETER_CASES[r["case"]][5]
         assert r["same_out"] and r["finite"], r
         assert r["err"] < (2e-5 if dtype == "float32" else 2e-3), r

@@ -10,19 +10,17 @@ tests/gpu/test_paged_prefill_gpu.py).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_paged_attention import block_major, make_case  # the decode tests' pool builders (tests/unit is on sys.path)
+from test_paged_attention import (  # the decode tests' pool builders and harness (tests/unit is on sys.path)
+    block_major, interpreter_rows, make_case, needs_triton)
 
 from kernels.paged_attention import paged_decode_attention_reference
 from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
@@ -178,16 +176,9 @@ def _interpreter_main() -> None:
                           "padding_untouched": bool(torch.isnan(got[rows:]).all())}))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (optional dependency)")
+@needs_triton
 def test_triton_kernel_under_interpreter():
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in rows] == list(range(len(INTERPRETER_CASES)))
-    for r in rows:
+    for r in interpreter_rows(__file__, len(INTERPRETER_CASES)):
         dtype = INTERPRETER_CASES[r["case"]][6]
         assert r["same_out"] and r["finite"] and r["padding_untouched"], r
         assert r["err"] < (2e-5 if dtype == "float32" else 4e-3), r
