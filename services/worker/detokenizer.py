@@ -6,7 +6,9 @@ byte-level BPE pieces that end mid-character until the character completes (~1 Â
 sliding-window decode below took ~7 Âµs, two full decodes per token on the engine thread). Other
 tokenizers decode a sliding window of tokens (prefix/read offsets, as TGI and vLLM do). Text
 that might be the start of a stop sequence is held back until it is known not to be one; a
-matched stop sequence is cut from the output (OpenAI semantics).
+matched stop sequence is cut from the output (OpenAI semantics). Each stop sequence is followed by
+a KMP automaton fed the new characters (`StopMatcher`), so matching and the hold-back cost O(new
+characters) a token, not O(stop length^2) (8 stops of 256 characters took ~0.6 ms a token).
 """
 
 from __future__ import annotations
@@ -14,10 +16,41 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 
+class StopMatcher:
+    """How much of one stop sequence the text ends with (`matched`: the longest prefix of the stop
+    that is a suffix of the text fed so far), updated per character with the stop's KMP failure
+    function."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.matched = stop, 0
+        fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+
+    def feed(self, c: str) -> bool:
+        """One more character; True when the text now ends with the whole stop sequence."""
+        stop, k = self.stop, self.matched
+        if k == len(stop):
+            k = self._fail[k - 1]
+        while k and c != stop[k]:
+            k = self._fail[k - 1]
+        if c == stop[k]:
+            k += 1
+        self.matched = k
+        return k == len(stop)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
         self._tok = tokenizer
         self._stop = [s for s in (stop or []) if s]
+        self._matchers = [StopMatcher(s) for s in self._stop]
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -66,25 +99,22 @@ class IncrementalDetokenizer:
         return self._take(final=True)
 
     def _append(self, piece: str) -> None:
+        """Adds text; at the first character that completes a stop sequence the text is cut
+        where the longest stop sequence completed by it began."""
         start = len(self.text)
         self.text += piece
-        for stop in self._stop:
-            idx = self.text.find(stop, max(0, start - len(stop) + 1))
-            if idx >= 0:
-                self.text = self.text[:idx]
+        for i, c in enumerate(piece):
+            done = [len(m.stop) for m in self._matchers if m.feed(c)]  # every matcher sees c
+            if done:
+                self.text = self.text[:start + i + 1 - max(done)]
                 self.stopped = True
                 return
 
     def _holdback(self) -> int:
-        if self.stopped or not self._stop:
+        """Characters at the end of the text that may begin a stop sequence."""
+        if self.stopped or not self._matchers:
             return 0
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        return max(m.matched for m in self._matchers)
 
     def _take(self, final: bool) -> str:
         end = len(self.text) if final else len(self.text) - self._holdback()
