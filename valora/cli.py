@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -18,8 +19,21 @@ from rich.table import Table
 
 from valora import cluster as cluster_mod
 from valora.client import ValoraClient
+from valora.v1 import types_pb2
 
 app = typer.Typer(help="valora: multi-LoRA serving for vision applications.", no_args_is_help=True)
+
+
+def _version(show: bool) -> None:
+    if show:
+        typer.echo(f"valora {importlib.metadata.version('valora')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")) -> None:
+    """valora: multi-LoRA serving for vision applications."""
 adapters_app = typer.Typer(help="Register and list adapters.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
 console = Console()
@@ -112,7 +126,7 @@ def down(home: Path = HOME):
 @app.command()
 def infer(prompt: str = typer.Option("", "--prompt", "-p"),
           image: list[Path] = typer.Option([], "--image", "-i", exists=True, dir_okay=False),
-          adapter: str = typer.Option(None, help="adapters/{a}[/versions/{v}|@{alias}]"),
+          adapter: str = typer.Option(None, help="adapters/{a}, adapters/{a}/versions/{v} or adapters/{a}@{alias}"),
           task: str = typer.Option(None, help="tasks/{t}"),
           label: bool = typer.Option(False, help="Answer with the task head's label."),
           max_new_tokens: int = typer.Option(0), temperature: float = typer.Option(0.0),
@@ -163,6 +177,11 @@ def adapters_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = AD
         console.print(table)
 
 
+def _mode_name(mode: int) -> str:
+    """An InferenceMode as a user reads it (merged, unmerged, mixture, ...), not its number."""
+    return types_pb2.InferenceMode.Name(mode).removeprefix("INFERENCE_MODE_").lower()
+
+
 @app.command()
 def status(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Workers, their mode and the adapters they hold."""
@@ -172,7 +191,7 @@ def status(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY
     for col in ("worker", "healthy", "mode", "merged", "resident", "running", "decode step ms", "prefill step ms"):
         table.add_column(col)
     for w in s.workers:
-        table.add_row(w.address, str(w.healthy), str(w.mode), w.merged_adapter or "-",
+        table.add_row(w.address, str(w.healthy), _mode_name(w.mode), w.merged_adapter or "-",
                       ", ".join(w.resident_adapters) or "-", f"{w.running_requests}/{w.max_batch_size}",
                       f"{w.decode_step_ms_p50:.1f}" if w.decode_step_ms_p50 else "-",
                       f"{w.prefill_step_ms_p50:.1f}" if w.prefill_step_ms_p50 else "-")

@@ -205,3 +205,21 @@ def test_cluster_state_is_never_read_half_written(tmp_path):
         reader.join()
     assert not errors, errors[0]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_every_command_has_help_and_the_cli_a_version():
+    # a help text with rich markup in it ([/versions/...]) made `valora infer --help` crash
+    runner = CliRunner()
+    for args in (["--help"], ["infer", "--help"], ["status", "--help"], ["adapters", "register", "--help"],
+                 ["adapters", "list", "--help"], ["generate", "--help"], ["up", "--help"], ["down", "--help"]):
+        result = runner.invoke(cli.app, args)
+        assert result.exit_code == 0 and "Usage" in result.output, (args, result.output[-500:])
+    result = runner.invoke(cli.app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip().startswith("valora ")
+
+
+def test_status_names_the_mode():
+    from valora.v1 import types_pb2
+
+    assert cli._mode_name(types_pb2.INFERENCE_MODE_MIXTURE) == "mixture"
+    assert {cli._mode_name(v.number) for v in types_pb2.InferenceMode.DESCRIPTOR.values} >= {"merged", "unmerged"}
