@@ -34,7 +34,7 @@ class BlobInfo:
 
 
 def blob_key(sha256: str) -> str:
-    if not _HEX.match(sha256):
+    if not _HEX.fullmatch(sha256):
         raise ValueError(f"not a hex sha256: {sha256!r}")
     return KEY_PREFIX + sha256
 
@@ -149,7 +149,7 @@ class LocalBlobStore(BlobStore):
 
     def list(self):
         for path in self.dir.iterdir():
-            if _HEX.match(path.name):
+            if _HEX.fullmatch(path.name):
                 info = self.stat(path.name)
                 if info is not None:
                     yield info
@@ -230,7 +230,7 @@ class S3BlobStore(BlobStore):
     def list(self):
         for obj in self.client.list_objects(self.bucket, prefix=KEY_PREFIX, recursive=True):
             name = obj.object_name.removeprefix(KEY_PREFIX)
-            if _HEX.match(name):
+            if _HEX.fullmatch(name):
                 yield BlobInfo(name, obj.size, _naive_utc(obj.last_modified))
 
 

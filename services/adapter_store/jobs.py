@@ -52,7 +52,7 @@ def job_name(job_id: str) -> str:
 
 
 def parse_job_name(value: str, field_path: str = "name") -> str:
-    m = _JOB.match(value or "")
+    m = _JOB.fullmatch(value or "")
     if m is None:
         raise invalid_field(field_path, f"{value!r} is not a generation job name (generationJobs/{{job}})")
     return m.group("job")

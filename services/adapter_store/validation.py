@@ -42,7 +42,7 @@ class CheckedBundle:
 
 def normalize_sha256(value: str) -> str:
     value = (value or "").strip().lower()
-    if value and not _HEX.match(value):
+    if value and not _HEX.fullmatch(value):
         raise invalid_field("metadata.sha256", "must be 64 hex digits")
     return value
 

@@ -25,7 +25,7 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
 _LORA_KEY = re.compile(
-    r"^base_model\.model\.model\.language_model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
+    r"^base_model\.model\.model\.language_model\.layers\.(?P<layer>[0-9]+)\.(?:self_attn|mlp)\."
     r"(?P<module>[a-z_]+)\.lora_(?P<which>[AB])\.weight$"
 )
 _HEAD_KEY = re.compile(r"^heads\.(?P<name>[a-z][a-z0-9_-]{0,62})\.(?P<part>weight|bias)$")
@@ -160,10 +160,10 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
             continue
         dtypes.add(meta.get("dtype"))
         shape = list(meta["shape"])
-        if m := _HEAD_KEY.match(name):
+        if m := _HEAD_KEY.fullmatch(name):
             heads.setdefault(m["name"], {})[m["part"]] = shape
             continue
-        m = _LORA_KEY.match(name)
+        m = _LORA_KEY.fullmatch(name)
         if not m:
             raise InvalidAdapter(f"tensor {name!r} does not name a LoRA weight of the language model",
                                  reason="UNKNOWN_TENSOR")

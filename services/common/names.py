@@ -44,7 +44,7 @@ def check_id(value: str, field_path: str) -> str:
 
 
 def parse_adapter_ref(value: str, field_path: str = "adapter") -> AdapterRefName:
-    m = _ADAPTER.match(value or "")
+    m = _ADAPTER.fullmatch(value or "")
     if not m:
         raise invalid_field(
             field_path,
@@ -68,7 +68,7 @@ def parse_adapter_name(value: str, field_path: str = "name") -> str:
 
 
 def parse_task_name(value: str, field_path: str = "task") -> str:
-    m = _TASK.match(value or "")
+    m = _TASK.fullmatch(value or "")
     if not m:
         raise invalid_field(field_path, f"{value!r} is not tasks/{{task}}")
     return m["task"]

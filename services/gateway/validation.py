@@ -54,7 +54,7 @@ def _all_images(inp: inference_service_pb2.InferenceInput, prefix: str):
 
 
 def check_request_id(request_id: str) -> list[FieldViolation]:
-    if request_id and not REQUEST_ID_RE.match(request_id):
+    if request_id and not REQUEST_ID_RE.fullmatch(request_id):
         return [FieldViolation("request_id", "must be 1-128 characters of [A-Za-z0-9._:-]")]
     return []
 

@@ -46,3 +46,20 @@ def test_rejects_rank_over_limit_and_wrong_shapes():
     with pytest.raises(InvalidAdapter) as err:
         validate_bundle(data, json.dumps({"r": 16}), SHAPES, max_rank=64)
     assert err.value.reason == "BAD_CONFIG"
+
+
+@pytest.mark.parametrize("rename", [lambda n: n + "\n", lambda n: n.replace("layers.0.", "layers.\u0660.")],
+                         ids=["trailing-newline", "unicode-digit"])
+def test_tensor_names_are_matched_whole_and_in_ascii(rename):
+    # `$` matched before a final newline, and \d took Arabic-Indic digits (int('\u0660') == 0): such
+    # bundles were READY in the store and then failed (or loaded empty) on the worker
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__" and "layers.0." in k)
+    header[rename(name)] = header.pop(name)
+    raw = json.dumps(header).encode()
+    bad = struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(bad, cfg, SHAPES, 64)
+    assert err.value.reason == "UNKNOWN_TENSOR"

@@ -224,6 +224,8 @@ BAD_INPUTS = {
     "adapter_bad_version": (dict(adapter="adapters/cars/versions/0"), "input.adapter"),
     "task_malformed": (dict(task="tasks/"), "input.task"),
     "request_id_bad": (dict(request_id="has space"), "request_id"),
+    "request_id_newline": (dict(request_id="abc\n"), "request_id"),  # was INTERNAL (a bad metadata value)
+    "adapter_newline": (dict(adapter="adapters/cars\n"), "input.adapter"),
 }
 
 

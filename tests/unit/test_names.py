@@ -17,6 +17,7 @@ def test_parse_adapter_ref(value, want):
 @pytest.mark.parametrize("value", [
     "", "adapters/", "adapters/Upper", "adapters/a/versions/0", "adapters/a/versions/x",
     "adapters/a@", "adapter/a", "tasks/a", "adapters/a/versions/1@prod", "adapters/" + "a" * 64,
+    "adapters/a\n", "adapters/a/versions/1\n", "adapters/a@prod\n",  # `$` matched before a final newline
 ])
 def test_bad_adapter_refs_are_invalid_argument_naming_the_field(value):
     with pytest.raises(InvalidArgument) as err:
