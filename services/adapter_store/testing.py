@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
 from valora.v1 import admin_service_pb2 as admin_pb
@@ -43,19 +44,32 @@ def write_tiny_model(path: str | Path, config: dict | None = None) -> Path:
 
 
 def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], seed: int = 0, header_pad: int = 0) -> bytes:
-    """A safetensors file: name -> (dtype, shape), filled with seeded random bytes."""
+    """A safetensors file: name -> (dtype, shape), filled with seeded random values (finite floats
+    for the float dtypes, random bytes for the others)."""
     rng = random.Random(seed)
     header: dict = {}
+    body = []
     offset = 0
     for name, (dtype, shape) in tensors.items():
         n = _DTYPE_BYTES[dtype]
+        count = 1
         for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
+            count *= d
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n * count]}
+        offset += n * count
+        body.append(_random_values(rng, dtype, count) if dtype in ("F32", "F16", "BF16") else rng.randbytes(n * count))
     raw = json.dumps(header).encode()
     raw += b" " * (header_pad + (-len(raw)) % 8)
-    return struct.pack("<Q", len(raw)) + raw + rng.randbytes(offset)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(body)
+
+
+def _random_values(rng: random.Random, dtype: str, count: int) -> bytes:
+    values = np.random.default_rng(rng.getrandbits(32)).standard_normal(count).astype(np.float32)
+    if dtype == "F16":
+        return values.astype(np.float16).tobytes()
+    if dtype == "BF16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    return values.tobytes()
 
 
 def make_bundle(rank: int = 4, modules: tuple[str, ...] = ("q_proj", "v_proj"), heads: dict[str, int] | None = None,

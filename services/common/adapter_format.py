@@ -18,6 +18,8 @@ import re
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.common.errors import InvalidAdapter
 
 LM_PREFIX = "base_model.model.model.language_model.layers."
@@ -131,7 +133,28 @@ def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dic
         if end - start != count * _DTYPE_BYTES[dtype]:
             raise InvalidAdapter(f"tensor {name!r}: {end - start} data bytes for shape {shape} of {dtype}",
                                  reason="NOT_SAFETENSORS")
+    # The tensors' bytes tile the body exactly (the format's rule): no overlaps, holes or trailing bytes.
+    at = 0
+    for start, end in sorted(tuple(m["data_offsets"]) for k, m in header.items() if k != "__metadata__"):
+        if start != at:
+            raise InvalidAdapter(f"tensor data {'overlaps' if start < at else 'leaves a gap'} at byte {min(start, at)}",
+                                 reason="NOT_SAFETENSORS")
+        at = end
+    if at != body:
+        raise InvalidAdapter(f"{body - at} bytes after the last tensor", reason="NOT_SAFETENSORS")
     return header
+
+
+# Bit masks of the exponent of each float format: all ones is Inf or NaN.
+_EXPONENT = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
+
+
+def _all_finite(data: bytes, start: int, end: int, dtype: str) -> bool:
+    """Whether bytes [start, end) of `data` hold no Inf or NaN of `dtype` (read in place; nothing
+    keeps a view of `data` once this returns)."""
+    kind, mask = _EXPONENT[dtype]
+    bits = np.frombuffer(data, dtype=kind, count=(end - start) // np.dtype(kind).itemsize, offset=start)
+    return not bool(np.any((bits & mask) == mask))
 
 
 def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_rank: int,
@@ -149,6 +172,7 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
                                   or not 0 < value < 1e9):
             raise InvalidAdapter(f"adapter_config_json: {key} must be a positive number", reason="BAD_CONFIG")
     header = read_safetensors_header(data, max_header_bytes)
+    body = 8 + struct.unpack("<Q", data[:8])[0]  # where the tensors' bytes start
     ranks: set[int] = set()
     modules: set[str] = set()
     layers: set[int] = set()
@@ -159,6 +183,9 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         if name == "__metadata__":
             continue
         dtypes.add(meta.get("dtype"))
+        start, end = meta["data_offsets"]
+        if meta.get("dtype") in _EXPONENT and not _all_finite(data, body + start, body + end, meta["dtype"]):
+            raise InvalidAdapter(f"tensor {name!r} holds NaN or Inf", reason="NOT_FINITE")
         shape = list(meta["shape"])
         if m := _HEAD_KEY.fullmatch(name):
             heads.setdefault(m["name"], {})[m["part"]] = shape

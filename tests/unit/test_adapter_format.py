@@ -63,3 +63,50 @@ def test_tensor_names_are_matched_whole_and_in_ascii(rename):
     with pytest.raises(InvalidAdapter) as err:
         validate_bundle(bad, cfg, SHAPES, 64)
     assert err.value.reason == "UNKNOWN_TENSOR"
+
+
+def _with_body(data: bytes, edit) -> bytes:
+    """The bundle with its header JSON edited by `edit(header, body) -> (header, body)`."""
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = edit(json.loads(data[8:8 + n]), bytearray(data[8 + n:]))
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(body)
+
+
+@pytest.mark.parametrize("where", ["lora", "head"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_are_refused(where, value):
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1, heads={"digit": 10})
+
+    def poison(header, body):
+        name = next(k for k in header if k != "__metadata__" and (k.startswith("heads.") == (where == "head")))
+        start, end = header[name]["data_offsets"]
+        body[start + 4:start + 8] = struct.pack("<f", value)
+        return header, body
+
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(_with_body(data, poison), cfg, SHAPES, 64)
+    assert err.value.reason == "NOT_FINITE"
+
+
+@pytest.mark.parametrize("edit", ["trailing", "overlap", "gap"])
+def test_tensor_bytes_must_tile_the_body(edit):
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
+
+    def change(header, body):
+        names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+        if edit == "trailing":
+            body += b"\0" * 8
+        elif edit == "overlap":  # the last tensor reads the bytes of the one before
+            a, b = header[names[-1]]["data_offsets"]
+            header[names[-1]]["data_offsets"] = [a - 4, b - 4]
+            del body[-4:]
+        else:  # four unused bytes before the last tensor
+            a, b = header[names[-1]]["data_offsets"]
+            header[names[-1]]["data_offsets"] = [a + 4, b + 4]
+            body[a:a] = b"\0" * 4
+        return header, body
+
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(_with_body(data, change), cfg, SHAPES, 64)
+    assert err.value.reason == "NOT_SAFETENSORS"
