@@ -42,29 +42,39 @@ ARENA_MIN_CAPACITY = 256  # the smallest arena of the contiguous decode cache th
 TOL = {"max_abs": 3e-2}   # bf16 vs the fp32-softmax reference
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--min-len", type=int, default=300)
-    ap.add_argument("--max-len", type=int, default=1200)
+def add_common_args(ap: argparse.ArgumentParser, name: str) -> None:
+    """The options both paged-attention benches take: the attention shape, seed, peers, where the
+    results go (default name `name`-<commit>), the CPU dry run."""
     ap.add_argument("--heads", type=int, default=28)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-peers", action="store_true", help="time only ours")
+    ap.add_argument("--name", default=None, help=f"results file name (default {name}-<commit>)")
+    ap.add_argument("--out-dir", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, no timing: builds every method's inputs and checks them against the reference "
+                         "(ours is then the reference itself; for the script's own test)")
+
+
+def check_common_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.heads % args.kv_heads:
+        ap.error("--heads must be a multiple of --kv-heads")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, "paged-attention")
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--min-len", type=int, default=300)
+    ap.add_argument("--max-len", type=int, default=1200)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64], help="the first is the headline")
     ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16],
                     help="forced num_splits timed at the first block size (1 = the no-split ablation)")
     ap.add_argument("--layers", type=int, default=20, help="calls (layers) per captured graph")
     ap.add_argument("--reps", type=int, default=30, help="graph replays; the median is reported")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-peers", action="store_true", help="time only ours")
-    ap.add_argument("--name", default=None, help="results file name (default paged-attention-<commit>)")
-    ap.add_argument("--out-dir", default=None, help="results directory (default bench/results)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU, no timing: builds every method's inputs and checks them against the reference "
-                         "(ours is then the reference itself; for the script's own test)")
     args = ap.parse_args(argv)
-    if args.heads % args.kv_heads:
-        ap.error("--heads must be a multiple of --kv-heads")
+    check_common_args(ap, args)
     if not 1 <= args.min_len <= args.max_len:
         ap.error("need 1 <= --min-len <= --max-len")
     return args
@@ -161,6 +171,36 @@ def _time(fns, reps: int) -> tuple[float, str]:
         return us, f"eager (capture failed: {type(e).__name__}: {str(e).splitlines()[0][:80]})"
 
 
+def measure(method: str, fns, got: torch.Tensor, ref: torch.Tensor, args: argparse.Namespace,
+            note: str = "") -> tuple[dict, float | None]:
+    """A method's row: its output `got` checked against `ref` (TOL, finite), then — when right and
+    not a dry run — `fns` (one call a layer) timed; (row, µs or None)."""
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = err <= TOL["max_abs"] and bool(torch.isfinite(got).all())
+    row = {"method": method, "max_abs_err": err, "ok": ok, "us": None}
+    us = None
+    if ok and args.dry_run:
+        note = f"{note} dry run, not timed".strip()
+    elif ok:
+        us, timing = _time(fns, args.reps)
+        row.update(us=round(us, 2), timing=timing)
+        note = note if timing == "graph" else f"{note} {timing}".strip()
+    else:
+        note = f"{note} WRONG (max err {err:.2e}), not timed".strip()
+    row["note"] = note
+    return row, us
+
+
+def paged_pools(lens: list[int], ks: list[torch.Tensor], vs: list[torch.Tensor], block_size: int, seed: int,
+                dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Each layer's packed keys and values (tokens, KVH, D) laid into a fragmented pool of
+    `block_size` pages: (k pools, v pools, block tables on `dev`)."""
+    tables, num_blocks = make_tables(lens, block_size, seed + 7 * block_size)
+    slots = token_slots(lens, tables, block_size)
+    return ([to_pool(k, slots, num_blocks, block_size) for k in ks],
+            [to_pool(v, slots, num_blocks, block_size) for v in vs], tables.to(dev))
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -194,30 +234,13 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
     rows, ref = [], None
 
     def record(method, fns, got, note=""):
-        err = (got.float() - ref.float()).abs().max().item()
-        ok = err <= TOL["max_abs"] and bool(torch.isfinite(got).all())
-        row = {"method": method, "max_abs_err": err, "ok": ok}
-        if ok and args.dry_run:
-            row["us"], note = None, f"{note} dry run, not timed".strip()
-        elif ok:
-            row["us"], timing = _time(fns, args.reps)
-            row["us"] = round(row["us"], 2)
-            row["timing"] = timing
-            note = note if timing == "graph" else f"{note} {timing}".strip()
-        else:
-            row["us"] = None
-            note = f"{note} WRONG (max err {err:.2e}), not timed".strip()
-        row["note"] = note
+        row, _ = measure(method, fns, got, ref, args, note)
         rows.append(row)
-        print(f"  B={batch:3d} {method:22s} {row['us'] if row['us'] is not None else '-':>8} us  err {err:.2e} {note}",
-              flush=True)
+        print(f"  B={batch:3d} {method:22s} {row['us'] if row['us'] is not None else '-':>8} us  "
+              f"err {row['max_abs_err']:.2e} {row['note']}", flush=True)
 
     def pools(bs):
-        tables, num_blocks = make_tables(lens, bs, args.seed + 7 * bs)
-        slots = token_slots(lens, tables, bs)
-        kp = [to_pool(k, slots, num_blocks, bs) for k in ks]
-        vp = [to_pool(v, slots, num_blocks, bs) for v in vs]
-        return kp, vp, tables.to(dev)
+        return paged_pools(lens, ks, vs, bs, args.seed, dev)
 
     def time_ours(bi, bs):
         nonlocal ref

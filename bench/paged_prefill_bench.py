@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 from bench.common import save
-from bench.paged_attention_bench import _sync, _time, make_lengths, make_tables, to_pool, token_slots
+from bench.paged_attention_bench import (_sync, add_common_args, check_common_args, make_lengths, measure,
+                                         paged_pools)
 from kernels.results import git_commit
 
 PEAK_TFLOPS = 989.0  # H200 dense bf16 tensor-core peak
-TOL = {"max_abs": 3e-2}  # bf16 vs the fp32-softmax reference
 
 
 def parse_config(text: str) -> dict:
@@ -59,6 +59,7 @@ def config_name(cfg: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, "paged-prefill")
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048], help="query tokens of the chunk row")
     ap.add_argument("--prefixes", type=int, nargs="+", default=[0, 2048, 8192], help="cached tokens before the chunk")
     ap.add_argument("--mixed-decode-rows", type=int, default=32, help="decode rows of the mixed case (0: none)")
@@ -66,9 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mixed-prefix", type=int, default=2048)
     ap.add_argument("--decode-min-len", type=int, default=300)
     ap.add_argument("--decode-max-len", type=int, default=1200)
-    ap.add_argument("--heads", type=int, default=28)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64], help="the first is the headline")
     ap.add_argument("--configs", type=parse_config, nargs="*",
                     default=[parse_config(c) for c in ("64x64x4x2", "64x64x4x3", "128x32x8x3", "128x64x4x3",
@@ -76,16 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="forced BLOCK_MxTILE_NxWARPSxSTAGES timed at the first block size")
     ap.add_argument("--layers", type=int, default=8, help="calls (layers) per captured graph")
     ap.add_argument("--reps", type=int, default=20, help="graph replays; the median is reported")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-peers", action="store_true", help="time only ours")
-    ap.add_argument("--name", default=None, help="results file name (default paged-prefill-<commit>)")
-    ap.add_argument("--out-dir", default=None, help="results directory (default bench/results)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU, no timing: builds every method's inputs and checks them against the reference "
-                         "(ours is then the reference itself; for the script's own test)")
     args = ap.parse_args(argv)
-    if args.heads % args.kv_heads:
-        ap.error("--heads must be a multiple of --kv-heads")
+    check_common_args(ap, args)
     if not 1 <= args.decode_min_len <= args.decode_max_len:
         ap.error("need 1 <= --decode-min-len <= --decode-max-len")
     return args
@@ -158,28 +148,15 @@ def run_case(case: dict, args: argparse.Namespace) -> dict:
     rows, ref = [], None
 
     def record(method, fns, got, note=""):
-        err = (got.float() - ref.float()).abs().max().item()
-        ok = err <= TOL["max_abs"] and bool(torch.isfinite(got).all())
-        row = {"method": method, "max_abs_err": err, "ok": ok, "us": None, "tflops": None}
-        if ok and args.dry_run:
-            note = f"{note} dry run, not timed".strip()
-        elif ok:
-            us, timing = _time(fns, args.reps)
-            row.update(us=round(us, 2), tflops=tflops(flops, us), timing=timing)
-            note = note if timing == "graph" else f"{note} {timing}".strip()
-        else:
-            note = f"{note} WRONG (max err {err:.2e}), not timed".strip()
-        row["note"] = note
+        row, us = measure(method, fns, got, ref, args, note)
+        row["tflops"] = tflops(flops, us)
         rows.append(row)
         print(f"  {case['name']:34s} {method:30s} {row['us'] if row['us'] is not None else '-':>9} us "
-              f"{row['tflops'] if row['tflops'] is not None else '-':>7} TFLOP/s  err {err:.2e} {note}", flush=True)
+              f"{row['tflops'] if row['tflops'] is not None else '-':>7} TFLOP/s  err {row['max_abs_err']:.2e} "
+              f"{row['note']}", flush=True)
 
     def pools(bs):
-        tables, num_blocks = make_tables(lens, bs, args.seed + 7 * bs)
-        slots = token_slots(lens, tables, bs)
-        kp = [to_pool(k, slots, num_blocks, bs) for k in ks]
-        vp = [to_pool(v, slots, num_blocks, bs) for v in vs]
-        return kp, vp, tables.to(dev)
+        return paged_pools(lens, ks, vs, bs, args.seed, dev)
 
     def time_ours(bi, bs):
         nonlocal ref
