@@ -212,22 +212,26 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
     _interpreter_main()
 
 
-def test_self_check_reports_a_wrong_or_failing_kernel(monkeypatch):
-    """The worker's start-up check: a kernel that disagrees with the reference, or fails to build
-    or launch, is reported (the worker then serves on the reference); a correct one passes."""
-    from kernels import paged_attention as pa
-
-    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8) == "triton or CUDA is not available"
-    monkeypatch.setattr(pa, "available", lambda device: True)
-    monkeypatch.setattr(pa, "paged_decode_attention_triton",
-                        lambda *a, **kw: pa.paged_decode_attention_reference(*a[:6]))
-    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8) is None
-    monkeypatch.setattr(pa, "paged_decode_attention_triton",
-                        lambda *a, **kw: pa.paged_decode_attention_reference(*a[:6]) * 1.1)
-    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8).startswith("max error")
+def check_self_check(monkeypatch, module, triton_name: str, reference, n_args: int) -> None:
+    """`module.self_check` (the worker's start-up check) passes a kernel that agrees with the
+    reference and reports one that disagrees or raises (build or launch failure); `triton_name`:
+    the module's Triton entry point, replaced by the reference (its first `n_args` arguments)."""
+    assert module.self_check("cpu", torch.float32, 4, 2, 16, 8) == "triton or CUDA is not available"
+    monkeypatch.setattr(module, "available", lambda device: True)
+    monkeypatch.setattr(module, triton_name, lambda *a, **kw: reference(*a[:n_args]))
+    assert module.self_check("cpu", torch.float32, 4, 2, 16, 8) is None
+    monkeypatch.setattr(module, triton_name, lambda *a, **kw: reference(*a[:n_args]) * 1.1)
+    assert module.self_check("cpu", torch.float32, 4, 2, 16, 8).startswith("max error")
 
     def broken(*a, **kw):
         raise RuntimeError("PTX JIT compilation failed")
 
-    monkeypatch.setattr(pa, "paged_decode_attention_triton", broken)
-    assert pa.self_check("cpu", torch.float32, 4, 2, 16, 8) == "RuntimeError: PTX JIT compilation failed"
+    monkeypatch.setattr(module, triton_name, broken)
+    assert module.self_check("cpu", torch.float32, 4, 2, 16, 8) == "RuntimeError: PTX JIT compilation failed"
+
+
+def test_self_check_reports_a_wrong_or_failing_kernel(monkeypatch):
+    """The worker then serves on the reference."""
+    from kernels import paged_attention as pa
+
+    check_self_check(monkeypatch, pa, "paged_decode_attention_triton", pa.paged_decode_attention_reference, 6)
