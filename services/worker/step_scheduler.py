@@ -140,27 +140,25 @@ class StepScheduler:
     # -- decode ------------------------------------------------------------------------------
     def reserve_decode(self) -> None:
         """Gives every running sequence room for its next token, oldest first; when the pool runs
-        out, preempts the youngest running sequence (it may be the one asking) and goes on."""
+        out (idle adapters evicted first), preempts the youngest running sequence (it may be the
+        one asking) and goes on."""
         for s in sorted(self.running, key=lambda x: x.id):
-            while s in self.running:
-                try:
-                    self.kv.grow(s.id, s.length + 1)
-                    break
-                except OutOfBlocks:
-                    if not self.pool.evict_idle():  # an idle adapter's blocks first
-                        self.preempt(max(self.running, key=lambda x: x.id))
+            while s in self.running and not self._grow(s):
+                self.preempt(max(self.running, key=lambda x: x.id))
 
     def can_grow(self, rows: list[Sequence]) -> bool:
         """Gives `rows` room for their next token if the pool has it (no preemption)."""
-        for s in rows:
-            while True:
-                try:
-                    self.kv.grow(s.id, s.length + 1)
-                    break
-                except OutOfBlocks:
-                    if not self.pool.evict_idle():
-                        return False
-        return True
+        return all(self._grow(s) for s in rows)
+
+    def _grow(self, s: Sequence) -> bool:
+        """Room for `s`'s next token, evicting idle resident adapters while the pool has none."""
+        while True:
+            try:
+                self.kv.grow(s.id, s.length + 1)
+                return True
+            except OutOfBlocks:
+                if not self.pool.evict_idle():
+                    return False
 
     def room(self, blocks: int) -> bool:
         """Whether `blocks` blocks are free, evicting idle resident adapters (their blocks are
