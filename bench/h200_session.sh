@@ -129,6 +129,9 @@ elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weigh
     --dtype bfloat16 --concurrency "${CONC:-128}" --rate "${RATE:-30}" --requests "${REQUESTS:-1024}" --repeat 2 \
     --out "bench/results/serve-h200-$SUF.json" ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
   say serve_bench
+  # the services' warnings and errors, counted by event (the cluster's home is kept: /tmp/valora-serve-*)
+  cat /tmp/valora-serve-*/logs/*.log 2>/dev/null | grep -E "warning|error" | sed -E 's/^[0-9 :-]+//' | cut -c1-300 \
+    | sort | uniq -c | sort -rn | head -60 > "$OUT/service-warnings.txt"
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \

@@ -367,7 +367,7 @@ def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace,
     table = Table(title=f"serve {WORKLOAD}: {args.device} {args.dtype}, {model.name}, {args.adapters} adapters "
                         f"r{'/'.join(map(str, args.ranks))}, {args.requests} requests a run")
     for col in ("run", "ok/req", "req/s", "ttft p50", "ttft p99", "e2e p50", "e2e p99", "gpu busy", "eager",
-                "replays", "captures", "new keys"):
+                "replays", "captures", "new keys", "failed caps", "ref lora"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
         ok = f"{r['ok']}/{r['requests']}" if r["failed"] == 0 else f"[red]{r['ok']}/{r['requests']}[/red]"
@@ -375,10 +375,12 @@ def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace,
         table.add_row(r["run"], ok, f"{r['throughput_rps']:.1f}", *(f"{r[k]:.0f}" for k in (
             "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")),
             "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.2f}",
-            *("-" if not g else str(g[k]) for k in ("eager_steps", "replays", "captures", "new_keys")))
+            *("-" if not g else str(g[k]) for k in ("eager_steps", "replays", "captures", "new_keys",
+                                                     "capture_failures", "reference_steps")))
     console.print(table)
     console.print("[dim]ms; ttft: send to first token as the client saw it; gpu busy: nvidia-smi utilisation over "
-                  "the run; eager/replays/captures/new keys: the worker's decode-graph counters over the run")
+                  "the run; eager/replays/captures/new keys/failed caps/ref lora (steps on the torch LoRA reference): the "
+                  "worker's decode-graph counters over the run")
     for s in spreads:
         colour = "green" if s["within_10pct"] else "red"
         console.print(f"[{colour}]{s['load']}: {s['headline']} {s[s['headline']]}, spread "

@@ -25,8 +25,12 @@ steps run without a graph (counted in `eager_steps`).
 
 A key is captured the second time it is seen (its first step, run without a graph, is the
 warm-up: lazy initialisation and kernel compilation happen outside the capture), and the most
-recently used `max_graphs` are kept in one memory pool. A capture that fails marks the key
-graph-less for good and logs why. `capture=False` runs the same step without graphs (CPU).
+recently used `max_graphs` are kept in one memory pool. Captures are thread-local: the worker's
+other threads (request preparation, adapter staging into pinned memory) keep calling CUDA while
+the engine thread captures, and a global capture fails on such a call — both the capture and the
+other thread's work (serve-h200-7b9279e.json: no capture succeeded in 1324 steps). A capture that
+fails is retried at the key's next steps; after `MAX_CAPTURE_FAILURES` the key runs without a
+graph for good (each failure is logged and counted in `capture_failures`). `capture=False` runs the same step without graphs (CPU).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedDeco
 from services.worker.lora import LoraRuntime, StepLora
 
 log = structlog.get_logger()
+MAX_CAPTURE_FAILURES = 3  # failed captures after which a key runs without a graph
 
 
 def bucket_rows(n: int) -> int:
@@ -60,6 +65,7 @@ class _Entry:
     tokens: torch.Tensor | None = None
     seen: int = 0
     graphless: bool = False
+    failures: int = 0  # failed captures of this key
 
     def __post_init__(self) -> None:
         r = self.inp.shape[0] // 5
@@ -104,6 +110,8 @@ class DecodeGraphs:
         self.new_keys = 0  # entries made (each costs a warm-up step without a graph, then a capture)
         self.warmup_steps = 0  # a key's first step
         self.eager_steps = 0  # steps after their key's warm-up that ran without a graph while capturing
+        self.capture_failures = 0
+        self.reference_steps = 0  # LoRA steps the kernel backend did not take (graph-less by design)
 
     def _key(self, rows: int, step: StepLora | None) -> tuple:
         lora = None
@@ -133,7 +141,9 @@ class DecodeGraphs:
         the rows' last tokens as a (b,) long device tensor instead of `batch`'s (pipelined)."""
         b = len(batch)
         pad = max(rows, b) - b
-        e = self._entry(self._key(b + pad, step), step)
+        key = self._key(b + pad, step)
+        e = self._entry(key, step)
+        self.reference_steps += key[1] == "reference"
         null = self.blocks.null_row
         # padding rows: position 0, the null block's first slot, context 1, the null table row
         host = [*(r.position for r in batch), *[0] * pad, *(r.slot for r in batch), *[0] * pad,
@@ -184,11 +194,14 @@ class DecodeGraphs:
     def _capture(self, e: _Entry) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool_handle):
+            with torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"):
                 tokens, logits = self._forward(e)
-        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: this key runs without a graph
-            e.graphless = True
-            log.warning("decode_graph_capture_failed", error=repr(exc)[:500], rows=e.ids.shape[0])
+        except Exception as exc:  # noqa: BLE001 - this step runs without a graph; the key retries
+            e.failures += 1
+            e.graphless = e.failures >= MAX_CAPTURE_FAILURES
+            self.capture_failures += 1
+            log.warning("decode_graph_capture_failed", error=repr(exc)[:500], rows=e.ids.shape[0],
+                        failures=e.failures, graphless=e.graphless)
             torch.cuda.synchronize(self.device)
             return
         e.graph, e.tokens, e.logits = graph, tokens, logits

@@ -414,7 +414,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if g is None:
             return pb.WorkerDecodeGraphs()
         return pb.WorkerDecodeGraphs(static_steps=g.static_steps, replays=g.replays, captures=g.captures,
-                                     new_keys=g.new_keys, eager_steps=getattr(g, "eager_steps", 0))
+                                     new_keys=g.new_keys, eager_steps=g.eager_steps,
+                                     capture_failures=g.capture_failures, reference_steps=g.reference_steps)
 
     def _notify_watchers(self) -> None:
         for wake in self._watchers:

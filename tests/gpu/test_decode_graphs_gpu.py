@@ -5,6 +5,7 @@ fp32 base requests token for token; bf16 with mixed adapters on ATMM inside the 
 from __future__ import annotations
 
 import queue
+import threading
 
 import pytest
 import torch
@@ -67,5 +68,35 @@ def test_bf16_lora_decode_graphs_run_atmm_and_agree(model_path):
     assert eng.runtime.backend is not None  # LoRA on ATMM, inside the graph
     assert eng.graphs.captures >= 1 and eng.graphs.replays >= 10
     assert eng.graphs.eager_steps == 0  # past each key's warm-up every step replayed
+    assert eng.graphs.reference_steps == 0 and eng.graphs.capture_failures == 0
     same = sum(a == b for k in eager for a, b in zip(eager[k], graphed[k]))
     assert same / sum(len(v) for v in eager.values()) >= 0.9
+
+
+def test_captures_survive_other_threads_calling_cuda(model_path):
+    """A served worker's other threads (request preparation, adapter staging into pinned host
+    memory) call CUDA while the engine thread captures: the capture is the engine thread's own,
+    so neither it nor the other thread's work fails."""
+    stop, errors, calls = threading.Event(), [], [0]
+
+    def other_thread():
+        stream = torch.cuda.Stream()
+        while not stop.is_set():
+            try:
+                host = torch.empty(1 << 16, dtype=torch.float32, pin_memory=True)
+                with torch.cuda.stream(stream):
+                    host.to("cuda", non_blocking=True).sum()
+                stream.synchronize()
+                calls[0] += 1
+            except Exception as exc:  # noqa: BLE001 - counted, asserted below
+                errors.append(repr(exc))
+
+    t = threading.Thread(target=other_thread, daemon=True)
+    t.start()
+    try:
+        _, eng = run(model_path, "bfloat16", "auto", [None, A, B, A])
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert calls[0] > 10 and not errors, errors[:3]
+    assert eng.graphs.capture_failures == 0 and eng.graphs.captures >= 1 and eng.graphs.eager_steps == 0

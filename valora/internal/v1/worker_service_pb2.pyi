@@ -120,18 +120,22 @@ class GetWorkerStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ..., step_times: _Optional[_Union[WorkerStepTimes, _Mapping]] = ..., decode_graphs: _Optional[_Union[WorkerDecodeGraphs, _Mapping]] = ...) -> None: ...
 
 class WorkerDecodeGraphs(_message.Message):
-    __slots__ = ("static_steps", "replays", "captures", "new_keys", "eager_steps")
+    __slots__ = ("static_steps", "replays", "captures", "new_keys", "eager_steps", "capture_failures", "reference_steps")
     STATIC_STEPS_FIELD_NUMBER: _ClassVar[int]
     REPLAYS_FIELD_NUMBER: _ClassVar[int]
     CAPTURES_FIELD_NUMBER: _ClassVar[int]
     NEW_KEYS_FIELD_NUMBER: _ClassVar[int]
     EAGER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     static_steps: int
     replays: int
     captures: int
     new_keys: int
     eager_steps: int
-    def __init__(self, static_steps: _Optional[int] = ..., replays: _Optional[int] = ..., captures: _Optional[int] = ..., new_keys: _Optional[int] = ..., eager_steps: _Optional[int] = ...) -> None: ...
+    capture_failures: int
+    reference_steps: int
+    def __init__(self, static_steps: _Optional[int] = ..., replays: _Optional[int] = ..., captures: _Optional[int] = ..., new_keys: _Optional[int] = ..., eager_steps: _Optional[int] = ..., capture_failures: _Optional[int] = ..., reference_steps: _Optional[int] = ...) -> None: ...
 
 class WorkerStepTimes(_message.Message):
     __slots__ = ("steps", "decode_steps", "prefill_steps", "decode_step_ms_p50", "decode_step_ms_p90", "prefill_step_ms_p50", "prefill_step_ms_p90")
