@@ -89,8 +89,12 @@ class ModelRunner:
         pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, dtype, self.device)
         manager = BlockManager(blocks, cfg.kv_block_size, cfg.max_batch_size,
                                math.ceil(self.max_model_len / cfg.kv_block_size), self.device)
+        tokens = (blocks - 1) * cfg.kv_block_size
         log.info("kv_pool", blocks=blocks, block_size=cfg.kv_block_size, gib=round(blocks * block_bytes / 2**30, 2),
-                 tokens=(blocks - 1) * cfg.kv_block_size)
+                 tokens=tokens)
+        if tokens < self.max_model_len:  # requests longer than the pool fail at admission (INVALID_ARGUMENT)
+            log.warning("kv_pool_small", tokens=tokens, max_model_len=self.max_model_len,
+                        hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION")
         return pool, manager
 
     def prefill(self, rows: list[Sequence], step: StepLora) -> PrefillOutput:

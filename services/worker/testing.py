@@ -16,6 +16,10 @@ from safetensors.torch import save as save_safetensors
 from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, lora_key
 from services.common.errors import AdapterNotFound
 
+# The KV pool of a test's CUDA engine. Left to size itself, an engine takes most of the free device
+# memory, and the next engine of the same process (a stopped one still holds its pool) gets one block.
+TEST_KV_BYTES = 256 << 20
+
 
 def random_image(seed: int, size: int = 56):
     """A deterministic random RGB PIL image (size x size)."""

@@ -12,7 +12,7 @@ import torch
 
 from services.worker.engine import Engine, EngineConfig
 from services.worker.requests import Failed, Finished, WorkRequest
-from services.worker.testing import random_adapter_bundle, random_image
+from services.worker.testing import TEST_KV_BYTES, random_adapter_bundle, random_image
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -23,7 +23,8 @@ A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 
 def config(model_path, dtype: str, graphs: str, **kw) -> EngineConfig:
     return EngineConfig(model_path=model_path, device=kw.pop("device", "cuda"), dtype=dtype, decode_graphs=graphs,
-                        max_batch_size=8, max_prefills_per_step=8, device_slots=3, **kw)
+                        max_batch_size=8, max_prefills_per_step=8, device_slots=3,
+                        kv_cache_bytes=TEST_KV_BYTES, **kw)
 
 
 def run(model_path, dtype: str, graphs: str, adapters: list, **kw) -> tuple[dict, Engine]:

@@ -11,7 +11,7 @@ import torch
 
 from services.worker.engine import Engine, EngineConfig
 from services.worker.requests import WorkRequest
-from services.worker.testing import random_image
+from services.worker.testing import TEST_KV_BYTES, random_image
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 
 def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
-    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=4))
+    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=4,
+                              kv_cache_bytes=TEST_KV_BYTES))
     try:
         reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i, size=s)], max_new_tokens=2)
                 for i, s in enumerate((224, 224, 336))]

@@ -20,7 +20,7 @@ from services.worker.model import build_inputs, load_model
 from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.switcher import Switcher
-from services.worker.testing import random_adapter_bundle, random_image, write_peft_dir
+from services.worker.testing import TEST_KV_BYTES, random_adapter_bundle, random_image, write_peft_dir
 
 A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
 LABELS = ["red", "green", "blue", "yellow"]
@@ -40,7 +40,7 @@ def bundles(model_path):
 
 @pytest.fixture(scope="module")
 def engine(model_path, bundles):
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3,
+    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3, kv_cache_bytes=TEST_KV_BYTES,
                               default_max_new_tokens=MAX_NEW, max_waiting=64))
     eng.start()
     for name, b in bundles.items():
@@ -381,7 +381,8 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
             for i in range(6)]
     outs = []
     for use_atmm in (True, False):
-        eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", use_atmm=use_atmm))
+        eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", use_atmm=use_atmm,
+                                  kv_cache_bytes=TEST_KV_BYTES))
         eng.start()
         try:
             assert (eng.runtime.backend is not None) == use_atmm
