@@ -27,6 +27,7 @@ peak); `arena_floor_us` is the same for the whole arena the SDPA path reads.
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import random
 import sys
@@ -207,11 +208,13 @@ def _sync(dev: torch.device) -> None:
 
 
 def _varlen():
+    """(torch's varlen_attn or None, whether it takes enable_gqa: torch 2.11's does not, and then
+    the peer gets K/V with their heads repeated to the query heads, made outside its timing)."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
     except ImportError:
-        return None
-    return varlen_attn
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def run_case(batch: int, args: argparse.Namespace) -> dict:
@@ -260,16 +263,19 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
             record(method, [lambda i=i, op=op: op(i) for i in range(n_layers)], outs[0].clone(), note)
 
     def time_varlen_paged(bs):  # FA2 pages only in multiples of 256 tokens: tried at bs and at 256
-        varlen = _varlen()
+        varlen, gqa = _varlen()
         if varlen is None:
             return
         kp, vp, bt = pools(bs)
+        if not gqa:
+            kp, vp = [t.repeat_interleave(group, dim=-2) for t in kp], [t.repeat_interleave(group, dim=-2) for t in vp]
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         cu_k = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        extra = {"enable_gqa": True} if gqa else {}
 
         def paged_peer(i):
-            return varlen(qs[i], kp[i], vp[i], cu_q, cu_k, 1, max(lens), scale=scale, enable_gqa=True,
-                          seqused_k=seq_lens, block_table=bt)
+            return varlen(qs[i], kp[i], vp[i], cu_q, cu_k, 1, max(lens), scale=scale,
+                          seqused_k=seq_lens, block_table=bt, **extra)
         try:
             got = paged_peer(0)
             _sync(dev)
@@ -278,7 +284,8 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
             rows.append({"method": f"varlen_paged_bs{bs}", "us": None,
                          "note": f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:100]}"})
             return
-        record(f"varlen_paged_bs{bs}", [lambda i=i: paged_peer(i) for i in range(n_layers)], got, "FA paged")
+        record(f"varlen_paged_bs{bs}", [lambda i=i: paged_peer(i) for i in range(n_layers)], got,
+               "FA paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"))
 
     for bi, bs in enumerate(args.block_sizes):
         time_ours(bi, bs)  # its pools are freed on return
@@ -302,19 +309,23 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
                f"cap {cap}, reads the whole arena")
         del arenas
         torch.cuda.empty_cache()
-        varlen = _varlen()
+        varlen, gqa = _varlen()
         if varlen is None:
             rows.append({"method": "varlen_packed", "us": None, "note": "torch.nn.attention.varlen not in this torch"})
         else:
             cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
             cu_k = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+            kx, vx = (ks, vs) if gqa else ([t.repeat_interleave(group, dim=-2) for t in ks],
+                                            [t.repeat_interleave(group, dim=-2) for t in vs])
+            extra = {"enable_gqa": True} if gqa else {}
 
             def packed(i):
-                return varlen(qs[i], ks[i], vs[i], cu_q, cu_k, 1, max(lens), scale=scale, enable_gqa=True)
+                return varlen(qs[i], kx[i], vx[i], cu_q, cu_k, 1, max(lens), scale=scale, **extra)
             try:
                 got = packed(0)
                 _sync(dev)
-                record("varlen_packed", [lambda i=i: packed(i) for i in range(n_layers)], got, "not paged")
+                record("varlen_packed", [lambda i=i: packed(i) for i in range(n_layers)], got,
+                       "not paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"))
             except Exception as e:  # noqa: BLE001
                 _sync(dev)
                 rows.append({"method": "varlen_packed", "us": None,
