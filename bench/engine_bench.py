@@ -214,7 +214,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
             detail["profile"] = profile(eng, args, enter, batch_ms)
         detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
                                    "static_steps": eng.graphs.static_steps, "eager_steps": eng.graphs.eager_steps}
-        detail["peak_decode_rows"] = eng.peak_decode_rows
+        detail["peak_decode_rows"] = eng.decoder.peak_rows
         detail["fused_layers"] = cfg.fused_layers
         detail["pipeline_decode"] = cfg.pipeline_decode
         detail["lora_fold_rows"] = cfg.lora_fold_rows
@@ -223,8 +223,8 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
         detail["tp"] = args.tp
         if eng.runtime.backend is not None:
             detail["folded_calls"] = eng.runtime.backend.folded_calls  # projections run with the shrink folded
-        detail["pipelined_steps"] = eng.pipelined_steps  # decode steps launched from device tokens
-        detail["peak_decode_entries"] = eng.peak_decode_entries
+        detail["pipelined_steps"] = eng.decoder.pipelined_steps  # decode steps launched from device tokens
+        detail["peak_decode_entries"] = eng.decoder.peak_entries
     finally:
         eng.stop()
         del eng

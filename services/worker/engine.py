@@ -1,52 +1,18 @@
 """The iteration-level engine: one thread, one model, continuous batching with multi-LoRA.
 
-Each iteration (a "step boundary") the loop: frees cancelled sequences, admits waiting requests
-(up to max_batch_size running; each pins its adapter's device slot and takes the KV blocks of
-its prompt from the paged pool, kv_cache.py), prefills a few new ones (at most
-max_prefills_per_step requests and max_prefill_tokens padded tokens) in ONE forward of the
-language model: their image + prompt embeddings stacked right-padded, rows ordered by LoRA
-entry, 3D M-RoPE positions per row; causal attention keeps every real token from seeing the
-padding after it, so the prefill needs no attention mask. Each layer writes the real tokens'
-keys and values into their sequence's blocks (padding into the null block); LABEL requests end
-here with their task head on their last real token. Then every running sequence decodes in ONE
-forward over the pool through its block table (decode_graphs.py), with explicit 3D M-RoPE
-positions = cached length + the sequence's rope delta from prefill. LoRA is planned once per
-forward (lora.StepLora).
-
-When a decode step needs a block and none is free, the youngest running sequence is preempted:
-its blocks are freed and it waits at the head of the queue, to be prefilled again over its
-prompt and the tokens it has generated (recompute), then decodes on; what it streamed stays
-streamed. A request that could never fit the pool is refused when prepared.
-
-Chunked prefill: a context longer than max_prefill_tokens (a step's prefill budget) is prefilled
-alone, one chunk of at most that many tokens a step, each chunk attending to the ones before it
-through the block table (kernels.paged_prefill); the decode steps of running sequences go on
-between its chunks, so a long prompt stalls no stream for more than one step.
-
-Decode is pipelined (EngineConfig.pipeline_decode): while the batch stays the same, step n+1 is
-launched with step n's tokens (greedy or sampled, chosen on the device: sampling.py) as input,
-copied on the device, before the host takes step n's tokens (detokenize, stream, finish checks),
-so that host work overlaps the device's (_decode_step says how rows that finish meanwhile are
-handled).
-
-Prefill embeds images and video chunks through vision.VisionEncoder: features are cached by
-content hash, so a repeated image skips the vision tower. A request may ask for early adapter
-release (LoRazor): after ceil(fraction * max_new_tokens) tokens its rows leave the LoRA segments
-(base path; in merged/mixture mode the -m deLoRA term, so the answer does not depend on the mode)
-and its device slot is unpinned; its KV cache is kept.
+`Engine` owns the loop and its collaborators, each step: commands (lora_manager.py: adapter loads,
+offloads, mode switches), admission and the step's prefill batch (step_scheduler.py: FIFO, each
+request pinning its adapter and taking its KV blocks from the paged pool, kv_cache.py), one
+prefill forward of whole contexts or of the next chunk of a long one (model_runner.py), one
+decode step of every running sequence over the pool, replayed from a CUDA graph and pipelined
+with the host (decoder.py, decode_graphs.py), and the tokens' hand-off (outputs.py: streaming,
+stops, early adapter release, LABEL answers). LoRA is planned once per forward (lora_plans.py).
+When blocks run out the youngest sequence is preempted and recomputed later.
 
 Callers (the gRPC server) `prepare()` a request (image decode + processor, any thread), then
 `submit()` it with a sink that receives TextDelta / Finished / Failed events on the engine thread.
-
-Tensor parallelism (EngineConfig.tp, world size > 1; tensor_parallel.py): every rank runs its own
-Engine over its shard of the model, in lockstep, SPMD. Only rank 0 takes requests and commands;
-at the start of every step it broadcasts everything that can differ between ranks (`_sync`:
-the requests submitted since the last step, the commands — mode switches, adapter loads with
-their bytes, offloads —, the requests cancelled or past their deadline on rank 0's clock, and
-the stop), and every rank applies the same events in the same order. Everything else the loop
-decides (admission, prefill batches, KV packing, LoRA plans, pipelining, tokens) follows from
-that state and the forwards' all-reduced (identical) outputs, so it is the same on every rank.
-Followers have no sinks: they emit nothing.
+Under tensor parallelism every rank runs its own Engine in lockstep; rank 0 broadcasts what can
+differ between ranks at each step's start (`_sync`). docs/engine.md describes the whole.
 """
 
 from __future__ import annotations
@@ -78,7 +44,7 @@ from services.common.errors import (
 from services.worker.adapters import AdapterPool, AdapterWeights
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.attention import use_grouped_decode_attention
-from services.worker.decode_graphs import bucket_rows
+from services.worker.decoder import Decoder
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.fused_layers import install_fused_layers
 from services.worker.kv_cache import PoolMemory
@@ -100,7 +66,7 @@ from services.worker.requests import (
     TextDelta,
     WorkRequest,
 )
-from services.worker.sequence import PendingStep, PreparedRequest, Sequence
+from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
 from services.worker.tensor_parallel import TPGroup, local_features, shard_model_
 from services.worker.preprocess import process_request
@@ -153,7 +119,7 @@ class EngineConfig:
     # same step without capture.
     decode_graphs: str = "auto"
     # Pipelined decode: while the device runs a decode step fed by the previous step's
-    # tokens (device to device), the host processes the previous step's tokens (see _decode_step).
+    # tokens (device to device), the host processes the previous step's tokens (decoder.py).
     pipeline_decode: bool = True
     # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
     # that starts the ranks); None or world size 1: one process, no communication.
@@ -224,6 +190,7 @@ class Engine:
         self._wake = threading.Condition()
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
+        self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -234,16 +201,11 @@ class Engine:
         self._step_commands: collections.deque = collections.deque()
         self._halts: dict[int, bool] = {}
         self._tp_stop = False
-        self._pending: PendingStep | None = None  # pipelined decode: the launched step not yet taken
-        self.pipelined_steps = 0  # decode steps launched from the previous step's device tokens
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
         self._running_count = 0
         self._last_step_ms = 0.0
-        # Largest decode batch seen (rows, distinct LoRA entries in one forward): observability + tests.
-        self.peak_decode_rows = 0
-        self.peak_decode_entries = 0
         self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
 
     @property
@@ -337,7 +299,7 @@ class Engine:
                 if not commands:
                     return
                 command, done, box = commands.popleft()
-            self._flush()  # a command runs between fully processed steps, as without pipelining
+            self.decoder.flush()  # a command runs between fully processed steps, as without pipelining
             try:
                 box["result"] = self.adapters.run(command)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
@@ -443,7 +405,7 @@ class Engine:
             with torch.inference_mode():
                 while not (self._tp_stop if self.tp is not None else self._stop.is_set()):
                     self._step()
-                self._flush()  # the last launched step's tokens reach their requests before the rest fail
+                self.decoder.flush()  # the last launched step's tokens reach their requests before the rest fail
         except BaseException as exc:  # noqa: BLE001 - the engine is dead; health must say so
             self._error = exc
             log.error("engine_died", error=repr(exc))
@@ -476,10 +438,10 @@ class Engine:
         batch = self.sched.take_prefills()
         decoding = len(self.sched.running)
         if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
-            self._guard(batch, self._prefill_chunk if self.sched.chunked(batch[0]) else self._prefill_batch, batch)
+            self.outputs.guard(batch, self._prefill_chunk if self.sched.chunked(batch[0]) else self._prefill_batch, batch)
         if self.sched.running:
-            self._guard(list(self.sched.running), self._decode_step)
-        if self.device.type == "cuda" and self._pending is None:
+            self.outputs.guard(list(self.sched.running), self.decoder.step)
+        if self.device.type == "cuda" and self.decoder.pending is None:
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
         # step_log / last_step_ms: a step that leaves a decode step pending does not wait for it;
         # its time ends once it has launched it (and taken the previous step's tokens), the rest
@@ -531,18 +493,6 @@ class Engine:
     def _halt_error(self, s: Sequence) -> ValoraError:
         return _stop_reason(s, self._halts[s.id] if self.tp is not None else s.handle.cancelled)
 
-    def _guard(self, seqs: list[Sequence], fn, *args) -> None:
-        """Runs one unit of work; an exception fails the requests involved, not the engine."""
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            log.error("engine_step_failed", error=repr(exc), requests=[s.req.request_id for s in seqs])
-            error = exc if isinstance(exc, ValoraError) else ValoraError(
-                f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
-            for s in seqs:
-                self.sched.finish(s)
-                self.outputs.emit(s, Failed(error))
-
     def _fail_waiting(self, s: Sequence, error: ValoraError | None) -> None:
         """A waiting request that will not run: `error`, or (None) why it was halted."""
         self.outputs.emit(s, Failed(error or self._halt_error(s)))
@@ -572,7 +522,7 @@ class Engine:
         self.peak_prefill_rows = max(self.peak_prefill_rows, len(rows))
         out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
         for i, s in enumerate(rows):
-            self._guard([s], self._prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i], out.logits.get(i),
+            self.outputs.guard([s], self._prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i], out.logits.get(i),
                         out.tokens.get(i))
 
     def _prefill_chunk(self, seqs: list[Sequence]) -> None:
@@ -600,107 +550,3 @@ class Engine:
             s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
         self.sched.prefilled(s)
         self.outputs.accept(s, token)
-
-    # -- decode ----------------------------------------------------------------------------------
-    def _decode_step(self) -> None:
-        """One decode step of every running sequence.
-
-        Pipelined decode: a step is left pending (its tokens, greedy or sampled on the device,
-        copied to the host asynchronously) when another step will follow. If at the next step boundary the
-        batch is the same (no row joined, left or was cancelled) and the step can run static, it
-        is launched at once with the pending step's tokens as input ids, copied on the device,
-        and only then are the pending step's tokens taken on the host (detokenized, streamed,
-        finish checks) while the device computes. A row that finishes there has computed one
-        token too many in the step just launched: it is never emitted, and the row leaves the
-        batch at the next boundary. Otherwise the pending step is taken first and this step runs
-        from host tokens, as do all steps with pipelining off. Commands and the engine's stop
-        take a pending step first too."""
-        rows = sorted(self.sched.running, key=self.lora.sort_key)
-        if self._pending is not None:
-            if self._pipelined_step(rows):
-                return
-            self._flush()
-        self.sched.reserve_decode()
-        rows = sorted(self.sched.running, key=self.lora.sort_key)
-        if not rows:
-            return
-        step = self.lora.plan(rows, 1, self._bucket(rows))
-        self.peak_decode_rows = max(self.peak_decode_rows, len(rows))
-        self.peak_decode_entries = max(self.peak_decode_entries, len(step.entries))
-        got = self.runner.decode(rows, step, self._bucket(rows))
-        self._advance(rows)
-        tokens = self.runner.choose(rows, *got, [s.length + s.rope_delta for s in rows])
-        if self._holdable(rows):
-            self._pending = self._hold(rows, tokens)
-            return
-        for s, token in zip(rows, tokens.tolist()):  # one device->host copy for the batch
-            self._guard([s], self.outputs.accept, s, token)  # a row that fails here fails alone
-
-    def _bucket(self, rows: list[Sequence]) -> int:
-        """Rows a decode step runs (decode_graphs.bucket_rows; padding past the batch's own)."""
-        return bucket_rows(len(rows))
-
-    def _pipelined_step(self, rows: list[Sequence]) -> bool:
-        """Launches the next step from the pending one's device tokens, then takes the pending
-        step's tokens. False (nothing done) when the batch changed or a row's next token needs a
-        block the pool does not have."""
-        pending = self._pending
-        if rows != pending.rows:  # Sequence compares by identity
-            return False
-        if not self.sched.can_grow(rows):
-            return False
-        step = self.lora.plan(rows, 1, self._bucket(rows))  # the plan of the pending step, kept
-        got = self.runner.decode(rows, step, self._bucket(rows), ids=pending.tokens)
-        self._advance(rows)
-        self._pending = self._hold(rows, self.runner.choose(rows, *got, [s.length + s.rope_delta for s in rows]))
-        self.pipelined_steps += 1
-        self._take(pending)
-        if not self._holdable(rows):
-            self._flush()
-        return True
-
-    def _advance(self, rows: list[Sequence]) -> None:
-        """After a decode step's launch: every row cached one more token."""
-        for s in rows:
-            s.length += 1
-
-    def _holdable(self, rows: list[Sequence]) -> bool:
-        """Whether a launched step's tokens may wait for the next step's launch: pipelining is on,
-        some row goes on after this step's token (no speculative step when all are done:
-        finished, or at max_new_tokens), and none releases its adapter with it (the next step's
-        LoRA plan changes). Sampled rows pipeline too: their tokens are chosen on the device."""
-        if not self.config.pipeline_decode:
-            return False
-        goes_on = False
-        for s in rows:
-            if s.finished:
-                continue
-            n = len(s.tokens) + 1  # its tokens once this step's is taken
-            if s.prep.release_after and not s.released and n >= s.prep.release_after:
-                return False
-            goes_on = goes_on or n < s.prep.max_new_tokens
-        return goes_on
-
-    def _hold(self, rows: list[Sequence], tokens: torch.Tensor) -> PendingStep:
-        """Queues the copy of a launched step's tokens to the host, right behind the step."""
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
-        host.copy_(tokens, non_blocking=True)
-        copied = None
-        if self.device.type == "cuda":  # the engine thread need not have selected the engine's device
-            copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(self.device))
-        return PendingStep(rows, tokens, host, copied)
-
-    def _take(self, pending: PendingStep) -> None:
-        """Accepts a pending step's tokens; a row that finished or left since its launch drops its own."""
-        if pending.copied is not None:
-            pending.copied.synchronize()
-        for s, token in zip(pending.rows, pending.host.tolist()):
-            if not s.finished:
-                self._guard([s], self.outputs.accept, s, token)
-
-    def _flush(self) -> None:
-        """Takes the pending decode step, if any (before anything that needs every token known)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._guard([s for s in pending.rows if not s.finished], self._take, pending)

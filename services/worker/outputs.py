@@ -14,8 +14,9 @@ import time
 import structlog
 import torch
 
+from services.common.errors import ValoraError
 from services.worker.adapters import AdapterPool
-from services.worker.requests import Event, Finished, FinishReason, GenerationResult, TextDelta
+from services.worker.requests import Event, Failed, Finished, FinishReason, GenerationResult, TextDelta
 from services.worker.sequence import Sequence
 from services.worker.step_scheduler import StepScheduler
 
@@ -34,6 +35,18 @@ class OutputProcessor:
             s.sink(event)
         except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
             log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
+
+    def guard(self, seqs: list[Sequence], fn, *args) -> None:
+        """Runs one unit of work; an exception fails the requests involved, not the engine."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            log.error("engine_step_failed", error=repr(exc), requests=[s.req.request_id for s in seqs])
+            error = exc if isinstance(exc, ValoraError) else ValoraError(
+                f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
+            for s in seqs:
+                self.sched.finish(s)
+                self.emit(s, Failed(error))
 
     def accept(self, s: Sequence, token: int) -> None:
         """A new token for `s`: stream it, and finish the sequence if it is done."""

@@ -96,9 +96,9 @@ def test_batched_requests_of_different_adapters_match_peft(engine, model_path, b
     imgs = {"base": random_image(1), "a": random_image(1), "b": random_image(2, 112), "c": random_image(1)}
     reqs = [WorkRequest(f"{name}-{i}", prompt, [imgs[name]], adapter=ad, max_new_tokens=MAX_NEW)
             for i in range(2) for name, ad in targets.items()]
-    engine.peak_decode_entries = 0
+    engine.decoder.peak_entries = 0
     results = run_concurrently(engine, reqs)
-    assert engine.peak_decode_entries >= 2, "requests of different adapters never shared a decode step"
+    assert engine.decoder.peak_entries >= 2, "requests of different adapters never shared a decode step"
     got = {}
     for rid, (deltas, r) in results.items():
         name = rid.split("-")[0]

@@ -1,4 +1,4 @@
-"""Pipelined decode (engine._decode_step) on the tiny Qwen2-VL with the static decode step
+"""Pipelined decode (decoder.Decoder) on the tiny Qwen2-VL with the static decode step
 (decode_graphs="static", fp32, CPU): every request gets the same events — text deltas in order,
 tokens, finish reason, exactly one terminal event — with pipelining on and off, for rows finishing
 at different steps (length, stop sequence, EOS), cancellation, sampled rows (chosen on the
@@ -121,7 +121,7 @@ def same_both_ways(model_path, requests, same_order: bool = True, **kw) -> tuple
     assert {k: v.summary() for k, v in on.out.items()} == {k: v.summary() for k, v in off.out.items()}
     if same_order:
         assert on.order == off.order
-    assert off.eng.pipelined_steps == 0
+    assert off.eng.decoder.pipelined_steps == 0
     return on, off
 
 
@@ -136,7 +136,7 @@ def test_rows_finishing_at_different_steps(model_path, merged):
     requests[6].adapter_release_fraction = 0.25
     on, off = same_both_ways(model_path, requests, merged=merged)
     assert [len(on.out[q.request_id].terminal.result.token_ids) for q in requests] == lengths
-    assert on.eng.pipelined_steps >= 15
+    assert on.eng.decoder.pipelined_steps >= 15
     assert on.eng.graphs.static_steps == off.eng.graphs.static_steps  # no step launched that no row needed
     assert all(isinstance(on.eng.step_log[i][2], float) and on.eng.step_log[i][2] > 0 for i in range(len(on.eng.step_log)))
 
@@ -150,7 +150,7 @@ def test_stop_sequences(model_path):
     on, _ = same_both_ways(model_path, requests)
     reasons = [on.out[q.request_id].terminal.result.finish_reason for q in requests]
     assert reasons == [FinishReason.STOP_SEQUENCE, FinishReason.STOP_SEQUENCE, FinishReason.LENGTH, FinishReason.LENGTH]
-    assert on.eng.pipelined_steps >= 5
+    assert on.eng.decoder.pipelined_steps >= 5
 
 
 def test_eos(model_path):
@@ -162,7 +162,7 @@ def test_eos(model_path):
     on, _ = same_both_ways(model_path, requests, eos={eos})
     assert on.out["r1"].terminal.result.finish_reason == FinishReason.EOS
     assert on.out["r1"].terminal.result.token_ids == tokens["r1"][:k + 1]
-    assert on.eng.pipelined_steps >= k - 2
+    assert on.eng.decoder.pipelined_steps >= k - 2
 
 
 def test_cancellation_mid_decode_frees_the_kv_cache(model_path):
@@ -176,7 +176,7 @@ def test_cancellation_mid_decode_frees_the_kv_cache(model_path):
         assert r.out["r1"].terminal.error.reason == "CANCELLED" and r.out["r1"].deltas == 5
         assert r.out["r2"].terminal.result.finish_reason == FinishReason.LENGTH
         assert r.eng.stats().kv_cache_bytes == 0 and r.eng.stats().running == 0
-    assert on.eng.pipelined_steps >= 10
+    assert on.eng.decoder.pipelined_steps >= 10
 
 
 def test_sampled_rows_pipeline_too(model_path):
@@ -187,7 +187,7 @@ def test_sampled_rows_pipeline_too(model_path):
     top_p = SamplingParams(temperature=1.0, top_p=0.9, seed=8)
     requests = [req(0, 8), req(1, 20, sampling=top_k, adapter=A), req(2, 12, adapter=B, sampling=top_p), req(3, 5)]
     on, _ = same_both_ways(model_path, requests)
-    assert on.eng.pipelined_steps >= 10
+    assert on.eng.decoder.pipelined_steps >= 10
 
 
 def test_requests_joining_mid_decode(model_path):
@@ -203,8 +203,8 @@ def test_requests_joining_mid_decode(model_path):
 
     on, _ = same_both_ways(model_path, [req(0, 24), req(1, 18, adapter=B)], same_order=False, hook=hook, expect=6)
     assert set(on.out) == {"r0", "r1", "r14", "r24", "r19", "r29"}
-    assert on.eng.peak_decode_rows >= 4
-    assert on.eng.pipelined_steps >= 10
+    assert on.eng.decoder.peak_rows >= 4
+    assert on.eng.decoder.pipelined_steps >= 10
 
 
 def test_commands_run_between_fully_taken_steps(model_path):
@@ -215,12 +215,12 @@ def test_commands_run_between_fully_taken_steps(model_path):
     def hook(r: Run, rid: str, ev) -> None:
         if rid == "r0" and isinstance(ev, TextDelta) and r.out[rid].deltas in (3, 8):
             run = r.eng.adapters.run  # a probe command: what is pending when it runs
-            r.eng.adapters.run = lambda c, run=run: seen.append(r.eng._pending) if c.name == "probe" else run(c)
+            r.eng.adapters.run = lambda c, run=run: seen.append(r.eng.decoder.pending) if c.name == "probe" else run(c)
             with r.eng._wake:
                 r.eng._commands.append((Command("probe"), threading.Event(), {}))
 
     on, _ = same_both_ways(model_path, [req(0, 16), req(1, 20, adapter=A)], hook=hook)
-    assert seen == [None] * 4 and on.eng.pipelined_steps >= 8
+    assert seen == [None] * 4 and on.eng.decoder.pipelined_steps >= 8
 
 
 def test_the_next_step_launches_before_the_previous_tokens_are_accepted(model_path):
@@ -251,7 +251,7 @@ def test_the_next_step_launches_before_the_previous_tokens_are_accepted(model_pa
         assert len(result.token_ids) == n
         if pipeline:
             want = ["t1", "L1"] + [x for k in range(2, n) for x in (f"L{k}", f"t{k}")] + [f"t{n}"]
-            assert eng.pipelined_steps == n - 2
+            assert eng.decoder.pipelined_steps == n - 2
         else:
             want = ["t1"] + [x for k in range(1, n) for x in (f"L{k}", f"t{k + 1}")]
         assert log == want

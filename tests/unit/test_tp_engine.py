@@ -143,7 +143,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
         s = eng.stats()
         summary = {"outcomes": got, "steps": [list(x[:2]) for x in eng.step_log],
                    "mode": s.mode.value, "merged": s.merged_adapter, "host": s.host_adapters,
-                   "resident": s.resident_adapters, "pipelined": eng.pipelined_steps}
+                   "resident": s.resident_adapters, "pipelined": eng.decoder.pipelined_steps}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()
