@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
 import math
 import queue
 import threading
@@ -31,7 +30,6 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.common.adapter_format import BaseModelShapes
 from services.common.errors import (
     CapacityExceeded,
     Cancelled,
@@ -42,16 +40,13 @@ from services.common.errors import (
     invalid_field,
 )
 from services.worker.adapters import AdapterPool, AdapterWeights
-from services.worker.atmm_backend import AtmmBackend
-from services.worker.attention import use_grouped_decode_attention
 from services.worker.decoder import Decoder
 from services.worker.detokenizer import IncrementalDetokenizer
-from services.worker.fused_layers import install_fused_layers
 from services.worker.kv_cache import PoolMemory
-from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
 from services.worker.lora_manager import Command, LoraManager
 from services.worker.lora_plans import LoraPlanner
-from services.worker.model import load_model, load_processor, load_sharded_model
+from services.worker.lora_model import load_lora_model
+from services.worker.model import load_processor
 from services.worker.model_runner import ModelRunner
 from services.worker.outputs import OutputProcessor
 from services.worker.requests import (
@@ -68,7 +63,7 @@ from services.worker.requests import (
 )
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
-from services.worker.tensor_parallel import TPGroup, local_features, shard_model_
+from services.worker.tensor_parallel import TPGroup
 from services.worker.preprocess import process_request
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, without_pixels
 
@@ -144,36 +139,9 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         self.tp = config.tp if config.tp is not None and config.tp.world_size > 1 else None
         self.leader = self.tp is None or self.tp.rank == 0
-        self.runtime = LoraRuntime()
-        if self.tp is not None and config.load_format == "auto":  # the rank's shard, never the whole model
-            self.model, self.lora_layers = load_sharded_model(path, self.device, self.dtype, self.tp, self.runtime)
-        else:
-            self.model = load_model(path, self.device, self.dtype, config.load_format)
-            self.lora_layers = (install_lora(self.model, self.runtime) if self.tp is None
-                                else shard_model_(self.model, self.tp, self.runtime))  # TP LoRA layers
-        use_grouped_decode_attention(self.model.config.text_config)
-        self.model_config = json.loads((path / "config.json").read_text())
-        self.shapes = BaseModelShapes.from_config(self.model_config)
-        self.text_config = self.model.config.text_config
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        eos_ids = set(eos) | {self.text_config.eos_token_id} - {None}
-        features = self.shapes.features if self.tp is None else local_features(self.shapes, self.tp)
-        groups = {}
-        if config.fused_layers:  # its forward runs q/k/v and gate/up as one linear each (lora.LoraGroup)
-            groups = install_lora_groups(self.model, self.lora_layers, self.runtime)
-            install_fused_layers(self.model)
-        if config.use_atmm and AtmmBackend.available(self.device, self.dtype):
-            self.runtime.backend = AtmmBackend({k: features[k[1]] for k in self.lora_layers},
-                                               self.device, self.dtype,
-                                               groups={k: g.part_keys for k, g in groups.items()})
-            if config.lora_fold_rows > 0 and self.tp is None:  # the projections the forward calls
-                in_groups = {k for g in groups.values() for k in g.part_keys}
-                folded = {**groups, **{k: m for k, m in self.lora_layers.items() if k not in in_groups}}
-                for m in folded.values():
-                    m.reserve_lora_rows(config.lora_fold_rows)
-                self.runtime.backend.enable_fold(folded, config.lora_fold_rows)
-        log.info("multi_lora_op", op="atmm" if self.runtime.backend is not None else "torch_reference")
+        m = load_lora_model(path, config, self.device, self.dtype, self.tp)
+        self.model, self.runtime, self.lora_layers, self.shapes = m.model, m.runtime, m.lora_layers, m.shapes
+        self.model_config, self.text_config, eos_ids = m.model_config, m.model.config.text_config, m.eos_ids
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
