@@ -347,9 +347,9 @@ def service_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
     return env
 
 
-def worker_status(address: str) -> worker_service_pb2.GetWorkerStatusResponse:
+def worker_status(c: cluster_mod.Cluster, address: str) -> worker_service_pb2.GetWorkerStatusResponse:
     """One worker's GetWorkerStatus: its status, recent step times and decode-graph counters."""
-    with grpc.insecure_channel(address) as channel:
+    with c.channel(address) as channel:
         return worker_service_pb2_grpc.WorkerServiceStub(channel).GetWorkerStatus(
             worker_service_pb2.GetWorkerStatusRequest(), timeout=10)
 
@@ -359,11 +359,11 @@ def message_fields(msg) -> dict:
     return {f.name: round(v, 3) if isinstance(v, float) else v for f, v in msg.ListFields()}
 
 
-def worker_engine_stats(addresses: list[str]) -> tuple[list[dict], list[dict]]:
+def worker_engine_stats(c: cluster_mod.Cluster, addresses: list[str]) -> tuple[list[dict], list[dict]]:
     """Each worker's recent engine step times and how its decode steps ran (GetWorkerStatus):
     with the run's wall time the step times tell a busy engine (steps fill the wall time) from
     one waiting for work upstream; the decode-graph counts tell replays from warm-ups/captures."""
-    got = [worker_status(address) for address in addresses]
+    got = [worker_status(c, address) for address in addresses]
     return [message_fields(g.step_times) for g in got], [message_fields(g.decode_graphs) for g in got]
 
 
@@ -426,7 +426,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         c = cluster_mod.start_cluster(home, workers=workers, model_path=model_path, env=service_env(args, home),
                                       worker_env=worker_env, startup_timeout_s=args.startup_timeout_s)
         scheduler = c.by_service("scheduler")[0].address
-        cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s)  # polled healthy, not just up
+        cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s, c.internal_token)  # healthy, not just up
         startup_s = time.perf_counter() - t0
         adapters = register_adapters(c.gateway, bundles, args.seed)
         use_adapters(warm, adapters)
@@ -440,7 +440,7 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         cpu_before = cpu_seconds(pids)
         outcomes = asyncio.run(drive(c.gateway, measured, concurrency, rate, args.timeout_s, args.seed))
         cpu_after = cpu_seconds(pids)
-        steps, graphs = worker_engine_stats([p.address for p in c.by_service("worker")])
+        steps, graphs = worker_engine_stats(c, [p.address for p in c.by_service("worker")])
     finally:
         cluster_mod.stop_cluster(home)
     row = summarize(outcomes, workers, gpus)

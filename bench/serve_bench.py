@@ -229,10 +229,10 @@ class GpuSampler:
                 self.proc.wait()
 
 
-def worker_status(address: str) -> worker_service_pb2.GetWorkerStatusResponse | None:
+def worker_status(c: cluster_mod.Cluster, address: str) -> worker_service_pb2.GetWorkerStatusResponse | None:
     """The worker's GetWorkerStatus; None (and a warning) when it does not answer."""
     try:
-        return sb.worker_status(address)
+        return sb.worker_status(c, address)
     except grpc.RpcError as err:
         console.print(f"[yellow]GetWorkerStatus {address}: {err.code().name} {err.details()}")
         return None
@@ -277,9 +277,9 @@ def measure(c: cluster_mod.Cluster, load: Load, requests: list[inf_pb.InferReque
     the services' CPU per request and the worker's recent step times at its end."""
     worker = c.by_service("worker")[0].address
     pids = {p.name: p.pid for p in c.processes}
-    before, cpu_before = graph_counters(worker_status(worker)), sb.cpu_seconds(pids)
+    before, cpu_before = graph_counters(worker_status(c, worker)), sb.cpu_seconds(pids)
     outcomes = asyncio.run(sb.drive(c.gateway, requests, load.concurrency, load.rate, args.timeout_s, args.seed))
-    cpu_after, status = sb.cpu_seconds(pids), worker_status(worker)
+    cpu_after, status = sb.cpu_seconds(pids), worker_status(c, worker)
     row = summarize_run(outcomes, before, graph_counters(status))
     t0, t1 = min(o.sent for o in outcomes), max(o.done for o in outcomes)
     row["gpu_busy"] = sampler.mean(t0, t1) if sampler else None
@@ -425,7 +425,8 @@ def start(home: Path, model: Path, args: argparse.Namespace, inputs: Inputs, wor
         t0 = time.perf_counter()
         c = cluster_mod.start_cluster(home, workers=1, model_path=model, env=env, worker_env=worker_env,
                                       startup_timeout_s=args.startup_timeout_s)
-        cluster_mod.wait_registered(c.by_service("scheduler")[0].address, 1, args.startup_timeout_s)
+        cluster_mod.wait_registered(c.by_service("scheduler")[0].address, 1, args.startup_timeout_s,
+                                    c.internal_token)
         t1 = time.perf_counter()
         refs = sb.register_adapters(c.gateway, inputs.bundles, args.seed, prefix="serve")
         inputs.bundles = []

@@ -85,10 +85,17 @@ def _image_pb(image: bytes | str | Path) -> types_pb2.Image:
 
 class ValoraClient:
     def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20):
+                 timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20,
+                 internal_token: str = ""):
+        """`internal_token`: the cluster's internal token, for an adapter store's AdminService
+        addressed directly (the generation runner); a gateway needs only the keys."""
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes)])
+        if internal_token:
+            from services.common.internal_auth import with_token  # noqa: PLC0415 - services only
+
+            self._channel = with_token(self._channel, internal_token)
         self._inference = inf_grpc.InferenceServiceStub(self._channel)
         self._admin = admin_grpc.AdminServiceStub(self._channel)
         self._api_key, self._admin_key = api_key, admin_key

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -55,6 +56,14 @@ class ProcessInfo:
 class Cluster:
     home: str
     processes: list[ProcessInfo] = field(default_factory=list)
+    # The services' shared internal token (services/common/internal_auth.py); "" = internal APIs open.
+    internal_token: str = ""
+
+    def channel(self, address: str, options=()) -> grpc.Channel:
+        """A channel to one of the cluster's internal services (the store, scheduler, a worker)."""
+        from services.common.internal_auth import with_token  # noqa: PLC0415
+
+        return with_token(grpc.insecure_channel(address, options=list(options)), self.internal_token)
 
     @property
     def gateway(self) -> str:
@@ -72,7 +81,9 @@ class Cluster:
         """Atomically (temp file + rename): `valora status` or a test may read it while `up` writes."""
         path = Path(self.home, STATE_FILE)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the internal token
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(self), indent=2))
         os.replace(tmp, path)
 
     @classmethod
@@ -81,7 +92,8 @@ class Cluster:
         if not path.exists():
             return None
         data = json.loads(path.read_text())
-        return cls(home=data["home"], processes=[ProcessInfo(**p) for p in data["processes"]])
+        return cls(home=data["home"], processes=[ProcessInfo(**p) for p in data["processes"]],
+                   internal_token=data.get("internal_token", ""))
 
 
 def free_port() -> int:
@@ -122,12 +134,13 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             time.sleep(0.2)
 
 
-def wait_registered(scheduler: str, workers: int, timeout_s: float) -> None:
+def wait_registered(scheduler: str, workers: int, timeout_s: float, token: str = "") -> None:
     """Blocks until the scheduler lists `workers` healthy workers (registered ones join at run time)."""
+    from services.common.internal_auth import with_token
     from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(scheduler) as channel:
+    with with_token(grpc.insecure_channel(scheduler), token) as channel:
         stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
         while True:
             try:
@@ -224,6 +237,8 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one).
     `env` goes to every process; `worker_env[i]` only to worker i, over `env` (per-worker device
     settings: VALORA_DEVICE, CUDA_VISIBLE_DEVICES…); it has one entry per worker when given.
+    The services share an internal token (VALORA_INTERNAL_TOKEN from `env`, else the environment,
+    else a new random one; "" turns internal auth off), kept in the cluster's state file.
     `register`: workers join the scheduler through RegisterWorker + heartbeats (VALORA_SCHEDULER_ADDRESS;
     they retry until the scheduler is up) instead of its static VALORA_WORKER_ADDRESSES; returns once
     the scheduler lists them all healthy."""
@@ -233,8 +248,12 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     (home / "logs").mkdir(parents=True, exist_ok=True)
     model_path = Path(model_path or default_model_path(home)).resolve()
     ensure_model(model_path)
-    cluster = Cluster(home=str(home))
     base_env = {**os.environ, "VALORA_MODEL_PATH": str(model_path), "PYTHONUNBUFFERED": "1", **(env or {})}
+    if "VALORA_INTERNAL_TOKEN" not in base_env and "VALORA_INTERNAL_TOKEN_FILE" not in base_env:
+        base_env["VALORA_INTERNAL_TOKEN"] = secrets.token_urlsafe(32)
+    token_file = base_env.get("VALORA_INTERNAL_TOKEN_FILE", "")
+    token = base_env.get("VALORA_INTERNAL_TOKEN") or (Path(token_file).read_text().strip() if token_file else "")
+    cluster = Cluster(home=str(home), internal_token=token)
     # Every port of the cluster at once, so none is handed out twice while processes are still binding.
     spare = iter(free_ports(2 * (workers + 3) + 2))
     store_port = next(spare)
@@ -284,7 +303,7 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
             for port, proc, log in started:
                 wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
             if service == "scheduler" and register:
-                wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s)
+                wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s, cluster.internal_token)
     except BaseException:
         stop_cluster(home)
         raise

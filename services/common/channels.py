@@ -1,5 +1,6 @@
-"""The one way services open outbound gRPC channels: the shared message-size options plus the
-tracing interceptors, so every hop carries the trace context (services/common/tracing.py)."""
+"""The one way services open outbound gRPC channels: the shared message-size options, the
+tracing interceptors, so every hop carries the trace context (services/common/tracing.py), and
+the internal token (services/common/internal_auth.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ from pathlib import Path
 import grpc
 from opentelemetry import trace
 
+from services.common.internal_auth import token_interceptors
 from services.common.tracing import tracing_client_interceptors
 
 
 def open_channel(address: str, options: Sequence[tuple[str, int | str]] = (),
                  tracer_provider: trace.TracerProvider | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+                 credentials: grpc.ChannelCredentials | None = None, token: str = "") -> grpc.aio.Channel:
     """A grpc.aio channel to `address` (`host:port`) with tracing client interceptors; TLS when
-    `credentials` (see `client_credentials(settings)`), else plaintext.
+    `credentials` (see `client_credentials(settings)`), else plaintext; `token` (see
+    `internal_auth.internal_token(settings)`) sent on every call when set.
     `options` is usually `services.common.server.channel_options(settings)`."""
-    interceptors = tracing_client_interceptors(tracer_provider)
+    interceptors = [*token_interceptors(token), *tracing_client_interceptors(tracer_provider)]
     if credentials is not None:
         return grpc.aio.secure_channel(address, credentials, options=list(options), interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)

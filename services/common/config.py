@@ -31,6 +31,11 @@ class ServiceSettings(BaseSettings):
     tls_ca: str = Field(
         "", description="PEM CA bundle file that peers' certificates must chain to; with tls_cert set the server "
         "requires client certificates (mutual TLS), and outbound channels verify servers against it.")
+    internal_token: str = Field(
+        "", description="Shared secret of the internal APIs (services/common/internal_auth.py): the store, "
+        "scheduler and workers refuse calls without it; every service sends it. Empty: internal APIs open.")
+    internal_token_file: str = Field("", description="File holding internal_token (a mounted secret); used when "
+                                     "internal_token is empty.")
     otlp_endpoint: str = Field(
         "", description="OTLP/gRPC trace collector, e.g. http://otel-collector:4317; empty = no OTLP export.")
     trace_console: bool = Field(False, description="Also print finished trace spans to stdout (debugging).")

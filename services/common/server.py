@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.config import ServiceSettings
 from services.common.errors import ValoraError
+from services.common.internal_auth import InternalAuthInterceptor, internal_token
 from services.common.logging import configure_logging
 from services.common.metrics import start_metrics_server
 from services.common.tracing import TracingServerInterceptor, tracer_provider as make_tracer_provider
@@ -194,11 +195,16 @@ def build_service(
     register: Callable[[grpc.aio.Server], Iterable[str]],
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     tracer_provider: TracerProvider | None = None,
+    internal: bool = True,
 ) -> Service:
     """`register(server)` adds the servicers and returns their full service names.
     `tracer_provider`: the one the service's outbound channels use (made from the settings when
-    None); the tracing interceptor runs outermost, so its spans see every final status."""
+    None); the tracing interceptor runs outermost, so its spans see every final status.
+    `internal`: the service's API is internal (store, scheduler, worker): calls must carry the
+    internal token when one is configured (internal_auth.py); the gateway's is public."""
     tracer_provider = tracer_provider or make_tracer_provider(settings, name)
+    if internal:
+        interceptors = [InternalAuthInterceptor(name, internal_token(settings)), *interceptors]
     server = grpc.aio.server(interceptors=[TracingServerInterceptor(tracer_provider), *interceptors,
                                            ErrorInterceptor()], options=channel_options(settings))
     names = list(register(server))

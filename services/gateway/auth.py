@@ -13,9 +13,9 @@ from collections.abc import Iterable
 
 import grpc
 import structlog
-from grpc_status import rpc_status
 
 from services.common.errors import PermissionDenied, Unauthenticated, ValoraError
+from services.common.internal_auth import refusing_handler
 
 log = structlog.get_logger()
 
@@ -81,28 +81,4 @@ class ApiKeyAuthInterceptor(grpc.aio.ServerInterceptor):
         if error is None or handler is None:
             return handler
         log.info("auth_refused", method=method, code=error.code.name, reason=error.reason)
-        return _refusing_handler(handler, error)
-
-
-def _refusing_handler(handler: grpc.RpcMethodHandler, error: ValoraError) -> grpc.RpcMethodHandler:
-    status = rpc_status.to_status(error.to_status())
-
-    async def refuse(context) -> None:
-        await context.abort_with_status(status)
-
-    if handler.unary_unary:
-        async def uu(request, context):
-            await refuse(context)
-        return grpc.unary_unary_rpc_method_handler(uu, handler.request_deserializer, handler.response_serializer)
-    if handler.stream_unary:
-        async def su(request_iterator, context):
-            await refuse(context)
-        return grpc.stream_unary_rpc_method_handler(su, handler.request_deserializer, handler.response_serializer)
-
-    async def stream(request, context):
-        await refuse(context)
-        yield  # pragma: no cover - makes this an async generator
-
-    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-    return make(stream, handler.request_deserializer, handler.response_serializer)
-
+        return refusing_handler(handler, error)

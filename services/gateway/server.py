@@ -4,6 +4,7 @@ OpenAI-compatible HTTP front beside it (services/gateway/http_openai.py)."""
 from __future__ import annotations
 
 from services.common.channels import client_credentials, open_channel
+from services.common.internal_auth import internal_token
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.gateway.admin import AdminServicer
@@ -21,8 +22,9 @@ async def create_server(settings: GatewaySettings) -> Service:
     options = channel_options(settings)
     tracing = tracer_provider(settings, "gateway")
     credentials = client_credentials(settings)  # mutual TLS between services when configured
-    scheduler_channel = open_channel(settings.scheduler_address, options, tracing, credentials=credentials)
-    store_channel = open_channel(settings.adapter_store_address, options, tracing, credentials=credentials)
+    token = internal_token(settings)  # the scheduler's and the store's internal APIs
+    scheduler_channel = open_channel(settings.scheduler_address, options, tracing, credentials=credentials, token=token)
+    store_channel = open_channel(settings.adapter_store_address, options, tracing, credentials=credentials, token=token)
     scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(scheduler_channel)
     inference = InferenceServicer(settings, scheduler,
                                   adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
@@ -37,7 +39,8 @@ async def create_server(settings: GatewaySettings) -> Service:
         return [inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
                 admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name]
 
-    service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing)
+    service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing,
+                            internal=False)
     service.http = None
     if settings.http_enabled:
         target = loopback_target(settings.host, service.port)

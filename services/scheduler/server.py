@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.common.channels import client_credentials
+from services.common.internal_auth import internal_token
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.scheduler.config import SchedulerSettings
@@ -27,7 +28,8 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
                       poll_timeout_s=settings.status_timeout_s,
                       default_max_batch_size=settings.default_max_batch_size,
                       channel_options=channel_options(settings), on_change=on_change, tracer_provider=tracing,
-                      credentials=client_credentials(settings), ttl_s=settings.worker_ttl_s,
+                      credentials=client_credentials(settings), token=internal_token(settings),
+                      ttl_s=settings.worker_ttl_s,
                       grace_s=settings.worker_grace_s, watch=settings.status_watch,
                       watch_interval_s=settings.status_watch_interval_ms / 1e3)
     if policy is None:

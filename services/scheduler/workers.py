@@ -155,7 +155,7 @@ class WorkerPool:
 
     def __init__(self, addresses: list[str], *, poll_s: float, poll_timeout_s: float,
                  default_max_batch_size: int, channel_options: list[tuple[str, int]],
-                 on_change: Callable[[], None], tracer_provider=None, credentials=None,
+                 on_change: Callable[[], None], tracer_provider=None, credentials=None, token: str = "",
                  ttl_s: float = 10.0, grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  watch: bool = True, watch_interval_s: float = 0.5,
                  watch_backoff_s: tuple[float, float] = (0.2, 5.0)) -> None:
@@ -167,6 +167,7 @@ class WorkerPool:
         self._channel_options = channel_options
         self._tracer_provider = tracer_provider
         self._credentials = credentials
+        self._token = token  # the workers' internal token (internal_auth.py)
         self._default_max_batch_size = default_max_batch_size
         self.workers: dict[str, WorkerHandle] = {}
         # Removed workers with requests still running there, by address (channels open until done).
@@ -187,7 +188,8 @@ class WorkerPool:
         self._started = False
 
     def _new_handle(self, address: str, *, static: bool = True) -> WorkerHandle:
-        channel = open_channel(address, self._channel_options, self._tracer_provider, credentials=self._credentials)
+        channel = open_channel(address, self._channel_options, self._tracer_provider, credentials=self._credentials,
+                               token=self._token)
         return WorkerHandle(address, channel, worker_service_pb2_grpc.WorkerServiceStub(channel),
                             self._default_max_batch_size, static=static)
 

@@ -27,7 +27,7 @@ class SchedulerRegistration:
     """Background registration + heartbeats of one worker with one scheduler."""
 
     def __init__(self, scheduler_address: str, *, address: str, name: str, device: str, max_batch_size: int,
-                 heartbeat_s: float, channel_options=(), tracer_provider=None, credentials=None,
+                 heartbeat_s: float, channel_options=(), tracer_provider=None, credentials=None, token: str = "",
                  rpc_timeout_s: float = 5.0, backoff_initial_s: float = 0.2, backoff_max_s: float = 5.0) -> None:
         self.scheduler_address = scheduler_address
         self.address = address
@@ -37,7 +37,8 @@ class SchedulerRegistration:
         self.rpc_timeout_s = rpc_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self._channel = open_channel(scheduler_address, channel_options, tracer_provider, credentials=credentials)
+        self._channel = open_channel(scheduler_address, channel_options, tracer_provider, credentials=credentials,
+                                     token=token)
         self._stub = scheduler_service_pb2_grpc.SchedulerServiceStub(self._channel)
         self._task: asyncio.Task | None = None
         self.registered = False

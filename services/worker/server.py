@@ -22,6 +22,7 @@ import torch.distributed as dist
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.channels import client_credentials
+from services.common.internal_auth import internal_token
 from services.common.config import ServiceSettings
 from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerUnavailable, invalid_field
 from services.common.names import parse_version_name
@@ -554,7 +555,8 @@ async def create_server(settings: WorkerSettings) -> Service:
     until then, and again if the engine dies)."""
     tracing = tracer_provider(settings, "worker")
     fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings),
-                             tracer_provider=tracing, credentials=client_credentials(settings))
+                             tracer_provider=tracing, credentials=client_credentials(settings),
+                             token=internal_token(settings))
     servicer = WorkerServicer(settings, fetcher)
 
     def register(server):
@@ -646,7 +648,7 @@ async def create_server(settings: WorkerSettings) -> Service:
             settings.scheduler_address, address=servicer.address, name=servicer.worker_name, device=settings.device,
             max_batch_size=settings.max_batch_size, heartbeat_s=settings.heartbeat_s,
             channel_options=channel_options(settings), tracer_provider=tracing,
-            credentials=client_credentials(settings))
+            credentials=client_credentials(settings), token=internal_token(settings))
         service.registration = registration
         service.on_start.append(registration.start)
         service.on_stop.append(registration.stop)

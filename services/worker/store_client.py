@@ -38,8 +38,9 @@ def _sha(data: bytes) -> str:
 
 class AdapterFetcher:
     def __init__(self, store_address: str, cache_dir: Path | str, channel_options=None,
-                 tracer_provider=None, credentials=None) -> None:
+                 tracer_provider=None, credentials=None, token: str = "") -> None:
         self.store_address = store_address
+        self._token = token  # the store's internal token (internal_auth.py)
         self._credentials = credentials  # grpc.ChannelCredentials for TLS to the store, or None
         self._tracer_provider = tracer_provider
         self.cache_dir = Path(cache_dir).expanduser()
@@ -52,7 +53,7 @@ class AdapterFetcher:
                                     reason="NO_ADAPTER_STORE")
         if self._channel is None:
             self._channel = open_channel(self.store_address, self._options, self._tracer_provider,
-                                         credentials=self._credentials)
+                                         credentials=self._credentials, token=self._token)
         return store_grpc.AdapterStoreServiceStub(self._channel)
 
     async def close(self) -> None:

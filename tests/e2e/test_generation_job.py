@@ -29,7 +29,7 @@ def cluster(tmp_path_factory):
     store = next(p for p in c.processes if p.service == "adapter_store")
     env = {**os.environ, "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store.port}",
            "VALORA_ADMIN_ADDRESS": c.gateway, "VALORA_POLL_S": "0.2", "VALORA_RUNNER_NAME": "e2e-runner",
-           "VALORA_LOG_JSON": "false"}
+           "VALORA_LOG_JSON": "false", "VALORA_INTERNAL_TOKEN": c.internal_token}
     with open(home / "runner.log", "w") as log:
         runner = subprocess.Popen([sys.executable, "-m", "services.generator", "serve"], env=env, stdout=log,
                                   stderr=subprocess.STDOUT)

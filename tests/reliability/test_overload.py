@@ -56,7 +56,7 @@ def test_overload_sheds_excess_with_retry_info(cluster):
     stop = threading.Event()
 
     def sample():
-        chans = [grpc.insecure_channel(w.address) for w in workers]
+        chans = [cluster.channel(w.address) for w in workers]
         gw = grpc.insecure_channel(cluster.gateway)
         stubs = [worker_service_pb2_grpc.WorkerServiceStub(c) for c in chans]
         admin = admin_service_pb2_grpc.AdminServiceStub(gw)

@@ -31,8 +31,8 @@ from valora.v1 import types_pb2
 pytestmark = pytest.mark.e2e
 
 
-def running(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
+def running(cluster, address: str) -> int:
+    with cluster.channel(address) as ch:
         try:
             return worker_service_pb2_grpc.WorkerServiceStub(ch).GetWorkerStatus(
                 worker_service_pb2.GetWorkerStatusRequest(), timeout=2).status.running_requests
@@ -85,7 +85,7 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
         it = iter(call)
         first = next(it, None)
         for _ in range(20):
-            where = {nm: running(p.address) for nm, p in workers.items()}
+            where = {nm: running(cluster, p.address) for nm, p in workers.items()}
             name = next((nm for nm, r in where.items() if r == 1), None)
             if name is not None or first is None:
                 break
@@ -102,7 +102,7 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
 
     def watch_other():
         while not stop.is_set():
-            replayed[0] = max(replayed[0], running(workers[other].address))
+            replayed[0] = max(replayed[0], running(cluster, workers[other].address))
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch_other, daemon=True)

@@ -505,6 +505,7 @@ CHART_VALUES = {
         "databaseUrl": "postgresql+psycopg://valora:pw@pg.db.svc:5432/valora",
         "s3AccessKey": "ak",
         "s3SecretKey": "sk-secret",
+        "internalToken": "it-secret",
     },
     "adapterStore": {"s3": {"endpoint": "minio.storage.svc:9000"}},
     "model": {"hostPath": "/srv/models/Qwen2-VL-7B-Instruct"},
@@ -784,3 +785,34 @@ def test_grafana_dashboard_shows_every_metric():
     provisioned = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     uid = provisioned["datasources"][0]["uid"]
     assert dash["templating"]["list"][0]["current"]["value"] == uid
+
+
+def test_internal_services_take_grpc_only_from_the_release_and_need_the_token():
+    objs = rendered_objects()
+    policies = by_kind(objs, "NetworkPolicy")
+    workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
+    internal = {"valora-adapter-store", "valora-scheduler", "valora-worker", "valora-generator"}
+    assert set(policies) == internal  # the gateway stays reachable
+    gateway_pod = workloads["valora-gateway"]["spec"]["template"]["metadata"]["labels"]
+    for name in internal:
+        pod = workloads[name]["spec"]["template"]
+        selector = policies[name]["spec"]["podSelector"]["matchLabels"]
+        assert selector.items() <= pod["metadata"]["labels"].items(), name
+        grpc_port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "grpc")
+        [grpc_rule] = [r for r in policies[name]["spec"]["ingress"] if r["ports"][0]["port"] == grpc_port]
+        [peer] = grpc_rule["from"]
+        assert peer["podSelector"]["matchLabels"].items() <= gateway_pod.items(), name  # the gateway may call
+        env = {e["name"]: e for e in pod["spec"]["containers"][0].get("env", [])}
+        assert env["VALORA_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "VALORA_INTERNAL_TOKEN", name
+    gateway_env = {e["name"] for e in workloads["valora-gateway"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "VALORA_INTERNAL_TOKEN" in gateway_env
+    values = json.loads(json.dumps(CHART_VALUES))
+    values["networkPolicy"] = {"enabled": False}
+    assert not by_kind(rendered_objects(values), "NetworkPolicy")
+
+
+def test_compose_services_share_the_required_internal_token():
+    services = load_compose()["services"]
+    for name in MODULES:
+        env = services[name]["environment"]
+        assert env["VALORA_INTERNAL_TOKEN"].startswith("${VALORA_INTERNAL_TOKEN:?"), name

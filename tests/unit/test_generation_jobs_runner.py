@@ -77,7 +77,7 @@ def test_success_writes_progress_and_result(rs):
     job = create(rs, "gen-ok", "digit", "parity")
     seen = []
 
-    def run(j, report, admin_address, admin_key, threads, batch_size):
+    def run(j, report, admin_address, admin_key, threads, batch_size, **_):
         assert j.name == job.name and admin_address == rs.address
         for i, s in enumerate(j.sources, 1):
             report(i / len(j.sources) * 0.8, f"fused {s.task}")
@@ -101,7 +101,7 @@ def test_success_writes_progress_and_result(rs):
 def test_failure_is_recorded(rs):
     job = create(rs, "gen-bad", "digit")
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         raise ValueError("unknown tasks ['nope']")
 
     r = runner(rs, run)
@@ -117,7 +117,7 @@ def test_cancel_stops_the_job_between_steps(rs):
     job = create(rs, "gen-cancel", "digit", "parity", "ge5")
     steps = []
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         for i, s in enumerate(j.sources):
             report(i / 3, f"fusing {s.task}")
             steps.append(s.task)
@@ -141,7 +141,7 @@ def test_the_heartbeat_holds_the_job_through_a_long_step(short):
     job = create(short, "gen-long", "digit")
     probes = []
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         report(0.1, "one long step")
         for _ in range(3):  # 3 leases without a report of its own
             time.sleep(LEASE_S)
@@ -161,7 +161,7 @@ DOOMED = """
 import sys, time
 from services.generator.runner import Runner, RunnerSettings
 
-def run(job, report, *_):
+def run(job, report, *_, **__):
     report(0.3, "step 1 of many")
     print(f"LEASE {report.lease_id} ATTEMPT {report.attempt}", flush=True)
     while True:  # a long step: only the heartbeat reports
@@ -196,7 +196,7 @@ def test_a_killed_runner_process_loses_the_job_to_another_runner(short, tmp_path
 
     seen = {}
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         seen.update(attempt=report.attempt, state=get(short, j.name))
         report(0.5, "second runner halfway")
         return res.GenerationJobResult(adapter_versions=["adapters/gen-kill-0/versions/1"])
@@ -227,7 +227,7 @@ def test_a_runner_whose_lease_was_taken_over_stops_there(short):
     job = create(short, "gen-lost", "digit")
     taken = {}
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         report(0.2, "a: starting")
         time.sleep(1.5 * LEASE_S)  # no heartbeat (heartbeat_s below): the lease lapses
         taken["b"] = short.store.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner="b"))
@@ -248,7 +248,7 @@ def test_a_cancel_seen_by_the_heartbeat_stops_a_long_step(short):
     job = create(short, "gen-stop", "digit")
     steps = []
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         report(0.1, "training")
         short.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(name=j.name))
         deadline = time.monotonic() + 5 * LEASE_S
@@ -275,7 +275,7 @@ def test_a_stopping_runner_hands_its_job_back(short):
     job = create(short, "gen-back", "digit")
     holder = []
 
-    def run(j, report, *_):
+    def run(j, report, *_, **__):
         report(0.4, "training")
         threading.Timer(0.2, holder[0].stop).start()  # SIGTERM arrives mid-step
         deadline = time.monotonic() + 5
