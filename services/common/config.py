@@ -8,6 +8,10 @@ import json
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The largest max_new_tokens a request may ask for: the default of the gateway's and the
+# workers' limits alike, so a request the gateway accepts is never refused by a worker.
+MAX_NEW_TOKENS_LIMIT = 4096
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VALORA_", extra="ignore")

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from services.common.config import ServiceSettings, split_list
+from services.common.config import MAX_NEW_TOKENS_LIMIT, ServiceSettings, split_list
 
 
 class GatewaySettings(ServiceSettings):
@@ -26,7 +26,8 @@ class GatewaySettings(ServiceSettings):
         4096 * 4096, gt=0, description="width*height of one image, read from its header before decoding.")
     max_prompt_chars: int = Field(32768, gt=0, description="Prompt length in characters (code points).")
     max_stop_sequences: int = Field(8, ge=0, description="Entries of params.stop.")
-    max_new_tokens_limit: int = Field(4096, gt=0, description="Largest params.max_new_tokens accepted.")
+    max_new_tokens_limit: int = Field(MAX_NEW_TOKENS_LIMIT, gt=0, description="Largest params.max_new_tokens "
+                                      "accepted (keep it at most the workers' VALORA_MAX_NEW_TOKENS_LIMIT).")
     default_max_new_tokens: int = Field(256, gt=0, description="params.max_new_tokens when the client sends 0.")
     default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request whose client set none.")
     max_deadline_s: float = Field(600.0, gt=0, description="Longest deadline honoured; longer ones are cut to it.")

@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from services.common.config import MAX_NEW_TOKENS_LIMIT
 from services.common.errors import (
     CapacityExceeded,
     Cancelled,
@@ -87,7 +88,7 @@ class EngineConfig:
     max_batch_size: int = 8
     max_waiting: int = 256
     default_max_new_tokens: int = 64
-    max_new_tokens_limit: int = 1024
+    max_new_tokens_limit: int = MAX_NEW_TOKENS_LIMIT
     device_slots: int = 4
     max_rank: int = 256
     max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.channels import client_credentials
-from services.common.internal_auth import internal_token
-from services.common.config import ServiceSettings
+from services.common.config import MAX_NEW_TOKENS_LIMIT, ServiceSettings
 from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerUnavailable, invalid_field
+from services.common.internal_auth import internal_token
 from services.common.names import parse_version_name
 from services.common import metrics
 from services.common.server import Service, build_service, channel_options
@@ -92,7 +92,8 @@ class WorkerSettings(ServiceSettings):
                                   "previous step's tokens on the device, then process those on the host while it "
                                   "runs (needs the static/graph decode step; false: strictly serial steps).")
     default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens when a request leaves it 0.")
-    max_new_tokens_limit: int = Field(1024, ge=1, description="Largest max_new_tokens accepted.")
+    max_new_tokens_limit: int = Field(MAX_NEW_TOKENS_LIMIT, ge=1, description="Largest max_new_tokens accepted "
+                                      "(the gateway's limit has the same default).")
     device_slots: int = Field(4, ge=1, description="Adapters resident on the device at once (LRU).")
     max_rank: int = Field(256, ge=1, description="Largest LoRA rank accepted.")
     switch_strategy: str = Field("pristine", description="Merge/switch strategy: pristine (exact, keeps a copy "

@@ -43,6 +43,14 @@ def test_every_engine_knob_is_a_setting_with_the_engine_default(clean_env):
         assert getattr(defaults, f.name) == f.default, f.name
 
 
+def test_gateway_and_workers_share_one_max_new_tokens_limit(clean_env):
+    """A request within the gateway's limit is within every default worker's (it once passed the
+    gateway's 4096 and failed the worker's 1024, naming the worker's internal field)."""
+    from services.gateway.config import GatewaySettings
+
+    assert GatewaySettings().max_new_tokens_limit == WorkerSettings().max_new_tokens_limit == 4096
+
+
 def test_settings_from_the_environment_reach_the_engine_config(clean_env):
     env = {
         "VALORA_DEVICE": "cuda:1", "VALORA_DTYPE": "bf16", "VALORA_MAX_PREFILLS_PER_STEP": "4",
