@@ -221,6 +221,9 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("stream must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
     return inp, stream
 
 
@@ -290,16 +293,30 @@ class OpenAIHttpServer:
             md.append((AUTHORIZATION_KEY, request.headers["Authorization"]))
         return tuple(md)
 
+    def _authorize(self, request: web.Request) -> None:
+        """The caller's key checked before the body is read (a keyless caller must not make the
+        gateway read, gunzip and parse a large body); a header gRPC metadata cannot carry
+        (non-ASCII) is an invalid key."""
+        value = request.headers.get("Authorization")
+        if value is not None and not (value.isascii() and value.isprintable()):
+            raise errors.Unauthenticated("invalid API key", reason="INVALID_API_KEY")
+        refused = self.auth.check(INFERENCE_PREFIX + "Infer", list(request.headers.items()))
+        if refused is not None:
+            raise refused
+
     async def _json(self, request: web.Request) -> Any:
         try:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("the body is not valid JSON") from None
+        except RecursionError:
+            raise RequestError("the body's JSON is nested too deeply") from None
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(f"the body is larger than {self.settings.max_message_bytes} bytes",
                                code="request_too_large") from None
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
         body = await self._json(request)
         inp, stream = build_input(body, self.settings.served_model_name)
         rid = request.headers.get("X-Request-Id") or new_request_id()
@@ -371,9 +388,7 @@ class OpenAIHttpServer:
             call.cancel()  # no-op when finished; frees the request when the HTTP client left
 
     async def models(self, request: web.Request) -> web.Response:
-        refused = self.auth.check(INFERENCE_PREFIX + "Infer", list(request.headers.items()))
-        if refused is not None:
-            raise refused
+        self._authorize(request)
         metadata = ((REQUEST_ID_KEY, request.headers.get("X-Request-Id") or new_request_id()),)
         timeout = self.settings.admin_deadline_s
         created = int(time.time())

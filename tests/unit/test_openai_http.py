@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 
 import aiohttp
 import grpc
@@ -193,6 +194,31 @@ async def test_errors_are_openai_shaped_with_the_right_status():
                 not_json = r.status
     assert missing_key[0] == 401 and missing_key[1]["error"]["type"] == "authentication_error"
     assert not_json == 400
+
+
+async def test_hostile_requests_get_4xx_and_keyless_bodies_are_not_read():
+    """What answered 500 (deep JSON, a non-object stream_options, a non-ASCII Authorization
+    header), and a keyless caller's body: refused on its key (401) before it is parsed."""
+    url, _ = png_data_url()
+    good = {"model": "valora-base", "messages": user_message(url)}
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    async with http_stack() as (worker, client, base_url), aiohttp.ClientSession() as raw:
+        async def post(body: bytes, headers) -> tuple[int, dict]:
+            async with raw.post(f"{base_url}/chat/completions", data=body, headers=headers) as r:
+                return r.status, await r.json()
+
+        deep = await post(b"[" * 100_000 + b"]" * 100_000, auth)
+        options = await post(json.dumps({**good, "stream": True, "stream_options": [1]}).encode(), auth)
+        non_ascii = await post(json.dumps(good).encode(), {**auth, "Authorization": "Bearer sk-t\u00e9st"})
+        keyless_garbage = await post(b"{" * 1000, {"Content-Type": "application/json"})
+        models = await raw.get(f"{base_url}/models", headers={"Authorization": "Bearer \u00e9"})
+        models_status = models.status
+        models.release()
+    assert deep[0] == 400 and "nested too deeply" in deep[1]["error"]["message"], deep
+    assert options[0] == 400 and options[1]["error"]["param"] == "stream_options", options
+    assert non_ascii[0] == 401 and models_status == 401, (non_ascii, models_status)
+    assert keyless_garbage[0] == 401, keyless_garbage  # the key first: the body was never parsed
+    assert not worker.items
 
 
 @pytest.mark.parametrize(("exc", "status", "retry_after"), [
