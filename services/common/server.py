@@ -146,6 +146,17 @@ class Service:
     tracer_provider: TracerProvider | None = None
     # What health says: False until started and from the moment a drain begins.
     serving: bool = False
+    # Set by `fail`: the process drains and exits with exit_code (a supervisor restarts it).
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int = 0
+    stopping: bool = False  # stop() began: health stays NOT_SERVING
+
+    def fail(self, reason: str) -> None:
+        """The service cannot go on (e.g. a worker's engine died): `serve` drains it and the
+        process exits non-zero, so compose's restart policy or Kubernetes starts it again."""
+        log.error("service_failed", service=self.name, reason=reason)
+        self.exit_code = 1
+        self.failed.set()
 
     async def start(self) -> None:
         await self.server.start()
@@ -163,6 +174,7 @@ class Service:
         """NOT_SERVING; after `drain_delay` seconds (callers routing by health stop sending
         here meanwhile, and what they still send is served) new RPCs are refused, running
         ones get `grace` seconds."""
+        self.stopping = True
         await self.set_serving(False)
         if drain_delay > 0:
             await asyncio.sleep(drain_delay)
@@ -233,7 +245,8 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:
+async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> int:
+    """Runs the service until SIGTERM/SIGINT or its `fail`; returns the process's exit code."""
     service = await create(settings)
     start_metrics_server(settings.metrics_port, settings.host)
     await service.start()
@@ -243,16 +256,22 @@ async def _serve(create: Callable[[ServiceSettings], Awaitable[Service]], settin
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(service.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
     log.info("draining", service=service.name, grace_s=settings.grace_s)
     await service.stop(settings.grace_s, settings.drain_delay_s)
-    log.info("stopped", service=service.name)
+    log.info("stopped", service=service.name, exit_code=service.exit_code)
+    return service.exit_code
 
 
 def serve(name: str, create: Callable[[ServiceSettings], Awaitable[Service]], settings: ServiceSettings) -> None:
     """Entry point of each service's `python -m services.<name>`."""
     configure_logging(name, settings.log_level, settings.log_json)
-    asyncio.run(_serve(create, settings))
+    code = asyncio.run(_serve(create, settings))
+    if code:
+        raise SystemExit(code)
 
 
 def new_request_id() -> str:

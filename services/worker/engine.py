@@ -175,6 +175,9 @@ class Engine:
         self._kv_bytes = 0
         self._running_count = 0
         self._last_step_ms = 0.0
+        # When the loop last began a step (an idle loop begins one every 0.1 s): the worker's
+        # watchdog takes a loop that stops beating for a stalled engine.
+        self.beat = time.monotonic()
         self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
 
     @property
@@ -354,6 +357,12 @@ class Engine:
             else:
                 raise ev.error
 
+    @property
+    def running_count(self) -> int:
+        """Sequences admitted and not finished, as of the last step (never waits on the loop)."""
+        with self._stats_lock:
+            return self._running_count
+
     def stats(self) -> EngineStats:
         waiting = self.sched.queued()
         with self._stats_lock:
@@ -373,6 +382,7 @@ class Engine:
                 torch.cuda.set_device(self.device)  # this thread's collectives (NCCL) on the rank's device
             with torch.inference_mode():
                 while not (self._tp_stop if self.tp is not None else self._stop.is_set()):
+                    self.beat = time.monotonic()
                     self._step()
                 self.decoder.flush()  # the last launched step's tokens reach their requests before the rest fail
         except BaseException as exc:  # noqa: BLE001 - the engine is dead; health must say so

@@ -106,6 +106,8 @@ class WorkerSettings(ServiceSettings):
     image_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Device bytes of vision features kept "
                                    "by image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
+    engine_stall_s: float = Field(300.0, ge=0, description="Seconds without an engine step after which health "
+                                  "is NOT_SERVING until the engine steps again (a hung device); 0: not watched.")
     drain_delay_s: float = Field(2.0, ge=0, description="On SIGTERM, seconds of NOT_SERVING (GetWorkerStatus "
                                  "healthy=false) before new RPCs are refused: longer than the scheduler's status "
                                  "poll, so it stops placing requests here before the server closes.")
@@ -623,7 +625,7 @@ async def create_server(settings: WorkerSettings) -> Service:
             await servicer.preprocessor.start()
         log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
                  tp_size=settings.tp_size)
-        watchdog.append(asyncio.create_task(_watch(service, servicer)))
+        watchdog.append(asyncio.create_task(_watch(service, servicer, settings.engine_stall_s)))
 
     async def shutdown() -> None:
         servicer.close_watches()
@@ -656,22 +658,37 @@ async def create_server(settings: WorkerSettings) -> Service:
     return service
 
 
-async def _watch(service: Service, servicer: WorkerServicer, period_s: float = 0.5) -> None:
+async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, period_s: float = 0.5) -> None:
     """Health follows the engine thread (and a tensor-parallel worker's follower processes):
-    NOT_SERVING as soon as one dies."""
+    as soon as one dies, NOT_SERVING and the process fails (it drains and exits non-zero, so its
+    supervisor starts it again). An engine loop that began no step for `stall_s` seconds (a hung
+    device, a deadlock) is NOT_SERVING until it beats again (0: not watched)."""
+    stalled = False
     while True:
         await asyncio.sleep(period_s)
-        if servicer.engine is not None:
-            stats = servicer.engine.stats()
-            metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(stats.running)
+        if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
+            metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(servicer.engine.running_count)
+            mode = servicer.engine.adapters.mode
             for m in Mode:  # valora:mode is the engine's, from start-up on (not only after SetMode)
-                metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == stats.mode else 0)
+                metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == mode else 0)
         if servicer.engine is not None and not servicer.engine.alive:
-            log.error("engine_not_alive")
             await service.set_serving(False)
+            service.fail("the engine thread died")
             return
         dead = servicer.followers.dead() if servicer.followers is not None else []
         if dead:  # rank 0's engine fails at its next collective with the lost rank, or at the group timeout
             log.error("tp_follower_died", followers=dead)
             await service.set_serving(False)
+            service.fail(f"tensor-parallel followers died: {dead}")
             return
+        if servicer.engine is not None and stall_s > 0:
+            idle = time.monotonic() - servicer.engine.beat
+            if idle > stall_s and not stalled and service.serving:
+                stalled = True
+                log.error("engine_stalled", seconds=round(idle, 1))
+                await service.set_serving(False)
+            elif idle <= stall_s and stalled:
+                stalled = False
+                log.warning("engine_resumed")
+                if not service.stopping:
+                    await service.set_serving(True)

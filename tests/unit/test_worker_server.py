@@ -4,6 +4,7 @@ store, streaming Generate, status, mode switches, errors, deadlines and health."
 from __future__ import annotations
 
 import asyncio
+import threading
 import io
 
 import grpc
@@ -261,6 +262,56 @@ async def test_health_follows_the_engine(cluster):
     with pytest.raises(grpc.RpcError) as err:
         await generate(stub, request_id="dead", prompt="hi")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert worker.failed.is_set() and worker.exit_code == 1  # served, the process drains and exits 1
+
+
+async def test_a_stalled_engine_is_not_serving_until_it_steps_again(tmp_path):
+    model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
+    worker = await create_server(WorkerSettings(model_path=str(model), port=0, build_tiny_model=False,
+                                                engine_stall_s=0.5, adapter_cache_dir=str(tmp_path / "cache")))
+    await worker.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def status_within(want, timeout_s: float) -> bool:
+        for _ in range(int(timeout_s / 0.05)):
+            if (await health.Check(health_pb2.HealthCheckRequest())).status == want:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    engine, release = worker.servicer.engine, threading.Event()
+
+    def hold_the_loop():  # the engine thread blocks at its next step on the condition it shares
+        with engine._wake:
+            release.wait(10)
+    try:
+        assert await status_within(health_pb2.HealthCheckResponse.SERVING, 5)
+        holder = threading.Thread(target=hold_the_loop)
+        holder.start()
+        assert await status_within(health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+        release.set()
+        holder.join()
+        assert await status_within(health_pb2.HealthCheckResponse.SERVING, 5)
+        assert not worker.failed.is_set()  # a stall is not a death
+    finally:
+        release.set()
+        await channel.close()
+        await worker.stop(0)
+
+
+async def test_serve_drains_and_returns_the_exit_code_of_a_failed_service():
+    from services.common.server import _serve
+
+    made = []
+
+    async def create(settings):
+        made.append(build_service("probe", settings, lambda server: []))
+        asyncio.get_running_loop().call_later(0.2, made[0].fail, "probe failure")
+        return made[0]
+
+    code = await _serve(create, WorkerSettings(port=0))
+    assert code == 1 and made[0].stopping and not made[0].serving
 
 
 def test_freeze_startup_heap_takes_live_objects_out_of_gc_reach():
