@@ -295,7 +295,7 @@ class AdapterPool:
         self.num_slots = device_slots
         self._staging = staging_for(device, dtype)
         self._lock = threading.RLock()
-        self._host: dict[str, HostCopy] = {}
+        self._host: OrderedDict[str, HostCopy] = OrderedDict()  # LRU order (added or used), most recent last
         self._slots: list[DeviceAdapter | None] = [None] * device_slots
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order, most recent last
         self._pins: dict[str, int] = {}
@@ -322,6 +322,34 @@ class AdapterPool:
             self._host[weights.name] = host
             return True
 
+    def touch(self, name: str) -> None:
+        """Marks a host adapter used now (host LRU order: what `host_victims` evicts last)."""
+        with self._lock:
+            if name in self._host:
+                self._host.move_to_end(name)
+
+    def host_bytes(self) -> int:
+        with self._lock:
+            return sum(h.weights.nbytes for h in self._host.values())
+
+    def host_victims(self, incoming: int, budget: int, keep: set[str]) -> list[str]:
+        """Host adapters to drop, least recently used first, so that `incoming` more bytes fit
+        in `budget` (0: unbounded): never one held by a request or in `keep`. Fewer (all there
+        are) when even that does not make room."""
+        if budget <= 0:
+            return []
+        with self._lock:
+            used = sum(h.weights.nbytes for h in self._host.values())
+            out = []
+            for name, host in self._host.items():
+                if used + incoming <= budget:
+                    break
+                if self._pins.get(name) or name in keep:
+                    continue
+                out.append(name)
+                used -= host.weights.nbytes
+            return out
+
     def get(self, name: str) -> AdapterWeights:
         with self._lock:
             return self._host_copy(name).weights
@@ -336,6 +364,11 @@ class AdapterPool:
     def has(self, name: str) -> bool:
         with self._lock:
             return name in self._host
+
+    def pinned(self, name: str) -> bool:
+        """Whether a request holds the adapter (it is then never evicted or removed)."""
+        with self._lock:
+            return bool(self._pins.get(name))
 
     def remove(self, name: str) -> None:
         """Drops the adapter from device and host; FAILED_PRECONDITION while requests hold it."""
@@ -424,6 +457,7 @@ class AdapterPool:
             slot = self.to_device(name)
             if slot is not None:
                 self._pins[name] = self._pins.get(name, 0) + 1
+                self._host.move_to_end(name)
             return slot
 
     def release(self, name: str) -> None:

@@ -90,6 +90,9 @@ class EngineConfig:
     default_max_new_tokens: int = 64
     max_new_tokens_limit: int = MAX_NEW_TOKENS_LIMIT
     device_slots: int = 4
+    # Host bytes of loaded adapters (LRU; 0: unbounded): a load drops least recently used ones
+    # that no request holds and that are not merged (a later request loads them again).
+    host_adapter_bytes: int = 16 << 30
     max_rank: int = 256
     max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
     max_prefill_tokens: int = 8192  # padded tokens (rows x longest prompt) per prefill forward; longer: chunks
@@ -210,8 +213,11 @@ class Engine:
     # -- adapters and modes (lora_manager.py) -------------------------------------------------
     def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
                            head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
-        """Validates and adds an adapter bundle; False if that version was already loaded."""
-        return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device)))
+        """Validates and adds an adapter bundle; False if that version was already loaded. The
+        host pool stays within host_adapter_bytes: least recently used idle adapters leave it."""
+        evict = tuple(self.pool.host_victims(len(data), self.config.host_adapter_bytes,
+                                             keep={name, self.lora.merged or ""}))
+        return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device, evict)))
 
     def add_adapter(self, weights: AdapterWeights) -> bool:
         """Adds full-shape adapter weights (tensor parallel: every rank its shard)."""

@@ -52,12 +52,18 @@ class LoraManager:
 
     # -- the pool ----------------------------------------------------------------------------
     def load(self, name: str, sha256: str, data: bytes, config_json: str,
-             head_labels: dict[str, list[str]] | None, to_device: bool) -> bool:
-        """Validates and adds an adapter bundle; False if that version was already loaded."""
+             head_labels: dict[str, list[str]] | None, to_device: bool, evict: tuple[str, ...] = ()) -> bool:
+        """Validates and adds an adapter bundle; False if that version was already loaded.
+        `evict`: host adapters to drop first to keep the host pool in its budget (chosen where
+        the load was asked, so that every tensor-parallel rank drops the same ones); one that a
+        request holds or that is merged by now stays."""
         if self.pool.has(name):
             if to_device:
                 self.pool.to_device(name)
             return False
+        for victim in evict:
+            if victim != self.merged and self.pool.has(victim) and not self.pool.pinned(victim):
+                self.pool.remove(victim)
         weights = parse_bundle(name, sha256, data, config_json, self.shapes, self.max_rank, head_labels)
         added = self.add(weights)  # validated at full shape, then (tensor parallel) this rank's shard
         if to_device:

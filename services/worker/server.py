@@ -62,6 +62,10 @@ class WorkerSettings(ServiceSettings):
     build_tiny_model: bool = Field(True, description="Build the tiny Qwen2-VL into model_path when it is missing.")
     adapter_store_address: str = Field("", description="host:port of the adapter store (FetchAdapter).")
     adapter_cache_dir: str = Field("~/.cache/valora/adapters", description="Disk cache of bundles by sha256.")
+    adapter_cache_bytes: int = Field(32 << 30, ge=0, description="Bytes the disk cache may hold; the least "
+                                     "recently used bundles are deleted past it (0: unbounded).")
+    host_adapter_bytes: int = Field(16 << 30, ge=0, description="Host memory of loaded adapters; a load drops "
+                                    "the least recently used idle ones past it (0: unbounded).")
     device: str = Field("cpu", description="Torch device: cpu, cuda or cuda:N.")
     dtype: str = Field("float32", description="Model dtype: float32, bfloat16 or float16 (aliases fp32, bf16, "
                        "fp16). CUDA workers in bfloat16/float16 build the kernels extension at start-up.")
@@ -236,6 +240,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         engine = self._engine()
         parse_version_name(version, field_path)
         if engine.pool.has(version):
+            engine.pool.touch(version)  # host LRU: what host_adapter_bytes evicts last
             held = engine.pool.get(version)
             if sha256 and held.sha256 and sha256 != held.sha256:
                 raise FailedPrecondition(f"{version} is loaded with sha256 {held.sha256}, not {sha256}",
@@ -490,7 +495,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         kv_reserve_bytes=settings.kv_reserve_bytes, max_model_len=settings.max_model_len,
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
         pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
-        lora_fold_rows=settings.lora_fold_rows,
+        lora_fold_rows=settings.lora_fold_rows, host_adapter_bytes=settings.host_adapter_bytes,
     )
 
 
@@ -559,7 +564,7 @@ async def create_server(settings: WorkerSettings) -> Service:
     tracing = tracer_provider(settings, "worker")
     fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings),
                              tracer_provider=tracing, credentials=client_credentials(settings),
-                             token=internal_token(settings))
+                             token=internal_token(settings), cache_bytes=settings.adapter_cache_bytes)
     servicer = WorkerServicer(settings, fetcher)
 
     def register(server):

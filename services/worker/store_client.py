@@ -9,6 +9,7 @@ so a restarted worker loads it without the network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -38,8 +39,11 @@ def _sha(data: bytes) -> str:
 
 class AdapterFetcher:
     def __init__(self, store_address: str, cache_dir: Path | str, channel_options=None,
-                 tracer_provider=None, credentials=None, token: str = "") -> None:
+                 tracer_provider=None, credentials=None, token: str = "", cache_bytes: int = 0) -> None:
+        """`cache_bytes`: what the disk cache may hold (least recently used bundles deleted past
+        it; 0: unbounded)."""
         self.store_address = store_address
+        self.cache_bytes = cache_bytes
         self._token = token  # the store's internal token (internal_auth.py)
         self._credentials = credentials  # grpc.ChannelCredentials for TLS to the store, or None
         self._tracer_provider = tracer_provider
@@ -76,6 +80,8 @@ class AdapterFetcher:
             return None
         if _sha(data) != sha:  # corrupted on disk: refetch
             return None
+        with contextlib.suppress(OSError):
+            os.utime(blob)  # its mtime orders the cache's eviction (atime is often not kept)
         return FetchedBundle(version, sha, data, info.get("adapter_config_json", ""), info.get("head_labels", {}))
 
     def _write_cache(self, b: FetchedBundle) -> None:
@@ -87,6 +93,29 @@ class AdapterFetcher:
             tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
             tmp.write_bytes(payload)
             tmp.replace(path)
+        self._trim_cache(keep=blob)
+
+    def _trim_cache(self, keep: Path) -> None:
+        """Deletes the least recently used bundles (blob + metadata) until the cache holds at
+        most cache_bytes; never `keep` (the one just written). Another worker sharing the folder
+        may delete the same files: a missing file is no error."""
+        if self.cache_bytes <= 0:
+            return
+        blobs = []
+        for p in self.cache_dir.glob("*.safetensors"):
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                blobs.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in blobs)
+        for _, size, p in sorted(blobs):
+            if total <= self.cache_bytes:
+                break
+            if p == keep:
+                continue
+            for path in (p, p.with_suffix(".json")):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            total -= size
 
     # -- fetch ------------------------------------------------------------------------------------
     async def fetch(self, version: str, sha256: str = "") -> FetchedBundle:

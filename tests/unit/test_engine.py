@@ -543,3 +543,32 @@ def test_only_the_adapter_commands_run(engine):
         assert name not in COMMANDS
         with pytest.raises(ValueError, match="unknown adapter command"):
             engine.adapters.run(Command(name, ()))
+
+
+def test_host_adapters_stay_in_their_budget_never_dropping_held_or_merged_ones(model_path):
+    """300 distinct adapters must not grow a worker without bound: a load past
+    host_adapter_bytes drops the least recently used idle adapters, never one a request holds
+    or the merged one; a dropped one loads again."""
+    bundles = {f"adapters/h{i}/versions/1": random_adapter_bundle(model_path, rank=4, seed=100 + i) for i in range(8)}
+    names = list(bundles)
+    one = len(bundles[names[0]].data)
+    eng = Engine(EngineConfig(model_path=model_path, device_slots=3, host_adapter_bytes=int(3.5 * one)))
+    eng.start()
+    try:
+        def load(name):
+            b = bundles[name]
+            return eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+
+        load(names[0])
+        eng.set_mode(Mode.MERGED, names[0])
+        load(names[1])
+        assert eng.pool.acquire(names[1]) is not None  # held, as by a running request
+        for name in names[2:]:
+            load(name)
+            assert eng.pool.host_bytes() <= 3.5 * one * 1.05, eng.pool.host_names()
+        held = set(eng.pool.host_names())
+        assert {names[0], names[1], names[-1]} <= held and len(held) <= 3, held
+        assert load(names[2])  # dropped earlier: loads again (True: newly added)
+        eng.pool.release(names[1])
+    finally:
+        eng.stop()

@@ -357,3 +357,38 @@ async def test_status_reports_how_decode_steps_ran(tmp_path):
             assert g.static_steps == 5 and g.new_keys >= 1 and g.captures == 0  # 5 decode steps; CPU: no capture
     finally:
         await worker.stop(0)
+
+
+async def test_the_disk_cache_keeps_its_budget_least_recently_used_out(tmp_path):
+    from services.worker.store_client import AdapterFetcher
+
+    model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
+    bundles = {f"adapters/d{i}/versions/1": random_adapter_bundle(model, rank=4, seed=200 + i) for i in range(5)}
+    names, one = list(bundles), len(next(iter(bundles.values())).data)
+    store = InMemoryAdapterStore(bundles)
+    service = build_service("store", WorkerSettings(port=0), store.register)
+    await service.start()
+    cache = tmp_path / "cache"
+    fetcher = AdapterFetcher(f"127.0.0.1:{service.port}", cache, cache_bytes=int(2.5 * one))
+    try:
+        for name in names[:2]:
+            await fetcher.fetch(name, bundles[name].sha256)
+        await asyncio.sleep(0.02)
+        await fetcher.fetch(names[0], bundles[names[0]].sha256)  # a cached read: used again
+        def kept() -> set[str]:
+            return {p.stem for p in cache.glob("*.safetensors")}
+
+        await asyncio.sleep(0.02)
+        await fetcher.fetch(names[2], bundles[names[2]].sha256)
+        assert kept() == {bundles[n].sha256 for n in (names[0], names[2])}  # names[1] was least recently used
+        for name in names[3:]:
+            await asyncio.sleep(0.02)
+            await fetcher.fetch(name, bundles[name].sha256)
+        assert sum(p.stat().st_size for p in cache.glob("*.safetensors")) <= 2.5 * one
+        assert kept() == {bundles[n].sha256 for n in names[3:]}, kept()
+        assert {p.stem for p in cache.glob("*.json")} == kept()  # metadata goes with its blob
+        again = await fetcher.fetch(names[1], bundles[names[1]].sha256)  # evicted: fetched again
+        assert again.data == bundles[names[1]].data
+    finally:
+        await fetcher.close()
+        await service.stop(0)
