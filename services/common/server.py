@@ -27,7 +27,7 @@ from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.config import ServiceSettings
-from services.common.errors import ValoraError
+from services.common.errors import InvalidArgument, ValoraError
 from services.common.internal_auth import InternalAuthInterceptor, internal_token
 from services.common.logging import configure_logging
 from services.common.metrics import start_metrics_server
@@ -45,15 +45,49 @@ def request_id_from(context: grpc.aio.ServicerContext) -> str:
     return ""
 
 
+class _Undecodable:
+    """What a request that does not parse as its method's message decodes to (see ErrorInterceptor)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer):
+    """The method's deserializer, returning _Undecodable instead of raising: grpc answers a
+    deserializer's exception with UNKNOWN, where garbage bytes are the caller's INVALID_ARGUMENT."""
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+            return _Undecodable(exc)
+    return decode
+
+
+def _undecodable(method: str) -> ValoraError:
+    return InvalidArgument(f"the request is not a valid message of {method}", reason="UNDECODABLE_REQUEST")
+
+
+async def _checked(request_iterator, method: str):
+    async for request in request_iterator:
+        if isinstance(request, _Undecodable):
+            raise _undecodable(method)
+        yield request
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain errors to gRPC statuses (with google.rpc details) and binds the request id
-    to every log line of the call. Unexpected exceptions are bugs: logged, then INTERNAL."""
+    to every log line of the call. Unexpected exceptions are bugs: logged, then INTERNAL.
+    A request that does not parse is INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        deserializer = _tolerant(handler.request_deserializer)
         rid = dict(handler_call_details.invocation_metadata or ()).get(REQUEST_ID_KEY, "")
 
         async def fail(context, exc: BaseException):
@@ -72,37 +106,44 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request, context):
                 bind()
                 try:
+                    if isinstance(request, _Undecodable):
+                        raise _undecodable(method)
                     return await inner_uu(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped in fail()
                     await fail(context, exc)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
         if handler.stream_unary:
             inner_su = handler.stream_unary
 
             async def stream_unary(request_iterator, context):
                 bind()
                 try:
-                    return await inner_su(request_iterator, context)
+                    return await inner_su(_checked(request_iterator, method), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await fail(context, exc)
 
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, handler.response_serializer)
 
         # Streaming responses: ours are async generators; some library handlers (Health.Watch)
         # are coroutines that write through context.write, and must stay coroutines.
         inner_stream = handler.unary_stream or handler.stream_stream
 
+        def checked(request):
+            if handler.stream_stream:
+                return _checked(request, method)
+            if isinstance(request, _Undecodable):
+                raise _undecodable(method)
+            return request
+
         async def streaming(request, context):
             bind()
             try:
-                async for item in inner_stream(request, context):
+                async for item in inner_stream(checked(request), context):
                     yield item
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
@@ -112,7 +153,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def streaming_by_writes(request, context):
             bind()
             try:
-                await inner_stream(request, context)
+                await inner_stream(checked(request), context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -121,7 +162,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if not inspect.isasyncgenfunction(inner_stream):
             streaming = streaming_by_writes  # noqa: F811
         make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(streaming, handler.request_deserializer, handler.response_serializer)
+        return make(streaming, deserializer, handler.response_serializer)
 
 
 def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:

@@ -92,3 +92,4 @@ def test_token_comes_from_the_setting_or_its_file(tmp_path):
     f.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         internal_token(SchedulerSettings(internal_token_file=str(f)))
+
