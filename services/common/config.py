@@ -35,6 +35,11 @@ class ServiceSettings(BaseSettings):
     tls_ca: str = Field(
         "", description="PEM CA bundle file that peers' certificates must chain to; with tls_cert set the server "
         "requires client certificates (mutual TLS), and outbound channels verify servers against it.")
+    keepalive_s: float = Field(60.0, gt=0, description="Seconds between the server's keepalive pings on an idle "
+                               "connection (a dead peer is noticed within that plus 20 s).")
+    max_connection_age_s: float = Field(
+        0.0, ge=0, description="Seconds after which the server asks a client to reconnect (spreading clients over "
+        "replicas behind a load balancer; the gateway's Helm default is 300). 0: connections live on.")
     internal_token: str = Field(
         "", description="Shared secret of the internal APIs (services/common/internal_auth.py): the store, "
         "scheduler and workers refuse calls without it; every service sends it. Empty: internal APIs open.")

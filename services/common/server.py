@@ -172,6 +172,22 @@ def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:
     ]
 
 
+def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
+    """The server's: message sizes; no SO_REUSEPORT (grpcio's default lets a second process bind
+    the same port and silently take half the connections); keepalive pings; and a maximum
+    connection age, after which clients reconnect, so they spread over gateway replicas added
+    since (0: connections live on)."""
+    out = [*channel_options(settings), ("grpc.so_reuseport", 0),
+           ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
+           ("grpc.keepalive_timeout_ms", 20_000),
+           ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+           ("grpc.keepalive_permit_without_calls", 1)]
+    if settings.max_connection_age_s > 0:
+        out += [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(max(settings.grace_s, 30.0) * 1000))]
+    return out
+
+
 @dataclass
 class Service:
     """A built (not yet started) gRPC server and what must be closed after it stops."""
@@ -259,7 +275,7 @@ def build_service(
     if internal:
         interceptors = [InternalAuthInterceptor(name, internal_token(settings)), *interceptors]
     server = grpc.aio.server(interceptors=[TracingServerInterceptor(tracer_provider), *interceptors,
-                                           ErrorInterceptor()], options=channel_options(settings))
+                                           ErrorInterceptor()], options=server_options(settings))
     names = list(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

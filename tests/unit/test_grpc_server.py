@@ -37,3 +37,25 @@ async def test_garbage_request_bytes_are_invalid_argument_not_unknown():
         assert isinstance(ok, bytes)
     finally:
         await service.stop(0)
+
+
+async def test_a_second_server_cannot_take_a_bound_port():
+    """grpcio's default SO_REUSEPORT let a second `valora up` bind the first one's port and
+    silently take part of its connections; build_service turns it off."""
+    first = await create_server(SchedulerSettings(worker_addresses=[]))
+    await first.start()
+    try:
+        with pytest.raises(RuntimeError, match="(?i)bind"):
+            await create_server(SchedulerSettings(worker_addresses=[], port=first.port))
+    finally:
+        await first.stop(0)
+
+
+def test_server_options_keepalive_and_connection_age():
+    from services.common.server import server_options
+
+    plain = dict(server_options(SchedulerSettings()))
+    assert plain["grpc.so_reuseport"] == 0 and plain["grpc.keepalive_time_ms"] == 60_000
+    assert "grpc.max_connection_age_ms" not in plain
+    aged = dict(server_options(SchedulerSettings(max_connection_age_s=300)))
+    assert aged["grpc.max_connection_age_ms"] == 300_000 and aged["grpc.max_connection_age_grace_ms"] >= 30_000
