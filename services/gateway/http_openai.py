@@ -6,12 +6,15 @@
   `temperature`, `top_p`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
   the label is the message content and its scores come back under `valora.scores`.
-- `GET /v1/models`: the base model, every adapter (and its aliases) and every task.
+- `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
+  `GET /v1/models/{id}` one of them.
+- `GET /health`: 200 while the gateway serves, 503 once it drains (no key: for probes).
 
 One design choice keeps the behaviour identical to gRPC's: chat completions call the gateway's
 own InferenceService over loopback, carrying the caller's `Authorization` header as metadata, so
-auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. `/v1/models`
-checks the key with the same auth interceptor (an inference key suffices) and lists through the
+auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. Every route but
+`/health` first checks the key with the same auth interceptor (an inference key suffices), before
+reading the body; `/v1/models` lists through the
 adapter store's registry. gRPC statuses become OpenAI-style JSON errors:
 400/401/403/404/409/429 (+Retry-After)/503/504.
 
@@ -248,6 +251,9 @@ class OpenAIHttpServer:
                                    middlewares=[self._middleware])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model:.+}", self.model)
+        self.app.router.add_get("/health", self.health)
+        self.is_serving = lambda: True  # the gateway's health (gateway/server.py sets it)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -387,7 +393,22 @@ class OpenAIHttpServer:
         finally:
             call.cancel()  # no-op when finished; frees the request when the HTTP client left
 
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the gateway serves, 503 from the moment it drains (no key needed: probes)."""
+        return web.Response(status=200 if self.is_serving() else 503)
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One entry of /v1/models by id (an adapter, adapter@alias, task or the base model)."""
+        wanted = request.match_info["model"]
+        for entry in await self._models(request):
+            if entry["id"] == wanted:
+                return web.json_response(entry)
+        raise errors.NotFound(f"model {wanted!r} does not exist", reason="MODEL_NOT_FOUND")
+
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": await self._models(request)})
+
+    async def _models(self, request: web.Request) -> list[dict]:
         self._authorize(request)
         metadata = ((REQUEST_ID_KEY, request.headers.get("X-Request-Id") or new_request_id()),)
         timeout = self.settings.admin_deadline_s
@@ -409,7 +430,7 @@ class OpenAIHttpServer:
                              "owned_by": "valora", "parent": t.adapter})
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
-        return web.json_response({"object": "list", "data": data})
+        return data
 
 
 async def _pages(call_page, field: str) -> AsyncIterator[Any]:

@@ -47,6 +47,7 @@ async def create_server(settings: GatewaySettings) -> Service:
         http = OpenAIHttpServer(settings, target, auth, store_admin, open_channel(target, options, tracing, credentials=credentials),
                                 tracer_provider=tracing)
         service.http = http
+        http.is_serving = lambda: service.serving
         service.on_start.append(http.start)
         service.on_stop.append(http.close)
 

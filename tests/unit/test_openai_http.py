@@ -160,6 +160,17 @@ async def test_models_lists_base_adapters_aliases_and_tasks():
     assert ids == ["valora-base", "adapters/cars", "adapters/cars@prod", "tasks/count-cars"]
 
 
+async def test_health_and_one_model_by_id():
+    async with http_stack() as (worker, client, base_url), aiohttp.ClientSession() as raw:
+        async with raw.get(f"{base_url[:-3]}/health") as r:  # no key: probes
+            assert r.status == 200
+        one = await client.models.retrieve("adapters/cars@prod")
+        assert one.id == "adapters/cars@prod" and one.owned_by == "valora"
+        assert (await client.models.retrieve("tasks/count-cars")).id == "tasks/count-cars"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("adapters/nope")
+
+
 async def test_errors_are_openai_shaped_with_the_right_status():
     url, _ = png_data_url()
     async with http_stack() as (worker, client, base_url):
