@@ -24,6 +24,9 @@ class GatewaySettings(ServiceSettings):
     max_image_bytes: int = Field(10 * 1024 * 1024, gt=0, description="Encoded size of one image, in bytes.")
     max_image_pixels: int = Field(
         4096 * 4096, gt=0, description="width*height of one image, read from its header before decoding.")
+    max_request_pixels: int = Field(
+        64 << 20, gt=0, description="width*height summed over all images and video frames of one request, read "
+        "from their headers before any is decoded (64 Mi: four 4096x4096 images, or 64 frames of 1024x1024).")
     max_prompt_chars: int = Field(32768, gt=0, description="Prompt length in characters (code points).")
     max_stop_sequences: int = Field(8, ge=0, description="Entries of params.stop.")
     max_new_tokens_limit: int = Field(MAX_NEW_TOKENS_LIMIT, gt=0, description="Largest params.max_new_tokens "

@@ -90,6 +90,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             max_images=settings.max_images,
             max_image_bytes=settings.max_image_bytes,
             max_image_pixels=settings.max_image_pixels,
+            max_request_pixels=settings.max_request_pixels,
             max_prompt_chars=settings.max_prompt_chars,
             max_new_tokens_limit=settings.max_new_tokens_limit,
             max_stop_sequences=settings.max_stop_sequences,

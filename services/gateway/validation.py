@@ -37,6 +37,7 @@ class Limits:
     max_stop_sequences: int
     max_videos: int = 4
     max_video_frames: int = 64  # per video
+    max_request_pixels: int = 64 << 20  # all images and frames of one request, from their headers
 
 
 def _bad(violations: list[FieldViolation]) -> InvalidArgument:
@@ -152,9 +153,25 @@ def inspect_image(data: bytes, max_pixels: int) -> str | None:
     return None
 
 
+def header_pixels(data: bytes) -> int:
+    """width*height from the image's header (nothing decoded); 0 when it has none."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+            return max(0, width) * max(0, height)
+    except Exception:  # noqa: BLE001 - inspect_image says what is wrong with it
+        return 0
+
+
 async def check_images(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str = "input") -> None:
+    """Every image and frame: first their summed pixels from the headers against the request's
+    budget (a request of many large images is refused before any is decoded), then each one."""
     loop = asyncio.get_running_loop()
     images = list(_all_images(inp, prefix))
+    total = sum(await loop.run_in_executor(None, lambda: [header_pixels(image.data) for _, image in images]))
+    if total > limits.max_request_pixels:
+        raise _bad([FieldViolation(prefix, f"its images and video frames hold {total} pixels; at most "
+                                           f"{limits.max_request_pixels} per request")])
     problems = await asyncio.gather(*(
         loop.run_in_executor(None, inspect_image, image.data, limits.max_image_pixels) for _, image in images))
     violations = [FieldViolation(f"{path}.data", why) for (path, _), why in zip(images, problems) if why]

@@ -106,3 +106,30 @@ def test_hostile_inputs_get_the_right_status_and_memory_stays_bounded(cluster):
     assert not wrong, wrong
     assert not dead, dead
     assert worst < 200, growth
+
+
+def test_a_media_bomb_inside_every_per_item_limit_is_refused_before_decoding(cluster):
+    """8 images and a 64-frame video of one 4096x4096 PNG each (~49 KB encoded, 48 MiB decoded,
+    every item under the per-image pixel limit): refused for the whole request's pixels from the
+    headers, in well under a second of gateway CPU, and nothing reaches a worker."""
+    import psutil
+
+    bomb = png_bomb(4096)
+    inp = _inp(images=[_img(bomb)] * 8)
+    inp.videos.add().frames.extend([_img(bomb)] * 64)
+    gateway = psutil.Process(next(p.pid for p in cluster.processes if p.service == "gateway"))
+    workers = [p.pid for p in cluster.processes if p.service == "worker"]
+    with grpc.insecure_channel(cluster.gateway, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = inf_grpc.InferenceServiceStub(ch)
+        rss_before = {pid: rss_bytes(pid) for pid in workers}
+        cpu_before = sum(gateway.cpu_times()[:2])
+        got, err = call(stub, inf.InferRequest(input=inp))
+        cpu_s = sum(gateway.cpu_times()[:2]) - cpu_before
+        growth = max((rss_bytes(pid) - rss_before[pid]) / 2**20 for pid in workers)
+    passed = got == INV and cpu_s < 1.0 and growth < 200
+    record("media-bomb", "gateway CPU seconds to refuse 72 frames of 4096x4096 (per-item limits kept)",
+           round(cpu_s, 3), "< 1 s, INVALID_ARGUMENT, worker RSS growth < 200 MiB", passed,
+           status=got, worker_rss_growth_mib=round(growth, 1), encoded_bytes=len(bomb) * 72)
+    assert got == INV and "pixels" in err.details(), (got, err and err.details())
+    assert cpu_s < 1.0, cpu_s
+    assert growth < 200, growth

@@ -240,6 +240,18 @@ async def test_invalid_requests_name_the_field(gw, case):
     assert len(gw.scheduler.items) == before  # nothing reached the scheduler
 
 
+async def test_a_request_over_its_pixel_budget_is_refused_before_decoding():
+    """Each image within max_image_pixels, together over max_request_pixels: refused on the
+    headers' sizes (a header-only image proves nothing was decoded: it has no pixel data)."""
+    async with gateway(max_request_pixels=2 * 64 * 64 - 1) as env:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await env.infer.Infer(request(images=[png((64, 64)), png_claiming(64, 64)]))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "input" in violations(exc.value) and "pixels" in exc.value.details()
+        ok = await env.infer.Infer(request(images=[png((64, 63)), png((64, 64))]))  # within it
+        assert ok.result.text and len(env.scheduler.items) == 1
+
+
 async def test_invalid_stream_request_is_refused_too(gw):
     req = request(prompt="")
     with pytest.raises(grpc.aio.AioRpcError) as exc:
