@@ -75,6 +75,10 @@ class BlobStore(ABC):
     def read_all(self, sha256: str) -> bytes:
         return b"".join(self.open(sha256))
 
+    @abstractmethod
+    def ping(self) -> None:
+        """Raises when the store cannot be reached (health checks)."""
+
     def remove_partial(self, older_than: datetime) -> int:
         """Remove leftovers of writes that died midway (older than `older_than`); returns how
         many. S3 keeps none visible (an unfinished multipart upload is not an object; a bucket
@@ -92,6 +96,10 @@ class LocalBlobStore(BlobStore):
 
     def _path(self, sha256: str) -> Path:
         return self.root / blob_key(sha256)
+
+    def ping(self) -> None:
+        if not self.dir.is_dir():
+            raise FileNotFoundError(f"blob directory {self.dir} is gone")
 
     def put(self, sha256, data, size):
         path = self._path(sha256)
@@ -161,10 +169,18 @@ class S3BlobStore(BlobStore):
     over `part_size`) are signed per part and record the hex sha256 as object metadata."""
 
     def __init__(self, endpoint: str, bucket: str, access_key: str, secret_key: str, secure: bool = False,
-                 region: str = "us-east-1", part_size: int = 16 * 1024 * 1024) -> None:
+                 region: str = "us-east-1", part_size: int = 16 * 1024 * 1024, connect_timeout_s: float = 5.0,
+                 read_timeout_s: float = 60.0) -> None:
+        """Timeouts: a black-holed S3 endpoint fails a call after them (UNAVAILABLE) instead of
+        holding it; urllib3 retries a failed request twice."""
+        import urllib3
         from minio import Minio
 
-        self.client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region)
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
+                                   maxsize=16, retries=urllib3.Retry(total=2, backoff_factor=0.2,
+                                                                     status_forcelist=(500, 502, 503, 504)))
+        self.client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region,
+                            http_client=http)
         self.bucket = bucket
         self.part_size = max(part_size, 5 * 1024 * 1024)
         if not self.client.bucket_exists(bucket):
@@ -175,6 +191,10 @@ class S3BlobStore(BlobStore):
             except S3Error as exc:  # created concurrently by another replica
                 if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
+
+    def ping(self) -> None:
+        if not self.client.bucket_exists(self.bucket):
+            raise FileNotFoundError(f"bucket {self.bucket} is gone")
 
     def put(self, sha256, data, size):
         key = blob_key(sha256)
@@ -264,5 +284,6 @@ def make_blob_store(settings) -> BlobStore:
     """S3 when `settings.s3_endpoint` is set, else a local directory `settings.blob_dir`."""
     if settings.s3_endpoint:
         return S3BlobStore(settings.s3_endpoint, settings.s3_bucket, settings.s3_access_key,
-                           settings.s3_secret_key, settings.s3_secure, settings.s3_region, settings.s3_part_size)
+                           settings.s3_secret_key, settings.s3_secure, settings.s3_region, settings.s3_part_size,
+                           settings.s3_connect_timeout_s, settings.s3_read_timeout_s)
     return LocalBlobStore(settings.blob_dir)

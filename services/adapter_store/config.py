@@ -43,6 +43,17 @@ class StoreSettings(ServiceSettings):
     pending_grace_s: float = Field(
         3600.0, description="GC removes PENDING versions and unreferenced blobs older than this many seconds."
     )
+    db_connect_timeout_s: float = Field(5.0, gt=0, description="PostgreSQL connect timeout (and the longest wait "
+                                        "for a pooled connection), seconds.")
+    db_statement_timeout_s: float = Field(30.0, gt=0, description="PostgreSQL statement_timeout, seconds.")
+    s3_connect_timeout_s: float = Field(5.0, gt=0, description="S3 connect timeout, seconds.")
+    s3_read_timeout_s: float = Field(60.0, gt=0, description="S3 read timeout (between bytes), seconds.")
+    backend_timeout_s: float = Field(60.0, gt=0, description="The longest an RPC waits for the database or the "
+                                     "blob store before it fails UNAVAILABLE (uploads included: keep it above the "
+                                     "largest bundle's write time).")
+    health_check_s: float = Field(5.0, ge=0, description="Seconds between checks of the database and the blob "
+                                  "store; health is NOT_SERVING while either fails. 0: not checked.")
+    health_check_timeout_s: float = Field(5.0, gt=0, description="A backend check slower than this fails.")
     gc_interval_s: float = Field(
         600.0, description="Seconds between background GC runs; 0 disables the background GC."
     )

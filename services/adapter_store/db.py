@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import structlog
@@ -19,9 +20,11 @@ _MIGRATION_LOCK_ID = 0x76616C6F  # "valo"
 log = structlog.get_logger()
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, connect_timeout_s: float = 5.0, statement_timeout_s: float = 30.0) -> Engine:
     """An engine for `url`. SQLite gets a busy timeout, foreign keys, and BEGIN IMMEDIATE so
-    concurrent writers queue instead of failing on a read-to-write lock upgrade."""
+    concurrent writers queue instead of failing on a read-to-write lock upgrade. PostgreSQL gets
+    a connect timeout, a server-side statement timeout and a bounded wait for a pooled
+    connection, so a black-holed database fails calls (UNAVAILABLE) instead of freezing them."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -38,7 +41,10 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8,
+                         pool_timeout=max(1.0, connect_timeout_s),
+                         connect_args={"connect_timeout": max(1, math.ceil(connect_timeout_s)),
+                                       "options": f"-c statement_timeout={int(statement_timeout_s * 1000)}"})
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import BinaryIO
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -81,6 +81,12 @@ class Registry:
     def sessions(self) -> sessionmaker[Session]:
         """The session factory (shared with the generation jobs, jobs.py)."""
         return self._sessions
+
+    def ping(self) -> None:
+        """Raises when the database or the blob store cannot be reached (the health loop)."""
+        with self._sessions() as s:
+            s.execute(text("SELECT 1"))
+        self.blobs.ping()
 
     def close(self) -> None:
         """Release the database connections."""

@@ -31,7 +31,7 @@ STORE_SERVICE = store_pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full
 
 def build_registry(settings: StoreSettings, fault_hook: FaultHook | None = None) -> Registry:
     """Engine (+ migrations when enabled), blob store and registry; blocking."""
-    engine = db.make_engine(settings.database_url)
+    engine = db.make_engine(settings.database_url, settings.db_connect_timeout_s, settings.db_statement_timeout_s)
     if settings.run_migrations:
         db.upgrade(engine)
     return Registry(db.make_sessionmaker(engine), make_blob_store(settings), fault_hook)
@@ -43,8 +43,10 @@ async def create_server(settings: StoreSettings) -> Service:
     registry = await loop.run_in_executor(executor, build_registry, settings)
     checker = await loop.run_in_executor(executor, BundleChecker.from_settings, settings)
     jobs = GenerationJobs(registry.sessions, settings.job_lease_s, settings.job_max_attempts)
-    admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir, jobs)
-    store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes, jobs)
+    admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir, jobs,
+                          timeout_s=settings.backend_timeout_s)
+    store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes, jobs,
+                                 timeout_s=settings.backend_timeout_s)
 
     def register(server):
         admin_grpc.add_AdminServiceServicer_to_server(admin, server)
@@ -76,7 +78,26 @@ async def create_server(settings: StoreSettings) -> Service:
             except Exception as exc:  # noqa: BLE001 - the next round (or the next claim) retries
                 log.warning("job_sweep_failed", error=repr(exc))
 
+    async def health_loop():
+        """Health follows the backends: NOT_SERVING while the database or the blob store does
+        not answer (a black-holed Postgres used to leave the store SERVING with every call hung),
+        SERVING again once both do."""
+        healthy = True
+        while True:
+            await asyncio.sleep(settings.health_check_s)
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, registry.ping), settings.health_check_timeout_s)
+                ok, why = True, ""
+            except Exception as exc:  # noqa: BLE001 - any failure (or the timeout) is an outage
+                ok, why = False, f"{type(exc).__name__}: {exc}"[:300]
+            if ok != healthy and not service.stopping:
+                healthy = ok
+                (log.info if ok else log.error)("backends_up" if ok else "backends_down", error=why or None)
+                await service.set_serving(ok)
+
     async def on_start():
+        if settings.health_check_s > 0:
+            tasks.append(asyncio.create_task(health_loop(), name="adapter-store-health"))
         if settings.gc_interval_s > 0:
             tasks.append(asyncio.create_task(gc_loop(), name="adapter-store-gc"))
         if settings.job_sweep_interval_s > 0:

@@ -34,13 +34,20 @@ R = TypeVar("R")
 
 
 class _Blocking:
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, timeout_s: float = 60.0) -> None:
+        """`timeout_s`: the longest a call waits for the database or blob store; past it the call
+        is UNAVAILABLE (a black-holed backend holds its thread until the link breaks or answers)."""
         self._executor = executor
+        self._timeout_s = timeout_s
 
     async def run(self, fn: Callable[..., R], *args, **kwargs) -> R:
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+            return await asyncio.wait_for(loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs)),
+                                          self._timeout_s)
+        except TimeoutError:
+            raise WorkerUnavailable(f"storage backend did not answer within {self._timeout_s:g} s; retry",
+                                    reason="BACKEND_TIMEOUT", retry_after_s=1.0) from None
         except Exception as exc:
             if _backend_down(exc):  # an outage of Postgres or S3 is UNAVAILABLE, not a bug (INTERNAL)
                 raise WorkerUnavailable(f"storage backend unavailable ({type(exc).__name__}); retry",
@@ -78,8 +85,8 @@ def _lost_connection_underneath(error: BaseException | None) -> bool:
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
     def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor, spool_dir: str = "",
-                 jobs: GenerationJobs | None = None) -> None:
-        _Blocking.__init__(self, executor)
+                 jobs: GenerationJobs | None = None, timeout_s: float = 60.0) -> None:
+        _Blocking.__init__(self, executor, timeout_s)
         self.registry = registry
         self.jobs = jobs or GenerationJobs(registry.sessions)
         self.checker = checker
@@ -228,8 +235,9 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
 class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
     def __init__(self, registry: Registry, executor: Executor, chunk_bytes: int,
-                 jobs: GenerationJobs | None = None, tile_tables: TileTables | None = None) -> None:
-        _Blocking.__init__(self, executor)
+                 jobs: GenerationJobs | None = None, tile_tables: TileTables | None = None,
+                 timeout_s: float = 60.0) -> None:
+        _Blocking.__init__(self, executor, timeout_s)
         self.registry = registry
         self.chunk_bytes = chunk_bytes
         self.jobs = jobs or GenerationJobs(registry.sessions)
