@@ -34,6 +34,8 @@ from valora.internal.v1 import (
 from valora.v1 import inference_service_pb2, inference_service_pb2_grpc, resources_pb2, types_pb2
 
 log = structlog.get_logger()
+# How long a resolution waits for the store when an expired answer can stand in (ResolutionCache.stale).
+STALE_FALLBACK_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,12 @@ class Target:
 
 class ResolutionCache:
     """The store's answers for references (adapter references, task names) whose version is
-    READY, for `ttl_s` seconds, at most `size` of them (least recently used dropped first)."""
+    READY, for `ttl_s` seconds, at most `size` of them (least recently used dropped first);
+    kept `stale_s` seconds longer for `stale`: what serves them while the store is down."""
 
-    def __init__(self, ttl_s: float, size: int = 4096) -> None:
+    def __init__(self, ttl_s: float, size: int = 4096, stale_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
+        self.stale_s = stale_s
         self.size = size
         self.generation = 0  # clear() count: an answer asked for before a clear is not kept
         self._entries: OrderedDict[str, tuple[float, adapter_store_service_pb2.ResolveReferenceResponse]] = OrderedDict()
@@ -56,10 +60,19 @@ class ResolutionCache:
         hit = self._entries.get(reference)
         if hit is None:
             return None
-        if time.monotonic() >= hit[0]:
-            del self._entries[reference]
+        now = time.monotonic()
+        if now >= hit[0]:
+            if now >= hit[0] + self.stale_s:
+                del self._entries[reference]
             return None
         self._entries.move_to_end(reference)
+        return hit[1]
+
+    def stale(self, reference: str) -> adapter_store_service_pb2.ResolveReferenceResponse | None:
+        """An expired answer still within `stale_s` (None: none)."""
+        hit = self._entries.get(reference)
+        if hit is None or time.monotonic() >= hit[0] + self.stale_s:
+            return None
         return hit[1]
 
     def put(self, reference: str, resp: adapter_store_service_pb2.ResolveReferenceResponse, generation: int
@@ -85,7 +98,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         self.settings = settings
         self.scheduler = scheduler
         self.store = store
-        self.resolved = ResolutionCache(settings.resolve_cache_s)
+        self.resolved = ResolutionCache(settings.resolve_cache_s, stale_s=settings.resolve_stale_s)
         self.limits = Limits(
             max_images=settings.max_images,
             max_image_bytes=settings.max_image_bytes,
@@ -157,13 +170,21 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         resp = self.resolved.get(reference)
         if resp is None:
             generation = self.resolved.generation
+            stale = self.resolved.stale(reference)
+            timeout = max(0.0, deadline - time.monotonic())
+            if stale is not None:  # an answer to fall back on: do not spend the request's deadline on the store
+                timeout = min(timeout, STALE_FALLBACK_TIMEOUT_S)
             try:
                 resp = await self.store.ResolveReference(
                     adapter_store_service_pb2.ResolveReferenceRequest(reference=reference),
-                    timeout=max(0.0, deadline - time.monotonic()), metadata=metadata)
+                    timeout=timeout, metadata=metadata)
             except grpc.RpcError as err:
-                raise errors.from_rpc_error(err) from None
-            self.resolved.put(reference, resp, generation)
+                if stale is None or err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise errors.from_rpc_error(err) from None
+                log.warning("store_unreachable_serving_cached", reference=reference, code=err.code().name)
+                resp = stale
+            else:
+                self.resolved.put(reference, resp, generation)
         version = resp.version
         if version.state not in (resources_pb2.ADAPTER_VERSION_STATE_READY,
                                  resources_pb2.ADAPTER_VERSION_STATE_UNSPECIFIED):

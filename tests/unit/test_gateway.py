@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import struct
+import time
 import zlib
 
 import grpc
@@ -57,10 +58,16 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
         self.uploaded = b""
         self.resolved: list[str] = []  # every ResolveReference asked
         self.pending: set[str] = set()  # references whose version is not READY yet
+        self.down: grpc.StatusCode | None = None  # answer every resolution with this (an outage)
+        self.hang = False  # never answer a resolution (a black-holed store)
 
     async def ResolveReference(self, request, context):
         ref = request.reference
         self.resolved.append(ref)
+        if self.hang:
+            await asyncio.sleep(60)
+        if self.down is not None:
+            await context.abort(self.down, "store down")
         if ref in self.pending:
             return adapter_store_service_pb2.ResolveReferenceResponse(version=resources_pb2.AdapterVersion(
                 name=f"{ref}/versions/9", state=resources_pb2.ADAPTER_VERSION_STATE_PENDING))
@@ -386,6 +393,34 @@ async def test_resolutions_expire_and_can_be_off():
         for _ in range(3):
             await env.infer.Infer(request(adapter="adapters/cars"))
         assert len(env.store.resolved) == 3
+
+
+async def test_resolved_references_are_served_through_a_store_outage():
+    async with gateway(resolve_cache_s=0.1, resolve_stale_s=30.0) as env:
+        await env.infer.Infer(request(adapter="adapters/cars"))
+        await asyncio.sleep(0.2)  # expired: the store is asked again, and is down
+        env.store.down = grpc.StatusCode.UNAVAILABLE
+        ok = await env.infer.Infer(request(adapter="adapters/cars"))
+        assert ok.result.text and env.store.resolved.count("adapters/cars") == 2
+        env.store.down, env.store.hang = None, True  # no answer at all: 2 s, not the request's deadline
+        t0 = time.monotonic()
+        await env.infer.Infer(request(adapter="adapters/cars"), timeout=20)
+        assert time.monotonic() - t0 < 5
+        env.store.hang, env.store.down = False, grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as never:  # never resolved: nothing to stand in
+            await env.infer.Infer(request(adapter="adapters/cars@prod"))
+        assert never.value.code() == grpc.StatusCode.UNAVAILABLE
+        env.store.down = grpc.StatusCode.NOT_FOUND  # not an outage: the store's answer stands
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await env.infer.Infer(request(adapter="adapters/cars"))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    async with gateway(resolve_cache_s=0.1, resolve_stale_s=0) as env:
+        await env.infer.Infer(request(adapter="adapters/cars"))
+        await asyncio.sleep(0.2)
+        env.store.down = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as off:
+            await env.infer.Infer(request(adapter="adapters/cars"))
+        assert off.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_auth():
