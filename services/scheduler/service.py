@@ -4,7 +4,9 @@ A worker that fails before the first output message is excluded and the request 
 the queue (up to `max_attempts` workers); once output has reached the caller a failure is
 UNAVAILABLE, never a silent replay. The same holds when the pool declares the worker lost
 (heartbeats stopped, or down for the TTL) while the request waits there for its first output:
-the worker call is cancelled and the request placed again.
+the worker call is cancelled and the request placed again; after output started the request
+fails UNAVAILABLE as soon as the worker is lost (a stopped worker no longer holds its clients
+until their deadlines).
 
 Workers join and leave through RegisterWorker / Heartbeat / DeregisterWorker (workers.py says
 how membership works).
@@ -99,7 +101,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                                         metadata=((REQUEST_ID_KEY, item.request_id),))
             started = False
             try:
-                resp = await _first_response(call, lost)
+                resp = await _next_response(call, lost)
                 if resp is _LOST:
                     log.warning("worker_lost_before_first_token", worker=worker, attempt=attempt)
                     pending.excluded.add(worker)
@@ -122,7 +124,10 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                         await _read_end(call)
                         return
                     yield out
-                    resp = await call.read()
+                    resp = await _next_response(call, lost)
+                    if resp is _LOST:
+                        raise errors.WorkerUnavailable(f"worker {worker} was lost after output started; not replayed",
+                                                       reason="WORKER_LOST_MID_STREAM")
                 raise errors.WorkerUnavailable(f"worker {worker} ended the stream without a result",
                                                reason="WORKER_NO_RESULT")
             except grpc.RpcError as err:
@@ -188,9 +193,9 @@ async def _read_end(call, timeout_s: float = 1.0) -> None:
         await asyncio.wait_for(call.read(), timeout_s)
 
 
-async def _first_response(call, lost: asyncio.Event):
-    """The worker call's first message (grpc.aio.EOF when it ends without one), or `_LOST` when
-    the pool declares the worker lost first."""
+async def _next_response(call, lost: asyncio.Event):
+    """The worker call's next message (grpc.aio.EOF when it ends), or `_LOST` when the pool
+    declares the worker lost first."""
     if lost.is_set():
         return _LOST
     read = asyncio.ensure_future(call.read())

@@ -117,6 +117,26 @@ async def test_silent_worker_is_lost_its_waiting_requests_go_elsewhere_and_it_is
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_worker_lost_mid_stream_fails_its_streams_within_the_ttl():
+    """A worker stopped after its first tokens (SIGSTOP: the stream goes silent, heartbeats stop)
+    fails its clients UNAVAILABLE once the pool declares it lost, not at their deadlines."""
+    stopped = FakeWorker(stall_after_first=True)
+    async with serving(stopped), scheduler(worker_ttl_s=0.5, worker_grace_s=5) as (stub, service):
+        await stub.RegisterWorker(scheduler_service_pb2.RegisterWorkerRequest(address=stopped.address,
+                                                                              max_batch_size=4))  # no heartbeats
+        await wait_until(lambda: healthy(stub, stopped.address))
+        call = stub.Submit(submit_request("r-mid"), timeout=30)
+        first = await call.read()
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await call.read()
+        waited = asyncio.get_running_loop().time() - t0
+    assert first.text_delta == "hel"
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "lost after output started" in exc.value.details()
+    assert waited < 0.5 + 2, waited  # the TTL plus the pool's check interval, not the 30 s deadline
+    assert stopped.cancelled.is_set()
+
+
 async def test_killed_workers_waiting_requests_go_elsewhere():
     doomed, good = FakeWorker(hang=True), FakeWorker()
     async with scheduler(worker_ttl_s=0.5, worker_grace_s=0.5) as (stub, service), serving(good):

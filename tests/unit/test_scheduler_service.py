@@ -35,12 +35,13 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     """Streams "hel", "lo" then a result; or fails / hangs as told."""
 
     def __init__(self, *, healthy=True, max_batch=4, resident=(), fail_before_first=False,
-                 fail_after_first=False, hang=False, merged=""):
+                 fail_after_first=False, hang=False, merged="", stall_after_first=False):
         self.healthy, self.max_batch, self.resident = healthy, max_batch, list(resident)
         self.mode = types_pb2.INFERENCE_MODE_MERGED if merged else types_pb2.INFERENCE_MODE_UNMERGED
         self.merged = merged
         self.events: list[str] = []
         self.fail_before_first, self.fail_after_first, self.hang = fail_before_first, fail_after_first, hang
+        self.stall_after_first = stall_after_first  # a stopped process: the stream goes silent
         self.calls: list[tuple[str, str]] = []  # (item.request_id, x-request-id metadata)
         self.cancelled = asyncio.Event()
         self.address = ""
@@ -59,6 +60,12 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
                 self.cancelled.set()
                 raise
         yield worker_service_pb2.GenerateResponse(text_delta="hel")
+        if self.stall_after_first:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         if self.fail_after_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died mid-stream")
         yield worker_service_pb2.GenerateResponse(text_delta="lo")
