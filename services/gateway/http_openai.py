@@ -257,7 +257,11 @@ class OpenAIHttpServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its handler, and with it the
+        # gRPC call and the work downstream; keep-alive: idle connections close after
+        # http_keepalive_s (aiohttp's default is an hour).
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     keepalive_timeout=self.settings.http_keepalive_s)
         await self._runner.setup()
         await web.SockSite(self._runner, self.sock).start()
         log.info("http_serving", port=self.port)

@@ -3,6 +3,7 @@ gateway (gRPC + HTTP) and scheduler on loopback, in-test worker and store servic
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -65,11 +66,19 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self):
         self.items = []
         self.fail_with: grpc.StatusCode | None = None
+        self.hang = False  # a long generation: never answers until cancelled
+        self.cancelled = asyncio.Event()
 
     async def Generate(self, request, context):
         self.items.append(request.item)
         if self.fail_with is not None:
             await context.abort(self.fail_with, "worker says no")
+        if self.hang:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         for delta in ("two ", "cars"):
             yield worker_service_pb2.GenerateResponse(text_delta=delta)
         yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
@@ -158,6 +167,22 @@ async def test_models_lists_base_adapters_aliases_and_tasks():
         models = await client.models.list()
     ids = [m.id for m in models.data]
     assert ids == ["valora-base", "adapters/cars", "adapters/cars@prod", "tasks/count-cars"]
+
+
+async def test_a_client_that_leaves_cancels_its_generation():
+    url, _ = png_data_url()
+    async with http_stack() as (worker, client, base_url):
+        worker.hang = True
+        async with aiohttp.ClientSession() as raw:
+            post = asyncio.ensure_future(raw.post(
+                f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                json={"model": "valora-base", "messages": user_message(url)}))
+            for _ in range(200):
+                if worker.items:
+                    break
+                await asyncio.sleep(0.02)
+            post.cancel()  # the client goes away mid-request
+        await asyncio.wait_for(worker.cancelled.wait(), 5)  # the work stopped with it
 
 
 async def test_health_and_one_model_by_id():
