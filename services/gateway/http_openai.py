@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP front next to the gateway's gRPC API (aiohttp).
 
 - `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs
-  only, remote URLs are refused), `model` = an adapter reference (`adapters/…`), a task
+  only, remote URLs are refused; system messages replace the model's default system prompt, the
+  turns before the last user message travel as `history`, rendered with the model's chat template), `model` = an adapter reference (`adapters/…`), a task
   (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
   `temperature`, `top_p`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
@@ -118,10 +119,11 @@ def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
     return types_pb2.Image(data=data, mime_type=header[: -len(";base64")])
 
 
-def _message_parts(messages: Any) -> tuple[list[tuple[str, str]], list[types_pb2.Image]]:
+def _message_parts(messages: Any) -> tuple[list[tuple[str, str, int]], list[types_pb2.Image]]:
+    """(role, text, images it shows) per message, and every image in order."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
-    turns: list[tuple[str, str]] = []
+    turns: list[tuple[str, str, int]] = []
     images: list[types_pb2.Image] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
@@ -130,11 +132,11 @@ def _message_parts(messages: Any) -> tuple[list[tuple[str, str]], list[types_pb2
         if content is None:
             content = ""
         if isinstance(content, str):
-            turns.append((msg["role"], content))
+            turns.append((msg["role"], content, 0))
             continue
         if not isinstance(content, list):
             raise RequestError("content must be a string or a list of parts", f"messages[{i}].content")
-        texts = []
+        texts, before = [], len(images)
         for j, part in enumerate(content):
             param = f"messages[{i}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
@@ -148,14 +150,28 @@ def _message_parts(messages: Any) -> tuple[list[tuple[str, str]], list[types_pb2
                 images.append(_image_from_data_url(url, f"{param}.image_url.url"))
             else:
                 raise RequestError("content parts must be {type: text} or {type: image_url}", param)
-        turns.append((msg["role"], "\n".join(texts)))
+        turns.append((msg["role"], "\n".join(texts), len(images) - before))
     return turns, images
 
 
-def render_prompt(turns: list[tuple[str, str]]) -> str:
-    if len(turns) == 1 and turns[0][0] == "user":
-        return turns[0][1]
-    return "\n".join(f"{role}: {text}" for role, text in turns)
+def conversation(inp: inference_service_pb2.InferenceInput, turns: list[tuple[str, str, int]]) -> None:
+    """The messages as the model's conversation: system messages (joined) replace the default
+    system prompt, the last message (a user's) is the prompt with its images, the ones between
+    are the history the worker renders with the chat template."""
+    system = [text for role, text, _ in turns if role in ("system", "developer")]
+    rest = [t for t in turns if t[0] not in ("system", "developer")]
+    for i, (role, text, n) in enumerate(rest):
+        if role not in ("user", "assistant"):
+            raise RequestError(f"role {role!r} is not supported (system, developer, user, assistant)",
+                               f"messages[{i}].role")
+        if n and role != "user":
+            raise RequestError("only user messages may carry images", f"messages[{i}].content")
+    if not rest or rest[-1][0] != "user":
+        raise RequestError("the last message must be the user's", "messages")
+    inp.system = "\n".join(system)
+    inp.prompt = rest[-1][1]
+    for role, text, n in rest[:-1]:
+        inp.history.add(role=role, text=text, images=n)
 
 
 def _number(body: dict, key: str, kind: type, param: str | None = None) -> Any:
@@ -179,7 +195,8 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     turns, images = _message_parts(body.get("messages"))
-    inp = inference_service_pb2.InferenceInput(prompt=render_prompt(turns))
+    inp = inference_service_pb2.InferenceInput()
+    conversation(inp, turns)
     inp.images.extend(images)
     model = body.get("model")
     if not isinstance(model, str) or not model:

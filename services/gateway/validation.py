@@ -27,6 +27,9 @@ MAX_TEMPERATURE = 2.0
 MAX_STOP_CHARS = 256
 
 
+MAX_HISTORY_TURNS = 256  # earlier turns of one conversation (InferenceInput.history)
+
+
 @dataclass(frozen=True)
 class Limits:
     max_images: int
@@ -74,9 +77,19 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
     out: list[FieldViolation] = []
     if not inp.prompt and not inp.images and not inp.videos:
         out.append(FieldViolation(prefix, "a prompt, an image or a video is required"))
-    if len(inp.prompt) > limits.max_prompt_chars:
-        out.append(FieldViolation(f"{prefix}.prompt",
-                                  f"{len(inp.prompt)} characters; at most {limits.max_prompt_chars}"))
+    chars = len(inp.prompt) + len(inp.system) + sum(len(t.text) for t in inp.history)
+    if chars > limits.max_prompt_chars:
+        out.append(FieldViolation(f"{prefix}.prompt", f"{chars} characters with the system prompt and history; "
+                                                      f"at most {limits.max_prompt_chars}"))
+    if len(inp.history) > MAX_HISTORY_TURNS:
+        out.append(FieldViolation(f"{prefix}.history", f"{len(inp.history)} turns; at most {MAX_HISTORY_TURNS}"))
+    for i, turn in enumerate(inp.history):
+        if turn.role not in ("user", "assistant"):
+            out.append(FieldViolation(f"{prefix}.history[{i}].role", f"{turn.role!r} is not 'user' or 'assistant'"))
+        if turn.images < 0 or (turn.images and turn.role != "user"):
+            out.append(FieldViolation(f"{prefix}.history[{i}].images", "only user turns show images (>= 0)"))
+    if sum(max(0, t.images) for t in inp.history) > len(inp.images):
+        out.append(FieldViolation(f"{prefix}.history", "its turns claim more images than the request has"))
     if len(inp.images) > limits.max_images:
         out.append(FieldViolation(f"{prefix}.images", f"{len(inp.images)} images; at most {limits.max_images}"))
     if len(inp.videos) > limits.max_videos:

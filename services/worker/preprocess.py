@@ -53,6 +53,8 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         sampling=SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed),
         stop=list(p.stop),
         adapter_release_fraction=p.adapter_release_fraction,
+        system=item.system,
+        history=[(t.role, t.text, t.images) for t in item.history],
     )
 
 
@@ -64,7 +66,8 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
         if not frames:
             raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
     try:
-        inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos))
+        inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos, request.system,
+                                   request.history))
     except (ValueError, TypeError) as exc:
         raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
                             reason="BAD_IMAGE") from exc

@@ -20,6 +20,7 @@ bicubic instead of torchvision's, and the image processor's min/max pixels bound
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -68,13 +69,18 @@ def load_processor(path: Path | str):
                                      chat_template=getattr(tokenizer, "chat_template", None))
 
 
-def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int, ...] = ()) -> str:
-    """Qwen2-VL's chat format for one user turn (images, then videos, then the prompt) + assistant
-    start. `video_tokens[i]`: how many `<|video_pad|>` video i takes (1: the unexpanded placeholder)."""
+def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int, ...] = (), system: str = "",
+              history: Sequence[tuple[str, str, int]] = ()) -> str:
+    """Qwen2-VL's chat format (its chat template's output): the system turn (`system`, else the
+    default), the `history` turns (role, text, how many of the images they show, first), then the
+    final user turn (the remaining images, then videos, then the prompt) + assistant start.
+    `video_tokens[i]`: how many `<|video_pad|>` video i takes (1: the unexpanded placeholder)."""
     videos = "".join(f"<|vision_start|>{VIDEO_PAD * n}<|vision_end|>" for n in video_tokens)
+    earlier = "".join(f"<|im_start|>{role}\n{VISION_PLACEHOLDER * n}{text}<|im_end|>\n" for role, text, n in history)
+    shown = num_images - sum(n for _, _, n in history)
     return (
-        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
-        f"<|im_start|>user\n{VISION_PLACEHOLDER * num_images}{videos}{prompt}<|im_end|>\n"
+        f"<|im_start|>system\n{system or SYSTEM_PROMPT}<|im_end|>\n{earlier}"
+        f"<|im_start|>user\n{VISION_PLACEHOLDER * shown}{videos}{prompt}<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
 
@@ -105,14 +111,15 @@ def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tens
 
 
 def build_inputs(processor, images: list[Image.Image], prompt: str,
-                 videos: list[list[Image.Image]] | None = None):
+                 videos: list[list[Image.Image]] | None = None, system: str = "",
+                 history: Sequence[tuple[str, str, int]] = ()):
     """Processor outputs for one request: input_ids, attention_mask, mm_token_type_ids, with
     images pixel_values and image_grid_thw, with videos (lists of frames) pixel_values_videos and
     video_grid_thw (torch tensors, batch of 1)."""
     chunks = [video_inputs(processor.image_processor, frames) for frames in videos or []]
     merge = processor.image_processor.merge_size ** 2
     # Video pads expanded here (the processor expands image pads only: it has no video processor).
-    text = chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks])
+    text = chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks], system, history)
     inputs = processor(images=list(images) or None, text=[text], return_tensors="pt")
     if chunks:
         inputs["pixel_values_videos"] = torch.cat([c[0] for c in chunks])

@@ -48,6 +48,10 @@ class WorkRequest:
     # LoRazor-style early release: after ceil(fraction * max_new_tokens) tokens the request
     # continues on the base model (KV cache kept). 0 = never.
     adapter_release_fraction: float = 0.0
+    # The conversation around the prompt: a system prompt replacing the model's default, and the
+    # earlier turns (role, text, how many of `images` they show, in order).
+    system: str = ""
+    history: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -233,6 +233,13 @@ BAD_INPUTS = {
     "request_id_bad": (dict(request_id="has space"), "request_id"),
     "request_id_newline": (dict(request_id="abc\n"), "request_id"),  # was INTERNAL (a bad metadata value)
     "adapter_newline": (dict(adapter="adapters/cars\n"), "input.adapter"),
+    "history_bad_role": (dict(history=[types_pb2.ChatTurn(role="system", text="x")]), "input.history[0].role"),
+    "history_assistant_image": (dict(images=[png()], history=[types_pb2.ChatTurn(role="assistant", images=1)]),
+                                "input.history[0].images"),
+    "history_claims_missing_images": (dict(history=[types_pb2.ChatTurn(role="user", text="x", images=1)]),
+                                      "input.history"),
+    "history_too_long": (dict(prompt="x", system="y" * 60, history=[types_pb2.ChatTurn(role="user", text="z" * 60)]),
+                         "input.prompt"),
 }
 
 
@@ -272,6 +279,13 @@ async def test_unknown_adapter_or_task_is_not_found(gw, target):
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await gw.infer.Infer(request(**target))
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_conversation_reaches_the_work_item(gw):
+    turns = [types_pb2.ChatTurn(role="user", text="Hi", images=1), types_pb2.ChatTurn(role="assistant", text="Hello")]
+    await gw.infer.Infer(request(system="Be brief.", history=turns, images=[png(), png()]))
+    item = gw.scheduler.items[-1]
+    assert item.system == "Be brief." and list(item.history) == turns and len(item.images) == 2
 
 
 async def test_infer_builds_the_work_item_and_echoes_the_request_id(gw):

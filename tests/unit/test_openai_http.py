@@ -277,7 +277,16 @@ def test_request_parsing():
                                "messages": [{"role": "system", "content": "Be brief."},
                                             {"role": "user", "content": "Count."}]}, "valora-base")
     assert stream and inp.task == "tasks/count" and inp.output_kind == types_pb2.OUTPUT_KIND_LABEL
-    assert inp.prompt == "system: Be brief.\nuser: Count."
+    assert inp.system == "Be brief." and inp.prompt == "Count." and not inp.history
+    url, _ = png_data_url()
+    inp, _ = build_input({"model": "valora-base", "messages": [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "Une voiture."},
+        {"role": "user", "content": [{"type": "text", "text": "And here?"}, {"type": "image_url", "image_url": url}]},
+    ]}, "valora-base")
+    assert inp.system == "Answer in French." and inp.prompt == "And here?" and len(inp.images) == 2
+    assert [(t.role, t.text, t.images) for t in inp.history] == [("user", "What?", 1), ("assistant", "Une voiture.", 0)]
     for body, param in [({"model": "valora-base", "messages": []}, "messages"),
                         ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
                         ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}],
@@ -288,7 +297,12 @@ def test_request_parsing():
                           "max_completion_tokens": 0}, "max_completion_tokens"),
                         ({"model": "valora-base", "messages": [{"role": "user", "content": [
                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
-                         "messages[0].content[0].image_url.url")]:
+                         "messages[0].content[0].image_url.url"),
+                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"},
+                                                               {"role": "assistant", "content": "y"}]}, "messages"),
+                        ({"model": "valora-base", "messages": [{"role": "tool", "content": "x"},
+                                                               {"role": "user", "content": "y"}]},
+                         "messages[0].role")]:
         with pytest.raises(RequestError) as exc:
             build_input(body, "valora-base")
         assert exc.value.param == param

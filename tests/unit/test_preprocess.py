@@ -125,3 +125,30 @@ def test_worker_serves_through_the_pool(model, tmp_path):
 
     pooled = asyncio.run(serve(1))
     assert pooled == asyncio.run(serve(0)) and all(0 < n <= 4 for _, n in pooled)
+
+
+def test_system_prompt_and_history_render_as_the_models_chat_template(model):
+    """A conversation (system prompt, earlier turns with their images, the final user turn) is
+    the text the model's own chat template makes of the same messages, and a WorkItem carries it."""
+    from services.worker.model import load_processor
+    from services.worker.preprocess import process_request
+
+    processor = load_processor(model)
+    conv = work_pb2.WorkItem(request_id="c", prompt="And this one?", system="Answer in one word.")
+    conv.images.extend([types_pb2.Image(data=png(1)), types_pb2.Image(data=png(2))])
+    conv.history.add(role="user", text="What colour?", images=1)
+    conv.history.add(role="assistant", text="Red.")
+    request = work_request_from_pb(conv, None)
+    assert request.system == "Answer in one word." and request.history == [("user", "What colour?", 1),
+                                                                            ("assistant", "Red.", 0)]
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                {"role": "assistant", "content": "Red."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
+    want = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want_ids = processor(images=request.images, text=[want], return_tensors="pt")["input_ids"]
+    inputs, _ = process_request(processor, request, None)
+    assert torch.equal(inputs["input_ids"], want_ids)
+    plain, _ = process_request(processor, work_request_from_pb(work_pb2.WorkItem(request_id="p", prompt="Hi"), None),
+                               None)
+    assert processor.tokenizer.decode(plain["input_ids"][0]).startswith("<|im_start|>system\nYou are a helpful")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InferenceInput(_message.Message):
-    __slots__ = ("images", "prompt", "adapter", "task", "output_kind", "params", "videos")
+    __slots__ = ("images", "prompt", "adapter", "task", "output_kind", "params", "videos", "system", "history")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class InferenceInput(_message.Message):
     OUTPUT_KIND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[_types_pb2.Image]
     prompt: str
     adapter: str
@@ -23,7 +25,9 @@ class InferenceInput(_message.Message):
     output_kind: _types_pb2.OutputKind
     params: _types_pb2.GenerationParams
     videos: _containers.RepeatedCompositeFieldContainer[_types_pb2.Video]
-    def __init__(self, images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., task: _Optional[str] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ...) -> None: ...
+    system: str
+    history: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatTurn]
+    def __init__(self, images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., task: _Optional[str] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ..., system: _Optional[str] = ..., history: _Optional[_Iterable[_Union[_types_pb2.ChatTurn, _Mapping]]] = ...) -> None: ...
 
 class InferRequest(_message.Message):
     __slots__ = ("input", "request_id")

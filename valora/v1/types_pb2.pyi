@@ -56,6 +56,16 @@ class Video(_message.Message):
     frames: _containers.RepeatedCompositeFieldContainer[Image]
     def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
+class ChatTurn(_message.Message):
+    __slots__ = ("role", "text", "images")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    text: str
+    images: int
+    def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., images: _Optional[int] = ...) -> None: ...
+
 class GenerationParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "adapter_release_fraction")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]

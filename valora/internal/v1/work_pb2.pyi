@@ -16,7 +16,7 @@ class AdapterRef(_message.Message):
     def __init__(self, version: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "images", "prompt", "adapter", "output_kind", "head", "params", "videos")
+    __slots__ = ("request_id", "images", "prompt", "adapter", "output_kind", "head", "params", "videos", "system", "history")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class WorkItem(_message.Message):
     HEAD_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_types_pb2.Image]
     prompt: str
@@ -33,4 +35,6 @@ class WorkItem(_message.Message):
     head: str
     params: _types_pb2.GenerationParams
     videos: _containers.RepeatedCompositeFieldContainer[_types_pb2.Video]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., head: _Optional[str] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ...) -> None: ...
+    system: str
+    history: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatTurn]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., head: _Optional[str] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ..., system: _Optional[str] = ..., history: _Optional[_Iterable[_Union[_types_pb2.ChatTurn, _Mapping]]] = ...) -> None: ...
