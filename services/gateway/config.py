@@ -44,6 +44,8 @@ class GatewaySettings(ServiceSettings):
         300.0, ge=0, description="Seconds past resolve_cache_s that a resolved reference still serves requests "
         "while the adapter store is unreachable (UNAVAILABLE or no answer within 2 s); 0: the store outage fails them.")
     http_keepalive_s: float = Field(15.0, gt=0, description="Seconds an idle HTTP keep-alive connection stays open.")
+    http_header_timeout_s: float = Field(10.0, gt=0, description="Seconds a new HTTP connection has to send a whole "
+                                         "request head before it is closed (idle and slowloris sockets).")
     http_enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API next to gRPC.")
     http_port: int = Field(0, ge=0, description="Port of the OpenAI-compatible HTTP API; 0 picks a free one.")
     served_model_name: str = Field(

@@ -28,6 +28,7 @@ Messages become one prompt: a single user message is its text; a conversation is
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -272,6 +273,7 @@ class OpenAIHttpServer:
         self.app.router.add_get("/health", self.health)
         self.is_serving = lambda: True  # the gateway's health (gateway/server.py sets it)
         self._runner: web.AppRunner | None = None
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
         # handler_cancellation: a client that disconnects cancels its handler, and with it the
@@ -280,14 +282,39 @@ class OpenAIHttpServer:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
                                      keepalive_timeout=self.settings.http_keepalive_s)
         await self._runner.setup()
+        self._sweeper = asyncio.create_task(self._sweep(min(1.0, self.settings.http_header_timeout_s / 2)))
         await web.SockSite(self._runner, self.sock).start()
         log.info("http_serving", port=self.port)
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         await self.channel.close()
+
+    async def _sweep(self, period_s: float) -> None:
+        """Closes connections that have not sent a whole request head within http_header_timeout_s
+        of being seen (idle or slowloris sockets; aiohttp itself waits for a first request
+        forever). Relies on aiohttp's per-connection request count (`_request_count`)."""
+        seen: dict[int, float] = {}
+        timeout = self.settings.http_header_timeout_s
+        while True:
+            await asyncio.sleep(period_s)
+            server = self._runner.server if self._runner is not None else None
+            if server is None:
+                continue
+            now, alive = time.monotonic(), set()
+            for conn in list(server.connections):
+                alive.add(id(conn))
+                if getattr(conn, "_request_count", 1):
+                    continue
+                first = seen.setdefault(id(conn), now)
+                if now - first >= timeout:
+                    conn.force_close()
+            seen = {k: v for k, v in seen.items() if k in alive}
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):

@@ -185,6 +185,32 @@ async def test_a_client_that_leaves_cancels_its_generation():
         await asyncio.wait_for(worker.cancelled.wait(), 5)  # the work stopped with it
 
 
+async def test_connections_without_a_request_head_are_closed():
+    """Idle sockets and slowloris heads (a partial request line) are closed after the header
+    timeout; a connection that sent its request is served."""
+    import socket as socket_mod
+
+    async with http_stack(http_header_timeout_s=0.5) as (worker, client, base_url):
+        port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+        idle = [socket_mod.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        slow = socket_mod.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+        await asyncio.sleep(2.0)
+        assert (await client.models.list()).data  # served meanwhile
+
+        def closed(sock) -> bool:
+            sock.settimeout(2)
+            try:
+                return sock.recv(1024) == b""
+            except (ConnectionResetError, TimeoutError, socket_mod.timeout):
+                return False
+        try:
+            assert all(await asyncio.to_thread(lambda: [closed(s) for s in (*idle, slow)]))
+        finally:
+            for s in (*idle, slow):
+                s.close()
+
+
 async def test_health_and_one_model_by_id():
     async with http_stack() as (worker, client, base_url), aiohttp.ClientSession() as raw:
         async with raw.get(f"{base_url[:-3]}/health") as r:  # no key: probes
