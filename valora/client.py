@@ -5,11 +5,15 @@
         r = c.infer("what digit is this?", images=[png_bytes], adapter="adapters/digits@prod")
         print(r.text, r.mode)
 
-Retries only UNAVAILABLE (the one status that promises nothing ran), with backoff.
+Retries UNAVAILABLE (the status that promises nothing ran) and a full queue's RESOURCE_EXHAUSTED
+with RetryInfo, after the server's delay or a jittered backoff; a stream only before its first
+message. Failures raise valora.errors' typed exceptions (grpc.RpcError subclasses carrying the
+status's reason, field violations and retry delay).
 """
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from valora import errors
 from valora.v1 import admin_service_pb2 as admin_pb
 from valora.v1 import admin_service_pb2_grpc as admin_grpc
 from valora.v1 import inference_service_pb2 as inf_pb
@@ -25,6 +30,7 @@ from valora.v1 import inference_service_pb2_grpc as inf_grpc
 from valora.v1 import resources_pb2, types_pb2
 
 UPLOAD_CHUNK = 1 << 20
+MAX_RETRY_DELAY_S = 10.0  # the longest a retry waits on a server's RetryInfo
 
 
 @dataclass
@@ -83,6 +89,17 @@ def _image_pb(image: bytes | str | Path) -> types_pb2.Image:
     return types_pb2.Image(data=image)
 
 
+def _retryable(err: errors.ValoraRpcError) -> bool:
+    return isinstance(err, errors.Unavailable) or (isinstance(err, errors.ResourceExhausted)
+                                                    and err.retry_after_s is not None)
+
+
+def _backoff(err: errors.ValoraRpcError, attempt: int) -> float:
+    if err.retry_after_s is not None:
+        return min(err.retry_after_s, MAX_RETRY_DELAY_S)
+    return random.uniform(0, min(0.2 * 2 ** attempt, 2.0))  # full jitter: retrying clients spread out
+
+
 class ValoraClient:
     def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
                  timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20,
@@ -116,14 +133,22 @@ class ValoraClient:
             md.append(("x-request-id", request_id))
         return md
 
-    def _call(self, fn, request, key):
+    def _retrying(self, call):
+        """`call()` again on UNAVAILABLE, and on RESOURCE_EXHAUSTED that carries RetryInfo (a full
+        queue), up to `retries` times: after the server's delay when it gave one, else after a
+        jittered exponential backoff. Errors are valora.errors' typed ones."""
         for attempt in range(self.retries + 1):
             try:
-                return fn(request, timeout=self.timeout_s, metadata=self._metadata(key))
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
-                    raise
-                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+                return call()
+            except grpc.RpcError as raw:
+                err = errors.from_rpc_error(raw)
+                if attempt == self.retries or not _retryable(err):
+                    raise err from None
+                time.sleep(_backoff(err, attempt))
+        raise AssertionError("unreachable")
+
+    def _call(self, fn, request, key):
+        return self._retrying(lambda: fn(request, timeout=self.timeout_s, metadata=self._metadata(key)))
 
     # -- inference -----------------------------------------------------------------------------
 
@@ -156,16 +181,28 @@ class ValoraClient:
                      adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
                      temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
                      stop: Iterable[str] = (), request_id: str = "") -> Iterator[str | InferResult]:
-        """Yields text deltas, then the final InferResult. Not retried (it may have started)."""
+        """Yields text deltas, then the final InferResult. Retried like `infer` until its first
+        message; after that an error is raised (the output may have been seen)."""
         req = inf_pb.InferStreamRequest(
             input=self._input(prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k,
                               seed, stop),
             request_id=request_id or uuid.uuid4().hex)
-        for msg in self._inference.InferStream(req, timeout=self.timeout_s, metadata=self._metadata(self._api_key)):
-            if msg.text_delta:
-                yield msg.text_delta
-            if msg.HasField("result"):
-                yield InferResult.from_pb(msg.result)
+        for attempt in range(self.retries + 1):
+            started = False
+            try:
+                for msg in self._inference.InferStream(req, timeout=self.timeout_s,
+                                                       metadata=self._metadata(self._api_key)):
+                    started = True
+                    if msg.text_delta:
+                        yield msg.text_delta
+                    if msg.HasField("result"):
+                        yield InferResult.from_pb(msg.result)
+                return
+            except grpc.RpcError as raw:
+                err = errors.from_rpc_error(raw)
+                if started or attempt == self.retries or not _retryable(err):
+                    raise err from None
+                time.sleep(_backoff(err, attempt))
 
     # -- admin ---------------------------------------------------------------------------------
 
@@ -201,16 +238,9 @@ class ValoraClient:
             for i in range(0, len(bundle), UPLOAD_CHUNK):
                 yield admin_pb.UploadAdapterVersionRequest(chunk=bundle[i:i + UPLOAD_CHUNK])
 
-        for attempt in range(self.retries + 1):
-            try:
-                r = self._admin.UploadAdapterVersion(parts(), timeout=self.timeout_s,
-                                                     metadata=self._metadata(self._admin_key))
-                return AdapterVersion.from_pb(r.version)
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
-                    raise
-                time.sleep(min(0.2 * 2 ** attempt, 2.0))
-        raise AssertionError("unreachable")
+        r = self._retrying(lambda: self._admin.UploadAdapterVersion(parts(), timeout=self.timeout_s,
+                                                                    metadata=self._metadata(self._admin_key)))
+        return AdapterVersion.from_pb(r.version)
 
     def list_versions(self, adapter: str) -> list[AdapterVersion]:
         r = self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
