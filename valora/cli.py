@@ -8,6 +8,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
@@ -715,7 +716,6 @@ def bench_scale(ctx: typer.Context):
 
     A real cluster per worker count, generation requests with images through the gateway."""
     import importlib.util
-    import sys
 
     path = Path(__file__).resolve().parents[1] / "bench" / "scale_bench.py"
     if not path.exists():
@@ -728,5 +728,32 @@ def bench_scale(ctx: typer.Context):
     raise typer.Exit(module.main(list(ctx.args), prog="valora bench scale"))
 
 
+RPC_EXIT_BASE = 10  # a failed call exits 10 + its gRPC status code (INVALID_ARGUMENT 13, NOT_FOUND 15, UNAVAILABLE 24)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `valora` command: the CLI, with a failed RPC printed as `CODE: message (reason)` and
+    field violations, exiting RPC_EXIT_BASE + its status code, instead of a traceback."""
+    import grpc
+
+    from valora import errors
+
+    try:
+        app(args=argv)  # standalone: ends in SystemExit (0, or a usage error's 2) unless an RPC failed
+    except grpc.RpcError as raw:
+        err = errors.from_rpc_error(raw)
+        console.print(f"[red]{err.code().name}[/red]: {err.message}" + (f" ({err.reason})" if err.reason else ""),
+                      markup=True, highlight=False)
+        for field_path, why in err.field_violations:
+            console.print(f"  {field_path}: {why}", markup=False, highlight=False)
+        return RPC_EXIT_BASE + err.code().value[0]
+    return 0
+
+
+def run() -> None:
+    """Entry point of the `valora` script."""
+    sys.exit(main())
+
+
 if __name__ == "__main__":
-    app()
+    run()

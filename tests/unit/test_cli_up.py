@@ -232,3 +232,28 @@ def test_status_names_the_mode():
 
     assert cli._mode_name(types_pb2.INFERENCE_MODE_MIXTURE) == "mixture"
     assert {cli._mode_name(v.number) for v in types_pb2.InferenceMode.DESCRIPTOR.values} >= {"merged", "unmerged"}
+
+
+def test_the_cli_prints_a_failed_call_and_exits_with_its_code(capsys):
+    from concurrent import futures
+
+    import grpc
+
+    from services.common.errors import FieldViolation, InvalidArgument
+    from tests.unit.test_client_errors import Scripted
+    from valora.v1 import inference_service_pb2_grpc
+
+    bad = InvalidArgument("invalid request", reason="INVALID_ARGUMENT",
+                          field_violations=[FieldViolation("input.prompt", "too long")])
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(Scripted([bad]), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code = cli.main(["infer", "--prompt", "x", "--address", f"127.0.0.1:{port}"])
+    finally:
+        server.stop(0)
+    out = capsys.readouterr().out
+    assert code == cli.RPC_EXIT_BASE + grpc.StatusCode.INVALID_ARGUMENT.value[0] == 13
+    assert "INVALID_ARGUMENT: invalid request (INVALID_ARGUMENT)" in out and "input.prompt: too long" in out
+    assert "Traceback" not in out
