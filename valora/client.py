@@ -103,12 +103,24 @@ def _backoff(err: errors.ValoraRpcError, attempt: int) -> float:
 class ValoraClient:
     def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
                  timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20,
-                 internal_token: str = ""):
-        """`internal_token`: the cluster's internal token, for an adapter store's AdminService
+                 internal_token: str = "", tls: bool = False, tls_ca: str | Path | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None):
+        """`tls` (implied by any tls_*): TLS, the server verified against `tls_ca` (PEM file;
+        default: the system roots); `tls_cert` + `tls_key`: this client's certificate (mutual
+        TLS). `internal_token`: the cluster's internal token, for an adapter store's AdminService
         addressed directly (the generation runner); a gateway needs only the keys."""
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls or tls_ca or tls_cert or tls_key:
+            if bool(tls_cert) != bool(tls_key):
+                raise ValueError("tls_cert and tls_key go together (mutual TLS)")
+
+            def read(path):
+                return Path(path).expanduser().read_bytes() if path else None
+            credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         if internal_token:
             from services.common.internal_auth import with_token  # noqa: PLC0415 - services only
 
@@ -242,11 +254,17 @@ class ValoraClient:
                                                                     metadata=self._metadata(self._admin_key)))
         return AdapterVersion.from_pb(r.version)
 
-    def list_versions(self, adapter: str) -> list[AdapterVersion]:
-        r = self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
-            parent=adapter if adapter.startswith("adapters/") else f"adapters/{adapter}", page_size=1000),
-            self._admin_key)
-        return [AdapterVersion.from_pb(v) for v in r.versions]
+    def list_versions(self, adapter: str, page_size: int = 100) -> list[AdapterVersion]:
+        """Every version of the adapter (all pages)."""
+        out, token = [], ""
+        parent = adapter if adapter.startswith("adapters/") else f"adapters/{adapter}"
+        while True:
+            r = self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
+                parent=parent, page_size=page_size, page_token=token), self._admin_key)
+            out.extend(AdapterVersion.from_pb(v) for v in r.versions)
+            token = r.next_page_token
+            if not token:
+                return out
 
     def set_alias(self, adapter: str, alias: str, version: str, etag: str = "") -> str:
         r = self._call(self._admin.SetAlias, admin_pb.SetAliasRequest(
