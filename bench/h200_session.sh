@@ -125,6 +125,15 @@ a = {p: cpu(p) for p in pids}; time.sleep(1); print(max(pids, key=lambda p: cpu(
 elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weights) behind the public API
   # ~20 s start + ~25 s images/adapters + warm-up, then 4 runs of ~25-70 s each (1024 requests at 40-15 req/s;
   # Poisson 1024 arrivals over 34 s, longer when the worker falls behind); SIGTERM at SERVE_S still writes the rows
+  # PYSPY=1 (py-spy in .whl): PYSPY_DELAY s (150: inside the first measured run) after the start, the worker's
+  # threads sampled for PYSPY_S s -> $OUT/worker-pyspy-summary.txt (where the engine thread's time goes)
+  if [ -n "${PYSPY:-}" ]; then
+    ( sleep "${PYSPY_DELAY:-150}"; P=$(pgrep -f "services.worker" | head -1); echo "sampling worker $P"
+      /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-20}" -f raw \
+        -o "$OUT/worker-pyspy.txt" --pid "$P"
+      python3 -m bench.pyspy_summary "$OUT/worker-pyspy.txt" --threads 4 --top 40 --match valora-engine \
+        > "$OUT/worker-pyspy-summary.txt" 2>&1; gzip -f "$OUT/worker-pyspy.txt" ) > "$OUT/pyspy.log" 2>&1 &
+  fi
   OUT="$OUT" timeout -s TERM "${SERVE_S:-420}" python3 -m bench.serve_bench --device cuda --arch qwen2-vl-7b --atmm \
     --dtype bfloat16 --concurrency "${CONC:-128}" --rate "${RATE:-30}" --requests "${REQUESTS:-1024}" --repeat 2 \
     --out "bench/results/serve-h200-$SUF.json" ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
