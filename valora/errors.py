@@ -66,12 +66,9 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(err: grpc.RpcError) -> ValoraRpcError:
-    """The typed error of a failed call (its status details parsed when the server sent them)."""
-    if isinstance(err, ValoraRpcError):
-        return err
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    message = err.details() if hasattr(err, "details") else str(err)
+def status_details(err: grpc.RpcError) -> tuple[str, list[tuple[str, str]], float | None]:
+    """(ErrorInfo reason, BadRequest field violations, RetryInfo delay) of a failed call's status
+    ("", [], None where absent or malformed). The services read them here too (services/common/errors.py)."""
     reason, violations, retry = "", [], None
     try:
         status = rpc_status.from_call(err)
@@ -90,5 +87,15 @@ def from_rpc_error(err: grpc.RpcError) -> ValoraRpcError:
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
             retry = info.retry_delay.ToNanoseconds() / 1e9
+    return reason, violations, retry
+
+
+def from_rpc_error(err: grpc.RpcError) -> ValoraRpcError:
+    """The typed error of a failed call (its status details parsed when the server sent them)."""
+    if isinstance(err, ValoraRpcError):
+        return err
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    message = err.details() if hasattr(err, "details") else str(err)
+    reason, violations, retry = status_details(err)
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else ()
     return _BY_CODE.get(code, Internal)(code, message or "", reason, violations, retry, trailing)

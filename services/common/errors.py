@@ -150,29 +150,16 @@ _BY_CODE: dict[grpc.StatusCode, type[ValoraError]] = {
 def from_rpc_error(err: grpc.RpcError) -> ValoraError:
     """Rebuild the domain error a downstream service raised, keeping its status and details,
     so a hop (gateway -> scheduler -> worker) passes errors through unchanged."""
-    from grpc_status import rpc_status
+    from valora.errors import status_details
 
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     message = err.details() if callable(getattr(err, "details", None)) else str(err)
     cls = _BY_CODE.get(code, WorkerUnavailable if code == grpc.StatusCode.UNKNOWN else ValoraError)
     out = cls(message or code.name, reason=code.name)
-    status = None
-    try:
-        status = rpc_status.from_call(err)
-    except Exception:  # noqa: BLE001 - a malformed trailer must not hide the original error
-        status = None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                out.reason = info.reason
-            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad = error_details_pb2.BadRequest()
-                detail.Unpack(bad)
-                out.field_violations = [FieldViolation(v.field, v.description) for v in bad.field_violations]
-            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                info = error_details_pb2.RetryInfo()
-                detail.Unpack(info)
-                out.retry_after_s = info.retry_delay.ToNanoseconds() / 1e9
+    reason, violations, retry = status_details(err)
+    out.reason = reason or out.reason
+    if violations:
+        out.field_violations = [FieldViolation(f, d) for f, d in violations]
+    if retry is not None:
+        out.retry_after_s = retry
     return out
