@@ -129,6 +129,17 @@ def build() -> dict:
          [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:e2e_request_latency_seconds_bucket{AT_SCHEDULER}{RATE})))",
            "legendFormat": "{{adapter}}"}], "s"),
     ])
+    b.row("Tokens and KV cache")
+    b.series([
+        ("Tokens per second", "valora:prompt_tokens_total and valora:generation_tokens_total.",
+         [{"expr": f"sum(rate(valora:prompt_tokens_total{RATE}))", "legendFormat": "prompt"},
+          {"expr": f"sum(rate(valora:generation_tokens_total{RATE}))", "legendFormat": "generation"}], "short"),
+        ("KV cache usage by worker", "valora:kv_cache_usage_perc (share of the paged KV pool in use).",
+         [{"expr": "max by (worker) (valora:kv_cache_usage_perc)", "legendFormat": "{{worker}}"}], "percentunit"),
+        ("Finished requests by reason", "valora:request_success_total per finished_reason (stop, length).",
+         [{"expr": f"sum by (finished_reason) (rate(valora:request_success_total{RATE}))",
+           "legendFormat": "{{finished_reason}}"}], "reqps"),
+    ])
     b.row("Modes and adapters")
     b.series([
         ("Inference mode by worker", "valora:mode: 1 for each worker's current mode (merged, unmerged, mixture).",

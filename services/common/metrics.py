@@ -31,6 +31,13 @@ E2E_LATENCY = Histogram("valora:e2e_request_latency_seconds", "Arrival to last t
 QUEUE_TIME = Histogram("valora:request_queue_time_seconds", "Time waiting in the scheduler queue.",
                        buckets=LATENCY_BUCKETS)
 REQUESTS_TOTAL = Counter("valora:requests_total", "Finished requests by status code.", ["service", "code"])
+PROMPT_TOKENS = Counter("valora:prompt_tokens_total", "Prompt tokens prefilled (text and vision).", ["worker"])
+GENERATION_TOKENS = Counter("valora:generation_tokens_total", "Tokens generated.", ["worker"])
+REQUEST_SUCCESS = Counter("valora:request_success_total", "Requests a worker finished, by why they stopped "
+                          "(stop: EOS, a stop sequence or a label; length: max_new_tokens).",
+                          ["worker", "finished_reason"])
+KV_CACHE_USAGE = Gauge("valora:kv_cache_usage_perc", "Share of the worker's paged KV pool in use, 0 to 1.",
+                       ["worker"])
 MODE = Gauge("valora:mode", "1 for the worker's current inference mode.", ["worker", "mode"])
 MODE_SWITCHES = Counter("valora:mode_switches_total", "Merge/unmerge/switch operations.", ["worker", "kind"])
 ADAPTER_SWAPS = Counter("valora:adapter_swaps_total", "Adapters copied host→device or evicted.",

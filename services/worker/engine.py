@@ -369,6 +369,14 @@ class Engine:
         with self._stats_lock:
             return self._running_count
 
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV pool's usable blocks in use as of the last step, 0 to 1 (never waits on
+        the loop; adapters' runs in the pool count as in use)."""
+        with self._stats_lock:
+            used = self._kv_bytes
+        return used / max(1, self.kv.usable_blocks * self.kv_pool.block_bytes)
+
     def stats(self) -> EngineStats:
         waiting = self.sched.queued()
         with self._stats_lock:

@@ -309,6 +309,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 handle.cancel()  # client cancelled / deadline: free the sequence at the next step
 
     def _observe(self, r) -> None:
+        metrics.PROMPT_TOKENS.labels(self.worker_name).inc(r.prompt_tokens)
+        metrics.GENERATION_TOKENS.labels(self.worker_name).inc(r.output_tokens)
+        reason = "length" if r.finish_reason == FinishReason.LENGTH else "stop"  # vLLM's finished_reason values
+        metrics.REQUEST_SUCCESS.labels(self.worker_name, reason).inc()
         label = metrics.adapter_label(r.adapter)
         metrics.TIME_TO_FIRST_TOKEN.labels(label).observe(r.first_token_ms / 1e3)
         metrics.E2E_LATENCY.labels(label, "OK").observe(r.total_ms / 1e3)
@@ -673,6 +677,7 @@ async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, per
         await asyncio.sleep(period_s)
         if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
             metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(servicer.engine.running_count)
+            metrics.KV_CACHE_USAGE.labels(servicer.worker_name).set(servicer.engine.kv_usage)
             mode = servicer.engine.adapters.mode
             for m in Mode:  # valora:mode is the engine's, from start-up on (not only after SetMode)
                 metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == mode else 0)

@@ -104,6 +104,10 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     assert has(scheduler, "valora:num_requests_waiting")
     assert total(scheduler, "valora:request_queue_time_seconds_count") >= traffic
     assert has(worker, "valora:num_requests_running")
+    assert total(worker, "valora:request_success_total") >= traffic  # vLLM's names and meanings
+    assert total(worker, "valora:generation_tokens_total") >= traffic
+    assert total(worker, "valora:prompt_tokens_total") > total(worker, "valora:generation_tokens_total") > 0
+    assert has(worker, "valora:kv_cache_usage_perc")
     modes = {dict(lbl)["mode"]: v for (n, lbl), v in worker.items() if n == "valora:mode"}
     assert sum(modes.values()) == 1, f"exactly one current mode per worker: {modes}"
     assert all(dict(lbl)["worker"] == worker_info.name for (n, lbl), _ in worker.items() if n == "valora:mode")

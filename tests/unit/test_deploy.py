@@ -76,6 +76,10 @@ METRICS = [
     "valora:mode_switches_total",
     "valora:adapter_swaps_total",
     "valora:atmm_seconds",
+    "valora:prompt_tokens_total",
+    "valora:generation_tokens_total",
+    "valora:request_success_total",
+    "valora:kv_cache_usage_perc",
 ]
 
 DIGEST = re.compile(r"^[^@\s]+:[^@\s]+@sha256:[0-9a-f]{64}$")
