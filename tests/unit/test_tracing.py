@@ -294,3 +294,29 @@ async def test_cancelled_traced_stream_ends_its_span_without_context_errors(capl
     span = one(spans, GENERATE, SpanKind.SERVER)
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert not [r for r in caplog.records if "detach" in r.getMessage().lower()]
+
+
+
+def test_log_lines_carry_the_current_trace_and_span_ids():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    import structlog
+
+    from services.common.logging import add_trace_ids, configure_logging
+
+    old = structlog.get_config()
+    try:  # every service's logging runs the processor
+        configure_logging("probe", "info", json=True)
+        assert add_trace_ids in structlog.get_config()["processors"]
+    finally:
+        structlog.configure(**old)
+        structlog.contextvars.unbind_contextvars("service")
+    tracer = TracerProvider().get_tracer("probe")
+    with structlog.testing.capture_logs(processors=[add_trace_ids]) as logs:
+        with tracer.start_as_current_span("work") as span:
+            structlog.get_logger().info("inside")
+        structlog.get_logger().info("outside")
+    inside, outside = logs
+    ctx = span.get_span_context()
+    assert inside["trace_id"] == f"{ctx.trace_id:032x}" and inside["span_id"] == f"{ctx.span_id:016x}"
+    assert "trace_id" not in outside
