@@ -4,9 +4,11 @@
   only, remote URLs are refused; system messages replace the model's default system prompt, the
   turns before the last user message travel as `history`, rendered with the model's chat template), `model` = an adapter reference (`adapters/…`), a task
   (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
-  `temperature`, `top_p`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
+  `temperature`, `top_p`, `top_k`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
-  the label is the message content and its scores come back under `valora.scores`.
+  the label is the message content and its scores come back under `valora.scores`. A parameter
+  the engine does not implement (`logprobs`, penalties, `min_p`, `tools`, `response_format`, …;
+  `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
   `GET /v1/models/{id}` one of them.
 - `GET /health`: 200 while the gateway serves, 503 once it drains (no key: for probes).
@@ -191,10 +193,29 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
         raise RequestError(f"{param} is out of range", param) from None
 
 
+# Chat-completion parameters the engine does not implement, with the values that mean "not used".
+UNSUPPORTED = {
+    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
+    "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """A parameter the engine does not implement is a 400 naming it, never silently ignored;
+    its neutral value (what OpenAI does without it) passes."""
+    for key, neutral in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and value not in neutral:
+            raise RequestError(f"{key} is not supported by this server", key, code="unsupported_parameter")
+
+
 def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a chat completion request, and whether to stream."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
+    _refuse_unsupported(body)
     turns, images = _message_parts(body.get("messages"))
     inp = inference_service_pb2.InferenceInput()
     conversation(inp, turns)
@@ -228,7 +249,7 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
             raise RequestError(f"{key} must be positive", key)
         _assign(p, "max_new_tokens", max_tokens, key)
     for name, kind, field in (("temperature", float, "temperature"), ("top_p", float, "top_p"),
-                              ("seed", int, "seed")):
+                              ("top_k", int, "top_k"), ("seed", int, "seed")):
         value = _number(body, name, kind)
         if value is not None:
             _assign(p, field, value, name)
