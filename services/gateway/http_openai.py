@@ -1,8 +1,7 @@
 """An OpenAI-compatible HTTP front next to the gateway's gRPC API (aiohttp).
 
 - `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs
-  only, remote URLs are refused; system messages replace the model's default system prompt, the
-  turns before the last user message travel as `history`, rendered with the model's chat template), `model` = an adapter reference (`adapters/…`), a task
+  only, remote URLs are refused), `model` = an adapter reference (`adapters/…`), a task
   (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
   `temperature`, `top_p`, `top_k`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
@@ -16,18 +15,18 @@
 One design choice keeps the behaviour identical to gRPC's: chat completions call the gateway's
 own InferenceService over loopback, carrying the caller's `Authorization` header as metadata, so
 auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. Every route but
-`/health` first checks the key with the same auth interceptor (an inference key suffices), before
-reading the body; `/v1/models` lists through the
-adapter store's registry. gRPC statuses become OpenAI-style JSON errors:
-400/401/403/404/409/429 (+Retry-After)/503/504.
+`/health` first checks the key with the same auth interceptor (an inference key suffices),
+before reading the body; `/v1/models` lists through the adapter store's registry. gRPC statuses
+become OpenAI-style JSON errors: 400/401/403/404/409/429 (+Retry-After)/503/504.
 
 Sampling follows the gRPC API's defaults: `temperature` omitted (or 0) is greedy decoding, not
 OpenAI's 1.0; `max_tokens` omitted is the gateway's `default_max_new_tokens`.
 
-Messages become one prompt: a single user message is its text; a conversation is rendered as
-`role: text` lines. Images keep their order across messages.
+Messages become a conversation (`conversation`): system (and developer) messages replace the
+model's default system prompt, the last message, a user's, is the prompt, and the turns before it
+travel as `history`, which the worker renders with the model's chat template. Images keep their
+order across messages; each turn shows its own.
 """
-
 from __future__ import annotations
 
 import asyncio

@@ -28,9 +28,10 @@ warm-up: lazy initialisation and kernel compilation happen outside the capture),
 recently used `max_graphs` are kept in one memory pool. Captures are thread-local: the worker's
 other threads (request preparation, adapter staging into pinned memory) keep calling CUDA while
 the engine thread captures, and a global capture fails on such a call — both the capture and the
-other thread's work (serve-h200-7b9279e.json: no capture succeeded in 1324 steps). A capture that
-fails is retried at the key's next steps; after `MAX_CAPTURE_FAILURES` the key runs without a
-graph for good (each failure is logged and counted in `capture_failures`). `capture=False` runs the same step without graphs (CPU).
+other thread's work (serve-h200-7b9279e.json: no capture succeeded in 1334 static steps). A
+capture that fails is retried at the key's next steps; after `MAX_CAPTURE_FAILURES` the key runs
+without a graph for good (each failure is logged and counted in `capture_failures`).
+`capture=False` runs the same step without graphs (CPU).
 """
 
 from __future__ import annotations
