@@ -185,6 +185,10 @@ class HostCopy:
 
     weights: AdapterWeights
     packed: torch.Tensor | None = None
+    nbytes: int = field(init=False)  # host bytes of the weights (the host pool's budget counts them)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", self.weights.nbytes)
 
 
 class DeviceMemory(Protocol):
@@ -330,7 +334,7 @@ class AdapterPool:
 
     def host_bytes(self) -> int:
         with self._lock:
-            return sum(h.weights.nbytes for h in self._host.values())
+            return sum(h.nbytes for h in self._host.values())
 
     def host_victims(self, incoming: int, budget: int, keep: set[str]) -> list[str]:
         """Host adapters to drop, least recently used first, so that `incoming` more bytes fit
@@ -339,7 +343,7 @@ class AdapterPool:
         if budget <= 0:
             return []
         with self._lock:
-            used = sum(h.weights.nbytes for h in self._host.values())
+            used = self.host_bytes()
             out = []
             for name, host in self._host.items():
                 if used + incoming <= budget:
@@ -347,7 +351,7 @@ class AdapterPool:
                 if self._pins.get(name) or name in keep:
                     continue
                 out.append(name)
-                used -= host.weights.nbytes
+                used -= host.nbytes
             return out
 
     def get(self, name: str) -> AdapterWeights:
