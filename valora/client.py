@@ -153,11 +153,15 @@ class ValoraClient:
             try:
                 return call()
             except grpc.RpcError as raw:
-                err = errors.from_rpc_error(raw)
-                if attempt == self.retries or not _retryable(err):
-                    raise err from None
-                time.sleep(_backoff(err, attempt))
+                self._retry_or_raise(raw, attempt)
         raise AssertionError("unreachable")
+
+    def _retry_or_raise(self, raw: grpc.RpcError, attempt: int, started: bool = False) -> None:
+        """Raises the typed error of a failed `attempt`, or waits before the next one."""
+        err = errors.from_rpc_error(raw)
+        if started or attempt == self.retries or not _retryable(err):
+            raise err from None
+        time.sleep(_backoff(err, attempt))
 
     def _call(self, fn, request, key):
         return self._retrying(lambda: fn(request, timeout=self.timeout_s, metadata=self._metadata(key)))
@@ -211,10 +215,7 @@ class ValoraClient:
                         yield InferResult.from_pb(msg.result)
                 return
             except grpc.RpcError as raw:
-                err = errors.from_rpc_error(raw)
-                if started or attempt == self.retries or not _retryable(err):
-                    raise err from None
-                time.sleep(_backoff(err, attempt))
+                self._retry_or_raise(raw, attempt, started)
 
     # -- admin ---------------------------------------------------------------------------------
 
