@@ -45,15 +45,11 @@ def request_id_from(context: grpc.aio.ServicerContext) -> str:
     return ""
 
 
-class _Undecodable:
-    """What a request that does not parse as its method's message decodes to (see ErrorInterceptor)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+_UNDECODABLE = object()  # what a request that does not parse as its method's message decodes to
 
 
 def _tolerant(deserializer):
-    """The method's deserializer, returning _Undecodable instead of raising: grpc answers a
+    """The method's deserializer, returning _UNDECODABLE instead of raising: grpc answers a
     deserializer's exception with UNKNOWN, where garbage bytes are the caller's INVALID_ARGUMENT."""
     if deserializer is None:
         return None
@@ -61,8 +57,8 @@ def _tolerant(deserializer):
     def decode(data: bytes):
         try:
             return deserializer(data)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
-            return _Undecodable(exc)
+        except Exception:  # noqa: BLE001 - any parse failure is the caller's
+            return _UNDECODABLE
     return decode
 
 
@@ -70,9 +66,9 @@ def _undecodable(method: str) -> ValoraError:
     return InvalidArgument(f"the request is not a valid message of {method}", reason="UNDECODABLE_REQUEST")
 
 
-async def _checked(request_iterator, method: str):
+async def _each_decoded(request_iterator, method: str):
     async for request in request_iterator:
-        if isinstance(request, _Undecodable):
+        if request is _UNDECODABLE:
             raise _undecodable(method)
         yield request
 
@@ -89,6 +85,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         deserializer = _tolerant(handler.request_deserializer)
         rid = dict(handler_call_details.invocation_metadata or ()).get(REQUEST_ID_KEY, "")
+        streamed_requests = bool(handler.stream_unary or handler.stream_stream)
+
+        def checked(request):
+            """The request (or, streamed, its messages), INVALID_ARGUMENT where one did not decode."""
+            if streamed_requests:
+                return _each_decoded(request, method)
+            if request is _UNDECODABLE:
+                raise _undecodable(method)
+            return request
 
         async def fail(context, exc: BaseException):
             if isinstance(exc, ValoraError):
@@ -106,9 +111,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request, context):
                 bind()
                 try:
-                    if isinstance(request, _Undecodable):
-                        raise _undecodable(method)
-                    return await inner_uu(request, context)
+                    return await inner_uu(checked(request), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped in fail()
@@ -121,7 +124,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def stream_unary(request_iterator, context):
                 bind()
                 try:
-                    return await inner_su(_checked(request_iterator, method), context)
+                    return await inner_su(checked(request_iterator), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001
@@ -132,13 +135,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         # Streaming responses: ours are async generators; some library handlers (Health.Watch)
         # are coroutines that write through context.write, and must stay coroutines.
         inner_stream = handler.unary_stream or handler.stream_stream
-
-        def checked(request):
-            if handler.stream_stream:
-                return _checked(request, method)
-            if isinstance(request, _Undecodable):
-                raise _undecodable(method)
-            return request
 
         async def streaming(request, context):
             bind()
