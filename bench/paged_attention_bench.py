@@ -236,6 +236,9 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     rows, ref = [], None
 
+    def heads_per_query(layers):  # K/V heads repeated to the query heads (a varlen_attn without GQA)
+        return [t.repeat_interleave(group, dim=-2) for t in layers]
+
     def record(method, fns, got, note=""):
         row, _ = measure(method, fns, got, ref, args, note)
         rows.append(row)
@@ -268,7 +271,7 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
             return
         kp, vp, bt = pools(bs)
         if not gqa:
-            kp, vp = [t.repeat_interleave(group, dim=-2) for t in kp], [t.repeat_interleave(group, dim=-2) for t in vp]
+            kp, vp = heads_per_query(kp), heads_per_query(vp)
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         cu_k = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
         extra = {"enable_gqa": True} if gqa else {}
@@ -315,8 +318,7 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
         else:
             cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)
             cu_k = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
-            kx, vx = (ks, vs) if gqa else ([t.repeat_interleave(group, dim=-2) for t in ks],
-                                            [t.repeat_interleave(group, dim=-2) for t in vs])
+            kx, vx = (ks, vs) if gqa else (heads_per_query(ks), heads_per_query(vs))
             extra = {"enable_gqa": True} if gqa else {}
 
             def packed(i):
