@@ -14,7 +14,7 @@ import torch
 
 from services.common.adapter_format import BaseModelShapes
 from services.worker.atmm_backend import AtmmBackend
-from services.worker.attention import use_grouped_decode_attention
+from services.worker.attention import use_grouped_decode_attention, use_shape_free_sdpa
 from services.worker.fused_layers import install_fused_layers
 from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
 from services.worker.model import load_model, load_sharded_model
@@ -42,6 +42,8 @@ def load_lora_model(path: Path, config, device: torch.device, dtype: torch.dtype
         model = load_model(path, device, dtype, config.load_format)
         lora_layers = install_lora(model, runtime) if tp is None else shard_model_(model, tp, runtime)
     use_grouped_decode_attention(model.config.text_config)
+    if use_shape_free_sdpa(device):
+        log.info("sdpa_backends", cudnn=False, why="per-shape host cost (services/worker/attention.py)")
     model_config = json.loads((path / "config.json").read_text())
     shapes = BaseModelShapes.from_config(model_config)
     eos = model.generation_config.eos_token_id

@@ -48,3 +48,18 @@ def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
             assert torch.equal(got[0][~mask], text)
     finally:
         eng.stop()
+
+
+def test_cuda_engine_turns_cudnn_sdpa_off(model_path):
+    """cuDNN's SDPA costs ~70 ms of host time at every query length it has not seen (a new
+    prefill width nearly every step): a CUDA engine runs with that backend off."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=2,
+                              kv_cache_bytes=TEST_KV_BYTES))
+    try:
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        _, result = eng.generate(WorkRequest("r", "Describe the image.", [random_image(0, size=224)],
+                                             max_new_tokens=2))
+        assert result.output_tokens == 2
+    finally:
+        eng.stop()
