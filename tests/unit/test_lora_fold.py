@@ -145,3 +145,18 @@ def test_launch_key_keeps_a_decode_graph_across_adapter_mixes(model_path, bundle
     assert key(e[:1], [0, 0, 0, 0]) != base  # one segment: the 1-segment bucket of the tile table
     for kind, (rows, _, _) in backend.folded.items():
         assert rows % 64 == 0 or rows == 96, (kind, rows)
+
+
+def test_group_ranks_are_the_largest_summed_rank_over_layers():
+    """A grouped call's workspace is strided by the entry's summed ranks of the group's parts, the
+    largest over layers (here q alone in layer 0, q + v in layer 1), worked out once per entry."""
+    from services.worker.lora import AdapterEntry
+
+    feats = {(layer, m): (16, 16) for layer in (0, 1) for m in ("q_proj", "k_proj", "v_proj", "up_proj")}
+    groups = {(layer, "qkv"): tuple((layer, m) for m in ("q_proj", "k_proj", "v_proj")) for layer in (0, 1)}
+    backend = AtmmBackend(feats, torch.device("cpu"), torch.float32, groups=groups)
+    a = {(0, "q_proj"): torch.zeros(16, 8), (1, "q_proj"): torch.zeros(16, 8), (1, "v_proj"): torch.zeros(16, 16),
+         (0, "up_proj"): torch.zeros(16, 32)}
+    entry = AdapterEntry(a=a, b={k: torch.zeros(v.shape[1], 16) for k, v in a.items()}, scale=1.0)
+    assert backend._group_ranks(entry) == {"qkv": 24}
+    assert backend._group_ranks(entry) is backend._group_ranks(entry)
