@@ -14,11 +14,12 @@ cache, d) is plain attention (no GQA), with the row's mask broadcast over the gr
 fp32 softmax inside the kernel, no copy. Prefill (several tokens, no mask) keeps HF's path.
 
 On CUDA the engine turns torch's cuDNN SDPA backend off (`use_shape_free_sdpa`): with it on,
-every query length SDPA has not seen costs ~70 ms of host time before the kernel runs (2.56 ms a
-call averaged over 28 layers of prefills of new widths, against 0.04 ms once the width repeats,
-bench/results/prefill-host-829c321.json), and a served prefill has a new width almost every
+a prefill at a width SDPA has not seen costs ~40 ms of host time over the 7B's 28 layers (1.4 ms
+a call, 0.02 ms once the width repeats; off: 0.02 ms at new widths too,
+bench/results/prefill-host-561cd42.json), and a served prefill has a new width almost every
 step: a 7B worker spent 27% of its engine thread there. Flash attention, chosen next, has no
-per-shape cost; the vision tower's fixed-size images lose ~25 µs a layer (same file, -vision).
+per-shape cost; the vision tower's fixed-size images lose ~25 µs a layer
+(bench/results/prefill-host-829c321-vision.json).
 """
 
 from __future__ import annotations
