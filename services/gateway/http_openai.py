@@ -3,10 +3,10 @@
 - `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs
   only, remote URLs are refused), `model` = an adapter reference (`adapters/…`), a task
   (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
-  `temperature`, `top_p`, `top_k`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
+  `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
   the label is the message content and its scores come back under `valora.scores`. A parameter
-  the engine does not implement (`logprobs`, penalties, `min_p`, `tools`, `response_format`, …;
+  the engine does not implement (`logprobs`, penalties, `tools`, `response_format`, …;
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
   `GET /v1/models/{id}` one of them.
@@ -195,7 +195,7 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
 # Chat-completion parameters the engine does not implement, with the values that mean "not used".
 UNSUPPORTED = {
     "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
     "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
 }
@@ -248,7 +248,7 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
             raise RequestError(f"{key} must be positive", key)
         _assign(p, "max_new_tokens", max_tokens, key)
     for name, kind, field in (("temperature", float, "temperature"), ("top_p", float, "top_p"),
-                              ("top_k", int, "top_k"), ("seed", int, "seed")):
+                              ("top_k", int, "top_k"), ("min_p", float, "min_p"), ("seed", int, "seed")):
         value = _number(body, name, kind)
         if value is not None:
             _assign(p, field, value, name)

@@ -133,6 +133,8 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         out.append(FieldViolation(f"{pp}.adapter_release_fraction", f"{f} not in [0, 1] (0 = never)"))
     if p.top_k < 0:
         out.append(FieldViolation(f"{pp}.top_k", f"{p.top_k} is negative (0 disables top-k)"))
+    if not math.isfinite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        out.append(FieldViolation(f"{pp}.min_p", f"{p.min_p} not in [0, 1] (0 = off)"))
     if len(p.stop) > limits.max_stop_sequences:
         out.append(FieldViolation(f"{pp}.stop", f"{len(p.stop)} stop sequences; at most {limits.max_stop_sequences}"))
     for i, s in enumerate(p.stop):

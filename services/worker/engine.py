@@ -301,8 +301,9 @@ class Engine:
                                 f"{n} is outside (0, {self.config.max_new_tokens_limit}]")
         if request.output_kind == OutputKind.LABEL and (not request.adapter or not request.head):
             raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
-        if request.sampling.temperature < 0 or not 0 <= request.sampling.top_p <= 1 or request.sampling.top_k < 0:
-            raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0")
+        sp = request.sampling
+        if sp.temperature < 0 or not 0 <= sp.top_p <= 1 or sp.top_k < 0 or not 0 <= sp.min_p <= 1:
+            raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0, min_p in [0, 1]")
         fraction = request.adapter_release_fraction
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")

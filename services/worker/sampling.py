@@ -1,5 +1,5 @@
 """Next-token choice for a batch of rows, on the device: greedy (temperature 0) or temperature /
-top-k / top-p sampling, seeded per request.
+top-k / top-p / min-p sampling, seeded per request.
 
 `sample` takes a step's logits (rows, vocab) and each row's parameters as device tensors and
 returns the tokens as a device tensor: no host copy of logits, no per-row work on the host, so a
@@ -16,6 +16,7 @@ MIN_TEMPERATURE (1/T would overflow), take the argmax.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # 0: a random seed (drawn once, when the request is prepared)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0: off)
 
     @property
     def greedy(self) -> bool:
@@ -38,14 +40,14 @@ class SamplingParams:
 
     @property
     def filtered(self) -> bool:
-        """Whether top-k or top-p drops part of the vocabulary (the sampler then sorts)."""
-        return self.top_k > 0 or 0.0 < self.top_p < 1.0
+        """Whether top-k, top-p or min-p drops part of the vocabulary (the sampler then sorts)."""
+        return self.top_k > 0 or 0.0 < self.top_p < 1.0 or self.min_p > 0.0
 
     def seeded(self) -> "SamplingParams":
         """These parameters with a seed: their own, or a random one."""
         if self.greedy or self.seed:
             return self
-        return SamplingParams(self.temperature, self.top_p, self.top_k, secrets.randbits(62) or 1)
+        return dataclasses.replace(self, seed=secrets.randbits(62) or 1)
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
@@ -69,23 +71,25 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.T
 
 @dataclass
 class RowSampling:
-    """A batch's sampling parameters as device tensors (rows,): temperature, top-p and top-k
-    (0: off), seed; `filtered`: some row uses top-k or top-p."""
+    """A batch's sampling parameters as device tensors (rows,): temperature, top-p, top-k and
+    min-p (0: off), seed; `filtered`: some row uses top-k, top-p or min-p."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
     seed: torch.Tensor
     filtered: bool
+    min_p: torch.Tensor
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
         pin = device.type == "cuda"
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32,
-                              pin_memory=pin).to(device, non_blocking=True)
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                               [p.min_p for p in params]], dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
         longs = torch.tensor([[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64,
                              pin_memory=pin).to(device, non_blocking=True)
-        return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy))
+        return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy),
+                   floats[2])
 
 
 def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor) -> torch.Tensor:
@@ -102,6 +106,7 @@ def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor) -> t
         top_p = rows.top_p[:, None]
         # keep the smallest prefix whose mass reaches top_p (top_p 0 or 1: off)
         drop |= (top_p > 0) & (top_p < 1) & (torch.cumsum(probs, dim=-1) - probs > top_p)
+        drop |= probs < rows.min_p[:, None] * probs[:, :1]  # min-p: below min_p x the most likely (0: none)
         scores = scores.masked_fill(drop, float("-inf"))
         choice = (scores + noise.gather(1, idx)).argmax(-1)
         sampled = idx.gather(1, choice[:, None])[:, 0]

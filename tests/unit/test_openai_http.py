@@ -305,9 +305,10 @@ def test_request_parsing():
     assert stream and inp.task == "tasks/count" and inp.output_kind == types_pb2.OUTPUT_KIND_LABEL
     assert inp.system == "Be brief." and inp.prompt == "Count." and not inp.history
     neutral, _ = build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "top_k": 5,
-                              "logprobs": False, "presence_penalty": 0, "response_format": {"type": "text"}},
-                             "valora-base")
-    assert neutral.params.top_k == 5  # passed on; neutral values of unsupported parameters are fine
+                              "min_p": 0.25, "logprobs": False, "presence_penalty": 0,
+                              "response_format": {"type": "text"}}, "valora-base")
+    assert neutral.params.top_k == 5 and neutral.params.min_p == 0.25  # passed on
+    # (neutral values of unsupported parameters are fine)
     url, _ = png_data_url()
     inp, _ = build_input({"model": "valora-base", "messages": [
         {"role": "system", "content": "Answer in French."},
@@ -336,7 +337,7 @@ def test_request_parsing():
                         *[({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, key)
                           for key, value in (("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
                                              ("frequency_penalty", -1), ("response_format", {"type": "json_object"}),
-                                             ("tools", [{"type": "function"}]), ("min_p", 0.1))]]:
+                                             ("tools", [{"type": "function"}]), ("min_p", "0.1"))]]:
         with pytest.raises(RequestError) as exc:
             build_input(body, "valora-base")
         assert exc.value.param == param

@@ -1,7 +1,9 @@
 """The batched on-device sampler (sampling.py): exact Gumbel-max samples of softmax(logits / T)
-restricted to top-k / top-p, greedy rows untouched, and tokens a function of (seed, counter) only."""
+restricted to top-k / top-p / min-p, greedy rows untouched, and tokens a function of (seed, counter) only."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -12,7 +14,7 @@ CPU = torch.device("cpu")
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 11) -> torch.Tensor:
     """n samples of one row's distribution: the same row at counters 0..n-1."""
-    p = SamplingParams(params.temperature, params.top_p, params.top_k, seed)
+    p = dataclasses.replace(params, seed=seed)
     return sample(logits.expand(n, -1), RowSampling.of([p] * n, CPU), torch.arange(n))
 
 
@@ -55,6 +57,24 @@ def test_top_k_and_top_p_restrict_then_renormalise():
     assert 1 <= keep < 10 and float((got - want).abs().max()) < 0.012
     assert torch.equal(_draw(logits, SamplingParams(temperature=1.0, top_k=1), 50),
                        logits.argmax(-1).expand(50))
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_most_likely():
+    """min_p = 0.3 at temperature 2: tokens whose tempered probability is below 0.3 x the most
+    likely one's never come; the rest keep their relative odds. Rows without min_p are unaffected."""
+    torch.manual_seed(2)
+    logits = torch.randn(1, 12) * 2
+    probs = torch.softmax(logits[0] / 2.0, -1)
+    keep = probs >= 0.3 * probs.max()
+    assert 1 < int(keep.sum()) < 12
+    got = _freq(_draw(logits, SamplingParams(temperature=2.0, min_p=0.3), 30000), 12)
+    want = torch.where(keep, probs, torch.zeros_like(probs))
+    assert float(got[~keep].sum()) == 0.0
+    assert float((got - want / want.sum()).abs().max()) < 0.012
+    mixed = [SamplingParams(temperature=2.0, seed=5), SamplingParams(temperature=2.0, min_p=0.3, seed=5)]
+    rows = sample(logits.expand(2, -1), RowSampling.of(mixed, CPU), torch.tensor([3, 3]))
+    alone = sample(logits, RowSampling.of(mixed[:1], CPU), torch.tensor([3]))
+    assert rows[0] == alone[0]  # the unfiltered row draws as it does alone
 
 
 def test_greedy_rows_and_tiny_temperatures_take_the_argmax():

@@ -67,7 +67,7 @@ class ChatTurn(_message.Message):
     def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., images: _Optional[int] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "adapter_release_fraction")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "adapter_release_fraction", "min_p")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class GenerationParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_RELEASE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -82,7 +83,8 @@ class GenerationParams(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     adapter_release_fraction: float
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., adapter_release_fraction: _Optional[float] = ...) -> None: ...
+    min_p: float
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., adapter_release_fraction: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class LabelScore(_message.Message):
     __slots__ = ("label", "score")
