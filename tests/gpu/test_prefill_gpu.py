@@ -56,6 +56,7 @@ def test_cuda_engine_turns_cudnn_sdpa_off(model_path):
     torch.backends.cuda.enable_cudnn_sdp(True)
     eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=2,
                               kv_cache_bytes=TEST_KV_BYTES))
+    eng.start()
     try:
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         _, result = eng.generate(WorkRequest("r", "Describe the image.", [random_image(0, size=224)],
