@@ -126,14 +126,14 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
     rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
                         "first_logits": {}}
     first_logits: dict[str, torch.Tensor] = {}
-    prefilled = eng._prefilled
+    prefilled = eng.prefiller.prefilled
 
     def record_prefill(s, length, rope_delta, hidden, logits, token):  # first-token logits of rep 0
         if logits is not None and s.req.request_id.split("-")[1] == "0":
             first_logits[s.req.request_id] = logits.float().cpu()
         return prefilled(s, length, rope_delta, hidden, logits, token)
 
-    eng._prefilled = record_prefill
+    eng.prefiller.prefilled = record_prefill
     try:
         for name, b in bundles.items():
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, to_device=True)

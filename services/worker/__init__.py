@@ -1,7 +1,11 @@
 """The worker: one GPU's engine behind valora.internal.v1.WorkerService.
 
     server.py        gRPC servicer, WorkerSettings (VALORA_*), create_server
-    engine.py        the iteration-level loop: pipelined decode, commands, TP lockstep
+    engine.py        the iteration-level loop over the collaborators below
+    inbox.py         what other threads send the loop (requests, commands, stops); TP lockstep
+    intake.py        a request checked, processed and staged before it is queued (prepare)
+    prefiller.py     the step's prefill batch or chunk, and each request's hand-off after it
+    decoder.py       the step's decode, pipelined with the host
     outputs.py       a sequence's tokens to events: stream, stop checks, early release, LABEL answers
     step_scheduler.py the queues, admission, prefill budget and chunking, KV growth, preemption
     model_runner.py  the prefill forward, the decode step, token choice, the KV pool they write
@@ -18,7 +22,7 @@
     adapters.py      bundle parsing and the host/device adapter pool (LRU device slots)
     store_client.py  FetchAdapter from the adapter store + disk cache by sha256
     detokenizer.py   incremental detokenization and stop sequences
-    sampling.py      greedy / temperature, top-k, top-p, seeded
+    sampling.py      greedy / temperature, top-k, top-p, min-p, seeded
     processor.py     Qwen2-VL processor (no torchvision), frames -> video patches, build_inputs
     preprocess.py    WorkItem -> WorkRequest -> processor inputs, optionally in spawned processes
     relay.py         engine-thread events to the request streams, one loop wake-up per burst

@@ -1,26 +1,26 @@
 """The iteration-level engine: one thread, one model, continuous batching with multi-LoRA.
 
-`Engine` owns the loop and its collaborators, each step: commands (lora_manager.py: adapter loads,
-offloads, mode switches), admission and the step's prefill batch (step_scheduler.py: FIFO, each
-request pinning its adapter and taking its KV blocks from the paged pool, kv_cache.py), one
-prefill forward of whole contexts or of the next chunk of a long one (model_runner.py), one
-decode step of every running sequence over the pool, replayed from a CUDA graph and pipelined
-with the host (decoder.py, decode_graphs.py), and the tokens' hand-off (outputs.py: streaming,
-stops, early adapter release, LABEL answers). LoRA is planned once per forward (lora_plans.py).
-When blocks run out the youngest sequence is preempted and recomputed later.
+`Engine` owns the loop and its collaborators, each step: what other threads sent (inbox.py:
+requests, commands, cancellations; tensor parallel: rank 0's broadcast), commands (lora_manager.py:
+adapter loads, offloads, mode switches), admission and the step's prefill batch
+(step_scheduler.py: FIFO, each request pinning its adapter and taking its KV blocks from the paged
+pool, kv_cache.py), one prefill forward of whole contexts or of the next chunk of a long one
+(prefiller.py over model_runner.py), one decode step of every running sequence over the pool,
+replayed from a CUDA graph and pipelined with the host (decoder.py, decode_graphs.py), and the
+tokens' hand-off (outputs.py: streaming, stops, early adapter release, LABEL answers). LoRA is
+planned once per forward (lora_plans.py). When blocks run out the youngest sequence is preempted
+and recomputed later.
 
-Callers (the gRPC server) `prepare()` a request (image decode + processor, any thread), then
-`submit()` it with a sink that receives TextDelta / Finished / Failed events on the engine thread.
-Under tensor parallelism every rank runs its own Engine in lockstep; rank 0 broadcasts what can
-differ between ranks at each step's start (`_sync`). docs/engine.md describes the whole.
+Callers (the gRPC server) `prepare()` a request (intake.py: checks, image decode + processor, any
+thread), then `submit()` it with a sink that receives TextDelta / Finished / Failed events on the
+engine thread. Under tensor parallelism every rank runs its own Engine in lockstep.
+docs/engine.md describes the whole.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
-import math
 import queue
 import threading
 import time
@@ -33,8 +33,6 @@ import torch
 from services.common.config import MAX_NEW_TOKENS_LIMIT
 from services.common.errors import (
     CapacityExceeded,
-    Cancelled,
-    DeadlineExceeded,
     FailedPrecondition,
     ValoraError,
     WorkerUnavailable,
@@ -42,7 +40,6 @@ from services.common.errors import (
 )
 from services.worker.adapters import AdapterPool, AdapterWeights
 from services.worker.decoder import Decoder
-from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.kv_cache import PoolMemory
 from services.worker.lora_manager import Command, LoraManager
 from services.worker.lora_plans import LoraPlanner
@@ -50,6 +47,9 @@ from services.worker.lora_model import load_lora_model
 from services.worker.model import load_processor
 from services.worker.model_runner import ModelRunner
 from services.worker.outputs import OutputProcessor
+from services.worker.inbox import Inbox
+from services.worker.intake import RequestIntake
+from services.worker.prefiller import Prefiller
 from services.worker.requests import (
     EngineStats,
     Event,
@@ -65,16 +65,9 @@ from services.worker.requests import (
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
 from services.worker.tensor_parallel import TPGroup
-from services.worker.preprocess import process_request
-from services.worker.vision import FeatureCache, VisionEncoder, VisionItem, stage_pixels, without_pixels
+from services.worker.vision import FeatureCache, VisionEncoder, VisionItem
 
 log = structlog.get_logger()
-
-
-def _stop_reason(s: "Sequence", cancelled: bool) -> ValoraError:
-    if cancelled:
-        return Cancelled("request cancelled", reason="CANCELLED")
-    return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -153,6 +146,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.runtime, self.vision, config, self.dtype, self.device, self.tp)
         self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
         self.max_model_len = self.runner.max_model_len
+        self.intake = RequestIntake(self.processor, config, self.device, self.dtype, self.max_model_len, self.kv,
+                                    (self.model.config.image_token_id, self.model.config.video_token_id))
         # resident adapters live in the KV pool's blocks (S-LoRA's unified pool): KV and adapters trade memory
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap,
                                 memory=PoolMemory(self.kv_pool, self.kv))
@@ -161,18 +156,13 @@ class Engine:
                                     config.switch_strategy, self.tp)
         self._wake = threading.Condition()
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
+        self.inbox = Inbox(self.sched, self._wake, self.tp)
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
+        self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.tokenizer)
         self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
         self._ids = itertools.count(1)
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._commands: collections.deque = collections.deque()
-        # Tensor parallelism: this step's commands and stopped requests (id -> cancelled, else
-        # past its deadline), as rank 0 broadcast them; and whether it said stop.
-        self._step_commands: collections.deque = collections.deque()
-        self._halts: dict[int, bool] = {}
-        self._tp_stop = False
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
@@ -181,7 +171,6 @@ class Engine:
         # When the loop last began a step (an idle loop begins one every 0.1 s): the worker's
         # watchdog takes a loop that stops beating for a stalled engine.
         self.beat = time.monotonic()
-        self.peak_prefill_rows = 0  # largest prefill batch (requests in one forward)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -200,7 +189,7 @@ class Engine:
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the loop (a tensor-parallel follower's ends when rank 0's stop reaches it: this
         waits for that, up to `timeout`)."""
-        self._stop.set()
+        self.inbox.stop.set()
         with self._wake:
             self._wake.notify_all()
         if self._thread is not None:
@@ -254,79 +243,18 @@ class Engine:
         self._check_leader()
         if not self.alive:
             raise WorkerUnavailable("the engine is not running", reason="ENGINE_DOWN")
-        done = threading.Event()
-        box: dict = {}
-        with self._wake:
-            self._commands.append((command, done, box))
-            self._wake.notify_all()
-        if not done.wait(timeout):
-            raise WorkerUnavailable("the engine did not apply the command in time", reason="ENGINE_BUSY")
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
+        return self.inbox.call(command, timeout)
 
     def _check_leader(self) -> None:
         if not self.leader:
             raise FailedPrecondition("a tensor-parallel follower takes no requests or commands; rank 0 does",
                                      reason="TP_FOLLOWER")
 
-    def _run_commands(self) -> None:
-        commands = self._commands if self.tp is None else self._step_commands
-        while True:
-            with self._wake:
-                if not commands:
-                    return
-                command, done, box = commands.popleft()
-            self.decoder.flush()  # a command runs between fully processed steps, as without pipelining
-            try:
-                box["result"] = self.adapters.run(command)
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                box["error"] = exc
-            if done is not None:  # None: a follower's copy of rank 0's command
-                done.set()
-
     # -- requests ----------------------------------------------------------------------------
-    def pixel_dtype(self) -> torch.dtype | None:
-        """The dtype requests' pixels are prepared in (the tower's on CUDA; None: the processor's)."""
-        return self.dtype if self.device.type == "cuda" else None
-
     def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None
                 ) -> PreparedRequest:
-        """Validates and tokenizes (any thread; CPU work). `processed`: the request's processor
-        inputs and content keys from `preprocess.process_request` run elsewhere (a preprocessing
-        process, with `pixel_dtype()`); the request's images are not read then."""
-        n = request.max_new_tokens or self.config.default_max_new_tokens
-        if n < 0 or n > self.config.max_new_tokens_limit:
-            raise invalid_field("item.params.max_new_tokens",
-                                f"{n} is outside (0, {self.config.max_new_tokens_limit}]")
-        if request.output_kind == OutputKind.LABEL and (not request.adapter or not request.head):
-            raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
-        sp = request.sampling
-        if sp.temperature < 0 or not 0 <= sp.top_p <= 1 or sp.top_k < 0 or not 0 <= sp.min_p <= 1:
-            raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0, min_p in [0, 1]")
-        fraction = request.adapter_release_fraction
-        if not math.isfinite(fraction) or not 0 <= fraction <= 1:
-            raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
-        release_after = math.ceil(fraction * n) if request.adapter and fraction > 0 else 0
-        seeded = request.sampling.seeded()  # seed 0: a random seed, drawn once here (every TP rank alike)
-        if seeded is not request.sampling:
-            request = dataclasses.replace(request, sampling=seeded)
-        inputs, vision = processed or process_request(self.processor, request, self.pixel_dtype())
-        stage_pixels(inputs, self.device, self.dtype)
-        ids = inputs["input_ids"]
-        limit = self.max_model_len
-        if ids.shape[1] + n > limit:
-            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
-                                f"worker's {limit} positions", reason="PROMPT_TOO_LONG")
-        if self.kv.blocks_for(ids.shape[1] + n) > self.kv.usable_blocks:
-            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
-                                f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
-                                reason="EXCEEDS_KV_CACHE")
-        vision_ids = (self.model.config.image_token_id, self.model.config.video_token_id)
-        image_tokens = int(torch.isin(ids, torch.tensor(vision_ids)).sum())  # images' and videos' tokens
-        return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
-                               image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
-                               vision=vision, release_after=release_after)
+        """Validates and tokenizes a request (RequestIntake.prepare; any thread, CPU work)."""
+        return self.intake.prepare(request, processed)
 
     def submit(self, prep: PreparedRequest, sink, deadline: float | None = None) -> RequestHandle:
         """Queues a prepared request; `sink(event)` is called on the engine thread. Past `deadline`
@@ -396,7 +324,7 @@ class Engine:
             if self.tp is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # this thread's collectives (NCCL) on the rank's device
             with torch.inference_mode():
-                while not (self._tp_stop if self.tp is not None else self._stop.is_set()):
+                while not self.inbox.stopping:
                     self.beat = time.monotonic()
                     self._step()
                 self.decoder.flush()  # the last launched step's tokens reach their requests before the rest fail
@@ -415,24 +343,23 @@ class Engine:
 
     def _step(self) -> None:
         if self.tp is not None:
-            self._sync()
-        self._run_commands()
+            self.inbox.sync()
+        # a command runs between fully processed steps, as without pipelining
+        self.inbox.run_commands(self.adapters.run, before=self.decoder.flush)
         now = time.monotonic()
-        self.sched.admit(lambda s: self._halted(s, now), self._fail_waiting, take_incoming=self.tp is None)
+        self.sched.admit(lambda s: self.inbox.halted(s, now), self._fail_waiting, take_incoming=self.tp is None)
         self._drop_cancelled()
         if not self.sched.active():
             self._update_stats()
             if not self.leader:
                 return  # a follower idles in the next step's broadcast, until rank 0's events
-            with self._wake:
-                if not self.sched.incoming and not self._commands and not self._stop.is_set():
-                    self._wake.wait(timeout=0.1)
+            self.inbox.idle()
             return
         t0 = time.perf_counter()
         batch = self.sched.take_prefills()
         decoding = len(self.sched.running)
         if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
-            self.outputs.guard(batch, self._prefill_chunk if self.sched.chunked(batch[0]) else self._prefill_batch, batch)
+            self.outputs.guard(batch, self.prefiller.run, batch)
         if self.sched.running:
             self.outputs.guard(list(self.sched.running), self.decoder.step)
         if self.device.type == "cuda" and self.decoder.pending is None:
@@ -446,56 +373,15 @@ class Engine:
         self.step_log.append((len(batch), decoding, ms))
         self._update_stats(step_ms=ms)
 
-    def _sync(self) -> None:
-        """Tensor parallelism, at the start of every step: rank 0 broadcasts what arrived from
-        outside since the last step (new requests, commands, stops decided on its handles and
-        its clock, the engine's stop); every rank, rank 0 included, then runs the step on exactly
-        that, whatever else reaches rank 0 meanwhile."""
-        msg = None
-        if self.leader:
-            with self._wake:
-                new, commands = list(self.sched.incoming), list(self._commands)
-                self.sched.incoming.clear()
-                self._commands.clear()
-            now = time.monotonic()
-            halts = {s.id: s.handle.cancelled for s in (*new, *self.sched.waiting, *self.sched.active())
-                     if s.handle.cancelled or s.handle.expired(now)}
-            # Followers need no raw images, no pixels (the vision encoder broadcasts those it
-            # encodes) and no sinks.
-            msg = ([(s.id, dataclasses.replace(s.prep, request=dataclasses.replace(s.req, images=[], videos=[]),
-                                               inputs=without_pixels(s.prep.inputs)))
-                    for s in new],
-                   [command for command, _, _ in commands], halts, self._stop.is_set())
-        got = self.tp.broadcast_object(msg)
-        if not self.leader:
-            new = []
-            for sid, prep in got[0]:
-                handle = RequestHandle(prep.request.request_id, self._wake)  # never cancelled: halts say
-                new.append(Sequence(id=sid, prep=prep, sink=None, handle=handle))
-            commands = [(command, None, {}) for command in got[1]]
-        _, _, self._halts, self._tp_stop = got
-        with self._wake:
-            self.sched.waiting.extend(new)
-        self._step_commands.extend(commands)
-
-    def _halted(self, s: Sequence, now: float) -> bool:
-        """Cancelled or past its deadline (tensor parallel: as rank 0 saw it at this step's start)."""
-        if self.tp is not None:
-            return s.id in self._halts
-        return s.handle.cancelled or s.handle.expired(now)
-
-    def _halt_error(self, s: Sequence) -> ValoraError:
-        return _stop_reason(s, self._halts[s.id] if self.tp is not None else s.handle.cancelled)
-
     def _fail_waiting(self, s: Sequence, error: ValoraError | None) -> None:
         """A waiting request that will not run: `error`, or (None) why it was halted."""
-        self.outputs.emit(s, Failed(error or self._halt_error(s)))
+        self.outputs.emit(s, Failed(error or self.inbox.halt_error(s)))
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
-        for s in [s for s in self.sched.active() if self._halted(s, now)]:
+        for s in [s for s in self.sched.active() if self.inbox.halted(s, now)]:
             self.sched.finish(s)
-            self.outputs.emit(s, Failed(self._halt_error(s)))
+            self.outputs.emit(s, Failed(self.inbox.halt_error(s)))
 
     def _update_stats(self, step_ms: float | None = None) -> None:
         with self._stats_lock:
@@ -503,44 +389,3 @@ class Engine:
             self._kv_bytes = self.kv.used_blocks * self.kv_pool.block_bytes
             if step_ms is not None:
                 self._last_step_ms = step_ms
-
-    # -- prefill ---------------------------------------------------------------------------------
-    def _prefill_batch(self, seqs: list[Sequence]) -> None:
-        """Prefills `seqs` in one forward (ModelRunner.prefill), rows ordered by LoRA entry; if the
-        forward fails, every request in it fails, after it each row's hand-off is its own."""
-        t0 = time.monotonic()
-        rows = sorted(seqs, key=self.lora.sort_key)
-        for s in rows:
-            if not s.tokens:  # a recomputed sequence keeps its first prefill's time
-                s.t_prefill = t0
-        self.peak_prefill_rows = max(self.peak_prefill_rows, len(rows))
-        out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
-        for i, s in enumerate(rows):
-            self.outputs.guard([s], self._prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i], out.logits.get(i),
-                        out.tokens.get(i))
-
-    def _prefill_chunk(self, seqs: list[Sequence]) -> None:
-        """The next chunk of the one sequence prefilled in chunks (ModelRunner.prefill_chunk);
-        after its last chunk it leaves the prefill queue and starts decoding."""
-        s, = seqs
-        if s.prefilled == 0 and not s.tokens:
-            s.t_prefill = time.monotonic()
-        end = self.sched.chunk_end(s)
-        out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
-        if out is None:
-            return
-        self._prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0))
-
-    def _prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
-                   logits: torch.Tensor | None, token: int | None) -> None:
-        """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next
-        token (`logits`: the ones it was chosen from)."""
-        s.length = length
-        s.rope_delta = rope_delta
-        if s.req.output_kind == OutputKind.LABEL:
-            self.outputs.answer_label(s, hidden)
-            return
-        if s.detok is None:  # a recomputed sequence keeps its detokenizer
-            s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
-        self.sched.prefilled(s)
-        self.outputs.accept(s, token)

@@ -630,7 +630,7 @@ async def create_server(settings: WorkerSettings) -> Service:
         servicer.engine = await loop.run_in_executor(None, build)
         if settings.preprocess_processes:
             servicer.preprocessor = Preprocessor(Path(settings.model_path).expanduser(), settings.preprocess_processes,
-                                                 servicer.engine.pixel_dtype())
+                                                 servicer.engine.intake.pixel_dtype)
             await servicer.preprocessor.start()
         log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
                  tp_size=settings.tp_size)

@@ -100,15 +100,15 @@ def test_request_larger_than_the_pool_is_refused(model_path):
 def test_a_row_that_fails_while_decoding_fails_alone(model_path, monkeypatch, pipeline):
     # The poisoned request's detokenizer raises at its 5th token: that request fails, the others
     # in its batch run to their lengths, and its blocks go back to the pool.
-    from services.worker import engine as engine_mod
+    from services.worker import prefiller
 
-    class Poisoned(engine_mod.IncrementalDetokenizer):
+    class Poisoned(prefiller.IncrementalDetokenizer):
         def push(self, token):
             if "POISON" in self._stop and len(self._ids) >= 4:
                 raise RuntimeError("poisoned row")
             return super().push(token)
 
-    monkeypatch.setattr(engine_mod, "IncrementalDetokenizer", Poisoned)
+    monkeypatch.setattr(prefiller, "IncrementalDetokenizer", Poisoned)
     reqs = requests()
     reqs[1] = WorkRequest("poisoned", "Describe the image.", [random_image(1)], adapter=A, max_new_tokens=20,
                           stop=["POISON"])

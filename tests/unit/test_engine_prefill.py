@@ -49,10 +49,10 @@ def prefills(engine):
             return original(seqs)
         return record
 
-    engine._prefill_batch = recorder(engine._prefill_batch)
-    engine._prefill_chunk = recorder(engine._prefill_chunk)
+    engine.prefiller.batch = recorder(engine.prefiller.batch)
+    engine.prefiller.chunk = recorder(engine.prefiller.chunk)
     yield batches
-    del engine._prefill_batch, engine._prefill_chunk
+    del engine.prefiller.batch, engine.prefiller.chunk
 
 
 def submit_together(engine, requests) -> dict[str, queue.Queue]:
@@ -100,10 +100,10 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     plan = engine.lora.plan
     monkeypatch.setattr(engine.lora, "plan", lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1])
     engine.vision.cache.clear()
-    engine.peak_prefill_rows = 0
+    engine.prefiller.peak_rows = 0
     together = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}
     assert len(prefills) == 1 and sorted(prefills[0]) == sorted(lengths), prefills
-    assert engine.peak_prefill_rows == len(reqs)
+    assert engine.prefiller.peak_rows == len(reqs)
     # One LoRA plan for the batch: a row per request, padded width, rows grouped by entry (no
     # permutation, so ATMM can take it), entries A, B, C once each.
     (width, step), = [(t, st) for t, st in plans if t > 1]

@@ -217,7 +217,7 @@ def test_commands_run_between_fully_taken_steps(model_path):
             run = r.eng.adapters.run  # a probe command: what is pending when it runs
             r.eng.adapters.run = lambda c, run=run: seen.append(r.eng.decoder.pending) if c.name == "probe" else run(c)
             with r.eng._wake:
-                r.eng._commands.append((Command("probe"), threading.Event(), {}))
+                r.eng.inbox._commands.append((Command("probe"), threading.Event(), {}))
 
     on, _ = same_both_ways(model_path, [req(0, 16), req(1, 20, adapter=A)], hook=hook)
     assert seen == [None] * 4 and on.eng.decoder.pipelined_steps >= 8
@@ -266,7 +266,7 @@ def test_stopping_the_engine_takes_the_pending_step(model_path):
 
     def hook(r: Run, rid: str, ev) -> None:
         if rid == "r0" and isinstance(ev, TextDelta) and r.out[rid].deltas == 6:
-            r.eng._stop.set()
+            r.eng.inbox.stop.set()
             seen["seq"] = next(s for s in r.eng.sched.running if s.req.request_id == rid)
             seen["tokens"] = len(seen["seq"].tokens)
 

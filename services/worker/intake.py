@@ -1,0 +1,68 @@
+"""A request's way into the engine, on the caller's thread (CPU work): its parameters checked
+against the worker's limits, its seed drawn, its images run through the processor (here or in a
+preprocessing process, preprocess.py), its pixels staged for the device, and its context checked
+against the model's positions and the KV pool — a request that can never fit is refused here,
+never at a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from services.common.errors import invalid_field
+from services.worker.kv_cache import BlockManager
+from services.worker.preprocess import process_request
+from services.worker.requests import OutputKind, WorkRequest
+from services.worker.sequence import PreparedRequest
+from services.worker.vision import VisionItem, stage_pixels
+
+
+class RequestIntake:
+    def __init__(self, processor, config, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 kv: BlockManager, vision_token_ids: tuple[int, int]) -> None:
+        """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit)."""
+        self.processor, self.config, self.device, self.dtype = processor, config, device, dtype
+        self.max_model_len, self.kv, self.vision_token_ids = max_model_len, kv, vision_token_ids
+
+    @property
+    def pixel_dtype(self) -> torch.dtype | None:
+        """The dtype requests' pixels are prepared in (the tower's on CUDA; None: the processor's)."""
+        return self.dtype if self.device.type == "cuda" else None
+
+    def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None
+                ) -> PreparedRequest:
+        """Validates and tokenizes (any thread). `processed`: the request's processor inputs and
+        content keys from `preprocess.process_request` run elsewhere (a preprocessing process,
+        with `pixel_dtype`); the request's images are not read then."""
+        n = request.max_new_tokens or self.config.default_max_new_tokens
+        if n < 0 or n > self.config.max_new_tokens_limit:
+            raise invalid_field("item.params.max_new_tokens",
+                                f"{n} is outside (0, {self.config.max_new_tokens_limit}]")
+        if request.output_kind == OutputKind.LABEL and (not request.adapter or not request.head):
+            raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
+        sp = request.sampling
+        if sp.temperature < 0 or not 0 <= sp.top_p <= 1 or sp.top_k < 0 or not 0 <= sp.min_p <= 1:
+            raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0, min_p in [0, 1]")
+        fraction = request.adapter_release_fraction
+        if not math.isfinite(fraction) or not 0 <= fraction <= 1:
+            raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
+        release_after = math.ceil(fraction * n) if request.adapter and fraction > 0 else 0
+        seeded = sp.seeded()  # seed 0: a random seed, drawn once here (every TP rank alike)
+        if seeded is not sp:
+            request = dataclasses.replace(request, sampling=seeded)
+        inputs, vision = processed or process_request(self.processor, request, self.pixel_dtype)
+        stage_pixels(inputs, self.device, self.dtype)
+        ids = inputs["input_ids"]
+        if ids.shape[1] + n > self.max_model_len:
+            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
+                                f"worker's {self.max_model_len} positions", reason="PROMPT_TOO_LONG")
+        if self.kv.blocks_for(ids.shape[1] + n) > self.kv.usable_blocks:
+            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
+                                f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
+                                reason="EXCEEDS_KV_CACHE")
+        image_tokens = int(torch.isin(ids, torch.tensor(self.vision_token_ids)).sum())  # images' and videos'
+        return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
+                               image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
+                               vision=vision, release_after=release_after)

@@ -1,0 +1,69 @@
+"""The step's prefill: whole contexts of several requests in one forward, or the next chunk of
+one long context (chunked prefill), then each request's hand-off — a LABEL answer, or its first
+token and the start of decoding. The engine's collaborator beside the decoder (decoder.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.lora_plans import LoraPlanner
+from services.worker.model_runner import ModelRunner
+from services.worker.outputs import OutputProcessor
+from services.worker.requests import OutputKind
+from services.worker.sequence import Sequence
+from services.worker.step_scheduler import StepScheduler
+
+
+class Prefiller:
+    def __init__(self, sched: StepScheduler, lora: LoraPlanner, runner: ModelRunner, outputs: OutputProcessor,
+                 tokenizer) -> None:
+        self.sched, self.lora, self.runner, self.outputs, self.tokenizer = sched, lora, runner, outputs, tokenizer
+        self.peak_rows = 0  # largest prefill batch (requests in one forward)
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """The step's prefill batch (StepScheduler.take_prefills): a chunk of the one sequence
+        prefilled in chunks, or whole contexts."""
+        (self.chunk if self.sched.chunked(seqs[0]) else self.batch)(seqs)
+
+    def batch(self, seqs: list[Sequence]) -> None:
+        """Prefills `seqs` in one forward (ModelRunner.prefill), rows ordered by LoRA entry; if the
+        forward fails, every request in it fails, after it each row's hand-off is its own."""
+        t0 = time.monotonic()
+        rows = sorted(seqs, key=self.lora.sort_key)
+        for s in rows:
+            if not s.tokens:  # a recomputed sequence keeps its first prefill's time
+                s.t_prefill = t0
+        self.peak_rows = max(self.peak_rows, len(rows))
+        out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
+        for i, s in enumerate(rows):
+            self.outputs.guard([s], self.prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i],
+                               out.logits.get(i), out.tokens.get(i))
+
+    def chunk(self, seqs: list[Sequence]) -> None:
+        """The next chunk of the one sequence prefilled in chunks (ModelRunner.prefill_chunk);
+        after its last chunk it leaves the prefill queue and starts decoding."""
+        s, = seqs
+        if s.prefilled == 0 and not s.tokens:
+            s.t_prefill = time.monotonic()
+        end = self.sched.chunk_end(s)
+        out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
+        if out is None:
+            return
+        self.prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0))
+
+    def prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
+                  logits: torch.Tensor | None, token: int | None) -> None:
+        """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next
+        token (`logits`: the ones it was chosen from)."""
+        s.length = length
+        s.rope_delta = rope_delta
+        if s.req.output_kind == OutputKind.LABEL:
+            self.outputs.answer_label(s, hidden)
+            return
+        if s.detok is None:  # a recomputed sequence keeps its detokenizer
+            s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
+        self.sched.prefilled(s)
+        self.outputs.accept(s, token)
