@@ -171,9 +171,9 @@ class ValoraClient:
     @staticmethod
     def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
                label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-               stop: Iterable[str], min_p: float = 0.0) -> inf_pb.InferenceInput:
+               stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False) -> inf_pb.InferenceInput:
         inp = inf_pb.InferenceInput(
-            prompt=prompt, images=[_image_pb(i) for i in images],
+            prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
             output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
             params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
@@ -187,23 +187,25 @@ class ValoraClient:
     def infer(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *, adapter: str | None = None,
               task: str | None = None, label: bool = False, max_new_tokens: int = 0, temperature: float = 0.0,
               top_p: float = 0.0, top_k: int = 0, seed: int = 0, stop: Iterable[str] = (),
-              request_id: str = "", min_p: float = 0.0) -> InferResult:
+              request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False) -> InferResult:
+        """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
+        template; then no images)."""
         req = inf_pb.InferRequest(
             input=self._input(prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p),
+                              seed, stop, min_p, raw_prompt),
             request_id=request_id or uuid.uuid4().hex)
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
     def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
                      adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
                      temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
-                     stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0
-                     ) -> Iterator[str | InferResult]:
+                     stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
+                     raw_prompt: bool = False) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
         req = inf_pb.InferStreamRequest(
             input=self._input(prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p),
+                              seed, stop, min_p, raw_prompt),
             request_id=request_id or uuid.uuid4().hex)
         for attempt in range(self.retries + 1):
             started = False

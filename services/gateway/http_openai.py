@@ -8,11 +8,13 @@
   the label is the message content and its scores come back under `valora.scores`. A parameter
   the engine does not implement (`logprobs`, penalties, `tools`, `response_format`, …;
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
+- `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
+  template (`raw_prompt`), and the same parameters; `text_completion` objects and chunks.
 - `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
   `GET /v1/models/{id}` one of them.
 - `GET /health`: 200 while the gateway serves, 503 once it drains (no key: for probes).
 
-One design choice keeps the behaviour identical to gRPC's: chat completions call the gateway's
+One design choice keeps the behaviour identical to gRPC's: completions call the gateway's
 own InferenceService over loopback, carrying the caller's `Authorization` header as metadata, so
 auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. Every route but
 `/health` first checks the key with the same auth interceptor (an inference key suffices),
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import socket
 import time
@@ -219,6 +222,30 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     inp = inference_service_pb2.InferenceInput()
     conversation(inp, turns)
     inp.images.extend(images)
+    return inp, _request_options(body, base_model, inp)
+
+
+def build_completion_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
+    """The gRPC InferenceInput of a (legacy) completion request, and whether to stream: the
+    prompt is the model's whole input, without the chat template (`raw_prompt`)."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    _refuse_unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise RequestError("token-id prompts are not supported: send the prompt as text", "prompt",
+                           code="unsupported_parameter")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt must be a non-empty string (or a list of exactly one)", "prompt")
+    inp = inference_service_pb2.InferenceInput(prompt=prompt, raw_prompt=True)
+    return inp, _request_options(body, base_model, inp)
+
+
+def _request_options(body: dict, base_model: str, inp: inference_service_pb2.InferenceInput) -> bool:
+    """What chat and text completions share, set on `inp`: the model (target), output kind, n,
+    the generation parameters, stop; returns whether to stream."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model is required: an adapter (adapters/...), a task (tasks/...) or "
@@ -265,7 +292,7 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
-    return inp, stream
+    return stream
 
 
 # -- the server -----------------------------------------------------------------------------------
@@ -288,6 +315,7 @@ class OpenAIHttpServer:
         self.app = web.Application(client_max_size=settings.max_message_bytes,
                                    middlewares=[self._middleware])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model)
         self.app.router.add_get("/health", self.health)
@@ -390,15 +418,23 @@ class OpenAIHttpServer:
                                code="request_too_large") from None
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, build_input, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, build_completion_input, chat=False)
+
+    async def _complete(self, request: web.Request, build, chat: bool) -> web.StreamResponse:
+        """A chat (`chat`) or text completion: the body through `build`, then gRPC Infer or
+        InferStream, answered in that API's shape."""
         self._authorize(request)
         body = await self._json(request)
-        inp, stream = build_input(body, self.settings.served_model_name)
+        inp, stream = build(body, self.settings.served_model_name)
         rid = request.headers.get("X-Request-Id") or new_request_id()
         metadata = self._metadata(request, rid)
-        model = body["model"]
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
+        shape = _Shape(chat, rid, body["model"], int(time.time()))
         if stream:
-            return await self._stream(request, inp, rid, model, metadata, include_usage)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, inp, rid, shape, metadata, include_usage)
         try:
             resp = await self.inference.Infer(inference_service_pb2.InferRequest(input=inp, request_id=rid),
                                               metadata=metadata)
@@ -406,25 +442,20 @@ class OpenAIHttpServer:
             raise errors.from_rpc_error(err) from None
         r = resp.result
         content = r.label if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL else r.text
-        out = {
-            "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": _FINISH.get(r.finish_reason, "stop"), "logprobs": None}],
-            "usage": _usage(r),
-            "valora": _extension(r),
-        }
+        out = {**shape.head(), "choices": [shape.choice(content, _FINISH.get(r.finish_reason, "stop"))],
+               "usage": _usage(r), "valora": _extension(r)}
         return web.json_response(out, headers={"X-Request-Id": rid})
 
-    async def _stream(self, request: web.Request, inp, rid: str, model: str, metadata,
+    async def _stream(self, request: web.Request, inp, rid: str, shape: "_Shape", metadata,
                       include_usage: bool) -> web.StreamResponse:
         call = self.inference.InferStream(inference_service_pb2.InferStreamRequest(input=inp, request_id=rid),
                                           metadata=metadata)
-        created = int(time.time())
 
-        def chunk(delta: dict, finish: str | None = None, **extra) -> bytes:
-            data = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        def event(data: dict) -> bytes:
             return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        def chunk(text: str | None, finish: str | None = None, **extra) -> bytes:
+            return event({**shape.head(chunk=True), "choices": [shape.delta(text, finish)], **extra})
 
         response: web.StreamResponse | None = None
         try:
@@ -438,23 +469,22 @@ class OpenAIHttpServer:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    "X-Request-Id": rid})
             await response.prepare(request)
-            await response.write(chunk({"role": "assistant", "content": ""}))
+            if shape.chat:
+                await response.write(chunk(""))  # the role, first
             try:
                 async for msg in _chain(first, messages):
                     if msg.text_delta:
-                        await response.write(chunk({"content": msg.text_delta}))
+                        await response.write(chunk(msg.text_delta))
                     if msg.HasField("result"):
                         r = msg.result
                         if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL and r.label:
-                            await response.write(chunk({"content": r.label}))
-                        await response.write(chunk({}, _FINISH.get(r.finish_reason, "stop"), valora=_extension(r)))
+                            await response.write(chunk(r.label))
+                        await response.write(chunk(None, _FINISH.get(r.finish_reason, "stop"), valora=_extension(r)))
                         if include_usage:
-                            data = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": [], "usage": _usage(r)}
-                            await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+                            await response.write(event({**shape.head(chunk=True), "choices": [], "usage": _usage(r)}))
             except grpc.RpcError as err:  # after the first byte: an error event, then the end
                 _, body, _ = _error_body(errors.from_rpc_error(err))
-                await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+                await response.write(event(body))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -499,6 +529,34 @@ class OpenAIHttpServer:
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         return data
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The response objects of a chat completion (`chat`) or a text completion."""
+
+    chat: bool
+    rid: str
+    model: str
+    created: int
+
+    def head(self, chunk: bool = False) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}", "object": kind, "created": self.created,
+                "model": self.model}
+
+    def choice(self, content: str, finish: str) -> dict[str, Any]:
+        if self.chat:
+            return {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
+                    "logprobs": None}
+        return {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+
+    def delta(self, text: str | None, finish: str | None) -> dict[str, Any]:
+        """A stream chunk's choice: `text` new text ("" with chat: the role; None: none)."""
+        if self.chat:
+            delta = {} if text is None else {"role": "assistant", "content": ""} if text == "" else {"content": text}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
 
 async def _pages(call_page, field: str) -> AsyncIterator[Any]:

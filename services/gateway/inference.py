@@ -202,7 +202,8 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         return Target(adapter=adapter, head=head)
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
-        item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head, system=inp.system)
+        item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head, system=inp.system,
+                                 raw_prompt=inp.raw_prompt)
         item.history.extend(inp.history)
         item.images.extend(inp.images)
         item.videos.extend(inp.videos)

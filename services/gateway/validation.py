@@ -88,6 +88,8 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
             out.append(FieldViolation(f"{prefix}.history[{i}].role", f"{turn.role!r} is not 'user' or 'assistant'"))
         if turn.images < 0 or (turn.images and turn.role != "user"):
             out.append(FieldViolation(f"{prefix}.history[{i}].images", "only user turns show images (>= 0)"))
+    if inp.raw_prompt and (inp.images or inp.videos or inp.system or inp.history):
+        out.append(FieldViolation(f"{prefix}.raw_prompt", "a raw prompt takes no images, videos, system or history"))
     if sum(max(0, t.images) for t in inp.history) > len(inp.images):
         out.append(FieldViolation(f"{prefix}.history", "its turns claim more images than the request has"))
     if len(inp.images) > limits.max_images:

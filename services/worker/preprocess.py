@@ -56,6 +56,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         adapter_release_fraction=p.adapter_release_fraction,
         system=item.system,
         history=[(t.role, t.text, t.images) for t in item.history],
+        raw_prompt=item.raw_prompt,
     )
 
 
@@ -63,12 +64,14 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
                     ) -> tuple[dict, list[VisionItem]]:
     """The processor's inputs for the request (pixels cast to `pixel_dtype` when given) and its
     images'/videos' content keys; INVALID_ARGUMENT (BAD_IMAGE) for images it cannot take."""
+    if request.raw_prompt and (request.images or request.videos or request.system or request.history):
+        raise invalid_field("item.raw_prompt", "a raw prompt takes no images, videos, system or history")
     for i, frames in enumerate(request.videos):
         if not frames:
             raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
     try:
         inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos, request.system,
-                                   request.history))
+                                   request.history, raw=request.raw_prompt))
     except (ValueError, TypeError) as exc:
         raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
                             reason="BAD_IMAGE") from exc

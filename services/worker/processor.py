@@ -112,14 +112,18 @@ def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tens
 
 def build_inputs(processor, images: list[Image.Image], prompt: str,
                  videos: list[list[Image.Image]] | None = None, system: str = "",
-                 history: Sequence[tuple[str, str, int]] = ()):
+                 history: Sequence[tuple[str, str, int]] = (), raw: bool = False):
     """Processor outputs for one request: input_ids, attention_mask, mm_token_type_ids, with
     images pixel_values and image_grid_thw, with videos (lists of frames) pixel_values_videos and
-    video_grid_thw (torch tensors, batch of 1)."""
+    video_grid_thw (torch tensors, batch of 1). `raw`: the prompt is the whole text (no chat
+    template; no images, videos, system or history)."""
+    if raw and (images or videos or system or history):
+        raise ValueError("a raw prompt takes no images, videos, system or history")
     chunks = [video_inputs(processor.image_processor, frames) for frames in videos or []]
     merge = processor.image_processor.merge_size ** 2
     # Video pads expanded here (the processor expands image pads only: it has no video processor).
-    text = chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks], system, history)
+    text = prompt if raw else chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks],
+                                        system, history)
     inputs = processor(images=list(images) or None, text=[text], return_tensors="pt")
     if chunks:
         inputs["pixel_values_videos"] = torch.cat([c[0] for c in chunks])

@@ -52,6 +52,7 @@ class WorkRequest:
     # earlier turns (role, text, how many of `images` they show, in order).
     system: str = ""
     history: list[tuple[str, str, int]] = field(default_factory=list)
+    raw_prompt: bool = False  # the prompt is the whole text: no chat template (then no images or turns)
 
 
 @dataclass

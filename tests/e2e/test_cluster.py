@@ -115,6 +115,25 @@ def test_stream_equals_unary(cluster, adapters):
     assert parts[-1].text == unary.text
 
 
+def test_raw_prompt_continues_the_text_as_hf_does(cluster, model_path):
+    """A raw prompt (OpenAI's /v1/completions) is the model's whole input: served greedy text
+    equals HF generate on the prompt's bare tokens (no chat template)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    prompt = "The objects in the picture are"
+    with ValoraClient(cluster.gateway) as client:
+        got = client.infer(prompt, max_new_tokens=MAX_NEW, raw_prompt=True)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                             do_sample=False)
+    assert got.prompt_tokens == ids.shape[1]
+    assert got.text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("kwargs,code,field", [
     ({"prompt": "hi", "adapter": "adapters/nope"}, grpc.StatusCode.NOT_FOUND, None),
     ({"prompt": "hi", "images": [b"\x89PNG not really"]}, grpc.StatusCode.INVALID_ARGUMENT, "images"),

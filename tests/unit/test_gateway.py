@@ -236,6 +236,8 @@ BAD_INPUTS = {
     "request_id_newline": (dict(request_id="abc\n"), "request_id"),  # was INTERNAL (a bad metadata value)
     "adapter_newline": (dict(adapter="adapters/cars\n"), "input.adapter"),
     "history_bad_role": (dict(history=[types_pb2.ChatTurn(role="system", text="x")]), "input.history[0].role"),
+    "raw_prompt_with_image": (dict(raw_prompt=True, images=[png()]), "input.raw_prompt"),
+    "raw_prompt_with_system": (dict(raw_prompt=True, system="Be brief."), "input.raw_prompt"),
     "history_assistant_image": (dict(images=[png()], history=[types_pb2.ChatTurn(role="assistant", images=1)]),
                                 "input.history[0].images"),
     "history_claims_missing_images": (dict(history=[types_pb2.ChatTurn(role="user", text="x", images=1)]),

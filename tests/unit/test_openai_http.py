@@ -18,7 +18,7 @@ from PIL import Image
 
 from services.common import errors
 from services.gateway.config import GatewaySettings
-from services.gateway.http_openai import _error_body, build_input, RequestError
+from services.gateway.http_openai import _error_body, build_completion_input, build_input, RequestError
 from services.gateway.server import create_server as create_gateway
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server as create_scheduler
@@ -160,6 +160,43 @@ async def test_streamed_chunks_then_done():
     assert not worker.items[0].HasField("adapter")  # the base model
     events = [line for line in text.split("\n\n") if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+async def test_text_completions_send_the_prompt_without_the_chat_template():
+    async with http_stack() as (worker, client, _):
+        resp = await client.completions.create(model="adapters/cars@prod", prompt="Once upon a time",
+                                               max_tokens=5, temperature=0.7, stop=["."],
+                                               extra_body={"min_p": 0.1})
+        chunks = [c async for c in await client.completions.create(
+            model="valora-base", prompt=["Count to three:"], stream=True, stream_options={"include_usage": True})]
+    assert resp.object == "text_completion" and resp.choices[0].text == "two cars"
+    assert resp.choices[0].finish_reason == "stop" and resp.usage.completion_tokens == 2
+    item = worker.items[0]
+    assert item.raw_prompt and item.prompt == "Once upon a time" and item.adapter.version == VERSION.name
+    assert (item.params.max_new_tokens, round(item.params.min_p, 3), list(item.params.stop)) == (5, 0.1, ["."])
+    assert resp.id == f"cmpl-{item.request_id}"
+    assert worker.items[1].raw_prompt and worker.items[1].prompt == "Count to three:"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "two cars"
+    assert all(c.object == "text_completion" for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+
+
+def test_completion_request_parsing():
+    inp, stream = build_completion_input({"model": "valora-base", "prompt": "Hi", "echo": False, "logprobs": 0},
+                                         "valora-base")
+    assert inp.raw_prompt and inp.prompt == "Hi" and not stream
+    for body, param in [({"model": "valora-base", "prompt": [1, 2, 3]}, "prompt"),
+                        ({"model": "valora-base", "prompt": ["a", "b"]}, "prompt"),
+                        ({"model": "valora-base", "prompt": ""}, "prompt"),
+                        ({"model": "valora-base"}, "prompt"),
+                        ({"model": "valora-base", "prompt": "x", "echo": True}, "echo"),
+                        ({"model": "valora-base", "prompt": "x", "logprobs": 2}, "logprobs"),
+                        ({"model": "valora-base", "prompt": "x", "suffix": "y"}, "suffix"),
+                        ({"prompt": "x"}, "model")]:
+        with pytest.raises(RequestError) as exc:
+            build_completion_input(body, "valora-base")
+        assert exc.value.param == param, body
 
 
 async def test_models_lists_base_adapters_aliases_and_tasks():

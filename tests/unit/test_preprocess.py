@@ -152,3 +152,20 @@ def test_system_prompt_and_history_render_as_the_models_chat_template(model):
     plain, _ = process_request(processor, work_request_from_pb(work_pb2.WorkItem(request_id="p", prompt="Hi"), None),
                                None)
     assert processor.tokenizer.decode(plain["input_ids"][0]).startswith("<|im_start|>system\nYou are a helpful")
+
+
+def test_a_raw_prompt_is_tokenized_as_is(model):
+    """InferenceInput.raw_prompt (OpenAI's /v1/completions): the prompt's own tokens, no chat
+    template around them; with an image it is INVALID_ARGUMENT naming the field."""
+    eng = Engine(EngineConfig(model_path=model, device="cpu"))
+    raw = work_pb2.WorkItem(request_id="r", prompt="Once upon a time", raw_prompt=True,
+                            params=types_pb2.GenerationParams(max_new_tokens=4))
+    prep = eng.prepare(work_request_from_pb(raw, None))
+    want = eng.tokenizer("Once upon a time", return_tensors="pt")["input_ids"]
+    assert torch.equal(prep.inputs["input_ids"], want)
+    chat = eng.prepare(work_request_from_pb(work_pb2.WorkItem(request_id="c", prompt="Once upon a time"), None))
+    assert chat.prompt_tokens > prep.prompt_tokens  # the template's turns
+    raw.images.add(data=png(1, 56))
+    with pytest.raises(InvalidArgument) as exc:
+        eng.prepare(work_request_from_pb(raw, None))
+    assert exc.value.field_violations[0].field == "item.raw_prompt"
