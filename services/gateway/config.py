@@ -46,6 +46,9 @@ class GatewaySettings(ServiceSettings):
     http_keepalive_s: float = Field(15.0, gt=0, description="Seconds an idle HTTP keep-alive connection stays open.")
     http_header_timeout_s: float = Field(10.0, gt=0, description="Seconds a new HTTP connection has to send a whole "
                                          "request head before it is closed (idle and slowloris sockets).")
+    http_max_connections: int = Field(
+        1024, ge=0, description="Open HTTP connections at most; one more is answered 503 with Retry-After and "
+        "closed before anything is read (0: no cap).")
     http_enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API next to gRPC.")
     http_port: int = Field(0, ge=0, description="Port of the OpenAI-compatible HTTP API; 0 picks a free one.")
     served_model_name: str = Field(

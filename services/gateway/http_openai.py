@@ -14,6 +14,10 @@
   `GET /v1/models/{id}` one of them.
 - `GET /health`: 200 while the gateway serves, 503 once it drains (no key: for probes).
 
+Connections: idle ones close after `http_keepalive_s`, ones without a whole request head after
+`http_header_timeout_s`, and past `http_max_connections` open ones a new connection gets a 503
+(Retry-After: 1) and is closed before anything is read.
+
 One design choice keeps the behaviour identical to gRPC's: completions call the gateway's
 own InferenceService over loopback, carrying the caller's `Authorization` header as metadata, so
 auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. Every route but
@@ -322,6 +326,8 @@ class OpenAIHttpServer:
         self.is_serving = lambda: True  # the gateway's health (gateway/server.py sets it)
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
+        self.refused_connections = 0  # new connections answered 503 at the cap
+        self._refused_logged = float("-inf")
 
     async def start(self) -> None:
         # handler_cancellation: a client that disconnects cancels its handler, and with it the
@@ -331,8 +337,16 @@ class OpenAIHttpServer:
                                      keepalive_timeout=self.settings.http_keepalive_s)
         await self._runner.setup()
         self._sweeper = asyncio.create_task(self._sweep(min(1.0, self.settings.http_header_timeout_s / 2)))
-        await web.SockSite(self._runner, self.sock).start()
-        log.info("http_serving", port=self.port)
+        await _CappedSite(self._runner, self.sock, self.settings.http_max_connections, self._refused).start()
+        log.info("http_serving", port=self.port, max_connections=self.settings.http_max_connections)
+
+    def _refused(self) -> None:
+        self.refused_connections += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= 10.0:  # at most one line every 10 s under a flood
+            self._refused_logged = now
+            log.warning("http_connections_full", max_connections=self.settings.http_max_connections,
+                        refused_total=self.refused_connections)
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -529,6 +543,44 @@ class OpenAIHttpServer:
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         return data
+
+
+_FULL_BODY = json.dumps({"error": {"message": "too many open connections; retry", "type": "service_unavailable",
+                                   "param": None, "code": "too_many_connections"}}).encode()
+_FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+         b"Connection: close\r\nContent-Length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the cap: a 503 written at once, then closed (its bytes are never read)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(_FULL)
+        transport.close()
+
+
+class _CappedSite(web.SockSite):
+    """aiohttp's socket site with a cap on open connections (aiohttp has none): while `cap`
+    connections are open (0: no cap), a new one gets _Refused instead of aiohttp's handler.
+    Connections accepted in one burst may pass the cap by that burst, since aiohttp counts a
+    connection from its first callback."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, cap: int, on_refuse) -> None:
+        super().__init__(runner, sock)
+        self._cap, self._on_refuse = cap, on_refuse
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner (its cleanup stops it)
+        server = self._runner.server
+
+        def protocol() -> asyncio.Protocol:
+            if self._cap and len(server.connections) >= self._cap:
+                self._on_refuse()
+                return _Refused()
+            return server()
+
+        self._server = await asyncio.get_running_loop().create_server(protocol, sock=self._sock,
+                                                                      backlog=self._backlog)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,6 +199,29 @@ def test_completion_request_parsing():
         assert exc.value.param == param, body
 
 
+async def test_connections_past_the_cap_get_503_and_the_rest_keep_serving():
+    async with http_stack(http_max_connections=2) as (_, client, base_url):
+        host, port = base_url.split("//")[1].split("/")[0].split(":")
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        await asyncio.sleep(0.1)  # aiohttp counts a connection from its first callback
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await asyncio.wait_for(reader.read(), 5)  # written at once, then closed by the server
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        idle[0][1].close()  # one slot frees: requests pass again
+        for _ in range(50):
+            try:
+                models = await client.models.list()
+                break
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503
+                await asyncio.sleep(0.05)
+        assert models.data[0].id == "valora-base"
+        idle[1][1].close()
+
+
 async def test_models_lists_base_adapters_aliases_and_tasks():
     async with http_stack() as (_, client, _url):
         models = await client.models.list()
