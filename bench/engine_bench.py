@@ -208,8 +208,8 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
                 "prefill_median": statistics.median(pre_steps) if pre_steps else None,
                 "decode_median": statistics.median(dec_steps) if dec_steps else None, "decode_steps": len(dec_steps)}
             detail.setdefault("generate_ms_reps", {})[run] = gen[run]
-            print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
-                  flush=True)
+            print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  "
+                  f"prefill {rows[-1]['prefill_ms']:8.1f} ms", flush=True)
         if args.profile:
             detail["profile"] = profile(eng, args, enter, batch_ms)
         detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
@@ -227,7 +227,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
         detail["peak_decode_entries"] = eng.decoder.peak_entries
     finally:
         eng.stop()
-        del eng
+        eng = None  # drop the engine before gc.collect/empty_cache (not `del`: batch_ms/enter close over it)
         gc.unfreeze()
         gc.collect()
         if args.device.startswith("cuda"):
@@ -308,7 +308,8 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
             if rep >= args.warmup:
                 gen.append(ms_gen)
                 pre.append(ms_pre)
-        rows.append({"impl": "hf_peft", "run": run, "generate_ms": statistics.median(gen), "prefill_ms": statistics.median(pre)})
+        rows.append({"impl": "hf_peft", "run": run, "generate_ms": statistics.median(gen),
+                     "prefill_ms": statistics.median(pre)})
         print(f"hf_peft {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
               flush=True)
 
@@ -390,7 +391,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
-    ap.add_argument("--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
+    ap.add_argument("--no-lora-fold", action="store_true",
+                    help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
     ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="the engine's paged KV pool (the HF peer "
                     "shares the device)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave the loaded models in the cyclic GC's "
@@ -443,7 +445,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # rep 0's greedy tokens per run (checks across runs: --tp N against one process)
     name = args.name or f"engine-{time.strftime('%Y-%m-%d')}"
     workload = {k: getattr(args, k) for k in ("arch", "device", "dtype", "batch", "image", "new_tokens", "adapters",
-                                              "rank", "adapter_std", "reps", "peer_reps", "warmup", "decode_graphs", "tp")}
+                                              "rank", "adapter_std", "reps", "peer_reps", "warmup", "decode_graphs",
+                                              "tp")}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out_dir / f"{name}.detail.json").write_text(

@@ -91,7 +91,8 @@ def main() -> None:
             print(f"    {r['method']:28s} {r['us']:8.2f} us  err {r['rel_err']:.1e}")
     per_layer = {r["method"]: sum(next(x["us"] for x in s["rows"] if x["method"] == r["method"]) for s in out)
                  for r in out[0]["rows"]}
-    print("per layer (sum of the 4 projections):", {k: round(v, 1) for k, v in sorted(per_layer.items(), key=lambda kv: kv[1])})
+    print("per layer (sum of the 4 projections):",
+          {k: round(v, 1) for k, v in sorted(per_layer.items(), key=lambda kv: kv[1])})
     write_json(args.name or "expand", {"run": run_info(), "shapes": out, "per_layer_us": per_layer})
 
 

@@ -15,7 +15,9 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         setup = r.get("setup") or {}
         key = f"base {setup.get('base_model', '?')}" + (
-            " (pretrained)" if setup.get("base_pretraining") else "") + f", r={setup.get('rank', '?')}, lr {setup.get('lr', '?')} ({setup.get('lr_rule', '?')}), margin {setup.get('margin', '?')}"
+            " (pretrained)" if setup.get("base_pretraining") else "") + (
+            f", r={setup.get('rank', '?')}, lr {setup.get('lr', '?')} ({setup.get('lr_rule', '?')}), "
+            f"margin {setup.get('margin', '?')}")
         groups.setdefault(key, []).append(r)
     out = []
     for key, rs in groups.items():
@@ -26,7 +28,8 @@ def render(rows: list[dict]) -> str:
         for r in rs:
             cells = [f"{r['tasks'][t]['accuracy']:.3f}" for t in tasks]
             ok = all(r["tasks"][t]["accuracy"] >= r["tasks"][t]["threshold"] for t in tasks)
-            out.append(f"| {r['strategy']} | {r['n_adapters']} | " + " | ".join(cells) + f" | {'yes' if ok else 'no'} |")
+            out.append(f"| {r['strategy']} | {r['n_adapters']} | " + " | ".join(cells)
+                       + f" | {'yes' if ok else 'no'} |")
         out.append("| threshold | | " + " | ".join(f"{rs[0]['tasks'][t]['threshold']:.3f}" for t in tasks) + " | |")
         greedy = next((r for r in rs if r["strategy"] == "greedy-fusion"), None)
         if greedy:

@@ -79,7 +79,8 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
     cols = [slice(sum(widths[:p]), sum(widths[:p + 1])) for p in range(len(widths))]
 
     def base_only(m):
-        return lambda: torch.matmul(x, m["w"].t(), out=y) if m["bias"] is None else torch.addmm(m["bias"], x, m["w"].t(), out=y)
+        return lambda: (torch.matmul(x, m["w"].t(), out=y) if m["bias"] is None
+                        else torch.addmm(m["bias"], x, m["w"].t(), out=y))
 
     def atmm(m):
         def f():
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = bench_projection(name, tokens, args.adapters, args.rank, args.layers, dev, dt)
             rows.append(row)
             print(f"T={tokens:5d} {name:8s} " + "  ".join(
-                f"{m} {row[m].get('us', float('nan')):8.1f}" for m in ("base", "atmm", "atmm_parts", "dense", "dense_pre")),
-                flush=True)
+                f"{m} {row[m].get('us', float('nan')):8.1f}"
+                for m in ("base", "atmm", "atmm_parts", "dense", "dense_pre")), flush=True)
         per_layer = {m: round(sum(r[m].get("lora_us", 0.0) for r in rows if r["tokens"] == tokens), 1)
                      for m in ("atmm", "atmm_parts", "dense", "dense_pre")}
         print(f"T={tokens:5d} LoRA µs per layer: {per_layer}  (x28 layers)", flush=True)

@@ -10,8 +10,8 @@ between calls), the graph is replayed `--reps` times, median µs per call. Metho
     paged_bs16_s{S}       ours at forced splits; S = 1 is the no-split ablation
     sdpa_arena            today's path (services/worker/attention.py grouped_decode_attention): masked
                           SDPA on a contiguous (B, KVH, cap, D) arena (cap = the next power of two
-                          >= the longest row, at least 256, as the old contiguous arenas were allocated), a group's query
-                          heads stacked as the query length, output transposed back
+                          >= the longest row, at least 256, as the old contiguous arenas were allocated),
+                          a group's query heads stacked as the query length, output transposed back
     varlen_packed         torch.nn.attention.varlen.varlen_attn on packed unpadded K/V (not paged),
                           when the installed torch has it
     varlen_paged_bs{16,256}  the same with block_table / seqused_k (paged), where it accepts the block

@@ -164,7 +164,8 @@ def run(name: str, fn, steps: list[Step], layers: int) -> dict:
     torch.cuda.synchronize()
     calls = layers * (len(steps) - 2)
     row.update(host_us=round(sum(times) / calls * 1e6, 1), device_us=round(start.elapsed_time(end) / calls * 1e3, 1),
-               step_host_ms_median=round(statistics.median(times) * 1e3, 2), step_host_ms_max=round(max(times) * 1e3, 2))
+               step_host_ms_median=round(statistics.median(times) * 1e3, 2),
+               step_host_ms_max=round(max(times) * 1e3, 2))
     return row
 
 

@@ -111,7 +111,8 @@ def main() -> None:
     out = {"image_size": args.image_size, "k": args.threads, "prepare_ms_per_image": round(prepare_ms, 2),
            "loop_alone": alone, "loop_beside_threads": round(beside_threads / alone, 3),
            "threads_images_per_s": round(thread_rate, 1),
-           "loop_beside_processes": round(result["loop"] / alone, 3), "processes_images_per_s": round(result["rate"], 1)}
+           "loop_beside_processes": round(result["loop"] / alone, 3),
+           "processes_images_per_s": round(result["rate"], 1)}
     print(out)
     save(args.name or "prepare-gil", out)
 

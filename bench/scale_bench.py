@@ -426,7 +426,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         c = cluster_mod.start_cluster(home, workers=workers, model_path=model_path, env=service_env(args, home),
                                       worker_env=worker_env, startup_timeout_s=args.startup_timeout_s)
         scheduler = c.by_service("scheduler")[0].address
-        cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s, c.internal_token)  # healthy, not just up
+        # healthy, not just up
+        cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s, c.internal_token)
         startup_s = time.perf_counter() - t0
         adapters = register_adapters(c.gateway, bundles, args.seed)
         use_adapters(warm, adapters)
@@ -492,7 +493,8 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model:
             "load_per_worker": args.load_per_worker,
             "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "rank": args.rank,
             "image_size": args.image_size, "max_batch_size": args.max_batch_size, "policy": args.policy,
-            "atmm": args.atmm, "arch": args.arch, "tp": args.tp, "env": dict(args.env), "threads_per_worker": args.threads_per_worker,
+            "atmm": args.atmm, "arch": args.arch, "tp": args.tp, "env": dict(args.env),
+            "threads_per_worker": args.threads_per_worker,
             "seed": args.seed, "cpu_count": os.cpu_count(), "wall_s": round(wall_s, 1)}
     text = json.dumps({"info": info, "rows": rows, "failures": failures}, indent=1, default=str) + "\n"
     paths = [path.resolve()]

@@ -379,8 +379,8 @@ def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace,
                                                      "capture_failures", "reference_steps")))
     console.print(table)
     console.print("[dim]ms; ttft: send to first token as the client saw it; gpu busy: nvidia-smi utilisation over "
-                  "the run; eager/replays/captures/new keys/failed caps/ref lora (steps on the torch LoRA reference): the "
-                  "worker's decode-graph counters over the run")
+                  "the run; eager/replays/captures/new keys/failed caps/ref lora (steps on the torch LoRA reference): "
+                  "the worker's decode-graph counters over the run")
     for s in spreads:
         colour = "green" if s["within_10pct"] else "red"
         console.print(f"[{colour}]{s['load']}: {s['headline']} {s[s['headline']]}, spread "

@@ -496,5 +496,5 @@ def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
     return w
 
 
-__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "atmm_expand_xa_", "choose_config", "default_table", "extension", "gpu_key",
-           "lora_weights_from_lists", "triton_available", "use_table"]
+__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "atmm_expand_xa_", "choose_config", "default_table", "extension",
+           "gpu_key", "lora_weights_from_lists", "triton_available", "use_table"]

@@ -40,9 +40,10 @@ tokens: row i's tiles are numbered from cu_q[i] // BLOCK_Q + i on (at least cdiv
 numbers apart), so grid (T // BLOCK_Q + R, KVH) covers every tile of every row; a program finds
 its row by a binary search over cu_q and exits at once when its number is past the row's last
 tile. Tile numbers are handed out from the last (the last row's last tile, the longest walk over
-keys) down, so the short walks fill the end of the launch. A program owns one query tile x the `group` query heads of one KV head, stacked into the M
-dimension of the dots (M index m = token (m // group), head (m % group); BLOCK_Q = BLOCK_M //
-group, e.g. 18 tokens x 7 heads = 126 of 128 rows for Qwen2-VL-7B), so K and V are read once per
+keys) down, so the short walks fill the end of the launch. A program owns one query tile x the
+`group` query heads of one KV head, stacked into the M dimension of the dots (M index m = token
+(m // group), head (m % group); BLOCK_Q = BLOCK_M // group, e.g. 18 tokens x 7 heads = 126 of
+128 rows for Qwen2-VL-7B), so K and V are read once per
 group, not once per query head. It walks the row's keys from position 0 to the tile's last
 query position in TILE_N steps (page ids gathered per key from block_tables): first the keys
 every query of the tile sees (no mask), then the diagonal part with the offset-causal mask;

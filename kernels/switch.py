@@ -34,7 +34,8 @@ _DESC = np.dtype([("w", "<i8"), ("a1", "<i8"), ("b1", "<i8"), ("a2", "<i8"), ("b
 assert _DESC.itemsize == 80
 # Fastest on the H200 (bench/results/switch-9fae01b.json: 8.67 ms one-pass switch of the 7B shape vs
 # 10.99 for the first kernel); bench/switch_bench.py times every compiled config.
-DEFAULT_CONFIG = {torch.bfloat16: "switch_bf16_pipe_bm128_bn64_s4_t256", torch.float16: "switch_fp16_pipe_bm128_bn64_s4_t256"}
+DEFAULT_CONFIG = {torch.bfloat16: "switch_bf16_pipe_bm128_bn64_s4_t256",
+                  torch.float16: "switch_fp16_pipe_bm128_bn64_s4_t256"}
 # Handles every rank the API accepts (two terms of rank 128): used when DEFAULT_CONFIG cannot.
 FALLBACK_CONFIG = {torch.bfloat16: "switch_bf16_bm64_bn128", torch.float16: "switch_fp16_bm64_bn128"}
 _DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -403,7 +403,8 @@ def main() -> None:
         hg = [v["heuristic_gap"] for v in val]
         summary = {"table_gap_median": statistics.median(gaps), "table_gap_max": max(gaps),
                    "heuristic_gap_median": statistics.median(hg), "heuristic_gap_max": max(hg)}
-        print(f"table pick vs true best: median {summary['table_gap_median']:.3f}x, max {summary['table_gap_max']:.3f}x;"
+        print(f"table pick vs true best: median {summary['table_gap_median']:.3f}x, "
+              f"max {summary['table_gap_max']:.3f}x;"
               f" heuristic: median {summary['heuristic_gap_median']:.3f}x, max {summary['heuristic_gap_max']:.3f}x")
     write_results(args.name or "tile_search", {"table_path": str(path), "buckets": len(entries), "backends_won": won,
                                                "validation": val, "summary": summary, "bucket_stats": stats})

@@ -9,6 +9,7 @@ if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start || true
 fi
 python scripts/gen_protos.py --check
+ruff check .  # pyflakes and line length (pyproject.toml [tool.ruff])
 if [ -d examples/node ]; then (cd examples/node && npm ci --silent --no-audit --no-fund); fi
 if ! command -v buf >/dev/null; then npm install -g --silent @bufbuild/buf@1; fi
 (cd protos && buf lint)

@@ -40,7 +40,8 @@ app.add_typer(adapters_app, name="adapters")
 console = Console()
 
 HOME = typer.Option(cluster_mod.DEFAULT_HOME, "--home", envvar="VALORA_HOME", help="State, logs, model cache.")
-ADDRESS = typer.Option(None, "--address", envvar="VALORA_ADDRESS", help="Gateway host:port (default: the running local cluster).")
+ADDRESS = typer.Option(None, "--address", envvar="VALORA_ADDRESS",
+                       help="Gateway host:port (default: the running local cluster).")
 API_KEY = typer.Option(None, "--api-key", envvar="VALORA_API_KEY", help="Inference API key.")
 ADMIN_KEY = typer.Option(None, "--admin-key", envvar="VALORA_ADMIN_KEY", help="Admin API key.")
 

@@ -92,7 +92,8 @@ def build() -> dict:
          f"{AT_SCHEDULER}[5m])))", "s"),
         ("Mode switches (1h)", "Merge/unmerge/switch operations in the last hour (valora:mode_switches_total).",
          "sum(increase(valora:mode_switches_total[1h]))", "short"),
-        ("Adapter swaps (1h)", "Adapter copies host to device and evictions in the last hour (valora:adapter_swaps_total).",
+        ("Adapter swaps (1h)",
+         "Adapter copies host to device and evictions in the last hour (valora:adapter_swaps_total).",
          "sum(increase(valora:adapter_swaps_total[1h]))", "short"),
         ("Errors (5m)", "Requests answered with a non-OK status at the gateway in the last 5 minutes "
          "(valora:requests_total).",
@@ -123,10 +124,12 @@ def build() -> dict:
     ])
     b.series([
         ("TTFT p90 by adapter", "valora:time_to_first_token_seconds, 90th percentile per adapter.",
-         [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:time_to_first_token_seconds_bucket{AT_SCHEDULER}{RATE})))",
+         [{"expr": "histogram_quantile(0.9, sum by (le, adapter) (rate(valora:time_to_first_token_seconds_bucket"
+                   f"{AT_SCHEDULER}{RATE})))",
            "legendFormat": "{{adapter}}"}], "s"),
         ("E2E p90 by adapter", "valora:e2e_request_latency_seconds, 90th percentile per adapter.",
-         [{"expr": f"histogram_quantile(0.9, sum by (le, adapter) (rate(valora:e2e_request_latency_seconds_bucket{AT_SCHEDULER}{RATE})))",
+         [{"expr": "histogram_quantile(0.9, sum by (le, adapter) (rate(valora:e2e_request_latency_seconds_bucket"
+                   f"{AT_SCHEDULER}{RATE})))",
            "legendFormat": "{{adapter}}"}], "s"),
     ])
     b.row("Tokens and KV cache")

@@ -266,7 +266,8 @@ def make_random_bundle(
         for module in target_modules:
             fin, fout = shapes.features[module]
             tensors[lora_key(layer, module, "A")] = (rng.standard_normal((rank, fin)) / np.sqrt(fin)).astype(np.float32)
-            tensors[lora_key(layer, module, "B")] = (gain * rng.standard_normal((fout, rank)) / np.sqrt(rank)).astype(np.float32)
+            tensors[lora_key(layer, module, "B")] = (gain * rng.standard_normal((fout, rank))
+                                                     / np.sqrt(rank)).astype(np.float32)
     for name, num_labels in (heads or {}).items():
         tensors[f"heads.{name}.weight"] = rng.standard_normal((num_labels, shapes.hidden_size)).astype(np.float32)
         tensors[f"heads.{name}.bias"] = np.zeros(num_labels, dtype=np.float32)

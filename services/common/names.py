@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from services.common.errors import invalid_field
 
 ID_RE = r"[a-z][a-z0-9-]{0,62}"
-_ADAPTER = re.compile(rf"^adapters/(?P<adapter>{ID_RE})(?:/versions/(?P<version>[1-9][0-9]{{0,9}})|@(?P<alias>{ID_RE}))?$")
+_ADAPTER = re.compile(rf"^adapters/(?P<adapter>{ID_RE})"
+                      rf"(?:/versions/(?P<version>[1-9][0-9]{{0,9}})|@(?P<alias>{ID_RE}))?$")
 _TASK = re.compile(rf"^tasks/(?P<task>{ID_RE})$")
 
 
@@ -48,7 +49,8 @@ def parse_adapter_ref(value: str, field_path: str = "adapter") -> AdapterRefName
     if not m:
         raise invalid_field(
             field_path,
-            f"{value!r} is not adapters/{{adapter}}, adapters/{{adapter}}/versions/{{n}} or adapters/{{adapter}}@{{alias}}",
+            f"{value!r} is not adapters/{{adapter}}, adapters/{{adapter}}/versions/{{n}} "
+            "or adapters/{adapter}@{alias}",
         )
     return AdapterRefName(m["adapter"], int(m["version"]) if m["version"] else None, m["alias"])
 

@@ -54,7 +54,8 @@ class ResolutionCache:
         self.stale_s = stale_s
         self.size = size
         self.generation = 0  # clear() count: an answer asked for before a clear is not kept
-        self._entries: OrderedDict[str, tuple[float, adapter_store_service_pb2.ResolveReferenceResponse]] = OrderedDict()
+        self._entries: OrderedDict[
+            str, tuple[float, adapter_store_service_pb2.ResolveReferenceResponse]] = OrderedDict()
 
     def get(self, reference: str) -> adapter_store_service_pb2.ResolveReferenceResponse | None:
         hit = self._entries.get(reference)

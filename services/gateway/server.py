@@ -44,7 +44,8 @@ async def create_server(settings: GatewaySettings) -> Service:
     service.http = None
     if settings.http_enabled:
         target = loopback_target(settings.host, service.port)
-        http = OpenAIHttpServer(settings, target, auth, store_admin, open_channel(target, options, tracing, credentials=credentials),
+        http = OpenAIHttpServer(settings, target, auth, store_admin,
+                                open_channel(target, options, tracing, credentials=credentials),
                                 tracer_provider=tracing)
         service.http = http
         http.is_serving = lambda: service.serving

@@ -60,8 +60,8 @@ def pretrain_cmd(
     from services.generator.pretrain import pretrain
 
     torch.set_num_threads(threads)
-    with Progress(TextColumn("[bold]pretrain"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                  TimeElapsedColumn(), console=console) as progress:
+    with Progress(TextColumn("[bold]pretrain"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) as progress:
         bar = progress.add_task("pretrain", total=steps, loss="-")
         result = pretrain(model_path, out, steps=steps, lr=lr, seed=seed,
                           progress=lambda s, n, loss: progress.update(bar, completed=s, loss=f"{loss:.3f}"))

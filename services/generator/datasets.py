@@ -169,7 +169,8 @@ def build_task(name: str, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAG
     return TaskData(name=name, prompt=spec.prompt, labels=spec.labels, images=images, targets=targets)
 
 
-def shifted_copies(images: list[Image.Image], copies: int, seed: int, step: int | None = None) -> list[list[Image.Image]]:
+def shifted_copies(images: list[Image.Image], copies: int, seed: int,
+                   step: int | None = None) -> list[list[Image.Image]]:
     """Label-preserving augmentation: `copies` versions of `images`, each image cyclically shifted
     by a random (dy, dx) in {-1, 0, 1}^2 source pixels (`step` image pixels each, default size/8).
     Cyclic, so a counted square never leaves the canvas; digits have empty borders."""

@@ -149,7 +149,8 @@ def write_results(results: Sequence[StrategyResult], path: Path | None = None, m
     return path
 
 
-def served_accuracy(address: str, manifest: dict, per_task: int, api_key: str | None = None) -> dict[str, tuple[float, int]]:
+def served_accuracy(address: str, manifest: dict, per_task: int,
+                    api_key: str | None = None) -> dict[str, tuple[float, int]]:
     """Accuracy of the served tasks on the first `per_task` test images of each (through the
     gateway: task + LABEL output, the task's prompt). {task: (accuracy, n)}."""
     import io

@@ -150,7 +150,8 @@ class TorchTrainer:
         total = len(plan)
         warm = max(1, total // 20)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+            opt,
+            lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
         templates = {t: self.template(t) for t in tasks}
         train = {t: self.train_set(t) for t in tasks}
         feats = {t: f for t, (f, _) in train.items()}

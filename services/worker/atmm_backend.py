@@ -57,8 +57,10 @@ class AtmmBackend:
         for g, parts in self.groups.items():
             features[g] = (features[parts[0]][0], sum(features[k][1] for k in parts))
         self._sizes = {g: [features[k][1] for k in parts] for g, parts in self.groups.items()}
-        self.weights = {k: atmm.LoraWeights(max_entries, fin, fout, dtype, device) for k, (fin, fout) in features.items()}
-        self._zeros = {k: (torch.zeros(fin, 8, dtype=dtype, device=device), torch.zeros(8, fout, dtype=dtype, device=device))
+        self.weights = {k: atmm.LoraWeights(max_entries, fin, fout, dtype, device)
+                        for k, (fin, fout) in features.items()}
+        self._zeros = {k: (torch.zeros(fin, 8, dtype=dtype, device=device),
+                           torch.zeros(8, fout, dtype=dtype, device=device))
                        for k, (fin, fout) in features.items()}
         self._slots: OrderedDict[int, tuple[LoraEntry, int]] = OrderedDict()  # id(entry) -> (entry, slot); LRU
         self._synced: list[tuple[LoraEntry, int]] = []
@@ -241,7 +243,8 @@ class AtmmBackend:
             for s, c in cols.items():
                 host[s] = c
             staged = torch.tensor(host, dtype=torch.int32)
-            self._fold_cols[kind].copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
+            self._fold_cols[kind].copy_(staged.pin_memory() if self.device.type == "cuda" else staged,
+                                        non_blocking=True)
         return cols
 
     def folded_linear(self, key: LayerModule, x: torch.Tensor, module) -> torch.Tensor | None:

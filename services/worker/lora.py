@@ -139,7 +139,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.runtime.step
-        if step is not None and step.kernel and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None:
+        if (step is not None and step.kernel
+                and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None):
             return y
         y = self.base(x)
         if step is None or not step.active:
@@ -217,7 +218,8 @@ class LoraGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         step = self.runtime.step
-        if step is not None and step.kernel and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None:
+        if (step is not None and step.kernel
+                and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None):
             return y.split(self.sizes, dim=-1)
         y = nn.functional.linear(x, self.weight, self.bias)
         if step is not None and step.active:

@@ -233,7 +233,8 @@ class ModelRunner:
         finally:
             self.runtime.step = None
 
-    def choose(self, rows: list[Sequence], greedy: torch.Tensor, logits: torch.Tensor, counters: list[int]) -> torch.Tensor:
+    def choose(self, rows: list[Sequence], greedy: torch.Tensor, logits: torch.Tensor,
+               counters: list[int]) -> torch.Tensor:
         """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy, else
         sampled in one batched call (sampling.py; `counters`: the positions the tokens take)."""
         params = [s.req.sampling for s in rows]

@@ -85,7 +85,8 @@ class RowSampling:
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
         pin = device.type == "cuda"
         floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params]], dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
+                               [p.min_p for p in params]], dtype=torch.float32,
+                              pin_memory=pin).to(device, non_blocking=True)
         longs = torch.tensor([[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64,
                              pin_memory=pin).to(device, non_blocking=True)
         return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy),

@@ -407,7 +407,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         s = self.engine.stats()
         cache = s.image_cache
         return admin_service_pb2.WorkerStatus(
-            address=self.address, healthy=s.alive and self.is_serving(), mode=_MODE_PB[s.mode], merged_adapter=s.merged_adapter,
+            address=self.address, healthy=s.alive and self.is_serving(), mode=_MODE_PB[s.mode],
+            merged_adapter=s.merged_adapter,
             resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
             max_batch_size=s.max_batch_size, device=s.device, kv_cache_bytes=s.kv_cache_bytes,
             waiting_requests=s.waiting, last_step_ms=s.last_step_ms,

@@ -179,7 +179,8 @@ class VisionEncoder:
         pix_key, _ = _INPUT_KEYS[kind]
         if self.tp is None or self.tp.rank == 0:
             # staged (pinned) pixels copy asynchronously; one cat on the device
-            rows = torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True) for inputs, it in todo])
+            rows = torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True)
+                              for inputs, it in todo])
         else:  # a follower's pixels are meta tensors (without_pixels): rank 0's come next
             like = todo[0][0][pix_key]
             rows = torch.empty((sum(it.end - it.start for _, it in todo), *like.shape[1:]), dtype=like.dtype,

@@ -37,7 +37,8 @@ def run(model_path, dtype: str, graphs: str, adapters: list, **kw) -> tuple[dict
         for i, name in enumerate((A, B)):
             b = random_adapter_bundle(model_path, rank=8 * (i + 1), lora_alpha=8, seed=i + 1)
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
-        reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=a, max_new_tokens=24)
+        reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=a,
+                            max_new_tokens=24)
                 for i, a in enumerate(adapters)]
         events: queue.Queue = queue.Queue()
         with eng._wake:

@@ -545,7 +545,8 @@ def test_switcher_kernel_path_on_cuda():
     from services.worker.switcher import Switcher
 
     g = torch.Generator(device="cuda").manual_seed(9)
-    shapes = {(0, "q_proj"): (256, 256), (0, "down_proj"): (256, 688), (0, "up_proj"): (688, 256), (1, "q_proj"): (256, 256)}
+    shapes = {(0, "q_proj"): (256, 256), (0, "down_proj"): (256, 688), (0, "up_proj"): (688, 256),
+              (1, "q_proj"): (256, 256)}
 
     def layers():
         out = {}

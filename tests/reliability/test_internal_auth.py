@@ -50,7 +50,8 @@ def test_internal_calls_need_the_internal_token(cluster):
             "worker: GetWorkerStatus": lambda md: work_grpc.WorkerServiceStub(channels["worker"])
             .GetWorkerStatus(work.GetWorkerStatusRequest(), timeout=10, metadata=md),
         }
-        refused = {name: (code_of(call, []), code_of(call, [(TOKEN_KEY, "wrong-token")])) for name, call in calls.items()}
+        refused = {name: (code_of(call, []), code_of(call, [(TOKEN_KEY, "wrong-token")]))
+                   for name, call in calls.items()}
         health = {s: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
                   for s, ch in channels.items()}
         with cluster.channel(by["scheduler"]) as ch:

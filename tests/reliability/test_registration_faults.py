@@ -41,7 +41,7 @@ SCENARIOS = [
 
 
 @pytest.fixture
-def proxied(postgres_url, s3_server, tmp_path):
+def proxied(postgres_url, s3_server, tmp_path):  # noqa: F811 - the fixtures imported above
     """Store settings through proxies, and the same settings direct (for the checks)."""
     import uuid
 

@@ -37,7 +37,8 @@ def random_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 def adapter(name: str, rank: int = 4, layers: int = 2, seed: int = 0, dtype=torch.float32) -> AdapterWeights:
     g = torch.Generator().manual_seed(seed)
     a = {(i, m): torch.randn(16, rank, generator=g).to(dtype) for i in range(layers) for m in ("q_proj", "v_proj")}
-    b = {(i, m): torch.randn(rank, 8 + 4 * i, generator=g).to(dtype) for i in range(layers) for m in ("q_proj", "v_proj")}
+    b = {(i, m): torch.randn(rank, 8 + 4 * i, generator=g).to(dtype)
+         for i in range(layers) for m in ("q_proj", "v_proj")}
     return AdapterWeights(name=name, sha256="x", rank=rank, scale=2.0 / rank, a=a, b=b)
 
 

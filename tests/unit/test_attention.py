@@ -29,7 +29,8 @@ def test_grouped_decode_attention_equals_hf_sdpa():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # prefill (several query tokens) and maskless calls take HF's path, bit for bit
         q2 = torch.randn(b, kv_heads * groups, 4, d, generator=g)
-        assert torch.equal(grouped_decode_attention(mod, q2, k, v, None)[0], sdpa_attention_forward(mod, q2, k, v, None)[0])
+        assert torch.equal(grouped_decode_attention(mod, q2, k, v, None)[0],
+                           sdpa_attention_forward(mod, q2, k, v, None)[0])
 
 
 def test_engine_text_model_uses_it_vision_keeps_sdpa(tmp_path):

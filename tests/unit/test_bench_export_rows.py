@@ -23,7 +23,8 @@ def test_atmm_run_becomes_one_row_per_case_and_impl(tmp_path):
 
 
 def test_switch_run_keeps_our_best_config_and_the_torch_peers(tmp_path):
-    run = {"floor_ms": 6.1, "ours": {"a": {"switch_ms": 11.0, "merge_ms": 10.5}, "b": {"switch_ms": 12.0, "merge_ms": 9.0}},
+    run = {"floor_ms": 6.1,
+           "ours": {"a": {"switch_ms": 11.0, "merge_ms": 10.5}, "b": {"switch_ms": 12.0, "merge_ms": 9.0}},
            "torch_addmm_merge_ms": 11.9, "torch_two_pass_ms": 23.7, "torch_one_pass_ms": 11.4}
     src = tmp_path / "switch_abc123.json"
     src.write_text(json.dumps(run))

@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 from services.common.errors import CapacityExceeded, FieldViolation, InvalidArgument, WorkerUnavailable
 from valora import errors
 from valora.client import ValoraClient
-from valora.v1 import inference_service_pb2, inference_service_pb2_grpc, types_pb2
+from valora.v1 import inference_service_pb2, inference_service_pb2_grpc
 
 
 class Scripted(inference_service_pb2_grpc.InferenceServiceServicer):

@@ -666,7 +666,8 @@ def test_every_container_has_grpc_probes_and_the_secrets_it_needs():
                 assert ref["name"] == "valora-secrets" and ref["key"] in secret["stringData"], (name, ref)
     gateway_env = {e["name"] for e in workloads["valora-gateway"]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert {"VALORA_API_KEYS", "VALORA_ADMIN_KEYS"} <= gateway_env
-    store_env = {e["name"] for e in workloads["valora-adapter-store"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    store_env = {e["name"]
+                 for e in workloads["valora-adapter-store"]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert {"VALORA_DATABASE_URL", "VALORA_S3_ACCESS_KEY", "VALORA_S3_SECRET_KEY"} <= store_env
 
 
@@ -688,7 +689,8 @@ def test_chart_env_names_are_settings_fields(component):
     objs = rendered_objects()
     names = set(by_kind(objs, "ConfigMap")[f"valora-{component}"]["data"])
     workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
-    names |= {e["name"] for e in workloads[f"valora-{component}"]["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    names |= {e["name"]
+              for e in workloads[f"valora-{component}"]["spec"]["template"]["spec"]["containers"][0].get("env", [])}
     check_env_names(component, names)
 
 
@@ -762,7 +764,8 @@ def test_dashboard_queries_only_metrics_the_services_define():
         pytest.skip("services.common.metrics not importable yet")
     from prometheus_client.metrics import MetricWrapperBase
 
-    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"], "summary": ["_sum", "_count", ""]}
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"],
+                "summary": ["_sum", "_count", ""]}
     defined = set()
     for obj in vars(metrics).values():
         if isinstance(obj, MetricWrapperBase):

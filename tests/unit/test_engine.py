@@ -40,8 +40,8 @@ def bundles(model_path):
 
 @pytest.fixture(scope="module")
 def engine(model_path, bundles):
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3, kv_cache_bytes=TEST_KV_BYTES,
-                              default_max_new_tokens=MAX_NEW, max_waiting=64))
+    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3,
+                              kv_cache_bytes=TEST_KV_BYTES, default_max_new_tokens=MAX_NEW, max_waiting=64))
     eng.start()
     for name, b in bundles.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
@@ -425,7 +425,8 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                 big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
                 eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
                 assert eng.pool.acquire("adapters/k48/versions/1") is not None  # resident, as a request makes it
-                step = StepLora([eng.lora.entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 0, 1, 1, 1], 5)
+                step = StepLora([eng.lora.entry(("lora", "adapters/k48/versions/1")), seqs[0]],
+                                [-1, 0, 0, 0, 1, 1, 1], 5)
                 assert backend.begin(step) and backend.grouped == {"gate_up_proj"}  # 3 x 48 > 128 for q/k/v
                 check_groups(step)
         finally:
@@ -493,7 +494,8 @@ def test_released_adapter_leaves_its_device_slot(engine, model_path):
     b = random_adapter_bundle(model_path, rank=2, seed=9)
     engine.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
     events: queue.Queue = queue.Queue()
-    handle = engine.submit(engine.prepare(WorkRequest("rel", "Count.", [random_image(8)], adapter=name, max_new_tokens=1000,
+    handle = engine.submit(engine.prepare(WorkRequest("rel", "Count.", [random_image(8)], adapter=name,
+                                                      max_new_tokens=1000,
                                                       adapter_release_fraction=0.004)), events.put)  # 4 tokens
     try:
         assert isinstance(events.get(timeout=30), TextDelta)  # running: admitted, slot pinned

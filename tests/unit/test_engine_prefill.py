@@ -81,12 +81,14 @@ def mixed_requests() -> list[WorkRequest]:
     r = lambda rid, prompt, imgs=(), **kw: WorkRequest(rid, prompt, list(imgs), max_new_tokens=MAX_NEW, **kw)
     return [
         r("base-1img", "Hi.", [random_image(1)]),
-        r("a-1img-long", "Describe every object in this picture, its colour and where it is.", [random_image(2)], adapter=A),
+        r("a-1img-long", "Describe every object in this picture, its colour and where it is.", [random_image(2)],
+          adapter=A),
         r("b-2img", "What changed between them?", [random_image(3), random_image(4, 112)], adapter=B),
         r("a-2img", "Compare.", [random_image(5, 112), random_image(6)], adapter=A),
         r("c-text", "Tell me a short story about a cat.", adapter=C),
         r("label", "What color is it?", [random_image(7)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
-        r("base-video", "What happens?", [random_image(8)], videos=[[random_image(9), random_image(10), random_image(11)]]),
+        r("base-video", "What happens?", [random_image(8)],
+          videos=[[random_image(9), random_image(10), random_image(11)]]),
         r("sampled", "Guess.", [random_image(1)], adapter=C,
           sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11)),
     ]
@@ -98,7 +100,8 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     assert len(set(lengths.values())) >= 6, lengths  # rows really are padded to different lengths
     plans = []
     plan = engine.lora.plan
-    monkeypatch.setattr(engine.lora, "plan", lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1])
+    monkeypatch.setattr(engine.lora, "plan",
+                        lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1])
     engine.vision.cache.clear()
     engine.prefiller.peak_rows = 0
     together = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}
@@ -170,7 +173,8 @@ def test_failed_batched_forward_fails_its_requests_only(engine):
         failed = {rid: outcome(q)[1] for rid, q in submit_together(engine, [
             WorkRequest("f1", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
             WorkRequest("f2", "Describe it.", [random_image(42, 112)], max_new_tokens=4),
-            WorkRequest("f3", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
+            WorkRequest("f3", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL,
+                        head="color"),
         ]).items()}
     finally:
         hook.remove()
@@ -181,7 +185,8 @@ def test_failed_batched_forward_fails_its_requests_only(engine):
     deltas, ev = outcome(running)
     assert isinstance(ev, Finished) and ev.result.output_tokens == 24
     assert engine.alive
-    assert engine.generate(WorkRequest("after", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4))[1].output_tokens == 4
+    assert engine.generate(WorkRequest("after", "Hi.", [random_image(41)], adapter=B,
+                                       max_new_tokens=4))[1].output_tokens == 4
     for _ in range(200):  # nothing leaked: no sequence, no cache, no pinned adapter slot
         s = engine.stats()
         if s.running == 0 and s.kv_cache_bytes == 0:

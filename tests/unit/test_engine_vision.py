@@ -117,7 +117,8 @@ def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_
         assert r.image_tokens == vision and r.prompt_tokens == inputs["input_ids"].shape[1]
     # One tower call per kind per request (all misses).
     assert vision_calls.calls == [2, 1, 2]
-    assert engine.generate(WorkRequest("v2", prompt, [], videos=[[random_image(24), random_image(25), random_image(26)]],
+    assert engine.generate(WorkRequest("v2", prompt, [],
+                                       videos=[[random_image(24), random_image(25), random_image(26)]],
                                        max_new_tokens=1))[1].output_tokens == 1
     assert vision_calls.calls == [2, 1, 2], "a repeated video ran the vision tower again"
 

@@ -394,7 +394,8 @@ async def test_resolutions_of_ready_versions_are_reused_until_the_registry_chang
                 await env.infer.Infer(request(adapter="adapters/nope"))
         assert env.store.resolved[4:] == ["adapters/nope"] * 2
         # a registry change through this gateway drops what it kept
-        await env.admin.SetAlias(admin_service_pb2.SetAliasRequest(adapter="adapters/cars", alias="prod", version="adapters/cars/versions/3"))
+        await env.admin.SetAlias(admin_service_pb2.SetAliasRequest(adapter="adapters/cars", alias="prod",
+                                                                   version="adapters/cars/versions/3"))
         await env.infer.Infer(request(adapter="adapters/cars@prod"))
         assert env.store.resolved[-1] == "adapters/cars@prod" and len(env.store.resolved) == 7
 

@@ -65,7 +65,8 @@ def test_register_uploads_bundles_and_creates_tasks_with_accuracy(admin):
     servicer, address = admin
     tasks = {"digit": _task("digit", tuple("0123456789")), "parity": _task("parity", ("even", "odd")),
              "count": _task("count", tuple("12345"))}
-    bundles = [Bundle("fused-0", b"bundle-0" * 100, '{"r": 4}', {"digit": list("0123456789"), "parity": ["even", "odd"]}),
+    bundles = [Bundle("fused-0", b"bundle-0" * 100, '{"r": 4}',
+                      {"digit": list("0123456789"), "parity": ["even", "odd"]}),
                Bundle("fused-1", b"bundle-1", '{"r": 4}', {"count": list("12345")})]
     result = StrategyResult("greedy-fusion", [["digit", "parity"], ["count"]], {
         "digit": {"threshold": 0.88, "accuracy": 0.9, "adapter": "fused-0"},

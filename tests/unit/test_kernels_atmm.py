@@ -164,7 +164,8 @@ def test_committed_tile_tables_name_compiled_configs():
         for key, c in t.entries.items():
             rs = int(key.split("/")[1][1:])
             if c.backend == "triton":  # a Triton menu entry (JIT-compiled, any split-K)
-                assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, c.expand_bt, c.expand_bn, c.warps) in TRITON_MENU, key
+                assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, c.expand_bt, c.expand_bn,
+                        c.warps) in TRITON_MENU, key
                 assert c.split_k >= 1 and not c.grouped, key
                 continue
             if c.backend == "fused":  # a fused kernel of the menu: (BT, BN, rank block, cluster)
@@ -197,10 +198,10 @@ def test_tile_config_backend_field_and_json_schema(tmp_path):
     assert TileTable.load(path).entries == t.entries
     # tables written before the backend field load as the CUDA backends
     old = {"gpu": "g", "arch": "sm90", "dtype": "bfloat16", "entries": {
-        "4096x4096/r16/t16/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16, "expand_bn": 64,
-              "grouped": ""},
-        "4096x4096/r16/t64/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16, "expand_bn": 64,
-              "grouped": "grouped_bf16_m64n128"}}}
+        "4096x4096/r16/t16/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16,
+                                  "expand_bn": 64, "grouped": ""},
+        "4096x4096/r16/t64/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16,
+                                  "expand_bn": 64, "grouped": "grouped_bf16_m64n128"}}}
     back = TileTable.from_json(old)
     assert back.entries["4096x4096/r16/t16/s16"].backend == "cuda"
     assert back.entries["4096x4096/r16/t64/s16"].backend == "cutlass_grouped"

@@ -2,7 +2,8 @@ import grpc
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.names import AdapterRefName, parse_adapter_name, parse_adapter_ref, parse_task_name, parse_version_name
+from services.common.names import (AdapterRefName, parse_adapter_name, parse_adapter_ref, parse_task_name,
+                                   parse_version_name)
 
 
 @pytest.mark.parametrize("value,want", [

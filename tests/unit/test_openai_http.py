@@ -372,7 +372,8 @@ def test_request_parsing():
     url, _ = png_data_url()
     inp, _ = build_input({"model": "valora-base", "messages": [
         {"role": "system", "content": "Answer in French."},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "What?"}]},
         {"role": "assistant", "content": "Une voiture."},
         {"role": "user", "content": [{"type": "text", "text": "And here?"}, {"type": "image_url", "image_url": url}]},
     ]}, "valora-base")

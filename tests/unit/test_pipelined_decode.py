@@ -138,7 +138,8 @@ def test_rows_finishing_at_different_steps(model_path, merged):
     assert [len(on.out[q.request_id].terminal.result.token_ids) for q in requests] == lengths
     assert on.eng.decoder.pipelined_steps >= 15
     assert on.eng.graphs.static_steps == off.eng.graphs.static_steps  # no step launched that no row needed
-    assert all(isinstance(on.eng.step_log[i][2], float) and on.eng.step_log[i][2] > 0 for i in range(len(on.eng.step_log)))
+    assert all(isinstance(on.eng.step_log[i][2], float) and on.eng.step_log[i][2] > 0
+               for i in range(len(on.eng.step_log)))
 
 
 def test_stop_sequences(model_path):

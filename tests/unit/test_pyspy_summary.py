@@ -3,7 +3,8 @@
 from bench.pyspy_summary import parse, summary
 
 RAW = """\
-thread (1): valora-engine;_loop (/r/services/worker/engine.py:520);_step (/r/services/worker/engine.py:600);forward (/t/module.py:10) 30
+thread (1): valora-engine;_loop (/r/services/worker/engine.py:520);_step (/r/services/worker/engine.py:600);\
+forward (/t/module.py:10) 30
 thread (1): valora-engine;_loop (/r/services/worker/engine.py:520);_step (/r/services/worker/engine.py:610) 10
 thread (2): asyncio_0;run (/u/threading.py:1) 50
 thread (3): asyncio_1;run (/u/threading.py:1) 45

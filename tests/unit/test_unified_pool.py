@@ -12,7 +12,7 @@ from services.worker.adapters import AdapterPool, parse_bundle
 from services.worker.kv_cache import BlockManager, KVPool, PoolMemory
 from services.worker.testing import random_adapter_bundle
 
-from tests.unit.test_decode_graphs import A, B, run
+from tests.unit.test_decode_graphs import A, run
 
 CPU = torch.device("cpu")
 

@@ -33,7 +33,8 @@ def upgrade() -> None:
     )
     op.create_table('generation_jobs',
     sa.Column('id', sa.String(length=63), nullable=False),
-    sa.Column('state', sa.Enum('QUEUED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELLED', name='generation_job_state', native_enum=False, length=16), nullable=False),
+    sa.Column('state', sa.Enum('QUEUED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELLED', name='generation_job_state',
+                               native_enum=False, length=16), nullable=False),
     sa.Column('spec_json', sa.Text(), nullable=False),
     sa.Column('result_json', sa.Text(), nullable=False),
     sa.Column('error', sa.Text(), nullable=False),
@@ -67,7 +68,8 @@ def upgrade() -> None:
     sa.Column('measured_us', sa.Float(), nullable=False),
     sa.Column('created_at', sa.DateTime(), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_tile_entries')),
-    sa.UniqueConstraint('gpu_name', 'gpu_arch', 'dtype', 'op', 'shape_bucket', name=op.f('uq_tile_entries_gpu_name_gpu_arch_dtype_op_shape_bucket'))
+    sa.UniqueConstraint('gpu_name', 'gpu_arch', 'dtype', 'op', 'shape_bucket',
+                        name=op.f('uq_tile_entries_gpu_name_gpu_arch_dtype_op_shape_bucket'))
     )
     op.create_table('adapter_versions',
     sa.Column('id', sa.Integer(), autoincrement=True, nullable=False),
@@ -79,7 +81,8 @@ def upgrade() -> None:
     sa.Column('target_modules', sa.JSON(), nullable=False),
     sa.Column('base_model', sa.String(length=256), nullable=False),
     sa.Column('size_bytes', sa.BigInteger(), nullable=False),
-    sa.Column('state', sa.Enum('PENDING', 'READY', 'RETIRED', name='version_state', native_enum=False, length=16), nullable=False),
+    sa.Column('state', sa.Enum('PENDING', 'READY', 'RETIRED', name='version_state', native_enum=False, length=16),
+              nullable=False),
     sa.Column('heads', sa.JSON(), nullable=False),
     sa.Column('adapter_config_json', sa.Text(), nullable=False),
     sa.Column('request_id', sa.String(length=128), nullable=True),
@@ -100,7 +103,8 @@ def upgrade() -> None:
     sa.Column('version', sa.Integer(), nullable=False),
     sa.Column('etag', sa.String(length=64), nullable=False),
     sa.Column('updated_at', sa.DateTime(), nullable=False),
-    sa.ForeignKeyConstraint(['adapter_id', 'version'], ['adapter_versions.adapter_id', 'adapter_versions.version'], name=op.f('fk_aliases_adapter_id_version_adapter_versions')),
+    sa.ForeignKeyConstraint(['adapter_id', 'version'], ['adapter_versions.adapter_id', 'adapter_versions.version'],
+                            name=op.f('fk_aliases_adapter_id_version_adapter_versions')),
     sa.ForeignKeyConstraint(['adapter_id'], ['adapters.id'], name=op.f('fk_aliases_adapter_id_adapters')),
     sa.PrimaryKeyConstraint('adapter_id', 'alias', name=op.f('pk_aliases'))
     )
@@ -111,7 +115,8 @@ def upgrade() -> None:
     sa.Column('head', sa.String(length=63), nullable=False),
     sa.Column('measured_accuracy', sa.Float(), nullable=False),
     sa.Column('added_at', sa.DateTime(), nullable=False),
-    sa.ForeignKeyConstraint(['adapter_id', 'version'], ['adapter_versions.adapter_id', 'adapter_versions.version'], name=op.f('fk_fused_adapter_members_adapter_id_version_adapter_versions')),
+    sa.ForeignKeyConstraint(['adapter_id', 'version'], ['adapter_versions.adapter_id', 'adapter_versions.version'],
+                            name=op.f('fk_fused_adapter_members_adapter_id_version_adapter_versions')),
     sa.ForeignKeyConstraint(['task_id'], ['tasks.id'], name=op.f('fk_fused_adapter_members_task_id_tasks')),
     sa.PrimaryKeyConstraint('adapter_id', 'version', 'task_id', name=op.f('pk_fused_adapter_members'))
     )
