@@ -128,10 +128,10 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
     first_logits: dict[str, torch.Tensor] = {}
     prefilled = eng.prefiller.prefilled
 
-    def record_prefill(s, length, rope_delta, hidden, logits, token):  # first-token logits of rep 0
+    def record_prefill(s, length, rope_delta, hidden, logits, token, logprobs=None):  # first-token logits, rep 0
         if logits is not None and s.req.request_id.split("-")[1] == "0":
             first_logits[s.req.request_id] = logits.float().cpu()
-        return prefilled(s, length, rope_delta, hidden, logits, token)
+        return prefilled(s, length, rope_delta, hidden, logits, token, logprobs)
 
     eng.prefiller.prefilled = record_prefill
     try:

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # The largest max_new_tokens a request may ask for: the default of the gateway's and the
 # workers' limits alike, so a request the gateway accepts is never refused by a worker.
 MAX_NEW_TOKENS_LIMIT = 4096
+MAX_TOP_LOGPROBS = 20  # alternatives a generated token's log-probability comes with, at most (OpenAI's bound)
 
 
 class ServiceSettings(BaseSettings):

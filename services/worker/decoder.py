@@ -49,12 +49,13 @@ class Decoder:
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
         self.peak_rows = max(self.peak_rows, len(rows))
         self.peak_entries = max(self.peak_entries, len(step.entries))
-        tokens = self._launch(rows, step)
+        tokens, logprobs = self._launch(rows, step)
         if self._holdable(rows):
-            self.pending = self._hold(rows, tokens)
+            self.pending = self._hold(rows, tokens, logprobs)
             return
-        for s, token in zip(rows, tokens.tolist()):  # one device->host copy for the batch
-            self.outputs.guard([s], self.outputs.accept, s, token)  # a row that fails here fails alone
+        packed = logprobs.tolist() if logprobs is not None else [None] * len(rows)
+        for s, token, lp in zip(rows, tokens.tolist(), packed):  # one device->host copy for the batch
+            self.outputs.guard([s], self.outputs.accept, s, token, lp)  # a row that fails here fails alone
 
     def flush(self) -> None:
         """Takes the pending step, if any (before anything that needs every token known)."""
@@ -62,13 +63,16 @@ class Decoder:
         if pending is not None:
             self.outputs.guard([s for s in pending.rows if not s.finished], self._take, pending)
 
-    def _launch(self, rows: list[Sequence], step, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _launch(self, rows: list[Sequence], step, ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the step's forward (from `ids` on the device, else the rows' last tokens) and
-        chooses its tokens on the device; every row has then cached one more token."""
-        got = self.runner.decode(rows, step, bucket_rows(len(rows)), ids=ids)
+        chooses its tokens on the device, with their log-probabilities when a row asks (None
+        otherwise); every row has then cached one more token."""
+        greedy, logits = self.runner.decode(rows, step, bucket_rows(len(rows)), ids=ids)
         for s in rows:
             s.length += 1
-        return self.runner.choose(rows, *got, [s.length + s.rope_delta for s in rows])
+        tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows])
+        return tokens, self.runner.logprobs(rows, logits, tokens)
 
     def _pipelined(self, rows: list[Sequence]) -> bool:
         """Launches the next step from the pending one's device tokens, then takes the pending
@@ -78,7 +82,7 @@ class Decoder:
         if rows != pending.rows or not self.sched.can_grow(rows):  # Sequence compares by identity
             return False
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))  # the plan of the pending step, kept
-        self.pending = self._hold(rows, self._launch(rows, step, ids=pending.tokens))
+        self.pending = self._hold(rows, *self._launch(rows, step, ids=pending.tokens))
         self.pipelined_steps += 1
         self._take(pending)
         if not self._holdable(rows):
@@ -102,20 +106,27 @@ class Decoder:
             goes_on = goes_on or n < s.prep.max_new_tokens
         return goes_on
 
-    def _hold(self, rows: list[Sequence], tokens: torch.Tensor) -> PendingStep:
-        """Queues the copy of a launched step's tokens to the host, right behind the step."""
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+    def _hold(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> PendingStep:
+        """Queues the copy of a launched step's tokens (and log-probabilities) to the host, right
+        behind the step."""
+        pin = self.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin)
         host.copy_(tokens, non_blocking=True)
+        host_lp = None
+        if logprobs is not None:
+            host_lp = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=pin)
+            host_lp.copy_(logprobs, non_blocking=True)
         copied = None
         if self.device.type == "cuda":  # the engine thread need not have selected the engine's device
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self.device))
-        return PendingStep(rows, tokens, host, copied)
+        return PendingStep(rows, tokens, host, copied, host_lp)
 
     def _take(self, pending: PendingStep) -> None:
         """Accepts a pending step's tokens; a row that finished or left since its launch drops its own."""
         if pending.copied is not None:
             pending.copied.synchronize()
-        for s, token in zip(pending.rows, pending.host.tolist()):
+        packed = pending.logprobs.tolist() if pending.logprobs is not None else [None] * len(pending.rows)
+        for s, token, lp in zip(pending.rows, pending.host.tolist(), packed):
             if not s.finished:
-                self.outputs.guard([s], self.outputs.accept, s, token)
+                self.outputs.guard([s], self.outputs.accept, s, token, lp)

@@ -15,6 +15,7 @@ from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
 from services.worker.requests import OutputKind, WorkRequest
+from services.common.config import MAX_TOP_LOGPROBS
 from services.worker.sequence import PreparedRequest
 from services.worker.vision import VisionItem, stage_pixels
 
@@ -45,6 +46,8 @@ class RequestIntake:
         sp = request.sampling
         if sp.temperature < 0 or not 0 <= sp.top_p <= 1 or sp.top_k < 0 or not 0 <= sp.min_p <= 1:
             raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0, min_p in [0, 1]")
+        if not -1 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_field("item.params.top_logprobs", f"{request.logprobs} is not in [-1, {MAX_TOP_LOGPROBS}]")
         fraction = request.adapter_release_fraction
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")

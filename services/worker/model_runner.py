@@ -9,7 +9,7 @@ sequences into device work and hands back tensors (`PrefillOutput`, tokens).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -20,7 +20,7 @@ from services.worker.kv_cache import (BlockManager, KVPool, PagedCache, PagedPre
                                       pool_blocks)
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.requests import OutputKind
-from services.worker.sampling import RowSampling, sample
+from services.worker.sampling import RowSampling, sample, token_logprobs
 from services.worker.sequence import Sequence
 from services.worker.tensor_parallel import TPGroup
 from services.worker.vision import VisionEncoder
@@ -39,6 +39,7 @@ class PrefillOutput:
     hidden: torch.Tensor
     logits: dict[int, torch.Tensor]
     tokens: dict[int, int]
+    logprobs: dict[int, list[float]] = field(default_factory=dict)  # packed (token_logprobs), if asked
 
 
 class ModelRunner:
@@ -213,7 +214,10 @@ class ModelRunner:
             # each row's token takes position (its context + rope delta): the sampler's counter
             chosen = self.choose([rows[i] for i in text], head_out.argmax(-1), head_out,
                                  [lengths[i] + deltas[i] for i in text])
+            packed = self.logprobs([rows[i] for i in text], head_out, chosen)
             logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
+            if packed is not None:
+                return PrefillOutput(lengths, deltas, hidden, logits, tokens, dict(zip(text, packed.tolist())))
         return PrefillOutput(lengths, deltas, hidden, logits, tokens)
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
@@ -241,6 +245,12 @@ class ModelRunner:
         if all(p.greedy for p in params):
             return greedy
         return sample(logits, RowSampling.of(params, self.device), self.upload(torch.tensor(counters)))
+
+    def logprobs(self, rows: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The rows' packed token log-probabilities (sampling.token_logprobs, as many alternatives
+        as the row asking most wants) on the device, or None when no row asks."""
+        top = max(s.req.logprobs for s in rows)
+        return None if top < 0 else token_logprobs(logits[:len(rows)], tokens[:len(rows)], top)
 
     def decode_rows(self, rows: list[Sequence]) -> list[DecodeRow]:
         """Each row's inputs to its next decode step."""

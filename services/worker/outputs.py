@@ -16,7 +16,8 @@ import torch
 
 from services.common.errors import ValoraError
 from services.worker.adapters import AdapterPool
-from services.worker.requests import Event, Failed, Finished, FinishReason, GenerationResult, TextDelta
+from services.worker.requests import Event, Failed, Finished, FinishReason, GenerationResult, TextDelta, TokenLogprob
+from services.worker.sampling import unpack_logprobs
 from services.worker.sequence import Sequence
 from services.worker.step_scheduler import StepScheduler
 
@@ -48,19 +49,22 @@ class OutputProcessor:
                 self.sched.finish(s)
                 self.emit(s, Failed(error))
 
-    def accept(self, s: Sequence, token: int) -> None:
-        """A new token for `s`: stream it, and finish the sequence if it is done."""
+    def accept(self, s: Sequence, token: int, logprobs: list[float] | None = None) -> None:
+        """A new token for `s` (`logprobs`: its packed log-probabilities, sampling.token_logprobs,
+        when the request asks): stream it, and finish the sequence if it is done."""
         if not s.tokens:
             s.t_first = time.monotonic()
         s.tokens.append(token)
         s.last_token = token
+        if s.req.logprobs >= 0 and logprobs is not None:
+            s.logprobs.append(TokenLogprob(*unpack_logprobs(token, logprobs, s.req.logprobs)))
         reason = None
         if token in self.eos_ids:
             reason = FinishReason.EOS
         else:
             delta = s.detok.push(token)
             if delta:
-                self.emit(s, TextDelta(delta))
+                self.emit(s, TextDelta(delta, self._new_logprobs(s)))
             if s.detok.stopped:
                 reason = FinishReason.STOP_SEQUENCE
         if reason is None and len(s.tokens) >= s.prep.max_new_tokens:
@@ -71,9 +75,17 @@ class OutputProcessor:
             return
         tail = s.detok.finish()
         if tail:
-            self.emit(s, TextDelta(tail))
+            self.emit(s, TextDelta(tail, self._new_logprobs(s)))
         self.sched.finish(s)
-        self.emit(s, Finished(self.result(s, reason, text=s.detok.text)))
+        self.emit(s, Finished(self.result(s, reason, text=s.detok.text, logprobs=list(s.logprobs))))
+
+    @staticmethod
+    def _new_logprobs(s: Sequence) -> tuple:
+        """The log-probabilities of the tokens since the previous TextDelta (held-back tokens'
+        go with the delta that shows their text)."""
+        new = tuple(s.logprobs[s.logprobs_sent:])
+        s.logprobs_sent = len(s.logprobs)
+        return new
 
     def release_adapter(self, s: Sequence) -> None:
         """Early adapter release: the next decode steps run `s` on the base path (its rows leave

@@ -40,7 +40,7 @@ class Prefiller:
         out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
         for i, s in enumerate(rows):
             self.outputs.guard([s], self.prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i],
-                               out.logits.get(i), out.tokens.get(i))
+                               out.logits.get(i), out.tokens.get(i), out.logprobs.get(i))
 
     def chunk(self, seqs: list[Sequence]) -> None:
         """The next chunk of the one sequence prefilled in chunks (ModelRunner.prefill_chunk);
@@ -52,12 +52,13 @@ class Prefiller:
         out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
         if out is None:
             return
-        self.prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0))
+        self.prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0),
+                       out.logprobs.get(0))
 
     def prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
-                  logits: torch.Tensor | None, token: int | None) -> None:
+                  logits: torch.Tensor | None, token: int | None, logprobs: list[float] | None = None) -> None:
         """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next
-        token (`logits`: the ones it was chosen from)."""
+        token (`logits`: the ones it was chosen from; `logprobs`: its packed log-probabilities)."""
         s.length = length
         s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:
@@ -66,4 +67,4 @@ class Prefiller:
         if s.detok is None:  # a recomputed sequence keeps its detokenizer
             s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
         self.sched.prefilled(s)
-        self.outputs.accept(s, token)
+        self.outputs.accept(s, token, logprobs)

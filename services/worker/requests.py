@@ -53,6 +53,19 @@ class WorkRequest:
     system: str = ""
     history: list[tuple[str, str, int]] = field(default_factory=list)
     raw_prompt: bool = False  # the prompt is the whole text: no chat template (then no images or turns)
+    # Log-probabilities of the generated tokens: -1 none; 0 each token's own; k (<= 20) and the k
+    # most likely tokens at its position. From the model's distribution (before temperature).
+    logprobs: int = -1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the `top` (token id, log-probability) most likely
+    at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -71,11 +84,13 @@ class GenerationResult:
     total_ms: float = 0.0
     mode: Mode = Mode.BASE
     adapter: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (when asked)
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens since the previous event (when asked)
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,22 @@ def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor) -> t
     else:
         sampled = (scores + noise).argmax(-1)
     return torch.where(rows.temperature < MIN_TEMPERATURE, greedy, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """(rows, 1 + 2 * top) float32 on the device: each row's chosen token's log-probability under
+    softmax(logits) (the model's distribution, before temperature and filters), then the `top`
+    largest log-probabilities and their token ids (as floats: exact below 2^24). One batched
+    call, copied to the host with the tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1).long())
+    if top <= 0:
+        return chosen
+    values, ids = lp.topk(top, dim=-1)
+    return torch.cat([chosen, values, ids.float()], dim=1)
+
+
+def unpack_logprobs(token: int, row: list[float], top: int):
+    """A row of token_logprobs' output, as (token, logprob, the first `top` (id, logprob))."""
+    k = (len(row) - 1) // 2
+    return token, row[0], tuple((int(row[1 + k + i]), row[1 + i]) for i in range(min(top, k)))

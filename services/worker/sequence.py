@@ -47,6 +47,8 @@ class Sequence:
     prefilled: int = 0
     chunk_inputs: tuple | None = None
     finished: bool = False  # out of the engine (answered, failed or cancelled)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (when asked)
+    logprobs_sent: int = 0  # how many of them went out with a TextDelta
 
     @property
     def req(self) -> WorkRequest:
@@ -67,3 +69,4 @@ class PendingStep:
     tokens: torch.Tensor  # (rows,) on the device: the next step's input ids
     host: torch.Tensor  # (rows,) host copy of `tokens` (pinned on CUDA), valid once `copied` has completed
     copied: torch.cuda.Event | None  # None on CPU: the copy was synchronous
+    logprobs: torch.Tensor | None = None  # host copy of the rows' packed log-probabilities (token_logprobs)

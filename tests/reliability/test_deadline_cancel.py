@@ -48,10 +48,10 @@ def token_log(stack):
         step_start[0] = time.monotonic()
         original_step()
 
-    def accept(seq, token):
+    def accept(seq, token, logprobs=None):
         with lock:
             times[seq.req.request_id].append((time.monotonic(), step_start[0], seq.handle.deadline))
-        original_accept(seq, token)
+        original_accept(seq, token, logprobs)
 
     original_submit = engine.submit
 

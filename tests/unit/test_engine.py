@@ -90,6 +90,34 @@ def run_concurrently(engine, requests):
     return out
 
 
+def test_logprobs_are_the_models_token_log_probabilities(engine, model_path, bundles, tmp_path):
+    """logprobs=3 (OpenAI's logprobs + top_logprobs): every generated token's log-probability and
+    the 3 most likely at its position equal log_softmax of PEFT + HF generate's scores there, in
+    a batch beside a row that asks for none (prefill's first token and the decode steps alike)."""
+    from peft import PeftModel
+
+    from services.worker.model import load_processor
+
+    img, prompt = random_image(5), "Describe the image."
+    got = run_concurrently(engine, [WorkRequest("lp", prompt, [img], adapter=A, max_new_tokens=6, logprobs=3),
+                                    WorkRequest("no-lp", prompt, [img], adapter=A, max_new_tokens=6)])
+    model = PeftModel.from_pretrained(load_model(model_path, DEVICE),
+                                      write_peft_dir(bundles[A], tmp_path / "peft-lp")).eval()
+    inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    r = got["lp"][1]
+    assert r.token_ids == ref.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(r.logprobs) == len(r.token_ids) and got["no-lp"][1].logprobs == []
+    for token, lp, scores in zip(r.token_ids, r.logprobs, ref.scores):
+        want = torch.log_softmax(scores[0].float(), -1)
+        top = want.topk(3)
+        assert lp.token_id == token and abs(lp.logprob - float(want[token])) < 1e-3
+        assert [i for i, _ in lp.top] == top.indices.tolist() and lp.top[0][0] == token  # greedy
+        assert all(abs(v - float(w)) < 1e-3 for (_, v), w in zip(lp.top, top.values))
+
+
 def test_batched_requests_of_different_adapters_match_peft(engine, model_path, bundles, tmp_path):
     prompt = "Describe the image."
     targets = {"base": None, "a": A, "b": B, "c": C}

@@ -239,9 +239,9 @@ def test_the_next_step_launches_before_the_previous_tokens_are_accepted(model_pa
             log.append(f"L{eng.graphs.static_steps + 1}")
             return step(*a, **kw)
 
-        def accepted(s, token, accept=accept):
+        def accepted(s, token, *rest, accept=accept):
             log.append(f"t{len(s.tokens) + 1}")
-            accept(s, token)
+            accept(s, token, *rest)
 
         eng.graphs.step, eng.outputs.accept = launch, accepted
         eng.start()
