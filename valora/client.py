@@ -34,6 +34,22 @@ MAX_RETRY_DELAY_S = 10.0  # the longest a retry waits on a server's RetryInfo
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token, its log-probability and (with top_logprobs) the most likely tokens at
+    its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    bytes: bytes
+    top: list["TokenLogprob"]
+
+    @classmethod
+    def from_pb(cls, t: types_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(t.token_id, t.token, t.logprob, t.bytes, [cls.from_pb(a) for a in t.top_logprobs])
+
+
+@dataclass
 class InferResult:
     request_id: str
     text: str
@@ -49,6 +65,7 @@ class InferResult:
     queue_ms: float
     first_token_ms: float
     total_ms: float
+    logprobs: list[TokenLogprob]  # one per generated token when asked (infer(logprobs=True))
 
     @classmethod
     def from_pb(cls, r: inf_pb.InferResult) -> "InferResult":
@@ -61,6 +78,7 @@ class InferResult:
             image_tokens=r.usage.image_tokens, prompt_tokens=r.usage.prompt_tokens,
             output_tokens=r.usage.output_tokens, queue_ms=r.timing.queue_ms,
             first_token_ms=r.timing.first_token_ms, total_ms=r.timing.total_ms,
+            logprobs=[TokenLogprob.from_pb(t) for t in r.logprobs],
         )
 
 
@@ -171,13 +189,14 @@ class ValoraClient:
     @staticmethod
     def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
                label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-               stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False) -> inf_pb.InferenceInput:
+               stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
+               top_logprobs: int = 0) -> inf_pb.InferenceInput:
         inp = inf_pb.InferenceInput(
             prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
             output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
             params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
-                                              min_p=min_p))
+                                              min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs))
         if adapter:
             inp.adapter = adapter
         if task:
@@ -187,12 +206,14 @@ class ValoraClient:
     def infer(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *, adapter: str | None = None,
               task: str | None = None, label: bool = False, max_new_tokens: int = 0, temperature: float = 0.0,
               top_p: float = 0.0, top_k: int = 0, seed: int = 0, stop: Iterable[str] = (),
-              request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False) -> InferResult:
+              request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
+              top_logprobs: int = 0) -> InferResult:
         """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
-        template; then no images)."""
+        template; then no images). `logprobs`: each generated token's log-probability in the
+        result, with the `top_logprobs` (<= 20) most likely tokens at its position."""
         req = inf_pb.InferRequest(
             input=self._input(prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p, raw_prompt),
+                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs),
             request_id=request_id or uuid.uuid4().hex)
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
@@ -200,12 +221,13 @@ class ValoraClient:
                      adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
                      temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
                      stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
-                     raw_prompt: bool = False) -> Iterator[str | InferResult]:
+                     raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0
+                     ) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
         req = inf_pb.InferStreamRequest(
             input=self._input(prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p, raw_prompt),
+                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs),
             request_id=request_id or uuid.uuid4().hex)
         for attempt in range(self.retries + 1):
             started = False

@@ -3,13 +3,15 @@
 - `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs
   only, remote URLs are refused), `model` = an adapter reference (`adapters/…`), a task
   (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
-  `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`, `stream` (SSE chunks, then `data: [DONE]`),
+  `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`, `logprobs`/`top_logprobs`, `stream`
+  (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
   the label is the message content and its scores come back under `valora.scores`. A parameter
-  the engine does not implement (`logprobs`, penalties, `tools`, `response_format`, …;
+  the engine does not implement (penalties, `tools`, `response_format`, …;
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
-  template (`raw_prompt`), and the same parameters; `text_completion` objects and chunks.
+  template (`raw_prompt`), and the same parameters (`logprobs`: the legacy API's count of
+  alternatives); `text_completion` objects and chunks.
 - `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
   `GET /v1/models/{id}` one of them.
 - `GET /health`: 200 while the gateway serves, 503 once it drains (no key: for probes).
@@ -39,6 +41,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import itertools
 import json
 import socket
 import time
@@ -201,7 +204,7 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
 
 # Chat-completion parameters the engine does not implement, with the values that mean "not used".
 UNSUPPORTED = {
-    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
     "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
@@ -226,7 +229,17 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     inp = inference_service_pb2.InferenceInput()
     conversation(inp, turns)
     inp.images.extend(images)
-    return inp, _request_options(body, base_model, inp)
+    stream = _request_options(body, base_model, inp)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError("logprobs must be a boolean", "logprobs")
+    top = _number(body, "top_logprobs", int)
+    if top is not None and not logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    inp.params.logprobs = bool(logprobs)
+    if top is not None:
+        _assign(inp.params, "top_logprobs", top, "top_logprobs")
+    return inp, stream
 
 
 def build_completion_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
@@ -244,7 +257,12 @@ def build_completion_input(body: Any, base_model: str) -> tuple[inference_servic
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt must be a non-empty string (or a list of exactly one)", "prompt")
     inp = inference_service_pb2.InferenceInput(prompt=prompt, raw_prompt=True)
-    return inp, _request_options(body, base_model, inp)
+    stream = _request_options(body, base_model, inp)
+    top = _number(body, "logprobs", int)  # the legacy API's logprobs: how many alternatives
+    if top is not None:
+        inp.params.logprobs = True
+        _assign(inp.params, "top_logprobs", top, "logprobs")
+    return inp, stream
 
 
 def _request_options(body: dict, base_model: str, inp: inference_service_pb2.InferenceInput) -> bool:
@@ -456,7 +474,8 @@ class OpenAIHttpServer:
             raise errors.from_rpc_error(err) from None
         r = resp.result
         content = r.label if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL else r.text
-        out = {**shape.head(), "choices": [shape.choice(content, _FINISH.get(r.finish_reason, "stop"))],
+        out = {**shape.head(), "choices": [shape.choice(content, _FINISH.get(r.finish_reason, "stop"),
+                                                        r.logprobs if inp.params.logprobs else None)],
                "usage": _usage(r), "valora": _extension(r)}
         return web.json_response(out, headers={"X-Request-Id": rid})
 
@@ -468,8 +487,14 @@ class OpenAIHttpServer:
         def event(data: dict) -> bytes:
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
-        def chunk(text: str | None, finish: str | None = None, **extra) -> bytes:
-            return event({**shape.head(chunk=True), "choices": [shape.delta(text, finish)], **extra})
+        asked = inp.params.logprobs
+        sent = 0  # tokens whose log-probabilities went out
+
+        def chunk(text: str | None, finish: str | None = None, logprobs=(), **extra) -> bytes:
+            nonlocal sent
+            sent += len(logprobs)
+            choice = shape.delta(text, finish, logprobs if asked else None)
+            return event({**shape.head(chunk=True), "choices": [choice], **extra})
 
         response: web.StreamResponse | None = None
         try:
@@ -488,12 +513,13 @@ class OpenAIHttpServer:
             try:
                 async for msg in _chain(first, messages):
                     if msg.text_delta:
-                        await response.write(chunk(msg.text_delta))
+                        await response.write(chunk(msg.text_delta, logprobs=msg.logprobs))
                     if msg.HasField("result"):
                         r = msg.result
                         if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL and r.label:
                             await response.write(chunk(r.label))
-                        await response.write(chunk(None, _FINISH.get(r.finish_reason, "stop"), valora=_extension(r)))
+                        await response.write(chunk(None, _FINISH.get(r.finish_reason, "stop"), r.logprobs[sent:],
+                                                   valora=_extension(r)))
                         if include_usage:
                             await response.write(event({**shape.head(chunk=True), "choices": [], "usage": _usage(r)}))
             except grpc.RpcError as err:  # after the first byte: an error event, then the end
@@ -597,18 +623,37 @@ class _Shape:
         return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}", "object": kind, "created": self.created,
                 "model": self.model}
 
-    def choice(self, content: str, finish: str) -> dict[str, Any]:
+    def choice(self, content: str, finish: str, logprobs=None) -> dict[str, Any]:
+        """The answer's choice; `logprobs`: its tokens' (TokenLogprob), None when not asked."""
+        lp = self.logprobs(logprobs)
         if self.chat:
             return {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
-                    "logprobs": None}
-        return {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+                    "logprobs": lp}
+        return {"index": 0, "text": content, "finish_reason": finish, "logprobs": lp}
 
-    def delta(self, text: str | None, finish: str | None) -> dict[str, Any]:
-        """A stream chunk's choice: `text` new text ("" with chat: the role; None: none)."""
+    def delta(self, text: str | None, finish: str | None, logprobs=None) -> dict[str, Any]:
+        """A stream chunk's choice: `text` new text ("" with chat: the role; None: none) and the
+        log-probabilities of the tokens it shows (None when not asked)."""
+        lp = self.logprobs(logprobs)
         if self.chat:
             delta = {} if text is None else {"role": "assistant", "content": ""} if text == "" else {"content": text}
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
+
+    def logprobs(self, entries) -> dict[str, Any] | None:
+        """TokenLogprob entries in this API's shape: chat's `content` list, or the legacy
+        completions' parallel lists (tokens, token_logprobs, top_logprobs as {token: logprob})."""
+        if entries is None:
+            return None
+        if self.chat:
+            def one(e) -> dict[str, Any]:
+                return {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes)}
+            return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top_logprobs]} for e in entries],
+                    "refusal": None}
+        offsets = list(itertools.accumulate((len(e.token) for e in entries), initial=0))[:-1]
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+                "text_offset": offsets}
 
 
 async def _pages(call_page, field: str) -> AsyncIterator[Any]:

@@ -125,7 +125,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
 
     async def InferStream(self, request, context):
         async for resp in self._counted(request.input, request.request_id, context):
-            out = inference_service_pb2.InferStreamResponse(text_delta=resp.text_delta)
+            out = inference_service_pb2.InferStreamResponse(text_delta=resp.text_delta, logprobs=resp.logprobs)
             if resp.HasField("result"):
                 out.result.CopyFrom(resp.result)
             yield out

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from services.common import names
+from services.common.config import MAX_TOP_LOGPROBS
 from services.common.errors import FieldViolation, InvalidArgument, ValoraError
 from valora.v1 import inference_service_pb2, types_pb2
 
@@ -135,6 +136,10 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         out.append(FieldViolation(f"{pp}.adapter_release_fraction", f"{f} not in [0, 1] (0 = never)"))
     if p.top_k < 0:
         out.append(FieldViolation(f"{pp}.top_k", f"{p.top_k} is negative (0 disables top-k)"))
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        out.append(FieldViolation(f"{pp}.top_logprobs", f"{p.top_logprobs} not in [0, {MAX_TOP_LOGPROBS}]"))
+    elif p.top_logprobs and not p.logprobs:
+        out.append(FieldViolation(f"{pp}.top_logprobs", "needs logprobs"))
     if not math.isfinite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
         out.append(FieldViolation(f"{pp}.min_p", f"{p.min_p} not in [0, 1] (0 = off)"))
     if len(p.stop) > limits.max_stop_sequences:

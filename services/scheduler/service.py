@@ -114,7 +114,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                     if not started:
                         metrics.TIME_TO_FIRST_TOKEN.labels(adapter_label).observe(clock() - pending.arrival_s)
                     started = True
-                    out = scheduler_service_pb2.SubmitResponse(text_delta=resp.text_delta)
+                    out = scheduler_service_pb2.SubmitResponse(text_delta=resp.text_delta, logprobs=resp.logprobs)
                     if resp.HasField("result"):
                         out.result.CopyFrom(resp.result)
                         out.result.request_id = out.result.request_id or item.request_id

@@ -123,3 +123,44 @@ class IncrementalDetokenizer:
         out = self.text[self._emitted:end]
         self._emitted = end
         return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, used by Qwen2 and Llama 3): each byte as one printable
+    character — the printable Latin-1 bytes as themselves, the other bytes in order as U+0100
+    onwards — mapped back to the byte."""
+    kept = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[chr(b)] = b
+        else:
+            out[chr(0x100 + shifted)] = b
+            shifted += 1
+    return out
+
+
+class TokenText:
+    """One token's text and exact bytes (log-probabilities name tokens one by one). A byte-level
+    BPE piece maps back to its bytes exactly, even one that ends inside a UTF-8 character (its
+    text then shows U+FFFD); other tokenizers give the UTF-8 of the token's decoded text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._alphabet = _byte_level_alphabet()
+        space = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a", add_special_tokens=False))
+        self._byte_level = bool(space) and space[0].startswith("\u0120")  # "Ġ": a byte-level space
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        got = self._cache.get(token_id)
+        if got is None:
+            text = self.tokenizer.decode([token_id])
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if self._byte_level and piece is not None and all(c in self._alphabet for c in piece) \
+                    and token_id not in self.tokenizer.all_special_ids:
+                raw = bytes(self._alphabet[c] for c in piece)
+            else:
+                raw = text.encode()
+            got = self._cache[token_id] = (text, raw)
+        return got

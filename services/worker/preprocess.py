@@ -57,6 +57,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         system=item.system,
         history=[(t.role, t.text, t.images) for t in item.history],
         raw_prompt=item.raw_prompt,
+        logprobs=p.top_logprobs if p.logprobs else -1,
     )
 
 

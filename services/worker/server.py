@@ -29,6 +29,7 @@ from services.common.names import parse_version_name
 from services.common import metrics
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
+from services.worker.detokenizer import TokenText
 from services.worker.engine import Engine, EngineConfig
 from services.worker.preprocess import Preprocessor, work_request_from_pb
 from services.worker.registration import SchedulerRegistration
@@ -189,7 +190,17 @@ _FINISH_PB = {
 }
 
 
-def result_to_pb(r, worker: str) -> inference_service_pb2.InferResult:
+def logprobs_to_pb(entries, token_text: TokenText) -> list[types_pb2.TokenLogprob]:
+    """The engine's TokenLogprob entries as the API's, each token named (text and bytes)."""
+    def one(token_id: int, logprob: float, top=()) -> types_pb2.TokenLogprob:
+        text, raw = token_text(token_id)
+        return types_pb2.TokenLogprob(token_id=token_id, token=text, logprob=logprob, bytes=raw,
+                                      top_logprobs=[one(i, v) for i, v in top])
+    return [one(e.token_id, e.logprob, e.top) for e in entries]
+
+
+def result_to_pb(r, worker: str, token_text: TokenText | None = None) -> inference_service_pb2.InferResult:
+    """`token_text`: names the tokens of r.logprobs (needed when it has any)."""
     return inference_service_pb2.InferResult(
         request_id=r.request_id, text=r.text, label=r.label,
         scores=[types_pb2.LabelScore(label=lbl, score=s) for lbl, s in r.scores],
@@ -198,6 +209,7 @@ def result_to_pb(r, worker: str) -> inference_service_pb2.InferResult:
                               output_tokens=r.output_tokens),
         timing=types_pb2.Timing(queue_ms=r.queue_ms, first_token_ms=r.first_token_ms, total_ms=r.total_ms),
         mode=_MODE_PB[r.mode], adapter_version=r.adapter, worker=worker,
+        logprobs=logprobs_to_pb(r.logprobs, token_text) if r.logprobs else [],
     )
 
 
@@ -218,6 +230,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.settings = settings
         self.fetcher = fetcher
         self.engine: Engine | None = None
+        self._token_text: TokenText | None = None
         self.worker_name = settings.worker_name
         self.address = settings.advertise_address
         self._adapter_locks: dict[str, asyncio.Lock] = {}
@@ -228,6 +241,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.followers: Followers | None = None  # tensor parallel: ranks 1..N-1 (tp_ranks.py)
         self.preprocessor: Preprocessor | None = None  # preprocess_processes > 0
         self._event_relay: EventRelay | None = None  # engine events into the server loop's request queues
+
+    @property
+    def token_text(self) -> TokenText:
+        """Names tokens for log-probabilities (the engine's tokenizer; made at first use)."""
+        if self._token_text is None:
+            self._token_text = TokenText(self.engine.tokenizer)
+        return self._token_text
 
     def _engine(self) -> Engine:
         if self.engine is None or not self.engine.alive:
@@ -295,11 +315,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     raise DeadlineExceeded(f"request {item.request_id} ran past its deadline",
                                            reason="DEADLINE_EXCEEDED") from None
                 if isinstance(ev, TextDelta):
-                    yield pb.GenerateResponse(text_delta=ev.text)
+                    yield pb.GenerateResponse(text_delta=ev.text, logprobs=logprobs_to_pb(ev.logprobs, self.token_text)
+                                              if ev.logprobs else [])
                 elif isinstance(ev, Finished):
                     done = True
                     self._observe(ev.result)
-                    yield pb.GenerateResponse(result=result_to_pb(ev.result, self.worker_name))
+                    yield pb.GenerateResponse(result=result_to_pb(ev.result, self.worker_name, self.token_text))
                     return
                 elif isinstance(ev, Failed):
                     done = True

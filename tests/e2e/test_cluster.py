@@ -134,6 +134,23 @@ def test_raw_prompt_continues_the_text_as_hf_does(cluster, model_path):
     assert got.text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def test_logprobs_come_back_with_the_tokens_unary_and_streamed(cluster, adapters):
+    """logprobs through gateway, scheduler and worker: one per generated token, each named, with
+    its alternatives; the stream's final result holds the same."""
+    with ValoraClient(cluster.gateway) as client:
+        unary = client.infer("Count the things.", [png(2)], adapter="adapters/alpha", max_new_tokens=MAX_NEW,
+                             logprobs=True, top_logprobs=2)
+        parts = list(client.infer_stream("Count the things.", [png(2)], adapter="adapters/alpha",
+                                         max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=2))
+    assert len(unary.logprobs) == unary.output_tokens > 0
+    for t in unary.logprobs:
+        assert t.logprob <= 0 and len(t.top) == 2 and t.top[0].logprob >= t.top[1].logprob
+        assert t.top[0].token_id == t.token_id and t.top[0].logprob == t.logprob  # greedy: the most likely
+    assert b"".join(t.bytes for t in unary.logprobs).decode(errors="replace").startswith(unary.text[:1])
+    assert [(t.token_id, round(t.logprob, 4)) for t in parts[-1].logprobs] == \
+        [(t.token_id, round(t.logprob, 4)) for t in unary.logprobs]
+
+
 @pytest.mark.parametrize("kwargs,code,field", [
     ({"prompt": "hi", "adapter": "adapters/nope"}, grpc.StatusCode.NOT_FOUND, None),
     ({"prompt": "hi", "images": [b"\x89PNG not really"]}, grpc.StatusCode.INVALID_ARGUMENT, "images"),

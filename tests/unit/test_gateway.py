@@ -224,6 +224,8 @@ BAD_INPUTS = {
     "top_p_over": (dict(params=dict(top_p=1.5)), "input.params.top_p"),
     "top_k_negative": (dict(params=dict(top_k=-1)), "input.params.top_k"),
     "min_p_over": (dict(params=dict(min_p=1.5)), "input.params.min_p"),
+    "top_logprobs_over": (dict(params=dict(logprobs=True, top_logprobs=21)), "input.params.top_logprobs"),
+    "top_logprobs_alone": (dict(params=dict(top_logprobs=2)), "input.params.top_logprobs"),
     "min_p_nan": (dict(params=dict(min_p=float("nan"))), "input.params.min_p"),
     "stop_empty": (dict(params=dict(stop=[""])), "input.params.stop[0]"),
     "label_without_task": (dict(adapter="adapters/cars", output_kind=types_pb2.OUTPUT_KIND_LABEL),

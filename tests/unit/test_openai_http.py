@@ -62,6 +62,15 @@ class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_se
             resources_pb2.Task(name="tasks/count-cars", adapter="adapters/cars@prod")])
 
 
+TOKENS = ("two", " ", "cars", "<|im_end|>")  # the fake worker's tokens; the last shows no text
+
+
+def token_logprob(token: str, logprob: float, top: int) -> types_pb2.TokenLogprob:
+    alts = [types_pb2.TokenLogprob(token=token if j == 0 else f"alt{j}", logprob=logprob - j, bytes=token.encode())
+            for j in range(top)]
+    return types_pb2.TokenLogprob(token=token, logprob=logprob, bytes=token.encode(), top_logprobs=alts)
+
+
 class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self):
         self.items = []
@@ -79,11 +88,13 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
-        for delta in ("two ", "cars"):
-            yield worker_service_pb2.GenerateResponse(text_delta=delta)
+        p = request.item.params
+        lps = [token_logprob(t, -0.1 * (i + 1), p.top_logprobs) for i, t in enumerate(TOKENS)] if p.logprobs else []
+        for delta, shown in (("two ", lps[:2]), ("cars", lps[2:3])):
+            yield worker_service_pb2.GenerateResponse(text_delta=delta, logprobs=shown)
         yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
             text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS, mode=types_pb2.INFERENCE_MODE_UNMERGED,
-            usage=types_pb2.Usage(prompt_tokens=5, image_tokens=4, output_tokens=2)))
+            usage=types_pb2.Usage(prompt_tokens=5, image_tokens=4, output_tokens=2), logprobs=lps))
 
     async def GetWorkerStatus(self, request, context):
         return worker_service_pb2.GetWorkerStatusResponse(
@@ -186,12 +197,13 @@ def test_completion_request_parsing():
     inp, stream = build_completion_input({"model": "valora-base", "prompt": "Hi", "echo": False, "logprobs": 0},
                                          "valora-base")
     assert inp.raw_prompt and inp.prompt == "Hi" and not stream
+    assert inp.params.logprobs and inp.params.top_logprobs == 0  # the legacy logprobs: 0 alternatives
     for body, param in [({"model": "valora-base", "prompt": [1, 2, 3]}, "prompt"),
                         ({"model": "valora-base", "prompt": ["a", "b"]}, "prompt"),
                         ({"model": "valora-base", "prompt": ""}, "prompt"),
                         ({"model": "valora-base"}, "prompt"),
                         ({"model": "valora-base", "prompt": "x", "echo": True}, "echo"),
-                        ({"model": "valora-base", "prompt": "x", "logprobs": 2}, "logprobs"),
+                        ({"model": "valora-base", "prompt": "x", "logprobs": True}, "logprobs"),
                         ({"model": "valora-base", "prompt": "x", "suffix": "y"}, "suffix"),
                         ({"prompt": "x"}, "model")]:
         with pytest.raises(RequestError) as exc:
@@ -220,6 +232,28 @@ async def test_connections_past_the_cap_get_503_and_the_rest_keep_serving():
                 await asyncio.sleep(0.05)
         assert models.data[0].id == "valora-base"
         idle[1][1].close()
+
+
+async def test_logprobs_in_chat_and_text_completions():
+    async with http_stack() as (worker, client, _):
+        resp = await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}],
+                                                    logprobs=True, top_logprobs=2)
+        chunks = [c async for c in await client.chat.completions.create(
+            model="valora-base", messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True)]
+        text = await client.completions.create(model="valora-base", prompt="x", logprobs=1)
+        plain = await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}])
+    assert (worker.items[0].params.logprobs, worker.items[0].params.top_logprobs) == (True, 2)
+    content = resp.choices[0].logprobs.content
+    assert [c.token for c in content] == list(TOKENS) and [round(c.logprob, 3) for c in content] == [-0.1, -0.2,
+                                                                                                     -0.3, -0.4]
+    assert [t.token for t in content[0].top_logprobs] == ["two", "alt1"] and content[2].bytes == list(b"cars")
+    streamed = [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t.token for part in streamed for t in part] == list(TOKENS)  # the EOS with the last chunk
+    assert (worker.items[2].params.logprobs, worker.items[2].params.top_logprobs) == (True, 1)
+    lp = text.choices[0].logprobs
+    assert lp.tokens == list(TOKENS) and lp.text_offset == [0, 3, 4, 8]
+    assert lp.top_logprobs[2] == {"cars": pytest.approx(-0.3)}
+    assert plain.choices[0].logprobs is None and not worker.items[3].params.logprobs
 
 
 async def test_models_lists_base_adapters_aliases_and_tasks():
@@ -396,7 +430,7 @@ def test_request_parsing():
                                                                {"role": "user", "content": "y"}]},
                          "messages[0].role"),
                         *[({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, key)
-                          for key, value in (("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
+                          for key, value in (("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", 0.5),
                                              ("frequency_penalty", -1), ("response_format", {"type": "json_object"}),
                                              ("tools", [{"type": "function"}]), ("min_p", "0.1"))]]:
         with pytest.raises(RequestError) as exc:

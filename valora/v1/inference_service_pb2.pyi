@@ -40,7 +40,7 @@ class InferRequest(_message.Message):
     def __init__(self, input: _Optional[_Union[InferenceInput, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class InferResult(_message.Message):
-    __slots__ = ("request_id", "text", "label", "scores", "finish_reason", "usage", "timing", "mode", "adapter_version", "worker")
+    __slots__ = ("request_id", "text", "label", "scores", "finish_reason", "usage", "timing", "mode", "adapter_version", "worker", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class InferResult(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     label: str
@@ -61,7 +62,8 @@ class InferResult(_message.Message):
     mode: _types_pb2.InferenceMode
     adapter_version: str
     worker: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., label: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[_types_pb2.LabelScore, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_types_pb2.Timing, _Mapping]] = ..., mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ..., adapter_version: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., label: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[_types_pb2.LabelScore, _Mapping]]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_types_pb2.Timing, _Mapping]] = ..., mode: _Optional[_Union[_types_pb2.InferenceMode, str]] = ..., adapter_version: _Optional[str] = ..., worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class InferResponse(_message.Message):
     __slots__ = ("result",)
@@ -78,9 +80,11 @@ class InferStreamRequest(_message.Message):
     def __init__(self, input: _Optional[_Union[InferenceInput, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class InferStreamResponse(_message.Message):
-    __slots__ = ("text_delta", "result")
+    __slots__ = ("text_delta", "result", "logprobs")
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text_delta: str
     result: InferResult
-    def __init__(self, text_delta: _Optional[str] = ..., result: _Optional[_Union[InferResult, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
+    def __init__(self, text_delta: _Optional[str] = ..., result: _Optional[_Union[InferResult, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

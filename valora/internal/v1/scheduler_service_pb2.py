@@ -26,35 +26,36 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from valora.internal.v1 import work_pb2 as valora_dot_internal_dot_v1_dot_work__pb2
 from valora.v1 import inference_service_pb2 as valora_dot_v1_dot_inference__service__pb2
 from valora.v1 import admin_service_pb2 as valora_dot_v1_dot_admin__service__pb2
+from valora.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*valora/internal/v1/scheduler_service.proto\x12\x12valora.internal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1dvalora/internal/v1/work.proto\x1a!valora/v1/inference_service.proto\x1a\x1dvalora/v1/admin_service.proto\";\n\rSubmitRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"L\n\x0eSubmitResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\"\x1b\n\x19GetSchedulerStatusRequest\"_\n\x1aGetSchedulerStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\"^\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\"@\n\x16RegisterWorkerResponse\x12&\n\x03ttl\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"#\n\x10HeartbeatRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x13\n\x11HeartbeatResponse\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse2\x8c\x04\n\x10SchedulerService\x12Q\n\x06Submit\x12!.valora.internal.v1.SubmitRequest\x1a\".valora.internal.v1.SubmitResponse0\x01\x12s\n\x12GetSchedulerStatus\x12-.valora.internal.v1.GetSchedulerStatusRequest\x1a..valora.internal.v1.GetSchedulerStatusResponse\x12g\n\x0eRegisterWorker\x12).valora.internal.v1.RegisterWorkerRequest\x1a*.valora.internal.v1.RegisterWorkerResponse\x12X\n\tHeartbeat\x12$.valora.internal.v1.HeartbeatRequest\x1a%.valora.internal.v1.HeartbeatResponse\x12m\n\x10\x44\x65registerWorker\x12+.valora.internal.v1.DeregisterWorkerRequest\x1a,.valora.internal.v1.DeregisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*valora/internal/v1/scheduler_service.proto\x12\x12valora.internal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1dvalora/internal/v1/work.proto\x1a!valora/v1/inference_service.proto\x1a\x1dvalora/v1/admin_service.proto\x1a\x15valora/v1/types.proto\";\n\rSubmitRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"w\n\x0eSubmitResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.valora.v1.TokenLogprob\"\x1b\n\x19GetSchedulerStatusRequest\"_\n\x1aGetSchedulerStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\"^\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\"@\n\x16RegisterWorkerResponse\x12&\n\x03ttl\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"#\n\x10HeartbeatRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x13\n\x11HeartbeatResponse\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse2\x8c\x04\n\x10SchedulerService\x12Q\n\x06Submit\x12!.valora.internal.v1.SubmitRequest\x1a\".valora.internal.v1.SubmitResponse0\x01\x12s\n\x12GetSchedulerStatus\x12-.valora.internal.v1.GetSchedulerStatusRequest\x1a..valora.internal.v1.GetSchedulerStatusResponse\x12g\n\x0eRegisterWorker\x12).valora.internal.v1.RegisterWorkerRequest\x1a*.valora.internal.v1.RegisterWorkerResponse\x12X\n\tHeartbeat\x12$.valora.internal.v1.HeartbeatRequest\x1a%.valora.internal.v1.HeartbeatResponse\x12m\n\x10\x44\x65registerWorker\x12+.valora.internal.v1.DeregisterWorkerRequest\x1a,.valora.internal.v1.DeregisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'valora.internal.v1.scheduler_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMITREQUEST']._serialized_start=195
-  _globals['_SUBMITREQUEST']._serialized_end=254
-  _globals['_SUBMITRESPONSE']._serialized_start=256
-  _globals['_SUBMITRESPONSE']._serialized_end=332
-  _globals['_GETSCHEDULERSTATUSREQUEST']._serialized_start=334
-  _globals['_GETSCHEDULERSTATUSREQUEST']._serialized_end=361
-  _globals['_GETSCHEDULERSTATUSRESPONSE']._serialized_start=363
-  _globals['_GETSCHEDULERSTATUSRESPONSE']._serialized_end=458
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=460
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=554
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=556
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=620
-  _globals['_HEARTBEATREQUEST']._serialized_start=622
-  _globals['_HEARTBEATREQUEST']._serialized_end=657
-  _globals['_HEARTBEATRESPONSE']._serialized_start=659
-  _globals['_HEARTBEATRESPONSE']._serialized_end=678
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=680
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=722
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=724
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=750
-  _globals['_SCHEDULERSERVICE']._serialized_start=753
-  _globals['_SCHEDULERSERVICE']._serialized_end=1277
+  _globals['_SUBMITREQUEST']._serialized_start=218
+  _globals['_SUBMITREQUEST']._serialized_end=277
+  _globals['_SUBMITRESPONSE']._serialized_start=279
+  _globals['_SUBMITRESPONSE']._serialized_end=398
+  _globals['_GETSCHEDULERSTATUSREQUEST']._serialized_start=400
+  _globals['_GETSCHEDULERSTATUSREQUEST']._serialized_end=427
+  _globals['_GETSCHEDULERSTATUSRESPONSE']._serialized_start=429
+  _globals['_GETSCHEDULERSTATUSRESPONSE']._serialized_end=524
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=526
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=620
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=622
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=686
+  _globals['_HEARTBEATREQUEST']._serialized_start=688
+  _globals['_HEARTBEATREQUEST']._serialized_end=723
+  _globals['_HEARTBEATRESPONSE']._serialized_start=725
+  _globals['_HEARTBEATRESPONSE']._serialized_end=744
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=746
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=788
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=790
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=816
+  _globals['_SCHEDULERSERVICE']._serialized_start=819
+  _globals['_SCHEDULERSERVICE']._serialized_end=1343
 # @@protoc_insertion_point(module_scope)

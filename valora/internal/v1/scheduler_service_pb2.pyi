@@ -4,6 +4,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from valora.internal.v1 import work_pb2 as _work_pb2
 from valora.v1 import inference_service_pb2 as _inference_service_pb2
 from valora.v1 import admin_service_pb2 as _admin_service_pb2
+from valora.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -19,12 +20,14 @@ class SubmitRequest(_message.Message):
     def __init__(self, item: _Optional[_Union[_work_pb2.WorkItem, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("text_delta", "result")
+    __slots__ = ("text_delta", "result", "logprobs")
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text_delta: str
     result: _inference_service_pb2.InferResult
-    def __init__(self, text_delta: _Optional[str] = ..., result: _Optional[_Union[_inference_service_pb2.InferResult, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
+    def __init__(self, text_delta: _Optional[str] = ..., result: _Optional[_Union[_inference_service_pb2.InferResult, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetSchedulerStatusRequest(_message.Message):
     __slots__ = ()

@@ -28,7 +28,7 @@ from valora.v1 import inference_service_pb2 as valora_dot_v1_dot_inference__serv
 from valora.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'valora/internal/v1/worker_service.proto\x12\x12valora.internal.v1\x1a\x1dvalora/internal/v1/work.proto\x1a\x1dvalora/v1/admin_service.proto\x1a!valora/v1/inference_service.proto\x1a\x15valora/v1/types.proto\"=\n\x0fGenerateRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"N\n\x10GenerateResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\"X\n\x12LoadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x11\n\tto_device\x18\x02 \x01(\x08\"-\n\x13LoadAdapterResponse\x12\x16\n\x0e\x61lready_loaded\x18\x01 \x01(\x08\"H\n\x15OffloadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"\x18\n\x16OffloadAdapterResponse\"p\n\x0eSetModeRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.valora.v1.InferenceMode\x12\x36\n\x0emerged_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"$\n\x0fSetModeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\"?\n\x0cMergeRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\":\n\rMergeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x61lready_merged\x18\x02 \x01(\x08\"\x10\n\x0eUnmergeRequest\">\n\x0fUnmergeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x61lready_unmerged\x18\x02 \x01(\x08\"y\n\rSwitchRequest\x12\x34\n\x0c\x66rom_adapter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x32\n\nto_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"e\n\x0eSwitchResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x61lready_switched\x18\x02 \x01(\x08\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.valora.v1.InferenceMode\"\x18\n\x16GetWorkerStatusRequest\"\xba\x01\n\x17GetWorkerStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x37\n\nstep_times\x18\x02 \x01(\x0b\x32#.valora.internal.v1.WorkerStepTimes\x12=\n\rdecode_graphs\x18\x03 \x01(\x0b\x32&.valora.internal.v1.WorkerDecodeGraphs\"\xa7\x01\n\x12WorkerDecodeGraphs\x12\x14\n\x0cstatic_steps\x18\x01 \x01(\x03\x12\x0f\n\x07replays\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61ptures\x18\x03 \x01(\x03\x12\x10\n\x08new_keys\x18\x04 \x01(\x03\x12\x13\n\x0b\x65\x61ger_steps\x18\x05 \x01(\x03\x12\x18\n\x10\x63\x61pture_failures\x18\x06 \x01(\x03\x12\x17\n\x0freference_steps\x18\x07 \x01(\x03\"\xbf\x01\n\x0fWorkerStepTimes\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x02 \x01(\x05\x12\x15\n\rprefill_steps\x18\x03 \x01(\x05\x12\x1a\n\x12\x64\x65\x63ode_step_ms_p50\x18\x04 \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_ms_p90\x18\x05 \x01(\x01\x12\x1b\n\x13prefill_step_ms_p50\x18\x06 \x01(\x01\x12\x1b\n\x13prefill_step_ms_p90\x18\x07 \x01(\x01\"/\n\x18WatchWorkerStatusRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"}\n\x19WatchWorkerStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x37\n\nstep_times\x18\x02 \x01(\x0b\x32#.valora.internal.v1.WorkerStepTimes2\xd8\x06\n\rWorkerService\x12W\n\x08Generate\x12#.valora.internal.v1.GenerateRequest\x1a$.valora.internal.v1.GenerateResponse0\x01\x12^\n\x0bLoadAdapter\x12&.valora.internal.v1.LoadAdapterRequest\x1a\'.valora.internal.v1.LoadAdapterResponse\x12g\n\x0eOffloadAdapter\x12).valora.internal.v1.OffloadAdapterRequest\x1a*.valora.internal.v1.OffloadAdapterResponse\x12R\n\x07SetMode\x12\".valora.internal.v1.SetModeRequest\x1a#.valora.internal.v1.SetModeResponse\x12L\n\x05Merge\x12 .valora.internal.v1.MergeRequest\x1a!.valora.internal.v1.MergeResponse\x12R\n\x07Unmerge\x12\".valora.internal.v1.UnmergeRequest\x1a#.valora.internal.v1.UnmergeResponse\x12O\n\x06Switch\x12!.valora.internal.v1.SwitchRequest\x1a\".valora.internal.v1.SwitchResponse\x12j\n\x0fGetWorkerStatus\x12*.valora.internal.v1.GetWorkerStatusRequest\x1a+.valora.internal.v1.GetWorkerStatusResponse\x12r\n\x11WatchWorkerStatus\x12,.valora.internal.v1.WatchWorkerStatusRequest\x1a-.valora.internal.v1.WatchWorkerStatusResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'valora/internal/v1/worker_service.proto\x12\x12valora.internal.v1\x1a\x1dvalora/internal/v1/work.proto\x1a\x1dvalora/v1/admin_service.proto\x1a!valora/v1/inference_service.proto\x1a\x15valora/v1/types.proto\"=\n\x0fGenerateRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"y\n\x10GenerateResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.valora.v1.TokenLogprob\"X\n\x12LoadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x11\n\tto_device\x18\x02 \x01(\x08\"-\n\x13LoadAdapterResponse\x12\x16\n\x0e\x61lready_loaded\x18\x01 \x01(\x08\"H\n\x15OffloadAdapterRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"\x18\n\x16OffloadAdapterResponse\"p\n\x0eSetModeRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.valora.v1.InferenceMode\x12\x36\n\x0emerged_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"$\n\x0fSetModeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\"?\n\x0cMergeRequest\x12/\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\":\n\rMergeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x61lready_merged\x18\x02 \x01(\x08\"\x10\n\x0eUnmergeRequest\">\n\x0fUnmergeResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x61lready_unmerged\x18\x02 \x01(\x08\"y\n\rSwitchRequest\x12\x34\n\x0c\x66rom_adapter\x18\x01 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12\x32\n\nto_adapter\x18\x02 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\"e\n\x0eSwitchResponse\x12\x11\n\tswitch_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x61lready_switched\x18\x02 \x01(\x08\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.valora.v1.InferenceMode\"\x18\n\x16GetWorkerStatusRequest\"\xba\x01\n\x17GetWorkerStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x37\n\nstep_times\x18\x02 \x01(\x0b\x32#.valora.internal.v1.WorkerStepTimes\x12=\n\rdecode_graphs\x18\x03 \x01(\x0b\x32&.valora.internal.v1.WorkerDecodeGraphs\"\xa7\x01\n\x12WorkerDecodeGraphs\x12\x14\n\x0cstatic_steps\x18\x01 \x01(\x03\x12\x0f\n\x07replays\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61ptures\x18\x03 \x01(\x03\x12\x10\n\x08new_keys\x18\x04 \x01(\x03\x12\x13\n\x0b\x65\x61ger_steps\x18\x05 \x01(\x03\x12\x18\n\x10\x63\x61pture_failures\x18\x06 \x01(\x03\x12\x17\n\x0freference_steps\x18\x07 \x01(\x03\"\xbf\x01\n\x0fWorkerStepTimes\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x02 \x01(\x05\x12\x15\n\rprefill_steps\x18\x03 \x01(\x05\x12\x1a\n\x12\x64\x65\x63ode_step_ms_p50\x18\x04 \x01(\x01\x12\x1a\n\x12\x64\x65\x63ode_step_ms_p90\x18\x05 \x01(\x01\x12\x1b\n\x13prefill_step_ms_p50\x18\x06 \x01(\x01\x12\x1b\n\x13prefill_step_ms_p90\x18\x07 \x01(\x01\"/\n\x18WatchWorkerStatusRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"}\n\x19WatchWorkerStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x37\n\nstep_times\x18\x02 \x01(\x0b\x32#.valora.internal.v1.WorkerStepTimes2\xd8\x06\n\rWorkerService\x12W\n\x08Generate\x12#.valora.internal.v1.GenerateRequest\x1a$.valora.internal.v1.GenerateResponse0\x01\x12^\n\x0bLoadAdapter\x12&.valora.internal.v1.LoadAdapterRequest\x1a\'.valora.internal.v1.LoadAdapterResponse\x12g\n\x0eOffloadAdapter\x12).valora.internal.v1.OffloadAdapterRequest\x1a*.valora.internal.v1.OffloadAdapterResponse\x12R\n\x07SetMode\x12\".valora.internal.v1.SetModeRequest\x1a#.valora.internal.v1.SetModeResponse\x12L\n\x05Merge\x12 .valora.internal.v1.MergeRequest\x1a!.valora.internal.v1.MergeResponse\x12R\n\x07Unmerge\x12\".valora.internal.v1.UnmergeRequest\x1a#.valora.internal.v1.UnmergeResponse\x12O\n\x06Switch\x12!.valora.internal.v1.SwitchRequest\x1a\".valora.internal.v1.SwitchResponse\x12j\n\x0fGetWorkerStatus\x12*.valora.internal.v1.GetWorkerStatusRequest\x1a+.valora.internal.v1.GetWorkerStatusResponse\x12r\n\x11WatchWorkerStatus\x12,.valora.internal.v1.WatchWorkerStatusRequest\x1a-.valora.internal.v1.WatchWorkerStatusResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,43 +38,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=183
   _globals['_GENERATEREQUEST']._serialized_end=244
   _globals['_GENERATERESPONSE']._serialized_start=246
-  _globals['_GENERATERESPONSE']._serialized_end=324
-  _globals['_LOADADAPTERREQUEST']._serialized_start=326
-  _globals['_LOADADAPTERREQUEST']._serialized_end=414
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=416
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=461
-  _globals['_OFFLOADADAPTERREQUEST']._serialized_start=463
-  _globals['_OFFLOADADAPTERREQUEST']._serialized_end=535
-  _globals['_OFFLOADADAPTERRESPONSE']._serialized_start=537
-  _globals['_OFFLOADADAPTERRESPONSE']._serialized_end=561
-  _globals['_SETMODEREQUEST']._serialized_start=563
-  _globals['_SETMODEREQUEST']._serialized_end=675
-  _globals['_SETMODERESPONSE']._serialized_start=677
-  _globals['_SETMODERESPONSE']._serialized_end=713
-  _globals['_MERGEREQUEST']._serialized_start=715
-  _globals['_MERGEREQUEST']._serialized_end=778
-  _globals['_MERGERESPONSE']._serialized_start=780
-  _globals['_MERGERESPONSE']._serialized_end=838
-  _globals['_UNMERGEREQUEST']._serialized_start=840
-  _globals['_UNMERGEREQUEST']._serialized_end=856
-  _globals['_UNMERGERESPONSE']._serialized_start=858
-  _globals['_UNMERGERESPONSE']._serialized_end=920
-  _globals['_SWITCHREQUEST']._serialized_start=922
-  _globals['_SWITCHREQUEST']._serialized_end=1043
-  _globals['_SWITCHRESPONSE']._serialized_start=1045
-  _globals['_SWITCHRESPONSE']._serialized_end=1146
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=1148
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=1172
-  _globals['_GETWORKERSTATUSRESPONSE']._serialized_start=1175
-  _globals['_GETWORKERSTATUSRESPONSE']._serialized_end=1361
-  _globals['_WORKERDECODEGRAPHS']._serialized_start=1364
-  _globals['_WORKERDECODEGRAPHS']._serialized_end=1531
-  _globals['_WORKERSTEPTIMES']._serialized_start=1534
-  _globals['_WORKERSTEPTIMES']._serialized_end=1725
-  _globals['_WATCHWORKERSTATUSREQUEST']._serialized_start=1727
-  _globals['_WATCHWORKERSTATUSREQUEST']._serialized_end=1774
-  _globals['_WATCHWORKERSTATUSRESPONSE']._serialized_start=1776
-  _globals['_WATCHWORKERSTATUSRESPONSE']._serialized_end=1901
-  _globals['_WORKERSERVICE']._serialized_start=1904
-  _globals['_WORKERSERVICE']._serialized_end=2760
+  _globals['_GENERATERESPONSE']._serialized_end=367
+  _globals['_LOADADAPTERREQUEST']._serialized_start=369
+  _globals['_LOADADAPTERREQUEST']._serialized_end=457
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=459
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=504
+  _globals['_OFFLOADADAPTERREQUEST']._serialized_start=506
+  _globals['_OFFLOADADAPTERREQUEST']._serialized_end=578
+  _globals['_OFFLOADADAPTERRESPONSE']._serialized_start=580
+  _globals['_OFFLOADADAPTERRESPONSE']._serialized_end=604
+  _globals['_SETMODEREQUEST']._serialized_start=606
+  _globals['_SETMODEREQUEST']._serialized_end=718
+  _globals['_SETMODERESPONSE']._serialized_start=720
+  _globals['_SETMODERESPONSE']._serialized_end=756
+  _globals['_MERGEREQUEST']._serialized_start=758
+  _globals['_MERGEREQUEST']._serialized_end=821
+  _globals['_MERGERESPONSE']._serialized_start=823
+  _globals['_MERGERESPONSE']._serialized_end=881
+  _globals['_UNMERGEREQUEST']._serialized_start=883
+  _globals['_UNMERGEREQUEST']._serialized_end=899
+  _globals['_UNMERGERESPONSE']._serialized_start=901
+  _globals['_UNMERGERESPONSE']._serialized_end=963
+  _globals['_SWITCHREQUEST']._serialized_start=965
+  _globals['_SWITCHREQUEST']._serialized_end=1086
+  _globals['_SWITCHRESPONSE']._serialized_start=1088
+  _globals['_SWITCHRESPONSE']._serialized_end=1189
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=1191
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=1215
+  _globals['_GETWORKERSTATUSRESPONSE']._serialized_start=1218
+  _globals['_GETWORKERSTATUSRESPONSE']._serialized_end=1404
+  _globals['_WORKERDECODEGRAPHS']._serialized_start=1407
+  _globals['_WORKERDECODEGRAPHS']._serialized_end=1574
+  _globals['_WORKERSTEPTIMES']._serialized_start=1577
+  _globals['_WORKERSTEPTIMES']._serialized_end=1768
+  _globals['_WATCHWORKERSTATUSREQUEST']._serialized_start=1770
+  _globals['_WATCHWORKERSTATUSREQUEST']._serialized_end=1817
+  _globals['_WATCHWORKERSTATUSRESPONSE']._serialized_start=1819
+  _globals['_WATCHWORKERSTATUSRESPONSE']._serialized_end=1944
+  _globals['_WORKERSERVICE']._serialized_start=1947
+  _globals['_WORKERSERVICE']._serialized_end=2803
 # @@protoc_insertion_point(module_scope)
