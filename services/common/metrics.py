@@ -24,7 +24,8 @@ REQUESTS_RUNNING = Gauge("valora:num_requests_running", "Requests in the engine'
 REQUESTS_WAITING = Gauge("valora:num_requests_waiting", "Requests queued in the scheduler.")
 TIME_TO_FIRST_TOKEN = Histogram("valora:time_to_first_token_seconds", "Arrival to first token.",
                                 ["adapter"], buckets=LATENCY_BUCKETS)
-INTER_TOKEN_LATENCY = Histogram("valora:inter_token_latency_seconds", "Time between output tokens.",
+INTER_TOKEN_LATENCY = Histogram("valora:inter_token_latency_seconds",
+                                "Time between consecutive output tokens of a request (every gap).",
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 E2E_LATENCY = Histogram("valora:e2e_request_latency_seconds", "Arrival to last token.",
                         ["adapter", "code"], buckets=LATENCY_BUCKETS)

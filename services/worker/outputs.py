@@ -52,8 +52,10 @@ class OutputProcessor:
     def accept(self, s: Sequence, token: int, logprobs: list[float] | None = None) -> None:
         """A new token for `s` (`logprobs`: its packed log-probabilities, sampling.token_logprobs,
         when the request asks): stream it, and finish the sequence if it is done."""
+        now = time.monotonic()
         if not s.tokens:
-            s.t_first = time.monotonic()
+            s.t_first = now
+        s.token_times.append(now)
         s.tokens.append(token)
         s.last_token = token
         if s.req.logprobs >= 0 and logprobs is not None:
@@ -118,5 +120,5 @@ class OutputProcessor:
             request_id=s.req.request_id, token_ids=list(s.tokens), finish_reason=reason,
             image_tokens=s.prep.image_tokens, prompt_tokens=s.prep.prompt_tokens, output_tokens=len(s.tokens),
             queue_ms=(s.t_prefill - t0) * 1e3, first_token_ms=(s.t_first - t0) * 1e3, total_ms=(now - t0) * 1e3,
-            mode=s.mode, adapter=s.req.adapter or "", **kw,
+            mode=s.mode, adapter=s.req.adapter or "", token_times=list(s.token_times), **kw,
         )

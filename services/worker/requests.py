@@ -85,6 +85,7 @@ class GenerationResult:
     mode: Mode = Mode.BASE
     adapter: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (when asked)
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() each token reached the host
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Sequence:
     finished: bool = False  # out of the engine (answered, failed or cancelled)
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (when asked)
     logprobs_sent: int = 0  # how many of them went out with a TextDelta
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() each token was accepted
 
     @property
     def req(self) -> WorkRequest:

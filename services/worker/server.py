@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import contextlib
 import time
@@ -337,8 +338,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         label = metrics.adapter_label(r.adapter)
         metrics.TIME_TO_FIRST_TOKEN.labels(label).observe(r.first_token_ms / 1e3)
         metrics.E2E_LATENCY.labels(label, "OK").observe(r.total_ms / 1e3)
-        if r.output_tokens > 1:
-            metrics.INTER_TOKEN_LATENCY.observe((r.total_ms - r.first_token_ms) / 1e3 / (r.output_tokens - 1))
+        for a, b in itertools.pairwise(r.token_times):  # every gap: a stall shows, not a request's mean
+            metrics.INTER_TOKEN_LATENCY.observe(b - a)
 
     async def LoadAdapter(self, request, context):
         already = await self.ensure_adapter(request.adapter.version, request.adapter.sha256, request.to_device)

@@ -107,6 +107,9 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     assert total(worker, "valora:request_success_total") >= traffic  # vLLM's names and meanings
     assert total(worker, "valora:generation_tokens_total") >= traffic
     assert total(worker, "valora:prompt_tokens_total") > total(worker, "valora:generation_tokens_total") > 0
+    # one inter-token sample per gap (a request of n tokens: n - 1), not one mean per request
+    gaps = total(worker, "valora:generation_tokens_total") - total(worker, "valora:request_success_total")
+    assert total(worker, "valora:inter_token_latency_seconds_count") >= gaps > traffic
     assert has(worker, "valora:kv_cache_usage_perc")
     modes = {dict(lbl)["mode"]: v for (n, lbl), v in worker.items() if n == "valora:mode"}
     assert sum(modes.values()) == 1, f"exactly one current mode per worker: {modes}"
