@@ -46,6 +46,13 @@ class GatewaySettings(ServiceSettings):
     http_keepalive_s: float = Field(15.0, gt=0, description="Seconds an idle HTTP keep-alive connection stays open.")
     http_header_timeout_s: float = Field(10.0, gt=0, description="Seconds a new HTTP connection has to send a whole "
                                          "request head before it is closed (idle and slowloris sockets).")
+    image_url_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Hosts remote image URLs may come from (`example.com`, `*.example.com`); "
+        "none: only data: URLs (services/gateway/image_urls.py has the rules).")
+    image_url_timeout_s: float = Field(10.0, gt=0, description="Seconds one remote image's whole fetch may take.")
+    image_url_allow_http: bool = Field(False, description="Fetch http:// image URLs too (else https:// only).")
+    image_url_allow_private: bool = Field(
+        False, description="Fetch from hosts that resolve to private, loopback or link-local addresses.")
     http_max_connections: int = Field(
         1024, ge=0, description="Open HTTP connections at most; one more is answered 503 with Retry-After and "
         "closed before anything is read (0: no cap).")
@@ -54,7 +61,7 @@ class GatewaySettings(ServiceSettings):
     served_model_name: str = Field(
         "valora-base", description="The base model's name in the HTTP API (`model`, /v1/models).")
 
-    @field_validator("api_keys", "admin_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", "image_url_hosts", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         return split_list(value)

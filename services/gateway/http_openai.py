@@ -1,10 +1,10 @@
 """An OpenAI-compatible HTTP front next to the gateway's gRPC API (aiohttp).
 
-- `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs
-  only, remote URLs are refused), `model` = an adapter reference (`adapters/…`), a task
-  (`tasks/…`) or the base model's served name; `max_completion_tokens`/`max_tokens`,
-  `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`, `logprobs`/`top_logprobs`, `stream`
-  (SSE chunks, then `data: [DONE]`),
+- `POST /v1/chat/completions`: `messages` (text and `image_url` parts; images as `data:` URLs, or
+  remote URLs from the hosts an operator allows, fetched under image_urls.py's rules), `model` =
+  an adapter reference (`adapters/…`), a task (`tasks/…`) or the base model's served name;
+  `max_completion_tokens`/`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`,
+  `logprobs`/`top_logprobs`, `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
   the label is the message content and its scores come back under `valora.scores`. A parameter
   the engine does not implement (penalties, `tools`, `response_format`, …;
@@ -58,6 +58,7 @@ from services.common import errors
 from services.common.server import REQUEST_ID_KEY, new_request_id
 from services.gateway.auth import AUTHORIZATION_KEY, INFERENCE_PREFIX, ApiKeyAuthInterceptor
 from services.gateway.config import GatewaySettings
+from services.gateway.image_urls import ImageFetcher, ImageUrlError
 from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
 from valora.v1 import types_pb2
 
@@ -119,8 +120,8 @@ def _from_valora_error(exc: errors.ValoraError) -> web.Response:
 
 def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
     if not url.startswith("data:"):
-        raise RequestError("only data: URLs are accepted for images (data:image/png;base64,...); "
-                           "remote URLs are never fetched", param, code="unsupported_image_url")
+        raise RequestError("only data: URLs are accepted for images (data:image/png;base64,...); this gateway "
+                           "fetches no remote URLs (VALORA_IMAGE_URL_HOSTS)", param, code="unsupported_image_url")
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise RequestError("image data URL must be base64: data:<mime>;base64,<data>", param)
@@ -131,8 +132,11 @@ def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
     return types_pb2.Image(data=data, mime_type=header[: -len(";base64")])
 
 
-def _message_parts(messages: Any) -> tuple[list[tuple[str, str, int]], list[types_pb2.Image]]:
-    """(role, text, images it shows) per message, and every image in order."""
+def _message_parts(messages: Any, remote: list | None = None
+                   ) -> tuple[list[tuple[str, str, int]], list[types_pb2.Image]]:
+    """(role, text, images it shows) per message, and every image in order. `remote`: where the
+    remote image URLs go, (index, url, param) each, their images left empty to fetch (None: a
+    remote URL is a 400)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     turns: list[tuple[str, str, int]] = []
@@ -159,7 +163,11 @@ def _message_parts(messages: Any) -> tuple[list[tuple[str, str, int]], list[type
                 url = image_url.get("url") if isinstance(image_url, dict) else image_url
                 if not isinstance(url, str):
                     raise RequestError("image_url.url must be a string", f"{param}.image_url.url")
-                images.append(_image_from_data_url(url, f"{param}.image_url.url"))
+                if remote is not None and not url.startswith("data:"):
+                    remote.append((len(images), url, f"{param}.image_url.url"))
+                    images.append(types_pb2.Image())
+                else:
+                    images.append(_image_from_data_url(url, f"{param}.image_url.url"))
             else:
                 raise RequestError("content parts must be {type: text} or {type: image_url}", param)
         turns.append((msg["role"], "\n".join(texts), len(images) - before))
@@ -220,12 +228,14 @@ def _refuse_unsupported(body: dict) -> None:
             raise RequestError(f"{key} is not supported by this server", key, code="unsupported_parameter")
 
 
-def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
-    """The gRPC InferenceInput of a chat completion request, and whether to stream."""
+def build_input(body: Any, base_model: str, remote: list | None = None
+                ) -> tuple[inference_service_pb2.InferenceInput, bool]:
+    """The gRPC InferenceInput of a chat completion request, and whether to stream. `remote`:
+    collects the remote image URLs to fetch (_message_parts)."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     _refuse_unsupported(body)
-    turns, images = _message_parts(body.get("messages"))
+    turns, images = _message_parts(body.get("messages"), remote)
     inp = inference_service_pb2.InferenceInput()
     conversation(inp, turns)
     inp.images.extend(images)
@@ -242,7 +252,8 @@ def build_input(body: Any, base_model: str) -> tuple[inference_service_pb2.Infer
     return inp, stream
 
 
-def build_completion_input(body: Any, base_model: str) -> tuple[inference_service_pb2.InferenceInput, bool]:
+def build_completion_input(body: Any, base_model: str, remote: list | None = None
+                           ) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a (legacy) completion request, and whether to stream: the
     prompt is the model's whole input, without the chat template (`raw_prompt`)."""
     if not isinstance(body, dict):
@@ -345,6 +356,8 @@ class OpenAIHttpServer:
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
         self.refused_connections = 0  # new connections answered 503 at the cap
+        self.images = ImageFetcher(settings.image_url_hosts, settings.max_image_bytes, settings.image_url_timeout_s,
+                                   settings.image_url_allow_http, settings.image_url_allow_private)
         self._refused_logged = float("-inf")
 
     async def start(self) -> None:
@@ -373,6 +386,7 @@ class OpenAIHttpServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.images.close()
         await self.channel.close()
 
     async def _sweep(self, period_s: float) -> None:
@@ -460,7 +474,9 @@ class OpenAIHttpServer:
         InferStream, answered in that API's shape."""
         self._authorize(request)
         body = await self._json(request)
-        inp, stream = build(body, self.settings.served_model_name)
+        remote: list | None = [] if self.images.enabled else None
+        inp, stream = build(body, self.settings.served_model_name, remote)
+        await self._fetch_images(inp, remote or [])
         rid = request.headers.get("X-Request-Id") or new_request_id()
         metadata = self._metadata(request, rid)
         shape = _Shape(chat, rid, body["model"], int(time.time()))
@@ -530,6 +546,22 @@ class OpenAIHttpServer:
             return response
         finally:
             call.cancel()  # no-op when finished; frees the request when the HTTP client left
+
+    async def _fetch_images(self, inp: inference_service_pb2.InferenceInput, remote: list) -> None:
+        """The request's remote images, fetched together (image_urls.py: the rules); a 400 naming
+        the URL's field for the first that fails."""
+        if len(remote) > self.settings.max_images:  # the gateway's count check would come after the fetches
+            raise RequestError(f"{len(remote)} image URLs; at most {self.settings.max_images} images", "messages")
+        got = await asyncio.gather(*(self.images.fetch(url) for _, url, _ in remote), return_exceptions=True)
+        for (i, _, param), result in zip(remote, got):
+            if isinstance(result, ImageUrlError):
+                raise RequestError(result.message, param, code=result.code)
+            if isinstance(result, BaseException):
+                raise result
+            data, mime = result
+            inp.images[i].data = data
+            if mime.startswith("image/"):
+                inp.images[i].mime_type = mime
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the gateway serves, 503 from the moment it drains (no key needed: probes)."""
