@@ -1,0 +1,86 @@
+"""A worker frozen mid-stream (SIGSTOP: its sockets stay open, it answers nothing): the client
+gets UNAVAILABLE well before its deadline instead of waiting it out, the stream is not replayed
+elsewhere, and after SIGCONT the worker is taken back. Figure: detection times."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from tests.reliability.conftest import API_KEY, kill, md, record, wait_scheduler_sees
+from tests.reliability.test_worker_kill import running
+from valora.v1 import inference_service_pb2 as inf
+from valora.v1 import inference_service_pb2_grpc as inf_grpc
+from valora.v1 import types_pb2
+
+pytestmark = pytest.mark.e2e
+DEADLINE_S = 120
+
+
+def test_worker_frozen_mid_stream_fails_the_stream_fast_and_comes_back(cluster):
+    workers = {p.name: p for p in cluster.processes if p.service == "worker"}
+    stub = inf_grpc.InferenceServiceStub(grpc.insecure_channel(cluster.gateway))
+    name = None
+    for attempt in range(5):  # a sampled EOS can end a stream early: start another
+        call = stub.InferStream(inf.InferStreamRequest(request_id=f"stop-{attempt}", input=inf.InferenceInput(
+            prompt="Tell a long story.", params=types_pb2.GenerationParams(max_new_tokens=1000, temperature=0.7,
+                                                                           seed=11 + attempt))),
+            timeout=DEADLINE_S, metadata=md(API_KEY))
+        it = iter(call)
+        first = next(it, None)
+        for _ in range(20):
+            where = {nm: running(cluster, p.address) for nm, p in workers.items()}
+            name = next((nm for nm, r in where.items() if r == 1), None)
+            if name is not None or first is None:
+                break
+            time.sleep(0.05)
+        if first is not None and first.text_delta and name is not None:
+            break
+        call.cancel()
+        name = None
+    assert name is not None, "no long stream found running on a worker"
+    other = next(nm for nm in workers if nm != name)
+    replayed, stop = [0], threading.Event()
+
+    def watch_other():
+        while not stop.is_set():
+            replayed[0] = max(replayed[0], running(cluster, workers[other].address))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_other, daemon=True)
+    watcher.start()
+    t_stop = time.monotonic()
+    kill(workers[name].pid, signal.SIGSTOP)
+    code, result_after = "OK", False
+    try:
+        try:
+            for msg in it:
+                result_after |= msg.HasField("result")
+        except grpc.RpcError as err:
+            code = err.code().name
+        client_detect_s = time.monotonic() - t_stop
+        sched_detect_s = client_detect_s + wait_scheduler_sees(cluster, workers[name].address, False, 60)
+    finally:
+        kill(workers[name].pid, signal.SIGCONT)
+    back_s = wait_scheduler_sees(cluster, workers[name].address, True, 60)
+    stop.set()
+    watcher.join(5)
+    after = stub.Infer(inf.InferRequest(input=inf.InferenceInput(
+        prompt="Still there?", params=types_pb2.GenerationParams(max_new_tokens=2))), timeout=60,
+        metadata=md(API_KEY))
+    figures = {"code": code, "result_after_stop": result_after, "replayed_on_other_worker": replayed[0] > 0,
+               "client_error_after_stop_ms": round(client_detect_s * 1e3, 1),
+               "scheduler_marks_down_after_stop_ms": round(sched_detect_s * 1e3, 1),
+               "taken_back_after_sigcont_ms": round(back_s * 1e3, 1)}
+    passed = (code == "UNAVAILABLE" and not result_after and not figures["replayed_on_other_worker"]
+              and client_detect_s < DEADLINE_S / 4 and after.result.usage.output_tokens > 0)
+    record("worker-sigstop", "a worker frozen mid-stream: client error / scheduler marks down / back after SIGCONT",
+           f"{figures['client_error_after_stop_ms']} ms / {figures['scheduler_marks_down_after_stop_ms']} ms / "
+           f"{figures['taken_back_after_sigcont_ms']} ms",
+           f"UNAVAILABLE within {DEADLINE_S // 4} s of a {DEADLINE_S} s deadline, never replayed, served again",
+           passed, **figures)
+    assert passed, figures
