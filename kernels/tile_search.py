@@ -285,23 +285,6 @@ def search_triton(b: Bench, h_in: int, h_out: int, tokens: int, segments: int, d
     return out, errors
 
 
-def upload_table(path: Path, address: str) -> bool:
-    """Uploads the written table to the adapter store; a failure is reported, not raised (the
-    JSON is written: `python -m kernels.tile_table push` retries)."""
-    import grpc  # noqa: PLC0415
-
-    from kernels.tile_store import push_table  # noqa: PLC0415
-
-    try:
-        t = push_table(address, path)
-    except grpc.RpcError as err:
-        print(f"store upload to {address} failed: {err.code().name}: {err.details()} "
-              f"(retry: python -m kernels.tile_table push {path} --store {address})")
-        return False
-    print(f"store {address}: {t.gpu_name} {t.gpu_arch} {t.dtype}, sha256 {t.sha256}")
-    return True
-
-
 def main() -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
@@ -320,9 +303,6 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true",
                     help="start from the committed table: buckets not searched (budget spent) keep their entry")
     ap.add_argument("--out", default=None, help="table path (default kernels/tile_tables/<gpu>-<arch>-<dtype>.json)")
-    ap.add_argument("--store", default=None, metavar="ADDRESS",
-                    help="adapter store host:port: upload the table after writing the JSON (workers on this "
-                         "GPU/arch/dtype fetch it at start-up)")
     args = ap.parse_args()
     if extension() is None:
         raise SystemExit("needs CUDA and the built extension")
@@ -371,9 +351,8 @@ def main() -> None:
                        "torch": torch.__version__, "cuda": torch.version.cuda, "bucket_stats": stats})
     path = Path(args.out) if args.out else TABLE_DIR / table_filename(props.name, arch, args.dtype)
     table.save(path)
-    print(f"table: {len(entries)} buckets -> {path}")
-    if args.store:
-        upload_table(path, args.store)
+    print(f"table: {len(entries)} buckets -> {path} (into the adapter store: python -m valora.tile_tables push "
+          f"{path} --store HOST:PORT)")
 
     # validation: shapes between buckets, exhaustive best vs the table's pick and the heuristic
     rng = random.Random(1)

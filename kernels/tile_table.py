@@ -235,8 +235,3 @@ def find_table(gpu: str, arch: str, dtype: str, directory: Path = TABLE_DIR) -> 
         return TileTable.load(path)
     return TileTable(gpu, arch, dtype, {}, {"source": "empty: heuristic_config only"})
 
-
-if __name__ == "__main__":  # python -m kernels.tile_table push FILE --store HOST:PORT
-    from kernels.tile_store import main
-
-    raise SystemExit(main())

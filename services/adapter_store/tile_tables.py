@@ -1,5 +1,5 @@
 """ATMM tile tables in the store: one `kernels.tile_table.TileTable` JSON per GPU name, arch and
-dtype. `kernels.tile_search --store` (or `python -m kernels.tile_table push`) puts them; CUDA
+dtype. `python -m valora.tile_tables push` puts them (what kernels.tile_search wrote); CUDA
 workers get theirs at start-up. A put replaces the key's table (the latest wins) and reports its
 sha256. Blocking; the servicer runs it in its executor. Imports no torch (kernels.tile_table is
 plain Python)."""

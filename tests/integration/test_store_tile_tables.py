@@ -1,5 +1,5 @@
 """AdapterStoreService.PutTileTable / GetTileTable on both backends (SQLite, PostgreSQL), and the
-kernels-side upload (`python -m kernels.tile_table push`, `kernels.tile_search --store`)."""
+upload tool (`python -m valora.tile_tables push`)."""
 
 from __future__ import annotations
 
@@ -107,9 +107,8 @@ def test_put_rejects_invalid(store, case):
     assert error_of(get, store)[0] == grpc.StatusCode.NOT_FOUND  # nothing stored
 
 
-def test_push_cli_and_tile_search_upload(store, tmp_path, capsys):
-    from kernels import tile_search
-    from kernels.tile_store import main
+def test_push_cli(store, tmp_path, capsys):
+    from valora.tile_tables import main, push_table
 
     path = tmp_path / "t.json"
     make_table().save(path)
@@ -119,7 +118,7 @@ def test_push_cli_and_tile_search_upload(store, tmp_path, capsys):
     assert get(store).sha256 == sha
 
     make_table(split_k=16).save(path)
-    assert tile_search.upload_table(path, store.address) is True
+    assert push_table(store.address, path).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert get(store).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
 
     bad = tmp_path / "bad.json"

@@ -1,9 +1,10 @@
-"""Tile tables in the adapter store (AdapterStoreService.PutTileTable / GetTileTable), blocking.
+"""Tile tables into the adapter store (AdapterStoreService.PutTileTable), blocking: what
+`kernels.tile_search` wrote, for the workers of that GPU/arch/dtype to fetch at start-up.
 
-    python -m kernels.tile_table push kernels/tile_tables/nvidia_h200-sm90-bfloat16.json --store HOST:PORT
-    python -m kernels.tile_search ... --store HOST:PORT     # uploads the table it wrote
+    python -m valora.tile_tables push kernels/tile_tables/nvidia_h200-sm90-bfloat16.json --store HOST:PORT
 
-Plaintext gRPC (the store's internal port); imports no torch.
+Plaintext gRPC (the store's internal port); imports no torch. It lives here, not in `kernels/`,
+which imports no service API.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def push_table(address: str, table: TileTable | str | Path, timeout_s: float = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.tile_table", description="Tile tables in the adapter store.")
+    ap = argparse.ArgumentParser(prog="python -m valora.tile_tables", description="Tile tables in the adapter store.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     push = sub.add_parser("push", help="upload a tile-table JSON file (its gpu/arch/dtype are the key)")
     push.add_argument("file", type=Path)

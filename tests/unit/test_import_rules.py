@@ -1,0 +1,58 @@
+"""The import rules docs/CONTRIBUTING.md states, checked: a service imports services/common/, the
+generated stubs and its own package, never another service; services/common/ imports no service;
+kernels/ imports no service, no gRPC and no API stubs; gateway, scheduler, adapter_store and the
+client SDK load no torch (nor transformers, peft)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICES = ("gateway", "scheduler", "adapter_store", "worker", "generator")
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    """Every absolute import of a file (function-level ones too), with its line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, node.lineno))
+    return out
+
+
+def violations(directory: Path, refused) -> list[str]:
+    return [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sorted(directory.rglob("*.py"))
+            for mod, line in imports(f) if refused(mod.split("."))]
+
+
+def test_no_service_imports_another():
+    bad = []
+    for svc in SERVICES:
+        bad += violations(REPO / "services" / svc,
+                          lambda p, svc=svc: p[0] == "services" and len(p) > 1 and p[1] not in (svc, "common"))
+    bad += violations(REPO / "services" / "common", lambda p: p[0] == "services" and len(p) > 1 and p[1] != "common")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernels_import_no_service_api():
+    bad = violations(REPO / "kernels", lambda p: p[0] in ("services", "valora", "grpc"))
+    assert not bad, "\n".join(bad)
+
+
+def test_control_plane_and_sdk_load_no_torch():
+    code = ("import sys; import services.gateway.server, services.scheduler.server, services.adapter_store.server, "
+            "valora.client; print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_scanner_sees_function_level_imports(tmp_path):
+    (tmp_path / "m.py").write_text("import os\ndef f():\n    from services.worker.engine import Engine\n"
+                                   "    from . import sibling\n")
+    assert imports(tmp_path / "m.py") == [("os", 1), ("services.worker.engine", 3)]
