@@ -125,10 +125,15 @@ a = {p: cpu(p) for p in pids}; time.sleep(1); print(max(pids, key=lambda p: cpu(
 elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weights) behind the public API
   # ~20 s start + ~25 s images/adapters + warm-up, then 4 runs of ~25-70 s each (1024 requests at 40-15 req/s;
   # Poisson 1024 arrivals over 34 s, longer when the worker falls behind); SIGTERM at SERVE_S still writes the rows
-  # PYSPY=1 (py-spy in .whl): PYSPY_DELAY s (150: inside the first measured run) after the start, the worker's
-  # threads sampled for PYSPY_S s -> $OUT/worker-pyspy-summary.txt (where the engine thread's time goes)
+  # PYSPY=1 (py-spy in .whl): PYSPY_DELAY s (5) after measured run PYSPY_RUN (1) starts (serve_bench writes
+  # the worker's pid to $MARK/measuring-N; a fixed delay from the start once caught the worker idle), the
+  # worker's threads sampled for PYSPY_S s -> $OUT/worker-pyspy-summary.txt (where the engine thread's time goes)
   if [ -n "${PYSPY:-}" ]; then
-    ( sleep "${PYSPY_DELAY:-150}"; P=$(pgrep -f "services.worker" | head -1); echo "sampling worker $P"
+    MARK=/tmp/serve_marks; rm -rf "$MARK"; mkdir -p "$MARK"; export SERVE_BENCH_MARK_DIR=$MARK
+    ( for _ in $(seq "${SERVE_S:-420}"); do [ -f "$MARK/measuring-${PYSPY_RUN:-1}" ] && break; sleep 1; done
+      [ -f "$MARK/measuring-${PYSPY_RUN:-1}" ] || { echo "no measured run started"; exit 0; }
+      sleep "${PYSPY_DELAY:-5}"
+      P=$(cat "$MARK/measuring-${PYSPY_RUN:-1}"); echo "sampling worker $P"
       /tmp/site/bin/py-spy record --threads --idle --nonblocking -r 50 -d "${PYSPY_S:-20}" -f raw \
         -o "$OUT/worker-pyspy.txt" --pid "$P"
       python3 -m bench.pyspy_summary "$OUT/worker-pyspy.txt" --threads 4 --top 40 --match valora-engine \

@@ -459,8 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     label = None  # the run under way
     try:
         c, refs, times = start(home, model, args, inputs, worker_env)
-        for (load, k), pngs in zip(runs, inputs.run_images, strict=True):
+        marks = os.environ.get("SERVE_BENCH_MARK_DIR")  # a profiler waits for a measured run to start
+        for i, ((load, k), pngs) in enumerate(zip(runs, inputs.run_images, strict=True), 1):
             label = f"{load.name} #{k}"
+            if marks:  # measuring-<i>: the worker's pid, written as the run's requests start
+                worker_pid = next(p.pid for p in c.processes if p.service == "worker")
+                (Path(marks) / f"measuring-{i}").write_text(f"{worker_pid}\n")
             with console.status(f"{label}: {args.requests} requests…"):
                 row = measure(c, load, build_requests(inputs.specs, pngs, refs), args, sampler)
             rows.append({"run": label, "load": load.name, "mode": load.mode, "repeat": k,

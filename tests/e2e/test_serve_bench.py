@@ -110,7 +110,10 @@ def test_closed_and_poisson_runs_on_the_cpu(model_path, tmp_path):
     cmd = [sys.executable, "-m", "bench.serve_bench", "--model", str(model_path), "--home", str(home),
            "--out", str(out), "--requests", str(requests), "--concurrency", "4", "--rate", "20", "--repeat", "2",
            "--warmup", "4", "--adapters", "4", "--image-sizes", "56,84", "--max-new-tokens", "2,4,8"]
+    marks = tmp_path / "marks"  # where a profiler learns that a measured run started (h200_session.sh)
+    marks.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # no copy of the results elsewhere
+    env["SERVE_BENCH_MARK_DIR"] = str(marks)
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -144,6 +147,8 @@ def test_closed_and_poisson_runs_on_the_cpu(model_path, tmp_path):
     assert spread["closed-4"]["headline"] == "throughput_rps" and spread["poisson-20"]["headline"] == "ttft_p99_ms"
     assert all(isinstance(s["within_10pct"], bool) for s in spread.values())
     assert "req/s" in run.stdout  # the rich table
+    assert sorted(p.name for p in marks.iterdir()) == [f"measuring-{i}" for i in range(1, 5)]
+    assert all(int(p.read_text()) > 0 for p in marks.iterdir())  # the worker's pid
     assert processes_of(home) == [] and not (home / STATE_FILE).exists()
 
 
