@@ -190,13 +190,16 @@ class ValoraClient:
     def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
                label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
                stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
-               top_logprobs: int = 0) -> inf_pb.InferenceInput:
+               top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0)
+               ) -> inf_pb.InferenceInput:
         inp = inf_pb.InferenceInput(
             prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
             output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
             params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
-                                              min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs))
+                                              min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs,
+                                              presence_penalty=penalties[0], frequency_penalty=penalties[1],
+                                              repetition_penalty=penalties[2]))
         if adapter:
             inp.adapter = adapter
         if task:
@@ -207,13 +210,16 @@ class ValoraClient:
               task: str | None = None, label: bool = False, max_new_tokens: int = 0, temperature: float = 0.0,
               top_p: float = 0.0, top_k: int = 0, seed: int = 0, stop: Iterable[str] = (),
               request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
-              top_logprobs: int = 0) -> InferResult:
+              top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+              repetition_penalty: float = 0.0) -> InferResult:
         """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
         template; then no images). `logprobs`: each generated token's log-probability in the
-        result, with the `top_logprobs` (<= 20) most likely tokens at its position."""
+        result, with the `top_logprobs` (<= 20) most likely tokens at its position. Penalties as
+        OpenAI's (presence, frequency) and vLLM's (repetition; 0 = off)."""
         req = inf_pb.InferRequest(
             input=self._input(prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs),
+                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs,
+                              (presence_penalty, frequency_penalty, repetition_penalty)),
             request_id=request_id or uuid.uuid4().hex)
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
@@ -221,13 +227,15 @@ class ValoraClient:
                      adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
                      temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
                      stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
-                     raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0
+                     raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0
                      ) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
         req = inf_pb.InferStreamRequest(
             input=self._input(prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs),
+                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs,
+                              (presence_penalty, frequency_penalty, repetition_penalty)),
             request_id=request_id or uuid.uuid4().hex)
         for attempt in range(self.retries + 1):
             started = False

@@ -4,10 +4,11 @@
   remote URLs from the hosts an operator allows, fetched under image_urls.py's rules), `model` =
   an adapter reference (`adapters/…`), a task (`tasks/…`) or the base model's served name;
   `max_completion_tokens`/`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`,
-  `logprobs`/`top_logprobs`, `stream` (SSE chunks, then `data: [DONE]`),
+  `logprobs`/`top_logprobs`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`
+  (vLLM's extension), `stream` (SSE chunks, then `data: [DONE]`),
   `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
   the label is the message content and its scores come back under `valora.scores`. A parameter
-  the engine does not implement (penalties, `tools`, `response_format`, …;
+  the engine does not implement (`tools`, `response_format`, `logit_bias`, …;
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
   template (`raw_prompt`), and the same parameters (`logprobs`: the legacy API's count of
@@ -212,8 +213,7 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
 
 # Chat-completion parameters the engine does not implement, with the values that mean "not used".
 UNSUPPORTED = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
     "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
 }
@@ -308,7 +308,10 @@ def _request_options(body: dict, base_model: str, inp: inference_service_pb2.Inf
             raise RequestError(f"{key} must be positive", key)
         _assign(p, "max_new_tokens", max_tokens, key)
     for name, kind, field in (("temperature", float, "temperature"), ("top_p", float, "top_p"),
-                              ("top_k", int, "top_k"), ("min_p", float, "min_p"), ("seed", int, "seed")):
+                              ("top_k", int, "top_k"), ("min_p", float, "min_p"), ("seed", int, "seed"),
+                              ("presence_penalty", float, "presence_penalty"),
+                              ("frequency_penalty", float, "frequency_penalty"),
+                              ("repetition_penalty", float, "repetition_penalty")):
         value = _number(body, name, kind)
         if value is not None:
             _assign(p, field, value, name)

@@ -140,6 +140,12 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         out.append(FieldViolation(f"{pp}.top_logprobs", f"{p.top_logprobs} not in [0, {MAX_TOP_LOGPROBS}]"))
     elif p.top_logprobs and not p.logprobs:
         out.append(FieldViolation(f"{pp}.top_logprobs", "needs logprobs"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+            out.append(FieldViolation(f"{pp}.{name}", f"{value} not in [-2, 2] (0 = off)"))
+    if not math.isfinite(p.repetition_penalty) or not 0.0 <= p.repetition_penalty <= 2.0:
+        out.append(FieldViolation(f"{pp}.repetition_penalty", f"{p.repetition_penalty} not in (0, 2] (0 = 1, off)"))
     if not math.isfinite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
         out.append(FieldViolation(f"{pp}.min_p", f"{p.min_p} not in [0, 1] (0 = off)"))
     if len(p.stop) > limits.max_stop_sequences:

@@ -71,7 +71,7 @@ class Decoder:
         greedy, logits = self.runner.decode(rows, step, bucket_rows(len(rows)), ids=ids)
         for s in rows:
             s.length += 1
-        tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows])
+        tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
         return tokens, self.runner.logprobs(rows, logits, tokens)
 
     def _pipelined(self, rows: list[Sequence]) -> bool:

@@ -46,6 +46,9 @@ class RequestIntake:
         sp = request.sampling
         if sp.temperature < 0 or not 0 <= sp.top_p <= 1 or sp.top_k < 0 or not 0 <= sp.min_p <= 1:
             raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0, min_p in [0, 1]")
+        if not (abs(sp.presence_penalty) <= 2 and abs(sp.frequency_penalty) <= 2 and 0 < sp.repetition_penalty <= 2):
+            raise invalid_field("item.params", "presence and frequency penalties in [-2, 2], repetition_penalty "
+                                "in (0, 2]")
         if not -1 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_field("item.params.top_logprobs", f"{request.logprobs} is not in [-1, {MAX_TOP_LOGPROBS}]")
         fraction = request.adapter_release_fraction

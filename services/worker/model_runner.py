@@ -238,13 +238,40 @@ class ModelRunner:
             self.runtime.step = None
 
     def choose(self, rows: list[Sequence], greedy: torch.Tensor, logits: torch.Tensor,
-               counters: list[int]) -> torch.Tensor:
-        """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy, else
-        sampled in one batched call (sampling.py; `counters`: the positions the tokens take)."""
+               counters: list[int], pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy and
+        none has penalties, else sampled in one batched call (sampling.py; `counters`: the
+        positions the tokens take; `pending`: each row's last token when it is still only on the
+        device, a pipelined step's)."""
         params = [s.req.sampling for s in rows]
-        if all(p.greedy for p in params):
+        if all(p.greedy and not p.penalized for p in params):
             return greedy
-        return sample(logits, RowSampling.of(params, self.device), self.upload(torch.tensor(counters)))
+        rs = RowSampling.of(params, self.device)
+        history = None if rs.penalties is None else self._history(rows, logits.shape[-1], pending)
+        return sample(logits[:len(rows)], rs, self.upload(torch.tensor(counters)), history)
+
+    def _history(self, rows: list[Sequence], vocab: int, pending: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The penalties' inputs on the device: each row's output token counts (rows, vocab) and
+        which tokens its prompt or output holds (bool), from the tokens the host has and `pending`."""
+        n = len(rows)
+        width = max(1, max(len(s.tokens) for s in rows))
+        out = torch.full((n, width), vocab, dtype=torch.long)  # column `vocab`: padding, dropped below
+        for i, s in enumerate(rows):
+            if s.tokens:
+                out[i, :len(s.tokens)] = torch.tensor(s.tokens)
+        counts = torch.zeros(n, vocab + 1, device=self.device)
+        counts.scatter_add_(1, self.upload(out), torch.ones(n, width, device=self.device))
+        if pending is not None:
+            counts[:, :vocab].scatter_add_(1, pending[:n].view(-1, 1).long(), torch.ones(n, 1, device=self.device))
+        prompt_width = max(s.prep.prompt_tokens for s in rows)
+        prompt = torch.full((n, prompt_width), vocab, dtype=torch.long)
+        for i, s in enumerate(rows):
+            prompt[i, :s.prep.prompt_tokens] = s.prep.inputs["input_ids"][0]
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=self.device)
+        seen.scatter_(1, self.upload(prompt), True)
+        counts = counts[:, :vocab]
+        return counts, seen[:, :vocab] | (counts > 0)
 
     def logprobs(self, rows: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
         """The rows' packed token log-probabilities (sampling.token_logprobs, as many alternatives

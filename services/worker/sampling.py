@@ -1,5 +1,6 @@
 """Next-token choice for a batch of rows, on the device: greedy (temperature 0) or temperature /
-top-k / top-p / min-p sampling, seeded per request.
+top-k / top-p / min-p sampling, seeded per request, after the repetition, frequency and presence
+penalties (vLLM's and OpenAI's meanings: `penalize`).
 
 `sample` takes a step's logits (rows, vocab) and each row's parameters as device tensors and
 returns the tokens as a device tensor: no host copy of logits, no per-row work on the host, so a
@@ -33,6 +34,13 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0  # 0: a random seed (drawn once, when the request is prepared)
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0: off)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +88,7 @@ class RowSampling:
     seed: torch.Tensor
     filtered: bool
     min_p: torch.Tensor
+    penalties: torch.Tensor | None = None  # (3, rows): repetition, frequency, presence; None: no row has any
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
@@ -89,13 +98,36 @@ class RowSampling:
                               pin_memory=pin).to(device, non_blocking=True)
         longs = torch.tensor([[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64,
                              pin_memory=pin).to(device, non_blocking=True)
+        penalties = None
+        if any(p.penalized for p in params):
+            penalties = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                      [p.presence_penalty for p in params]], dtype=torch.float32,
+                                     pin_memory=pin).to(device, non_blocking=True)
         return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy),
-                   floats[2])
+                   floats[2], penalties)
 
 
-def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor) -> torch.Tensor:
+def penalize(logits: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor
+             ) -> torch.Tensor:
+    """fp32 logits after the penalties (3, rows) of RowSampling: a token of the prompt or the
+    output (`seen`, rows x vocab bool) has its logit divided by the repetition penalty when
+    positive, multiplied when negative (HF's and vLLM's repetition_penalty); then each token's
+    logit loses frequency x its count in the output (`counts`) and presence x (count > 0)
+    (OpenAI's frequency and presence penalties). Penalties of 1, 0 and 0 change nothing."""
+    out = logits.float()
+    rep, freq, pres = (p[:, None] for p in penalties)
+    out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+    return out - freq * counts - pres * (counts > 0).float()
+
+
+def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor,
+           history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(rows,) long tokens for (rows, vocab) logits. `counters` (rows,) long: the position each
-    row's token will take (the noise's counter)."""
+    row's token will take (the noise's counter). `history`: (output counts, prompt-or-output
+    seen) per row and vocabulary entry, when rows.penalties is set (`penalize` applies first; the
+    greedy rows' argmax is then the penalized one's)."""
+    if rows.penalties is not None:
+        logits = penalize(logits, rows.penalties, *history)
     greedy = logits.argmax(-1)
     scores = logits.float() / rows.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
     noise = -torch.log(-torch.log(uniforms(rows.seed, counters, logits.shape[-1])))

@@ -118,6 +118,32 @@ def test_logprobs_are_the_models_token_log_probabilities(engine, model_path, bun
         assert all(abs(v - float(w)) < 1e-3 for (_, v), w in zip(lp.top, top.values))
 
 
+def test_repetition_penalty_gives_hf_generates_tokens(engine, model_path, bundles, tmp_path):
+    """repetition_penalty 1.8 (greedy, with an adapter), beside a request without penalties:
+    token for token PEFT + HF generate's with the same penalty over prompt and output; a sampled
+    row with frequency and presence penalties is reproducible by its seed."""
+    from peft import PeftModel
+
+    from services.worker.model import load_processor
+
+    img, prompt = random_image(6), "Describe the image."
+    penalized = SamplingParams(repetition_penalty=1.8)
+    sampled = SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.5, presence_penalty=0.5)
+    reqs = [WorkRequest("rep", prompt, [img], adapter=A, max_new_tokens=12, sampling=penalized),
+            WorkRequest("plain", prompt, [img], adapter=A, max_new_tokens=12),
+            WorkRequest("freq", prompt, [img], adapter=A, max_new_tokens=12, sampling=sampled)]
+    got = run_concurrently(engine, reqs)
+    again = run_concurrently(engine, reqs[2:])
+    model = PeftModel.from_pretrained(load_model(model_path, DEVICE),
+                                      write_peft_dir(bundles[A], tmp_path / "peft-rep")).eval()
+    inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=12, do_sample=False, repetition_penalty=1.8)
+    assert got["rep"][1].token_ids == want[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got["rep"][1].token_ids != got["plain"][1].token_ids  # the penalty changed the answer
+    assert again["freq"][1].token_ids == got["freq"][1].token_ids
+
+
 def test_batched_requests_of_different_adapters_match_peft(engine, model_path, bundles, tmp_path):
     prompt = "Describe the image."
     targets = {"base": None, "a": A, "b": B, "c": C}

@@ -399,9 +399,11 @@ def test_request_parsing():
     assert stream and inp.task == "tasks/count" and inp.output_kind == types_pb2.OUTPUT_KIND_LABEL
     assert inp.system == "Be brief." and inp.prompt == "Count." and not inp.history
     neutral, _ = build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "top_k": 5,
-                              "min_p": 0.25, "logprobs": False, "presence_penalty": 0,
-                              "response_format": {"type": "text"}}, "valora-base")
-    assert neutral.params.top_k == 5 and neutral.params.min_p == 0.25  # passed on
+                              "min_p": 0.25, "logprobs": False, "presence_penalty": 0.5, "frequency_penalty": -1,
+                              "repetition_penalty": 1.2, "response_format": {"type": "text"}}, "valora-base")
+    p = neutral.params
+    assert p.top_k == 5 and p.min_p == 0.25 and not p.logprobs  # passed on
+    assert (p.presence_penalty, p.frequency_penalty, round(p.repetition_penalty, 3)) == (0.5, -1.0, 1.2)
     # (neutral values of unsupported parameters are fine)
     url, _ = png_data_url()
     inp, _ = build_input({"model": "valora-base", "messages": [
@@ -430,8 +432,8 @@ def test_request_parsing():
                                                                {"role": "user", "content": "y"}]},
                          "messages[0].role"),
                         *[({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, key)
-                          for key, value in (("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", 0.5),
-                                             ("frequency_penalty", -1), ("response_format", {"type": "json_object"}),
+                          for key, value in (("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", "0.5"),
+                                             ("logit_bias", {"42": 3}), ("response_format", {"type": "json_object"}),
                                              ("tools", [{"type": "function"}]), ("min_p", "0.1"))]]:
         with pytest.raises(RequestError) as exc:
             build_input(body, "valora-base")

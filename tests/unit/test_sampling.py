@@ -87,3 +87,27 @@ def test_greedy_rows_and_tiny_temperatures_take_the_argmax():
     again = sample(logits, RowSampling.of(params, CPU), torch.tensor([7, 7, 7, 7]))
     assert torch.equal(got, again)  # seeded: the same tokens again
     assert SamplingParams(temperature=0.5).seeded().seed != 0 and SamplingParams().seeded().seed == 0
+
+
+def test_penalties_follow_hf_and_openai():
+    """repetition divides positive / multiplies negative logits of seen tokens; frequency and
+    presence subtract per occurrence / once; neutral values change nothing."""
+    from services.worker.sampling import penalize
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    counts = torch.tensor([[2.0, 0.0, 1.0, 0.0]])
+    seen = torch.tensor([[True, True, True, False]])  # token 1 only in the prompt
+    rep = penalize(logits, torch.tensor([[2.0], [0.0], [0.0]]), counts, seen)
+    assert rep.tolist() == [[1.0, -2.0, 0.25, 3.0]]
+    freq_pres = penalize(logits, torch.tensor([[1.0], [0.5], [0.25]]), counts, seen)
+    assert freq_pres.tolist() == [[2.0 - 1.0 - 0.25, -1.0, 0.5 - 0.5 - 0.25, 3.0]]
+    assert torch.equal(penalize(logits, torch.tensor([[1.0], [0.0], [0.0]]), counts, seen), logits)
+
+
+def test_a_penalized_greedy_row_takes_the_penalized_argmax():
+    logits = torch.tensor([[3.0, 2.9, 0.0], [3.0, 2.9, 0.0]])
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams()]
+    rows = RowSampling.of(params, CPU)
+    history = (torch.tensor([[1.0, 0, 0], [1.0, 0, 0]]), torch.tensor([[True, False, False]] * 2))
+    got = sample(logits, rows, torch.tensor([0, 0]), history)
+    assert got.tolist() == [1, 0]  # 3 / 1.5 < 2.9 for the penalized row; the other keeps its argmax
