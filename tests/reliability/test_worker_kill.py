@@ -40,6 +40,29 @@ def running(cluster, address: str) -> int:
             return -1
 
 
+def long_stream(cluster, stub, workers: dict, request_prefix: str, seed: int, timeout_s: float = 120):
+    """A stream of up to 1000 sampled tokens that has sent its first text: (its message iterator,
+    the name of the worker running it). A sampled EOS can end a stream early: up to 5 tries."""
+    for attempt in range(5):
+        params = types_pb2.GenerationParams(max_new_tokens=1000, temperature=0.7, seed=seed + attempt)
+        request = inf.InferStreamRequest(request_id=f"{request_prefix}-{attempt}",
+                                         input=inf.InferenceInput(prompt="Tell a long story.", params=params))
+        call = stub.InferStream(request, timeout=timeout_s, metadata=md(API_KEY))
+        it = iter(call)
+        first = next(it, None)
+        name = None
+        for _ in range(20):
+            where = {nm: running(cluster, p.address) for nm, p in workers.items()}
+            name = next((nm for nm, r in where.items() if r == 1), None)
+            if name is not None or first is None:
+                break
+            time.sleep(0.05)
+        if first is not None and first.text_delta and name is not None:
+            return it, name
+        call.cancel()
+    raise AssertionError("no long stream found running on a worker")
+
+
 def test_worker_sigkill_before_and_after_first_token(cluster):
     workers = {p.name: p for p in cluster.processes if p.service == "worker"}
     sched_log = Path(next(p.log for p in cluster.processes if p.service == "scheduler"))
@@ -76,25 +99,7 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
     wait_scheduler_sees(cluster, workers["worker-0"].address, True, 20)
 
     # -- after the first token: a long stream; kill the worker running it.
-    name = None
-    for attempt in range(5):  # a sampled EOS can end a stream early: start another
-        call = stub.InferStream(inf.InferStreamRequest(request_id=f"kill-after-{attempt}", input=inf.InferenceInput(
-            prompt="Tell a long story.", params=types_pb2.GenerationParams(max_new_tokens=1000, temperature=0.7,
-                                                                           seed=3 + attempt))),
-            timeout=120, metadata=md(API_KEY))
-        it = iter(call)
-        first = next(it, None)
-        for _ in range(20):
-            where = {nm: running(cluster, p.address) for nm, p in workers.items()}
-            name = next((nm for nm, r in where.items() if r == 1), None)
-            if name is not None or first is None:
-                break
-            time.sleep(0.05)
-        if first is not None and first.text_delta and name is not None:
-            break
-        call.cancel()
-        name = None
-    assert name is not None, "no long stream found running on a worker"
+    it, name = long_stream(cluster, stub, workers, "kill-after", seed=3)
     other = next(nm for nm in workers if nm != name)
     env = process_env(workers[name].pid)
     replayed = [0]

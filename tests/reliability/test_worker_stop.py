@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from tests.reliability.conftest import API_KEY, kill, md, record, wait_scheduler_sees
-from tests.reliability.test_worker_kill import running
+from tests.reliability.test_worker_kill import long_stream, running
 from valora.v1 import inference_service_pb2 as inf
 from valora.v1 import inference_service_pb2_grpc as inf_grpc
 from valora.v1 import types_pb2
@@ -24,25 +24,7 @@ DEADLINE_S = 120
 def test_worker_frozen_mid_stream_fails_the_stream_fast_and_comes_back(cluster):
     workers = {p.name: p for p in cluster.processes if p.service == "worker"}
     stub = inf_grpc.InferenceServiceStub(grpc.insecure_channel(cluster.gateway))
-    name = None
-    for attempt in range(5):  # a sampled EOS can end a stream early: start another
-        call = stub.InferStream(inf.InferStreamRequest(request_id=f"stop-{attempt}", input=inf.InferenceInput(
-            prompt="Tell a long story.", params=types_pb2.GenerationParams(max_new_tokens=1000, temperature=0.7,
-                                                                           seed=11 + attempt))),
-            timeout=DEADLINE_S, metadata=md(API_KEY))
-        it = iter(call)
-        first = next(it, None)
-        for _ in range(20):
-            where = {nm: running(cluster, p.address) for nm, p in workers.items()}
-            name = next((nm for nm, r in where.items() if r == 1), None)
-            if name is not None or first is None:
-                break
-            time.sleep(0.05)
-        if first is not None and first.text_delta and name is not None:
-            break
-        call.cancel()
-        name = None
-    assert name is not None, "no long stream found running on a worker"
+    it, name = long_stream(cluster, stub, workers, "stop", seed=11, timeout_s=DEADLINE_S)
     other = next(nm for nm in workers if nm != name)
     replayed, stop = [0], threading.Event()
 

@@ -33,8 +33,9 @@ def run(model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None =
         **config) -> tuple[dict, Engine]:
     """`before(engine)`: called once the adapters are loaded, before the requests."""
     reqs = reqs or requests()
-    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", max_batch_size=8,
-                              max_prefills_per_step=8, device_slots=3, **config))
+    config = {"decode_graphs": "static", "max_batch_size": 8, "max_prefills_per_step": 8, "device_slots": 3,
+              **config}
+    eng = Engine(EngineConfig(model_path=model_path, **config))
     eng.eos_ids = set()  # every request runs its full length
     eng.start()
     try:

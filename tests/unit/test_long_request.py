@@ -5,13 +5,10 @@ the tokens it gets in a roomy pool, and every block comes back."""
 
 from __future__ import annotations
 
-import queue
-
 from services.worker.engine import Engine, EngineConfig
-from services.worker.requests import Failed, Finished, WorkRequest
-from services.worker.testing import load_random_adapters, random_image
-
-A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
+from services.worker.requests import WorkRequest
+from services.worker.testing import random_image
+from tests.unit.test_decode_graphs import A, B, run  # the same engine run: adapters loaded, all queued at once
 LONG_TOKENS = 3500
 SHORT = 31
 
@@ -23,29 +20,6 @@ def requests(long_prompt: str) -> list[WorkRequest]:
     return reqs + [WorkRequest("long", long_prompt, raw_prompt=True, adapter=A, max_new_tokens=24)]
 
 
-def run(model_path, reqs: list[WorkRequest], **config) -> tuple[dict, Engine]:
-    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", max_batch_size=32,
-                              max_prefills_per_step=8, device_slots=3, **config))
-    eng.eos_ids = set()  # every request runs its full length
-    eng.start()
-    try:
-        load_random_adapters(eng, model_path, (A, B))
-        events: queue.Queue = queue.Queue()
-        with eng._wake:  # all queued before the first step: the same order in every run
-            for r in reqs:
-                eng.submit(eng.prepare(r), events.put)
-        out = {}
-        while len(out) < len(reqs):
-            ev = events.get(timeout=300)
-            if isinstance(ev, Failed):
-                raise ev.error
-            if isinstance(ev, Finished):
-                out[ev.result.request_id] = ev.result.token_ids
-        return out, eng
-    finally:
-        eng.stop()
-
-
 def test_a_long_request_beside_31_streams_finishes_in_a_tight_pool(model_path):
     probe = Engine(EngineConfig(model_path=model_path, max_batch_size=1))
     words = "the quick brown fox jumps over the lazy dog " * (LONG_TOKENS // 8)
@@ -53,11 +27,12 @@ def test_a_long_request_beside_31_streams_finishes_in_a_tight_pool(model_path):
     assert 3000 < n < 4000, n
     block_bytes, block = probe.kv_pool.block_bytes, probe.kv.block_size
     reqs = requests(words)
-    roomy, _ = run(model_path, reqs)
+    roomy, _ = run(model_path, reqs, max_batch_size=32)
     # The long request alone needs ~220 blocks of 16 tokens, the streams ~4 each: 300 blocks hold
     # the long one and a few streams at a time.
     need_long = -(-(n + 24) // block)
-    tight, eng = run(model_path, reqs, max_prefill_tokens=512, kv_cache_bytes=(need_long + 80) * block_bytes)
+    tight, eng = run(model_path, reqs, max_batch_size=32, max_prefill_tokens=512,
+                     kv_cache_bytes=(need_long + 80) * block_bytes)
     assert tight == roomy
     assert {rid: len(t) for rid, t in tight.items()} == {r.request_id: r.max_new_tokens for r in reqs}
     chunks_beside_decode = [d for p, d, _ in eng.step_log if p == 1 and d > 0]
