@@ -1,8 +1,9 @@
-"""Prints the project's pinned runtime dependencies from pyproject.toml, one per line, less
-the ones named with --exclude (by distribution name). The images install from this so the
-pins live in one place; the control-plane image excludes torch and the model stack.
+"""Prints the project's pinned runtime dependencies from pyproject.toml, one per line: the
+client's, those of the --extra groups (the images take `server`), less the ones named with
+--exclude (by distribution name). The images install from this so the pins live in one place;
+the control-plane image excludes torch and the model stack.
 
-    python requirements.py /app/pyproject.toml --exclude torch transformers peft
+    python requirements.py /app/pyproject.toml --extra server --exclude torch transformers peft
 """
 
 from __future__ import annotations

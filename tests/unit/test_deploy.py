@@ -447,8 +447,10 @@ def test_dockerfile_copies_only_what_the_context_sends():
 
 def test_requirements_helper_keeps_pins_and_drops_torch():
     helper = load_script(DEPLOY / "docker" / "requirements.py")
-    cpu = helper.requirements(str(ROOT / "pyproject.toml"), ["torch", "transformers", "peft"], [])
+    cpu = helper.requirements(str(ROOT / "pyproject.toml"), ["torch", "transformers", "peft"], ["server"])
     names = {helper.dist_name(r) for r in cpu}
+    client = {helper.dist_name(r) for r in helper.requirements(str(ROOT / "pyproject.toml"), [], [])}
+    assert "grpcio" in client and not client & {"torch", "sqlalchemy", "scikit-learn", "aiohttp"}
     assert not names & {"torch", "transformers", "peft"}
     assert {"grpcio", "grpcio-health-checking", "pydantic-settings", "sqlalchemy", "psycopg", "minio"} <= names
     assert all("==" in r for r in cpu), "pins must pass through unchanged"
