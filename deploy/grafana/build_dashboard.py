@@ -156,18 +156,22 @@ def build() -> dict:
          [{"expr": f"sum by (worker, direction) (rate(valora:adapter_swaps_total{RATE}))",
            "legendFormat": "{{worker}} {{direction}}"}], "ops"),
     ])
-    b.row("Kernels")
+    b.row("Engine")
     b.series([
-        ("ATMM time per engine step", "valora:atmm_seconds (multi-LoRA op time per step).",
-         quantiles("valora:atmm_seconds"), "s"),
-        ("ATMM p99 by worker", "valora:atmm_seconds, 99th percentile per worker.",
-         [{"expr": f"histogram_quantile(0.99, sum by (le, worker) (rate(valora:atmm_seconds_bucket{RATE})))",
-           "legendFormat": "{{worker}}"}], "s"),
+        ("Engine step time", "valora:engine_step_seconds by kind (prefill: a prefill forward, decode beside it or "
+         "not; decode).",
+         [{"expr": f"histogram_quantile(0.5, sum by (le, kind) (rate(valora:engine_step_seconds_bucket{RATE})))",
+           "legendFormat": "p50 {{kind}}"},
+          {"expr": f"histogram_quantile(0.99, sum by (le, kind) (rate(valora:engine_step_seconds_bucket{RATE})))",
+           "legendFormat": "p99 {{kind}}"}], "s"),
+        ("Adapters loaded", "valora:lora_adapters per worker: resident in the device pool, and loaded on the host.",
+         [{"expr": "sum by (worker, where) (valora:lora_adapters)", "legendFormat": "{{worker}} {{where}}"}],
+         "short"),
     ])
     return {
         "uid": "valora-overview",
         "title": "valora",
-        "description": "valora multi-LoRA serving: load, latency, inference modes, adapters, ATMM.",
+        "description": "valora multi-LoRA serving: load, latency, inference modes, adapters, engine steps.",
         "tags": ["valora"],
         "timezone": "browser",
         "editable": True,

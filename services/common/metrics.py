@@ -41,10 +41,13 @@ KV_CACHE_USAGE = Gauge("valora:kv_cache_usage_perc", "Share of the worker's page
                        ["worker"])
 MODE = Gauge("valora:mode", "1 for the worker's current inference mode.", ["worker", "mode"])
 MODE_SWITCHES = Counter("valora:mode_switches_total", "Merge/unmerge/switch operations.", ["worker", "kind"])
+LORA_ADAPTERS = Gauge("valora:lora_adapters", "Adapters loaded on a worker, by where their weights are: resident "
+                      "(in the device pool) or host (all loaded ones).", ["worker", "where"])
 ADAPTER_SWAPS = Counter("valora:adapter_swaps_total", "Adapters copied host→device or evicted.",
                         ["worker", "direction"])
-ATMM_SECONDS = Histogram("valora:atmm_seconds", "Multi-LoRA op time per engine step.", ["worker"],
-                         buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1))
+ENGINE_STEP = Histogram("valora:engine_step_seconds", "Engine steps by what they ran: prefill (a prefill forward, "
+                        "decode rows beside it or not) or decode.", ["worker", "kind"],
+                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 
 _labels_lock = threading.Lock()
 _adapter_labels: set[str] = set()

@@ -395,6 +395,10 @@ class AdapterPool:
         with self._lock:
             return sorted(self._slot_of)
 
+    def counts(self) -> tuple[int, int]:
+        """(resident, host) adapters, without the lock (metrics poll it while the engine may be stuck)."""
+        return len(self._slot_of), len(self._host)
+
     # -- device side -----------------------------------------------------------------------
     def to_device(self, name: str) -> int | None:
         """Makes `name` resident (evicting the LRU unheld adapter if needed); its slot, or None

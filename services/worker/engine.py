@@ -164,6 +164,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
+        self.steps = 0  # steps logged so far (readers take step_log's entries since their last look)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
         self._running_count = 0
@@ -371,6 +372,7 @@ class Engine:
         # latency); consecutive step times still add up to wall time.
         ms = (time.perf_counter() - t0) * 1e3
         self.step_log.append((len(batch), decoding, ms))
+        self.steps += 1
         self._update_stats(step_ms=ms)
 
     def _fail_waiting(self, s: Sequence, error: ValoraError | None) -> None:

@@ -695,13 +695,20 @@ async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, per
     as soon as one dies, NOT_SERVING and the process fails (it drains and exits non-zero, so its
     supervisor starts it again). An engine loop that began no step for `stall_s` seconds (a hung
     device, a deadlock) is NOT_SERVING until it beats again (0: not watched)."""
-    stalled = False
+    stalled, steps_seen = False, 0
     while True:
         await asyncio.sleep(period_s)
         if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
-            metrics.REQUESTS_RUNNING.labels(servicer.worker_name).set(servicer.engine.running_count)
-            metrics.KV_CACHE_USAGE.labels(servicer.worker_name).set(servicer.engine.kv_usage)
-            mode = servicer.engine.adapters.mode
+            engine, name = servicer.engine, servicer.worker_name
+            metrics.REQUESTS_RUNNING.labels(name).set(engine.running_count)
+            metrics.KV_CACHE_USAGE.labels(name).set(engine.kv_usage)
+            resident, host = engine.pool.counts()
+            metrics.LORA_ADAPTERS.labels(name, "resident").set(resident)
+            metrics.LORA_ADAPTERS.labels(name, "host").set(host)
+            new, steps_seen = min(engine.steps - steps_seen, engine.step_log.maxlen), engine.steps
+            for prefill_rows, _, ms in list(engine.step_log)[-new:] if new else ():
+                metrics.ENGINE_STEP.labels(name, "prefill" if prefill_rows else "decode").observe(ms / 1e3)
+            mode = engine.adapters.mode
             for m in Mode:  # valora:mode is the engine's, from start-up on (not only after SetMode)
                 metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == mode else 0)
         if servicer.engine is not None and not servicer.engine.alive:

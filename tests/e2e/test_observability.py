@@ -88,9 +88,10 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     scheduler = scrape(cluster.by_service("scheduler")[0].metrics_url)
     worker_info = cluster.by_service("worker")[0]
     deadline = time.monotonic() + 10
-    while True:  # the worker publishes running/mode from its watch loop (every 0.5 s)
+    while True:  # the worker publishes running/mode/steps from its watch loop (every 0.5 s)
         worker = scrape(worker_info.metrics_url)
-        if has(worker, "valora:mode") or time.monotonic() > deadline:
+        if (has(worker, "valora:mode") and total(worker, "valora:engine_step_seconds_count", kind="decode")
+                or time.monotonic() > deadline):
             break
         time.sleep(0.2)
 
@@ -111,6 +112,9 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     gaps = total(worker, "valora:generation_tokens_total") - total(worker, "valora:request_success_total")
     assert total(worker, "valora:inter_token_latency_seconds_count") >= gaps > traffic
     assert has(worker, "valora:kv_cache_usage_perc")
+    assert total(worker, "valora:engine_step_seconds_count", kind="prefill") >= 1  # every step, by kind
+    assert total(worker, "valora:engine_step_seconds_count", kind="decode") >= 1
+    assert total(worker, "valora:lora_adapters", where="host") >= 1  # the traffic's adapter
     modes = {dict(lbl)["mode"]: v for (n, lbl), v in worker.items() if n == "valora:mode"}
     assert sum(modes.values()) == 1, f"exactly one current mode per worker: {modes}"
     assert all(dict(lbl)["worker"] == worker_info.name for (n, lbl), _ in worker.items() if n == "valora:mode")
