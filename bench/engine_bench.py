@@ -43,7 +43,8 @@ from bench.common import RESULTS, exit_rank, run_info, write_json
 from services.common.server import freeze_startup_heap
 from services.worker.model import ensure_shape_model, ensure_tiny_model, load_model, load_processor
 from services.worker.processor import chat_text
-from services.worker.requests import Failed, Finished, Mode, WorkRequest
+from services.worker.requests import Failed, Finished, WorkRequest
+from services.common.modes import Mode
 from services.worker.testing import random_adapter_bundle, write_peft_dir
 
 PROMPT = "Describe."  # with the chat template: 33 text tokens beside the image's 256 (§3: 32)

@@ -25,7 +25,7 @@ import structlog
 from services.common import metrics
 from services.common.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
 from services.scheduler.policy import ModeCommand, PrefetchHint, SchedulingPolicy, WaitingRequest
-from services.scheduler.workers import MODE_TO_PB, WorkerPool
+from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import work_pb2, worker_service_pb2
 
 log = structlog.get_logger()
@@ -170,7 +170,7 @@ class Dispatcher:
 
     def _send_mode(self, cmd: ModeCommand) -> None:
         handle = self.pool[cmd.worker]
-        req = worker_service_pb2.SetModeRequest(mode=MODE_TO_PB[cmd.mode])
+        req = worker_service_pb2.SetModeRequest(mode=cmd.mode.to_pb())
         if cmd.merged_adapter:
             req.merged_adapter.CopyFrom(work_pb2.AdapterRef(version=cmd.merged_adapter))
         # Optimistic until the call ends (statuses reported meanwhile keep it, see WorkerPool._apply),

@@ -24,21 +24,12 @@ Policies (registry `POLICIES`, chosen by the `policy` setting, env VALORA_POLICY
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.common.modes import Mode
 
-
-class Mode(enum.Enum):
-    """A worker's inference mode (mirrors valora.v1.InferenceMode without importing it)."""
-
-    UNKNOWN = "unknown"
-    BASE = "base"
-    MERGED = "merged"
-    UNMERGED = "unmerged"
-    MIXTURE = "mixture"
 
 
 @dataclass(frozen=True)

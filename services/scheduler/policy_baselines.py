@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from services.scheduler.policy import (
     Assignment,
     Decision,
-    Mode,
     ModeCommand,
     PrefetchHint,
     SchedulingPolicy,
@@ -23,6 +22,7 @@ from services.scheduler.policy import (
     WorkerView,
     live_workers,
 )
+from services.common.modes import Mode
 
 
 class UnmergedFCFSPolicy(SchedulingPolicy):

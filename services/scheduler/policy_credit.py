@@ -42,7 +42,6 @@ from services.scheduler.credits import credit_of
 from services.scheduler.policy import (
     Assignment,
     Decision,
-    Mode,
     ModeCommand,
     SchedulingPolicy,
     WaitingRequest,
@@ -50,6 +49,7 @@ from services.scheduler.policy import (
     live_workers,
     merged_of,
 )
+from services.common.modes import Mode
 from services.scheduler.policy_baselines import prefetch_hints
 
 _NO_ADAPTER = ""  # sort key of the base model among adapter names

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.cost_model import CostModel
-from services.scheduler.policy import Mode, ModeCommand, SchedulingPolicy, WaitingRequest, WorkerView
+from services.scheduler.policy import ModeCommand, SchedulingPolicy, WaitingRequest, WorkerView
+from services.common.modes import Mode
 from services.scheduler.traces import TraceRequest
 
 

@@ -36,19 +36,13 @@ import grpc
 import structlog
 
 from services.common.channels import open_channel
-from services.scheduler.policy import Mode, WorkerView
+from services.scheduler.policy import WorkerView
+from services.common.modes import Mode
 from valora.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import admin_service_pb2, types_pb2
+from valora.v1 import admin_service_pb2
 
 log = structlog.get_logger()
 
-_MODES = {
-    types_pb2.INFERENCE_MODE_BASE: Mode.BASE,
-    types_pb2.INFERENCE_MODE_MERGED: Mode.MERGED,
-    types_pb2.INFERENCE_MODE_UNMERGED: Mode.UNMERGED,
-    types_pb2.INFERENCE_MODE_MIXTURE: Mode.MIXTURE,
-}
-MODE_TO_PB = {mode: pb for pb, mode in _MODES.items()}
 
 
 @dataclass
@@ -104,7 +98,7 @@ class WorkerHandle:
             max_batch_size=st.max_batch_size or self.registered_max_batch_size or self.default_max_batch_size,
             # The scheduler is the workers' only client: its own count is exact and current.
             running=running,
-            mode=_MODES.get(st.mode, Mode.UNKNOWN),
+            mode=Mode.from_pb(st.mode),
             merged_adapter=st.merged_adapter or None,
             resident_adapters=frozenset(st.resident_adapters),
             running_adapters=counts,

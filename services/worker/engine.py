@@ -56,12 +56,12 @@ from services.worker.requests import (
     Failed,
     Finished,
     GenerationResult,
-    Mode,
     OutputKind,
     RequestHandle,
     TextDelta,
     WorkRequest,
 )
+from services.common.modes import Mode
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
 from services.worker.tensor_parallel import TPGroup

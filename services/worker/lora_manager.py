@@ -16,7 +16,7 @@ from services.common.adapter_format import BaseModelShapes
 from services.common.errors import FailedPrecondition, invalid_field
 from services.worker.adapters import AdapterPool, AdapterWeights, parse_bundle
 from services.worker.lora_plans import LoraPlanner
-from services.worker.requests import Mode
+from services.common.modes import Mode
 from services.worker.switcher import Switcher
 from services.worker.tensor_parallel import TPGroup, shard_adapter
 

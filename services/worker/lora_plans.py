@@ -13,7 +13,7 @@ from __future__ import annotations
 from services.common.errors import FailedPrecondition
 from services.worker.adapters import AdapterPool
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora
-from services.worker.requests import Mode
+from services.common.modes import Mode
 from services.worker.sequence import Sequence
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.vision import CacheStats
 
@@ -15,15 +16,6 @@ from services.worker.vision import CacheStats
 class OutputKind(enum.Enum):
     TEXT = "text"
     LABEL = "label"
-
-
-class Mode(enum.Enum):
-    """How a request's adapter was applied (valora.v1.InferenceMode without the prefix)."""
-
-    BASE = "base"
-    MERGED = "merged"
-    UNMERGED = "unmerged"
-    MIXTURE = "mixture"
 
 
 class FinishReason(enum.Enum):

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.detokenizer import IncrementalDetokenizer
-from services.worker.requests import Mode, RequestHandle, WorkRequest
+from services.worker.requests import RequestHandle, WorkRequest
+from services.common.modes import Mode
 from services.worker.vision import VisionItem
 
 

@@ -39,10 +39,10 @@ from services.worker.requests import (
     Failed,
     Finished,
     FinishReason,
-    Mode,
     TextDelta,
     step_times,
 )
+from services.common.modes import Mode
 from services.worker.store_client import AdapterFetcher
 from services.worker.tensor_parallel import TPGroup, check_divisible, free_loopback_port
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_tiny_model
@@ -176,13 +176,6 @@ def _choice(name: str, value: object, accepted: dict[str, str]) -> object:
     return got
 
 
-_MODE_PB = {
-    Mode.BASE: types_pb2.INFERENCE_MODE_BASE,
-    Mode.MERGED: types_pb2.INFERENCE_MODE_MERGED,
-    Mode.UNMERGED: types_pb2.INFERENCE_MODE_UNMERGED,
-    Mode.MIXTURE: types_pb2.INFERENCE_MODE_MIXTURE,
-}
-_MODE_FROM_PB = {v: k for k, v in _MODE_PB.items()}
 _FINISH_PB = {
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: types_pb2.FINISH_REASON_EOS,
@@ -209,7 +202,7 @@ def result_to_pb(r, worker: str, token_text: TokenText | None = None) -> inferen
         usage=types_pb2.Usage(image_tokens=r.image_tokens, prompt_tokens=r.prompt_tokens,
                               output_tokens=r.output_tokens),
         timing=types_pb2.Timing(queue_ms=r.queue_ms, first_token_ms=r.first_token_ms, total_ms=r.total_ms),
-        mode=_MODE_PB[r.mode], adapter_version=r.adapter, worker=worker,
+        mode=r.mode.to_pb(), adapter_version=r.adapter, worker=worker,
         logprobs=logprobs_to_pb(r.logprobs, token_text) if r.logprobs else [],
     )
 
@@ -354,8 +347,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     async def SetMode(self, request, context):
         engine = self._engine()
-        mode = _MODE_FROM_PB.get(request.mode)
-        if mode is None:
+        mode = Mode.from_pb(request.mode)
+        if mode is Mode.UNKNOWN:
             raise invalid_field("mode", "must be MERGED, UNMERGED or MIXTURE (BASE = UNMERGED)")
         if mode == Mode.BASE:  # nothing merged: the same weights as UNMERGED
             mode = Mode.UNMERGED
@@ -415,7 +408,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         await self.ensure_adapter(to, request.to_adapter.sha256, field_path="to_adapter.version")
         switch_ms, changed = await self._change_mode(engine.switch, to, expected or None)
         return pb.SwitchResponse(switch_ms=switch_ms if changed else 0.0, already_switched=not changed,
-                                 mode=_MODE_PB[engine.stats().mode])
+                                 mode=engine.stats().mode.to_pb())
 
     async def GetWorkerStatus(self, request, context):
         return pb.GetWorkerStatusResponse(status=self._status(), step_times=self._step_times(),
@@ -429,7 +422,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         s = self.engine.stats()
         cache = s.image_cache
         return admin_service_pb2.WorkerStatus(
-            address=self.address, healthy=s.alive and self.is_serving(), mode=_MODE_PB[s.mode],
+            address=self.address, healthy=s.alive and self.is_serving(), mode=s.mode.to_pb(),
             merged_adapter=s.merged_adapter,
             resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
             max_batch_size=s.max_batch_size, device=s.device, kv_cache_bytes=s.kv_cache_bytes,

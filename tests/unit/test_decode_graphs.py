@@ -12,7 +12,8 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.worker.decode_graphs import bucket_rows
 from services.worker.engine import Engine, EngineConfig
-from services.worker.requests import Failed, Finished, Mode, WorkRequest
+from services.worker.requests import Failed, Finished, WorkRequest
+from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.testing import load_random_adapters, random_image
 

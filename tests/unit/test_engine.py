@@ -17,7 +17,8 @@ from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.engine import Engine, EngineConfig
 from services.worker.lora import LoraRuntime, install_lora
 from services.worker.model import build_inputs, load_model
-from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
+from services.worker.requests import Failed, Finished, FinishReason, OutputKind, TextDelta, WorkRequest
+from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.switcher import Switcher
 from services.worker.testing import TEST_KV_BYTES, random_adapter_bundle, random_image, write_peft_dir

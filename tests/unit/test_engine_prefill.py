@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.requests import Failed, Finished, FinishReason, Mode, OutputKind, TextDelta, WorkRequest
+from services.worker.requests import Failed, Finished, FinishReason, OutputKind, TextDelta, WorkRequest
+from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.testing import random_adapter_bundle, random_image
 

@@ -82,3 +82,15 @@ def test_the_scanner_sees_function_level_imports(tmp_path):
     (tmp_path / "m.py").write_text("import os\ndef f():\n    from services.worker.engine import Engine\n"
                                    "    from . import sibling\n")
     assert imports(tmp_path / "m.py") == [("os", 1), ("services.worker.engine", 3)]
+
+
+def test_one_mode_enum_and_its_proto_round_trip():
+    """Mode is defined once (services/common/modes.py) and converts to valora.v1.InferenceMode and
+    back for every value; an unknown proto value reads as UNKNOWN."""
+    from services.common.modes import Mode
+
+    defined = [f.relative_to(REPO) for f in sorted((REPO / "services").rglob("*.py"))
+               if any(isinstance(n, ast.ClassDef) and n.name == "Mode" for n in ast.walk(ast.parse(f.read_text())))]
+    assert defined == [Path("services/common/modes.py")]
+    assert all(Mode.from_pb(m.to_pb()) is m for m in Mode)
+    assert Mode.from_pb(999) is Mode.UNKNOWN

@@ -19,7 +19,8 @@ import pytest
 from bench import engine_bench
 from services.worker.engine import Engine, EngineConfig
 from services.worker.lora_manager import Command
-from services.worker.requests import Failed, Finished, FinishReason, Mode, TextDelta, WorkRequest
+from services.worker.requests import Failed, Finished, FinishReason, TextDelta, WorkRequest
+from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.server import WorkerSettings, engine_config
 from services.worker.testing import load_random_adapters, random_image

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from services.scheduler.cost_model import CPU_TINY, CostModel, load_profile
 from services.scheduler.policies import make_policy
-from services.scheduler.policy import Mode
+from services.common.modes import Mode
 from services.scheduler.sim import Simulator, simulate
 from services.scheduler.traces import (
     TraceRequest,

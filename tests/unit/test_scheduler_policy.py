@@ -1,11 +1,11 @@
 from services.scheduler.policy import (
     AffinityLeastLoadedPolicy,
     Assignment,
-    Mode,
     ModeCommand,
     WaitingRequest,
     WorkerView,
 )
+from services.common.modes import Mode
 
 A1 = "adapters/a/versions/1"
 B1 = "adapters/b/versions/1"

@@ -8,7 +8,8 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.cost_model import CostModel
 from services.scheduler.credits import credit_of, starving
 from services.scheduler.policies import POLICY_NAMES, make_policy
-from services.scheduler.policy import Mode, ModeCommand, PrefetchHint, WaitingRequest, WorkerView
+from services.scheduler.policy import ModeCommand, PrefetchHint, WaitingRequest, WorkerView
+from services.common.modes import Mode
 from services.scheduler.policy_baselines import PunicaPolicy, SLoRAPolicy
 from services.scheduler.policy_credit import CreditPolicy
 

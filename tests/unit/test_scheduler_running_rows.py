@@ -16,7 +16,8 @@ from test_scheduler_service import ADAPTER, FakeWorker, submit_request, wait_unt
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.cost_model import CostModel
 from services.scheduler.credits import estimate_prompt_tokens
-from services.scheduler.policy import Mode, ModeCommand, SchedulingPolicy, WaitingRequest
+from services.scheduler.policy import ModeCommand, SchedulingPolicy, WaitingRequest
+from services.common.modes import Mode
 from services.scheduler.policy_credit import CreditPolicy
 from services.scheduler.server import create_server
 from services.scheduler.workers import WorkerHandle

@@ -26,7 +26,8 @@ from bench.common import exit_rank
 from services.common.errors import FailedPrecondition
 from services.worker import tensor_parallel as tpm
 from services.worker.engine import Engine, EngineConfig
-from services.worker.requests import Failed, Finished, Mode, TextDelta, WorkRequest
+from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
+from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.testing import random_adapter_bundle, random_image
 

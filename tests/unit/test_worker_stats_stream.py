@@ -17,7 +17,7 @@ import pytest
 
 from services.common.server import build_service
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.policy import Mode
+from services.common.modes import Mode
 from services.scheduler.server import create_server as create_scheduler
 from services.scheduler.workers import WorkerPool
 from services.worker.model import ensure_tiny_model
