@@ -140,7 +140,7 @@ class ValoraClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         if internal_token:
-            from services.common.internal_auth import with_token  # noqa: PLC0415 - services only
+            from valora.internal_token import with_token  # noqa: PLC0415 - services only
 
             self._channel = with_token(self._channel, internal_token)
         self._inference = inf_grpc.InferenceServiceStub(self._channel)

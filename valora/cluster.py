@@ -61,7 +61,7 @@ class Cluster:
 
     def channel(self, address: str, options=()) -> grpc.Channel:
         """A channel to one of the cluster's internal services (the store, scheduler, a worker)."""
-        from services.common.internal_auth import with_token  # noqa: PLC0415
+        from valora.internal_token import with_token  # noqa: PLC0415
 
         return with_token(grpc.insecure_channel(address, options=list(options)), self.internal_token)
 
@@ -136,7 +136,7 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
 
 def wait_registered(scheduler: str, workers: int, timeout_s: float, token: str = "") -> None:
     """Blocks until the scheduler lists `workers` healthy workers (registered ones join at run time)."""
-    from services.common.internal_auth import with_token
+    from valora.internal_token import with_token
     from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 
     deadline = time.monotonic() + timeout_s

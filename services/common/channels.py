@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 from opentelemetry import trace
 
-from services.common.internal_auth import token_interceptors
+from valora.internal_token import token_interceptors
 from services.common.tracing import tracing_client_interceptors
 
 

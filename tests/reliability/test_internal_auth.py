@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.internal_auth import TOKEN_KEY
+from valora.internal_token import TOKEN_KEY
 from tests.reliability.conftest import record
 from valora.internal.v1 import adapter_store_service_pb2 as store
 from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc

@@ -40,6 +40,14 @@ def test_no_service_imports_another():
     assert not bad, "\n".join(bad)
 
 
+def test_the_sdk_imports_no_service():
+    """The SDK modules stand alone (the CLI and valora.cluster start services; tile_tables is a tool)."""
+    sdk = [REPO / "valora" / name for name in ("client.py", "errors.py", "internal_token.py")]
+    bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sdk for mod, line in imports(f)
+           if mod.split(".")[0] in ("services", "kernels", "torch")]
+    assert not bad, "\n".join(bad)
+
+
 def test_kernels_import_no_service_api():
     bad = violations(REPO / "kernels", lambda p: p[0] in ("services", "valora", "grpc"))
     assert not bad, "\n".join(bad)

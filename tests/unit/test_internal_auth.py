@@ -9,7 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.channels import open_channel
-from services.common.internal_auth import TOKEN_KEY, InternalAuthInterceptor, internal_token, with_token
+from services.common.internal_auth import InternalAuthInterceptor, internal_token
+from valora.internal_token import TOKEN_KEY, with_token
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server
 from tests.unit.test_scheduler_service import FakeWorker, submit_request
