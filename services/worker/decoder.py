@@ -53,8 +53,7 @@ class Decoder:
         if self._holdable(rows):
             self.pending = self._hold(rows, tokens, logprobs)
             return
-        packed = logprobs.tolist() if logprobs is not None else [None] * len(rows)
-        for s, token, lp in zip(rows, tokens.tolist(), packed):  # one device->host copy for the batch
+        for s, token, lp in zip(rows, tokens.tolist(), _rows_of(logprobs, len(rows))):  # one copy for the batch
             self.outputs.guard([s], self.outputs.accept, s, token, lp)  # a row that fails here fails alone
 
     def flush(self) -> None:
@@ -126,7 +125,12 @@ class Decoder:
         """Accepts a pending step's tokens; a row that finished or left since its launch drops its own."""
         if pending.copied is not None:
             pending.copied.synchronize()
-        packed = pending.logprobs.tolist() if pending.logprobs is not None else [None] * len(pending.rows)
-        for s, token, lp in zip(pending.rows, pending.host.tolist(), packed):
+        for s, token, lp in zip(pending.rows, pending.host.tolist(), _rows_of(pending.logprobs, len(pending.rows))):
             if not s.finished:
                 self.outputs.guard([s], self.outputs.accept, s, token, lp)
+
+
+def _rows_of(logprobs: torch.Tensor | None, n: int) -> list:
+    """Each row's packed log-probabilities (sampling.token_logprobs) as host lists; None each when
+    no row asked."""
+    return logprobs.tolist() if logprobs is not None else [None] * n

@@ -110,6 +110,7 @@ class Inbox:
 
     def halt_error(self, s: Sequence) -> ValoraError:
         """Why a halted sequence stops: CANCELLED or DEADLINE_EXCEEDED."""
-        if self._halts[s.id] if self.tp is not None else s.handle.cancelled:
+        cancelled = self._halts[s.id] if self.tp is not None else s.handle.cancelled
+        if cancelled:
             return Cancelled("request cancelled", reason="CANCELLED")
         return DeadlineExceeded(f"request {s.req.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED")

@@ -207,7 +207,7 @@ class ModelRunner:
         """The text rows' first tokens from their last hidden states (rows, hidden)."""
         b = len(rows)
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
-        logits, tokens = {}, {}
+        logits, tokens, logprobs = {}, {}, {}
         if text:
             head_in = hidden if len(text) == b else hidden[self.upload(torch.tensor(text))]
             head_out = self.model.lm_head(head_in)
@@ -217,8 +217,8 @@ class ModelRunner:
             packed = self.logprobs([rows[i] for i in text], head_out, chosen)
             logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
             if packed is not None:
-                return PrefillOutput(lengths, deltas, hidden, logits, tokens, dict(zip(text, packed.tolist())))
-        return PrefillOutput(lengths, deltas, hidden, logits, tokens)
+                logprobs = dict(zip(text, packed.tolist()))
+        return PrefillOutput(lengths, deltas, hidden, logits, tokens, logprobs)
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's

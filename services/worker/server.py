@@ -203,7 +203,7 @@ def result_to_pb(r, worker: str, token_text: TokenText | None = None) -> inferen
                               output_tokens=r.output_tokens),
         timing=types_pb2.Timing(queue_ms=r.queue_ms, first_token_ms=r.first_token_ms, total_ms=r.total_ms),
         mode=r.mode.to_pb(), adapter_version=r.adapter, worker=worker,
-        logprobs=logprobs_to_pb(r.logprobs, token_text) if r.logprobs else [],
+        logprobs=logprobs_to_pb(r.logprobs, token_text),
     )
 
 
@@ -309,8 +309,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     raise DeadlineExceeded(f"request {item.request_id} ran past its deadline",
                                            reason="DEADLINE_EXCEEDED") from None
                 if isinstance(ev, TextDelta):
-                    yield pb.GenerateResponse(text_delta=ev.text, logprobs=logprobs_to_pb(ev.logprobs, self.token_text)
-                                              if ev.logprobs else [])
+                    yield pb.GenerateResponse(text_delta=ev.text, logprobs=logprobs_to_pb(ev.logprobs, self.token_text))
                 elif isinstance(ev, Finished):
                     done = True
                     self._observe(ev.result)
@@ -698,7 +697,8 @@ async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, per
             resident, host = engine.pool.counts()
             metrics.LORA_ADAPTERS.labels(name, "resident").set(resident)
             metrics.LORA_ADAPTERS.labels(name, "host").set(host)
-            new, steps_seen = min(engine.steps - steps_seen, engine.step_log.maxlen), engine.steps
+            steps = engine.steps  # read once: the engine thread goes on logging
+            new, steps_seen = min(steps - steps_seen, engine.step_log.maxlen), steps
             for prefill_rows, _, ms in list(engine.step_log)[-new:] if new else ():
                 metrics.ENGINE_STEP.labels(name, "prefill" if prefill_rows else "decode").observe(ms / 1e3)
             mode = engine.adapters.mode
