@@ -40,6 +40,27 @@ def running(cluster, address: str) -> int:
             return -1
 
 
+class PeakRunning:
+    """Watches, from a thread, the most requests a worker runs at once (a stream replayed on it
+    shows as > 0) until stop(), which returns that peak."""
+
+    def __init__(self, cluster, address: str, period_s: float = 0.02) -> None:
+        self.peak, self._stop = 0, threading.Event()
+
+        def watch():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, running(cluster, address))
+                time.sleep(period_s)
+
+        self._thread = threading.Thread(target=watch, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak
+
+
 def long_stream(cluster, stub, workers: dict, request_prefix: str, seed: int, timeout_s: float = 120):
     """A stream of up to 1000 sampled tokens that has sent its first text: (its message iterator,
     the name of the worker running it). A sampled EOS can end a stream early: up to 5 tries."""
@@ -102,16 +123,7 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
     it, name = long_stream(cluster, stub, workers, "kill-after", seed=3)
     other = next(nm for nm in workers if nm != name)
     env = process_env(workers[name].pid)
-    replayed = [0]
-    stop = threading.Event()
-
-    def watch_other():
-        while not stop.is_set():
-            replayed[0] = max(replayed[0], running(cluster, workers[other].address))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch_other, daemon=True)
-    watcher.start()
+    other_peak = PeakRunning(cluster, workers[other].address)
     t_kill = time.monotonic()
     kill(workers[name].pid, signal.SIGKILL)
     code, deltas_after, result_after = "OK", 0, False
@@ -124,11 +136,10 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
     client_detect_s = time.monotonic() - t_kill
     sched_detect_s = client_detect_s + wait_scheduler_sees(cluster, workers[name].address, False, 20)
     time.sleep(1.0)
-    stop.set()
-    watcher.join(5)
+    replayed = other_peak.stop() > 0
     assert wait_exit(workers[name].pid, 10)
     figures["after_first_token"] = {"code": code, "result_after_kill": result_after,
-                                    "replayed_on_other_worker": replayed[0] > 0,
+                                    "replayed_on_other_worker": replayed,
                                     "client_error_after_kill_ms": round(client_detect_s * 1e3, 1),
                                     "scheduler_marks_down_after_kill_ms": round(sched_detect_s * 1e3, 1)}
     restart_worker(cluster, name, env)

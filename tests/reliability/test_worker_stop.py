@@ -5,14 +5,13 @@ elsewhere, and after SIGCONT the worker is taken back. Figure: detection times."
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import grpc
 import pytest
 
 from tests.reliability.conftest import API_KEY, kill, md, record, wait_scheduler_sees
-from tests.reliability.test_worker_kill import long_stream, running
+from tests.reliability.test_worker_kill import PeakRunning, long_stream
 from valora.v1 import inference_service_pb2 as inf
 from valora.v1 import inference_service_pb2_grpc as inf_grpc
 from valora.v1 import types_pb2
@@ -26,15 +25,7 @@ def test_worker_frozen_mid_stream_fails_the_stream_fast_and_comes_back(cluster):
     stub = inf_grpc.InferenceServiceStub(grpc.insecure_channel(cluster.gateway))
     it, name = long_stream(cluster, stub, workers, "stop", seed=11, timeout_s=DEADLINE_S)
     other = next(nm for nm in workers if nm != name)
-    replayed, stop = [0], threading.Event()
-
-    def watch_other():
-        while not stop.is_set():
-            replayed[0] = max(replayed[0], running(cluster, workers[other].address))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch_other, daemon=True)
-    watcher.start()
+    other_peak = PeakRunning(cluster, workers[other].address, period_s=0.05)
     t_stop = time.monotonic()
     kill(workers[name].pid, signal.SIGSTOP)
     code, result_after = "OK", False
@@ -49,12 +40,11 @@ def test_worker_frozen_mid_stream_fails_the_stream_fast_and_comes_back(cluster):
     finally:
         kill(workers[name].pid, signal.SIGCONT)
     back_s = wait_scheduler_sees(cluster, workers[name].address, True, 60)
-    stop.set()
-    watcher.join(5)
+    replayed = other_peak.stop() > 0
     after = stub.Infer(inf.InferRequest(input=inf.InferenceInput(
         prompt="Still there?", params=types_pb2.GenerationParams(max_new_tokens=2))), timeout=60,
         metadata=md(API_KEY))
-    figures = {"code": code, "result_after_stop": result_after, "replayed_on_other_worker": replayed[0] > 0,
+    figures = {"code": code, "result_after_stop": result_after, "replayed_on_other_worker": replayed,
                "client_error_after_stop_ms": round(client_detect_s * 1e3, 1),
                "scheduler_marks_down_after_stop_ms": round(sched_detect_s * 1e3, 1),
                "taken_back_after_sigcont_ms": round(back_s * 1e3, 1)}
