@@ -12,7 +12,8 @@
 #                                                     # 13B-like engine at TP 1 and N, 13B-shape TP layer bench
 #   SUF=<commit> bash bench/h200_session.sh serve     # docs/workloads.md: mixed-vision on one GPU, closed loop
 #                                                     # CONC (128) x2 then Poisson RATE (30 req/s) x2, REQUESTS (1024) a run
-#   (serve: SERVE_ARGS adds serve_bench options, e.g. "--env VALORA_MAX_PREFILLS_PER_STEP=8"; SERVE_S bounds it, 420 s)
+#   (serve: SERVE_ARGS adds serve_bench options, e.g. "--env VALORA_MAX_PREFILLS_PER_STEP=8"; SERVE_S bounds it, 420 s;
+#    PYSPY=1 samples the worker, TRACE=1 writes and sums up the engine's step trace)
 #   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged decode/prefill attention benches, §3 engine bench
 #                                                     # (valora only) and its 32-adapter r8 batch-32 variant
 set -uo pipefail
@@ -139,10 +140,17 @@ elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weigh
       python3 -m bench.pyspy_summary "$OUT/worker-pyspy.txt" --threads 4 --top 40 --match valora-engine \
         > "$OUT/worker-pyspy-summary.txt" 2>&1; gzip -f "$OUT/worker-pyspy.txt" ) > "$OUT/pyspy.log" 2>&1 &
   fi
+  # TRACE=1: the engine's step trace (VALORA_STEP_TRACE), summarised over measured run PYSPY_RUN (1)'s first
+  # TRACE_S (30) s -> $OUT/steps-summary.json (each phase's host and device time, the queues)
+  TRACE_ARGS=""; [ -z "${TRACE:-}" ] || { rm -f /tmp/steps.jsonl; TRACE_ARGS="--env VALORA_STEP_TRACE=/tmp/steps.jsonl"
+    [ -n "${PYSPY:-}" ] || { MARK=/tmp/serve_marks; rm -rf "$MARK"; mkdir -p "$MARK"; export SERVE_BENCH_MARK_DIR=$MARK; }; }
   OUT="$OUT" timeout -s TERM "${SERVE_S:-420}" python3 -m bench.serve_bench --device cuda --arch qwen2-vl-7b --atmm \
     --dtype bfloat16 --concurrency "${CONC:-128}" --rate "${RATE:-30}" --requests "${REQUESTS:-1024}" --repeat 2 \
-    --out "bench/results/serve-h200-$SUF.json" ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
+    --out "bench/results/serve-h200-$SUF.json" $TRACE_ARGS ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
   say serve_bench
+  [ -z "${TRACE:-}" ] || { python3 -m bench.step_trace_summary /tmp/steps.jsonl --duration "${TRACE_S:-30}" \
+    --start "$(stat -c %Y "$MARK/measuring-${PYSPY_RUN:-1}")" --json "$OUT/steps-summary.json" | tee -a "$LOG"
+    gzip -c /tmp/steps.jsonl > "$OUT/steps.jsonl.gz"; }
   # the services' warnings and errors, counted by event (the cluster's home is kept: /tmp/valora-serve-*)
   cat /tmp/valora-serve-*/logs/*.log 2>/dev/null | grep -E "warning|error" | sed -E 's/^[0-9 :-]+//' | cut -c1-300 \
     | sort | uniq -c | sort -rn | head -60 > "$OUT/service-warnings.txt"

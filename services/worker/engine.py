@@ -64,6 +64,7 @@ from services.worker.requests import (
 from services.common.modes import Mode
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
+from services.worker.step_trace import StepTrace
 from services.worker.tensor_parallel import TPGroup
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem
 
@@ -116,6 +117,7 @@ class EngineConfig:
     # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
     # that starts the ranks); None or world size 1: one process, no communication.
     tp: TPGroup | None = None
+    step_trace: str = ""  # a file: one JSON line per step, where its time went (step_trace.py); "": off
 
 
 class Engine:
@@ -160,6 +162,7 @@ class Engine:
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
         self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.tokenizer)
         self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
+        self.trace = self.runner.trace = StepTrace(config.step_trace, self.device)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -340,9 +343,11 @@ class Engine:
                 self.kv.close(s.id)
                 self.outputs.emit(s, Failed(err))
             self.graphs.release()
+            self.trace.close()
             self._update_stats()
 
     def _step(self) -> None:
+        self.trace.begin(self.sched)
         if self.tp is not None:
             self.inbox.sync()
         # a command runs between fully processed steps, as without pipelining
@@ -358,13 +363,19 @@ class Engine:
             return
         t0 = time.perf_counter()
         batch = self.sched.take_prefills()
+        self.trace.taken(batch)
         decoding = len(self.sched.running)
         if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
             self.outputs.guard(batch, self.prefiller.run, batch)
-        if self.sched.running:
-            self.outputs.guard(list(self.sched.running), self.decoder.step)
+        self.trace.mark("prefill")
+        decoded = list(self.sched.running)
+        if decoded:
+            self.outputs.guard(decoded, self.decoder.step)
+        self.trace.mark("decode")
         if self.device.type == "cuda" and self.decoder.pending is None:
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
+        self.trace.mark("sync")
+        self.trace.end(len(decoded))
         # step_log / last_step_ms: a step that leaves a decode step pending does not wait for it;
         # its time ends once it has launched it (and taken the previous step's tokens), the rest
         # counts in the next step's. In steady pipelined decoding a step's time is thus the interval

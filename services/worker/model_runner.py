@@ -22,6 +22,7 @@ from services.worker.lora import LoraRuntime, StepLora
 from services.worker.requests import OutputKind
 from services.worker.sampling import RowSampling, sample, token_logprobs
 from services.worker.sequence import Sequence
+from services.worker.step_trace import StepTrace
 from services.worker.tensor_parallel import TPGroup
 from services.worker.vision import VisionEncoder
 
@@ -56,6 +57,7 @@ class ModelRunner:
         shape = (heads, self.pool.kv_heads, self.pool.head_dim, config.kv_block_size)
         attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
         self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
+        self.trace: StepTrace | None = None  # the engine's (its "inputs" phase: embeddings, vision tower)
         self.graphs = DecodeGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
                                    capture=config.decode_graphs == "auto", attention_kernel=attention_kernel)
 
@@ -112,6 +114,8 @@ class ModelRunner:
         the device."""
         lengths = [s.context for s in rows]
         embeds, position_ids, deltas, slots = self._inputs(rows, lengths)
+        if self.trace is not None:
+            self.trace.mark("inputs")
         cache = PagedCache(self.text_config, self.pool, self.upload(slots.view(-1)))
         self.runtime.step = step
         try:

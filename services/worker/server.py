@@ -111,6 +111,9 @@ class WorkerSettings(ServiceSettings):
                                 "LoRA A^T, so one GEMM gives y and x·A (ATMM runs only its expand); 0 = off.")
     image_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Device bytes of vision features kept "
                                    "by image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
+    step_trace: str = Field("", description="A file the engine appends one JSON line per step to: its queues, "
+                            "rows and each phase's host and device time (services/worker/step_trace.py); for "
+                            "profiling. Empty: off.")
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
     engine_stall_s: float = Field(300.0, ge=0, description="Seconds without an engine step after which health "
                                   "is NOT_SERVING until the engine steps again (a hung device); 0: not watched.")
@@ -515,6 +518,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
         pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
         lora_fold_rows=settings.lora_fold_rows, host_adapter_bytes=settings.host_adapter_bytes,
+        step_trace=settings.step_trace,
     )
 
 
