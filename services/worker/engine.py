@@ -111,6 +111,7 @@ class EngineConfig:
     # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "off" (or "static") = the
     # same step without capture.
     decode_graphs: str = "auto"
+    vision_graphs: bool = True  # the vision tower as a CUDA graph per image grid (vision_tower.py), on CUDA
     # Pipelined decode: while the device runs a decode step fed by the previous step's
     # tokens (device to device), the host processes the previous step's tokens (decoder.py).
     pipeline_decode: bool = True
@@ -144,7 +145,7 @@ class Engine:
         if config.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
-                                    self.tp)
+                                    self.tp, graphs=config.vision_graphs)
         self.runner = ModelRunner(self.model, self.runtime, self.vision, config, self.dtype, self.device, self.tp)
         self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
         self.max_model_len = self.runner.max_model_len

@@ -83,6 +83,8 @@ class WorkerSettings(ServiceSettings):
                                     "this many tokens, one a step, between the running requests' decode steps.")
     decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
                                "size: auto (on CUDA) or off (static, the same step without capture).")
+    vision_graphs: bool = Field(True, description="On CUDA, the vision tower replayed from a CUDA graph per "
+                                "image grid (t, h, w) after its first two items (services/worker/vision_tower.py).")
     kv_block_size: int = Field(16, ge=8, le=256, description="Tokens per block of the paged KV cache (a power "
                                "of two).")
     kv_cache_bytes: int = Field(0, ge=0, description="Bytes of the paged KV pool, allocated at start-up; 0: on "
@@ -518,7 +520,7 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
         load_format=settings.load_format, decode_graphs=settings.decode_graphs,
         pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
         lora_fold_rows=settings.lora_fold_rows, host_adapter_bytes=settings.host_adapter_bytes,
-        step_trace=settings.step_trace,
+        step_trace=settings.step_trace, vision_graphs=settings.vision_graphs,
     )
 
 

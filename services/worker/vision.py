@@ -9,9 +9,9 @@ LoRA here (adapters target the language model only), so features do not depend o
 or the mode, and one cache serves every request of the worker.
 
 `VisionEncoder.embed` (engine thread) looks every item up in the `FeatureCache`, runs the vision
-tower once for all missing images (and once for all missing videos) of the request, exactly as
-Qwen2-VL's own forward would, stores them, and scatters the features into the token embeddings
-at the `<|image_pad|>` / `<|video_pad|>` positions.
+tower over each missing image and video chunk (vision_tower.py: Qwen2-VL's own math, a CUDA graph
+per grid), stores the features, and scatters them into the token embeddings at the
+`<|image_pad|>` / `<|video_pad|>` positions.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from transformers.utils.generic import is_flash_attention_requested
-from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+from services.worker.vision_tower import VisionTower
 
 IMAGE = "image"
 VIDEO = "video"
@@ -167,15 +167,18 @@ class VisionEncoder:
     """The model's vision tower behind the feature cache. Tensor parallel (`tp`): every rank runs
     the whole tower over the same pixels, which rank 0 alone holds and broadcasts (NCCL on GPUs)."""
 
-    def __init__(self, model, cache: FeatureCache, device: torch.device, dtype: torch.dtype, tp=None) -> None:
+    def __init__(self, model, cache: FeatureCache, device: torch.device, dtype: torch.dtype, tp=None,
+                 graphs: bool = True) -> None:
         self.model = model  # Qwen2VLForConditionalGeneration
+        self.tower = VisionTower(model.model.visual, device, capture=graphs)  # `graphs`: on CUDA
         self.cache = cache
         self.device = device
         self.dtype = dtype
         self.tp = tp  # TPGroup of more than one rank (Engine.tp), or None
 
     def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
-        """Runs the vision tower once over the given (request inputs, item) pairs of one kind."""
+        """Runs the vision tower over the given (request inputs, item) pairs of one kind, one item
+        at a time (VisionTower: a CUDA graph per grid)."""
         pix_key, _ = _INPUT_KEYS[kind]
         if self.tp is None or self.tp.rank == 0:
             # staged (pinned) pixels copy asynchronously; one cat on the device
@@ -187,25 +190,12 @@ class VisionEncoder:
                                device=self.device)
         if self.tp is not None:  # every rank encodes the same misses (same cache state), in the same order
             self.tp.broadcast_(rows)
-        inner = self.model.model
-        # The grid stays on the host, with the tower's rotary positions and attention segments
-        # computed from it here: from a device grid HF reads it back per image, and its SDPA path
-        # reads the segment lengths back in every block (32 device syncs per 7B prefill, each
-        # idling the GPU while the host launches the next block). The SDPA path splits by the host
-        # cu_seqlens; flash attention takes them on the device.
-        grid = torch.tensor([it.grid for _, it in todo], dtype=torch.long)
-        cu_seqlens = get_vision_cu_seqlens(grid)
-        if is_flash_attention_requested(inner.visual.config):
-            cu_seqlens = cu_seqlens.to(self.device)
-        positions = get_vision_position_ids(grid, inner.visual.spatial_merge_size)
-        if self.device.type == "cuda":
-            positions = positions.pin_memory()
-        pre = {"cu_seqlens": cu_seqlens, "position_ids": positions.to(self.device, non_blocking=True)}
-        if kind == IMAGE:
-            out = inner.get_image_features(rows, grid, **pre).pooler_output
-        else:
-            out = inner.get_video_features(rows, grid, **pre).pooler_output
-        return [t.to(self.dtype).clone() for t in out]  # own storage: cache bytes are what they say
+        feats, start = [], 0
+        for _, it in todo:
+            n = it.end - it.start
+            feats.append(self.tower.encode(rows[start:start + n], it.grid).to(self.dtype))  # own storage
+            start += n
+        return feats
 
     def features(self, requests: list[tuple[dict, list[VisionItem]]]) -> dict[str, torch.Tensor]:
         """Features by content key for every item of the given requests: the vision tower runs

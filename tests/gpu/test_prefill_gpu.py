@@ -1,8 +1,8 @@
 """The prefill's vision path launches without waiting on the device (tiny Qwen2-VL on CUDA): a
 device sync there idles the GPU while the host prepares the next launch (HF reads the grid and
 every vision block's segment lengths back from the device; blocking host-to-device copies wait for
-the queued vision tower). Checked with torch's sync debug mode, and the features against HF's own
-device-grid path."""
+the queued vision tower). Checked with torch's sync debug mode once the vision tower's graphs of
+the grids are captured, and the features against HF's own device-grid path and the eager tower."""
 
 from __future__ import annotations
 
@@ -26,10 +26,18 @@ def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
                 for i, s in enumerate((224, 224, 336))]
         preps = [eng.prepare(r) for r in reqs]
         batch = [(p.inputs["input_ids"], p.inputs, p.vision) for p in preps]
+        # the vision tower's graphs of these grids captured first (a capture synchronizes, once a grid)
+        with torch.inference_mode():
+            for seed in (10, 20):
+                warm = [eng.prepare(WorkRequest(f"w{seed}{i}", "x", [random_image(seed + i, size=s)]))
+                        for i, s in enumerate((224, 336))]
+                eng.vision.embed_batch([(p.inputs["input_ids"], p.inputs, p.vision) for p in warm])
+        assert eng.vision.tower.captures == 2
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            embeds = eng.vision.embed_batch(batch)
+            with torch.inference_mode():
+                embeds = eng.vision.embed_batch(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
@@ -43,9 +51,14 @@ def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
             mask = (ids == eng.model.config.image_token_id)[0]
             assert mask.sum().item() == want_feats.shape[0]
             torch.testing.assert_close(got[0][mask], want_feats.to(got.dtype), rtol=2e-2, atol=2e-2)
+            with torch.inference_mode():  # a replayed graph computes what the eager tower does
+                eager = eng.vision.tower._forward(pixels, tuple(p.vision[0].grid),
+                                                  eng.vision.tower.entries[tuple(p.vision[0].grid)])
+            torch.testing.assert_close(got[0][mask], eager.to(got.dtype), rtol=1e-2, atol=1e-2)
             with torch.no_grad():
                 text = inner.get_input_embeddings()(ids)[0][~mask]
             assert torch.equal(got[0][~mask], text)
+        assert eng.vision.tower.replays == 3
     finally:
         eng.stop()
 

@@ -32,15 +32,21 @@ def engine(model_path):
 
 
 class VisionCalls:
-    """Counts vision-tower forwards (and the images/videos in each) through a forward hook."""
+    """Counts the vision encoder's tower passes (and the images/videos in each)."""
 
     def __init__(self, engine: Engine) -> None:
         self.calls: list[int] = []
-        self._h = engine.model.model.visual.register_forward_hook(
-            lambda mod, args, kwargs, out: self.calls.append(len(kwargs["grid_thw"])), with_kwargs=True)
+        self._vision = engine.vision
+        encode = type(self._vision)._encode
+
+        def counted(kind, todo):
+            self.calls.append(len(todo))
+            return encode(self._vision, kind, todo)
+
+        self._vision._encode = counted
 
     def close(self) -> None:
-        self._h.remove()
+        del self._vision._encode
 
 
 @pytest.fixture
@@ -121,6 +127,31 @@ def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_
                                        videos=[[random_image(24), random_image(25), random_image(26)]],
                                        max_new_tokens=1))[1].output_tokens == 1
     assert vision_calls.calls == [2, 1, 2], "a repeated video ran the vision tower again"
+
+
+def test_vision_tower_gives_hf_towers_features(engine, model_path):
+    """VisionTower (one item a pass, graphs on CUDA) against HF's tower forward on the same patches:
+    images of two sizes and a 3-frame video (2 temporal patches: two attention segments)."""
+    processor = load_processor(model_path)
+    inputs = build_inputs(processor, [random_image(31), random_image(32, 112)], "x",
+                          [[random_image(33), random_image(34), random_image(35)]])
+    visual = engine.model.model.visual
+    tower = engine.vision.tower
+    for pix_key, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        pixels, grids = inputs[pix_key].to(DEVICE), inputs[grid_key]
+        with torch.inference_mode():  # as on the engine thread
+            want = visual(pixels, grid_thw=grids.to(DEVICE)).pooler_output
+            row, got = 0, []
+            for g in grids.tolist():
+                n = g[0] * g[1] * g[2]
+                for _ in range(3):  # eager, then on CUDA captured and replayed: the same features
+                    got_one = tower.encode(pixels[row:row + n], tuple(g))
+                    assert got_one.shape == (n // 4, want.shape[1])
+                got.append(got_one)
+                row += n
+        torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-5)
+    if DEVICE == "cpu":
+        assert tower.captures == tower.replays == 0 and tower.eager > 0
 
 
 def test_video_patches_follow_qwen2vl_video_layout(model_path):

@@ -1,0 +1,130 @@
+"""Qwen2-VL's vision tower, one image or video chunk at a time, replayed from a CUDA graph per grid.
+
+HF's tower forward launches ~30 kernels per block from Python (its rotary embedding alone is ~14
+elementwise ops, its SDPA path splits every segment into its own call), ~1000 launches for a 7B's
+32 blocks. A served 7B worker spent 43 ms of host time per prefill step in it, with the device
+waiting on those launches (bench/results/h200-serve-6c14786/steps-summary-a.json: GPU span 40 ms).
+
+`VisionTower.encode(pixels, grid)` computes exactly HF's math for one item (the same modules and
+weights, the rotary in fp32 as HF does it; an item's frames are its attention segments, each of
+h*w patches, so attention is one SDPA call over a batch of frames) and, on CUDA, keeps one graph
+per grid (t, h, w): the first item of a grid runs eagerly (warm-up), the second is captured, later
+ones replay (copy the patches into the graph's input, replay, copy the features out). The most
+recently used `max_graphs` grids are kept, in one memory pool; items over `max_graph_patches`
+patches run eagerly (they are device-bound anyway). As for decode graphs, captures are
+thread-local and a grid whose capture fails `MAX_CAPTURE_FAILURES` times runs eagerly for good.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.nn.functional as F
+from transformers.vision_utils import get_vision_position_ids
+
+log = structlog.get_logger()
+MAX_CAPTURE_FAILURES = 3
+
+
+@dataclass(eq=False)
+class _Entry:
+    cos: torch.Tensor  # (patches, 1, 1, head_dim) fp32, the grid's rotary angles
+    sin: torch.Tensor
+    seen: int = 0
+    failures: int = 0
+    graphless: bool = False
+    graph: torch.cuda.CUDAGraph | None = None
+    pixels: torch.Tensor | None = None  # the graph's input (patches, channels x t x p x p)
+    out: torch.Tensor | None = None  # the graph's output (merged tokens, hidden)
+
+
+class VisionTower:
+    def __init__(self, visual, device: torch.device, capture: bool, max_graphs: int = 16,
+                 max_graph_patches: int = 16384) -> None:
+        """`visual`: the model's Qwen2VisionTransformerPretrainedModel; `capture`: graphs on CUDA."""
+        self.visual = visual
+        self.device = device
+        self.capture = capture and device.type == "cuda"
+        self.max_graphs, self.max_graph_patches = max_graphs, max_graph_patches
+        self.entries: OrderedDict[tuple[int, int, int], _Entry] = OrderedDict()
+        self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
+        # observability + tests
+        self.replays = self.captures = self.eager = self.capture_failures = 0
+
+    def encode(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The merged features (t*h*w / merge², hidden) of one item's patches `pixels` (on the
+        device, any float dtype: the tower casts), in a tensor of their own."""
+        e = self._entry(grid)
+        e.seen += 1
+        if e.graph is None and self.capture and not e.graphless and e.seen > 1 and self._graphable(grid):
+            self._capture(e, pixels, grid)
+        if e.graph is not None:
+            e.pixels.copy_(pixels)
+            e.graph.replay()
+            self.replays += 1
+            return e.out.clone()
+        self.eager += 1
+        return self._forward(pixels, grid, e)
+
+    def _graphable(self, grid: tuple[int, int, int]) -> bool:
+        return grid[0] * grid[1] * grid[2] <= self.max_graph_patches
+
+    def _entry(self, grid: tuple[int, int, int]) -> _Entry:
+        e = self.entries.get(grid)
+        if e is not None:
+            self.entries.move_to_end(grid)
+            return e
+        v = self.visual
+        positions = get_vision_position_ids(torch.tensor([grid]), v.spatial_merge_size)
+        if self.device.type == "cuda":
+            positions = positions.pin_memory()  # a pageable copy would wait for the queued work
+        positions = positions.to(self.device, non_blocking=True)
+        cos, sin = v.rotary_pos_emb(positions, positions)  # (patches, head_dim) fp32
+        e = _Entry(cos=cos.float()[:, None, None], sin=sin.float()[:, None, None])
+        self.entries[grid] = e
+        while len(self.entries) > self.max_graphs:
+            self.entries.popitem(last=False)
+        return e
+
+    def _forward(self, pixels: torch.Tensor, grid: tuple[int, int, int], e: _Entry) -> torch.Tensor:
+        """HF's Qwen2VisionTransformerPretrainedModel.forward over one item, fewer launches."""
+        v = self.visual
+        frames, hw = grid[0], grid[1] * grid[2]
+        h = v.patch_embed(pixels)
+        n, dim = h.shape
+        for blk in v.blocks:
+            attn = blk.attn
+            heads = attn.num_heads
+            d = dim // heads
+            qkv = attn.qkv(blk.norm1(h)).view(n, 3, heads, d)
+            qk = qkv[:, :2].float()  # apply_rotary_pos_emb_vision: in fp32, rotate_half
+            rotated = torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), dim=-1)
+            qk = (qk * e.cos + rotated * e.sin).to(qkv.dtype)
+            # (frames, heads, h*w, d): each frame attends within itself (HF's cu_seqlens segments)
+            q, k, val = (x.reshape(frames, hw, heads, d).transpose(1, 2) for x in (qk[:, 0], qk[:, 1], qkv[:, 2]))
+            out = F.scaled_dot_product_attention(q, k, val, scale=attn.scaling)
+            h = h + attn.proj(out.transpose(1, 2).reshape(n, dim))
+            h = h + blk.mlp(blk.norm2(h))
+        return v.merger(h)
+
+    def _capture(self, e: _Entry, pixels: torch.Tensor, grid: tuple[int, int, int]) -> None:
+        e.pixels = torch.empty_like(pixels)
+        e.pixels.copy_(pixels)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"):
+                out = self._forward(e.pixels, grid, e)
+        except Exception as exc:  # noqa: BLE001 - this item runs eagerly; the grid retries
+            e.failures += 1
+            e.graphless = e.failures >= MAX_CAPTURE_FAILURES
+            e.pixels = None
+            self.capture_failures += 1
+            log.warning("vision_graph_capture_failed", error=repr(exc)[:500], grid=grid, failures=e.failures,
+                        graphless=e.graphless)
+            torch.cuda.synchronize(self.device)
+            return
+        e.graph, e.out = graph, out
+        self.captures += 1
