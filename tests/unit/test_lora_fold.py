@@ -124,6 +124,24 @@ def test_rows_another_slot_overwrote_are_written_again(model_path, bundles, monk
     check_step(eng, [x], [0], {"o_proj"})
 
 
+def test_only_slots_whose_entry_changed_are_written(model_path, bundles, monkeypatch):
+    """A step's entries go into the kernel tables once: a later step with some of them (in the
+    slots they have) reads no entry's tensors again, a new entry only its own."""
+    eng = make_engine(model_path, bundles, monkeypatch, 0)
+    backend = eng.runtime.backend
+    x, y, z = entries(eng)
+    read = []
+    tensors = type(x).tensors
+    monkeypatch.setattr(type(x), "tensors", lambda e, key: read.append(e) or tensors(e, key))
+    assert backend.begin(StepLora([x, y], [0, 1], 1))
+    assert set(read) == {x, y}
+    read.clear()
+    assert backend.begin(StepLora([y], [0, 0], 1)) and backend.begin(StepLora([x, y], [0, 1, 1], 1))
+    assert read == []
+    assert backend.begin(StepLora([y, z], [0, 1], 1))
+    assert set(read) == {z}
+
+
 def test_launch_key_keeps_a_decode_graph_across_adapter_mixes(model_path, bundles, monkeypatch):
     """The decode graph's LoRA key: the same for two mixes of the same entries over the same rows
     (other segment counts and sizes: the kernels read those from the plan's device data), other
