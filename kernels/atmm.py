@@ -80,8 +80,7 @@ class AtmmPlan:
         n = 1 + (max_segments + 1) + max_segments + len(BT_MENU) * (max_segments + 1)
         on_cuda = self.device.type == "cuda"
         self.meta = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self._host = torch.zeros(n, dtype=torch.int32, pin_memory=on_cuda)
-        self._copied = torch.cuda.Event() if on_cuda else None
+        self._pin = on_cuda
         floats = workspace_floats or max(max_tokens * MAX_RANK * 2, 1 << 20)
         self.workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
         # CUTLASS grouped-expand scratch (problem arrays + 16-bit x·A rows), allocated on first use
@@ -109,8 +108,7 @@ class AtmmPlan:
         """Write this step's segments (offsets, slots; slot -1 = no LoRA) into the device buffers.
 
         `ranks[k]` is slot k's rank (a `LoraWeights.ranks` list); it sets the workspace's rank
-        stride. Async: one host-to-device copy on the current stream, no synchronisation except
-        waiting for the previous update's copy before reusing the pinned staging buffer.
+        stride. Async: one host-to-device copy on the current stream, no synchronisation.
         """
         starts, slots = [int(v) for v in seg_starts], [int(v) for v in seg_slots]
         s = len(slots)
@@ -144,12 +142,10 @@ class AtmmPlan:
                     acc += -(-(starts[j + 1] - starts[j]) // bt)
             host[base + s] = acc
             tiles[bt] = acc
-        if self._copied is not None:
-            self._copied.synchronize()
-        self._host.copy_(torch.tensor(host, dtype=torch.int32))
-        self.meta.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        # a new pinned staging tensor each update: torch's pinned allocator keeps its block until the
+        # copy ran, so an update never waits for the device (one staging buffer had to wait for the
+        # previous update's copy, i.e. for the device to reach it)
+        self.meta.copy_(torch.tensor(host, dtype=torch.int32, pin_memory=self._pin), non_blocking=True)
         self.segment_plan = SegmentPlan(starts, slots)
         self.tiles = tiles
         self.rank_stride = max(16, -(-rmax // 16) * 16)

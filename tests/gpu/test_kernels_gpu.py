@@ -590,3 +590,23 @@ def test_switcher_kernel_path_on_cuda():
         slow.set(None)
         for k in shapes:
             assert torch.equal(lk[k].base.weight, fast.pristine[k])
+
+
+def test_plan_updates_never_wait_for_the_device():
+    """Back-to-back plan updates (a prefill's, then the decode step's launched behind it) queue
+    their copies and return: with ~0.2 s of device work queued, two updates take the host well
+    under that, and the device's metadata is the last update's once it ran."""
+    import time
+
+    plan = AtmmPlan(max_segments=8, max_tokens=256, device="cuda")
+    plan.update([0, 4], [0], [16])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s at 2 GHz
+    t0 = time.perf_counter()
+    plan.update([0, 2, 8], [1, 0], [16, 32])
+    plan.update([0, 3, 5, 9], [0, 1, 2], [16, 16, 8])
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert host_s < 0.05, host_s
+    meta = plan.meta.cpu().tolist()
+    assert meta[0] == 3 and meta[1:5] == [0, 3, 5, 9]
