@@ -127,14 +127,15 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
     rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
                         "first_logits": {}}
     first_logits: dict[str, torch.Tensor] = {}
-    prefilled = eng.prefiller.prefilled
+    hand_off = eng.prefiller._hand_off
 
-    def record_prefill(s, length, rope_delta, hidden, logits, token, logprobs=None):  # first-token logits, rep 0
-        if logits is not None and s.req.request_id.split("-")[1] == "0":
-            first_logits[s.req.request_id] = logits.float().cpu()
-        return prefilled(s, length, rope_delta, hidden, logits, token, logprobs)
+    def record_prefill(rows, out):  # first-token logits, rep 0
+        for i, logits in zip(out.text, out.logits if out.logits is not None else ()):
+            if rows[i].req.request_id.split("-")[1] == "0":
+                first_logits[rows[i].req.request_id] = logits.float().cpu()
+        return hand_off(rows, out)
 
-    eng.prefiller.prefilled = record_prefill
+    eng.prefiller._hand_off = record_prefill
     try:
         for name, b in bundles.items():
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, to_device=True)

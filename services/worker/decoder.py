@@ -1,15 +1,19 @@
 """Decode steps of the running sequences, pipelined with the host.
 
-Pipelined decode (EngineConfig.pipeline_decode): a step is left pending (its tokens, greedy or
-sampled on the device, copied to the host asynchronously) when another step will follow. If at
-the next step boundary the batch is the same (no row joined, left or was cancelled) and every
-row's next token has a block, the next step is launched at once with the pending step's tokens
-as input ids, copied on the device, and only then are the pending step's tokens taken on the host
-(detokenized, streamed, finish checks) while the device computes. A row that finishes there has
-computed one token too many in the step just launched: it is never emitted, and the row leaves
-the batch at the next boundary. Otherwise the pending step is taken first and the step runs from
-host tokens, as do all steps with pipelining off. Commands and the engine's stop take a pending
-step first too (`flush`).
+Pipelined decode (EngineConfig.pipeline_decode): tokens chosen on the device are left pending
+(copied to the host asynchronously) when a decode step will follow — a launched decode step's,
+and a prefill's first tokens (`hold_first`). At the next decode step every running row whose last
+token is pending takes it on the device (one gather over the pending tokens, with the host's
+last tokens of the other rows), the step is launched, and only then are the pending tokens taken
+on the host (detokenized, streamed, finish checks) while the device computes: the host never
+waits for the device between a prefill and the decode after it, nor between decode steps, while
+rows join and leave. A row that finishes when its pending token is taken has computed one token
+too many in the step just launched: it is never emitted, and the row leaves the batch at the
+next boundary. The pending tokens are taken first instead (and the step runs from host tokens,
+as do all steps with pipelining off) when a row's next token needs a block the pool does not
+have (preemption), when penalized rows mix pending and host tokens, or when a row releases its
+adapter with a pending token (the next step's LoRA plan depends on it). Commands and the engine's
+stop take the pending tokens first too (`flush`).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ class Decoder:
                  device: torch.device, pipeline: bool) -> None:
         self.sched, self.lora, self.runner, self.outputs = sched, lora, runner, outputs
         self.device, self.pipeline = device, pipeline
-        self.pending: PendingStep | None = None  # the launched step whose tokens the host has not taken
-        self.pipelined_steps = 0  # steps launched from the previous step's device tokens
+        self.pending: list[PendingStep] = []  # launched tokens the host has not taken, oldest first
+        self.pipelined_steps = 0  # steps launched from pending device tokens
         # largest decode batch seen (rows, distinct LoRA entries in one forward): observability + tests
         self.peak_rows = 0
         self.peak_entries = 0
@@ -38,7 +42,7 @@ class Decoder:
     def step(self) -> None:
         """One decode step of every running sequence (rows ordered by LoRA entry)."""
         rows = sorted(self.sched.running, key=self.lora.sort_key)
-        if self.pending is not None:
+        if self.pending:
             if self._pipelined(rows):
                 return
             self.flush()
@@ -51,16 +55,24 @@ class Decoder:
         self.peak_entries = max(self.peak_entries, len(step.entries))
         tokens, logprobs = self._launch(rows, step)
         if self._holdable(rows):
-            self.pending = self._hold(rows, tokens, logprobs)
+            self.pending.append(self._hold(rows, tokens, logprobs))
             return
         for s, token, lp in zip(rows, tokens.tolist(), _rows_of(logprobs, len(rows))):  # one copy for the batch
             self.outputs.guard([s], self.outputs.accept, s, token, lp)  # a row that fails here fails alone
 
+    def hold_first(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> bool:
+        """Holds a prefill's first tokens of `rows` (now running) on the device for the next
+        decode step; False (nothing held: the caller takes them) when they may not wait."""
+        if not self._holdable(rows):
+            return False
+        self.pending.append(self._hold(rows, tokens, logprobs))
+        return True
+
     def flush(self) -> None:
-        """Takes the pending step, if any (before anything that needs every token known)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.outputs.guard([s for s in pending.rows if not s.finished], self._take, pending)
+        """Takes the pending tokens, if any (before anything that needs every token known)."""
+        pending, self.pending = self.pending, []
+        for p in pending:
+            self.outputs.guard([s for s in p.rows if not s.finished], self._take, p)
 
     def _launch(self, rows: list[Sequence], step, ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,23 +86,54 @@ class Decoder:
         return tokens, self.runner.logprobs(rows, logits, tokens)
 
     def _pipelined(self, rows: list[Sequence]) -> bool:
-        """Launches the next step from the pending one's device tokens, then takes the pending
-        step's tokens. False (nothing done) when the batch changed or a row's next token needs a
-        block the pool does not have."""
-        pending = self.pending
-        if rows != pending.rows or not self.sched.can_grow(rows):  # Sequence compares by identity
+        """Launches the next step from the pending device tokens, then takes them. False (nothing
+        done) when no row's token is pending, when penalized rows would mix pending and host tokens
+        (the penalties count `ids` as not yet taken), or a row's next token needs a block the pool
+        does not have."""
+        where = {s: (k, j) for k, p in enumerate(self.pending) for j, s in enumerate(p.rows)}
+        held = [s in where for s in rows]
+        if not any(held) or (not all(held) and any(s.req.sampling.penalized for s in rows)):
             return False
-        step = self.lora.plan(rows, 1, bucket_rows(len(rows)))  # the plan of the pending step, kept
-        self.pending = self._hold(rows, *self._launch(rows, step, ids=pending.tokens))
+        if not self.sched.can_grow(rows):
+            return False
+        ids = self._gather(rows, where)
+        step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
+        self.peak_rows = max(self.peak_rows, len(rows))
+        self.peak_entries = max(self.peak_entries, len(step.entries))
+        taken, self.pending = self.pending, []
+        self.pending.append(self._hold(rows, *self._launch(rows, step, ids=ids)))
         self.pipelined_steps += 1
-        self._take(pending)
+        for p in taken:
+            self._take(p)
         if not self._holdable(rows):
             self.flush()
         return True
 
+    def _gather(self, rows: list[Sequence], where: dict) -> torch.Tensor:
+        """The rows' last tokens on the device: a pending one where it is pending, else the host's."""
+        if len(self.pending) == 1 and self.pending[0].rows == rows:  # Sequence compares by identity
+            return self.pending[0].tokens  # the same rows as the pending step (steady decoding)
+        sources = [p.tokens for p in self.pending]
+        starts = [0]
+        for t in sources:
+            starts.append(starts[-1] + t.shape[0])
+        host = [s.last_token for s in rows if s not in where]
+        index, h = [], starts[-1]
+        for s in rows:
+            if s in where:
+                k, j = where[s]
+                index.append(starts[k] + j)
+            else:
+                index.append(h)
+                h += 1
+        if host:
+            sources.append(self.runner.upload(torch.tensor(host, dtype=sources[0].dtype)))
+        flat = torch.cat(sources) if len(sources) > 1 else sources[0]
+        return flat.index_select(0, self.runner.upload(torch.tensor(index)))
+
     def _holdable(self, rows: list[Sequence]) -> bool:
-        """Whether a launched step's tokens may wait for the next step's launch: pipelining is on,
-        some row goes on after this step's token (no speculative step when all are done:
+        """Whether tokens just launched for `rows` may wait for the next step's launch: pipelining
+        is on, some row goes on after this token (no speculative step when all are done:
         finished, or at max_new_tokens), and none releases its adapter with it (the next step's
         LoRA plan changes). Sampled rows pipeline too: their tokens are chosen on the device."""
         if not self.pipeline:
@@ -99,15 +142,15 @@ class Decoder:
         for s in rows:
             if s.finished:
                 continue
-            n = len(s.tokens) + 1  # its tokens once this step's is taken
+            n = len(s.tokens) + 1  # its tokens once this one is taken
             if s.prep.release_after and not s.released and n >= s.prep.release_after:
                 return False
             goes_on = goes_on or n < s.prep.max_new_tokens
         return goes_on
 
     def _hold(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> PendingStep:
-        """Queues the copy of a launched step's tokens (and log-probabilities) to the host, right
-        behind the step."""
+        """Queues the copy of launched tokens (and log-probabilities) to the host, right behind
+        the work that computes them."""
         pin = self.device.type == "cuda"
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin)
         host.copy_(tokens, non_blocking=True)
@@ -122,7 +165,7 @@ class Decoder:
         return PendingStep(rows, tokens, host, copied, host_lp)
 
     def _take(self, pending: PendingStep) -> None:
-        """Accepts a pending step's tokens; a row that finished or left since its launch drops its own."""
+        """Accepts pending tokens; a row that finished or left since their launch drops its own."""
         if pending.copied is not None:
             pending.copied.synchronize()
         for s, token, lp in zip(pending.rows, pending.host.tolist(), _rows_of(pending.logprobs, len(pending.rows))):

@@ -161,8 +161,8 @@ class Engine:
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
         self.inbox = Inbox(self.sched, self._wake, self.tp)
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
-        self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.tokenizer)
         self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
+        self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.decoder, self.tokenizer)
         self.trace = self.runner.trace = StepTrace(config.step_trace, self.device)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -373,7 +373,7 @@ class Engine:
         if decoded:
             self.outputs.guard(decoded, self.decoder.step)
         self.trace.mark("decode")
-        if self.device.type == "cuda" and self.decoder.pending is None:
+        if self.device.type == "cuda" and not self.decoder.pending:
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
         self.trace.mark("sync")
         self.trace.end(len(decoded))

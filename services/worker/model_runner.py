@@ -32,15 +32,18 @@ log = structlog.get_logger()
 @dataclass
 class PrefillOutput:
     """A prefill forward's results, by row: context lengths, M-RoPE deltas, the last real token's
-    hidden state (rows, hidden), and for text rows the logits their token was chosen from and
-    the token."""
+    hidden state (rows, hidden); for the text rows (`text`: their row indices) the first tokens
+    chosen on the device (len(text),) from their logits (len(text), vocab) and, when a row asks,
+    their packed log-probabilities (sampling.token_logprobs) on the device — read back by whoever
+    takes them (the decoder holds them for the next decode step's launch, prefiller.py)."""
 
     lengths: list[int]
     deltas: list[int]
     hidden: torch.Tensor
-    logits: dict[int, torch.Tensor]
-    tokens: dict[int, int]
-    logprobs: dict[int, list[float]] = field(default_factory=dict)  # packed (token_logprobs), if asked
+    text: list[int] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -208,21 +211,18 @@ class ModelRunner:
 
     def _first_tokens(self, rows: list[Sequence], lengths: list[int], deltas: list[int],
                       hidden: torch.Tensor) -> PrefillOutput:
-        """The text rows' first tokens from their last hidden states (rows, hidden)."""
+        """The text rows' first tokens from their last hidden states (rows, hidden), on the device."""
         b = len(rows)
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
-        logits, tokens, logprobs = {}, {}, {}
-        if text:
-            head_in = hidden if len(text) == b else hidden[self.upload(torch.tensor(text))]
-            head_out = self.model.lm_head(head_in)
-            # each row's token takes position (its context + rope delta): the sampler's counter
-            chosen = self.choose([rows[i] for i in text], head_out.argmax(-1), head_out,
-                                 [lengths[i] + deltas[i] for i in text])
-            packed = self.logprobs([rows[i] for i in text], head_out, chosen)
-            logits, tokens = dict(zip(text, head_out)), dict(zip(text, chosen.tolist()))
-            if packed is not None:
-                logprobs = dict(zip(text, packed.tolist()))
-        return PrefillOutput(lengths, deltas, hidden, logits, tokens, logprobs)
+        if not text:
+            return PrefillOutput(lengths, deltas, hidden)
+        head_in = hidden if len(text) == b else hidden[self.upload(torch.tensor(text))]
+        head_out = self.model.lm_head(head_in)
+        # each row's token takes position (its context + rope delta): the sampler's counter
+        chosen = self.choose([rows[i] for i in text], head_out.argmax(-1), head_out,
+                             [lengths[i] + deltas[i] for i in text])
+        packed = self.logprobs([rows[i] for i in text], head_out, chosen)
+        return PrefillOutput(lengths, deltas, hidden, text, chosen, head_out, packed)
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's

@@ -1,6 +1,7 @@
 """The step's prefill: whole contexts of several requests in one forward, or the next chunk of
 one long context (chunked prefill), then each request's hand-off — a LABEL answer, or its first
-token and the start of decoding. The engine's collaborator beside the decoder (decoder.py)."""
+token and the start of decoding. The engine's collaborator beside the decoder (decoder.py), which
+takes the first tokens after it has launched the next decode step from them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.lora_plans import LoraPlanner
-from services.worker.model_runner import ModelRunner
+from services.worker.decoder import Decoder
+from services.worker.model_runner import ModelRunner, PrefillOutput
 from services.worker.outputs import OutputProcessor
 from services.worker.requests import OutputKind
 from services.worker.sequence import Sequence
@@ -19,8 +21,9 @@ from services.worker.step_scheduler import StepScheduler
 
 class Prefiller:
     def __init__(self, sched: StepScheduler, lora: LoraPlanner, runner: ModelRunner, outputs: OutputProcessor,
-                 tokenizer) -> None:
-        self.sched, self.lora, self.runner, self.outputs, self.tokenizer = sched, lora, runner, outputs, tokenizer
+                 decoder: Decoder, tokenizer) -> None:
+        self.sched, self.lora, self.runner, self.outputs = sched, lora, runner, outputs
+        self.decoder, self.tokenizer = decoder, tokenizer
         self.peak_rows = 0  # largest prefill batch (requests in one forward)
 
     def run(self, seqs: list[Sequence]) -> None:
@@ -38,9 +41,7 @@ class Prefiller:
                 s.t_prefill = t0
         self.peak_rows = max(self.peak_rows, len(rows))
         out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
-        for i, s in enumerate(rows):
-            self.outputs.guard([s], self.prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i],
-                               out.logits.get(i), out.tokens.get(i), out.logprobs.get(i))
+        self._hand_off(rows, out)
 
     def chunk(self, seqs: list[Sequence]) -> None:
         """The next chunk of the one sequence prefilled in chunks (ModelRunner.prefill_chunk);
@@ -50,15 +51,26 @@ class Prefiller:
             s.t_prefill = time.monotonic()
         end = self.sched.chunk_end(s)
         out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
-        if out is None:
-            return
-        self.prefilled(s, out.lengths[0], out.deltas[0], out.hidden[0], out.logits.get(0), out.tokens.get(0),
-                       out.logprobs.get(0))
+        if out is not None:
+            self._hand_off([s], out)
 
-    def prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor,
-                  logits: torch.Tensor | None, token: int | None, logprobs: list[float] | None = None) -> None:
-        """After the prefill forward: answers a LABEL request, or (re)starts decoding with its next
-        token (`logits`: the ones it was chosen from; `logprobs`: its packed log-probabilities)."""
+    def _hand_off(self, rows: list[Sequence], out: PrefillOutput) -> None:
+        """After the prefill forward: each row's own hand-off (prefilled), then the text rows'
+        first tokens — held on the device for the next decode step when the decoder pipelines
+        them (Decoder.hold_first: the host takes them once that step is launched), else taken now."""
+        for i, s in enumerate(rows):
+            self.outputs.guard([s], self.prefilled, s, out.lengths[i], out.deltas[i], out.hidden[i])
+        text = [rows[i] for i in out.text]
+        if not text or self.decoder.hold_first(text, out.tokens, out.logprobs):
+            return
+        packed = out.logprobs.tolist() if out.logprobs is not None else [None] * len(text)
+        for s, token, lp in zip(text, out.tokens.tolist(), packed):  # one copy for the batch
+            if not s.finished:
+                self.outputs.guard([s], self.outputs.accept, s, token, lp)
+
+    def prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor) -> None:
+        """After the prefill forward: answers a LABEL request, or (re)starts decoding (its first
+        token follows, _hand_off)."""
         s.length = length
         s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:
@@ -67,4 +79,3 @@ class Prefiller:
         if s.detok is None:  # a recomputed sequence keeps its detokenizer
             s.detok = IncrementalDetokenizer(self.tokenizer, s.req.stop)
         self.sched.prefilled(s)
-        self.outputs.accept(s, token, logprobs)
