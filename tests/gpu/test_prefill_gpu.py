@@ -23,14 +23,14 @@ def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
                               kv_cache_bytes=TEST_KV_BYTES))
     try:
         reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i, size=s)], max_new_tokens=2)
-                for i, s in enumerate((224, 224, 336))]
+                for i, s in enumerate((84, 84, 112))]  # grids 6x6, 6x6, 8x8 (the tiny processor's cap)
         preps = [eng.prepare(r) for r in reqs]
         batch = [(p.inputs["input_ids"], p.inputs, p.vision) for p in preps]
         # the vision tower's graphs of these grids captured first (a capture synchronizes, once a grid)
         with torch.inference_mode():
             for seed in (10, 20):
                 warm = [eng.prepare(WorkRequest(f"w{seed}{i}", "x", [random_image(seed + i, size=s)]))
-                        for i, s in enumerate((224, 336))]
+                        for i, s in enumerate((84, 112))]
                 eng.vision.embed_batch([(p.inputs["input_ids"], p.inputs, p.vision) for p in warm])
         assert eng.vision.tower.captures == 2
         torch.cuda.synchronize()
