@@ -38,7 +38,6 @@ def summarize(records: list[dict], start: float = 0.0, duration: float = float("
             "steps": len(steps),
             "prefill_rows": _mean(r["prefill_rows"] for r in steps),
             "prefill_tokens": _mean(r["prefill_tokens"] for r in steps),
-            "prefill_padded": _mean(r["prefill_padded"] for r in steps),
             "decode_rows": _mean(r["decode_rows"] for r in steps),
             "host_ms": _phases(steps, "host_ms"),
             "gpu_ms": _phases(steps, "gpu_ms"),

@@ -89,7 +89,7 @@ class EngineConfig:
     host_adapter_bytes: int = 16 << 30
     max_rank: int = 256
     max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
-    max_prefill_tokens: int = 8192  # padded tokens (rows x longest prompt) per prefill forward; longer: chunks
+    max_prefill_tokens: int = 8192  # tokens (rows packed) per prefill forward; a longer context: chunks
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps

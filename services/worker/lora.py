@@ -59,25 +59,39 @@ class AdapterEntry(LoraEntry):
 class StepLora:
     """The LoRA plan of one forward: built once, read by every LoraLinear.
 
-    row_entries[i] is the entry index of input row i (-1: no LoRA); each row holds
-    `tokens_per_row` tokens of the flattened (rows * tokens_per_row, features) activations.
+    row_entries[i] is the entry index of input row i (-1: no LoRA); `tokens_per_row` is how many
+    tokens each row holds of the flattened activations: one count for every row (rows x tokens,
+    a decode step or padded rows), or one per row (rows packed without padding, a prefill).
     """
 
     entries: list[LoraEntry]
     row_entries: list[int]
-    tokens_per_row: int
+    tokens_per_row: int | tuple[int, ...]
     plan: SegmentPlan = field(init=False)
     perm: torch.Tensor | None = field(init=False, default=None)
     kernel: bool = field(init=False, default=False)  # the runtime's kernel backend took this step
     _per_key: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        order = sorted(range(len(self.row_entries)), key=lambda i: self.row_entries[i])
+        n = len(self.row_entries)
         t = self.tokens_per_row
-        token_entries = [self.row_entries[i] for i in order for _ in range(t)]
-        self.plan = SegmentPlan.from_token_slots(token_entries)
-        if order != list(range(len(order))):
-            self.perm = torch.tensor([i * t + j for i in order for j in range(t)], dtype=torch.long)
+        counts = [t] * n if isinstance(t, int) else list(t)
+        if len(counts) != n:
+            raise ValueError(f"{len(counts)} token counts for {n} rows")
+        order = sorted(range(n), key=lambda i: self.row_entries[i])
+        starts, slots = [0], []
+        for i in order:  # runs of rows with one entry: one segment
+            if slots and slots[-1] == self.row_entries[i]:
+                starts[-1] += counts[i]
+            else:
+                slots.append(self.row_entries[i])
+                starts.append(starts[-1] + counts[i])
+        self.plan = SegmentPlan(starts, slots)
+        if order != list(range(n)):
+            first = [0]
+            for c in counts:
+                first.append(first[-1] + c)
+            self.perm = torch.tensor([first[i] + j for i in order for j in range(counts[i])], dtype=torch.long)
 
     @property
     def active(self) -> bool:

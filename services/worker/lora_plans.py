@@ -82,10 +82,13 @@ class LoraPlanner:
             entry = self.entries[spec] = MixtureEntry(x, m)
         return entry
 
-    def plan(self, seqs: list[Sequence], tokens_per_row: int, pad_rows: int = 0) -> StepLora:
-        """The step's LoRA plan; `pad_rows`: that many rows in all, the ones past `seqs` (padding
+    def plan(self, seqs: list[Sequence], tokens_per_row: int | list[int], pad_rows: int = 0) -> StepLora:
+        """The step's LoRA plan; `tokens_per_row`: every row's token count, or each row's (rows
+        packed without padding); `pad_rows`: that many rows in all, the ones past `seqs` (padding
         of a static decode step) in the last row's segment — the kernels' launches depend on
         the token count, and extending a segment keeps the rows sorted by entry."""
+        if not isinstance(tokens_per_row, int):
+            tokens_per_row = tuple(tokens_per_row)
         entries: list[LoraEntry] = []
         index: dict[tuple, int] = {}
         rows = []

@@ -105,30 +105,37 @@ class ModelRunner:
 
     def prefill(self, rows: list[Sequence], step: StepLora) -> PrefillOutput:
         """Prefills `rows` in one forward of the language model, `step` their LoRA plan (rows
-        ordered by LoRA entry: one StepLora, no permutation, ATMM takes it).
+        ordered by LoRA entry, each row's context tokens: one StepLora, no permutation, ATMM
+        takes it).
 
-        Rows are right-padded to the longest prompt with zero embeddings. Under causal attention
-        a real token never attends to the padding after it, so no attention mask is passed (SDPA
-        keeps is_causal); the padding's own outputs and KV are dropped. M-RoPE positions come from
-        get_rope_index over the batch with the padding masked out, so every row gets the
-        positions and rope delta it has alone. A sequence prefilled again after a preemption
-        runs over its prompt and its generated tokens (text). Each row's keys and values go to
-        its blocks, the padding's to the null block. The text rows' first tokens are chosen on
-        the device."""
+        The rows are packed without padding into one sequence of their tokens; attention reads
+        each row's keys and values back from its blocks of the pool (PagedPrefill: causal within
+        the row, rows apart), after the forward wrote them there. M-RoPE positions come from
+        get_rope_index over the batch (padded on the host, padding masked out), so every row
+        gets the positions and rope delta it has alone. A sequence prefilled again after a
+        preemption runs over its prompt and its generated tokens (text). The text rows' first
+        tokens are chosen on the device."""
         lengths = [s.context for s in rows]
         embeds, position_ids, deltas, slots = self._inputs(rows, lengths)
         if self.trace is not None:
             self.trace.mark("inputs")
-        cache = PagedCache(self.text_config, self.pool, self.upload(slots.view(-1)))
+        self.blocks.sync()
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        table_rows = self.upload(torch.tensor([self.blocks.row(s.id) for s in rows]))
+        paged = PagedPrefill(block_tables=self.blocks.tables.index_select(0, table_rows),
+                             cu_q=self.upload(torch.tensor(cu, dtype=torch.int32)),
+                             seq_lens=self.upload(torch.tensor(lengths, dtype=torch.int32)), kernel=self.prefill_kernel)
+        cache = PagedCache(self.text_config, self.pool, self.upload(slots), paged)
         self.runtime.step = step
         try:
-            out = self.model.model(inputs_embeds=embeds, position_ids=self.upload(position_ids),
-                                   past_key_values=cache, use_cache=True)
+            out = self.model.model.language_model(inputs_embeds=embeds, position_ids=self.upload(position_ids),
+                                                  past_key_values=cache, use_cache=True, paged_prefill=paged)
         finally:
             self.runtime.step = None
-        last = self.upload(torch.tensor([n - 1 for n in lengths]))
-        hidden = out.last_hidden_state[torch.arange(len(rows), device=self.device), last]  # each row's last real token
-        return self._first_tokens(rows, lengths, deltas, hidden)
+        last = self.upload(torch.tensor(cu[1:]) - 1)
+        return self._first_tokens(rows, lengths, deltas, out.last_hidden_state[0, last])  # each row's last token
 
     def prefill_chunk(self, s: Sequence, step: StepLora, end: int) -> PrefillOutput | None:
         """Prefills tokens [s.prefilled, end) of `s`'s context, alone in one forward (chunked
@@ -168,17 +175,16 @@ class ModelRunner:
 
     def _inputs(self, rows: list[Sequence], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int],
                                                                           torch.Tensor]:
-        """The rows' prefill inputs, right-padded to the longest: embeddings (rows, width, hidden)
-        on the device (one vision-tower pass for every image/video not in the feature cache; a
-        recomputed sequence's generated tokens embedded as text), M-RoPE positions (3, rows,
-        width) and deltas, and each token's pool slot (rows, width) on the host (padding and rows
-        without blocks: the null block's slot 0)."""
+        """The rows' prefill inputs, packed without padding (row i's tokens after row i-1's):
+        embeddings (1, tokens, hidden) on the device (one vision-tower pass for every image/video
+        not in the feature cache; a recomputed sequence's generated tokens embedded as text),
+        M-RoPE positions (3, 1, tokens) and each row's delta, and each token's pool slot
+        (tokens,) on the host."""
         b, width = len(rows), max(lengths)
         first = rows[0].prep.inputs
         ids = first["input_ids"].new_zeros((b, width))
         types = first["mm_token_type_ids"].new_zeros((b, width))
         mask = torch.zeros((b, width), dtype=torch.long)
-        slots = torch.zeros((b, width), dtype=torch.long)
         grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
         for i, (s, n) in enumerate(zip(rows, lengths)):
             inp = s.prep.inputs
@@ -187,11 +193,10 @@ class ModelRunner:
             ids[i, p:n] = torch.tensor(s.tokens, dtype=ids.dtype)
             types[i, :p] = inp["mm_token_type_ids"][0]
             mask[i, :n] = 1
-            if self.blocks.holds(s.id):
-                slots[i, :n] = self.blocks.slots(s.id, 0, n)
             for key, found in grids.items():
                 if inp.get(key) is not None:
                     found.append(inp[key])
+        slots = torch.cat([self.blocks.slots(s.id, 0, n) for s, n in zip(rows, lengths)])
         # The step launches everything before it waits on the device once, for the first tokens:
         # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
         # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
@@ -199,15 +204,15 @@ class ModelRunner:
         position_ids, deltas = self.model.model.get_rope_index(
             ids, mm_token_type_ids=types, attention_mask=mask,
             **{key: torch.cat(found) if found else None for key, found in grids.items()})
+        position_ids = torch.cat([position_ids[:, i, :n] for i, n in enumerate(lengths)], dim=1)[:, None]
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
-        embeds = row_embeds[0].new_zeros((b, width, row_embeds[0].shape[-1]))
+        parts = []
         for i, (e, s) in enumerate(zip(row_embeds, rows)):
-            p = s.prep.prompt_tokens
-            embeds[i, :p] = e[0]
+            parts.append(e[0])
             if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
-                embeds[i, p:p + len(s.tokens)] = self.model.model.language_model.embed_tokens(
-                    self.upload(ids[i, p:p + len(s.tokens)]))
-        return embeds, position_ids, [int(d) for d in deltas], slots
+                p = s.prep.prompt_tokens
+                parts.append(self.model.model.language_model.embed_tokens(self.upload(ids[i, p:p + len(s.tokens)])))
+        return torch.cat(parts)[None], position_ids, [int(d) for d in deltas], slots
 
     def _first_tokens(self, rows: list[Sequence], lengths: list[int], deltas: list[int],
                       hidden: torch.Tensor) -> PrefillOutput:

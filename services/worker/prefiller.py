@@ -32,15 +32,16 @@ class Prefiller:
         (self.chunk if self.sched.chunked(seqs[0]) else self.batch)(seqs)
 
     def batch(self, seqs: list[Sequence]) -> None:
-        """Prefills `seqs` in one forward (ModelRunner.prefill), rows ordered by LoRA entry; if the
-        forward fails, every request in it fails, after it each row's hand-off is its own."""
+        """Prefills `seqs` in one forward (ModelRunner.prefill: packed, no padding), rows ordered by
+        LoRA entry; if the forward fails, every request in it fails, after it each row's hand-off
+        is its own."""
         t0 = time.monotonic()
         rows = sorted(seqs, key=self.lora.sort_key)
         for s in rows:
             if not s.tokens:  # a recomputed sequence keeps its first prefill's time
                 s.t_prefill = t0
         self.peak_rows = max(self.peak_rows, len(rows))
-        out = self.runner.prefill(rows, self.lora.plan(rows, max(s.context for s in rows)))
+        out = self.runner.prefill(rows, self.lora.plan(rows, [s.context for s in rows]))
         self._hand_off(rows, out)
 
     def chunk(self, seqs: list[Sequence]) -> None:

@@ -8,8 +8,8 @@ that a request whose adapter finds no free device slot (every slot held by runni
 lets the ones behind it in and keeps its place; a request whose context finds too few free KV
 blocks stops admission (the blocks running sequences free go to it first); resident adapters no
 running request holds give their blocks back first (they live in the same pool). A step prefills
-either a batch of whole contexts within max_prefill_tokens padded tokens, or the next chunk of
-the one context over that budget (chunked prefill). Before a decode step every running sequence
+either a batch of whole contexts within max_prefill_tokens tokens, or the next chunk of the one
+context over that budget (chunked prefill). Before a decode step every running sequence
 gets room for its next token, oldest first; when the pool runs out an idle adapter is evicted,
 and when none is left the youngest sequence is preempted
 (its blocks freed; it waits at the head of the queue to be prefilled again over its prompt and
@@ -27,7 +27,6 @@ import structlog
 from services.common.errors import ValoraError
 from services.worker.adapters import AdapterPool
 from services.worker.kv_cache import BlockManager, OutOfBlocks
-from services.worker.requests import OutputKind
 from services.worker.sequence import Sequence
 
 log = structlog.get_logger()
@@ -94,9 +93,9 @@ class StepScheduler:
                     blocked.append(self.waiting.popleft())
                     continue
                 seq.pinned = seq.req.adapter
-            # a LABEL request keeps no cache, unless its chunks read back the ones before
-            keeps_cache = seq.req.output_kind != OutputKind.LABEL or self.chunked(seq)
-            if keeps_cache and not (self.room(self.kv.blocks_for(seq.context)) and self.kv.open(seq.id, seq.context)):
+            # every prefill reads its keys and values back from its blocks (a LABEL request's are
+            # freed with its answer, right after its prefill)
+            if not (self.room(self.kv.blocks_for(seq.context)) and self.kv.open(seq.id, seq.context)):
                 self.release_adapter(seq)  # resident still, but evictable while it waits
                 break
             self.prefill.append(self.waiting.popleft())
@@ -110,21 +109,20 @@ class StepScheduler:
 
     def take_prefills(self) -> list[Sequence]:
         """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
-        max_prefill_tokens padded tokens (rows x longest prompt). A context over that budget is
+        max_prefill_tokens tokens in all (packed, no padding). A context over that budget is
         prefilled alone, one chunk of at most max_prefill_tokens tokens a step (it stays at the
         head of the prefill queue until its last chunk)."""
         if self.prefill and self.chunked(self.prefill[0]):
             return [self.prefill[0]]
         batch: list[Sequence] = []
-        width = 0
+        tokens = 0
         while self.prefill and len(batch) < self.config.max_prefills_per_step:
             if self.chunked(self.prefill[0]):
                 break  # its chunks start next step
-            w = max(width, self.prefill[0].context)
-            if batch and w * (len(batch) + 1) > self.config.max_prefill_tokens:
+            if batch and tokens + self.prefill[0].context > self.config.max_prefill_tokens:
                 break
+            tokens += self.prefill[0].context
             batch.append(self.prefill.popleft())
-            width = w
         return batch
 
     def chunk_end(self, s: Sequence) -> int:

@@ -7,7 +7,7 @@ when the device finished the work queued before the phase to when it finished th
 A phase whose span is close to its host time ran at the host's launch speed (the device waited
 for the host); a span well over the host time is device-bound work. Events are read once they have completed (a
 later step), so tracing adds no synchronization. Each line also says what the step held: the
-queues at its start, its prefill rows and tokens (real and padded) and its decode rows.
+queues at its start, its prefill rows and tokens and its decode rows.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class StepTrace:
         """The step's prefill batch (its sequences) is chosen: the "admit" phase ends."""
         if self.on and self._marks:
             contexts = [s.context for s in prefill]
-            self._record.update(prefill_rows=len(prefill), prefill_tokens=sum(contexts),
-                                prefill_padded=len(contexts) * max(contexts, default=0))
+            self._record.update(prefill_rows=len(prefill), prefill_tokens=sum(contexts))
             self.mark("admit")
 
     def end(self, decode_rows: int) -> None:

@@ -1,7 +1,7 @@
 """Batched prefill of the worker engine on the tiny Qwen2-VL (fp32): requests of different
 prompt lengths, adapters (and none), output kinds, images and videos prefilled in ONE forward
-answer exactly as each does alone; the step's padded-token bound; a failing batched forward
-fails its requests only."""
+answer exactly as each does alone (packed into one sequence, no padding); the step's token
+bound; a failing batched forward fails its requests only."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def mixed_requests() -> list[WorkRequest]:
 def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch):
     reqs = mixed_requests()
     lengths = {r.request_id: engine.prepare(r).prompt_tokens for r in reqs}
-    assert len(set(lengths.values())) >= 6, lengths  # rows really are padded to different lengths
+    assert len(set(lengths.values())) >= 6, lengths  # rows of different lengths, packed
     plans = []
     plan = engine.lora.plan
     monkeypatch.setattr(engine.lora, "plan",
@@ -108,10 +108,11 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     together = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}
     assert len(prefills) == 1 and sorted(prefills[0]) == sorted(lengths), prefills
     assert engine.prefiller.peak_rows == len(reqs)
-    # One LoRA plan for the batch: a row per request, padded width, rows grouped by entry (no
-    # permutation, so ATMM can take it), entries A, B, C once each.
-    (width, step), = [(t, st) for t, st in plans if t > 1]
-    assert width == max(lengths.values()) and len(step.row_entries) == len(reqs)
+    # One LoRA plan for the batch: a row per request with its own token count (packed), rows
+    # grouped by entry (no permutation, so ATMM can take it), entries A, B, C once each.
+    (counts, step), = [(t, st) for t, st in plans if not isinstance(t, int)]
+    assert sorted(counts) == sorted(lengths.values()) and len(step.row_entries) == len(reqs)
+    assert step.plan.num_tokens == sum(lengths.values())
     assert step.perm is None and sorted(step.row_entries) == step.row_entries and len(step.entries) == 3
     del prefills[:]
     engine.vision.cache.clear()
@@ -134,7 +135,7 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
         assert got.mode == want.mode == (Mode.BASE if rid.startswith("base") else Mode.UNMERGED)
 
 
-def test_prefill_bound_counts_padded_tokens_and_keeps_fifo(engine, prefills):
+def test_prefill_bound_counts_tokens_and_keeps_fifo(engine, prefills):
     short = [WorkRequest(f"s{i}", "Hi.", [random_image(20 + i)], adapter=A if i % 2 else None, max_new_tokens=3)
              for i in range(3)]
     long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [random_image(30, 112)],
@@ -154,6 +155,24 @@ def test_prefill_bound_counts_padded_tokens_and_keeps_fifo(engine, prefills):
         _, ev = results[r.request_id]
         assert isinstance(ev, Finished) and ev.result.output_tokens == 3
         assert ev.result.token_ids == engine.generate(r)[1].token_ids, r.request_id
+
+
+def test_rows_of_different_lengths_share_the_budget_unpadded(engine, prefills):
+    """A short and a long row whose padded batch (2 x the long one) is over the budget but whose
+    tokens are not: one forward."""
+    short = WorkRequest("short", "Hi.", [random_image(50)], max_new_tokens=2)
+    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 2, [random_image(51)],
+                       max_new_tokens=2)
+    n, m = engine.prepare(short).prompt_tokens, engine.prepare(long).prompt_tokens
+    assert m > n
+    old = engine.config.max_prefill_tokens
+    engine.config.max_prefill_tokens = n + m  # < 2 * m
+    try:
+        results = {rid: outcome(q)[1] for rid, q in submit_together(engine, [short, long]).items()}
+    finally:
+        engine.config.max_prefill_tokens = old
+    assert [sorted(b) for b in prefills] == [["long", "short"]]
+    assert all(isinstance(ev, Finished) and ev.result.output_tokens == 2 for ev in results.values())
 
 
 def test_failed_batched_forward_fails_its_requests_only(engine):
