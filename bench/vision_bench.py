@@ -3,7 +3,8 @@ replayed from its CUDA graph, host and device ms per image, at the workload's im
 
 A served 7B worker's step trace put ~36 ms of device time in the vision inputs of a prefill step
 of ~2.5 images (bench/results/h200-serve-4165520/steps-summary.json), about 3x what the tower's
-FLOPs need: this bench times the tower alone, reports its TFLOP/s, and ranks its kernels (one
+FLOPs need: this bench times the tower alone, reports its TFLOP/s, the attention backend each
+grid's capture chose (flash or cuDNN SDPA, each one's replay time), and ranks its kernels (one
 eager forward under torch.profiler) to say where the device time goes.
 
 Workload: the Qwen2-VL-7B vision tower (32 blocks, 1280 wide, 16 heads) with random weights,
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"size": size, "patches": n, "method": method, "host_ms": round(host_ms, 3),
                              "device_ms": round(dev_ms, 3), "tflops": round(flops / dev_ms / 1e9, 1),
                              "max_abs_err_vs_hf": round(err if method == "tower_graph" else err_eager, 4)})
+                if method == "tower_graph":  # the attention its capture measured fastest, and each one's time
+                    rows[-1].update(attention=entry.attention, replay_ms_by_attention=entry.replay_ms)
                 print(rows[-1])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 tower._forward(pixels, grid, entry)

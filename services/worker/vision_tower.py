@@ -13,6 +13,13 @@ ones replay (copy the patches into the graph's input, replay, copy the features 
 recently used `max_graphs` grids are kept, in one memory pool; items over `max_graph_patches`
 patches run eagerly (they are device-bound anyway). As for decode graphs, captures are
 thread-local and a grid whose capture fails `MAX_CAPTURE_FAILURES` times runs eagerly for good.
+
+Attention is chosen by measurement when a grid is captured: one graph with torch's flash (or
+memory-efficient) SDPA, one with cuDNN's; the faster one is kept if its features agree with the
+other's. The engine turns cuDNN SDPA off for the language model (attention.py: a per-shape host
+cost of ~1.4 ms a call at every new width), a cost a graph pays once, at its capture; at the 7B
+tower's head dim of 80, flash attention was a third of a 644 px image's device time
+(bench/results/vision-4955695.json).
 """
 
 from __future__ import annotations
@@ -23,22 +30,28 @@ from dataclasses import dataclass
 import structlog
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.vision_utils import get_vision_position_ids
 
 log = structlog.get_logger()
 MAX_CAPTURE_FAILURES = 3
+# SDPA backends a graph is captured with (the first that takes the inputs), by name
+ATTENTION = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+             "cudnn": [SDPBackend.CUDNN_ATTENTION]}
 
 
 @dataclass(eq=False)
 class _Entry:
     cos: torch.Tensor  # (patches, 1, 1, head_dim) fp32, the grid's rotary angles
-    sin: torch.Tensor
+    sin_signed: torch.Tensor  # sin with its first half negated
     seen: int = 0
     failures: int = 0
     graphless: bool = False
     graph: torch.cuda.CUDAGraph | None = None
     pixels: torch.Tensor | None = None  # the graph's input (patches, channels x t x p x p)
     out: torch.Tensor | None = None  # the graph's output (merged tokens, hidden)
+    attention: str = ""  # the ATTENTION choice its graph was captured with
+    replay_ms: dict | None = None  # each captured choice's replay time, at capture
 
 
 class VisionTower:
@@ -83,7 +96,9 @@ class VisionTower:
             positions = positions.pin_memory()  # a pageable copy would wait for the queued work
         positions = positions.to(self.device, non_blocking=True)
         cos, sin = v.rotary_pos_emb(positions, positions)  # (patches, head_dim) fp32
-        e = _Entry(cos=cos.float()[:, None, None], sin=sin.float()[:, None, None])
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), -1)
+        e = _Entry(cos=cos.float()[:, None, None], sin_signed=sin_signed.float()[:, None, None])
         self.entries[grid] = e
         while len(self.entries) > self.max_graphs:
             self.entries.popitem(last=False)
@@ -100,9 +115,11 @@ class VisionTower:
             heads = attn.num_heads
             d = dim // heads
             qkv = attn.qkv(blk.norm1(h)).view(n, 3, heads, d)
-            qk = qkv[:, :2].float()  # apply_rotary_pos_emb_vision: in fp32, rotate_half
-            rotated = torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), dim=-1)
-            qk = (qk * e.cos + rotated * e.sin).to(qkv.dtype)
+            # apply_rotary_pos_emb_vision in fp32: x·cos + rotate_half(x)·sin, rotate_half(x)·sin
+            # being (x2, x1)·(-sin1, sin2) for the halves (x1, x2) of x (no cat, no negation)
+            qk = qkv[:, :2].float()
+            swapped = qk.view(n, 2, heads, 2, d // 2).flip(3).view(n, 2, heads, d)
+            qk = (qk * e.cos + swapped * e.sin_signed).to(qkv.dtype)
             # (frames, heads, h*w, d): each frame attends within itself (HF's cu_seqlens segments)
             q, k, val = (x.reshape(frames, hw, heads, d).transpose(1, 2) for x in (qk[:, 0], qk[:, 1], qkv[:, 2]))
             out = F.scaled_dot_product_attention(q, k, val, scale=attn.scaling)
@@ -111,20 +128,45 @@ class VisionTower:
         return v.merger(h)
 
     def _capture(self, e: _Entry, pixels: torch.Tensor, grid: tuple[int, int, int]) -> None:
+        """One graph per ATTENTION choice over the same input; the fastest replay whose features
+        agree with the first's is kept."""
         e.pixels = torch.empty_like(pixels)
         e.pixels.copy_(pixels)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"):
-                out = self._forward(e.pixels, grid, e)
-        except Exception as exc:  # noqa: BLE001 - this item runs eagerly; the grid retries
+        graphs, errors = {}, []
+        for name, backends in ATTENTION.items():
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with sdpa_kernel(backends), torch.cuda.graph(graph, pool=self.pool_handle,
+                                                             capture_error_mode="thread_local"):
+                    out = self._forward(e.pixels, grid, e)
+            except Exception as exc:  # noqa: BLE001 - another choice may capture
+                errors.append(f"{name}: {exc!r}"[:300])
+                torch.cuda.synchronize(self.device)
+                continue
+            graphs[name] = (graph, out, self._replay_ms(graph))
+        if not graphs:
             e.failures += 1
             e.graphless = e.failures >= MAX_CAPTURE_FAILURES
             e.pixels = None
             self.capture_failures += 1
-            log.warning("vision_graph_capture_failed", error=repr(exc)[:500], grid=grid, failures=e.failures,
+            log.warning("vision_graph_capture_failed", errors=errors, grid=grid, failures=e.failures,
                         graphless=e.graphless)
-            torch.cuda.synchronize(self.device)
             return
-        e.graph, e.out = graph, out
+        first = next(iter(graphs.values()))[1].float()
+        scale = first.abs().max().clamp_min(1e-6)
+        agree = {name: g for name, g in graphs.items() if ((g[1].float() - first).abs().max() / scale).item() < 0.05}
+        name = min(agree, key=lambda k: agree[k][2])
+        e.graph, e.out, _ = agree[name]
+        e.attention, e.replay_ms = name, {k: round(g[2], 3) for k, g in graphs.items()}
         self.captures += 1
+        log.info("vision_graph_captured", grid=grid, attention=name, replay_ms=e.replay_ms)
+
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 3) -> float:
+        graph.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps

@@ -54,11 +54,14 @@ def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
             with torch.inference_mode():  # a replayed graph computes what the eager tower does
                 eager = eng.vision.tower._forward(pixels, tuple(p.vision[0].grid),
                                                   eng.vision.tower.entries[tuple(p.vision[0].grid)])
-            torch.testing.assert_close(got[0][mask], eager.to(got.dtype), rtol=1e-2, atol=1e-2)
+            # (the graph's attention may be cuDNN's where it measured faster: bf16 noise apart)
+            torch.testing.assert_close(got[0][mask], eager.to(got.dtype), rtol=3e-2, atol=3e-2)
             with torch.no_grad():
                 text = inner.get_input_embeddings()(ids)[0][~mask]
             assert torch.equal(got[0][~mask], text)
         assert eng.vision.tower.replays == 3
+        assert all(e.attention in ("flash", "cudnn") and e.replay_ms for e in eng.vision.tower.entries.values()
+                   if e.graph is not None)
     finally:
         eng.stop()
 
