@@ -8,7 +8,8 @@ grid's capture chose (flash or cuDNN SDPA, each one's replay time), and ranks it
 eager forward under torch.profiler) to say where the device time goes.
 
 Workload: the Qwen2-VL-7B vision tower (32 blocks, 1280 wide, 16 heads) with random weights,
-bf16, one image of each --sizes (448: grid 32x32, 1024 patches; 644 from 640: 46x46, 2116).
+bf16, one image of each --sizes (448: grid 32x32, 1024 patches; 644 from 640: 46x46, 2116), and
+as many images of that size as one graph takes (16384 patches: 16 of 448, 4 of 644) in one replay.
 
     python -m bench.vision_bench          # bench/results/vision-<commit>.json
 """
@@ -80,15 +81,15 @@ def main(argv: list[str] | None = None) -> int:
                                  dtype=torch.bfloat16)
             grid_t = torch.tensor([grid], device=dev)
             want = visual(pixels, grid_thw=grid_t).pooler_output
-            entry = tower._entry(grid)
-            eager = tower._forward(pixels, grid, entry)
+            entry = tower._entry(grid, 1)
+            eager = tower._forward(pixels, grid, 1, entry)
             for _ in range(3):
                 graphed = tower.encode(pixels, grid)
             err = (graphed.float() - want.float()).abs().max().item()
             err_eager = (eager.float() - want.float()).abs().max().item()
             flops = flops_per_image(vc, n)
             for method, fn in (("hf", lambda: visual(pixels, grid_thw=grid_t)),
-                               ("tower_eager", lambda: tower._forward(pixels, grid, entry)),
+                               ("tower_eager", lambda: tower._forward(pixels, grid, 1, entry)),
                                ("tower_graph", lambda: tower.encode(pixels, grid))):
                 for _ in range(2):
                     fn()
@@ -99,8 +100,19 @@ def main(argv: list[str] | None = None) -> int:
                 if method == "tower_graph":  # the attention its capture measured fastest, and each one's time
                     rows[-1].update(attention=entry.attention, replay_ms_by_attention=entry.replay_ms)
                 print(rows[-1])
+            count = 1 << ((tower.max_graph_patches // n).bit_length() - 1) if n <= tower.max_graph_patches // 2 else 1
+            if count > 1:  # `count` images of this size in one replay (encode_items' batches), ms per image
+                many = pixels.repeat(count, 1)
+                for _ in range(3):
+                    tower.encode(many, grid, count)
+                host_ms, dev_ms = timed(lambda: tower.encode(many, grid, count), args.reps)
+                rows.append({"size": size, "patches": n, "method": f"tower_graph_x{count}", "images": count,
+                             "host_ms": round(host_ms / count, 3), "device_ms": round(dev_ms / count, 3),
+                             "tflops": round(flops * count / dev_ms / 1e9, 1),
+                             "attention": tower.entries[(grid, count)].attention})
+                print(rows[-1])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                tower._forward(pixels, grid, entry)
+                tower._forward(pixels, grid, 1, entry)
                 torch.cuda.synchronize()
             table = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()),
                            key=lambda r: -r[1])[:15]

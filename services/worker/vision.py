@@ -177,8 +177,8 @@ class VisionEncoder:
         self.tp = tp  # TPGroup of more than one rank (Engine.tp), or None
 
     def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
-        """Runs the vision tower over the given (request inputs, item) pairs of one kind, one item
-        at a time (VisionTower: a CUDA graph per grid)."""
+        """Runs the vision tower over the given (request inputs, item) pairs of one kind, items of
+        one grid together (VisionTower.encode_items: a CUDA graph per grid and count)."""
         pix_key, _ = _INPUT_KEYS[kind]
         if self.tp is None or self.tp.rank == 0:
             # staged (pinned) pixels copy asynchronously; one cat on the device
@@ -190,12 +190,12 @@ class VisionEncoder:
                                device=self.device)
         if self.tp is not None:  # every rank encodes the same misses (same cache state), in the same order
             self.tp.broadcast_(rows)
-        feats, start = [], 0
+        items, start = [], 0
         for _, it in todo:
             n = it.end - it.start
-            feats.append(self.tower.encode(rows[start:start + n], it.grid).to(self.dtype))  # own storage
+            items.append((rows[start:start + n], it.grid))
             start += n
-        return feats
+        return [f.to(self.dtype) for f in self.tower.encode_items(items)]
 
     def features(self, requests: list[tuple[dict, list[VisionItem]]]) -> dict[str, torch.Tensor]:
         """Features by content key for every item of the given requests: the vision tower runs

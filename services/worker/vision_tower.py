@@ -1,17 +1,20 @@
-"""Qwen2-VL's vision tower, one image or video chunk at a time, replayed from a CUDA graph per grid.
+"""Qwen2-VL's vision tower over items of one grid at a time, replayed from a CUDA graph per grid.
 
 HF's tower forward launches ~30 kernels per block from Python (its rotary embedding alone is ~14
 elementwise ops, its SDPA path splits every segment into its own call), ~1000 launches for a 7B's
 32 blocks. A served 7B worker spent 43 ms of host time per prefill step in it, with the device
 waiting on those launches (bench/results/h200-serve-6c14786/steps-summary-a.json: GPU span 40 ms).
 
-`VisionTower.encode(pixels, grid)` computes exactly HF's math for one item (the same modules and
-weights, the rotary in fp32 as HF does it; an item's frames are its attention segments, each of
-h*w patches, so attention is one SDPA call over a batch of frames) and, on CUDA, keeps one graph
-per grid (t, h, w): the first item of a grid runs eagerly (warm-up), the second is captured, later
-ones replay (copy the patches into the graph's input, replay, copy the features out). The most
-recently used `max_graphs` grids are kept, in one memory pool; items over `max_graph_patches`
-patches run eagerly (they are device-bound anyway). As for decode graphs, captures are
+`VisionTower.encode(pixels, grid, count)` computes exactly HF's math for `count` items of one grid
+(the same modules and weights, the rotary in fp32 as HF does it; every frame of every item is an
+attention segment of h*w patches, so attention is one SDPA call over a batch of frames) and, on
+CUDA, keeps one graph per (grid (t, h, w), count): its first call runs eagerly (warm-up), the
+second is captured, later ones replay (copy the patches into the graph's input, replay, copy the
+features out). `encode_items` splits a prefill's images into such calls: items of a grid together,
+in power-of-two counts (8 + 4 + 1 for 13) of at most `max_graph_patches` patches where a single
+item allows, so a batch of many equal images keeps large GEMMs and few graphs. The most recently
+used `max_graphs` keys are kept, in one memory pool; calls over `max_graph_patches` patches run
+eagerly (they are device-bound anyway). As for decode graphs, captures are
 thread-local and a grid whose capture fails `MAX_CAPTURE_FAILURES` times runs eagerly for good.
 
 Attention is chosen by measurement when a grid is captured: one graph with torch's flash (or
@@ -62,33 +65,53 @@ class VisionTower:
         self.device = device
         self.capture = capture and device.type == "cuda"
         self.max_graphs, self.max_graph_patches = max_graphs, max_graph_patches
-        self.entries: OrderedDict[tuple[int, int, int], _Entry] = OrderedDict()
+        self.entries: OrderedDict[tuple[tuple[int, int, int], int], _Entry] = OrderedDict()  # (grid, count)
         self.pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
         # observability + tests
         self.replays = self.captures = self.eager = self.capture_failures = 0
 
-    def encode(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """The merged features (t*h*w / merge², hidden) of one item's patches `pixels` (on the
-        device, any float dtype: the tower casts), in a tensor of their own."""
-        e = self._entry(grid)
+    def encode_items(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Each (patches, grid) item's merged features, in order: items of one grid encoded
+        together, in power-of-two counts."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        by_grid: dict[tuple[int, int, int], list[int]] = {}
+        for i, (_, grid) in enumerate(items):
+            by_grid.setdefault(grid, []).append(i)
+        for grid, idx in by_grid.items():
+            fit = max(1, min(8, self.max_graph_patches // (grid[0] * grid[1] * grid[2])))
+            most = 1 << (fit.bit_length() - 1)  # the largest power of two <= fit
+            while idx:
+                count = min(most, 1 << (len(idx).bit_length() - 1))
+                take, idx = idx[:count], idx[count:]
+                pixels = items[take[0]][0] if count == 1 else torch.cat([items[i][0] for i in take])
+                for i, feats in zip(take, self.encode(pixels, grid, count).chunk(count)):
+                    out[i] = feats
+        return out
+
+    def encode(self, pixels: torch.Tensor, grid: tuple[int, int, int], count: int = 1) -> torch.Tensor:
+        """The merged features (count * t*h*w / merge², hidden) of `count` items of `grid`, their
+        patches `pixels` one item after the other (on the device, any float dtype: the tower
+        casts), in a tensor of their own."""
+        e = self._entry(grid, count)
         e.seen += 1
-        if e.graph is None and self.capture and not e.graphless and e.seen > 1 and self._graphable(grid):
-            self._capture(e, pixels, grid)
+        if e.graph is None and self.capture and not e.graphless and e.seen > 1 and self._graphable(grid, count):
+            self._capture(e, pixels, grid, count)
         if e.graph is not None:
             e.pixels.copy_(pixels)
             e.graph.replay()
             self.replays += 1
             return e.out.clone()
         self.eager += 1
-        return self._forward(pixels, grid, e)
+        return self._forward(pixels, grid, count, e)
 
-    def _graphable(self, grid: tuple[int, int, int]) -> bool:
-        return grid[0] * grid[1] * grid[2] <= self.max_graph_patches
+    def _graphable(self, grid: tuple[int, int, int], count: int) -> bool:
+        return count * grid[0] * grid[1] * grid[2] <= self.max_graph_patches
 
-    def _entry(self, grid: tuple[int, int, int]) -> _Entry:
-        e = self.entries.get(grid)
+    def _entry(self, grid: tuple[int, int, int], count: int) -> _Entry:
+        key = (grid, count)
+        e = self.entries.get(key)
         if e is not None:
-            self.entries.move_to_end(grid)
+            self.entries.move_to_end(key)
             return e
         v = self.visual
         positions = get_vision_position_ids(torch.tensor([grid]), v.spatial_merge_size)
@@ -99,35 +122,37 @@ class VisionTower:
         half = sin.shape[-1] // 2
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), -1)
         e = _Entry(cos=cos.float()[:, None, None], sin_signed=sin_signed.float()[:, None, None])
-        self.entries[grid] = e
+        self.entries[key] = e
         while len(self.entries) > self.max_graphs:
             self.entries.popitem(last=False)
         return e
 
-    def _forward(self, pixels: torch.Tensor, grid: tuple[int, int, int], e: _Entry) -> torch.Tensor:
-        """HF's Qwen2VisionTransformerPretrainedModel.forward over one item, fewer launches."""
+    def _forward(self, pixels: torch.Tensor, grid: tuple[int, int, int], count: int, e: _Entry) -> torch.Tensor:
+        """HF's Qwen2VisionTransformerPretrainedModel.forward over `count` items of `grid`, fewer
+        launches."""
         v = self.visual
-        frames, hw = grid[0], grid[1] * grid[2]
+        frames, hw = count * grid[0], grid[1] * grid[2]
         h = v.patch_embed(pixels)
         n, dim = h.shape
         for blk in v.blocks:
             attn = blk.attn
             heads = attn.num_heads
             d = dim // heads
-            qkv = attn.qkv(blk.norm1(h)).view(n, 3, heads, d)
+            qkv = attn.qkv(blk.norm1(h)).view(count, n // count, 3, heads, d)
             # apply_rotary_pos_emb_vision in fp32: x·cos + rotate_half(x)·sin, rotate_half(x)·sin
             # being (x2, x1)·(-sin1, sin2) for the halves (x1, x2) of x (no cat, no negation)
-            qk = qkv[:, :2].float()
-            swapped = qk.view(n, 2, heads, 2, d // 2).flip(3).view(n, 2, heads, d)
+            qk = qkv[:, :, :2].float()
+            swapped = qk.view(count, n // count, 2, heads, 2, d // 2).flip(4).view(qk.shape)
             qk = (qk * e.cos + swapped * e.sin_signed).to(qkv.dtype)
             # (frames, heads, h*w, d): each frame attends within itself (HF's cu_seqlens segments)
-            q, k, val = (x.reshape(frames, hw, heads, d).transpose(1, 2) for x in (qk[:, 0], qk[:, 1], qkv[:, 2]))
+            q, k, val = (x.reshape(frames, hw, heads, d).transpose(1, 2)
+                         for x in (qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2]))
             out = F.scaled_dot_product_attention(q, k, val, scale=attn.scaling)
             h = h + attn.proj(out.transpose(1, 2).reshape(n, dim))
             h = h + blk.mlp(blk.norm2(h))
         return v.merger(h)
 
-    def _capture(self, e: _Entry, pixels: torch.Tensor, grid: tuple[int, int, int]) -> None:
+    def _capture(self, e: _Entry, pixels: torch.Tensor, grid: tuple[int, int, int], count: int) -> None:
         """One graph per ATTENTION choice over the same input; the fastest replay whose features
         agree with the first's is kept."""
         e.pixels = torch.empty_like(pixels)
@@ -138,7 +163,7 @@ class VisionTower:
             try:
                 with sdpa_kernel(backends), torch.cuda.graph(graph, pool=self.pool_handle,
                                                              capture_error_mode="thread_local"):
-                    out = self._forward(e.pixels, grid, e)
+                    out = self._forward(e.pixels, grid, count, e)
             except Exception as exc:  # noqa: BLE001 - another choice may capture
                 errors.append(f"{name}: {exc!r}"[:300])
                 torch.cuda.synchronize(self.device)
@@ -149,7 +174,7 @@ class VisionTower:
             e.graphless = e.failures >= MAX_CAPTURE_FAILURES
             e.pixels = None
             self.capture_failures += 1
-            log.warning("vision_graph_capture_failed", errors=errors, grid=grid, failures=e.failures,
+            log.warning("vision_graph_capture_failed", errors=errors, grid=grid, count=count, failures=e.failures,
                         graphless=e.graphless)
             return
         first = next(iter(graphs.values()))[1].float()
@@ -159,7 +184,7 @@ class VisionTower:
         e.graph, e.out, _ = agree[name]
         e.attention, e.replay_ms = name, {k: round(g[2], 3) for k, g in graphs.items()}
         self.captures += 1
-        log.info("vision_graph_captured", grid=grid, attention=name, replay_ms=e.replay_ms)
+        log.info("vision_graph_captured", grid=grid, count=count, attention=name, replay_ms=e.replay_ms)
 
     def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 3) -> float:
         graph.replay()  # warm

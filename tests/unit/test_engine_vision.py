@@ -154,6 +154,33 @@ def test_vision_tower_gives_hf_towers_features(engine, model_path):
         assert tower.captures == tower.replays == 0 and tower.eager > 0
 
 
+def test_items_of_one_grid_are_encoded_together(engine, model_path):
+    """encode_items: 5 images of one grid and 2 of another in 4 tower passes (4 + 1 and 2 items;
+    the mixed order kept), each item's features those it has alone."""
+    processor = load_processor(model_path)
+    imgs = [random_image(40 + i, 112 if i in (2, 5) else 84) for i in range(7)]
+    inputs = build_inputs(processor, imgs, "x")
+    tower = engine.vision.tower
+    items, row = [], 0
+    with torch.inference_mode():
+        pixels = inputs["pixel_values"].to(DEVICE)
+        for g in inputs["image_grid_thw"].tolist():
+            n = g[0] * g[1] * g[2]
+            items.append((pixels[row:row + n], tuple(g)))
+            row += n
+        alone = [tower.encode(p, g) for p, g in items]
+        counts = []
+        encode = tower.encode
+        tower.encode = lambda p, g, count=1: counts.append((g, count)) or encode(p, g, count)
+        try:
+            together = tower.encode_items(items)
+        finally:
+            del tower.encode
+    assert sorted(counts) == [((1, 6, 6), 1), ((1, 6, 6), 4), ((1, 8, 8), 2)]
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 def test_video_patches_follow_qwen2vl_video_layout(model_path):
     """`video_inputs` against the stock video processor's own patchify (its module needs
     torchvision to import, so the function is taken from its source), on frames that need no resize."""
