@@ -11,6 +11,7 @@ ends theirs; a follower process that dies takes health to NOT_SERVING too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import json
@@ -505,23 +506,18 @@ def check_tp_size(settings: WorkerSettings, model_path: Path) -> None:
         raise ValueError(f"VALORA_TP_SIZE={settings.tp_size}: {exc}") from None
 
 
+# EngineConfig fields the worker fills itself: the path (a str setting), the metrics callback, the
+# tensor-parallel group (a live process group, made per rank from VALORA_TP_SIZE by tp_ranks.py).
+NOT_SETTINGS = frozenset({"model_path", "on_adapter_swap", "tp"})
+
+
 def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:
+    """The engine's config: every other EngineConfig field is the setting of the same name (one
+    name per knob; tests/unit/test_worker_settings.py checks each has a setting and its default)."""
+    knobs = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in NOT_SETTINGS}
     return EngineConfig(
         on_adapter_swap=lambda direction: metrics.ADAPTER_SWAPS.labels(worker_name, direction).inc(),
-        model_path=Path(settings.model_path).expanduser(), device=settings.device, dtype=settings.dtype,
-        max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting,
-        default_max_new_tokens=settings.default_max_new_tokens,
-        max_new_tokens_limit=settings.max_new_tokens_limit, device_slots=settings.device_slots,
-        max_rank=settings.max_rank, switch_strategy=settings.switch_strategy, use_atmm=settings.use_atmm,
-        image_cache_bytes=settings.image_cache_bytes, max_prefills_per_step=settings.max_prefills_per_step,
-        max_prefill_tokens=settings.max_prefill_tokens, kv_block_size=settings.kv_block_size,
-        kv_cache_bytes=settings.kv_cache_bytes, gpu_memory_fraction=settings.gpu_memory_fraction,
-        kv_reserve_bytes=settings.kv_reserve_bytes, max_model_len=settings.max_model_len,
-        load_format=settings.load_format, decode_graphs=settings.decode_graphs,
-        pipeline_decode=settings.pipeline_decode, fused_layers=settings.fused_layers,
-        lora_fold_rows=settings.lora_fold_rows, host_adapter_bytes=settings.host_adapter_bytes,
-        step_trace=settings.step_trace, vision_graphs=settings.vision_graphs,
-    )
+        model_path=Path(settings.model_path).expanduser(), **knobs)
 
 
 def prepare_kernels(settings: WorkerSettings) -> bool | None:

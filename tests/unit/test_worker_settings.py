@@ -21,9 +21,7 @@ from services.worker.model import ensure_tiny_model
 from services.worker.server import WorkerSettings, create_server, engine_config, prepare_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-# The path is model_path (str); the callback is metrics; tp is a live process group, made for each
-# rank from VALORA_TP_SIZE by the worker that starts the ranks (tp_ranks.py).
-NOT_SETTINGS = {"model_path", "on_adapter_swap", "tp"}
+NOT_SETTINGS = server.NOT_SETTINGS
 
 
 @pytest.fixture
