@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from valora import cluster as cluster_mod
 from valora.client import ValoraClient
@@ -35,8 +36,14 @@ def _version(show: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")) -> None:
     """valora: multi-LoRA serving for vision applications."""
-adapters_app = typer.Typer(help="Register and list adapters.", no_args_is_help=True)
+adapters_app = typer.Typer(help="Register, inspect and delete adapters, their versions and aliases.",
+                            no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
+tasks_app = typer.Typer(help="Tasks: named adapter references with a head and an accuracy threshold.",
+                        no_args_is_help=True)
+app.add_typer(tasks_app, name="tasks")
+jobs_app = typer.Typer(help="Generation jobs (queued by `valora generate`).", no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
 console = Console()
 
 HOME = typer.Option(cluster_mod.DEFAULT_HOME, "--home", envvar="VALORA_HOME", help="State, logs, model cache.")
@@ -179,6 +186,151 @@ def adapters_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = AD
         console.print(table)
 
 
+def _adapter_name(name: str) -> str:
+    return name if name.startswith("adapters/") else f"adapters/{name}"
+
+
+def _when(ts) -> str:
+    """A protobuf Timestamp as UTC ISO time ("-" when unset)."""
+    import datetime as dt
+
+    if not ts.seconds and not ts.nanos:
+        return "-"
+    return ts.ToDatetime(tzinfo=dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _version_number(version_name: str) -> str:
+    return version_name.rsplit("/", 1)[1]
+
+
+@adapters_app.command("get")
+def adapters_get(name: str = typer.Argument(..., help="adapters/{a} or {a}"), home: Path = HOME,
+                 address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Show one adapter: latest version, aliases, creation time, description."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        a = client.get_adapter(name)
+    aliases = ", ".join(f"{k}→{_version_number(v)}" for k, v in sorted(a.aliases.items())) or "-"
+    console.print(f"{a.name} latest=v{a.latest_version} aliases={aliases} created={_when(a.create_time)}",
+                  markup=False)
+    if a.description:
+        console.print(a.description, markup=False, highlight=False)
+
+
+@adapters_app.command("delete")
+def adapters_delete(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
+                    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+                    home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Delete an adapter: retire every version, remove its aliases and name (refused while a task uses it)."""
+    name = _adapter_name(name)
+    if not yes:
+        typer.confirm(f"delete {name}, retiring all its versions?", abort=True)
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        client.delete_adapter(name)
+    console.print(f"deleted {name}", markup=False)
+
+
+@adapters_app.command("versions")
+def adapters_versions(name: str = typer.Argument(..., help="adapters/{a} or {a}"), home: Path = HOME,
+                      address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """List an adapter's versions with their rank, state, size, heads and the aliases on them."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        a = client.get_adapter(name)
+        versions = client.list_versions(a.name)
+    on = {}
+    for alias, target in sorted(a.aliases.items()):
+        on.setdefault(target, []).append(alias)
+    table = Table(title=f"{a.name} versions")
+    for col in ("version", "rank", "state", "size", "sha256", "heads", "aliases"):
+        table.add_column(col, justify="right" if col in ("rank", "size") else "left")
+    for v in versions:
+        table.add_row(f"v{_version_number(v.name)}", str(v.rank), v.state, str(v.size_bytes), v.sha256[:12],
+                      ", ".join(f"{h} ({len(labels)})" for h, labels in v.heads.items()) or "-",
+                      ", ".join(on.get(v.name, [])) or "-")
+    console.print(table)
+
+
+@adapters_app.command("alias")
+def adapters_alias(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
+                   alias: str = typer.Argument(..., help="Alias to set (prod, canary, ...)."),
+                   version: str = typer.Argument(..., help="Version number (3 or v3) or adapters/{a}/versions/{v}."),
+                   etag: str = typer.Option("", help="Move the alias only if it still has this etag."),
+                   home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Point an alias at a READY version (creating the alias or moving it)."""
+    name = _adapter_name(name)
+    number = version.removeprefix("v")
+    target = f"{name}/versions/{number}" if number.isdigit() else _adapter_name(version)
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        new_etag = client.set_alias(name, alias, target, etag=etag)
+    console.print(f"{name}@{alias} → {target} etag={new_etag}", markup=False)
+
+
+@adapters_app.command("unalias")
+def adapters_unalias(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
+                     alias: str = typer.Argument(..., help="Alias to remove."), home: Path = HOME,
+                     address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Remove an alias (refused while a task uses it)."""
+    name = _adapter_name(name)
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        client.delete_alias(name, alias)
+    console.print(f"removed {name}@{alias}", markup=False)
+
+
+def _task_line(t) -> str:
+    return (f"{t.name} adapter={t.adapter} head={t.head or '-'} threshold={t.accuracy_threshold:.3f} "
+            f"accuracy={t.measured_accuracy:.3f} created={_when(t.create_time)}")
+
+
+@tasks_app.command("list")
+def tasks_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """List tasks with their adapter, head, threshold and measured accuracy."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        tasks = client.list_tasks()
+    table = Table(title="tasks")
+    for col in ("task", "adapter", "head", "threshold", "accuracy", "description"):
+        table.add_column(col, justify="right" if col in ("threshold", "accuracy") else "left")
+    for t in tasks:
+        table.add_row(t.name, t.adapter, t.head or "-", f"{t.accuracy_threshold:.3f}", f"{t.measured_accuracy:.3f}",
+                      Text(t.description))  # user text, not markup
+    console.print(table)
+
+
+@tasks_app.command("get")
+def tasks_get(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home: Path = HOME, address: str = ADDRESS,
+              admin_key: str = ADMIN_KEY):
+    """Show one task."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        t = client.get_task(name)
+    console.print(_task_line(t), markup=False)
+    if t.description:
+        console.print(t.description, markup=False, highlight=False)
+
+
+@tasks_app.command("create")
+def tasks_create(task_id: str = typer.Argument(..., help="{t} of tasks/{t}"),
+                 adapter: str = typer.Option(..., help="Adapter reference: adapters/{a}, adapters/{a}@{alias} or "
+                                             "adapters/{a}/versions/{v}."),
+                 head: str = typer.Option("", help="Head in the adapter bundle (empty: LM-head text task)."),
+                 description: str = typer.Option(""),
+                 threshold: float = typer.Option(0.0, min=0.0, max=1.0, help="Accuracy the task must keep."),
+                 accuracy: float = typer.Option(0.0, min=0.0, max=1.0, help="Last measured accuracy."),
+                 home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Create a task naming an adapter (and head) so requests can say tasks/{t}."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        t = client.create_task(task_id, adapter, head=head, description=description, accuracy_threshold=threshold,
+                               measured_accuracy=accuracy)
+    console.print(_task_line(t), markup=False)
+
+
+@tasks_app.command("delete")
+def tasks_delete(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home: Path = HOME, address: str = ADDRESS,
+                 admin_key: str = ADMIN_KEY):
+    """Delete a task (its adapter stays)."""
+    name = name if name.startswith("tasks/") else f"tasks/{name}"
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        client.delete_task(name)
+    console.print(f"deleted {name}", markup=False)
+
+
 def _mode_name(mode: int) -> str:
     """An InferenceMode as a user reads it (merged, unmerged, mixture, ...), not its number."""
     return types_pb2.InferenceMode.Name(mode).removeprefix("INFERENCE_MODE_").lower()
@@ -250,12 +402,56 @@ def generate(source: list[str] = typer.Option(..., "--source", "-s", help="task[
     if state != "SUCCEEDED":
         console.print(f"[red]{job.name} {state}[/red] {job.error or job.message}")
         raise typer.Exit(1)
-    table = Table("task", "adapter version", "threshold", "accuracy (test)", title=f"{job.name} {state}")
+    console.print(_job_result_table(job))
+
+
+def _job_result_table(job) -> Table:
+    """A SUCCEEDED job's tasks: adapter version, threshold and measured test accuracy."""
+    table = Table("task", "adapter version", "threshold", "accuracy (test)", title=f"{job.name} {_job_state(job)}")
     for t in job.result.tasks:
         ok = t.measured_accuracy >= t.accuracy_threshold
         table.add_row(t.task, t.adapter_version, f"{t.accuracy_threshold:.3f}",
                       f"{'' if ok else '[red]'}{t.measured_accuracy:.3f}{'' if ok else '[/red]'}")
+    return table
+
+
+@jobs_app.command("list")
+def jobs_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """List generation jobs, newest first."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        jobs = client.list_generation_jobs()
+    table = Table(title="generation jobs")
+    for col in ("job", "state", "progress", "sources", "created", "message"):
+        table.add_column(col, justify="right" if col == "progress" else "left")
+    for j in jobs:
+        table.add_row(j.name, _job_state(j), f"{j.progress:.0%}",
+                      ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources), _when(j.create_time),
+                      Text(j.error or j.message))
     console.print(table)
+
+
+@jobs_app.command("get")
+def jobs_get(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), home: Path = HOME,
+             address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Show one generation job: state, progress, sources and, once it SUCCEEDED, its result."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        j = client.get_generation_job(name)
+    console.print(f"{j.name}: {_job_state(j)} progress={j.progress:.0%} rank={j.rank or 8} epochs={j.epochs or 4} "
+                  f"created={_when(j.create_time)} updated={_when(j.update_time)}", markup=False)
+    console.print("sources: " + ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources), markup=False)
+    if j.error or j.message:
+        console.print(j.error or j.message, markup=False, highlight=False)
+    if _job_state(j) == "SUCCEEDED":
+        console.print(_job_result_table(j))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), home: Path = HOME,
+                address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Cancel a PENDING or RUNNING job (a finished one: FAILED_PRECONDITION)."""
+    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+        j = client.cancel_generation_job(name)
+    console.print(f"{j.name}: {_job_state(j)}", markup=False)
 
 
 def _demo_images(n: int, seed: int) -> list[bytes]:

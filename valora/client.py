@@ -253,6 +253,10 @@ class ValoraClient:
 
     # -- admin ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def _adapter_name(name: str) -> str:
+        return name if name.startswith("adapters/") else f"adapters/{name}"
+
     def create_adapter(self, adapter_id: str, description: str = "", request_id: str = "") -> str:
         r = self._call(self._admin.CreateAdapter, admin_pb.CreateAdapterRequest(
             adapter_id=adapter_id, description=description, request_id=request_id), self._admin_key)
@@ -267,6 +271,17 @@ class ValoraClient:
             token = r.next_page_token
             if not token:
                 return out
+
+    def get_adapter(self, name: str) -> resources_pb2.Adapter:
+        """`name` is "adapters/{adapter}" or just "{adapter}"."""
+        return self._call(self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=self._adapter_name(name)),
+                          self._admin_key).adapter
+
+    def delete_adapter(self, name: str) -> None:
+        """Retires every version and removes the adapter's aliases and name; FAILED_PRECONDITION
+        while a task uses it."""
+        self._call(self._admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name=self._adapter_name(name)),
+                   self._admin_key)
 
     def upload_adapter_version(self, adapter: str, bundle: bytes, adapter_config_json: str,
                                heads: dict[str, list[str]] | None = None, request_id: str = "") -> AdapterVersion:
@@ -301,10 +316,24 @@ class ValoraClient:
             if not token:
                 return out
 
+    def get_version(self, name: str) -> AdapterVersion:
+        """`name` is "adapters/{adapter}/versions/{version}" (or without "adapters/")."""
+        return AdapterVersion.from_pb(self._call(self._admin.GetAdapterVersion, admin_pb.GetAdapterVersionRequest(
+            name=self._adapter_name(name)), self._admin_key).version)
+
+    def delete_version(self, name: str) -> None:
+        """Marks the version RETIRED; FAILED_PRECONDITION while an alias or task points at it."""
+        self._call(self._admin.DeleteAdapterVersion, admin_pb.DeleteAdapterVersionRequest(
+            name=self._adapter_name(name)), self._admin_key)
+
     def set_alias(self, adapter: str, alias: str, version: str, etag: str = "") -> str:
         r = self._call(self._admin.SetAlias, admin_pb.SetAliasRequest(
             adapter=adapter, alias=alias, version=version, etag=etag), self._admin_key)
         return r.etag
+
+    def delete_alias(self, adapter: str, alias: str) -> None:
+        self._call(self._admin.DeleteAlias, admin_pb.DeleteAliasRequest(
+            adapter=self._adapter_name(adapter), alias=alias), self._admin_key)
 
     def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
                     accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0) -> resources_pb2.Task:
@@ -318,6 +347,17 @@ class ValoraClient:
         """`name` is "tasks/{task}" or just "{task}"."""
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         return self._call(self._admin.GetTask, admin_pb.GetTaskRequest(name=name), self._admin_key).task
+
+    def list_tasks(self, page_size: int = 100) -> list[resources_pb2.Task]:
+        """Every task (all pages)."""
+        out, token = [], ""
+        while True:
+            r = self._call(self._admin.ListTasks, admin_pb.ListTasksRequest(page_size=page_size, page_token=token),
+                           self._admin_key)
+            out.extend(r.tasks)
+            token = r.next_page_token
+            if not token:
+                return out
 
     def delete_task(self, name: str) -> None:
         name = name if name.startswith("tasks/") else f"tasks/{name}"

@@ -220,6 +220,9 @@ def test_every_command_has_help_and_the_cli_a_version():
     runner = CliRunner()
     every = list(paths(typer.main.get_command(cli.app)))
     assert len(every) >= 10 and ("adapters", "register") in every and ("bench", "sched") in every
+    assert {("adapters", c) for c in ("get", "delete", "versions", "alias", "unalias")} <= set(every)
+    assert {("tasks", c) for c in ("list", "get", "create", "delete")} <= set(every)
+    assert {("jobs", c) for c in ("list", "get", "cancel")} <= set(every)
     for path in every:
         result = runner.invoke(cli.app, [*path, "--help"])
         assert result.exit_code == 0 and "usage" in result.output.lower(), (path, result.output[-500:])

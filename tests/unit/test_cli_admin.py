@@ -1,0 +1,245 @@
+"""The SDK's and the CLI's admin calls (adapters get/delete/versions/alias/unalias, tasks, generation
+jobs) against a real adapter store (SQLite) behind a real gateway that checks the admin key, both
+over loopback gRPC: what each call returns or prints, and a failed call's typed error and exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.testing import RunningStore, adapter_config, make_bundle, write_tiny_model
+from services.gateway.config import GatewaySettings
+from valora import cli, errors
+from valora.client import ValoraClient
+
+ADMIN_KEY = "admin-key-cli"
+
+
+class RunningGateway:
+    """The gateway's gRPC server (no HTTP) on its own event loop thread, in front of `store`."""
+
+    def __init__(self, store_address: str) -> None:
+        from services.gateway.server import create_server
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-loop", daemon=True)
+        self._thread.start()
+        settings = GatewaySettings(adapter_store_address=store_address, scheduler_address=store_address,
+                                   admin_keys=[ADMIN_KEY], http_enabled=False, port=0)
+
+        async def start():
+            service = await create_server(settings)
+            await service.start()
+            return service
+
+        self.service = asyncio.run_coroutine_threadsafe(start(), self._loop).result(60)
+        self.address = f"127.0.0.1:{self.service.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.service.stop(0), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli-admin")
+    settings = StoreSettings(database_url=f"sqlite:///{tmp / 'r.db'}", blob_dir=str(tmp / "blobs"),
+                             model_path=str(write_tiny_model(tmp / "tiny")), gc_interval_s=0, port=0)
+    with RunningStore(settings) as store:
+        gw = RunningGateway(store.address)
+        try:
+            yield gw.address
+        finally:
+            gw.close()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    with ValoraClient(gateway, admin_key=ADMIN_KEY, retries=0, timeout_s=30) as c:
+        yield c
+
+
+def upload(client, adapter: str, seed: int):
+    return client.upload_adapter_version(adapter, make_bundle(rank=4, heads={"color": 3}, seed=seed),
+                                         adapter_config(rank=4), heads={"color": ["red", "green", "blue"]})
+
+
+# -- SDK ----------------------------------------------------------------------------------------
+
+def test_sdk_adapters_versions_and_aliases(client):
+    v1, v2 = upload(client, "sdk-cars", 0), upload(client, "sdk-cars", 1)
+    a = client.get_adapter("sdk-cars")
+    assert a.name == "adapters/sdk-cars" and a.latest_version == 2 and client.get_adapter(a.name) == a
+    got = client.get_version(v1.name)
+    assert (got.name, got.sha256, got.rank, got.state, got.heads) == (v1.name, v1.sha256, 4, "ready",
+                                                                         {"color": ["red", "green", "blue"]})
+    assert client.get_version("sdk-cars/versions/2").sha256 == v2.sha256  # "adapters/" may be left out
+    client.set_alias("adapters/sdk-cars", "prod", v1.name)
+    with pytest.raises(errors.FailedPrecondition) as exc:  # an alias points at it
+        client.delete_version(v1.name)
+    assert exc.value.reason == "VERSION_IN_USE"
+    client.delete_alias("sdk-cars", "prod")
+    assert dict(client.get_adapter("sdk-cars").aliases) == {}
+    with pytest.raises(errors.NotFound):
+        client.delete_alias("sdk-cars", "prod")
+    client.delete_version(v1.name)
+    assert client.get_version(v1.name).state == "retired"
+    assert [v.state for v in client.list_versions("sdk-cars")] == ["retired", "ready"]
+
+    client.create_task("sdk-color", adapter="adapters/sdk-cars", head="color")
+    with pytest.raises(errors.FailedPrecondition):  # a task still uses it
+        client.delete_adapter("sdk-cars")
+    client.delete_task("sdk-color")
+    client.delete_adapter("adapters/sdk-cars")
+    with pytest.raises(errors.NotFound) as exc:
+        client.get_adapter("sdk-cars")
+    assert exc.value.reason == "ADAPTER_NOT_FOUND"
+    assert "adapters/sdk-cars" not in [x.name for x in client.list_adapters()]
+    with pytest.raises(errors.NotFound) as exc:
+        client.delete_adapter("sdk-nope")
+    assert isinstance(exc.value, grpc.RpcError) and exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_sdk_list_tasks_reads_every_page(client):
+    upload(client, "sdk-pages", 2)
+    made = [client.create_task(f"sdk-page-{i}", adapter="adapters/sdk-pages", head="color",
+                               accuracy_threshold=0.5, measured_accuracy=0.75).name for i in range(5)]
+    try:
+        tasks = client.list_tasks(page_size=2)
+        assert set(made) <= {t.name for t in tasks} and len(tasks) == len({t.name for t in tasks})
+        t = next(t for t in tasks if t.name == made[0])
+        assert (t.adapter, t.head, t.accuracy_threshold, t.measured_accuracy) == ("adapters/sdk-pages", "color",
+                                                                                   0.5, 0.75)
+    finally:
+        for name in made:
+            client.delete_task(name)
+    assert not set(made) & {t.name for t in client.list_tasks()}
+
+
+def test_sdk_admin_calls_need_the_admin_key(gateway):
+    with ValoraClient(gateway, retries=0, timeout_s=30) as anonymous, pytest.raises(errors.Unauthenticated):
+        anonymous.list_tasks()
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def invoke(gateway, monkeypatch, tmp_path):
+    """Runs `valora ARGS` against the gateway (address and key from the environment, as a user
+    would set them); tables printed wide enough not to wrap."""
+    monkeypatch.setattr(cli, "console", Console(width=200))
+    env = {"VALORA_ADDRESS": gateway, "VALORA_ADMIN_KEY": ADMIN_KEY, "VALORA_HOME": str(tmp_path)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def run(*args: str, input: str | None = None):
+        return CliRunner().invoke(cli.app, list(args), input=input, env=env)
+    return run
+
+
+def failed(capsys, *args: str) -> tuple[int, str]:
+    """`valora ARGS` through cli.main (the entry point that prints a failed RPC): its exit code and
+    the line it printed for the error (the in-process services log to the same stdout)."""
+    code = cli.main(list(args))
+    out = capsys.readouterr().out
+    assert "Traceback" not in out, out
+    return code, next((line for line in out.splitlines() if line.split(":")[0].isupper()), out)
+
+
+def test_cli_adapters_get_versions_alias_unalias_delete(client, invoke, capsys):
+    upload(client, "cli-cars", 0)
+    v2 = upload(client, "cli-cars", 1)
+    r = invoke("adapters", "alias", "cli-cars", "prod", "1")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("adapters/cli-cars@prod → adapters/cli-cars/versions/1 etag=")
+    r = invoke("adapters", "alias", "adapters/cli-cars", "canary", v2.name)  # a full version name too
+    assert r.exit_code == 0, r.output
+    assert dict(client.get_adapter("cli-cars").aliases) == {"prod": "adapters/cli-cars/versions/1",
+                                                            "canary": v2.name}
+
+    r = invoke("adapters", "get", "cli-cars")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("adapters/cli-cars latest=v2 aliases=canary→2, prod→1 created=20")
+    r = invoke("adapters", "versions", "cli-cars")
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[1]: line for line in r.output.splitlines() if line.split()[1:2] in (["v1"], ["v2"])}
+    assert set(rows) == {"v1", "v2"}
+    assert "ready" in rows["v1"] and "color (3)" in rows["v1"] and "prod" in rows["v1"] and "canary" in rows["v2"]
+    assert v2.sha256[:12] in rows["v2"]
+
+    r = invoke("adapters", "unalias", "cli-cars", "canary")
+    assert r.exit_code == 0 and r.output.strip() == "removed adapters/cli-cars@canary", r.output
+    assert set(client.get_adapter("cli-cars").aliases) == {"prod"}
+
+    r = invoke("adapters", "delete", "cli-cars", input="n\n")  # not confirmed: nothing deleted
+    assert r.exit_code == 1 and "Aborted" in r.output, r.output
+    assert client.get_adapter("cli-cars").name == "adapters/cli-cars"
+    r = invoke("adapters", "delete", "cli-cars", input="y\n")
+    assert r.exit_code == 0 and r.output.strip().endswith("deleted adapters/cli-cars"), r.output
+    with pytest.raises(errors.NotFound):
+        client.get_adapter("cli-cars")
+
+    code, out = failed(capsys, "adapters", "delete", "cli-cars", "--yes")
+    assert code == cli.RPC_EXIT_BASE + grpc.StatusCode.NOT_FOUND.value[0] == 15
+    assert out == "NOT_FOUND: adapters/cli-cars not found (ADAPTER_NOT_FOUND)"
+    code, out = failed(capsys, "adapters", "get", "cli-nope")
+    assert code == 15 and out.startswith("NOT_FOUND: "), out
+    code, out = failed(capsys, "adapters", "alias", "cli-nope", "prod", "v1")
+    assert code == 15 and out.startswith("NOT_FOUND: "), out
+
+
+def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
+    upload(client, "cli-tasks", 3)
+    r = invoke("tasks", "create", "cli-color", "--adapter", "adapters/cli-tasks", "--head", "color",
+               "--description", "colour of [the] car", "--threshold", "0.8", "--accuracy", "0.9")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("tasks/cli-color adapter=adapters/cli-tasks head=color threshold=0.800 "
+                               "accuracy=0.900 created=20")
+    r = invoke("tasks", "list")
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.output.splitlines() if "tasks/cli-color" in line)
+    for text in ("adapters/cli-tasks", "color", "0.800", "0.900", "colour of [the] car"):
+        assert text in row, row
+    r = invoke("tasks", "get", "cli-color")
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("tasks/cli-color adapter=adapters/cli-tasks head=color")
+    assert r.output.splitlines()[1] == "colour of [the] car"  # user text is printed as it is, not as markup
+    r = invoke("tasks", "delete", "tasks/cli-color")
+    assert r.exit_code == 0 and r.output.strip() == "deleted tasks/cli-color", r.output
+    code, out = failed(capsys, "tasks", "get", "cli-color")
+    assert code == 15 and out.startswith("NOT_FOUND: tasks/cli-color not found"), out
+    code, out = failed(capsys, "tasks", "create", "cli-x", "--adapter", "adapters/cli-nope")
+    assert code == 15 and out.startswith("NOT_FOUND: "), out  # the adapter does not exist
+    r = invoke("tasks", "create", "cli-x", "--adapter", "adapters/cli-tasks", "--threshold", "2")
+    assert r.exit_code == 2  # a usage error, refused before any call
+
+
+def test_cli_jobs_list_get_cancel(client, invoke, capsys):
+    job = client.create_generation_job("/models/tiny", {"digit": 0.8, "parity": 0.9}, rank=4, epochs=1,
+                                       job_id="cli-job")
+    r = invoke("jobs", "list")
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.output.splitlines() if job.name in line)
+    assert "PENDING" in row and "digit:0.8, parity:0.9" in row and "0%" in row
+    r = invoke("jobs", "get", "cli-job")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith(f"{job.name}: PENDING progress=0% rank=4 epochs=1 created=20")
+    assert lines[1] == "sources: digit:0.8, parity:0.9"
+    r = invoke("jobs", "cancel", "cli-job")
+    assert r.exit_code == 0 and r.output.strip() == f"{job.name}: CANCELLED", r.output
+    assert "CANCELLED" in invoke("jobs", "get", job.name).output
+    r = invoke("jobs", "cancel", "cli-job")  # cancelling a cancelled job changes nothing
+    assert r.exit_code == 0 and r.output.strip() == f"{job.name}: CANCELLED", r.output
+    code, out = failed(capsys, "jobs", "cancel", "cli-nope")
+    assert code == 15 and out.startswith("NOT_FOUND: generationJobs/cli-nope"), out
+    code, out = failed(capsys, "jobs", "get", "cli-nope")
+    assert code == 15 and out.startswith("NOT_FOUND: "), out
