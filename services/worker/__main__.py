@@ -1,7 +1,8 @@
 """`python -m services.worker`: one worker (one GPU, or the CPU) serving WorkerService."""
 
 from services.common.server import serve
-from services.worker.server import WorkerSettings, create_server
+from services.worker.config import WorkerSettings
+from services.worker.server import create_server
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ def init_rank(settings, rank: int):
 def build_rank_engine(settings, rank: int, tp, worker_name: str = ""):
     """The rank's Engine (not started): rank_device's device, this rank's TPGroup."""
     from services.worker.engine import Engine  # noqa: PLC0415
-    from services.worker.server import engine_config, prepare_kernels  # noqa: PLC0415
+    from services.worker.config import engine_config, prepare_kernels  # noqa: PLC0415
 
     prepare_kernels(settings)
     config = engine_config(settings, worker_name)

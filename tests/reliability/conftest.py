@@ -185,7 +185,7 @@ class InProcessStack:
         from services.gateway.server import create_server as create_gateway
         from services.scheduler.config import SchedulerSettings
         from services.scheduler.server import create_server as create_scheduler
-        from services.worker.server import WorkerSettings
+        from services.worker.config import WorkerSettings
         from services.worker.server import create_server as create_worker
 
         wo, so, go = self.overrides

@@ -22,7 +22,7 @@ from services.worker.lora_manager import Command
 from services.worker.requests import Failed, Finished, FinishReason, TextDelta, WorkRequest
 from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
-from services.worker.server import WorkerSettings, engine_config
+from services.worker.config import WorkerSettings, engine_config
 from services.worker.testing import load_random_adapters, random_image
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"

@@ -16,7 +16,8 @@ from services.common.server import build_service
 from services.worker.engine import Engine, EngineConfig
 from services.worker.model import ensure_tiny_model
 from services.worker.preprocess import Preprocessor, work_request_from_pb
-from services.worker.server import WorkerSettings, create_server
+from services.worker.config import WorkerSettings
+from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore
 from tests.unit.test_worker_server import png
 from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc

@@ -16,7 +16,8 @@ from valora.internal.v1 import adapter_store_service_pb2 as store_pb
 from kernels import atmm
 from kernels.tile_table import TileConfig, TileTable, find_table
 from services.common.errors import WorkerUnavailable
-from services.worker.server import WorkerSettings, install_tile_table
+from services.worker.config import WorkerSettings
+from services.worker.server import install_tile_table
 
 H200 = ("NVIDIA H200", "sm90")
 SHAPE = (3584, 3584, 16, 16, 16)  # h_in, h_out, rank stride, tokens, segments: a committed bucket

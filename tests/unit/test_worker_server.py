@@ -15,7 +15,8 @@ from PIL import Image
 
 from services.common.server import build_service
 from services.worker.model import ensure_tiny_model
-from services.worker.server import WorkerSettings, create_server
+from services.worker.config import WorkerSettings
+from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
 from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
 from valora.v1 import types_pb2

@@ -18,10 +18,10 @@ import kernels.build
 from services.worker import server
 from services.worker.engine import EngineConfig
 from services.worker.model import ensure_tiny_model
-from services.worker.server import WorkerSettings, create_server, engine_config, prepare_kernels
+from services.worker.config import NOT_SETTINGS, WorkerSettings, engine_config, prepare_kernels
+from services.worker.server import create_server
 
 REPO = Path(__file__).resolve().parents[2]
-NOT_SETTINGS = server.NOT_SETTINGS
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ from services.scheduler.server import create_server as create_scheduler
 from services.scheduler.workers import WorkerPool
 from services.worker.model import ensure_tiny_model
 from services.worker.requests import step_times
-from services.worker.server import WorkerSettings, create_server
+from services.worker.config import WorkerSettings
+from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
 from valora.internal.v1 import (
     scheduler_service_pb2,

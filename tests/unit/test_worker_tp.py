@@ -17,7 +17,8 @@ import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.server import build_service
-from services.worker.server import WorkerSettings, create_server
+from services.worker.config import WorkerSettings
+from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
 from services.worker.tp_ranks import rank_device
 from tests.unit.test_worker_server import generate, png
