@@ -9,6 +9,9 @@ Retries UNAVAILABLE (the status that promises nothing ran) and a full queue's RE
 with RetryInfo, after the server's delay or a jittered backoff; a stream only before its first
 message. Failures raise valora.errors' typed exceptions (grpc.RpcError subclasses carrying the
 status's reason, field violations and retry delay).
+
+valora.aio.AsyncValoraClient is the grpc.aio twin; the module-level helpers below (channel
+options and credentials, metadata, request building, the retry policy) serve both.
 """
 
 from __future__ import annotations
@@ -107,6 +110,68 @@ def _image_pb(image: bytes | str | Path) -> types_pb2.Image:
     return types_pb2.Image(data=image)
 
 
+def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
+           label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
+           stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
+           top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0)
+           ) -> inf_pb.InferenceInput:
+    inp = inf_pb.InferenceInput(
+        prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
+        output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
+        params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
+                                          min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs,
+                                          presence_penalty=penalties[0], frequency_penalty=penalties[1],
+                                          repetition_penalty=penalties[2]))
+    if adapter:
+        inp.adapter = adapter
+    if task:
+        inp.task = task
+    return inp
+
+
+def _request(kind, inp: inf_pb.InferenceInput, request_id: str):
+    """An InferRequest or InferStreamRequest (`kind`) of `inp`, under a fresh request id when none is given."""
+    return kind(input=inp, request_id=request_id or uuid.uuid4().hex)
+
+
+def _stream_out(msg: inf_pb.InferStreamResponse) -> Iterator[str | InferResult]:
+    """What a stream message gives the caller: its text delta, then its final result."""
+    if msg.text_delta:
+        yield msg.text_delta
+    if msg.HasField("result"):
+        yield InferResult.from_pb(msg.result)
+
+
+def _adapter_name(name: str) -> str:
+    return name if name.startswith("adapters/") else f"adapters/{name}"
+
+
+def _metadata(key: str | None, request_id: str = "") -> list[tuple[str, str]]:
+    md = [("authorization", f"Bearer {key}")] if key else []
+    if request_id:
+        md.append(("x-request-id", request_id))
+    return md
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def _channel_credentials(tls: bool, tls_ca: str | Path | None, tls_cert: str | Path | None,
+                         tls_key: str | Path | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials when `tls` or any tls_* is set (see ValoraClient); None: plaintext."""
+    if not (tls or tls_ca or tls_cert or tls_key):
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together (mutual TLS)")
+
+    def read(path):
+        return Path(path).expanduser().read_bytes() if path else None
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
 def _retryable(err: errors.ValoraRpcError) -> bool:
     return isinstance(err, errors.Unavailable) or (isinstance(err, errors.ResourceExhausted)
                                                     and err.retry_after_s is not None)
@@ -118,6 +183,15 @@ def _backoff(err: errors.ValoraRpcError, attempt: int) -> float:
     return random.uniform(0, min(0.2 * 2 ** attempt, 2.0))  # full jitter: retrying clients spread out
 
 
+def _retry_delay(raw: grpc.RpcError, attempt: int, retries: int, started: bool = False) -> float:
+    """How long to wait before retrying a failed `attempt` (0 .. `retries`); raises its typed error
+    instead on the last attempt, once a stream has `started`, and for a status not to retry."""
+    err = errors.from_rpc_error(raw)
+    if started or attempt == retries or not _retryable(err):
+        raise err from None
+    return _backoff(err, attempt)
+
+
 class ValoraClient:
     def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
                  timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20,
@@ -127,15 +201,9 @@ class ValoraClient:
         default: the system roots); `tls_cert` + `tls_key`: this client's certificate (mutual
         TLS). `internal_token`: the cluster's internal token, for an adapter store's AdminService
         addressed directly (the generation runner); a gateway needs only the keys."""
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
-        if tls or tls_ca or tls_cert or tls_key:
-            if bool(tls_cert) != bool(tls_key):
-                raise ValueError("tls_cert and tls_key go together (mutual TLS)")
-
-            def read(path):
-                return Path(path).expanduser().read_bytes() if path else None
-            credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+        options = _channel_options(max_message_bytes)
+        credentials = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
+        if credentials is not None:
             self._channel = grpc.secure_channel(address, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)
@@ -157,12 +225,6 @@ class ValoraClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _metadata(self, key: str | None, request_id: str = "") -> list[tuple[str, str]]:
-        md = [("authorization", f"Bearer {key}")] if key else []
-        if request_id:
-            md.append(("x-request-id", request_id))
-        return md
-
     def _retrying(self, call):
         """`call()` again on UNAVAILABLE, and on RESOURCE_EXHAUSTED that carries RetryInfo (a full
         queue), up to `retries` times: after the server's delay when it gave one, else after a
@@ -176,35 +238,12 @@ class ValoraClient:
 
     def _retry_or_raise(self, raw: grpc.RpcError, attempt: int, started: bool = False) -> None:
         """Raises the typed error of a failed `attempt`, or waits before the next one."""
-        err = errors.from_rpc_error(raw)
-        if started or attempt == self.retries or not _retryable(err):
-            raise err from None
-        time.sleep(_backoff(err, attempt))
+        time.sleep(_retry_delay(raw, attempt, self.retries, started))
 
     def _call(self, fn, request, key):
-        return self._retrying(lambda: fn(request, timeout=self.timeout_s, metadata=self._metadata(key)))
+        return self._retrying(lambda: fn(request, timeout=self.timeout_s, metadata=_metadata(key)))
 
     # -- inference -----------------------------------------------------------------------------
-
-    @staticmethod
-    def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
-               label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-               stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
-               top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0)
-               ) -> inf_pb.InferenceInput:
-        inp = inf_pb.InferenceInput(
-            prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
-            output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
-            params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                              top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
-                                              min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs,
-                                              presence_penalty=penalties[0], frequency_penalty=penalties[1],
-                                              repetition_penalty=penalties[2]))
-        if adapter:
-            inp.adapter = adapter
-        if task:
-            inp.task = task
-        return inp
 
     def infer(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *, adapter: str | None = None,
               task: str | None = None, label: bool = False, max_new_tokens: int = 0, temperature: float = 0.0,
@@ -216,11 +255,9 @@ class ValoraClient:
         template; then no images). `logprobs`: each generated token's log-probability in the
         result, with the `top_logprobs` (<= 20) most likely tokens at its position. Penalties as
         OpenAI's (presence, frequency) and vLLM's (repetition; 0 = off)."""
-        req = inf_pb.InferRequest(
-            input=self._input(prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs,
-                              (presence_penalty, frequency_penalty, repetition_penalty)),
-            request_id=request_id or uuid.uuid4().hex)
+        req = _request(inf_pb.InferRequest, _input(
+            prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
+            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty)), request_id)
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
     def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
@@ -232,30 +269,21 @@ class ValoraClient:
                      ) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
-        req = inf_pb.InferStreamRequest(
-            input=self._input(prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k,
-                              seed, stop, min_p, raw_prompt, logprobs, top_logprobs,
-                              (presence_penalty, frequency_penalty, repetition_penalty)),
-            request_id=request_id or uuid.uuid4().hex)
+        req = _request(inf_pb.InferStreamRequest, _input(
+            prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
+            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty)), request_id)
         for attempt in range(self.retries + 1):
             started = False
             try:
                 for msg in self._inference.InferStream(req, timeout=self.timeout_s,
-                                                       metadata=self._metadata(self._api_key)):
+                                                       metadata=_metadata(self._api_key)):
                     started = True
-                    if msg.text_delta:
-                        yield msg.text_delta
-                    if msg.HasField("result"):
-                        yield InferResult.from_pb(msg.result)
+                    yield from _stream_out(msg)
                 return
             except grpc.RpcError as raw:
                 self._retry_or_raise(raw, attempt, started)
 
     # -- admin ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _adapter_name(name: str) -> str:
-        return name if name.startswith("adapters/") else f"adapters/{name}"
 
     def create_adapter(self, adapter_id: str, description: str = "", request_id: str = "") -> str:
         r = self._call(self._admin.CreateAdapter, admin_pb.CreateAdapterRequest(
@@ -274,13 +302,13 @@ class ValoraClient:
 
     def get_adapter(self, name: str) -> resources_pb2.Adapter:
         """`name` is "adapters/{adapter}" or just "{adapter}"."""
-        return self._call(self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=self._adapter_name(name)),
+        return self._call(self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=_adapter_name(name)),
                           self._admin_key).adapter
 
     def delete_adapter(self, name: str) -> None:
         """Retires every version and removes the adapter's aliases and name; FAILED_PRECONDITION
         while a task uses it."""
-        self._call(self._admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name=self._adapter_name(name)),
+        self._call(self._admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name=_adapter_name(name)),
                    self._admin_key)
 
     def upload_adapter_version(self, adapter: str, bundle: bytes, adapter_config_json: str,
@@ -301,13 +329,13 @@ class ValoraClient:
                 yield admin_pb.UploadAdapterVersionRequest(chunk=bundle[i:i + UPLOAD_CHUNK])
 
         r = self._retrying(lambda: self._admin.UploadAdapterVersion(parts(), timeout=self.timeout_s,
-                                                                    metadata=self._metadata(self._admin_key)))
+                                                                    metadata=_metadata(self._admin_key)))
         return AdapterVersion.from_pb(r.version)
 
     def list_versions(self, adapter: str, page_size: int = 100) -> list[AdapterVersion]:
         """Every version of the adapter (all pages)."""
         out, token = [], ""
-        parent = adapter if adapter.startswith("adapters/") else f"adapters/{adapter}"
+        parent = _adapter_name(adapter)
         while True:
             r = self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
                 parent=parent, page_size=page_size, page_token=token), self._admin_key)
@@ -319,12 +347,12 @@ class ValoraClient:
     def get_version(self, name: str) -> AdapterVersion:
         """`name` is "adapters/{adapter}/versions/{version}" (or without "adapters/")."""
         return AdapterVersion.from_pb(self._call(self._admin.GetAdapterVersion, admin_pb.GetAdapterVersionRequest(
-            name=self._adapter_name(name)), self._admin_key).version)
+            name=_adapter_name(name)), self._admin_key).version)
 
     def delete_version(self, name: str) -> None:
         """Marks the version RETIRED; FAILED_PRECONDITION while an alias or task points at it."""
         self._call(self._admin.DeleteAdapterVersion, admin_pb.DeleteAdapterVersionRequest(
-            name=self._adapter_name(name)), self._admin_key)
+            name=_adapter_name(name)), self._admin_key)
 
     def set_alias(self, adapter: str, alias: str, version: str, etag: str = "") -> str:
         r = self._call(self._admin.SetAlias, admin_pb.SetAliasRequest(
@@ -333,7 +361,7 @@ class ValoraClient:
 
     def delete_alias(self, adapter: str, alias: str) -> None:
         self._call(self._admin.DeleteAlias, admin_pb.DeleteAliasRequest(
-            adapter=self._adapter_name(adapter), alias=alias), self._admin_key)
+            adapter=_adapter_name(adapter), alias=alias), self._admin_key)
 
     def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
                     accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0) -> resources_pb2.Task:
