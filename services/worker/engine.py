@@ -158,6 +158,7 @@ class Engine:
         self.adapters = LoraManager(self.pool, self.lora, self.lora_layers, self.shapes, config.max_rank,
                                     config.switch_strategy, self.tp)
         self._wake = threading.Condition()
+        self._loads = threading.Lock()  # adapter loads, one at a time (load_adapter_bytes)
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake)
         self.inbox = Inbox(self.sched, self._wake, self.tp)
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
@@ -208,10 +209,14 @@ class Engine:
     def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
                            head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
         """Validates and adds an adapter bundle; False if that version was already loaded. The
-        host pool stays within host_adapter_bytes: least recently used idle adapters leave it."""
-        evict = tuple(self.pool.host_victims(len(data), self.config.host_adapter_bytes,
-                                             keep={name, self.lora.merged or ""}))
-        return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device, evict)))
+        host pool stays within host_adapter_bytes: least recently used idle adapters leave it.
+        Loads run one at a time: each makes room for itself in the pool the previous ones left
+        (concurrent loads each chose victims for themselves only, together going over)."""
+        with self._loads:
+            evict = tuple(self.pool.host_victims(len(data), self.config.host_adapter_bytes,
+                                                 keep={name, self.lora.merged or ""}))
+            return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device,
+                                                      evict)))
 
     def add_adapter(self, weights: AdapterWeights) -> bool:
         """Adds full-shape adapter weights (tensor parallel: every rank its shard)."""
