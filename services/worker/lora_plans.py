@@ -51,6 +51,10 @@ class LoraPlanner:
         dev.wait()  # the step's stream after the slot's upload (on the device; the host goes on)
         entry = self.entries.get(("lora", name))
         if entry is None or entry.a is not dev.a:  # slot content changed since it was cached
+            # a new resident adapter: first forget the entries of those that left their slots (each
+            # holds its adapter's device tensors; with adapters churning they piled up, one per
+            # adapter ever served: tests/reliability/test_adapter_churn.py)
+            self.drop_stale()
             entry = self.entries[("lora", name)] = AdapterEntry(dev.a, dev.b, dev.weights.scale)
         return entry
 
