@@ -42,7 +42,7 @@ def test_no_service_imports_another():
 
 def test_the_sdk_imports_no_service():
     """The SDK modules stand alone (the CLI and valora.cluster start services; tile_tables is a tool)."""
-    sdk = [REPO / "valora" / name for name in ("client.py", "errors.py", "internal_token.py")]
+    sdk = [REPO / "valora" / name for name in ("client.py", "aio.py", "errors.py", "internal_token.py")]
     bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sdk for mod, line in imports(f)
            if mod.split(".")[0] in ("services", "kernels", "torch")]
     assert not bad, "\n".join(bad)
@@ -55,7 +55,8 @@ def test_kernels_import_no_service_api():
 
 def test_control_plane_and_sdk_load_no_torch():
     code = ("import sys; import services.gateway.server, services.scheduler.server, services.adapter_store.server, "
-            "valora.client; print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+            "valora.client, valora.aio; "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
@@ -72,7 +73,7 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {SERVER_ONLY!r}:
             raise ImportError("server-only package " + name)
 sys.meta_path.insert(0, Refuse())
-import valora.client, valora.errors, valora.cli
+import valora.client, valora.aio, valora.errors, valora.cli
 from typer.testing import CliRunner
 for args in (["--help"], ["infer", "--help"], ["status", "--help"]):
     r = CliRunner().invoke(valora.cli.app, args)
