@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.build import load_extension
+from kernels.build import BUILT_FOR, load_extension, unsupported_gpu
 from kernels.reference import SegmentPlan, lora_expand_reference_, multi_lora_reference_
 from kernels.tile_table import (FUSED_MAX_RANK_BLOCK, TileConfig, TileTable, find_table, fused_groups,
                                 heuristic_config, rank_block)
@@ -46,10 +46,21 @@ _ext_failed = False
 
 
 def extension():
-    """The compiled extension, or None (no CUDA device, nvcc or headers): torch reference then.
-    A failed build is not retried in this process (a worker would otherwise rebuild at every merge)."""
+    """The compiled extension, or None (no CUDA device, nvcc or headers, or a GPU other than the
+    sm_90 it is built for): torch reference then. A failed build is not retried in this process
+    (a worker would otherwise rebuild at every merge); an unsupported GPU is logged once."""
     global _ext_failed
     if _ext_failed:
+        return None
+    capability = unsupported_gpu()
+    if capability is not None:
+        _ext_failed = True
+        import structlog  # noqa: PLC0415
+
+        structlog.get_logger().warning(
+            "kernels_extension_unsupported_gpu", capability=f"sm_{capability[0]}{capability[1]}",
+            built_for=f"sm_{BUILT_FOR[0]}{BUILT_FOR[1]}",
+            using="torch reference LoRA, layer ops and switch; Triton paged attention where it runs")
         return None
     try:
         return load_extension()

@@ -1,8 +1,9 @@
 """Building the CUDA extension: JIT on first use with a cache, or ahead of time in one command.
 
 A CPU-only install never needs nvcc: nothing here runs at import time, and `load_extension()`
-returns None when CUDA, nvcc or the CUTLASS headers are missing (callers then use the torch
-references). GPU build, one command (prints the cache directory)::
+returns None when CUDA, nvcc or the CUTLASS headers are missing, or when the GPU is not the
+Hopper (sm_90) the code is built for (callers then use the torch references, and the Triton
+kernels where they run). GPU build, one command (prints the cache directory)::
 
     python -m kernels.build
 
@@ -24,6 +25,20 @@ BINDING = "binding.cpp"
 HEADERS = ("atmm.cuh", "atmm_api.h", "launch_util.cuh", "layer_ops.h")
 EXT_NAME = "valora_kernels_ext"
 NVCC_ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
+# The compute capability that code runs on (sm_90a: Hopper's wgmma/TMA instructions; an A100, an
+# L40S or a Blackwell GPU would load the module and fail at the first launch).
+BUILT_FOR = (9, 0)
+
+
+def unsupported_gpu() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability when the extension's code cannot run on it
+    (not BUILT_FOR), else None (also without CUDA: nothing to decide)."""
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        return None
+    capability = tuple(torch.cuda.get_device_capability())
+    return None if capability == BUILT_FOR else capability
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
 
 
@@ -79,10 +94,11 @@ def build_directory() -> Path:
 
 @functools.cache
 def load_extension(verbose: bool = False):
-    """The compiled extension module (built on first use, then cached), or None without CUDA."""
+    """The compiled extension module (built on first use, then cached), or None without CUDA or
+    nvcc, or on a GPU its code cannot run on (unsupported_gpu)."""
     import torch  # noqa: PLC0415
 
-    if not torch.cuda.is_available() or nvcc_path() is None:
+    if not torch.cuda.is_available() or nvcc_path() is None or unsupported_gpu() is not None:
         return None
     from torch.utils.cpp_extension import load  # noqa: PLC0415
 

@@ -169,3 +169,32 @@ async def test_cpu_worker_start_up_never_touches_the_extension(tmp_path, clean_e
         assert calls == []
     finally:
         await worker.stop(0)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0)])
+def test_a_gpu_other_than_hopper_never_builds_and_takes_the_reference_paths(clean_env, monkeypatch, capability):
+    """An A100 (sm_80), an L40S (sm_89) or a Blackwell GPU (sm_100): the extension's sm_90a code
+    would load and fail at its first launch, so it is never built there; the ATMM backend is off
+    (the torch multi-LoRA reference), the layer ops take their references, one warning names the
+    GPU — and a Hopper answer builds as before."""
+    import torch
+
+    from services.worker.atmm_backend import AtmmBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(kernels.build, "nvcc_path", lambda: "/usr/bin/nvcc")
+    built = []
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: built.append(kw) or object())
+    monkeypatch.setattr(kernels.atmm, "_ext_failed", False)
+    assert kernels.build.unsupported_gpu() == capability
+    assert kernels.build.load_extension() is None and kernels.atmm.extension() is None
+    assert prepare_kernels(WorkerSettings(device="cuda", dtype="bfloat16")) is False
+    assert not AtmmBackend.available(torch.device("cuda"), torch.bfloat16)
+    assert built == []  # no build was attempted
+    # a Hopper answer: the extension is built (here a stub build) as before
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(kernels.atmm, "_ext_failed", False)
+    monkeypatch.setattr(kernels.atmm, "load_extension", lambda: built.append("built") or object())
+    assert kernels.build.unsupported_gpu() is None
+    assert kernels.atmm.extension() is not None and built == ["built"]
