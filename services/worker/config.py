@@ -42,9 +42,9 @@ class WorkerSettings(ServiceSettings):
                              "RESOURCE_EXHAUSTED.")
     max_prefills_per_step: int = Field(2, ge=1, description="Waiting requests prefilled together (one batched "
                                        "forward) per engine step.")
-    max_prefill_tokens: int = Field(8192, ge=1, description="Bound of one batched prefill in tokens (its rows "
-                                    "packed without padding); a longer prompt is prefilled alone, in chunks of "
-                                    "this many tokens, one a step, between the running requests' decode steps.")
+    max_prefill_tokens: int = Field(8192, ge=1, description="Tokens one step prefills (its pieces packed without "
+                                    "padding): whole prompts, then a chunk of the next one; a longer prompt takes "
+                                    "several steps, the running requests decoding between them.")
     decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
                                "size: auto (on CUDA) or off (static, the same step without capture).")
     vision_graphs: bool = Field(True, description="On CUDA, the vision tower replayed from a CUDA graph per "

@@ -103,83 +103,66 @@ class ModelRunner:
                         hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION")
         return pool, manager
 
-    def prefill(self, rows: list[Sequence], step: StepLora) -> PrefillOutput:
-        """Prefills `rows` in one forward of the language model, `step` their LoRA plan (rows
-        ordered by LoRA entry, each row's context tokens: one StepLora, no permutation, ATMM
-        takes it).
+    def prefill(self, rows: list[Sequence], step: StepLora) -> tuple[list[Sequence], PrefillOutput]:
+        """Prefills each row's piece [s.prefilled, s.prefill_to) of its context in one forward of
+        the language model, `step` their LoRA plan (rows ordered by LoRA entry, each row's piece
+        length: one StepLora, no permutation, ATMM takes it). Returns the rows whose whole
+        context is now cached, in order, and their PrefillOutput.
 
-        The rows are packed without padding into one sequence of their tokens; attention reads
-        each row's keys and values back from its blocks of the pool (PagedPrefill: causal within
-        the row, rows apart), after the forward wrote them there. M-RoPE positions come from
-        get_rope_index over the batch (padded on the host, padding masked out), so every row
-        gets the positions and rope delta it has alone. A sequence prefilled again after a
-        preemption runs over its prompt and its generated tokens (text). The text rows' first
-        tokens are chosen on the device."""
-        lengths = [s.context for s in rows]
-        embeds, position_ids, deltas, slots = self._inputs(rows, lengths)
+        The pieces are packed without padding into one sequence of tokens; attention reads each
+        row's keys and values back from its blocks of the pool (PagedPrefill: causal within the
+        row, over the tokens it has cached before its piece too, rows apart), after the forward
+        wrote the piece's there. A row's first piece embeds its whole context (the vision tower
+        over its images included) and computes its M-RoPE positions (get_rope_index over the
+        batch, padded on the host, padding masked out: every row gets the positions and rope
+        delta it has alone); a row prefilled in chunks keeps them for its next pieces. A
+        sequence prefilled again after a preemption runs over its prompt and its generated
+        tokens (text). The completed text rows' first tokens are chosen on the device."""
+        fresh = [s for s in rows if s.prefilled == 0]
+        if fresh:
+            for s, e, pos, delta in zip(fresh, *self._inputs(fresh)):
+                s.chunk_inputs = (e, pos, delta)
         if self.trace is not None:
             self.trace.mark("inputs")
+        cu, parts, positions, slots = [0], [], [], []
+        for s in rows:
+            e, pos, _ = s.chunk_inputs
+            a, b = s.prefilled, s.prefill_to
+            cu.append(cu[-1] + b - a)
+            parts.append(e[a:b])
+            positions.append(pos[:, a:b])
+            slots.append(self.blocks.slots(s.id, a, b))
         self.blocks.sync()
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
         table_rows = self.upload(torch.tensor([self.blocks.row(s.id) for s in rows]))
         paged = PagedPrefill(block_tables=self.blocks.tables.index_select(0, table_rows),
                              cu_q=self.upload(torch.tensor(cu, dtype=torch.int32)),
-                             seq_lens=self.upload(torch.tensor(lengths, dtype=torch.int32)), kernel=self.prefill_kernel)
-        cache = PagedCache(self.text_config, self.pool, self.upload(slots), paged)
-        self.runtime.step = step
-        try:
-            out = self.model.model.language_model(inputs_embeds=embeds, position_ids=self.upload(position_ids),
-                                                  past_key_values=cache, use_cache=True, paged_prefill=paged)
-        finally:
-            self.runtime.step = None
-        last = self.upload(torch.tensor(cu[1:]) - 1)
-        return self._first_tokens(rows, lengths, deltas, out.last_hidden_state[0, last])  # each row's last token
-
-    def prefill_chunk(self, s: Sequence, step: StepLora, end: int) -> PrefillOutput | None:
-        """Prefills tokens [s.prefilled, end) of `s`'s context, alone in one forward (chunked
-        prefill: a context longer than a step's token budget takes several steps, and the decode
-        steps of running sequences go on between them); `step`: the chunk's LoRA plan. The first
-        chunk embeds the whole context (images included) and keeps the embeddings and M-RoPE
-        positions on the sequence for the next chunks; a later chunk attends to the cached
-        tokens through the block table (PagedPrefill). None until the last chunk, which gives
-        the sequence's first token as `prefill` does."""
-        start, context = s.prefilled, s.context
-        if start == 0:
-            embeds, position_ids, deltas, _ = self._inputs([s], [context])
-            s.chunk_inputs = (embeds[0], self.upload(position_ids[:, 0]), deltas[0])
-        embeds, positions, delta = s.chunk_inputs
-        n = end - start
-        paged = None
-        if start > 0:  # attention over the cached tokens too
-            self.blocks.sync()
-            row = self.blocks.row(s.id)
-            paged = PagedPrefill(block_tables=self.blocks.tables[row:row + 1],
-                                 cu_q=self.upload(torch.tensor([0, n], dtype=torch.int32)),
-                                 seq_lens=self.upload(torch.tensor([end], dtype=torch.int32)),
-                                 kernel=self.prefill_kernel)
-        cache = PagedCache(self.text_config, self.pool, self.upload(self.blocks.slots(s.id, start, end)), paged)
+                             seq_lens=self.upload(torch.tensor([s.prefill_to for s in rows], dtype=torch.int32)),
+                             kernel=self.prefill_kernel)
+        cache = PagedCache(self.text_config, self.pool, self.upload(torch.cat(slots)), paged)
         self.runtime.step = step
         try:
             out = self.model.model.language_model(
-                inputs_embeds=embeds[start:end][None], position_ids=positions[:, None, start:end],
+                inputs_embeds=torch.cat(parts)[None], position_ids=self.upload(torch.cat(positions, dim=1))[:, None],
                 past_key_values=cache, use_cache=True, paged_prefill=paged)
         finally:
             self.runtime.step = None
-        s.prefilled = end
-        if end < context:
-            return None
-        s.chunk_inputs = None
-        return self._first_tokens([s], [context], [delta], out.last_hidden_state[:, -1])
+        done = [i for i, s in enumerate(rows) if s.prefill_to == s.context]
+        for s in rows:
+            s.prefilled = s.prefill_to
+        last = self.upload(torch.tensor([cu[i + 1] - 1 for i in done], dtype=torch.long))
+        completed = [rows[i] for i in done]
+        deltas = [s.chunk_inputs[2] for s in completed]
+        for s in completed:
+            s.chunk_inputs = None
+        hidden = out.last_hidden_state[0, last]  # each completed row's last token
+        return completed, self._first_tokens(completed, [s.context for s in completed], deltas, hidden)
 
-    def _inputs(self, rows: list[Sequence], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int],
-                                                                          torch.Tensor]:
-        """The rows' prefill inputs, packed without padding (row i's tokens after row i-1's):
-        embeddings (1, tokens, hidden) on the device (one vision-tower pass for every image/video
-        not in the feature cache; a recomputed sequence's generated tokens embedded as text),
-        M-RoPE positions (3, 1, tokens) and each row's delta, and each token's pool slot
-        (tokens,) on the host."""
+    def _inputs(self, rows: list[Sequence]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """Each row's whole context as prefill inputs: embeddings (context, hidden) on the device
+        (one vision-tower pass for every image/video not in the feature cache; a recomputed
+        sequence's generated tokens embedded as text), M-RoPE positions (3, context) on the host
+        and its rope delta."""
+        lengths = [s.context for s in rows]
         b, width = len(rows), max(lengths)
         first = rows[0].prep.inputs
         ids = first["input_ids"].new_zeros((b, width))
@@ -196,7 +179,6 @@ class ModelRunner:
             for key, found in grids.items():
                 if inp.get(key) is not None:
                     found.append(inp[key])
-        slots = torch.cat([self.blocks.slots(s.id, 0, n) for s, n in zip(rows, lengths)])
         # The step launches everything before it waits on the device once, for the first tokens:
         # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
         # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
@@ -204,15 +186,16 @@ class ModelRunner:
         position_ids, deltas = self.model.model.get_rope_index(
             ids, mm_token_type_ids=types, attention_mask=mask,
             **{key: torch.cat(found) if found else None for key, found in grids.items()})
-        position_ids = torch.cat([position_ids[:, i, :n] for i, n in enumerate(lengths)], dim=1)[:, None]
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
-        parts = []
+        embeds = []
         for i, (e, s) in enumerate(zip(row_embeds, rows)):
-            parts.append(e[0])
+            e = e[0]
             if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
                 p = s.prep.prompt_tokens
-                parts.append(self.model.model.language_model.embed_tokens(self.upload(ids[i, p:p + len(s.tokens)])))
-        return torch.cat(parts)[None], position_ids, [int(d) for d in deltas], slots
+                e = torch.cat([e, self.model.model.language_model.embed_tokens(
+                    self.upload(ids[i, p:p + len(s.tokens)]))])
+            embeds.append(e)
+        return embeds, [position_ids[:, i, :n] for i, n in enumerate(lengths)], [int(d) for d in deltas]
 
     def _first_tokens(self, rows: list[Sequence], lengths: list[int], deltas: list[int],
                       hidden: torch.Tensor) -> PrefillOutput:

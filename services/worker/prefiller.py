@@ -1,6 +1,6 @@
-"""The step's prefill: whole contexts of several requests in one forward, or the next chunk of
-one long context (chunked prefill), then each request's hand-off — a LABEL answer, or its first
-token and the start of decoding. The engine's collaborator beside the decoder (decoder.py), which
+"""The step's prefill: whole contexts of several requests and the next chunk of a long one
+(chunked prefill) in one forward, then each completed request's hand-off — a LABEL answer, or its
+first token and the start of decoding. The engine's collaborator beside the decoder (decoder.py), which
 takes the first tokens after it has launched the next decode step from them."""
 
 from __future__ import annotations
@@ -27,33 +27,19 @@ class Prefiller:
         self.peak_rows = 0  # largest prefill batch (requests in one forward)
 
     def run(self, seqs: list[Sequence]) -> None:
-        """The step's prefill batch (StepScheduler.take_prefills): a chunk of the one sequence
-        prefilled in chunks, or whole contexts."""
-        (self.chunk if self.sched.chunked(seqs[0]) else self.batch)(seqs)
-
-    def batch(self, seqs: list[Sequence]) -> None:
-        """Prefills `seqs` in one forward (ModelRunner.prefill: packed, no padding), rows ordered by
-        LoRA entry; if the forward fails, every request in it fails, after it each row's hand-off
-        is its own."""
+        """The step's prefill pieces (StepScheduler.take_prefills) in one forward
+        (ModelRunner.prefill: packed, no padding), rows ordered by LoRA entry; if the forward
+        fails, every request in it fails; after it each completed row's hand-off is its own, and
+        a row prefilled in chunks waits in the prefill queue for its next piece."""
         t0 = time.monotonic()
         rows = sorted(seqs, key=self.lora.sort_key)
         for s in rows:
-            if not s.tokens:  # a recomputed sequence keeps its first prefill's time
+            if s.prefilled == 0 and not s.tokens:  # a recomputed sequence keeps its first prefill's time
                 s.t_prefill = t0
         self.peak_rows = max(self.peak_rows, len(rows))
-        out = self.runner.prefill(rows, self.lora.plan(rows, [s.context for s in rows]))
-        self._hand_off(rows, out)
-
-    def chunk(self, seqs: list[Sequence]) -> None:
-        """The next chunk of the one sequence prefilled in chunks (ModelRunner.prefill_chunk);
-        after its last chunk it leaves the prefill queue and starts decoding."""
-        s, = seqs
-        if s.prefilled == 0 and not s.tokens:
-            s.t_prefill = time.monotonic()
-        end = self.sched.chunk_end(s)
-        out = self.runner.prefill_chunk(s, self.lora.plan([s], end - s.prefilled), end)
-        if out is not None:
-            self._hand_off([s], out)
+        done, out = self.runner.prefill(rows, self.lora.plan(rows, [s.prefill_to - s.prefilled for s in rows]))
+        if done:
+            self._hand_off(done, out)
 
     def _hand_off(self, rows: list[Sequence], out: PrefillOutput) -> None:
         """After the prefill forward: each row's own hand-off (prefilled), then the text rows'

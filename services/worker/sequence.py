@@ -43,9 +43,11 @@ class Sequence:
     t_first: float = 0.0
     mode: Mode = Mode.BASE
     released: bool = False  # early adapter release: decodes on the base path from now on
-    # Chunked prefill: context tokens already in the KV cache, and the first chunk's embeddings
-    # (context, hidden), M-RoPE positions (3, context) and delta for the next chunks.
+    # Prefill: context tokens already in the KV cache; where this step's piece of the context
+    # ends (StepScheduler.take_prefills); and, while a context is prefilled in chunks, its
+    # embeddings (context, hidden), M-RoPE positions (3, context) and delta for the next chunks.
     prefilled: int = 0
+    prefill_to: int = 0
     chunk_inputs: tuple | None = None
     finished: bool = False  # out of the engine (answered, failed or cancelled)
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (when asked)

@@ -8,8 +8,8 @@ that a request whose adapter finds no free device slot (every slot held by runni
 lets the ones behind it in and keeps its place; a request whose context finds too few free KV
 blocks stops admission (the blocks running sequences free go to it first); resident adapters no
 running request holds give their blocks back first (they live in the same pool). A step prefills
-either a batch of whole contexts within max_prefill_tokens tokens, or the next chunk of the one
-context over that budget (chunked prefill). Before a decode step every running sequence
+pieces of contexts within max_prefill_tokens tokens in all: whole contexts, and the next chunk
+of one that does not fit (chunked prefill), packed into one forward. Before a decode step every running sequence
 gets room for its next token, oldest first; when the pool runs out an idle adapter is evicted,
 and when none is left the youngest sequence is preempted
 (its blocks freed; it waits at the head of the queue to be prefilled again over its prompt and
@@ -30,6 +30,7 @@ from services.worker.kv_cache import BlockManager, OutOfBlocks
 from services.worker.sequence import Sequence
 
 log = structlog.get_logger()
+MIN_CHUNK = 256  # tokens (at most a quarter of the budget): a shorter chunk behind other pieces waits
 
 
 class StepScheduler:
@@ -103,36 +104,32 @@ class StepScheduler:
         self.waiting = blocked
 
     # -- prefill -----------------------------------------------------------------------------
-    def chunked(self, s: Sequence) -> bool:
-        """Whether `s` is prefilled in chunks: its context is over a step's token budget."""
-        return s.prefilled > 0 or s.context > self.config.max_prefill_tokens
-
     def take_prefills(self) -> list[Sequence]:
-        """The next requests to prefill together, FIFO: at most max_prefills_per_step, and at most
-        max_prefill_tokens tokens in all (packed, no padding). A context over that budget is
-        prefilled alone, one chunk of at most max_prefill_tokens tokens a step (it stays at the
-        head of the prefill queue until its last chunk)."""
-        if self.prefill and self.chunked(self.prefill[0]):
-            return [self.prefill[0]]
+        """This step's prefill pieces, FIFO over the prefill queue: at most max_prefills_per_step
+        sequences and max_prefill_tokens tokens in all, each sequence's `prefill_to` set to where
+        its piece ends — the rest of its context, or as much as the budget has left (a chunk: the
+        batch ends with it, and its next chunk leads the next step's batch, beside the requests
+        behind it that fit). A chunk shorter than MIN_CHUNK (or a quarter of the budget) behind
+        other pieces waits for the next step. Sequences stay in the queue until prefilled
+        (StepScheduler.prefilled)."""
         batch: list[Sequence] = []
-        tokens = 0
-        while self.prefill and len(batch) < self.config.max_prefills_per_step:
-            if self.chunked(self.prefill[0]):
-                break  # its chunks start next step
-            if batch and tokens + self.prefill[0].context > self.config.max_prefill_tokens:
+        left = self.config.max_prefill_tokens
+        for s in self.prefill:
+            if len(batch) == self.config.max_prefills_per_step or left <= 0:
                 break
-            tokens += self.prefill[0].context
-            batch.append(self.prefill.popleft())
+            rest = s.context - s.prefilled
+            if rest > left and batch and left < min(MIN_CHUNK, self.config.max_prefill_tokens // 4):
+                break
+            s.prefill_to = s.prefilled + min(rest, left)
+            left -= s.prefill_to - s.prefilled
+            batch.append(s)
+            if s.prefill_to < s.context:
+                break  # a chunk ends the batch (FIFO: nobody overtakes it)
         return batch
 
-    def chunk_end(self, s: Sequence) -> int:
-        """Where the next chunk of `s` ends."""
-        return min(s.context, s.prefilled + self.config.max_prefill_tokens)
-
     def prefilled(self, s: Sequence) -> None:
-        """`s` was prefilled (its last chunk, or its batch): it decodes from the next step on."""
-        if self.prefill and self.prefill[0] is s:
-            self.prefill.popleft()
+        """`s` was prefilled (its whole context): it decodes from the next step on."""
+        self.prefill.remove(s)
         self.running.append(s)
 
     # -- decode ------------------------------------------------------------------------------

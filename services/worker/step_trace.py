@@ -50,10 +50,11 @@ class StepTrace:
             self._marks.append((phase, time.perf_counter(), self._event()))
 
     def taken(self, prefill: list) -> None:
-        """The step's prefill batch (its sequences) is chosen: the "admit" phase ends."""
+        """The step's prefill pieces (their sequences, StepScheduler.take_prefills) are chosen:
+        the "admit" phase ends."""
         if self.on and self._marks:
-            contexts = [s.context for s in prefill]
-            self._record.update(prefill_rows=len(prefill), prefill_tokens=sum(contexts))
+            self._record.update(prefill_rows=len(prefill),
+                                prefill_tokens=sum(s.prefill_to - s.prefilled for s in prefill))
             self.mark("admit")
 
     def end(self, decode_rows: int) -> None:

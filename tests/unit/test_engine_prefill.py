@@ -40,20 +40,17 @@ def engine(model_path):
 
 @pytest.fixture
 def prefills(engine):
-    """Records the request ids of every prefill forward (a chunk of a chunked prefill: its one
-    request), in step order."""
+    """Records the request ids of every prefill forward (whole contexts and chunks), in step order."""
     batches: list[list[str]] = []
+    run = engine.prefiller.run
 
-    def recorder(original):
-        def record(seqs):
-            batches.append([s.req.request_id for s in seqs])
-            return original(seqs)
-        return record
+    def record(seqs):
+        batches.append([s.req.request_id for s in seqs])
+        return run(seqs)
 
-    engine.prefiller.batch = recorder(engine.prefiller.batch)
-    engine.prefiller.chunk = recorder(engine.prefiller.chunk)
+    engine.prefiller.run = record
     yield batches
-    del engine.prefiller.batch, engine.prefiller.chunk
+    del engine.prefiller.run
 
 
 def submit_together(engine, requests) -> dict[str, queue.Queue]:
@@ -173,6 +170,27 @@ def test_rows_of_different_lengths_share_the_budget_unpadded(engine, prefills):
         engine.config.max_prefill_tokens = old
     assert [sorted(b) for b in prefills] == [["long", "short"]]
     assert all(isinstance(ev, Finished) and ev.result.output_tokens == 2 for ev in results.values())
+
+
+def test_a_chunked_context_shares_its_steps_with_the_requests_around_it(engine, prefills):
+    """Chunked prefill without head-of-line blocking: a short request and the first chunk of a
+    long one (the budget's rest) in one forward, then the long one's last chunk and the short
+    request behind it in the next; the tokens are each request's alone."""
+    before = WorkRequest("before", "Hi.", [random_image(60)], max_new_tokens=3)
+    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [random_image(61, 112)],
+                       max_new_tokens=3)
+    after = WorkRequest("after", "Hi.", [random_image(62)], max_new_tokens=3)
+    n, m = engine.prepare(before).prompt_tokens, engine.prepare(long).prompt_tokens
+    assert engine.prepare(after).prompt_tokens == n and m > 2 * n
+    old = engine.config.max_prefill_tokens
+    engine.config.max_prefill_tokens = n + m - m // 2  # before + half of long; then long's rest + after
+    try:
+        results = {rid: outcome(q)[1] for rid, q in submit_together(engine, [before, long, after]).items()}
+    finally:
+        engine.config.max_prefill_tokens = old
+    assert prefills == [["before", "long"], ["long", "after"]], prefills
+    for r in (before, long, after):
+        assert results[r.request_id].result.token_ids == engine.generate(r)[1].token_ids, r.request_id
 
 
 def test_failed_batched_forward_fails_its_requests_only(engine):
