@@ -168,8 +168,8 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         raise InvalidAdapter("adapter_config_json must be a JSON object", reason="BAD_CONFIG")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < 1e9):
+        if key in config and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < 1e9):  # null too: "lora_alpha": null once raised TypeError
             raise InvalidAdapter(f"adapter_config_json: {key} must be a positive number", reason="BAD_CONFIG")
     header = read_safetensors_header(data, max_header_bytes)
     body = 8 + struct.unpack("<Q", data[:8])[0]  # where the tensors' bytes start
