@@ -95,7 +95,7 @@ def up(home: Path = HOME, workers: int = typer.Option(1, min=1, help="Worker pro
     `nvidia-smi -L`; worker i runs on GPU i mod that count.
 
     Other worker settings pass through the environment (VALORA_MAX_BATCH_SIZE,
-    VALORA_DECODE_GRAPHS…: the WorkerSettings of services/worker/server.py)."""
+    VALORA_DECODE_GRAPHS…: the WorkerSettings of services/worker/config.py)."""
     if cluster_mod.Cluster.load(home):
         console.print(f"[yellow]a cluster is already recorded in {home}; run `valora down` first")
         raise typer.Exit(1)
