@@ -7,7 +7,8 @@ Used by `valora up/down` and by the e2e tests. State (pids, ports, logs) lives i
 from __future__ import annotations
 
 import collections
-
+import difflib
+import importlib
 import itertools
 import json
 import os
@@ -29,6 +30,7 @@ DEFAULT_HOME = Path(os.environ.get("VALORA_HOME", Path.home() / ".cache" / "valo
 STATE_FILE = "cluster.json"
 # Start order; stopped in reverse.
 SERVICES = ("adapter_store", "worker", "scheduler", "gateway")
+STARTUP_TIMEOUT_S = 180.0  # start_cluster's default: seconds each service (the workers together) has to be SERVING
 
 
 @dataclass
@@ -94,6 +96,15 @@ class Cluster:
         data = json.loads(path.read_text())
         return cls(home=data["home"], processes=[ProcessInfo(**p) for p in data["processes"]],
                    internal_token=data.get("internal_token", ""))
+
+
+class StartupError(RuntimeError):
+    """A service of start_cluster did not become healthy (timed out or exited); the processes
+    started were stopped before it was raised."""
+
+    def __init__(self, service: str, name: str, log: str, message: str):
+        super().__init__(message)
+        self.service, self.name, self.log = service, name, log
 
 
 def free_port() -> int:
@@ -228,15 +239,194 @@ def worker_device_env(workers: int, device: str = "cpu", dtype: str = "float32",
     return envs
 
 
+# -- the services' settings: `valora up --set` and `--config` ---------------------------------------
+
+# Each service's pydantic settings class (every field is also VALORA_<FIELD>); imported only when
+# settings are checked (the classes need the server extra; the worker's loads torch).
+SETTINGS_CLASSES = {
+    "adapter_store": ("services.adapter_store.config", "StoreSettings"),
+    "worker": ("services.worker.config", "WorkerSettings"),
+    "scheduler": ("services.scheduler.config", "SchedulerSettings"),
+    "gateway": ("services.gateway.config", "GatewaySettings"),
+}
+_ONE_TOKEN = "one token for every service: set VALORA_INTERNAL_TOKEN in the environment"
+_WIRED = "it wires the services together"
+# Settings start_cluster sets per process (ports, addresses, names, caches, the shared token), or that
+# a flag of `valora up` sets: refused in --set and --config, with what to use instead. The gateway's
+# port and http_port are --port and --http-port (the config may give them; the flags given win).
+MANAGED_SETTINGS: dict[str, dict[str, str]] = {
+    svc: {"metrics_port": "each process gets a free port", "internal_token": _ONE_TOKEN,
+          "internal_token_file": _ONE_TOKEN,
+          **({} if svc == "gateway" else {"port": "each process gets a free port; the gateway's is --port"})}
+    for svc in SERVICES
+}
+MANAGED_SETTINGS["adapter_store"] |= {"model_path": "use --model-path"}
+MANAGED_SETTINGS["worker"] |= {"model_path": "use --model-path", "worker_name": _WIRED, "adapter_cache_dir": _WIRED,
+                               "adapter_store_address": _WIRED, "scheduler_address": _WIRED,
+                               "advertise_address": _WIRED}
+MANAGED_SETTINGS["scheduler"] |= {"worker_addresses": _WIRED}
+MANAGED_SETTINGS["gateway"] |= {"scheduler_address": _WIRED, "adapter_store_address": _WIRED}
+
+
+class SettingsError(ValueError):
+    """A --set or --config entry that names no setting, or gives a setting a bad value (one line)."""
+
+
+# service -> setting name -> its text, as the service reads it from VALORA_<NAME>.
+Layer = dict[str, dict[str, str]]
+
+
+def settings_class(service: str) -> type:
+    module, name = SETTINGS_CLASSES[service]
+    return getattr(importlib.import_module(module), name)
+
+
+def env_name(key: str) -> str:
+    return f"VALORA_{key.upper()}"
+
+
+def _key(text: str) -> str:
+    return text.strip().lower().replace("-", "_")
+
+
+def parse_set(items: Sequence[str]) -> Layer:
+    """`--set KEY=VALUE` entries: a worker setting, or SERVICE.KEY for another service's; the last
+    of a key wins. The value is the text VALORA_<KEY> gets."""
+    layer: Layer = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        service, dot, name = key.rpartition(".")
+        service = _key(service) if dot else "worker"
+        if not eq or not _key(name):
+            raise SettingsError(f"--set {item!r}: expected KEY=VALUE (a worker setting) or SERVICE.KEY=VALUE")
+        if service not in SERVICES:
+            raise SettingsError(f"--set {item!r}: no service {service!r} (services: {', '.join(SERVICES)})")
+        layer.setdefault(service, {})[_key(name)] = value
+    return layer
+
+
+def env_text(value: object) -> str:
+    """A TOML value as VALORA_<KEY> text: booleans true/false, numbers as written, lists as JSON."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    if isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+        return json.dumps(value)
+    raise TypeError(f"a {type(value).__name__} is not a setting value (strings, numbers, booleans, lists)")
+
+
+def load_settings_file(path: Path) -> Layer:
+    """A TOML file of tables named after the services ([worker], [gateway], [scheduler],
+    [adapter_store]), each mapping setting names to values."""
+    import tomllib  # noqa: PLC0415
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"--config {path}: {exc}") from None
+    layer: Layer = {}
+    for table, values in data.items():
+        if table not in SERVICES or not isinstance(values, dict):
+            raise SettingsError(f"--config {path}: {table!r} is not a table of settings; the tables are "
+                                f"{', '.join(f'[{s}]' for s in SERVICES)}")
+        for name, value in values.items():
+            try:
+                layer.setdefault(table, {})[_key(name)] = env_text(value)
+            except TypeError as exc:
+                raise SettingsError(f"--config {path} [{table}] {name}: {exc}") from None
+    return layer
+
+
+def merge_settings(sets: Layer, config: Layer, environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """Each service's VALORA_* environment from the settings layers: `sets` (--set) over `config`
+    (--config) over the VALORA_* variables of `environ` (the caller's environment; None: none) over
+    the defaults (what is left unset). Every service of SERVICES has an entry."""
+    out = {}
+    for service in SERVICES:
+        env = {k: v for k, v in (environ or {}).items() if k.startswith("VALORA_")}
+        for layer in (config, sets):
+            env.update({env_name(k): v for k, v in layer.get(service, {}).items()})
+        out[service] = env
+    return out
+
+
+def _source(service: str, key: str, sets: Layer, config: Layer, config_path: object) -> str:
+    if key in sets.get(service, {}):
+        return "--set " + ("" if service == "worker" else f"{service}.") + f"{key}={sets[service][key]}"
+    if key in config.get(service, {}):
+        return f"--config {config_path} [{service}] {key}"
+    return f"{env_name(key)} in the environment"
+
+
+def check_settings(sets: Layer, config: Layer, environ: Mapping[str, str], config_path: object = "") -> dict:
+    """Validates every service that `sets` or `config` name, as it will read its VALORA_*
+    environment (merge_settings; the settings valora up wires are left out): each key must be a
+    field of its settings class and not one of MANAGED_SETTINGS, and the whole must validate.
+    Returns the settings instances by service; SettingsError names the setting and where it came from."""
+    checked = {}
+    for service in SERVICES:
+        keys = {**config.get(service, {}), **sets.get(service, {})}
+        if not keys:
+            continue
+        cls = settings_class(service)
+        for key in keys:
+            where = _source(service, key, sets, config, config_path)
+            if key in MANAGED_SETTINGS[service]:
+                raise SettingsError(f"{where}: {service} setting {key} is set by valora up "
+                                    f"({MANAGED_SETTINGS[service][key]})")
+            if key not in cls.model_fields:
+                near = difflib.get_close_matches(key, list(cls.model_fields), n=1)
+                raise SettingsError(f"{where}: {service} has no setting {key!r}"
+                                    + (f" (did you mean {near[0]}?)" if near else ""))
+        managed = {env_name(k) for k in MANAGED_SETTINGS[service]} | ({"VALORA_PORT", "VALORA_HTTP_PORT"}
+                                                                        if service == "gateway" else set())
+        env = {k: v for k, v in merge_settings(sets, config, environ)[service].items()
+               if k not in managed or k.lower().removeprefix("valora_") in keys}
+        checked[service] = _validate(service, cls, env, sets, config, config_path)
+    return checked
+
+
+def _validate(service: str, cls: type, env: dict[str, str], sets: Layer, config: Layer, config_path: object):
+    """An instance of `cls` read from `env` alone (os.environ swapped for it, then restored), as
+    the service reads its environment."""
+    import pydantic  # noqa: PLC0415
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        return cls()
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not err["loc"]:  # a check across fields: name the ones given
+            given = "; ".join(_source(service, k, sets, config, config_path)
+                              for k in {**config.get(service, {}), **sets.get(service, {})})
+            raise SettingsError(f"{given}: {service} settings: {msg}") from None
+        key = str(err["loc"][0])
+        raise SettingsError(f"{_source(service, key, sets, config, config_path)}: {service} setting {key}: "
+                            f"{msg}") from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
                   model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
-                  startup_timeout_s: float = 180.0, register: bool = False,
-                  worker_env: Sequence[Mapping[str, str]] | None = None) -> Cluster:
+                  startup_timeout_s: float = STARTUP_TIMEOUT_S, register: bool = False,
+                  worker_env: Sequence[Mapping[str, str]] | None = None,
+                  service_env: Mapping[str, Mapping[str, str]] | None = None) -> Cluster:
     """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING.
     The workers start together (each loads the model) and are waited for as a group.
     Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one).
     `env` goes to every process; `worker_env[i]` only to worker i, over `env` (per-worker device
     settings: VALORA_DEVICE, CUDA_VISIBLE_DEVICES…); it has one entry per worker when given.
+    `service_env[service]` goes to that service's processes, over `env` and under `worker_env` (the
+    services' VALORA_* settings, `valora up --set/--config`); the ports and addresses the cluster
+    wires up win over both. Each service (the workers as a group) has `startup_timeout_s` to become
+    SERVING; one that does not, or exits first, is a StartupError naming it and its log, raised
+    after every process started is stopped.
     The services share an internal token (VALORA_INTERNAL_TOKEN from `env`, else the environment,
     else a new random one; "" turns internal auth off), kept in the cluster's state file.
     `register`: workers join the scheduler through RegisterWorker + heartbeats (VALORA_SCHEDULER_ADDRESS;
@@ -244,6 +434,9 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     the scheduler lists them all healthy."""
     if worker_env is not None and len(worker_env) != workers:
         raise ValueError(f"worker_env has {len(worker_env)} entries for {workers} workers")
+    if service_env is not None and set(service_env) - set(SERVICES):
+        raise ValueError(f"service_env: unknown services {sorted(set(service_env) - set(SERVICES))}")
+    settings_env = {svc: dict((service_env or {}).get(svc, {})) for svc in SERVICES}
     home = Path(home).resolve()
     (home / "logs").mkdir(parents=True, exist_ok=True)
     model_path = Path(model_path or default_model_path(home)).resolve()
@@ -259,10 +452,12 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     store_port = next(spare)
     worker_ports = [next(spare) for _ in range(workers)]
     scheduler_port = next(spare)
-    plan: list[tuple[str, str, int, dict[str, str]]] = [
+    plan: list[tuple[str, str, int, dict[str, str]]] = [  # service, name, port, wiring
         ("adapter_store", "adapter_store", store_port, {
-            "VALORA_DATABASE_URL": base_env.get("VALORA_DATABASE_URL", f"sqlite:///{home / 'registry.db'}"),
-            "VALORA_BLOB_DIR": base_env.get("VALORA_BLOB_DIR", str(home / "blobs")),
+            "VALORA_DATABASE_URL": settings_env["adapter_store"].get(
+                "VALORA_DATABASE_URL", base_env.get("VALORA_DATABASE_URL", f"sqlite:///{home / 'registry.db'}")),
+            "VALORA_BLOB_DIR": settings_env["adapter_store"].get(
+                "VALORA_BLOB_DIR", base_env.get("VALORA_BLOB_DIR", str(home / "blobs"))),
         }),
         *[("worker", f"worker-{i}", port, {
             "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
@@ -283,8 +478,8 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     try:
         # Consecutive entries of one service (the workers) are started together, then waited for.
         for service, group in itertools.groupby(plan, key=lambda entry: entry[0]):
-            started: list[tuple[int, subprocess.Popen, str]] = []
-            for _, name, port, service_env in group:
+            started: list[tuple[str, int, subprocess.Popen, str]] = []
+            for _, name, port, entry_env in group:
                 log = str(home / "logs" / f"{name}.log")
                 ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(next(spare))}
                 if service == "gateway":
@@ -292,18 +487,30 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
                 with open(log, "ab") as out:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", f"services.{service}"],
-                        env={**base_env, **service_env, **ports},
+                        env={**base_env, **settings_env[service], **entry_env, **ports},
                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     )
                 cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log,
                                                      metrics_port=int(ports["VALORA_METRICS_PORT"]),
                                                      http_port=int(ports.get("VALORA_HTTP_PORT", 0))))
                 cluster.save()
-                started.append((port, proc, log))
-            for port, proc, log in started:
-                wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
+                started.append((name, port, proc, log))
+            for name, port, proc, log in started:
+                try:
+                    wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
+                except TimeoutError:
+                    raise StartupError(service, name, log, f"{name} did not become healthy within "
+                                       f"{startup_timeout_s:g} s (log: {log})") from None
+                except RuntimeError as exc:
+                    raise StartupError(service, name, log, f"{name} exited with {proc.returncode} before it "
+                                       f"became healthy (log: {log})") from exc
             if service == "scheduler" and register:
-                wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s, cluster.internal_token)
+                try:
+                    wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s, cluster.internal_token)
+                except TimeoutError:
+                    logs = str(home / "logs" / "worker-*.log")
+                    raise StartupError("worker", "worker", logs, f"the workers did not all register with the "
+                                       f"scheduler within {startup_timeout_s:g} s (logs: {logs})") from None
     except BaseException:
         stop_cluster(home)
         raise
