@@ -168,6 +168,14 @@ def build() -> dict:
          [{"expr": "sum by (worker, where) (valora:lora_adapters)", "legendFormat": "{{worker}} {{where}}"}],
          "short"),
     ])
+    b.series([
+        ("Adapter load time", "valora:adapter_load_seconds by stage: fetch (adapter store or disk cache) and load "
+         "(validation, parse, into the host pool).",
+         [{"expr": f"histogram_quantile(0.5, sum by (le, stage) (rate(valora:adapter_load_seconds_bucket{RATE})))",
+           "legendFormat": "p50 {{stage}}"},
+          {"expr": f"histogram_quantile(0.99, sum by (le, stage) (rate(valora:adapter_load_seconds_bucket{RATE})))",
+           "legendFormat": "p99 {{stage}}"}], "s"),
+    ])
     return {
         "uid": "valora-overview",
         "title": "valora",

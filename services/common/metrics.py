@@ -45,6 +45,9 @@ LORA_ADAPTERS = Gauge("valora:lora_adapters", "Adapters loaded on a worker, by w
                       "(in the device pool) or host (all loaded ones).", ["worker", "where"])
 ADAPTER_SWAPS = Counter("valora:adapter_swaps_total", "Adapters copied host→device or evicted.",
                         ["worker", "direction"])
+ADAPTER_LOAD = Histogram("valora:adapter_load_seconds", "A worker's adapter loads by stage: fetch (from the "
+                         "adapter store or the disk cache) and load (validation, parse, into the host pool).",
+                         ["worker", "stage"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 ENGINE_STEP = Histogram("valora:engine_step_seconds", "Engine steps by what they ran: prefill (a prefill forward, "
                         "decode rows beside it or not) or decode.", ["worker", "kind"],
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))

@@ -145,11 +145,17 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         async with lock:
             if engine.pool.has(version):
                 return True
+            t0 = time.perf_counter()
             bundle = await self.fetcher.fetch(version, sha256)
+            t1 = time.perf_counter()
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, lambda: engine.load_adapter_bytes(
                 version, bundle.sha256, bundle.data, bundle.config_json, bundle.head_labels, to_device))
-            log.info("adapter_loaded", adapter=version, sha256=bundle.sha256, bytes=len(bundle.data))
+            t2 = time.perf_counter()
+            metrics.ADAPTER_LOAD.labels(self.worker_name, "fetch").observe(t1 - t0)
+            metrics.ADAPTER_LOAD.labels(self.worker_name, "load").observe(t2 - t1)
+            log.info("adapter_loaded", adapter=version, sha256=bundle.sha256, bytes=len(bundle.data),
+                     fetch_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))
             return False
 
     async def Generate(self, request, context):

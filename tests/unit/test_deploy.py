@@ -81,6 +81,7 @@ METRICS = [
     "valora:generation_tokens_total",
     "valora:request_success_total",
     "valora:kv_cache_usage_perc",
+    "valora:adapter_load_seconds",
 ]
 
 DIGEST = re.compile(r"^[^@\s]+:[^@\s]+@sha256:[0-9a-f]{64}$")
