@@ -252,8 +252,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelGenerationJob(self, request, context):
-        """Cancels a PENDING or RUNNING job (a running one stops between fusion steps); a finished job
-        fails with FAILED_PRECONDITION.
+        """Cancels a PENDING or RUNNING job (a running one stops between fusion steps); a CANCELLED job
+        is returned as it is (idempotent); a SUCCEEDED or FAILED one fails with FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
