@@ -1,21 +1,24 @@
 """The worker's settings (every field also VALORA_<FIELD>), validated at start-up, and what the
 engine and the kernels are built from them: the one place a worker knob is declared (its
-EngineConfig field of the same name takes it, engine_config)."""
+EngineConfig field of the same name takes it, engine_config). Importing this module loads no
+torch (`valora up --set` checks worker settings with it); what builds the engine imports it."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.common import metrics
 from services.common.config import MAX_NEW_TOKENS_LIMIT, ServiceSettings
-from services.worker.engine import EngineConfig
-from services.worker.tensor_parallel import TPGroup, check_divisible
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH
+
+if TYPE_CHECKING:
+    from services.worker.engine import EngineConfig
 
 log = structlog.get_logger()
 
@@ -152,6 +155,8 @@ def check_tp_size(settings: WorkerSettings, model_path: Path) -> None:
         return
     from transformers import AutoConfig  # noqa: PLC0415
 
+    from services.worker.tensor_parallel import TPGroup, check_divisible  # noqa: PLC0415 - torch
+
     config = AutoConfig.from_pretrained(model_path)
     try:
         check_divisible(getattr(config, "text_config", config), TPGroup(world_size=settings.tp_size))
@@ -167,6 +172,8 @@ NOT_SETTINGS = frozenset({"model_path", "on_adapter_swap", "tp"})
 def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:
     """The engine's config: every other EngineConfig field is the setting of the same name (one
     name per knob; tests/unit/test_worker_settings.py checks each has a setting and its default)."""
+    from services.worker.engine import EngineConfig  # noqa: PLC0415 - torch: only where an engine is built
+
     knobs = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in NOT_SETTINGS}
     return EngineConfig(
         on_adapter_swap=lambda direction: metrics.ADAPTER_SWAPS.labels(worker_name, direction).inc(),

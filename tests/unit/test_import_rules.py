@@ -55,7 +55,7 @@ def test_kernels_import_no_service_api():
 
 def test_control_plane_and_sdk_load_no_torch():
     code = ("import sys; import services.gateway.server, services.scheduler.server, services.adapter_store.server, "
-            "valora.client, valora.aio; "
+            "services.worker.config, valora.client, valora.aio; "
             "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
