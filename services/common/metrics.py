@@ -45,6 +45,10 @@ LORA_ADAPTERS = Gauge("valora:lora_adapters", "Adapters loaded on a worker, by w
                       "(in the device pool) or host (all loaded ones).", ["worker", "where"])
 ADAPTER_SWAPS = Counter("valora:adapter_swaps_total", "Adapters copied host→device or evicted.",
                         ["worker", "direction"])
+LORA_REQUESTS_INFO = Gauge("valora:lora_requests_info", "vLLM's lora_requests_info: the adapters of a worker's "
+                           "running and waiting requests (comma-separated, sorted) and its device slots (max_lora), "
+                           "the value the time they were read; one series a worker.",
+                           ["worker", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
 ADAPTER_LOAD = Histogram("valora:adapter_load_seconds", "A worker's adapter loads by stage: fetch (from the "
                          "adapter store or the disk cache) and load (validation, parse, into the host pool).",
                          ["worker", "stage"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

@@ -519,16 +519,34 @@ async def create_server(settings: WorkerSettings) -> Service:
     return service
 
 
+def _lora_requests_info(engine: Engine, name: str, last: tuple | None) -> tuple:
+    """Sets valora:lora_requests_info to the adapters of the engine's running and waiting requests
+    (the previous label set removed: one series a worker); returns the labels set. The queues are
+    copied in one step each (no lock: a snapshot, the engine thread goes on)."""
+    sched = engine.sched
+
+    def names(seqs) -> str:
+        return ",".join(sorted({s.req.adapter for s in seqs if s.req.adapter}))
+
+    labels = (name, str(engine.config.device_slots), names([*sched.running, *sched.prefill]),
+              names([*sched.waiting, *sched.incoming]))
+    if last is not None and last != labels:
+        metrics.LORA_REQUESTS_INFO.remove(*last)
+    metrics.LORA_REQUESTS_INFO.labels(*labels).set(time.time())
+    return labels
+
+
 async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, period_s: float = 0.5) -> None:
     """Health follows the engine thread (and a tensor-parallel worker's follower processes):
     as soon as one dies, NOT_SERVING and the process fails (it drains and exits non-zero, so its
     supervisor starts it again). An engine loop that began no step for `stall_s` seconds (a hung
     device, a deadlock) is NOT_SERVING until it beats again (0: not watched)."""
-    stalled, steps_seen = False, 0
+    stalled, steps_seen, lora_info = False, 0, None
     while True:
         await asyncio.sleep(period_s)
         if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
             engine, name = servicer.engine, servicer.worker_name
+            lora_info = _lora_requests_info(engine, name, lora_info)
             metrics.REQUESTS_RUNNING.labels(name).set(engine.running_count)
             metrics.KV_CACHE_USAGE.labels(name).set(engine.kv_usage)
             resident, host = engine.pool.counts()

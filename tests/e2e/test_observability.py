@@ -117,6 +117,8 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     assert total(worker, "valora:lora_adapters", where="host") >= 1  # the traffic's adapter
     for stage in ("fetch", "load"):  # its load, by stage
         assert total(worker, "valora:adapter_load_seconds_count", stage=stage) >= 1, stage
+    info = [dict(lbl) for (n, lbl), _ in worker.items() if n == "valora:lora_requests_info"]
+    assert len(info) == 1 and info[0]["max_lora"].isdigit(), info  # one series: the worker's adapters now
     modes = {dict(lbl)["mode"]: v for (n, lbl), v in worker.items() if n == "valora:mode"}
     assert sum(modes.values()) == 1, f"exactly one current mode per worker: {modes}"
     assert all(dict(lbl)["worker"] == worker_info.name for (n, lbl), _ in worker.items() if n == "valora:mode")
