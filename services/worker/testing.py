@@ -5,6 +5,7 @@ AdapterStoreService that serves bundles over gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -153,3 +154,28 @@ def load_random_adapters(engine, model_path, names) -> None:
     for i, name in enumerate(names):
         b = random_adapter_bundle(model_path, rank=4 * (i + 1), lora_alpha=8, seed=i + 1)
         engine.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+
+
+@contextlib.asynccontextmanager
+async def serve_worker(settings, store: InMemoryAdapterStore):
+    """A worker server (`services.worker.server.create_server(settings)`) fetching its adapters
+    from `store`, served on loopback first; yields (worker service, its aio channel). The worker is
+    stopped on the way out unless the test stopped it."""
+    import grpc  # noqa: PLC0415 - the engine tests import this module without the services
+
+    from services.common.server import build_service  # noqa: PLC0415
+    from services.worker.server import create_server  # noqa: PLC0415
+
+    store_service = build_service("store", settings, store.register)
+    await store_service.start()
+    settings.adapter_store_address = f"127.0.0.1:{store_service.port}"
+    worker = await create_server(settings)
+    await worker.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
+    try:
+        yield worker, channel
+    finally:
+        await channel.close()
+        if not worker.stopping:
+            await worker.stop(0)
+        await store_service.stop(0)

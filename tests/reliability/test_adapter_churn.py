@@ -19,10 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.server import build_service
 from services.worker.config import WorkerSettings
-from services.worker.server import create_server
-from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
+from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle, serve_worker
 from tests.reliability.conftest import record, rss_bytes
 from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
 from valora.v1 import types_pb2
@@ -52,21 +50,13 @@ async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_p
     settings = WorkerSettings(model_path=str(model_path), port=0, build_tiny_model=False, max_batch_size=4,
                               device_slots=4, default_max_new_tokens=2, adapter_cache_dir=str(cache),
                               adapter_cache_bytes=budget, host_adapter_bytes=budget, drain_delay_s=0)
-    store_service = build_service("store", settings, store.register)
-    await store_service.start()
-    settings.adapter_store_address = f"127.0.0.1:{store_service.port}"
-    worker = await create_server(settings)
-    await worker.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
-    stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-    engine = worker.servicer.engine
     peak_host = peak_disk = 0
     rss_at_50 = rss_end = 0
     failures = []
     names = list(bundles)
     t0 = time.monotonic()
 
-    async def one_request(name: str) -> None:
+    async def one_request(stub, name: str) -> None:
         item = work_pb2.WorkItem(request_id=name.split("/")[1], prompt="Hi.",
                                  adapter=work_pb2.AdapterRef(version=name, sha256=bundles[name].sha256),
                                  params=types_pb2.GenerationParams(max_new_tokens=2))
@@ -76,9 +66,11 @@ async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_p
         except grpc.aio.AioRpcError as err:
             failures.append((name, err.code().name, err.details()[:200]))
 
-    try:
+    async with serve_worker(settings, store) as (worker, channel):
+        stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        engine = worker.servicer.engine
         for start in range(0, ADAPTERS, CONCURRENCY):
-            await asyncio.gather(*(one_request(n) for n in names[start:start + CONCURRENCY]))
+            await asyncio.gather(*(one_request(stub, n) for n in names[start:start + CONCURRENCY]))
             peak_host = max(peak_host, engine.pool.host_bytes())
             peak_disk = max(peak_disk, cache_bytes(cache))
             if start + CONCURRENCY == 52:
@@ -87,10 +79,6 @@ async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_p
         elapsed = time.monotonic() - t0
         hosted, resident = len(engine.pool.host_names()), len(engine.pool.resident_names())
         planned = len(engine.lora.entries)  # the LoRA plans' cached entries (each holds its tensors)
-    finally:
-        await channel.close()
-        await worker.stop(0)
-        await store_service.stop(0)
     growth_mib = (rss_end - rss_at_50) / 2**20
     ok = (not failures and peak_host <= budget and peak_disk <= budget and resident <= 4 and planned <= 8
           and growth_mib < 16 and store.fetches >= ADAPTERS)

@@ -17,7 +17,7 @@ from services.common.server import build_service
 from services.worker.model import ensure_tiny_model
 from services.worker.config import WorkerSettings
 from services.worker.server import create_server
-from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
+from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle, serve_worker
 from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
 from valora.v1 import types_pb2
 
@@ -46,16 +46,8 @@ async def cluster(tmp_path_factory):
     settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
                               default_max_new_tokens=8, max_new_tokens_limit=2000,
                               adapter_cache_dir=str(tmp_path_factory.mktemp("adapter-cache")))
-    store_service = build_service("store", settings, store.register)
-    await store_service.start()
-    settings.adapter_store_address = f"127.0.0.1:{store_service.port}"
-    worker = await create_server(settings)
-    await worker.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
-    yield worker, store, channel, worker_service_pb2_grpc.WorkerServiceStub(channel)
-    await channel.close()
-    await worker.stop(0)
-    await store_service.stop(0)
+    async with serve_worker(settings, store) as (worker, channel):
+        yield worker, store, channel, worker_service_pb2_grpc.WorkerServiceStub(channel)
 
 
 def ref(name: str, store) -> work_pb2.AdapterRef:

@@ -15,7 +15,6 @@ import time
 import grpc
 import pytest
 
-from services.common.server import build_service
 from services.scheduler.config import SchedulerSettings
 from services.common.modes import Mode
 from services.scheduler.server import create_server as create_scheduler
@@ -23,8 +22,7 @@ from services.scheduler.workers import WorkerPool
 from services.worker.model import ensure_tiny_model
 from services.worker.requests import step_times
 from services.worker.config import WorkerSettings
-from services.worker.server import create_server
-from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
+from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle, serve_worker
 from valora.internal.v1 import (
     scheduler_service_pb2,
     scheduler_service_pb2_grpc,
@@ -61,18 +59,8 @@ async def worker(tmp_path_factory):
     store = InMemoryAdapterStore({A: random_adapter_bundle(model, rank=4, seed=1)}, chunk_bytes=4096)
     settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
                               default_max_new_tokens=6, adapter_cache_dir=str(tmp_path_factory.mktemp("cache")))
-    store_service = build_service("store", settings, store.register)
-    await store_service.start()
-    settings.adapter_store_address = f"127.0.0.1:{store_service.port}"
-    service = await create_server(settings)
-    await service.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
-    state = {"stopped": False}
-    yield service, store, worker_service_pb2_grpc.WorkerServiceStub(channel), state
-    await channel.close()
-    if not state["stopped"]:
-        await service.stop(0)
-    await store_service.stop(0)
+    async with serve_worker(settings, store) as (service, channel):
+        yield service, store, worker_service_pb2_grpc.WorkerServiceStub(channel)
 
 
 def ref(store) -> work_pb2.AdapterRef:
@@ -96,7 +84,7 @@ async def no_watchers(servicer, timeout=5.0):
 
 
 async def test_stream_sends_status_at_once_then_on_mode_changes_and_stops_on_cancel(worker):
-    service, store, stub, _ = worker
+    service, store, stub = worker
     # A long interval: every message after the first is a change.
     call = stub.WatchWorkerStatus(worker_service_pb2.WatchWorkerStatusRequest(interval_ms=60_000))
     first = await call.read()
@@ -124,7 +112,7 @@ async def test_stream_sends_status_at_once_then_on_mode_changes_and_stops_on_can
 
 
 async def test_step_times_after_a_generation_and_the_interval(worker):
-    service, store, stub, _ = worker
+    service, store, stub = worker
     item = work_pb2.WorkItem(request_id="g1", prompt="Describe it.", adapter=ref(store),
                              params=types_pb2.GenerationParams(max_new_tokens=6))
     async for _ in stub.Generate(worker_service_pb2.GenerateRequest(item=item)):
@@ -151,7 +139,7 @@ async def test_step_times_after_a_generation_and_the_interval(worker):
 
 
 async def test_stream_reports_running_requests(worker):
-    service, store, stub, _ = worker
+    service, store, stub = worker
     call = stub.WatchWorkerStatus(worker_service_pb2.WatchWorkerStatusRequest(interval_ms=60_000))
     await call.read()
     gen = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
@@ -167,10 +155,9 @@ async def test_stream_reports_running_requests(worker):
 
 async def test_stream_ends_cleanly_when_the_worker_drains(worker):
     """Last in this module: it stops the shared worker."""
-    service, store, stub, state = worker
+    service, store, stub = worker
     call = stub.WatchWorkerStatus(worker_service_pb2.WatchWorkerStatusRequest(interval_ms=60_000))
     assert (await call.read()).status.healthy
-    state["stopped"] = True
     t0 = time.monotonic()
     stopping = asyncio.ensure_future(service.stop(grace=10.0, drain_delay=0.3))
     last = await next_matching(call, lambda m: not m.status.healthy, timeout=2.0)
