@@ -4,11 +4,9 @@ model config, a safetensors bundle writer, and a store running on a background e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import struct
-import threading
 from pathlib import Path
 
 import grpc
@@ -20,6 +18,7 @@ from valora.v1 import admin_service_pb2_grpc as admin_grpc
 from valora.v1 import resources_pb2 as res_pb
 
 from services.common.adapter_format import BaseModelShapes, lora_key
+from services.common.testing import ServiceThread
 
 from services.adapter_store.config import StoreSettings
 
@@ -103,38 +102,18 @@ def upload_messages(parent: str, data: bytes, config_json: str | None = None, sh
         yield admin_pb.UploadAdapterVersionRequest(chunk=data[i:i + chunk])
 
 
-class RunningStore:
+class RunningStore(ServiceThread):
     """The store's gRPC server on its own event loop thread; `admin` and `store` are sync stubs
     over a real channel."""
 
     def __init__(self, settings: StoreSettings) -> None:
         from services.adapter_store.server import create_server
 
-        self.settings = settings
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="store-loop", daemon=True)
-        self._thread.start()
-
-        async def start():
-            service = await create_server(settings)
-            await service.start()
-            return service
-
-        self.service = asyncio.run_coroutine_threadsafe(start(), self._loop).result(60)
-        self.address = f"127.0.0.1:{self.service.port}"
+        super().__init__(create_server, settings, "store")
         self.channel = grpc.insecure_channel(self.address)
         self.admin = admin_grpc.AdminServiceStub(self.channel)
         self.store = store_grpc.AdapterStoreServiceStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.service.stop(0), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    def __enter__(self) -> "RunningStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().close()

@@ -4,8 +4,6 @@ over loopback gRPC: what each call returns or prints, and a failed call's typed 
 
 from __future__ import annotations
 
-import asyncio
-import threading
 
 import grpc
 import pytest
@@ -14,38 +12,13 @@ from typer.testing import CliRunner
 
 from services.adapter_store.config import StoreSettings
 from services.adapter_store.testing import RunningStore, adapter_config, make_bundle, write_tiny_model
+from services.common.testing import ServiceThread
 from services.gateway.config import GatewaySettings
+from services.gateway.server import create_server as create_gateway
 from valora import cli, errors
 from valora.client import ValoraClient
 
 ADMIN_KEY = "admin-key-cli"
-
-
-class RunningGateway:
-    """The gateway's gRPC server (no HTTP) on its own event loop thread, in front of `store`."""
-
-    def __init__(self, store_address: str) -> None:
-        from services.gateway.server import create_server
-
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-loop", daemon=True)
-        self._thread.start()
-        settings = GatewaySettings(adapter_store_address=store_address, scheduler_address=store_address,
-                                   admin_keys=[ADMIN_KEY], http_enabled=False, port=0)
-
-        async def start():
-            service = await create_server(settings)
-            await service.start()
-            return service
-
-        self.service = asyncio.run_coroutine_threadsafe(start(), self._loop).result(60)
-        self.address = f"127.0.0.1:{self.service.port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.service.stop(0), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +27,10 @@ def gateway(tmp_path_factory):
     settings = StoreSettings(database_url=f"sqlite:///{tmp / 'r.db'}", blob_dir=str(tmp / "blobs"),
                              model_path=str(write_tiny_model(tmp / "tiny")), gc_interval_s=0, port=0)
     with RunningStore(settings) as store:
-        gw = RunningGateway(store.address)
-        try:
+        settings = GatewaySettings(adapter_store_address=store.address, scheduler_address=store.address,
+                                   admin_keys=[ADMIN_KEY], http_enabled=False, port=0)
+        with ServiceThread(create_gateway, settings, "gateway") as gw:  # gRPC only, in front of the store
             yield gw.address
-        finally:
-            gw.close()
 
 
 @pytest.fixture(scope="module")
