@@ -12,7 +12,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from tests.unit import test_cli_up
 from valora import cli, cluster as cluster_mod
+
+started = test_cli_up.started  # the fixture: start_cluster's calls, a fake cluster back
 
 
 @pytest.fixture(autouse=True)
@@ -20,20 +23,6 @@ def clean_env(monkeypatch):
     for name in ("VALORA_DEVICE", "VALORA_DTYPE", "VALORA_TP_SIZE", "CUDA_VISIBLE_DEVICES", "VALORA_MAX_BATCH_SIZE",
                  "VALORA_MAX_WAITING", "VALORA_GPU_MEMORY_FRACTION"):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def started(monkeypatch):
-    """The start_cluster calls of `valora up` (kwargs), with a fake cluster back."""
-    calls = []
-
-    def fake_start(home, **kwargs):
-        calls.append(kwargs)
-        return cluster_mod.Cluster(home=str(home), processes=[
-            cluster_mod.ProcessInfo("gateway", "gateway", 1, 50051, "gw.log", metrics_port=9000, http_port=8080)])
-
-    monkeypatch.setattr(cluster_mod, "start_cluster", fake_start)
-    return calls
 
 
 def up(home, *args, env=None):
