@@ -15,7 +15,7 @@ from services.worker.engine import Engine, EngineConfig
 from services.worker.requests import Failed, Finished, FinishReason, OutputKind, TextDelta, WorkRequest
 from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
-from services.worker.testing import random_adapter_bundle, random_image
+from services.worker.testing import TEST_KV_BYTES, random_adapter_bundle, random_image
 
 A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
 LABELS = ["red", "green", "blue", "yellow"]
@@ -26,7 +26,7 @@ DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
 @pytest.fixture(scope="module")
 def engine(model_path):
     eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=12, max_prefills_per_step=12,
-                              device_slots=3, default_max_new_tokens=MAX_NEW))
+                              device_slots=3, default_max_new_tokens=MAX_NEW, kv_cache_bytes=TEST_KV_BYTES))
     eng.start()
     for name, b in {
         A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),

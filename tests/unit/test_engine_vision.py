@@ -13,7 +13,7 @@ import torch
 from services.worker.engine import Engine, EngineConfig
 from services.worker.model import build_inputs, load_model, load_processor
 from services.worker.requests import WorkRequest
-from services.worker.testing import random_adapter_bundle, random_image
+from services.worker.testing import TEST_KV_BYTES, random_adapter_bundle, random_image
 from services.worker.vision import FeatureCache
 
 A = "adapters/alpha/versions/1"
@@ -23,7 +23,8 @@ DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=4, default_max_new_tokens=MAX_NEW))
+    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=4, default_max_new_tokens=MAX_NEW,
+                              kv_cache_bytes=TEST_KV_BYTES))
     eng.start()
     b = random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1)
     eng.load_adapter_bytes(A, b.sha256, b.data, b.config_json)
