@@ -239,8 +239,12 @@ def worker_status(c: cluster_mod.Cluster, address: str) -> worker_service_pb2.Ge
 
 
 def graph_counters(status: worker_service_pb2.GetWorkerStatusResponse | None) -> dict[str, int] | None:
-    """The worker's decode-graph counters since it started (None: no status)."""
-    return None if status is None else {name: getattr(status.decode_graphs, name) for name in GRAPH_COUNTERS}
+    """The worker's decode-graph counters since it started, and its prefill graphs' as
+    prefill_<counter> (None: no status)."""
+    if status is None:
+        return None
+    return {**{name: getattr(status.decode_graphs, name) for name in GRAPH_COUNTERS},
+            **{f"prefill_{name}": getattr(status.prefill_graphs, name) for name in GRAPH_COUNTERS}}
 
 
 def percentiles(values: list[float], prefix: str) -> dict[str, float]:
@@ -265,8 +269,9 @@ def summarize_run(outcomes: list[sb.Outcome], before: dict | None, after: dict |
                prompt_tokens=sum(o.result.prompt_tokens for o in ok),
                adapters_served=len({o.result.adapter_version for o in ok if o.result.adapter_version}))
     # a worker without decode graphs reports all counters 0 (every decode step is eager there): null
-    have = before is not None and after is not None and any(after.values())
-    row["decode_graphs"] = {k: after[k] - before[k] for k in GRAPH_COUNTERS} if have else None
+    for kind, prefix in (("decode_graphs", ""), ("prefill_graphs", "prefill_")):
+        have = before is not None and after is not None and any(after[prefix + k] for k in GRAPH_COUNTERS)
+        row[kind] = {k: after[prefix + k] - before[prefix + k] for k in GRAPH_COUNTERS} if have else None
     row["eager_decode_steps"] = row["decode_graphs"]["eager_steps"] if row["decode_graphs"] else None
     return row
 
@@ -367,7 +372,7 @@ def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace,
     table = Table(title=f"serve {WORKLOAD}: {args.device} {args.dtype}, {model.name}, {args.adapters} adapters "
                         f"r{'/'.join(map(str, args.ranks))}, {args.requests} requests a run")
     for col in ("run", "ok/req", "req/s", "ttft p50", "ttft p99", "e2e p50", "e2e p99", "gpu busy", "eager",
-                "replays", "captures", "new keys", "failed caps", "ref lora"):
+                "replays", "captures", "new keys", "failed caps", "ref lora", "prefill replays/steps"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
         ok = f"{r['ok']}/{r['requests']}" if r["failed"] == 0 else f"[red]{r['ok']}/{r['requests']}[/red]"
@@ -376,7 +381,8 @@ def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace,
             "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")),
             "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.2f}",
             *("-" if not g else str(g[k]) for k in ("eager_steps", "replays", "captures", "new_keys",
-                                                     "capture_failures", "reference_steps")))
+                                                     "capture_failures", "reference_steps")),
+            "-" if not (p := r["prefill_graphs"]) else f"{p['replays']}/{p['static_steps']}")
     console.print(table)
     console.print("[dim]ms; ttft: send to first token as the client saw it; gpu busy: nvidia-smi utilisation over "
                   "the run; eager/replays/captures/new keys/failed caps/ref lora (steps on the torch LoRA reference): "

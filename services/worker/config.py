@@ -50,6 +50,9 @@ class WorkerSettings(ServiceSettings):
                                     "several steps, the running requests decoding between them.")
     decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
                                "size: auto (on CUDA) or off (static, the same step without capture).")
+    prefill_graphs: str = Field("auto", description="The packed prefill forward as CUDA graphs keyed by its "
+                                "token count padded to a bucket: auto (on CUDA), static (padded, no capture) "
+                                "or off (unpadded, eager).")
     vision_graphs: bool = Field(True, description="On CUDA, the vision tower replayed from a CUDA graph per "
                                 "image grid (t, h, w) after its first two items (services/worker/vision_tower.py).")
     kv_block_size: int = Field(16, ge=8, le=256, description="Tokens per block of the paged KV cache (a power "
@@ -126,7 +129,7 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"VALORA_KV_BLOCK_SIZE={value}: must be a power of two")
         return value
 
-    @field_validator("load_format", "decode_graphs", "switch_strategy", mode="before")
+    @field_validator("load_format", "decode_graphs", "prefill_graphs", "switch_strategy", mode="before")
     @classmethod
     def _known_choice(cls, value: object, info: ValidationInfo) -> object:
         return _choice(info.field_name, value, {c: c for c in _CHOICES[info.field_name]})
@@ -135,7 +138,8 @@ class WorkerSettings(ServiceSettings):
 _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
                   "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 _CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "load_format": ("auto", "dummy"),
-            "decode_graphs": ("auto", "static", "off"), "switch_strategy": ("pristine", "delta")}
+            "decode_graphs": ("auto", "static", "off"),
+            "prefill_graphs": ("auto", "static", "off"), "switch_strategy": ("pristine", "delta")}
 
 
 def _choice(name: str, value: object, accepted: dict[str, str]) -> object:

@@ -111,6 +111,9 @@ class EngineConfig:
     # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "off" (or "static") = the
     # same step without capture.
     decode_graphs: str = "auto"
+    # The packed prefill forward as CUDA graphs keyed by its token bucket (prefill_graphs.py):
+    # "auto" = on CUDA; "static" = the same padded forward without capture; "off" = unpadded, eager.
+    prefill_graphs: str = "auto"
     vision_graphs: bool = True  # the vision tower as a CUDA graph per image grid (vision_tower.py), on CUDA
     # Pipelined decode: while the device runs a decode step fed by the previous step's
     # tokens (device to device), the host processes the previous step's tokens (decoder.py).
@@ -142,8 +145,9 @@ class Engine:
         m = load_lora_model(path, config, self.device, self.dtype, self.tp)
         self.model, self.runtime, self.lora_layers, self.shapes = m.model, m.runtime, m.lora_layers, m.shapes
         self.model_config, self.text_config, eos_ids = m.model_config, m.model.config.text_config, m.eos_ids
-        if config.decode_graphs not in ("auto", "static", "off"):
-            raise ValueError(f"decode_graphs {config.decode_graphs!r} is not one of auto, static, off")
+        for knob in ("decode_graphs", "prefill_graphs"):
+            if getattr(config, knob) not in ("auto", "static", "off"):
+                raise ValueError(f"{knob} {getattr(config, knob)!r} is not one of auto, static, off")
         self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
                                     self.tp, graphs=config.vision_graphs)
         self.runner = ModelRunner(self.model, self.runtime, self.vision, config, self.dtype, self.device, self.tp)

@@ -16,9 +16,9 @@ import torch
 
 from kernels import paged_attention, paged_prefill
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
-from services.worker.kv_cache import (BlockManager, KVPool, PagedCache, PagedPrefill, device_budget, kv_bytes_per_token,
-                                      pool_blocks)
+from services.worker.kv_cache import BlockManager, KVPool, device_budget, kv_bytes_per_token, pool_blocks
 from services.worker.lora import LoraRuntime, StepLora
+from services.worker.prefill_graphs import PrefillGraphs
 from services.worker.requests import OutputKind
 from services.worker.sampling import RowSampling, sample, token_logprobs
 from services.worker.sequence import Sequence
@@ -61,8 +61,16 @@ class ModelRunner:
         attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
         self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
         self.trace: StepTrace | None = None  # the engine's (its "inputs" phase: embeddings, vision tower)
+        # decode and prefill graphs capture into one memory pool: their forwards run one at a time
+        handle = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs = DecodeGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
-                                   capture=config.decode_graphs == "auto", attention_kernel=attention_kernel)
+                                   capture=config.decode_graphs == "auto", attention_kernel=attention_kernel,
+                                   pool_handle=handle)
+        self.prefill_graphs = PrefillGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
+                                            rows=config.max_prefills_per_step,
+                                            capture=config.prefill_graphs == "auto",
+                                            pad=config.prefill_graphs != "off", kernel=self.prefill_kernel,
+                                            pool_handle=handle)
 
     def _kernel_usable(self, name: str, module, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> bool:
         """Whether `module`'s Triton kernel runs here (its self_check on CUDA; never on the CPU)."""
@@ -109,7 +117,9 @@ class ModelRunner:
         length: one StepLora, no permutation, ATMM takes it). Returns the rows whose whole
         context is now cached, in order, and their PrefillOutput.
 
-        The pieces are packed without padding into one sequence of tokens; attention reads each
+        The pieces are packed into one sequence of tokens (padded at its end to a bucket and
+        replayed from a CUDA graph: prefill_graphs.py; `step` planned for the padded count, see
+        `prefill_tokens`); attention reads each
         row's keys and values back from its blocks of the pool (PagedPrefill: causal within the
         row, over the tokens it has cached before its piece too, rows apart), after the forward
         wrote the piece's there. A row's first piece embeds its whole context (the vision tower
@@ -124,38 +134,36 @@ class ModelRunner:
                 s.chunk_inputs = (e, pos, delta)
         if self.trace is not None:
             self.trace.mark("inputs")
-        cu, parts, positions, slots = [0], [], [], []
+        parts, positions, slots = [], [], []
         for s in rows:
             e, pos, _ = s.chunk_inputs
             a, b = s.prefilled, s.prefill_to
-            cu.append(cu[-1] + b - a)
             parts.append(e[a:b])
             positions.append(pos[:, a:b])
             slots.append(self.blocks.slots(s.id, a, b))
-        self.blocks.sync()
-        table_rows = self.upload(torch.tensor([self.blocks.row(s.id) for s in rows]))
-        paged = PagedPrefill(block_tables=self.blocks.tables.index_select(0, table_rows),
-                             cu_q=self.upload(torch.tensor(cu, dtype=torch.int32)),
-                             seq_lens=self.upload(torch.tensor([s.prefill_to for s in rows], dtype=torch.int32)),
-                             kernel=self.prefill_kernel)
-        cache = PagedCache(self.text_config, self.pool, self.upload(torch.cat(slots)), paged)
+        done = [i for i, s in enumerate(rows) if s.prefill_to == s.context]
+        wanted, end = [], 0
+        for i, part in enumerate(parts):
+            end += part.shape[0]
+            if i in done:
+                wanted.append(end - 1)  # each completed row's last token
         self.runtime.step = step
         try:
-            out = self.model.model.language_model(
-                inputs_embeds=torch.cat(parts)[None], position_ids=self.upload(torch.cat(positions, dim=1))[:, None],
-                past_key_values=cache, use_cache=True, paged_prefill=paged)
+            hidden = self.prefill_graphs.forward(parts, positions, slots, [self.blocks.row(s.id) for s in rows],
+                                                 [s.prefill_to for s in rows], wanted, step)
         finally:
             self.runtime.step = None
-        done = [i for i, s in enumerate(rows) if s.prefill_to == s.context]
         for s in rows:
             s.prefilled = s.prefill_to
-        last = self.upload(torch.tensor([cu[i + 1] - 1 for i in done], dtype=torch.long))
         completed = [rows[i] for i in done]
         deltas = [s.chunk_inputs[2] for s in completed]
         for s in completed:
             s.chunk_inputs = None
-        hidden = out.last_hidden_state[0, last]  # each completed row's last token
         return completed, self._first_tokens(completed, [s.context for s in completed], deltas, hidden)
+
+    def prefill_tokens(self, n: int) -> int:
+        """The tokens a prefill forward of `n` packed tokens runs (its LoRA plan covers them all)."""
+        return self.prefill_graphs.tokens(n)
 
     def _inputs(self, rows: list[Sequence]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
         """Each row's whole context as prefill inputs: embeddings (context, hidden) on the device

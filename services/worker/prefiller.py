@@ -37,7 +37,10 @@ class Prefiller:
             if s.prefilled == 0 and not s.tokens:  # a recomputed sequence keeps its first prefill's time
                 s.t_prefill = t0
         self.peak_rows = max(self.peak_rows, len(rows))
-        done, out = self.runner.prefill(rows, self.lora.plan(rows, [s.prefill_to - s.prefilled for s in rows]))
+        counts = [s.prefill_to - s.prefilled for s in rows]
+        # the forward's padding tokens (prefill_graphs.py) extend the last row's LoRA segment
+        counts[-1] += self.runner.prefill_tokens(sum(counts)) - sum(counts)
+        done, out = self.runner.prefill(rows, self.lora.plan(rows, counts))
         if done:
             self._hand_off(done, out)
 

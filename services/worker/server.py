@@ -296,7 +296,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     async def GetWorkerStatus(self, request, context):
         return pb.GetWorkerStatusResponse(status=self._status(), step_times=self._step_times(),
-                                          decode_graphs=self._decode_graphs())
+                                          decode_graphs=self._graph_counters(self.engine and self.engine.graphs),
+                                          prefill_graphs=self._graph_counters(
+                                              self.engine and self.engine.runner.prefill_graphs))
 
     def _status(self) -> admin_service_pb2.WorkerStatus:
         if self.engine is None:
@@ -322,9 +324,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             decode_step_ms_p50=t.decode_ms_p50, decode_step_ms_p90=t.decode_ms_p90,
             prefill_step_ms_p50=t.prefill_ms_p50, prefill_step_ms_p90=t.prefill_ms_p90)
 
-    def _decode_graphs(self) -> pb.WorkerDecodeGraphs:
-        g = self.engine.graphs if self.engine is not None else None
-        if g is None:
+    @staticmethod
+    def _graph_counters(g) -> pb.WorkerDecodeGraphs:
+        """A GraphSet's counters (step_graphs.py); all 0 without an engine."""
+        if not g:
             return pb.WorkerDecodeGraphs()
         return pb.WorkerDecodeGraphs(static_steps=g.static_steps, replays=g.replays, captures=g.captures,
                                      new_keys=g.new_keys, eager_steps=g.eager_steps,

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from services.worker.engine import Engine, EngineConfig
+from services.worker.prefill_graphs import bucket_tokens
 from services.worker.requests import Failed, Finished, FinishReason, OutputKind, TextDelta, WorkRequest
 from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
@@ -106,10 +107,14 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     assert len(prefills) == 1 and sorted(prefills[0]) == sorted(lengths), prefills
     assert engine.prefiller.peak_rows == len(reqs)
     # One LoRA plan for the batch: a row per request with its own token count (packed), rows
-    # grouped by entry (no permutation, so ATMM can take it), entries A, B, C once each.
+    # grouped by entry (no permutation, so ATMM can take it), entries A, B, C once each; the
+    # forward's padding to its token bucket (prefill_graphs.py) rides in the last row's segment.
     (counts, step), = [(t, st) for t, st in plans if not isinstance(t, int)]
-    assert sorted(counts) == sorted(lengths.values()) and len(step.row_entries) == len(reqs)
-    assert step.plan.num_tokens == sum(lengths.values())
+    total = sum(lengths.values())
+    pad = bucket_tokens(total) - total
+    assert pad > 0 and step.plan.num_tokens == total + pad
+    assert sorted([*counts[:-1], counts[-1] - pad]) == sorted(lengths.values())
+    assert len(step.row_entries) == len(reqs)
     assert step.perm is None and sorted(step.row_entries) == step.row_entries and len(step.entries) == 3
     del prefills[:]
     engine.vision.cache.clear()
@@ -249,3 +254,45 @@ def test_label_request_prefilled_in_chunks_answers_alike(engine):
     assert chunked.label == whole.label
     assert [s for _, s in chunked.scores] == pytest.approx([s for _, s in whole.scores], abs=1e-4)
     assert engine.kv.used_blocks == 0
+
+
+def test_padded_prefill_gives_the_tokens_of_the_unpadded_one(engine, model_path):
+    """prefill_graphs' padding (the packed tokens rounded up to a bucket, rows up to the step's
+    most, the padding in the last row's LoRA segment) changes no row's tokens, label or scores;
+    its entries are keyed by bucket: fewer keys than prefill steps of distinct token counts."""
+    off = Engine(EngineConfig(model_path=model_path, max_batch_size=12, max_prefills_per_step=12, device_slots=3,
+                              default_max_new_tokens=MAX_NEW, kv_cache_bytes=TEST_KV_BYTES, prefill_graphs="off"))
+    off.start()
+    try:
+        for name, b in {
+            A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),
+            B: random_adapter_bundle(model_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS}),
+            C: random_adapter_bundle(model_path, rank=2, lora_alpha=2, seed=3, target_modules=("q_proj", "v_proj")),
+        }.items():
+            assert off.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
+        reqs = mixed_requests()
+        graphs = engine.runner.prefill_graphs
+        padded_before = graphs.padding_tokens
+        results = {}
+        for eng in (engine, off):
+            eng.vision.cache.clear()
+            got = results[eng] = {rid: outcome(q)[1] for rid, q in submit_together(eng, reqs).items()}
+            for r in reqs[:4]:  # alone: other token counts, other buckets
+                got["alone-" + r.request_id] = outcome(submit_together(eng, [r])[r.request_id])[1]
+        assert graphs.padding_tokens > padded_before and off.runner.prefill_graphs.padding_tokens == 0
+        for rid, got in results[engine].items():
+            want = results[off][rid]
+            assert isinstance(got, Finished) and isinstance(want, Finished), (rid, got, want)
+            assert got.result.token_ids == want.result.token_ids and got.result.label == want.result.label, rid
+            assert [s[1] for s in got.result.scores] == pytest.approx([s[1] for s in want.result.scores], abs=1e-5)
+        assert {k[0] for k in graphs.entries} <= {bucket_tokens(n) for n in range(1, 4096)}
+        assert all(k[1] == 12 for k in graphs.entries)  # rows padded to max_prefills_per_step
+        assert {k[0] for k in off.runner.prefill_graphs.entries} != {k[0] for k in graphs.entries}
+    finally:
+        off.stop()
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 128), (128, 128), (129, 256), (1000, 1024), (1024, 1024), (1025, 1280),
+                                      (2048, 2048), (2049, 2560), (8000, 8192)])
+def test_bucket_tokens(n, bucket):
+    assert bucket_tokens(n) == bucket

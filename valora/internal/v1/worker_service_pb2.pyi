@@ -113,14 +113,16 @@ class GetWorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatusResponse(_message.Message):
-    __slots__ = ("status", "step_times", "decode_graphs")
+    __slots__ = ("status", "step_times", "decode_graphs", "prefill_graphs")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
     DECODE_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     status: _admin_service_pb2.WorkerStatus
     step_times: WorkerStepTimes
     decode_graphs: WorkerDecodeGraphs
-    def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ..., step_times: _Optional[_Union[WorkerStepTimes, _Mapping]] = ..., decode_graphs: _Optional[_Union[WorkerDecodeGraphs, _Mapping]] = ...) -> None: ...
+    prefill_graphs: WorkerDecodeGraphs
+    def __init__(self, status: _Optional[_Union[_admin_service_pb2.WorkerStatus, _Mapping]] = ..., step_times: _Optional[_Union[WorkerStepTimes, _Mapping]] = ..., decode_graphs: _Optional[_Union[WorkerDecodeGraphs, _Mapping]] = ..., prefill_graphs: _Optional[_Union[WorkerDecodeGraphs, _Mapping]] = ...) -> None: ...
 
 class WorkerDecodeGraphs(_message.Message):
     __slots__ = ("static_steps", "replays", "captures", "new_keys", "eager_steps", "capture_failures", "reference_steps")
