@@ -11,6 +11,8 @@ has to be attributed by guesswork:
     lm       pairs of image requests (one new token) whose images are in the feature cache: the
              LM prefill (+ a first token) only
     vision   the same pairs with new images, less `lm`: the vision tower
+    mixed    new pairs while the decode rows run, as served (per prefill step; compare with the
+             sum of the three: what a served step runs beyond its phases)
 
 Every phase runs under torch.profiler (CUDA kernels are traced by device, whatever thread
 launched them) with graphs `--graphs` (static: eager kernels, each one seen; auto: replays).
@@ -178,13 +180,22 @@ def main(argv: list[str] | None = None) -> dict:
         time.sleep(args.decode_s)
     decode_steps = eng.graphs.static_steps - steps0
     dec = kernels(prof)
+    # served-like: the same rows decoding while pairs of new images arrive (a step: a decode step
+    # beside a prefill), to compare with the phases' sum
+    steps0, prefills0 = eng.graphs.static_steps, eng.runner.prefill_graphs.static_steps
+    with profile(activities=acts) as prof:
+        pairs(4, args.pairs)
+    mixed_steps = eng.runner.prefill_graphs.static_steps - prefills0
+    mixed_decode_steps = eng.graphs.static_steps - steps0
+    mixed = kernels(prof)
     for h in handles:
         h.cancel()
     eng.stop()
     scale = lm_steps / max(1, both_steps)  # per-step tables: vision = both - lm (same step counts here)
     lm_scaled = {k: {"us": v["us"] / scale, "calls": v["calls"] / scale} for k, v in lm.items()} if scale else lm
     phases = {"decode": summarize(dec, decode_steps, args.top), "lm_prefill": summarize(lm, lm_steps, args.top),
-              "vision": summarize(difference(both, lm_scaled), both_steps, args.top)}
+              "vision": summarize(difference(both, lm_scaled), both_steps, args.top),
+              "mixed": {**summarize(mixed, mixed_steps, args.top), "decode_steps": mixed_decode_steps}}
     out = {**run_info(), "bench": "step_profile", "arch": args.arch, "graphs": args.graphs, "rows": args.rows,
            "adapters": args.adapters, "ranks": ranks, "sizes": sizes, "phases": phases}
     name = args.name or "step-profile"
