@@ -34,7 +34,10 @@ import structlog
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.activations import QuickGELUActivation
 from transformers.vision_utils import get_vision_position_ids
+
+from kernels.vision_ops import quick_gelu, rotary_vision_
 
 log = structlog.get_logger()
 MAX_CAPTURE_FAILURES = 3
@@ -45,8 +48,8 @@ ATTENTION = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 
 @dataclass(eq=False)
 class _Entry:
-    cos: torch.Tensor  # (patches, 1, 1, head_dim) fp32, the grid's rotary angles
-    sin_signed: torch.Tensor  # sin with its first half negated
+    cos: torch.Tensor  # (patches, head_dim) fp32, the grid's rotary angles
+    sin: torch.Tensor
     seen: int = 0
     failures: int = 0
     graphless: bool = False
@@ -119,9 +122,7 @@ class VisionTower:
             positions = positions.pin_memory()  # a pageable copy would wait for the queued work
         positions = positions.to(self.device, non_blocking=True)
         cos, sin = v.rotary_pos_emb(positions, positions)  # (patches, head_dim) fp32
-        half = sin.shape[-1] // 2
-        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), -1)
-        e = _Entry(cos=cos.float()[:, None, None], sin_signed=sin_signed.float()[:, None, None])
+        e = _Entry(cos=cos.float().contiguous(), sin=sin.float().contiguous())
         self.entries[key] = e
         while len(self.entries) > self.max_graphs:
             self.entries.popitem(last=False)
@@ -138,18 +139,17 @@ class VisionTower:
             attn = blk.attn
             heads = attn.num_heads
             d = dim // heads
-            qkv = attn.qkv(blk.norm1(h)).view(count, n // count, 3, heads, d)
-            # apply_rotary_pos_emb_vision in fp32: x·cos + rotate_half(x)·sin, rotate_half(x)·sin
-            # being (x2, x1)·(-sin1, sin2) for the halves (x1, x2) of x (no cat, no negation)
-            qk = qkv[:, :, :2].float()
-            swapped = qk.view(count, n // count, 2, heads, 2, d // 2).flip(4).view(qk.shape)
-            qk = (qk * e.cos + swapped * e.sin_signed).to(qkv.dtype)
+            qkv = attn.qkv(blk.norm1(h)).view(n, 3, heads, d)
+            rotary_vision_(qkv, e.cos, e.sin)  # q and k in place, in fp32 as HF's rotary
             # (frames, heads, h*w, d): each frame attends within itself (HF's cu_seqlens segments)
-            q, k, val = (x.reshape(frames, hw, heads, d).transpose(1, 2)
-                         for x in (qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2]))
+            q, k, val = (qkv[:, i].reshape(frames, hw, heads, d).transpose(1, 2) for i in range(3))
             out = F.scaled_dot_product_attention(q, k, val, scale=attn.scaling)
             h = h + attn.proj(out.transpose(1, 2).reshape(n, dim))
-            h = h + blk.mlp(blk.norm2(h))
+            mlp = blk.mlp
+            if isinstance(mlp.act, QuickGELUActivation):
+                h = h + mlp.fc2(quick_gelu(mlp.fc1(blk.norm2(h))))
+            else:
+                h = h + mlp(blk.norm2(h))
         return v.merger(h)
 
     def _capture(self, e: _Entry, pixels: torch.Tensor, grid: tuple[int, int, int], count: int) -> None:
