@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -198,3 +199,57 @@ def test_node_client_calls_infer(cluster, adapters, tmp_path):
     got = json.loads(out.stdout)
     assert got["text"] == want.text
     assert got["adapter_version"] == adapters["beta"][0].name
+
+
+@pytest.fixture(scope="module")
+def cpp_client(tmp_path_factory) -> Path:
+    """examples/cpp built into a temp dir. scripts/install_cpp.sh (run by scripts/test.sh too) is a
+    no-op once Debian's gRPC packages are there; only a machine where apt cannot install skips."""
+    install = subprocess.run(["bash", str(REPO / "scripts/install_cpp.sh")], capture_output=True, text=True,
+                             timeout=600)
+    if install.returncode != 0:
+        pytest.skip("apt could not install libgrpc++-dev and protobuf-compiler-grpc (scripts/install_cpp.sh): "
+                    + install.stderr.strip()[-300:])
+    build = tmp_path_factory.mktemp("cpp-client")
+    out = subprocess.run(["make", "-s", f"-j{os.cpu_count() or 2}", "-C", str(REPO / "examples/cpp"), f"BUILD={build}"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return build / "valora_client"
+
+
+def test_cpp_client_calls_infer(cluster, adapters, cpp_client, tmp_path):
+    image = tmp_path / "img.png"
+    image.write_bytes(png(4))
+    with ValoraClient(cluster.gateway) as client:
+        want = client.infer("Hello from C++", [image.read_bytes()], adapter="adapters/beta", max_new_tokens=8)
+    out = subprocess.run([str(cpp_client), "infer", cluster.gateway, "Hello from C++", str(image), "adapters/beta"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["text"] == want.text and got["adapter_version"] == adapters["beta"][0].name
+    assert got["finish_reason"].startswith("FINISH_REASON_")  # enums by name, as the protos spell them
+
+
+def test_cpp_client_streams_tokens(cluster, adapters, cpp_client, tmp_path):
+    image = tmp_path / "img.png"
+    image.write_bytes(png(5))
+    with ValoraClient(cluster.gateway) as client:
+        want = client.infer("Stream it", [image.read_bytes()], adapter="adapters/alpha@prod", max_new_tokens=8)
+    out = subprocess.run([str(cpp_client), "stream", cluster.gateway, "Stream it", str(image), "adapters/alpha@prod"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    deltas = [line["text_delta"] for line in lines if "text_delta" in line]
+    result = lines[-1]["result"]
+    assert len(deltas) > 1, lines  # streamed piece by piece, not one message at the end
+    assert "".join(deltas) == result["text"] == want.text
+    assert result["adapter_version"] == adapters["alpha"][0].name
+
+
+def test_cpp_client_shows_the_status_code(cluster, cpp_client):
+    out = subprocess.run([str(cpp_client), "infer", cluster.gateway, "hi", "", "adapters/nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    err = json.loads(out.stderr)
+    assert (err["code"], err["status"]) == (grpc.StatusCode.NOT_FOUND.value[0], "NOT_FOUND"), err
+    assert "nope" in err["details"]
