@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,8 +113,8 @@ def _image_pb(image: bytes | str | Path) -> types_pb2.Image:
 def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
            label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
            stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
-           top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0)
-           ) -> inf_pb.InferenceInput:
+           top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0),
+           logit_bias: Mapping[int, float] | None = None) -> inf_pb.InferenceInput:
     inp = inf_pb.InferenceInput(
         prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
         output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
@@ -122,7 +122,7 @@ def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | Non
                                           top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
                                           min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs,
                                           presence_penalty=penalties[0], frequency_penalty=penalties[1],
-                                          repetition_penalty=penalties[2]))
+                                          repetition_penalty=penalties[2], logit_bias=logit_bias or {}))
     if adapter:
         inp.adapter = adapter
     if task:
@@ -250,14 +250,16 @@ class ValoraClient:
               top_p: float = 0.0, top_k: int = 0, seed: int = 0, stop: Iterable[str] = (),
               request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
               top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-              repetition_penalty: float = 0.0) -> InferResult:
+              repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None) -> InferResult:
         """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
         template; then no images). `logprobs`: each generated token's log-probability in the
         result, with the `top_logprobs` (<= 20) most likely tokens at its position. Penalties as
-        OpenAI's (presence, frequency) and vLLM's (repetition; 0 = off)."""
+        OpenAI's (presence, frequency) and vLLM's (repetition; 0 = off); `logit_bias` as OpenAI's
+        (token id -> a bias in [-100, 100] added to its logit)."""
         req = _request(inf_pb.InferRequest, _input(
             prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
-            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty)), request_id)
+            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
+            logit_bias), request_id)
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
     def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
@@ -265,13 +267,14 @@ class ValoraClient:
                      temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
                      stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
                      raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0
-                     ) -> Iterator[str | InferResult]:
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
+                     logit_bias: Mapping[int, float] | None = None) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
         req = _request(inf_pb.InferStreamRequest, _input(
             prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
-            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty)), request_id)
+            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
+            logit_bias), request_id)
         for attempt in range(self.retries + 1):
             started = False
             try:

@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # workers' limits alike, so a request the gateway accepts is never refused by a worker.
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_TOP_LOGPROBS = 20  # alternatives a generated token's log-probability comes with, at most (OpenAI's bound)
+# OpenAI's logit_bias bounds: at most this many tokens per request, each bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 class ServiceSettings(BaseSettings):

@@ -5,10 +5,11 @@
   an adapter reference (`adapters/…`), a task (`tasks/…`) or the base model's served name;
   `max_completion_tokens`/`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `stop`, `seed`,
   `logprobs`/`top_logprobs`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`
-  (vLLM's extension), `stream` (SSE chunks, then `data: [DONE]`),
-  `stream_options.include_usage`. Extension: `output_kind: "label"` with a task runs its head;
-  the label is the message content and its scores come back under `valora.scores`. A parameter
-  the engine does not implement (`tools`, `response_format`, `logit_bias`, …;
+  (vLLM's extension), `logit_bias` (token ids as strings -> biases in [-100, 100], at most 300;
+  ids outside the model's vocabulary are the worker's 400), `stream` (SSE chunks, then
+  `data: [DONE]`), `stream_options.include_usage`. Extension: `output_kind: "label"` with a task
+  runs its head; the label is the message content and its scores come back under
+  `valora.scores`. A parameter the engine does not implement (`tools`, `response_format`, …;
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
   template (`raw_prompt`), and the same parameters (`logprobs`: the legacy API's count of
@@ -213,7 +214,7 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
 
 # Chat-completion parameters the engine does not implement, with the values that mean "not used".
 UNSUPPORTED = {
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
     "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
 }
@@ -276,6 +277,24 @@ def build_completion_input(body: Any, base_model: str, remote: list | None = Non
     return inp, stream
 
 
+def _logit_bias(bias: Any, p: types_pb2.GenerationParams) -> None:
+    """OpenAI's logit_bias ({"token id": bias}) into GenerationParams.logit_bias; its bounds (how
+    many, the biases' range, the vocabulary) are the validation's and the worker's."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise RequestError(f"logit_bias key {key!r} is not a token id (a non-negative integer)", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestError(f"logit_bias[{key!r}] must be a number", "logit_bias")
+        try:
+            p.logit_bias[int(key)] = value
+        except (ValueError, TypeError, OverflowError):
+            raise RequestError(f"logit_bias key {key} is not a token id (out of range)", "logit_bias") from None
+
+
 def _request_options(body: dict, base_model: str, inp: inference_service_pb2.InferenceInput) -> bool:
     """What chat and text completions share, set on `inp`: the model (target), output kind, n,
     the generation parameters, stop; returns whether to stream."""
@@ -315,6 +334,7 @@ def _request_options(body: dict, base_model: str, inp: inference_service_pb2.Inf
         value = _number(body, name, kind)
         if value is not None:
             _assign(p, field, value, name)
+    _logit_bias(body.get("logit_bias"), p)
     stop = body.get("stop")
     if isinstance(stop, str):
         p.stop.append(stop)

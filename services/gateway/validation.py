@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from services.common import names
-from services.common.config import MAX_TOP_LOGPROBS
+from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.common.errors import FieldViolation, InvalidArgument, ValoraError
 from valora.v1 import inference_service_pb2, types_pb2
 
@@ -148,6 +148,15 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         out.append(FieldViolation(f"{pp}.repetition_penalty", f"{p.repetition_penalty} not in (0, 2] (0 = 1, off)"))
     if not math.isfinite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
         out.append(FieldViolation(f"{pp}.min_p", f"{p.min_p} not in [0, 1] (0 = off)"))
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        out.append(FieldViolation(f"{pp}.logit_bias", f"{len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS}"))
+    else:  # the vocabulary's bound is the worker's (the model's)
+        for token, bias in sorted(p.logit_bias.items()):
+            if token < 0:
+                out.append(FieldViolation(f"{pp}.logit_bias[{token}]", "a token id is not negative"))
+            if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                out.append(FieldViolation(f"{pp}.logit_bias[{token}]",
+                                          f"{bias} not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"))
     if len(p.stop) > limits.max_stop_sequences:
         out.append(FieldViolation(f"{pp}.stop", f"{len(p.stop)} stop sequences; at most {limits.max_stop_sequences}"))
     for i, s in enumerate(p.stop):

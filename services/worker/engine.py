@@ -154,7 +154,8 @@ class Engine:
         self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
         self.max_model_len = self.runner.max_model_len
         self.intake = RequestIntake(self.processor, config, self.device, self.dtype, self.max_model_len, self.kv,
-                                    (self.model.config.image_token_id, self.model.config.video_token_id))
+                                    (self.model.config.image_token_id, self.model.config.video_token_id),
+                                    self.text_config.vocab_size)
         # resident adapters live in the KV pool's blocks (S-LoRA's unified pool): KV and adapters trade memory
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap,
                                 memory=PoolMemory(self.kv_pool, self.kv))

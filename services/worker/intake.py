@@ -15,17 +15,19 @@ from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
 from services.worker.requests import OutputKind, WorkRequest
-from services.common.config import MAX_TOP_LOGPROBS
+from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.worker.sequence import PreparedRequest
 from services.worker.vision import VisionItem, stage_pixels
 
 
 class RequestIntake:
     def __init__(self, processor, config, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 kv: BlockManager, vision_token_ids: tuple[int, int]) -> None:
-        """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit)."""
+                 kv: BlockManager, vision_token_ids: tuple[int, int], vocab_size: int) -> None:
+        """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit); `vocab_size`:
+        the model's (its logits' width: the token ids a request may name)."""
         self.processor, self.config, self.device, self.dtype = processor, config, device, dtype
         self.max_model_len, self.kv, self.vision_token_ids = max_model_len, kv, vision_token_ids
+        self.vocab_size = vocab_size
 
     @property
     def pixel_dtype(self) -> torch.dtype | None:
@@ -51,6 +53,7 @@ class RequestIntake:
                                 "in (0, 2]")
         if not -1 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_field("item.params.top_logprobs", f"{request.logprobs} is not in [-1, {MAX_TOP_LOGPROBS}]")
+        self._check_logit_bias(sp.logit_bias)
         fraction = request.adapter_release_fraction
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
@@ -72,3 +75,16 @@ class RequestIntake:
         return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
                                vision=vision, release_after=release_after)
+
+    def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
+        """OpenAI's bounds (as the gateway's), and every token id in the model's vocabulary."""
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise invalid_field("item.params.logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS}")
+        for token, value in bias:
+            if not 0 <= token < self.vocab_size:
+                raise invalid_field(f"item.params.logit_bias[{token}]",
+                                    f"token id {token} is not in the model's vocabulary [0, {self.vocab_size})",
+                                    reason="TOKEN_NOT_IN_VOCABULARY")
+            if not math.isfinite(value) or abs(value) > MAX_LOGIT_BIAS:
+                raise invalid_field(f"item.params.logit_bias[{token}]",
+                                    f"{value} is not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")

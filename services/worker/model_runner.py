@@ -244,7 +244,7 @@ class ModelRunner:
         positions the tokens take; `pending`: each row's last token when it is still only on the
         device, a pipelined step's)."""
         params = [s.req.sampling for s in rows]
-        if all(p.greedy and not p.penalized for p in params):
+        if all(p.plain_greedy for p in params):
             return greedy
         rs = RowSampling.of(params, self.device)
         history = None if rs.penalties is None else self._history(rows, logits.shape[-1], pending)

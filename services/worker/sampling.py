@@ -1,6 +1,7 @@
 """Next-token choice for a batch of rows, on the device: greedy (temperature 0) or temperature /
-top-k / top-p / min-p sampling, seeded per request, after the repetition, frequency and presence
-penalties (vLLM's and OpenAI's meanings: `penalize`).
+top-k / top-p / min-p sampling, seeded per request, after OpenAI's logit bias (`add_bias`) and the
+repetition, frequency and presence penalties (vLLM's and OpenAI's meanings: `penalize`), in
+vLLM's order.
 
 `sample` takes a step's logits (rows, vocab) and each row's parameters as device tensors and
 returns the tokens as a device tensor: no host copy of logits, no per-row work on the host, so a
@@ -12,7 +13,8 @@ position its token will take, v), and the token is the Gumbel-max choice argmax(
 g = -log(-log u) — an exact sample from p. The same seed therefore gives the same tokens however
 the request is batched, pipelined, preempted and recomputed, or sharded over tensor-parallel
 ranks (every rank computes the same noise). Greedy rows, and rows whose temperature is below
-MIN_TEMPERATURE (1/T would overflow), take the argmax.
+MIN_TEMPERATURE (1/T would overflow), take the argmax — of the biased and penalized logits: only a
+batch whose rows are all `plain_greedy` may take the raw logits' argmax instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    # OpenAI's logit_bias: (token id, bias) pairs, each bias added to its token's logit first
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -45,6 +49,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits (no bias, no penalty): the token is the raw
+        logits' argmax, which the decode step computes anyway."""
+        return self.greedy and not self.penalized and not self.logit_bias
 
     @property
     def filtered(self) -> bool:
@@ -80,7 +90,9 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.T
 @dataclass
 class RowSampling:
     """A batch's sampling parameters as device tensors (rows,): temperature, top-p, top-k and
-    min-p (0: off), seed; `filtered`: some row uses top-k, top-p or min-p."""
+    min-p (0: off), seed; `filtered`: some row uses top-k, top-p or min-p; `bias`: the rows'
+    logit biases as (token ids, biases), each (rows, most entries of a row), padded with
+    (0, 0.0)."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor
@@ -89,6 +101,7 @@ class RowSampling:
     filtered: bool
     min_p: torch.Tensor
     penalties: torch.Tensor | None = None  # (3, rows): repetition, frequency, presence; None: no row has any
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # None: no row has a logit bias
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
@@ -103,8 +116,22 @@ class RowSampling:
             penalties = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                                       [p.presence_penalty for p in params]], dtype=torch.float32,
                                      pin_memory=pin).to(device, non_blocking=True)
+        bias = None
+        if any(p.logit_bias for p in params):
+            width = max(len(p.logit_bias) for p in params)
+            pad = [(0, 0.0)] * width
+            pairs = [list(p.logit_bias) + pad[len(p.logit_bias):] for p in params]
+            ids = torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.int64, pin_memory=pin)
+            values = torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32, pin_memory=pin)
+            bias = ids.to(device, non_blocking=True), values.to(device, non_blocking=True)
         return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy),
-                   floats[2], penalties)
+                   floats[2], penalties, bias)
+
+
+def add_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """fp32 logits with OpenAI's logit bias: row i's `values[i, j]` added to its token `ids[i, j]`
+    (RowSampling.bias; the padding adds 0 to token 0)."""
+    return logits.float().scatter_add(1, ids, values)
 
 
 def penalize(logits: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor
@@ -124,8 +151,11 @@ def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor,
            history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(rows,) long tokens for (rows, vocab) logits. `counters` (rows,) long: the position each
     row's token will take (the noise's counter). `history`: (output counts, prompt-or-output
-    seen) per row and vocabulary entry, when rows.penalties is set (`penalize` applies first; the
-    greedy rows' argmax is then the penalized one's)."""
+    seen) per row and vocabulary entry, when rows.penalties is set. The logit bias (`add_bias`),
+    then the penalties (`penalize`) apply first: the greedy rows' argmax is the biased and
+    penalized logits'."""
+    if rows.bias is not None:
+        logits = add_bias(logits, *rows.bias)
     if rows.penalties is not None:
         logits = penalize(logits, rows.penalties, *history)
     greedy = logits.argmax(-1)

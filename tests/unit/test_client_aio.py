@@ -50,12 +50,13 @@ def untimed(r: InferResult) -> InferResult:
 async def test_infer_stream_and_admin_reads_through_a_gateway():
     async with fake_backed_gateway() as (env, address):
         async with AsyncValoraClient(address, retries=0, timeout_s=30) as c:
-            r = await c.infer("a car?", [png()], adapter="adapters/cars@prod", request_id="aio-1", top_k=5)
+            r = await c.infer("a car?", [png()], adapter="adapters/cars@prod", request_id="aio-1", top_k=5,
+                              logit_bias={3: 2.0})
             out = [d async for d in c.infer_stream("a car?", adapter="adapters/cars", request_id="aio-2")]
             status, adapter = await c.cluster_status(), await c.get_adapter("cars")
         with ValoraClient(address, retries=0, timeout_s=30) as sync:  # in a thread: this loop serves the gateway
             same = await asyncio.to_thread(sync.infer, "a car?", [png()], adapter="adapters/cars@prod",
-                                           request_id="aio-1", top_k=5)
+                                           request_id="aio-1", top_k=5, logit_bias={3: 2.0})
             same_out = await asyncio.to_thread(
                 lambda: list(sync.infer_stream("a car?", adapter="adapters/cars", request_id="aio-2")))
             assert status == await asyncio.to_thread(sync.cluster_status)
@@ -64,6 +65,8 @@ async def test_infer_stream_and_admin_reads_through_a_gateway():
     assert (r.adapter_version, r.finish_reason) == (V1.name, "eos")
     item = env.scheduler.items[0]
     assert item.params.top_k == 5 and len(item.images) == 1 and item.adapter.version == V1.name
+    assert dict(item.params.logit_bias) == {3: 2.0}
+    assert env.scheduler.items[2].params == item.params  # the sync client's
     assert out[:-1] == ["a ", "red ", "car"] and isinstance(out[-1], InferResult)
     assert (out[-1].request_id, out[-1].text) == ("aio-2", "a red car")
     assert untimed(r) == untimed(same) and out[:-1] == same_out[:-1]  # what the sync client returns

@@ -282,6 +282,17 @@ def test_queue_limit_and_bad_params(model_path):
     try:
         with pytest.raises(InvalidArgument):
             eng.prepare(WorkRequest("x", "hi", max_new_tokens=17))
+        vocab = eng.text_config.vocab_size
+        for bias, field in ((((vocab, 1.0),), f"item.params.logit_bias[{vocab}]"),
+                            (((-1, 1.0),), "item.params.logit_bias[-1]"),
+                            (((5, 100.5),), "item.params.logit_bias[5]"),
+                            (((5, float("nan")),), "item.params.logit_bias[5]"),
+                            (tuple((t, 1.0) for t in range(301)), "item.params.logit_bias")):
+            with pytest.raises(InvalidArgument) as exc:
+                eng.prepare(WorkRequest("x", "hi", max_new_tokens=1, sampling=SamplingParams(logit_bias=bias)))
+            assert exc.value.field_violations[0].field == field
+        eng.prepare(WorkRequest("x", "hi", max_new_tokens=1,
+                                sampling=SamplingParams(logit_bias=((vocab - 1, -100.0), (0, 100.0)))))
         prep = eng.prepare(WorkRequest("x", "hi", max_new_tokens=1))
         with eng._wake:  # hold the loop so the first request stays queued
             eng.submit(prep, lambda ev: None)

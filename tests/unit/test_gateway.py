@@ -230,6 +230,10 @@ BAD_INPUTS = {
     "frequency_penalty_nan": (dict(params=dict(frequency_penalty=float("nan"))), "input.params.frequency_penalty"),
     "repetition_penalty_negative": (dict(params=dict(repetition_penalty=-1.0)), "input.params.repetition_penalty"),
     "min_p_nan": (dict(params=dict(min_p=float("nan"))), "input.params.min_p"),
+    "logit_bias_over": (dict(params=dict(logit_bias={42: 100.5})), "input.params.logit_bias[42]"),
+    "logit_bias_inf": (dict(params=dict(logit_bias={7: float("-inf")})), "input.params.logit_bias[7]"),
+    "logit_bias_negative_id": (dict(params=dict(logit_bias={-3: 1.0})), "input.params.logit_bias[-3]"),
+    "logit_bias_too_many": (dict(params=dict(logit_bias={t: 1.0 for t in range(301)})), "input.params.logit_bias"),
     "stop_empty": (dict(params=dict(stop=[""])), "input.params.stop[0]"),
     "label_without_task": (dict(adapter="adapters/cars", output_kind=types_pb2.OUTPUT_KIND_LABEL),
                            "input.output_kind"),
@@ -299,12 +303,14 @@ async def test_the_conversation_reaches_the_work_item(gw):
 
 async def test_infer_builds_the_work_item_and_echoes_the_request_id(gw):
     resp = await gw.infer.Infer(request(adapter="adapters/cars@prod", images=[png()], request_id="abc-1",
-                                        params=dict(temperature=0.7, top_p=0.9, top_k=5)))
+                                        params=dict(temperature=0.7, top_p=0.9, top_k=5,
+                                                    logit_bias={t: -100.0 for t in range(300)})))
     item = gw.scheduler.items[-1]
     assert item.request_id == "abc-1" and gw.scheduler.request_ids[-1] == "abc-1"
     assert item.adapter.version == V1.name and item.adapter.sha256 == V1.sha256
     assert item.output_kind == types_pb2.OUTPUT_KIND_TEXT and item.head == ""
     assert item.params.max_new_tokens == 64 and item.params.top_k == 5  # server default filled in
+    assert dict(item.params.logit_bias) == {t: -100.0 for t in range(300)}  # 300 entries: OpenAI's bound
     assert len(item.images) == 1
     r = resp.result
     assert (r.request_id, r.text, r.adapter_version, r.worker) == ("abc-1", "a red car", V1.name, "w1")

@@ -256,6 +256,23 @@ async def test_logprobs_in_chat_and_text_completions():
     assert plain.choices[0].logprobs is None and not worker.items[3].params.logprobs
 
 
+async def test_logit_bias_reaches_the_worker_and_bad_ones_are_400s():
+    """OpenAI's logit_bias through the SDK, chat and text completions alike; out of range or too
+    many entries: the gateway's 400 naming the field (an id past the vocabulary is the worker's)."""
+    async with http_stack() as (worker, client, _):
+        await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}],
+                                             logit_bias={"5": 100, "9": -2.5})
+        await client.completions.create(model="valora-base", prompt="x", logit_bias={"11": -100})
+        bad = []
+        for bias in ({"5": 101}, {str(t): 1 for t in range(301)}, {"x": 1}):
+            with pytest.raises(openai.BadRequestError) as exc:
+                await client.completions.create(model="valora-base", prompt="x", logit_bias=bias)
+            bad.append(exc.value.body["param"])
+    assert dict(worker.items[0].params.logit_bias) == {5: 100.0, 9: -2.5}
+    assert dict(worker.items[1].params.logit_bias) == {11: -100.0}
+    assert bad == ["input.params.logit_bias[5]", "input.params.logit_bias", "logit_bias"] and len(worker.items) == 2
+
+
 async def test_models_lists_base_adapters_aliases_and_tasks():
     async with http_stack() as (_, client, _url):
         models = await client.models.list()
@@ -400,9 +417,11 @@ def test_request_parsing():
     assert inp.system == "Be brief." and inp.prompt == "Count." and not inp.history
     neutral, _ = build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "top_k": 5,
                               "min_p": 0.25, "logprobs": False, "presence_penalty": 0.5, "frequency_penalty": -1,
-                              "repetition_penalty": 1.2, "response_format": {"type": "text"}}, "valora-base")
+                              "repetition_penalty": 1.2, "response_format": {"type": "text"},
+                              "logit_bias": {"42": 3, "7": -100.0}}, "valora-base")
     p = neutral.params
     assert p.top_k == 5 and p.min_p == 0.25 and not p.logprobs  # passed on
+    assert dict(p.logit_bias) == {42: 3.0, 7: -100.0}
     assert (p.presence_penalty, p.frequency_penalty, round(p.repetition_penalty, 3)) == (0.5, -1.0, 1.2)
     # (neutral values of unsupported parameters are fine)
     url, _ = png_data_url()
@@ -433,7 +452,10 @@ def test_request_parsing():
                          "messages[0].role"),
                         *[({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, key)
                           for key, value in (("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", "0.5"),
-                                             ("logit_bias", {"42": 3}), ("response_format", {"type": "json_object"}),
+                                             ("logit_bias", {"a": 3}), ("logit_bias", {"-1": 3}),
+                                             ("logit_bias", {"1" + "0" * 12: 3}), ("logit_bias", {"42": "3"}),
+                                             ("logit_bias", {"42": True}), ("logit_bias", [42]),
+                                             ("response_format", {"type": "json_object"}),
                                              ("tools", [{"type": "function"}]), ("min_p", "0.1"))]]:
         with pytest.raises(RequestError) as exc:
             build_input(body, "valora-base")

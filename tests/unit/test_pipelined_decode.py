@@ -192,6 +192,26 @@ def test_sampled_rows_pipeline_too(model_path):
     assert on.eng.decoder.pipelined_steps >= 10
 
 
+def test_logit_bias_holds_in_every_step_pipelined_too(model_path):
+    """OpenAI's logit_bias on greedy rows (chosen on the device, never the raw argmax): +100 on one
+    token makes every token that one; -100 on the plain answer's tokens keeps each of them out of
+    every step; a row without a bias in the batch keeps its answer. Pipelined as unpipelined."""
+    plain = run(model_path, [req(0, 12), req(1, 12)], False)
+    answer = {rid: o.terminal.result.token_ids for rid, o in plain.out.items()}
+    forced = next(t for t in range(300, 600) if t not in answer["r0"])
+    banned = tuple((t, -100.0) for t in sorted(set(answer["r0"])))
+    requests = [req(0, 12, sampling=SamplingParams(logit_bias=((forced, 100.0),))), req(1, 12),
+                WorkRequest("ban", "Describe the image.", [random_image(0)], max_new_tokens=12,
+                            sampling=SamplingParams(logit_bias=banned))]
+    on, _ = same_both_ways(model_path, requests)
+    got = {rid: o.terminal.result.token_ids for rid, o in on.out.items()}
+    assert got["r0"] == [forced] * 12
+    assert got["r1"] == answer["r1"]
+    assert len(got["ban"]) == 12 and not set(got["ban"]) & set(answer["r0"])
+    assert got["ban"][0] != answer["r0"][0]  # the greedy token, banned, changed
+    assert on.eng.decoder.pipelined_steps >= 10
+
+
 def test_requests_joining_mid_decode(model_path):
     """Requests submitted from a sink mid-decode (deterministic step): they join the running
     batch (a prefill, then a re-pack) and everyone's outputs are unchanged. Their tokens

@@ -111,3 +111,38 @@ def test_a_penalized_greedy_row_takes_the_penalized_argmax():
     history = (torch.tensor([[1.0, 0, 0], [1.0, 0, 0]]), torch.tensor([[True, False, False]] * 2))
     got = sample(logits, rows, torch.tensor([0, 0]), history)
     assert got.tolist() == [1, 0]  # 3 / 1.5 < 2.9 for the penalized row; the other keeps its argmax
+
+
+def test_logit_bias_is_added_before_everything_and_only_to_its_rows():
+    """OpenAI's logit_bias: +100 makes greedy and sampled rows take the token, -100 takes the
+    greedy token away, a small bias shifts the sampled distribution by exp(bias); rows without a
+    bias in the same batch (shorter bias lists padded) are untouched; it applies before the
+    penalties (vLLM's order)."""
+    from services.worker.sampling import add_bias
+
+    torch.manual_seed(3)
+    logits = torch.randn(1, 50)
+    top = int(logits[0].argmax())
+    forced = (top + 7) % 50
+    params = [SamplingParams(logit_bias=((forced, 100.0),)), SamplingParams(logit_bias=((top, -100.0), (1, 0.5))),
+              SamplingParams(temperature=1.0, seed=9, logit_bias=((forced, 100.0),)), SamplingParams()]
+    rows = RowSampling.of(params, CPU)
+    assert rows.bias[0].shape == rows.bias[1].shape == (4, 2)  # padded to the longest
+    got = sample(logits.expand(4, -1).clone(), rows, torch.tensor([2, 2, 2, 2]))
+    banned = logits[0].clone()
+    banned[top] -= 100.0
+    banned[1] += 0.5
+    assert got.tolist() == [forced, int(banned.argmax()), forced, top]
+    assert int(banned.argmax()) != top
+    assert [p.plain_greedy for p in params] == [False, False, False, True]
+    assert RowSampling.of([SamplingParams()], CPU).bias is None  # nothing to add: no tensors
+    # a +1 bias multiplies the token's odds by e
+    small = torch.zeros(1, 4)
+    got = _freq(_draw(small, SamplingParams(temperature=1.0, logit_bias=((2, 1.0),)), 40000), 4)
+    want = torch.softmax(torch.tensor([0.0, 0.0, 1.0, 0.0]), -1)
+    assert float((got - want).abs().max()) < 0.012
+    # before the repetition penalty: 2 + 1 = 3 divided by 1.5 = 2 (not 2 / 1.5 + 1)
+    history = (torch.zeros(1, 3), torch.tensor([[True, False, False]]))
+    rows = RowSampling.of([SamplingParams(repetition_penalty=1.5, logit_bias=((0, 1.0),))], CPU)
+    assert torch.equal(add_bias(torch.tensor([[2.0, 2.1, 0.0]]), *rows.bias), torch.tensor([[3.0, 2.1, 0.0]]))
+    assert sample(torch.tensor([[2.0, 2.1, 0.0]]), rows, torch.tensor([0]), history).tolist() == [1]
