@@ -27,7 +27,8 @@ class GatewaySettings(ServiceSettings):
     max_request_pixels: int = Field(
         64 << 20, gt=0, description="width*height summed over all images and video frames of one request, read "
         "from their headers before any is decoded (64 Mi: four 4096x4096 images, or 64 frames of 1024x1024).")
-    max_prompt_chars: int = Field(32768, gt=0, description="Prompt length in characters (code points).")
+    max_prompt_chars: int = Field(32768, gt=0, description="Prompt length in characters (code points); a prompt "
+                                  "of token ids may hold as many tokens.")
     max_stop_sequences: int = Field(8, ge=0, description="Entries of params.stop.")
     max_new_tokens_limit: int = Field(MAX_NEW_TOKENS_LIMIT, gt=0, description="Largest params.max_new_tokens "
                                       "accepted (keep it at most the workers' VALORA_MAX_NEW_TOKENS_LIMIT).")

@@ -12,8 +12,9 @@
   `valora.scores`. A parameter the engine does not implement (`tools`, `response_format`, …;
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
-  template (`raw_prompt`), and the same parameters (`logprobs`: the legacy API's count of
-  alternatives); `text_completion` objects and chunks.
+  template (`raw_prompt`), or token ids (a list of ints, or a list of one such list) sent on as
+  they are (`prompt_token_ids`); a batch of several prompts is a 400. The same parameters
+  (`logprobs`: the legacy API's count of alternatives); `text_completion` objects and chunks.
 - `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
   `GET /v1/models/{id}` one of them.
 - `GET /health`: 200 while the gateway serves, 503 once it drains (no key: for probes).
@@ -256,19 +257,27 @@ def build_input(body: Any, base_model: str, remote: list | None = None
 def build_completion_input(body: Any, base_model: str, remote: list | None = None
                            ) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a (legacy) completion request, and whether to stream: the
-    prompt is the model's whole input, without the chat template (`raw_prompt`)."""
+    prompt, text or token ids, is the model's whole input, without the chat template (`raw_prompt`)."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     _refuse_unsupported(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
+                           "prompt", code="unsupported_parameter")
+    inp = inference_service_pb2.InferenceInput(raw_prompt=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise RequestError("token-id prompts are not supported: send the prompt as text", "prompt",
-                           code="unsupported_parameter")
-    if not isinstance(prompt, str) or not prompt:
-        raise RequestError("prompt must be a non-empty string (or a list of exactly one)", "prompt")
-    inp = inference_service_pb2.InferenceInput(prompt=prompt, raw_prompt=True)
+        try:  # token ids, sent on as they are (their bounds: the validation's and the worker's)
+            inp.prompt_token_ids.extend(prompt)
+        except ValueError:
+            raise RequestError("prompt token ids must be 32-bit integers", "prompt") from None
+    elif isinstance(prompt, str) and prompt:
+        inp.prompt = prompt
+    else:
+        raise RequestError("prompt must be a non-empty string or list of token ids (or a list of one of them)",
+                           "prompt")
     stream = _request_options(body, base_model, inp)
     top = _number(body, "logprobs", int)  # the legacy API's logprobs: how many alternatives
     if top is not None:

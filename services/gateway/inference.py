@@ -144,7 +144,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         target = await self._resolve(inp, deadline, metadata)
         item = self._work_item(inp, rid, target)
         log.info("infer", adapter=item.adapter.version or None, head=item.head or None,
-                 images=len(item.images), prompt_chars=len(item.prompt))
+                 images=len(item.images), prompt_chars=len(item.prompt), prompt_token_ids=len(item.prompt_token_ids))
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise errors.DeadlineExceeded("deadline expired while resolving the adapter", reason="DEADLINE")
@@ -204,7 +204,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
         item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head, system=inp.system,
-                                 raw_prompt=inp.raw_prompt)
+                                 raw_prompt=inp.raw_prompt, prompt_token_ids=inp.prompt_token_ids)
         item.history.extend(inp.history)
         item.images.extend(inp.images)
         item.videos.extend(inp.videos)

@@ -72,16 +72,38 @@ def _name_violation(fn, value: str, field_path: str) -> list[FieldViolation]:
     return []
 
 
+def _check_token_prompt(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str
+                        ) -> list[FieldViolation]:
+    """A prompt of token ids: a raw prompt's other form (then no text), as long as a text prompt
+    may be in characters; the vocabulary's bound is the worker's (the model's)."""
+    ids = inp.prompt_token_ids
+    if not ids:
+        return []
+    field = f"{prefix}.prompt_token_ids"
+    out = []
+    if not inp.raw_prompt:
+        out.append(FieldViolation(field, "token ids are a raw prompt: set raw_prompt"))
+    if inp.prompt:
+        out.append(FieldViolation(field, "a prompt is text or token ids, not both"))
+    if len(ids) > limits.max_prompt_chars:
+        out.append(FieldViolation(field, f"{len(ids)} tokens; at most {limits.max_prompt_chars}"))
+    negative = next((i for i, t in enumerate(ids) if t < 0), None)
+    if negative is not None:
+        out.append(FieldViolation(f"{field}[{negative}]", f"{ids[negative]} is not a token id (>= 0)"))
+    return out
+
+
 def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
                 prefix: str = "input") -> list[FieldViolation]:
     """Every violation that needs no decoding and no registry lookup."""
     out: list[FieldViolation] = []
-    if not inp.prompt and not inp.images and not inp.videos:
+    if not inp.prompt and not inp.prompt_token_ids and not inp.images and not inp.videos:
         out.append(FieldViolation(prefix, "a prompt, an image or a video is required"))
     chars = len(inp.prompt) + len(inp.system) + sum(len(t.text) for t in inp.history)
     if chars > limits.max_prompt_chars:
         out.append(FieldViolation(f"{prefix}.prompt", f"{chars} characters with the system prompt and history; "
                                                       f"at most {limits.max_prompt_chars}"))
+    out += _check_token_prompt(inp, limits, prefix)
     if len(inp.history) > MAX_HISTORY_TURNS:
         out.append(FieldViolation(f"{prefix}.history", f"{len(inp.history)} turns; at most {MAX_HISTORY_TURNS}"))
     for i, turn in enumerate(inp.history):

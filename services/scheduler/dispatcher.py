@@ -44,7 +44,8 @@ class Pending:
     max_new_tokens: int = 0
     images: int = 0
     label: bool = False
-    # Estimated prompt tokens (credits.estimate_prompt_tokens); 0 = the cost model's default.
+    # Prompt tokens: a token-id prompt's count, else estimated (credits.estimate_prompt_tokens); 0 = the cost
+    # model's default.
     prompt_tokens: int = 0
     key: str = ""
     assigned: asyncio.Future | None = None

@@ -71,7 +71,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             max_new_tokens=item.params.max_new_tokens,
             images=len(item.images),
             label=item.output_kind == types_pb2.OUTPUT_KIND_LABEL,
-            prompt_tokens=estimate_prompt_tokens(item.prompt),
+            prompt_tokens=len(item.prompt_token_ids) or estimate_prompt_tokens(item.prompt),
         )
         adapter_label = metrics.adapter_label(pending.adapter or "")
         self.dispatcher.admit(pending)

@@ -54,6 +54,10 @@ class RequestIntake:
         if not -1 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_field("item.params.top_logprobs", f"{request.logprobs} is not in [-1, {MAX_TOP_LOGPROBS}]")
         self._check_logit_bias(sp.logit_bias)
+        bad = next((i for i, t in enumerate(request.prompt_token_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise invalid_field(f"item.prompt_token_ids[{bad}]", f"token id {request.prompt_token_ids[bad]} is not "
+                                f"in the model's vocabulary [0, {self.vocab_size})", reason="TOKEN_NOT_IN_VOCABULARY")
         fraction = request.adapter_release_fraction
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
@@ -72,6 +76,10 @@ class RequestIntake:
                                 f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
                                 reason="EXCEEDS_KV_CACHE")
         image_tokens = int(torch.isin(ids, torch.tensor(self.vision_token_ids)).sum())  # images' and videos'
+        if image_tokens and request.raw_prompt:  # placeholders without pixels would fail the engine's step
+            field = "item.prompt_token_ids" if request.prompt_token_ids else "item.prompt"
+            raise invalid_field(field, f"holds {image_tokens} image or video placeholder tokens "
+                                f"{list(self.vision_token_ids)}; a raw prompt takes no images or videos")
         return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
                                vision=vision, release_after=release_after)

@@ -59,6 +59,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         system=item.system,
         history=[(t.role, t.text, t.images) for t in item.history],
         raw_prompt=item.raw_prompt,
+        prompt_token_ids=list(item.prompt_token_ids),
         logprobs=p.top_logprobs if p.logprobs else -1,
     )
 
@@ -69,12 +70,14 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
     images'/videos' content keys; INVALID_ARGUMENT (BAD_IMAGE) for images it cannot take."""
     if request.raw_prompt and (request.images or request.videos or request.system or request.history):
         raise invalid_field("item.raw_prompt", "a raw prompt takes no images, videos, system or history")
+    if request.prompt_token_ids and (not request.raw_prompt or request.prompt):
+        raise invalid_field("item.prompt_token_ids", "token ids are a raw prompt's (raw_prompt set, no prompt text)")
     for i, frames in enumerate(request.videos):
         if not frames:
             raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
     try:
         inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos, request.system,
-                                   request.history, raw=request.raw_prompt))
+                                   request.history, raw=request.raw_prompt, token_ids=request.prompt_token_ids))
     except (ValueError, TypeError) as exc:
         raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
                             reason="BAD_IMAGE") from exc

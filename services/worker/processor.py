@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import AutoProcessor, AutoTokenizer, ProcessorMixin
+from transformers import AutoProcessor, AutoTokenizer, BatchFeature, ProcessorMixin
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
@@ -112,13 +112,20 @@ def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tens
 
 def build_inputs(processor, images: list[Image.Image], prompt: str,
                  videos: list[list[Image.Image]] | None = None, system: str = "",
-                 history: Sequence[tuple[str, str, int]] = (), raw: bool = False):
+                 history: Sequence[tuple[str, str, int]] = (), raw: bool = False, token_ids: Sequence[int] = ()):
     """Processor outputs for one request: input_ids, attention_mask, mm_token_type_ids, with
     images pixel_values and image_grid_thw, with videos (lists of frames) pixel_values_videos and
     video_grid_thw (torch tensors, batch of 1). `raw`: the prompt is the whole text (no chat
-    template; no images, videos, system or history)."""
+    template; no images, videos, system or history); `token_ids` (with `raw`, instead of the
+    prompt): the whole input as token ids, taken as they are."""
     if raw and (images or videos or system or history):
         raise ValueError("a raw prompt takes no images, videos, system or history")
+    if token_ids:
+        if not raw or prompt:
+            raise ValueError("token ids are a raw prompt's, instead of its text")
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        return BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                             "mm_token_type_ids": torch.zeros_like(ids)})
     chunks = [video_inputs(processor.image_processor, frames) for frames in videos or []]
     merge = processor.image_processor.merge_size ** 2
     # Video pads expanded here (the processor expands image pads only: it has no video processor).

@@ -45,6 +45,8 @@ class WorkRequest:
     system: str = ""
     history: list[tuple[str, str, int]] = field(default_factory=list)
     raw_prompt: bool = False  # the prompt is the whole text: no chat template (then no images or turns)
+    # With raw_prompt, instead of the prompt's text: the model's input as token ids (not tokenized)
+    prompt_token_ids: list[int] = field(default_factory=list)
     # Log-probabilities of the generated tokens: -1 none; 0 each token's own; k (<= 20) and the k
     # most likely tokens at its position. From the model's distribution (before temperature).
     logprobs: int = -1

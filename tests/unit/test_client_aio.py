@@ -54,6 +54,7 @@ async def test_infer_stream_and_admin_reads_through_a_gateway():
                               logit_bias={3: 2.0})
             out = [d async for d in c.infer_stream("a car?", adapter="adapters/cars", request_id="aio-2")]
             status, adapter = await c.cluster_status(), await c.get_adapter("cars")
+            await c.infer(prompt_token_ids=[7, 8, 9], request_id="aio-3")  # a raw prompt, as token ids
         with ValoraClient(address, retries=0, timeout_s=30) as sync:  # in a thread: this loop serves the gateway
             same = await asyncio.to_thread(sync.infer, "a car?", [png()], adapter="adapters/cars@prod",
                                            request_id="aio-1", top_k=5, logit_bias={3: 2.0})
@@ -66,7 +67,9 @@ async def test_infer_stream_and_admin_reads_through_a_gateway():
     item = env.scheduler.items[0]
     assert item.params.top_k == 5 and len(item.images) == 1 and item.adapter.version == V1.name
     assert dict(item.params.logit_bias) == {3: 2.0}
-    assert env.scheduler.items[2].params == item.params  # the sync client's
+    tokens = env.scheduler.items[2]
+    assert tokens.raw_prompt and tokens.prompt == "" and list(tokens.prompt_token_ids) == [7, 8, 9]
+    assert env.scheduler.items[3].params == item.params  # the sync client's
     assert out[:-1] == ["a ", "red ", "car"] and isinstance(out[-1], InferResult)
     assert (out[-1].request_id, out[-1].text) == ("aio-2", "a red car")
     assert untimed(r) == untimed(same) and out[:-1] == same_out[:-1]  # what the sync client returns

@@ -145,6 +145,21 @@ def test_repetition_penalty_gives_hf_generates_tokens(engine, model_path, bundle
     assert again["freq"][1].token_ids == got["freq"][1].token_ids
 
 
+def test_a_token_prompt_generates_what_its_text_does(engine):
+    """A raw prompt as token ids (OpenAI's token prompts): the tokens its text generates, with an
+    adapter and without, batched beside the text requests."""
+    text = "Once upon a time there was"
+    ids = engine.tokenizer(text)["input_ids"]
+    reqs = [WorkRequest(f"{kind}-{a}", text if kind == "text" else "", raw_prompt=True, adapter=a,
+                        prompt_token_ids=[] if kind == "text" else ids, max_new_tokens=8)
+            for kind in ("text", "ids") for a in (None, A)]
+    got = run_concurrently(engine, reqs)
+    for a in (None, A):
+        assert got[f"ids-{a}"][1].token_ids == got[f"text-{a}"][1].token_ids
+        assert got[f"ids-{a}"][1].prompt_tokens == len(ids)
+    assert got["text-None"][1].token_ids != got[f"text-{A}"][1].token_ids
+
+
 def test_batched_requests_of_different_adapters_match_peft(engine, model_path, bundles, tmp_path):
     prompt = "Describe the image."
     targets = {"base": None, "a": A, "b": B, "c": C}

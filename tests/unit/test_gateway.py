@@ -247,6 +247,12 @@ BAD_INPUTS = {
     "history_bad_role": (dict(history=[types_pb2.ChatTurn(role="system", text="x")]), "input.history[0].role"),
     "raw_prompt_with_image": (dict(raw_prompt=True, images=[png()]), "input.raw_prompt"),
     "raw_prompt_with_system": (dict(raw_prompt=True, system="Be brief."), "input.raw_prompt"),
+    "token_ids_not_raw": (dict(prompt="", prompt_token_ids=[1, 2]), "input.prompt_token_ids"),
+    "token_ids_and_text": (dict(raw_prompt=True, prompt_token_ids=[1, 2]), "input.prompt_token_ids"),
+    "token_ids_negative": (dict(prompt="", raw_prompt=True, prompt_token_ids=[1, -2]), "input.prompt_token_ids[1]"),
+    "token_ids_too_many": (dict(prompt="", raw_prompt=True, prompt_token_ids=[1] * 101), "input.prompt_token_ids"),
+    "token_ids_with_image": (dict(prompt="", raw_prompt=True, prompt_token_ids=[1], images=[png()]),
+                             "input.raw_prompt"),
     "history_assistant_image": (dict(images=[png()], history=[types_pb2.ChatTurn(role="assistant", images=1)]),
                                 "input.history[0].images"),
     "history_claims_missing_images": (dict(history=[types_pb2.ChatTurn(role="user", text="x", images=1)]),
@@ -292,6 +298,12 @@ async def test_unknown_adapter_or_task_is_not_found(gw, target):
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await gw.infer.Infer(request(**target))
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_token_prompt_reaches_the_work_item(gw):
+    await gw.infer.Infer(request(prompt="", raw_prompt=True, prompt_token_ids=[5] * 100))  # 100: the limit
+    item = gw.scheduler.items[-1]
+    assert item.raw_prompt and item.prompt == "" and list(item.prompt_token_ids) == [5] * 100
 
 
 async def test_the_conversation_reaches_the_work_item(gw):

@@ -193,13 +193,43 @@ async def test_text_completions_send_the_prompt_without_the_chat_template():
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
 
 
+async def test_token_id_prompts_reach_the_worker_as_they_are():
+    """vLLM's token prompts through the openai SDK: a list of ints, or a batch of one such list;
+    a batch of several and a negative id are 400s naming the field."""
+    async with http_stack() as (worker, client, _):
+        resp = await client.completions.create(model="valora-base", prompt=[11, 12, 13], max_tokens=3)
+        chunks = [c async for c in await client.completions.create(model="adapters/cars", prompt=[[7, 8]],
+                                                                    stream=True)]
+        with pytest.raises(openai.BadRequestError) as batch:
+            await client.completions.create(model="valora-base", prompt=[[1], [2]])
+        with pytest.raises(openai.BadRequestError) as negative:
+            await client.completions.create(model="valora-base", prompt=[5, -1])
+    assert resp.choices[0].text == "two cars" and "".join(c.choices[0].text for c in chunks if c.choices)
+    first, second = worker.items
+    assert first.raw_prompt and first.prompt == "" and list(first.prompt_token_ids) == [11, 12, 13]
+    assert second.raw_prompt and list(second.prompt_token_ids) == [7, 8] and second.adapter.version == VERSION.name
+    assert batch.value.body["param"] == "prompt" and batch.value.body["code"] == "unsupported_parameter"
+    assert negative.value.body["param"] == "input.prompt_token_ids[1]"
+
+
 def test_completion_request_parsing():
     inp, stream = build_completion_input({"model": "valora-base", "prompt": "Hi", "echo": False, "logprobs": 0},
                                          "valora-base")
     assert inp.raw_prompt and inp.prompt == "Hi" and not stream
     assert inp.params.logprobs and inp.params.top_logprobs == 0  # the legacy logprobs: 0 alternatives
-    for body, param in [({"model": "valora-base", "prompt": [1, 2, 3]}, "prompt"),
-                        ({"model": "valora-base", "prompt": ["a", "b"]}, "prompt"),
+    for prompt in ([1, 2, 3], [[1, 2, 3]]):  # token ids, or a batch of one: sent on as they are
+        inp, _ = build_completion_input({"model": "valora-base", "prompt": prompt}, "valora-base")
+        assert inp.raw_prompt and not inp.prompt and list(inp.prompt_token_ids) == [1, 2, 3]
+    for prompt in (["a", "b"], [[1], [2]], ["a", [2]]):
+        with pytest.raises(RequestError) as exc:
+            build_completion_input({"model": "valora-base", "prompt": prompt}, "valora-base")
+        assert (exc.value.param, exc.value.code) == ("prompt", "unsupported_parameter")
+        assert "a batch of 2 prompts is not supported" in exc.value.message
+    for body, param in [({"model": "valora-base", "prompt": [1, 2 ** 40]}, "prompt"),
+                        ({"model": "valora-base", "prompt": [1, "a"]}, "prompt"),
+                        ({"model": "valora-base", "prompt": [True]}, "prompt"),
+                        ({"model": "valora-base", "prompt": [[]]}, "prompt"),
+                        ({"model": "valora-base", "prompt": []}, "prompt"),
                         ({"model": "valora-base", "prompt": ""}, "prompt"),
                         ({"model": "valora-base"}, "prompt"),
                         ({"model": "valora-base", "prompt": "x", "echo": True}, "echo"),

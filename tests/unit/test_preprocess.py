@@ -157,7 +157,8 @@ def test_system_prompt_and_history_render_as_the_models_chat_template(model):
 
 def test_a_raw_prompt_is_tokenized_as_is(model):
     """InferenceInput.raw_prompt (OpenAI's /v1/completions): the prompt's own tokens, no chat
-    template around them; with an image it is INVALID_ARGUMENT naming the field."""
+    template around them, or its token ids taken as they are; with an image, an id past the
+    vocabulary or an image placeholder it is INVALID_ARGUMENT naming the field."""
     eng = Engine(EngineConfig(model_path=model, device="cpu"))
     raw = work_pb2.WorkItem(request_id="r", prompt="Once upon a time", raw_prompt=True,
                             params=types_pb2.GenerationParams(max_new_tokens=4))
@@ -166,6 +167,28 @@ def test_a_raw_prompt_is_tokenized_as_is(model):
     assert torch.equal(prep.inputs["input_ids"], want)
     chat = eng.prepare(work_request_from_pb(work_pb2.WorkItem(request_id="c", prompt="Once upon a time"), None))
     assert chat.prompt_tokens > prep.prompt_tokens  # the template's turns
+    ids = want[0].tolist()
+    tokens = work_pb2.WorkItem(request_id="t", raw_prompt=True, prompt_token_ids=ids,
+                               params=types_pb2.GenerationParams(max_new_tokens=4))
+    by_ids = eng.prepare(work_request_from_pb(tokens, None))  # token ids: the same inputs, not retokenized
+    assert torch.equal(by_ids.inputs["input_ids"], want) and by_ids.prompt_tokens == prep.prompt_tokens
+    assert torch.equal(by_ids.inputs["mm_token_type_ids"], prep.inputs["mm_token_type_ids"])
+    vocab, image_pad = eng.text_config.vocab_size, eng.model.config.image_token_id
+    for bad, field in (([*ids, vocab], f"item.prompt_token_ids[{len(ids)}]"),  # past the vocabulary
+                       ([*ids, image_pad], "item.prompt_token_ids")):  # a placeholder without pixels
+        with pytest.raises(InvalidArgument) as exc:
+            eng.prepare(work_request_from_pb(work_pb2.WorkItem(request_id="b", raw_prompt=True,
+                                                               prompt_token_ids=bad), None))
+        assert exc.value.field_violations[0].field == field
+    for item_ in (work_pb2.WorkItem(request_id="b", prompt_token_ids=ids),  # not raw
+                  work_pb2.WorkItem(request_id="b", raw_prompt=True, prompt="x", prompt_token_ids=ids)):
+        with pytest.raises(InvalidArgument) as exc:
+            eng.prepare(work_request_from_pb(item_, None))
+        assert exc.value.field_violations[0].field == "item.prompt_token_ids"
+    with pytest.raises(InvalidArgument) as exc:  # the text's placeholder too (it failed the engine's step)
+        eng.prepare(work_request_from_pb(work_pb2.WorkItem(request_id="p", raw_prompt=True,
+                                                           prompt="a <|image_pad|> b"), None))
+    assert exc.value.field_violations[0].field == "item.prompt"
     raw.images.add(data=png(1, 56))
     with pytest.raises(InvalidArgument) as exc:
         eng.prepare(work_request_from_pb(raw, None))

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InferenceInput(_message.Message):
-    __slots__ = ("images", "prompt", "adapter", "task", "output_kind", "params", "videos", "system", "history", "raw_prompt")
+    __slots__ = ("images", "prompt", "adapter", "task", "output_kind", "params", "videos", "system", "history", "raw_prompt", "prompt_token_ids")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class InferenceInput(_message.Message):
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[_types_pb2.Image]
     prompt: str
     adapter: str
@@ -29,7 +30,8 @@ class InferenceInput(_message.Message):
     system: str
     history: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatTurn]
     raw_prompt: bool
-    def __init__(self, images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., task: _Optional[str] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ..., system: _Optional[str] = ..., history: _Optional[_Iterable[_Union[_types_pb2.ChatTurn, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., task: _Optional[str] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ..., system: _Optional[str] = ..., history: _Optional[_Iterable[_Union[_types_pb2.ChatTurn, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InferRequest(_message.Message):
     __slots__ = ("input", "request_id")
