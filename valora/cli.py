@@ -166,7 +166,8 @@ def up(ctx: typer.Context, home: Path = HOME,
         console.print(f"workers: cuda {dtype_name} on GPU {blocks}" + (f" (tensor parallel {tp})" if tp > 1 else "")
                       + (f" ({workers} workers share {len(used)} GPU{'s' if len(used) > 1 else ''})"
                          if workers * tp > len(used) else ""))
-    console.print(f"gateway: [bold]{c.gateway}[/bold]  OpenAI-compatible HTTP: [bold]{c.http_url}[/bold]")
+    http = f"  OpenAI-compatible HTTP: [bold]{c.http_url}[/bold]" if c.http_url else ""  # none: http_enabled off
+    console.print(f"gateway: [bold]{c.gateway}[/bold]{http}")
 
 
 def _refuse(message: str) -> NoReturn:

@@ -72,9 +72,11 @@ class Cluster:
         return next(p.address for p in self.processes if p.service == "gateway")
 
     @property
-    def http_url(self) -> str:
-        """Base URL of the gateway's OpenAI-compatible API (ends in /v1)."""
-        return next(f"http://127.0.0.1:{p.http_port}/v1" for p in self.processes if p.service == "gateway")
+    def http_url(self) -> str | None:
+        """Base URL of the gateway's OpenAI-compatible API (ends in /v1); None when the gateway
+        serves none (http_enabled false: no HTTP port recorded)."""
+        gateway = next(p for p in self.processes if p.service == "gateway")
+        return f"http://127.0.0.1:{gateway.http_port}/v1" if gateway.http_port else None
 
     def by_service(self, service: str) -> list[ProcessInfo]:
         return [p for p in self.processes if p.service == service]
@@ -412,6 +414,18 @@ def _validate(service: str, cls: type, env: dict[str, str], sets: Layer, config:
         os.environ.update(saved)
 
 
+def http_enabled(env: Mapping[str, str]) -> bool:
+    """Whether a gateway of this environment serves the OpenAI-compatible HTTP API
+    (VALORA_HTTP_ENABLED, read as GatewaySettings reads it; a value it cannot read fails the
+    gateway's start, so it counts as on here)."""
+    import pydantic  # noqa: PLC0415
+
+    try:
+        return pydantic.TypeAdapter(bool).validate_python(env.get("VALORA_HTTP_ENABLED", "true"))
+    except pydantic.ValidationError:
+        return True
+
+
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
                   model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
                   startup_timeout_s: float = STARTUP_TIMEOUT_S, register: bool = False,
@@ -419,7 +433,8 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
                   service_env: Mapping[str, Mapping[str, str]] | None = None) -> Cluster:
     """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING.
     The workers start together (each loads the model) and are waited for as a group.
-    Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one).
+    Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one)
+    unless its settings turn it off (VALORA_HTTP_ENABLED false: no HTTP port, `Cluster.http_url` None).
     `env` goes to every process; `worker_env[i]` only to worker i, over `env` (per-worker device
     settings: VALORA_DEVICE, CUDA_VISIBLE_DEVICES…); it has one entry per worker when given.
     `service_env[service]` goes to that service's processes, over `env` and under `worker_env` (the
@@ -482,7 +497,7 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
             for _, name, port, entry_env in group:
                 log = str(home / "logs" / f"{name}.log")
                 ports = {"VALORA_PORT": str(port), "VALORA_METRICS_PORT": str(next(spare))}
-                if service == "gateway":
+                if service == "gateway" and http_enabled({**base_env, **settings_env[service], **entry_env}):
                     ports["VALORA_HTTP_PORT"] = str(http_port or next(spare))
                 with open(log, "ab") as out:
                     proc = subprocess.Popen(

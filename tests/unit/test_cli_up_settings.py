@@ -202,6 +202,44 @@ def test_start_cluster_puts_service_env_over_the_environment_and_its_wiring_over
     assert by_name["adapter_store"]["VALORA_DATABASE_URL"] == "sqlite:///x.db"
 
 
+def test_the_banner_shows_the_http_url_only_when_the_gateway_serves_http(tmp_path, monkeypatch):
+    """`valora up` through the real start_cluster (its processes replaced by a recorder): with
+    [gateway] http_enabled = false, or --set gateway.http_enabled=false, the gateway gets no HTTP
+    port, the cluster records none and the banner shows no HTTP URL; by default it does."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gateways = {}
+
+    class FakeProc:
+        def __init__(self, args, env, **kwargs):
+            if args[-1] == "services.gateway":
+                gateways[env["VALORA_MODEL_PATH"]] = env
+            self.pid, self.returncode = sleeper.pid, None
+
+    monkeypatch.setattr(cluster_mod.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(cluster_mod, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(cluster_mod, "ensure_model", lambda path: None)
+    monkeypatch.delenv("VALORA_HTTP_ENABLED", raising=False)
+    path = toml(tmp_path, "[gateway]\nhttp_enabled = false\n")
+    runs = {"default": [], "config": ["--config", path], "set": ["--set", "gateway.http_enabled=false"]}
+    try:
+        out = {name: up(tmp_path / name, "--model-path", str(tmp_path / name), *args) for name, args in runs.items()}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    for name, result in out.items():
+        assert result.exit_code == 0, result.output
+        banner = " ".join(result.output.split())
+        gateway = gateways[str((tmp_path / name).resolve())]
+        http_url = cluster_mod.Cluster.load(tmp_path / name).http_url
+        if name == "default":
+            assert http_url == f"http://127.0.0.1:{gateway['VALORA_HTTP_PORT']}/v1"
+            assert f"OpenAI-compatible HTTP: {http_url}" in banner, banner
+        else:
+            assert http_url is None and "VALORA_HTTP_PORT" not in gateway
+            assert gateway["VALORA_HTTP_ENABLED"] == "false"
+            assert "HTTP" not in banner and "gateway: 127.0.0.1:" in banner, banner
+
+
 def test_flags_given_win_over_the_config_and_agree_with_set(tmp_path, started, monkeypatch):
     monkeypatch.setattr(cluster_mod, "visible_gpus", lambda: ["0", "1"])
     path = toml(tmp_path, "[worker]\ndevice = \"cuda\"\ndtype = \"fp16\"\ntp_size = 2\n"
