@@ -217,27 +217,27 @@ def cpp_client(tmp_path_factory) -> Path:
     return build / "valora_client"
 
 
-def test_cpp_client_calls_infer(cluster, adapters, cpp_client, tmp_path):
+def run_cpp(cluster, cpp_client, tmp_path, command: str, prompt: str, seed: int, adapter: str):
+    """(the Python client's answer, the C++ client's completed process) for one image request."""
     image = tmp_path / "img.png"
-    image.write_bytes(png(4))
+    image.write_bytes(png(seed))
     with ValoraClient(cluster.gateway) as client:
-        want = client.infer("Hello from C++", [image.read_bytes()], adapter="adapters/beta", max_new_tokens=8)
-    out = subprocess.run([str(cpp_client), "infer", cluster.gateway, "Hello from C++", str(image), "adapters/beta"],
+        want = client.infer(prompt, [image.read_bytes()], adapter=adapter, max_new_tokens=8)
+    out = subprocess.run([str(cpp_client), command, cluster.gateway, prompt, str(image), adapter],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    return want, out
+
+
+def test_cpp_client_calls_infer(cluster, adapters, cpp_client, tmp_path):
+    want, out = run_cpp(cluster, cpp_client, tmp_path, "infer", "Hello from C++", 4, "adapters/beta")
     got = json.loads(out.stdout)
     assert got["text"] == want.text and got["adapter_version"] == adapters["beta"][0].name
     assert got["finish_reason"].startswith("FINISH_REASON_")  # enums by name, as the protos spell them
 
 
 def test_cpp_client_streams_tokens(cluster, adapters, cpp_client, tmp_path):
-    image = tmp_path / "img.png"
-    image.write_bytes(png(5))
-    with ValoraClient(cluster.gateway) as client:
-        want = client.infer("Stream it", [image.read_bytes()], adapter="adapters/alpha@prod", max_new_tokens=8)
-    out = subprocess.run([str(cpp_client), "stream", cluster.gateway, "Stream it", str(image), "adapters/alpha@prod"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    want, out = run_cpp(cluster, cpp_client, tmp_path, "stream", "Stream it", 5, "adapters/alpha@prod")
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     deltas = [line["text_delta"] for line in lines if "text_delta" in line]
     result = lines[-1]["result"]

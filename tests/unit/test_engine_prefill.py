@@ -24,10 +24,11 @@ MAX_NEW = 8
 DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
 
 
-@pytest.fixture(scope="module")
-def engine(model_path):
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=12, max_prefills_per_step=12,
-                              device_slots=3, default_max_new_tokens=MAX_NEW, kv_cache_bytes=TEST_KV_BYTES))
+def started_engine(model_path, **config) -> Engine:
+    """The module's engine (`config` overrides its settings), started, with adapters A, B, C."""
+    eng = Engine(EngineConfig(**{**dict(model_path=model_path, device=DEVICE, max_batch_size=12,
+                                        max_prefills_per_step=12, device_slots=3, default_max_new_tokens=MAX_NEW,
+                                        kv_cache_bytes=TEST_KV_BYTES), **config}))
     eng.start()
     for name, b in {
         A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),
@@ -35,6 +36,12 @@ def engine(model_path):
         C: random_adapter_bundle(model_path, rank=2, lora_alpha=2, seed=3, target_modules=("q_proj", "v_proj")),
     }.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    eng = started_engine(model_path)
     yield eng
     eng.stop()
 
@@ -260,16 +267,8 @@ def test_padded_prefill_gives_the_tokens_of_the_unpadded_one(engine, model_path)
     """prefill_graphs' padding (the packed tokens rounded up to a bucket, rows up to the step's
     most, the padding in the last row's LoRA segment) changes no row's tokens, label or scores;
     its entries are keyed by bucket: fewer keys than prefill steps of distinct token counts."""
-    off = Engine(EngineConfig(model_path=model_path, max_batch_size=12, max_prefills_per_step=12, device_slots=3,
-                              default_max_new_tokens=MAX_NEW, kv_cache_bytes=TEST_KV_BYTES, prefill_graphs="off"))
-    off.start()
+    off = started_engine(model_path, prefill_graphs="off")
     try:
-        for name, b in {
-            A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),
-            B: random_adapter_bundle(model_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS}),
-            C: random_adapter_bundle(model_path, rank=2, lora_alpha=2, seed=3, target_modules=("q_proj", "v_proj")),
-        }.items():
-            assert off.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
         reqs = mixed_requests()
         graphs = engine.runner.prefill_graphs
         padded_before = graphs.padding_tokens
