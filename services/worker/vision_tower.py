@@ -38,9 +38,9 @@ from transformers.activations import QuickGELUActivation
 from transformers.vision_utils import get_vision_position_ids
 
 from kernels.vision_ops import quick_gelu, rotary_vision_
+from services.worker.step_graphs import MAX_CAPTURE_FAILURES
 
 log = structlog.get_logger()
-MAX_CAPTURE_FAILURES = 3
 # SDPA backends a graph is captured with (the first that takes the inputs), by name
 ATTENTION = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
              "cudnn": [SDPBackend.CUDNN_ATTENTION]}
