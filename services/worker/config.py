@@ -1,7 +1,8 @@
-"""The worker's settings (every field also VALORA_<FIELD>), validated at start-up, and what the
-engine and the kernels are built from them: the one place a worker knob is declared (its
-EngineConfig field of the same name takes it, engine_config). Importing this module loads no
-torch (`valora up --set` checks worker settings with it); what builds the engine imports it."""
+"""The worker's settings (every field also VALORA_<FIELD>), validated at start-up, the engine's
+config (EngineConfig) and what the engine and the kernels are built from them: the one place a
+worker knob is declared (its EngineConfig field of the same name takes it, engine_config).
+Importing this module loads no torch (`valora up --set` checks worker settings with it); what
+builds the engine imports it."""
 
 from __future__ import annotations
 
@@ -18,9 +19,62 @@ from services.common.config import MAX_NEW_TOKENS_LIMIT, ServiceSettings
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH
 
 if TYPE_CHECKING:
-    from services.worker.engine import EngineConfig
+    from services.worker.tensor_parallel import TPGroup
 
 log = structlog.get_logger()
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """What one engine is built from (engine.Engine); a worker fills it from its settings
+    (engine_config), tests and benchmarks directly."""
+
+    model_path: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 8
+    max_waiting: int = 256
+    default_max_new_tokens: int = 64
+    max_new_tokens_limit: int = MAX_NEW_TOKENS_LIMIT
+    device_slots: int = 4
+    # Host bytes of loaded adapters (LRU; 0: unbounded): a load drops least recently used ones
+    # that no request holds and that are not merged (a later request loads them again).
+    host_adapter_bytes: int = 16 << 30
+    max_rank: int = 256
+    max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
+    max_prefill_tokens: int = 8192  # tokens (rows packed) per prefill forward; a longer context: chunks
+    switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
+    on_adapter_swap: object = None  # callable("in" | "out"), for metrics
+    # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps
+    # this process within gpu_memory_fraction of the device's memory less kv_reserve_bytes; on the
+    # CPU 256 MiB); the longest context a sequence may reach (0: the model's max positions).
+    kv_block_size: int = 16
+    kv_cache_bytes: int = 0
+    gpu_memory_fraction: float = 0.9
+    kv_reserve_bytes: int = 4 << 30
+    max_model_len: int = 0
+    use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
+    # Spare weight rows per projection for the step's LoRA A^T: the base GEMM then computes x·A too
+    # and ATMM runs only its expand (atmm_backend.py, "folded"); 0 = off. Costs rows x in_features
+    # per projection and layer (7B, 512: ~0.85 GB).
+    lora_fold_rows: int = 512
+    fused_layers: bool = True  # decoder layers on the fused elementwise ops (fused_layers.py); False: HF's, for A/B
+    image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
+    load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
+    # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "off" (or "static") = the
+    # same step without capture.
+    decode_graphs: str = "auto"
+    # The packed prefill forward as CUDA graphs keyed by its token bucket (prefill_graphs.py):
+    # "auto" = on CUDA; "static" = the same padded forward without capture; "off" = unpadded, eager.
+    prefill_graphs: str = "auto"
+    vision_graphs: bool = True  # the vision tower as a CUDA graph per image grid (vision_tower.py), on CUDA
+    # Pipelined decode: while the device runs a decode step fed by the previous step's
+    # tokens (device to device), the host processes the previous step's tokens (decoder.py).
+    pipeline_decode: bool = True
+    # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
+    # that starts the ranks); None or world size 1: one process, no communication.
+    tp: TPGroup | None = None
+    step_trace: str = ""  # a file: one JSON line per step, where its time went (step_trace.py); "": off
 
 
 class WorkerSettings(ServiceSettings):
@@ -176,8 +230,6 @@ NOT_SETTINGS = frozenset({"model_path", "on_adapter_swap", "tp"})
 def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConfig:
     """The engine's config: every other EngineConfig field is the setting of the same name (one
     name per knob; tests/unit/test_worker_settings.py checks each has a setting and its default)."""
-    from services.worker.engine import EngineConfig  # noqa: PLC0415 - torch: only where an engine is built
-
     knobs = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in NOT_SETTINGS}
     return EngineConfig(
         on_adapter_swap=lambda direction: metrics.ADAPTER_SWAPS.labels(worker_name, direction).inc(),

@@ -24,13 +24,11 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from services.common.config import MAX_NEW_TOKENS_LIMIT
 from services.common.errors import (
     CapacityExceeded,
     FailedPrecondition,
@@ -39,6 +37,7 @@ from services.common.errors import (
     invalid_field,
 )
 from services.worker.adapters import AdapterPool, AdapterWeights
+from services.worker.config import EngineConfig
 from services.worker.decoder import Decoder
 from services.worker.kv_cache import PoolMemory
 from services.worker.lora_manager import Command, LoraManager
@@ -65,63 +64,12 @@ from services.common.modes import Mode
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
 from services.worker.step_trace import StepTrace
-from services.worker.tensor_parallel import TPGroup
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem
 
 log = structlog.get_logger()
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class EngineConfig:
-    model_path: Path
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch_size: int = 8
-    max_waiting: int = 256
-    default_max_new_tokens: int = 64
-    max_new_tokens_limit: int = MAX_NEW_TOKENS_LIMIT
-    device_slots: int = 4
-    # Host bytes of loaded adapters (LRU; 0: unbounded): a load drops least recently used ones
-    # that no request holds and that are not merged (a later request loads them again).
-    host_adapter_bytes: int = 16 << 30
-    max_rank: int = 256
-    max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
-    max_prefill_tokens: int = 8192  # tokens (rows packed) per prefill forward; a longer context: chunks
-    switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
-    on_adapter_swap: object = None  # callable("in" | "out"), for metrics
-    # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps
-    # this process within gpu_memory_fraction of the device's memory less kv_reserve_bytes; on the
-    # CPU 256 MiB); the longest context a sequence may reach (0: the model's max positions).
-    kv_block_size: int = 16
-    kv_cache_bytes: int = 0
-    gpu_memory_fraction: float = 0.9
-    kv_reserve_bytes: int = 4 << 30
-    max_model_len: int = 0
-    use_atmm: bool = True  # the ATMM CUDA kernel where it runs (CUDA, bf16/fp16, built extension)
-    # Spare weight rows per projection for the step's LoRA A^T: the base GEMM then computes x·A too
-    # and ATMM runs only its expand (atmm_backend.py, "folded"); 0 = off. Costs rows x in_features
-    # per projection and layer (7B, 512: ~0.85 GB).
-    lora_fold_rows: int = 512
-    fused_layers: bool = True  # decoder layers on the fused elementwise ops (fused_layers.py); False: HF's, for A/B
-    image_cache_bytes: int = 256 * 1024 * 1024  # vision features kept by content hash (0: no cache)
-    load_format: str = "auto"  # "dummy": random weights of the directory's architecture (model.load_model)
-    # Decode steps as CUDA graphs (decode_graphs.py): "auto" = on CUDA; "off" (or "static") = the
-    # same step without capture.
-    decode_graphs: str = "auto"
-    # The packed prefill forward as CUDA graphs keyed by its token bucket (prefill_graphs.py):
-    # "auto" = on CUDA; "static" = the same padded forward without capture; "off" = unpadded, eager.
-    prefill_graphs: str = "auto"
-    vision_graphs: bool = True  # the vision tower as a CUDA graph per image grid (vision_tower.py), on CUDA
-    # Pipelined decode: while the device runs a decode step fed by the previous step's
-    # tokens (device to device), the host processes the previous step's tokens (decoder.py).
-    pipeline_decode: bool = True
-    # Tensor parallelism: this rank's TPGroup (tensor_parallel.init_tp_group, made by the process
-    # that starts the ranks); None or world size 1: one process, no communication.
-    tp: TPGroup | None = None
-    step_trace: str = ""  # a file: one JSON line per step, where its time went (step_trace.py); "": off
 
 
 class Engine:
