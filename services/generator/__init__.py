@@ -8,6 +8,8 @@
     pipeline.py   strategies compared, thresholds, registration through the SDK, results file
     __main__.py   `python -m services.generator generate ...`
     demo.py       what `valora demo` serves: pretrained base + greedy-fused adapters, cached per settings
+    pretrain.py   brief pretraining of the base on real images (a stand-in for a pretrained LMM)
+    runner.py     `python -m services.generator serve`: runs the store's PENDING generation jobs
 
 Serving contract for a generated head (what workers must compute to reproduce the measured
 accuracy): the request is the task's prompt with one image in Qwen2-VL's chat format (default
