@@ -67,7 +67,11 @@ class WorkerHandle:
     registered_max_batch_size: int = 0
     # Monotonic time of the last RegisterWorker/Heartbeat; None = not heartbeat-monitored.
     last_heartbeat_s: float | None = None
-    # Monotonic time it went down (None while healthy), and whether it has been declared lost.
+    # Monotonic time of the last healthy status it reported (poll answer or stream message).
+    last_ok_s: float | None = None
+    # Monotonic time it went down (None while healthy): since its last healthy status, when it
+    # had one, so a frozen worker's loss counts from when it went silent, not from when a poll
+    # timed out; and whether it has been declared lost.
     down_since_s: float | None = None
     lost: bool = False
     lost_since_s: float | None = None
@@ -288,7 +292,7 @@ class WorkerPool:
                 self._revive(handle)
                 continue
             if handle.down_since_s is None:
-                handle.down_since_s = now
+                handle.down_since_s = handle.last_ok_s if handle.last_ok_s is not None else now
             if not handle.lost and (expired or now - handle.down_since_s >= self.ttl_s):
                 handle.lost = True
                 handle.lost_since_s = now
@@ -344,6 +348,7 @@ class WorkerPool:
         worker.healthy = healthy
         worker.consecutive_failures = 0
         if healthy:
+            worker.last_ok_s = self.clock()
             self._revive(worker)
 
     # -- status streams ------------------------------------------------------------------------------
@@ -416,9 +421,21 @@ class WorkerPool:
             except Exception as exc:  # noqa: BLE001 - the poller must outlive one bad round
                 log.error("worker_poll_bug", error=repr(exc))
 
+    async def _sweep_loop(self) -> None:
+        """Loss checked every poll_s even while a poll round waits out a frozen worker's timeout
+        (a round then takes poll_timeout_s, and loss was declared up to that much late)."""
+        while True:
+            await asyncio.sleep(self._poll_s)
+            try:
+                self.sweep()
+                self._on_change()
+            except Exception as exc:  # noqa: BLE001 - as the poller
+                log.error("worker_sweep_bug", error=repr(exc))
+
     async def start(self) -> None:
         await self.poll_once()
         self._task = asyncio.create_task(self._run(), name="worker-status-poll")
+        self._spawn(self._sweep_loop(), "worker-sweep")
         self._started = True
         for worker in list(self.workers.values()):
             self._ensure_watch(worker)

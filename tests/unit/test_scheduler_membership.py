@@ -226,3 +226,31 @@ async def _true(value):
 
 async def _not(awaitable):
     return not await awaitable
+
+
+async def test_a_frozen_worker_is_lost_ttl_after_its_last_healthy_status():
+    """Loss counts from the worker's last healthy status, not from the poll that noticed it: a
+    frozen (SIGSTOPped) worker's stream goes silent, the next poll times out seconds later, and
+    counting the TTL from there made its mid-stream clients wait TTL + that detection delay
+    (13.5 s against a 10 s TTL, bench/results/reliability-worker-sigstop.json)."""
+    from services.scheduler.workers import WorkerPool
+    from valora.internal.v1 import worker_service_pb2
+    from valora.v1 import admin_service_pb2
+
+    now = [0.0]
+    pool = WorkerPool(["127.0.0.1:1"], poll_s=1.0, poll_timeout_s=2.0, default_max_batch_size=4,
+                      channel_options=[], on_change=lambda: None, ttl_s=10.0, clock=lambda: now[0])
+    w = pool["127.0.0.1:1"]
+    pool._apply(w, worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(healthy=True)))
+    assert w.healthy
+    now[0] = 3.5  # the stream fell silent after t=0; a poll timed out just now
+    w.healthy = False
+    pool.sweep()
+    assert not w.lost and w.down_since_s == 0.0
+    now[0] = 9.9
+    pool.sweep()
+    assert not w.lost
+    now[0] = 10.0
+    pool.sweep()
+    assert w.lost and w.lost_event.is_set()
+    await pool.close()
