@@ -116,6 +116,7 @@ async def test_errors_map_to_status_codes(cluster):
         await generate(stub, request_id="nf", prompt="hi",
                        adapter=work_pb2.AdapterRef(version="adapters/nope/versions/1"))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(adapter=ref(B, store)))  # (whatever ran before)
     with pytest.raises(grpc.RpcError) as err:
         await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(
             adapter=work_pb2.AdapterRef(version=B, sha256="00" * 32)))
