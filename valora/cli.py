@@ -278,12 +278,12 @@ def _version_number(version_name: str) -> str:
 @adapters_app.command("get")
 def adapters_get(name: str = typer.Argument(..., help="adapters/{a} or {a}"), home: Path = HOME,
                  address: str = ADDRESS, admin_key: str = ADMIN_KEY):
-    """Show one adapter: latest version, aliases, creation time, description."""
+    """Show one adapter: latest version, aliases, creation time, etag, description."""
     with ValoraClient(_address(home, address), admin_key=admin_key) as client:
         a = client.get_adapter(name)
     aliases = ", ".join(f"{k}→{_version_number(v)}" for k, v in sorted(a.aliases.items())) or "-"
-    console.print(f"{a.name} latest=v{a.latest_version} aliases={aliases} created={_when(a.create_time)}",
-                  markup=False)
+    console.print(f"{a.name} latest=v{a.latest_version} aliases={aliases} created={_when(a.create_time)} "
+                  f"etag={a.etag}", markup=False)
     if a.description:
         console.print(a.description, markup=False, highlight=False)
 
@@ -291,13 +291,15 @@ def adapters_get(name: str = typer.Argument(..., help="adapters/{a} or {a}"), ho
 @adapters_app.command("delete")
 def adapters_delete(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
                     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+                    etag: str = typer.Option("", help="Delete only if the adapter still has this etag "
+                                             "(`valora adapters get` shows it)."),
                     home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Delete an adapter: retire every version, remove its aliases and name (refused while a task uses it)."""
     name = _adapter_name(name)
     if not yes:
         typer.confirm(f"delete {name}, retiring all its versions?", abort=True)
     with ValoraClient(_address(home, address), admin_key=admin_key) as client:
-        client.delete_adapter(name)
+        client.delete_adapter(name, etag=etag)
     console.print(f"deleted {name}", markup=False)
 
 

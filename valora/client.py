@@ -314,10 +314,11 @@ class ValoraClient:
         return self._call(self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=_adapter_name(name)),
                           self._admin_key).adapter
 
-    def delete_adapter(self, name: str) -> None:
+    def delete_adapter(self, name: str, etag: str = "") -> None:
         """Retires every version and removes the adapter's aliases and name; FAILED_PRECONDITION
-        while a task uses it."""
-        self._call(self._admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name=_adapter_name(name)),
+        while a task uses it. `etag` (get_adapter(...).etag): only if it has not changed since,
+        else ABORTED (reason ETAG_MISMATCH)."""
+        self._call(self._admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name=_adapter_name(name), etag=etag),
                    self._admin_key)
 
     def upload_adapter_version(self, adapter: str, bundle: bytes, adapter_config_json: str,

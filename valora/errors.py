@@ -48,6 +48,7 @@ class InvalidArgument(ValoraRpcError): pass  # noqa: E701
 class NotFound(ValoraRpcError): pass  # noqa: E701
 class AlreadyExists(ValoraRpcError): pass  # noqa: E701
 class FailedPrecondition(ValoraRpcError): pass  # noqa: E701
+class Aborted(ValoraRpcError): pass  # noqa: E701 - a concurrent change won (e.g. a stale etag): read again
 class Unauthenticated(ValoraRpcError): pass  # noqa: E701
 class PermissionDenied(ValoraRpcError): pass  # noqa: E701
 class ResourceExhausted(ValoraRpcError): pass  # noqa: E701
@@ -60,6 +61,7 @@ class Internal(ValoraRpcError): pass  # noqa: E701
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExists, grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated, grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded, grpc.StatusCode.CANCELLED: Cancelled,

@@ -36,7 +36,7 @@ def adapter_to_pb(a: Adapter) -> res_pb.Adapter:
     return res_pb.Adapter(
         name=a.name, description=a.description, create_time=timestamp(a.create_time),
         aliases={k: names.version_name(a.id, v) for k, v in a.aliases.items()},
-        latest_version=a.latest_version,
+        latest_version=a.latest_version, etag=a.etag,
     )
 
 

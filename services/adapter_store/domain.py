@@ -4,6 +4,7 @@ to protobuf at the edge (convert.py); nothing below the servicer sees protobuf t
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -35,6 +36,14 @@ class Adapter:
     @property
     def name(self) -> str:
         return names.adapter_name(self.id)
+
+    @property
+    def etag(self) -> str:
+        """A digest of every field the Adapter resource shows: it changes exactly when one does,
+        with nothing stored (versions and aliases already change the fields)."""
+        content = [self.id, self.description, self.create_time.isoformat(), self.latest_version,
+                   sorted(self.aliases.items())]
+        return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

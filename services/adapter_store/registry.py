@@ -161,9 +161,14 @@ class Registry:
             items = [Adapter(r.id, r.description, r.created_at, r.latest_version, aliases[r.id]) for r in rows]
             return Page(items, page_token(rows[-1].id) if more else "")
 
-    def delete_adapter(self, adapter_id: str) -> None:
+    def delete_adapter(self, adapter_id: str, etag: str = "") -> None:
+        """Retires every version, removes the aliases and the name; with `etag`, only if the
+        adapter is still as read (Adapter.etag), else ABORTED."""
         with self._sessions.begin() as s:
             self._live_adapter_row(s, adapter_id, lock=True)
+            if etag and self._adapter(s, adapter_id).etag != etag:
+                raise Aborted(f"{names.adapter_name(adapter_id)} changed (etag {etag!r} is stale); read it again",
+                              reason="ETAG_MISMATCH")
             users = [t.id for t in s.scalars(select(TaskRow)) if _ref_adapter(t.adapter_ref) == adapter_id]
             if users:
                 raise FailedPrecondition(f"tasks {users[:5]} still use {names.adapter_name(adapter_id)}",

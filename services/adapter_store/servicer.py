@@ -108,7 +108,7 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
                                              next_page_token=page.next_page_token)
 
     async def DeleteAdapter(self, request, context):
-        await self.run(self.registry.delete_adapter, names.parse_adapter_name(request.name))
+        await self.run(self.registry.delete_adapter, names.parse_adapter_name(request.name), request.etag)
         return admin_pb.DeleteAdapterResponse()
 
     # versions

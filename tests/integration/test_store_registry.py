@@ -307,6 +307,27 @@ def test_delete_adapter_retires_and_numbers_never_repeat(store):
     assert dict(store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.aliases) == {}
 
 
+def test_delete_adapter_with_a_stale_etag_is_aborted(store):
+    """Adapter.etag changes with the resource (a version registered, an alias moved); a delete
+    guarded by an etag read before another admin's change is ABORTED and deletes nothing."""
+    v1 = upload(store, data=make_bundle(seed=32))
+    read = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter
+    again = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter
+    assert read.etag and read.etag == again.etag  # stable while nothing changes
+    store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))
+    moved = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter
+    assert moved.etag != read.etag
+    code, reason, _, _ = error_of(store.admin.DeleteAdapter,
+                                  admin_pb.DeleteAdapterRequest(name="adapters/demo", etag=read.etag))
+    assert (code, reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH")
+    assert store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.aliases["prod"] == v1.name
+    v2 = upload(store, data=make_bundle(seed=33))
+    assert store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.etag != moved.etag
+    current = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.etag
+    store.admin.DeleteAdapter(admin_pb.DeleteAdapterRequest(name="adapters/demo", etag=current))
+    assert store.admin.GetAdapterVersion(admin_pb.GetAdapterVersionRequest(name=v2.name)).version.state == RETIRED
+
+
 def test_gc_removes_orphans_and_stale_pending(store):
     keep = upload(store, data=make_bundle(seed=40))
     settings = store.settings.model_copy(update={"run_migrations": False})

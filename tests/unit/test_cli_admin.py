@@ -70,7 +70,13 @@ def test_sdk_adapters_versions_and_aliases(client):
     with pytest.raises(errors.FailedPrecondition):  # a task still uses it
         client.delete_adapter("sdk-cars")
     client.delete_task("sdk-color")
-    client.delete_adapter("adapters/sdk-cars")
+    stale = client.get_adapter("sdk-cars").etag
+    client.set_alias("adapters/sdk-cars", "prod", "adapters/sdk-cars/versions/2")
+    with pytest.raises(errors.Aborted) as exc:  # changed since it was read
+        client.delete_adapter("sdk-cars", etag=stale)
+    assert exc.value.reason == "ETAG_MISMATCH"
+    client.delete_alias("sdk-cars", "prod")
+    client.delete_adapter("adapters/sdk-cars", etag=client.get_adapter("sdk-cars").etag)
     with pytest.raises(errors.NotFound) as exc:
         client.get_adapter("sdk-cars")
     assert exc.value.reason == "ADAPTER_NOT_FOUND"

@@ -53,10 +53,12 @@ class ListAdaptersResponse(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[_resources_pb2.Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteAdapterRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class DeleteAdapterResponse(_message.Message):
     __slots__ = ()

@@ -37,7 +37,7 @@ GENERATION_JOB_STATE_FAILED: GenerationJobState
 GENERATION_JOB_STATE_CANCELLED: GenerationJobState
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "description", "create_time", "aliases", "latest_version")
+    __slots__ = ("name", "description", "create_time", "aliases", "latest_version", "etag")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,12 +50,14 @@ class Adapter(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     create_time: _timestamp_pb2.Timestamp
     aliases: _containers.ScalarMap[str, str]
     latest_version: int
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., latest_version: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class AdapterVersion(_message.Message):
     __slots__ = ("name", "sha256", "rank", "lora_alpha", "target_modules", "base_model", "size_bytes", "state", "create_time", "heads")
