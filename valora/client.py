@@ -374,10 +374,13 @@ class ValoraClient:
             adapter=_adapter_name(adapter), alias=alias), self._admin_key)
 
     def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
-                    accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0) -> resources_pb2.Task:
+                    accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0, slo_ms: float = 0.0,
+                    slo_class: str = "") -> resources_pb2.Task:
+        """`slo_ms`: the latency objective of the task's requests (0: none); `slo_class`: the
+        application it counts under (empty: the task's id)."""
         r = self._call(self._admin.CreateTask, admin_pb.CreateTaskRequest(task_id=task_id, task=resources_pb2.Task(
             adapter=adapter, head=head, description=description, accuracy_threshold=accuracy_threshold,
-            measured_accuracy=measured_accuracy)),
+            measured_accuracy=measured_accuracy, slo_ms=slo_ms, slo_class=slo_class)),
             self._admin_key)
         return r.task
 

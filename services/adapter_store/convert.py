@@ -53,8 +53,12 @@ def task_to_pb(t: Task) -> res_pb.Task:
     return res_pb.Task(
         name=t.name, adapter=t.adapter_ref, head=t.head, description=t.description,
         accuracy_threshold=t.accuracy_threshold, measured_accuracy=t.measured_accuracy,
-        create_time=timestamp(t.create_time),
+        create_time=timestamp(t.create_time), slo_ms=t.slo_ms, slo_class=t.slo_class,
     )
+
+
+# Longest latency objective a task may carry: past an hour it no longer orders a queue.
+MAX_SLO_MS = 3_600_000.0
 
 
 def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
@@ -68,7 +72,17 @@ def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
         value = getattr(t, field_name)
         if not 0.0 <= value <= 1.0:
             raise invalid_field(f"task.{field_name}", "must be within [0, 1]")
-    return Task(task_id, t.adapter, t.head, t.description, t.accuracy_threshold, t.measured_accuracy)
+    if not 0.0 <= t.slo_ms <= MAX_SLO_MS:  # NaN fails both comparisons
+        raise invalid_field("task.slo_ms", f"must be within [0, {MAX_SLO_MS:.0f}] ms (0: no objective)")
+    slo_class = t.slo_class
+    if slo_class:
+        names.check_id(slo_class, "task.slo_class")
+        if t.slo_ms == 0:
+            raise invalid_field("task.slo_class", "a class needs its objective: set task.slo_ms")
+    elif t.slo_ms > 0:
+        slo_class = task_id  # stored as such, so the class shown is the label counted
+    return Task(task_id, t.adapter, t.head, t.description, t.accuracy_threshold, t.measured_accuracy,
+                slo_ms=t.slo_ms, slo_class=slo_class)
 
 
 def upload_from_pb(m: admin_pb.UploadAdapterVersionMetadata) -> UploadRequest:

@@ -83,6 +83,9 @@ class Task:
     accuracy_threshold: float
     measured_accuracy: float
     create_time: datetime | None = None
+    # Latency objective in ms (0 = none) and its SLO class (the task's id unless named).
+    slo_ms: float = 0.0
+    slo_class: str = ""
 
     @property
     def name(self) -> str:

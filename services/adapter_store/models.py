@@ -129,6 +129,9 @@ class TaskRow(Base):
     accuracy_threshold: Mapped[float] = mapped_column(Float, default=0.0)
     measured_accuracy: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # Latency objective (0 = none) and the SLO class it belongs to (valora.v1.Task.slo_ms).
+    slo_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    slo_class: Mapped[str] = mapped_column(String(ID_LEN), default="", index=True)
 
 
 class FusedMemberRow(Base):

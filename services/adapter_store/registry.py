@@ -68,7 +68,7 @@ def _version(row: VersionRow) -> Version:
 
 def _task(row: TaskRow) -> Task:
     return Task(row.id, row.adapter_ref, row.head, row.description, row.accuracy_threshold,
-                row.measured_accuracy, row.created_at)
+                row.measured_accuracy, row.created_at, row.slo_ms, row.slo_class)
 
 
 class Registry:
@@ -414,9 +414,17 @@ class Registry:
             if task.head and task.head not in {h["name"] for h in row.heads}:
                 raise invalid_field("task.head", f"{names.version_name(row.adapter_id, row.version)} has no head "
                                     f"{task.head!r}")
+            if task.slo_class:
+                # One class, one objective: its attainment count would mean nothing otherwise.
+                other = s.scalars(select(TaskRow).where(TaskRow.slo_class == task.slo_class,
+                                                        TaskRow.slo_ms != task.slo_ms).limit(1)).first()
+                if other is not None:
+                    raise FailedPrecondition(
+                        f"SLO class {task.slo_class!r} has objective {other.slo_ms:g} ms "
+                        f"({names.task_name(other.id)}), not {task.slo_ms:g} ms", reason="SLO_CLASS_OBJECTIVE_MISMATCH")
             new = TaskRow(id=task.id, adapter_ref=task.adapter_ref, head=task.head, description=task.description,
                           accuracy_threshold=task.accuracy_threshold, measured_accuracy=task.measured_accuracy,
-                          created_at=utcnow())
+                          created_at=utcnow(), slo_ms=task.slo_ms, slo_class=task.slo_class)
             s.add(new)
             s.flush()
             return _task(new)

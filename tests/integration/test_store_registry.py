@@ -295,6 +295,42 @@ def test_tasks(store):
     assert code == grpc.StatusCode.NOT_FOUND
 
 
+def test_task_latency_objective_round_trips(store):
+    """A task's SLO (objective + class) is stored, listed and resolved as given; one class keeps one
+    objective; a class defaults to the task's id; bad objectives are refused field by field."""
+    v1 = upload(store, data=make_bundle(heads={"cls": 2}, seed=21), heads={"cls": ["yes", "no"]})
+    create = store.admin.CreateTask
+    count = create(admin_pb.CreateTaskRequest(task_id="count", task=res_pb.Task(
+        adapter="adapters/demo", head="cls", slo_ms=250.0, slo_class="video"))).task
+    assert (count.slo_ms, count.slo_class) == (250.0, "video")
+    create(admin_pb.CreateTaskRequest(task_id="detect", task=res_pb.Task(
+        adapter=v1.name, head="cls", slo_ms=250.0, slo_class="video")))
+    own = create(admin_pb.CreateTaskRequest(task_id="ask", task=res_pb.Task(adapter="adapters/demo",
+                                                                             slo_ms=2000.5))).task
+    assert (own.slo_ms, own.slo_class) == (2000.5, "ask")  # the task's id names its class
+    plain = create(admin_pb.CreateTaskRequest(task_id="plain", task=res_pb.Task(adapter="adapters/demo"))).task
+    assert (plain.slo_ms, plain.slo_class) == (0.0, "")
+
+    got = store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task
+    assert (got.slo_ms, got.slo_class) == (250.0, "video")
+    listed = {t.name: (t.slo_ms, t.slo_class) for t in store.admin.ListTasks(admin_pb.ListTasksRequest()).tasks}
+    assert listed == {"tasks/count": (250.0, "video"), "tasks/detect": (250.0, "video"),
+                      "tasks/ask": (2000.5, "ask"), "tasks/plain": (0.0, "")}
+    r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/detect"))
+    assert (r.task.slo_ms, r.task.slo_class) == (250.0, "video")  # what the gateway hands the scheduler
+
+    code, reason, _, _ = error_of(create, admin_pb.CreateTaskRequest(task_id="track", task=res_pb.Task(
+        adapter="adapters/demo", slo_ms=500.0, slo_class="video")))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "SLO_CLASS_OBJECTIVE_MISMATCH")
+    for task, field in ((res_pb.Task(adapter="adapters/demo", slo_ms=-1.0), "task.slo_ms"),
+                        (res_pb.Task(adapter="adapters/demo", slo_ms=float("nan")), "task.slo_ms"),
+                        (res_pb.Task(adapter="adapters/demo", slo_ms=4e6), "task.slo_ms"),
+                        (res_pb.Task(adapter="adapters/demo", slo_class="video"), "task.slo_class"),
+                        (res_pb.Task(adapter="adapters/demo", slo_ms=10.0, slo_class="Video!"), "task.slo_class")):
+        code, _, fields, _ = error_of(create, admin_pb.CreateTaskRequest(task_id="bad", task=task))
+        assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, [field]), task
+
+
 def test_delete_adapter_retires_and_numbers_never_repeat(store):
     v1 = upload(store, data=make_bundle(seed=30))
     store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))

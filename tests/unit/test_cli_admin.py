@@ -190,6 +190,14 @@ def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0].startswith("tasks/cli-color adapter=adapters/cli-tasks head=color")
     assert r.output.splitlines()[1] == "colour of [the] car"  # user text is printed as it is, not as markup
+    assert r.output.splitlines()[0].endswith(" slo=-")  # no latency objective
+    r = invoke("tasks", "create", "cli-count", "--adapter", "adapters/cli-tasks", "--slo-ms", "250",
+               "--slo-class", "video")
+    assert r.exit_code == 0 and r.output.rstrip().endswith(" slo=video:250ms"), r.output
+    r = invoke("tasks", "list")
+    row = next(line for line in r.output.splitlines() if "tasks/cli-count" in line)
+    assert "video:250ms" in row, row
+    r = invoke("tasks", "delete", "tasks/cli-count")
     r = invoke("tasks", "delete", "tasks/cli-color")
     assert r.exit_code == 0 and r.output.strip() == "deleted tasks/cli-color", r.output
     code, out = failed(capsys, "tasks", "get", "cli-color")
