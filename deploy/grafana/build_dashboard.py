@@ -132,6 +132,13 @@ def build() -> dict:
                    f"{AT_SCHEDULER}{RATE})))",
            "legendFormat": "{{adapter}}"}], "s"),
     ])
+    b.series([
+        ("SLO attainment by class", "valora:slo_requests_total: share of the requests of tasks with a latency "
+         "objective that finished within it, per SLO class.",
+         [{"expr": f'sum by (slo_class) (rate(valora:slo_requests_total{{outcome="within"}}{RATE})) / '
+                   f"sum by (slo_class) (rate(valora:slo_requests_total{RATE}))",
+           "legendFormat": "{{slo_class}}"}], "percentunit"),
+    ])
     b.row("Tokens and KV cache")
     b.series([
         ("Tokens per second", "valora:prompt_tokens_total and valora:generation_tokens_total.",

@@ -1,7 +1,8 @@
 """Prometheus metrics, named after vLLM's where they mean the same thing (`vllm:` → `valora:`).
 
 Every service calls `start_metrics_server(settings.metrics_port)`; 0 disables the endpoint.
-Adapter labels are bounded: `adapter_label()` folds names past `MAX_ADAPTER_LABELS` into "other".
+Labels whose values users choose are bounded: `adapter_label()` and `slo_class_label()` fold values
+past `MAX_ADAPTER_LABELS` / `MAX_SLO_CLASS_LABELS` into "other".
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ T = TypeVar("T")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 MAX_ADAPTER_LABELS = 64
+MAX_SLO_CLASS_LABELS = 32
 
 REQUESTS_RUNNING = Gauge("valora:num_requests_running", "Requests in the engine's running batch.", ["worker"])
 REQUESTS_WAITING = Gauge("valora:num_requests_waiting", "Requests queued in the scheduler.")
@@ -52,24 +54,38 @@ LORA_REQUESTS_INFO = Gauge("valora:lora_requests_info", "vLLM's lora_requests_in
 ADAPTER_LOAD = Histogram("valora:adapter_load_seconds", "A worker's adapter loads by stage: fetch (from the "
                          "adapter store or the disk cache) and load (validation, parse, into the host pool).",
                          ["worker", "stage"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+SLO_REQUESTS = Counter("valora:slo_requests_total", "Requests of tasks with a latency objective "
+                       "(valora.v1.Task.slo_ms) by SLO class and outcome: within (finished within the objective) or "
+                       "over (finished later, or failed by the service); attainment = within / (within + over).",
+                       ["slo_class", "outcome"])
 ENGINE_STEP = Histogram("valora:engine_step_seconds", "Engine steps by what they ran: prefill (a prefill forward, "
                         "decode rows beside it or not) or decode.", ["worker", "kind"],
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 
-_labels_lock = threading.Lock()
-_adapter_labels: set[str] = set()
+class BoundedLabel:
+    """Values of one label whose values users choose: the first `limit` distinct ones are kept,
+    later ones read "other" (each value is a series for the process's life)."""
+
+    def __init__(self, limit: int, empty: str) -> None:
+        self.limit = limit
+        self.empty = empty
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        name = value or self.empty
+        with self._lock:
+            if name in self._seen:
+                return name
+            if len(self._seen) < self.limit:
+                self._seen.add(name)
+                return name
+        return "other"
 
 
-def adapter_label(adapter: str) -> str:
-    """The adapter's name as a label, or "other" once MAX_ADAPTER_LABELS names are in use."""
-    name = adapter or "base"
-    with _labels_lock:
-        if name in _adapter_labels:
-            return name
-        if len(_adapter_labels) < MAX_ADAPTER_LABELS:
-            _adapter_labels.add(name)
-            return name
-    return "other"
+# The adapter's name ("base" for none); the SLO class of a task's objective.
+adapter_label = BoundedLabel(MAX_ADAPTER_LABELS, "base")
+slo_class_label = BoundedLabel(MAX_SLO_CLASS_LABELS, "none")
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:

@@ -42,6 +42,9 @@ STALE_FALLBACK_TIMEOUT_S = 2.0
 class Target:
     adapter: work_pb2.AdapterRef | None
     head: str
+    # The named task's latency objective (0 = none) and SLO class, for the scheduler.
+    slo_ms: float = 0.0
+    slo_class: str = ""
 
 
 class ResolutionCache:
@@ -200,11 +203,14 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             if heads and head not in heads:
                 raise errors.FailedPrecondition(f"{version.name} carries no head {head!r}",
                                                 reason="HEAD_NOT_IN_VERSION")
-        return Target(adapter=adapter, head=head)
+        task = resp.task if resp.HasField("task") else None
+        return Target(adapter=adapter, head=head, slo_ms=task.slo_ms if task else 0.0,
+                      slo_class=task.slo_class if task else "")
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
         item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head, system=inp.system,
-                                 raw_prompt=inp.raw_prompt, prompt_token_ids=inp.prompt_token_ids)
+                                 raw_prompt=inp.raw_prompt, prompt_token_ids=inp.prompt_token_ids,
+                                 slo_ms=target.slo_ms, slo_class=target.slo_class)
         item.history.extend(inp.history)
         item.images.extend(inp.images)
         item.videos.extend(inp.videos)

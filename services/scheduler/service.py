@@ -24,6 +24,7 @@ import structlog
 from services.common import errors, metrics
 from services.common.server import REQUEST_ID_KEY, new_request_id, request_id_from
 from services.scheduler.credits import estimate_prompt_tokens
+from services.scheduler import slo
 from services.scheduler.dispatcher import Dispatcher, Pending
 from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2
@@ -49,10 +50,14 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
 
     async def Submit(self, request, context):
         started = self.dispatcher.clock()
-        adapter = request.item.adapter.version if request.item.HasField("adapter") else ""
+        item = request.item
+        adapter = item.adapter.version if item.HasField("adapter") else ""
+        slo_class, slo_ms = item.slo_class, item.slo_ms  # read now: _submit may fill in the item
 
         def observe(code: str) -> None:
-            metrics.E2E_LATENCY.labels(metrics.adapter_label(adapter), code).observe(self.dispatcher.clock() - started)
+            latency = self.dispatcher.clock() - started
+            metrics.E2E_LATENCY.labels(metrics.adapter_label(adapter), code).observe(latency)
+            slo.observe(slo_class, slo_ms, code, latency)
 
         async for out in metrics.counted("scheduler", self._submit(request, context, started), observe):
             yield out

@@ -57,14 +57,21 @@ def adapter(cluster) -> str:
     return "adapters/obs@prod"
 
 
+# A task with a latency objective no CPU request misses (10 min): its request counts as within.
+SLO_TASK, SLO_CLASS, SLO_MS = "obs-video", "video", 600_000.0
+
+
 @pytest.fixture(scope="module")
 def traffic(cluster, adapter) -> int:
-    """A few requests through gRPC (unary, streaming, base and adapter); returns how many."""
+    """A few requests through gRPC (unary, streaming, base, adapter and a task with a latency
+    objective); returns how many."""
     with ValoraClient(cluster.gateway) as client:
+        client.create_task(SLO_TASK, adapter, slo_ms=SLO_MS, slo_class=SLO_CLASS)
         client.infer("What is this?", [png(1)], adapter=adapter, max_new_tokens=MAX_NEW)
         client.infer("What is this?", [png(2)], max_new_tokens=MAX_NEW)
         list(client.infer_stream("Describe it.", [png(3)], adapter=adapter, max_new_tokens=MAX_NEW))
-    return 3
+        client.infer("What is this?", [png(4)], task=f"tasks/{SLO_TASK}", max_new_tokens=MAX_NEW)
+    return 4
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -103,6 +110,12 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
         assert total(samples, "valora:e2e_request_latency_seconds_sum") > 0
     assert total(scheduler, "valora:e2e_request_latency_seconds_count", adapter="base") >= 1
     assert has(scheduler, "valora:num_requests_waiting")
+    # The task's objective went store → gateway → scheduler, which counted its request per class.
+    assert total(scheduler, "valora:slo_requests_total", slo_class=SLO_CLASS, outcome="within") == 1
+    assert total(scheduler, "valora:slo_requests_total", outcome="over") == 0
+    with ValoraClient(cluster.gateway) as client:
+        task = client.get_task(SLO_TASK)
+    assert (task.slo_ms, task.slo_class) == (SLO_MS, SLO_CLASS)
     assert total(scheduler, "valora:request_queue_time_seconds_count") >= traffic
     assert has(worker, "valora:num_requests_running")
     assert total(worker, "valora:request_success_total") >= traffic  # vLLM's names and meanings

@@ -76,6 +76,7 @@ METRICS = [
     "valora:mode_switches_total",
     "valora:adapter_swaps_total",
     "valora:engine_step_seconds",
+    "valora:slo_requests_total",
     "valora:lora_adapters",
     "valora:prompt_tokens_total",
     "valora:generation_tokens_total",

@@ -9,6 +9,7 @@ import contextlib
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from prometheus_client import REGISTRY
 from grpc_status import rpc_status
 
 from services.common.server import REQUEST_ID_KEY
@@ -41,9 +42,16 @@ def anyio_backend():
     return "asyncio"
 
 
+# A task with a latency objective: one the worker below always meets, one it always misses.
+TASKS = {"tasks/count": resources_pb2.Task(name="tasks/count", adapter="adapters/cars@prod", slo_ms=60_000.0,
+                                           slo_class="video"),
+         "tasks/ask": resources_pb2.Task(name="tasks/ask", adapter="adapters/cars@prod", slo_ms=0.001,
+                                         slo_class="retrieval")}
+
+
 class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer):
     async def ResolveReference(self, request, context):
-        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION)
+        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION, task=TASKS.get(request.reference))
 
 
 class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
@@ -110,6 +118,24 @@ async def test_infer_and_stream_through_scheduler_to_worker():
     assert item.adapter.version == VERSION.name and item.adapter.sha256 == VERSION.sha256
     assert [c.text_delta for c in chunks] == ["two ", "cars", ""]
     assert chunks[-1].result.request_id == worker.request_ids[1] != ""
+
+
+def slo_count(slo_class, outcome):
+    return REGISTRY.get_sample_value("valora:slo_requests_total", {"slo_class": slo_class, "outcome": outcome}) or 0
+
+
+async def test_task_objective_reaches_the_scheduler_which_counts_attainment_per_class():
+    before = {(c, o): slo_count(c, o) for c in ("video", "retrieval", "none") for o in ("within", "over")}
+    async with stack() as (worker, infer, _):
+        for task in ("tasks/count", "tasks/count", "tasks/ask"):
+            await infer.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
+                prompt="how many cars?", task=task)))
+        await infer.Infer(inference_service_pb2.InferRequest(input=infer_input()))  # no task: no objective
+    assert [(i.slo_class, i.slo_ms) for i in worker.items] == [("video", 60_000.0), ("video", 60_000.0),
+                                                               ("retrieval", 0.001), ("", 0.0)]
+    moved = {k: slo_count(*k) - v for k, v in before.items()}
+    assert moved == {("video", "within"): 2, ("video", "over"): 0, ("retrieval", "within"): 0,
+                     ("retrieval", "over"): 1, ("none", "within"): 0, ("none", "over"): 0}
 
 
 async def test_worker_error_passes_through_both_hops():
