@@ -46,6 +46,9 @@ class SchedulerSettings(ServiceSettings):
     starvation_theta_s: float = Field(
         1.0, gt=0, description="Starvation threshold θ: a request whose credit (waiting time + estimated run "
         "time, seconds) exceeds it is served through mixture mode (valora) or unmerged mode (dlora).")
+    slo_deadlines: bool = Field(
+        True, description="valora/dlora: take requests of tasks with a latency objective (slo_ms) earliest "
+        "deadline first, starving at half their objective; false ignores objectives (attainment is still counted).")
     cost_profile: str = Field(
         "h200-7b", description="Cost model profile of the workers' GPU for run-time estimates (h200-7b, cpu-tiny); "
         "workers reporting a cpu device use cpu-tiny.")

@@ -3,6 +3,12 @@
 A request whose credit passes the starvation threshold θ is *starving*: the credit policy serves
 it through mixture mode (or unmerged mode when more than half a batch starves) instead of
 leaving it behind a merged adapter.
+
+A request with a latency objective (its task's slo_ms, `WaitingRequest.slo_s`) brings its own
+bound: it is due at arrival + objective, and it starves once its credit passes `SLO_URGENT_SHARE`
+of the objective (when that is tighter than θ). A request without one is due at arrival + θ, so
+with no objectives anywhere earliest-due is first come first served and every threshold is θ:
+the paper's rule unchanged. (services/scheduler/slo.py counts whether objectives were met.)
 """
 
 from __future__ import annotations
@@ -47,6 +53,26 @@ def credit_of(req, now_s: float, cost: CostModel) -> Credit:
     exec_s = estimate_exec_s(cost, prompt_tokens=getattr(req, "prompt_tokens", 0), images=req.images,
                              max_new_tokens=req.max_new_tokens, label=req.label)
     return Credit(req.request_id, max(0.0, now_s - req.arrival_s), exec_s)
+
+
+# Share of its objective a request may spend (waiting + estimated run) before it starves: the
+# rest is the room to run it once placed (a mixture step is slower than a merged one, the run
+# estimate is a mean). At 1.0 it would starve only once it can no longer make it.
+SLO_URGENT_SHARE = 0.5
+
+
+def threshold_s(req, theta_s: float) -> float:
+    """The credit past which `req` starves: θ, or the tighter of θ and SLO_URGENT_SHARE of its
+    latency objective when it has one."""
+    slo_s = getattr(req, "slo_s", 0.0)
+    return min(theta_s, SLO_URGENT_SHARE * slo_s) if slo_s > 0 else theta_s
+
+
+def due_s(req, theta_s: float) -> float:
+    """When `req` is due: arrival + its latency objective, or arrival + θ without one (the credit
+    policy's own bound, so objective-less requests keep their arrival order among themselves)."""
+    slo_s = getattr(req, "slo_s", 0.0)
+    return req.arrival_s + (slo_s if slo_s > 0 else theta_s)
 
 
 def starving(credits: Iterable[Credit], theta_s: float) -> list[Credit]:

@@ -47,6 +47,8 @@ class Pending:
     # Prompt tokens: a token-id prompt's count, else estimated (credits.estimate_prompt_tokens); 0 = the cost
     # model's default.
     prompt_tokens: int = 0
+    # Latency objective in seconds (the task's slo_ms; 0 = none): orders the queue, never drops.
+    slo_s: float = 0.0
     key: str = ""
     assigned: asyncio.Future | None = None
     dispatched_s: float | None = None
@@ -153,7 +155,7 @@ class Dispatcher:
         if not self.queue:
             return
         waiting = [WaitingRequest(key, p.arrival_s, p.adapter, frozenset(p.excluded), p.max_new_tokens, p.images,
-                                  p.label, p.prompt_tokens) for key, p in self.queue.items()]
+                                  p.label, p.prompt_tokens, p.slo_s) for key, p in self.queue.items()]
         decision = self.policy.decide(now, waiting, self.pool.views())
         for cmd in decision.mode_commands:
             self._send_mode(cmd)

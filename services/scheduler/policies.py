@@ -10,13 +10,15 @@ from services.scheduler.policy_credit import CreditPolicy
 POLICY_NAMES = ("valora", "dlora", "slora", "punica", "affinity")
 
 
-def make_policy(name: str, cost: CostModel | None = None, *, theta_s: float = 1.0) -> SchedulingPolicy:
+def make_policy(name: str, cost: CostModel | None = None, *, theta_s: float = 1.0,
+                deadlines: bool = True) -> SchedulingPolicy:
     """A fresh policy by name; `cost` is the default worker profile of the credit policies
-    (CPU workers use the cpu-tiny profile)."""
+    (CPU workers use the cpu-tiny profile); `deadlines` False has them ignore latency objectives.
+    The baselines are first come first served whatever the objectives (their papers have none)."""
     if name == "valora":
-        return CreditPolicy(cost, theta_s=theta_s, mixture=True, profiles=PROFILES)
+        return CreditPolicy(cost, theta_s=theta_s, mixture=True, profiles=PROFILES, deadlines=deadlines)
     if name == "dlora":
-        return CreditPolicy(cost, theta_s=theta_s, mixture=False, profiles=PROFILES)
+        return CreditPolicy(cost, theta_s=theta_s, mixture=False, profiles=PROFILES, deadlines=deadlines)
     if name == "slora":
         return SLoRAPolicy()
     if name == "punica":

@@ -12,7 +12,9 @@ Policies (registry `POLICIES`, chosen by the `policy` setting, env VALORA_POLICY
   no starving request → MERGED on the adapter that minimizes the mean latency of the worker's
   requests counting the switch cost; some starving (credit > θ) → MIXTURE (the merged adapter
   stays, starving requests run through the deLoRA term); more than half of max batch starving →
-  UNMERGED.
+  UNMERGED. Requests with a latency objective (per-application SLO classes) are taken earliest
+  deadline first and starve earlier (half their objective), which is what moves a worker to
+  mixture for them.
 - `dlora` — `CreditPolicy(mixture=False)`: the same credits and merged choice, but starvation
   switches to UNMERGED (dLoRA's merge/unmerge switching, no mixture).
 - `slora` — UNMERGED only, first come first served, adapter affinity (resident first) then least
@@ -49,6 +51,8 @@ class WaitingRequest:
     label: bool = False
     # Prompt tokens when known (0: the cost model's default); images add their own tokens.
     prompt_tokens: int = 0
+    # Latency objective in seconds (its task's slo_ms; 0 = none): see credits.due_s/threshold_s.
+    slo_s: float = 0.0
 
 
 @dataclass(frozen=True)

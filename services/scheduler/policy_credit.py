@@ -5,8 +5,11 @@ first, then the least loaded, then resident-adapter affinity), over the requests
 and allowed there:
 
 1. credits: waiting time + estimated execution time (credits.py, cost_model.py); *starving* =
-   credit > θ (`theta_s`). Starving requests are taken first (highest credit first), the others
-   first come first served.
+   credit > θ (`theta_s`), or for a request with a latency objective credit > the tighter of θ and
+   half its objective (`credits.threshold_s`). Starving requests are taken first (highest credit
+   in units of its threshold first: the highest credit when all thresholds are θ), the others
+   earliest due first (`credits.due_s`: arrival + objective, arrival + θ without one — first come
+   first served when no request has an objective).
 2. more than half of `max_batch_size` starving → UNMERGED, the batch by credit.
    (dLoRA: any starving request → UNMERGED; it has no mixture mode.)
 3. some starving → MIXTURE: the merged adapter stays, starving requests first, then the merged
@@ -38,7 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from services.scheduler.cost_model import CostModel, profile_for_device
-from services.scheduler.credits import credit_of
+from services.scheduler.credits import credit_of, due_s, threshold_s
 from services.scheduler.policy import (
     Assignment,
     Decision,
@@ -57,10 +60,12 @@ _NO_ADAPTER = ""  # sort key of the base model among adapter names
 
 class CreditPolicy(SchedulingPolicy):
     def __init__(self, cost: CostModel | None = None, *, theta_s: float = 1.0, mixture: bool = True,
-                 profiles: Mapping[str, CostModel] | None = None) -> None:
+                 profiles: Mapping[str, CostModel] | None = None, deadlines: bool = True) -> None:
         self.cost = cost or CostModel()
         self.theta_s = theta_s
         self.mixture = mixture
+        # False: latency objectives are ignored (Alg. 1 as the paper has it), for comparisons.
+        self.deadlines = deadlines
         self.profiles = dict(profiles or {})
         # Requests seen per adapter (popularity), and the ids already counted.
         self._seen: dict[str | None, int] = {}
@@ -82,10 +87,20 @@ class CreditPolicy(SchedulingPolicy):
         if len(self._counted) > 100_000:
             self._counted.clear()
 
+        if self.deadlines:
+            limit = {r.request_id: threshold_s(r, self.theta_s) for r in waiting}
+            due = {r.request_id: due_s(r, self.theta_s) for r in waiting}
+        else:
+            limit = dict.fromkeys(credit, self.theta_s)
+            due = {r.request_id: r.arrival_s for r in waiting}
+        starving_ids = {rid for rid, c in credit.items() if c > limit[rid]}
+
         def rank(r: WaitingRequest) -> tuple:
-            # Starving requests first, highest credit first; the others first come first served.
-            c = credit[r.request_id]
-            return (0, -c, r.arrival_s, r.request_id) if c > self.theta_s else (1, 0.0, r.arrival_s, r.request_id)
+            # Starving requests first, the most past its own threshold first; the others earliest due.
+            rid = r.request_id
+            if rid in starving_ids:
+                return (0, -credit[rid] / limit[rid], r.arrival_s, rid)
+            return (1, due[rid], r.arrival_s, rid)
 
         remaining: dict[str, WaitingRequest] = {r.request_id: r for r in sorted(waiting, key=rank)}
         wanted: dict[str | None, int] = {}
@@ -112,7 +127,7 @@ class CreditPolicy(SchedulingPolicy):
             # Slots the workers planned after this one still offer: requests this worker leaves
             # behind up to that many do not wait a round.
             spare = sum(v.free_slots for v in ordered[k + 1:])
-            mode, target, batch = self._plan(w, eligible, credit, free, spare)
+            mode, target, batch = self._plan(w, eligible, starving_ids, free, spare)
             if mode != Mode.MERGED and spare:
                 # Load balance: a worker serving every adapter takes its share of the queue in
                 # proportion to its free slots; the workers after it take the rest.
@@ -129,10 +144,10 @@ class CreditPolicy(SchedulingPolicy):
         return decision
 
     # -- one worker ----------------------------------------------------------------------------
-    def _plan(self, w: WorkerView, eligible: list[WaitingRequest], credit: dict[str, float], free: int,
+    def _plan(self, w: WorkerView, eligible: list[WaitingRequest], starving_ids: set[str], free: int,
               spare: int = 0) -> tuple[Mode, str | None, list[WaitingRequest]]:
         """(mode, merged adapter, requests to place) for worker `w`; `eligible` starving first."""
-        starving = [r for r in eligible if credit[r.request_id] > self.theta_s]
+        starving = [r for r in eligible if r.request_id in starving_ids]
         current = merged_of(w)
         if starving and (not self.mixture or len(starving) > w.max_batch_size / 2):
             return Mode.UNMERGED, None, eligible[:free]
@@ -140,7 +155,6 @@ class CreditPolicy(SchedulingPolicy):
             target = current
             if target is None:  # unmerged already serves every adapter: no switch for mixture
                 return Mode.UNMERGED, None, eligible[:free]
-            starving_ids = {r.request_id for r in starving}
             rest = [r for r in eligible if r.request_id not in starving_ids]
             ordered = starving + [r for r in rest if r.adapter == target] + [r for r in rest if r.adapter != target]
             return Mode.MIXTURE, target, ordered[:free]

@@ -34,7 +34,8 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
                       watch_interval_s=settings.status_watch_interval_ms / 1e3)
     if policy is None:
         cost = load_profile(settings.cost_profile, settings.cost_results_dir or None)
-        policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s)
+        policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s,
+                             deadlines=settings.slo_deadlines)
     dispatcher = Dispatcher(pool, policy, max_queue=settings.max_queue,
                             retry_after_s=settings.retry_after_s, tick_s=settings.dispatch_tick_s,
                             mode_switch_timeout_s=settings.mode_switch_timeout_s)

@@ -77,6 +77,7 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             images=len(item.images),
             label=item.output_kind == types_pb2.OUTPUT_KIND_LABEL,
             prompt_tokens=len(item.prompt_token_ids) or estimate_prompt_tokens(item.prompt),
+            slo_s=max(0.0, item.slo_ms) / 1000.0,
         )
         adapter_label = metrics.adapter_label(pending.adapter or "")
         self.dispatcher.admit(pending)

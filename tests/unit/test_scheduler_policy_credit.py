@@ -6,7 +6,7 @@ import pytest
 
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.cost_model import CostModel
-from services.scheduler.credits import credit_of, starving
+from services.scheduler.credits import credit_of, due_s, starving, threshold_s
 from services.scheduler.policies import POLICY_NAMES, make_policy
 from services.scheduler.policy import ModeCommand, PrefetchHint, WaitingRequest, WorkerView
 from services.common.modes import Mode
@@ -24,8 +24,8 @@ def worker(address="w1", *, running=0, max_batch=16, mode=Mode.UNMERGED, merged=
                       dict(running_adapters or {}))
 
 
-def req(rid, adapter=A, *, waited=0.0, label=False, excluded=()):
-    return WaitingRequest(rid, NOW - waited, adapter, frozenset(excluded), 32, 1, label)
+def req(rid, adapter=A, *, waited=0.0, label=False, excluded=(), slo_s=0.0):
+    return WaitingRequest(rid, NOW - waited, adapter, frozenset(excluded), 32, 1, label, slo_s=slo_s)
 
 
 def valora(theta=1.0, cost=COST):
@@ -102,6 +102,56 @@ def test_dlora_has_no_mixture_any_starvation_unmerges():
     d = make_policy("dlora").decide(NOW, [req("a1"), req("b-old", B, waited=3.0)], [w])
     assert d.mode_commands == [ModeCommand("w1", Mode.UNMERGED, None)]
     assert set(placed(d)) == {"a1", "b-old"}
+
+
+# -- latency objectives (per-application SLO classes) -----------------------------------------------
+def test_thresholds_and_due_times_of_objectives():
+    plain, video, loose = req("p", waited=0.2), req("v", waited=0.1, slo_s=0.4), req("l", slo_s=30.0)
+    assert threshold_s(plain, 1.0) == 1.0 and due_s(plain, 1.0) == pytest.approx(NOW - 0.2 + 1.0)
+    assert threshold_s(video, 1.0) == pytest.approx(0.2) and due_s(video, 1.0) == pytest.approx(NOW + 0.3)
+    assert threshold_s(loose, 1.0) == 1.0 and due_s(loose, 1.0) == pytest.approx(NOW + 30.0)  # θ stays the bound
+
+
+def test_under_contention_the_tightest_deadlines_are_served_first():
+    # Two slots, six waiting (same adapter, none starving): earliest due first — task-head video
+    # requests with a 500 ms objective, then those without one (due at arrival + θ) in arrival
+    # order, a 20 s objective last; without deadlines the first two to arrive.
+    waiting = [req("old", waited=0.3), req("older", waited=0.35), req("video-1", label=True, waited=0.05, slo_s=0.5),
+               req("video-2", label=True, slo_s=0.5), req("loose", waited=0.5, slo_s=20.0), req("new")]
+    w = worker(max_batch=2)
+    assert [a.request_id for a in valora().decide(NOW, waiting, [w]).assignments] == ["video-1", "video-2"]
+    fcfs = CreditPolicy(COST, deadlines=False)
+    assert [a.request_id for a in fcfs.decide(NOW, waiting, [w]).assignments] == ["loose", "older"]
+    roomy = [a.request_id for a in valora().decide(NOW, waiting, [worker(max_batch=6)]).assignments]
+    assert roomy == ["video-1", "video-2", "older", "old", "new", "loose"]
+
+
+def test_a_request_past_half_its_objective_opens_a_merged_worker_to_mixture():
+    # A merged worker leaves another adapter's request waiting until it starves (θ = 1 s); one
+    # with a 300 ms objective that has waited 200 ms starves now, and goes first.
+    w = worker(mode=Mode.MERGED, merged=A, running=12, running_adapters={A: 12})
+    waiting = [req("a1"), req("b-video", B, waited=0.2, slo_s=0.3)]
+    d = valora().decide(NOW, waiting, [w])
+    assert d.mode_commands == [ModeCommand("w1", Mode.MIXTURE, A)]
+    assert d.assignments[0].request_id == "b-video"
+    ignored = CreditPolicy(COST, deadlines=False).decide(NOW, waiting, [w])
+    assert ignored.mode_commands == [] and placed(ignored) == {"a1": "w1"}  # the paper's rule alone
+    # The same wait without an objective does not starve.
+    plain = valora().decide(NOW, [req("a1"), req("b", B, waited=0.2)], [w])
+    assert plain.mode_commands == [] and placed(plain) == {"a1": "w1"}
+
+
+def test_without_objectives_deadlines_change_nothing():
+    """Default behaviour: with no objective anywhere the decisions are those of Alg. 1 as the
+    paper has it (deadlines=False), starving or not, merged or not."""
+    queues = [[req(f"r{i}", (A, B, C, D)[i % 4], waited=0.3 * i, label=i % 3 == 0) for i in range(12)],
+              [req(f"s{i}", B, waited=1.5 + 0.1 * i) for i in range(5)] + [req("a", A)]]
+    pools = [[worker(max_batch=4)], [worker(mode=Mode.MERGED, merged=A, running=2, running_adapters={A: 2}),
+                                     worker("w2", max_batch=3, resident=[B])]]
+    for waiting in queues:
+        for workers in pools:
+            assert valora().decide(NOW, waiting, workers) == CreditPolicy(COST, deadlines=False).decide(
+                NOW, waiting, workers)
 
 
 # -- placement over workers ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from prometheus_client import REGISTRY
 
 from services.common.server import REQUEST_ID_KEY
 from services.scheduler.config import SchedulerSettings
@@ -35,8 +36,10 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     """Streams "hel", "lo" then a result; or fails / hangs as told."""
 
     def __init__(self, *, healthy=True, max_batch=4, resident=(), fail_before_first=False,
-                 fail_after_first=False, hang=False, merged="", stall_after_first=False):
+                 fail_after_first=False, hang=False, merged="", stall_after_first=False,
+                 hold_first: asyncio.Event | None = None):
         self.healthy, self.max_batch, self.resident = healthy, max_batch, list(resident)
+        self.hold_first = hold_first  # the first call waits for it: a worker busy while a queue builds
         self.mode = types_pb2.INFERENCE_MODE_MERGED if merged else types_pb2.INFERENCE_MODE_UNMERGED
         self.merged = merged
         self.events: list[str] = []
@@ -51,6 +54,8 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         self.calls.append((request.item.request_id, md.get(REQUEST_ID_KEY, "")))
         self.events.append(f"generate {request.item.adapter.version}")
         self.remaining = context.time_remaining()
+        if self.hold_first is not None and len(self.calls) == 1:
+            await self.hold_first.wait()
         if self.fail_before_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died")
         if self.hang:
@@ -111,8 +116,9 @@ async def cluster(*workers: FakeWorker, **settings):
             await server.stop(0)
 
 
-def submit_request(rid="r1", adapter=ADAPTER):
-    item = work_pb2.WorkItem(request_id=rid, prompt="what is it?", output_kind=types_pb2.OUTPUT_KIND_TEXT)
+def submit_request(rid="r1", adapter=ADAPTER, slo_ms=0.0, slo_class=""):
+    item = work_pb2.WorkItem(request_id=rid, prompt="what is it?", output_kind=types_pb2.OUTPUT_KIND_TEXT,
+                             slo_ms=slo_ms, slo_class=slo_class)
     if adapter:
         item.adapter.CopyFrom(work_pb2.AdapterRef(version=adapter, sha256="ab" * 32))
     return scheduler_service_pb2.SubmitRequest(item=item)
@@ -291,6 +297,50 @@ async def test_waiting_requests_adapter_is_prefetched_to_a_worker():
             call.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                 await r
+
+
+def slo_count(slo_class, outcome):
+    return REGISTRY.get_sample_value("valora:slo_requests_total", {"slo_class": slo_class, "outcome": outcome}) or 0
+
+
+@pytest.mark.parametrize("deadlines", [True, False])
+async def test_under_contention_tighter_objectives_run_first_and_attainment_is_counted(deadlines):
+    """One slot, busy while a queue builds: two requests without an objective, two with 800 ms
+    (tighter than θ = 1 s, the objective-less requests' bound), one with 60 s and, last, one with
+    1 ms. Earliest deadline first serves 1 ms, 800 ms, none, 60 s; without deadlines arrival order.
+    Attainment counts per class whatever the order: the 1 ms one is over, the others within."""
+    held = asyncio.Event()
+    w = FakeWorker(max_batch=1, hold_first=held)
+    queued = [("bulk-1", 0.0, ""), ("bulk-2", 0.0, ""), ("video-1", 800.0, "t-video"), ("video-2", 800.0, "t-video"),
+              ("loose-1", 60_000.0, "t-loose"), ("tight-1", 1.0, "t-tight")]
+    classes = [("t-video", "within"), ("t-video", "over"), ("t-loose", "within"), ("t-loose", "over"),
+               ("t-tight", "within"), ("t-tight", "over")]
+    before = {k: slo_count(*k) for k in classes}
+    async with cluster(w, slo_deadlines=deadlines) as stub:
+        async def queued_is(n):
+            st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
+            return st.queued_requests == n
+
+        async def started():
+            return bool(w.calls)
+
+        first = asyncio.ensure_future(collect(stub, submit_request("r0")))
+        await wait_until(started)
+        calls = []
+        for n, (rid, slo_ms, slo_class) in enumerate(queued, 1):  # one at a time: arrival order is this order
+            calls.append(asyncio.ensure_future(collect(stub, submit_request(rid, slo_ms=slo_ms, slo_class=slo_class))))
+            await wait_until(lambda n=n: queued_is(n))
+        held.set()
+        outs = await asyncio.gather(first, *calls)
+    assert all(out[-1].result.text == "hello" for out in outs)
+    order = [rid for rid, _ in w.calls[1:]]
+    if deadlines:
+        assert order == ["tight-1", "video-1", "video-2", "bulk-1", "bulk-2", "loose-1"]
+    else:
+        assert order == [rid for rid, _, _ in queued]
+    moved = {k: slo_count(*k) - v for k, v in before.items()}
+    assert moved == {("t-video", "within"): 2, ("t-video", "over"): 0, ("t-loose", "within"): 1,
+                     ("t-loose", "over"): 0, ("t-tight", "within"): 0, ("t-tight", "over"): 1}
 
 
 def test_worker_addresses_from_env(monkeypatch):
