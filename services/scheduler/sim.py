@@ -16,7 +16,12 @@ least recently used evicted), then runs one step over all its rows:
 `CostModel.step_ms` prices the step. The policy (`SchedulingPolicy.decide`) is called on every
 arrival and every step boundary while requests wait and some worker has room, with the same
 `WaitingRequest`/`WorkerView` dataclasses the dispatcher builds. The scheduler does not know
-output lengths (max_new_tokens 0: the cost model's default), only prompt sizes and task kind.
+output lengths (max_new_tokens 0: the cost model's default), only prompt sizes, task kind and
+the task's latency objective.
+
+Per SLO class (`TraceRequest.slo_class`, the application) the result has latency statistics and,
+for objectives, attainment counted as services/scheduler/slo.py counts it: a request is within
+when it finished within its objective; one left unfinished is over.
 """
 
 from __future__ import annotations
@@ -103,6 +108,9 @@ class SimResult:
     max_queue_by_adapter: dict[str | None, float]
     unfinished: int = 0
     mode_time_s: dict[str, float] = field(default_factory=dict)
+    # Per SLO class (application): n, mean/p50/p99 ms, throughput, and with an objective
+    # slo_ms, within, over, attainment.
+    classes: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> dict:
         lat = sorted(self.latencies_s)
@@ -118,6 +126,7 @@ class SimResult:
             "throughput_rps": self.completed / self.makespan_s if self.makespan_s > 0 else 0.0,
             "switches_per_s": self.switches / self.makespan_s if self.makespan_s > 0 else 0.0,
             "max_queue_ms": 1000 * max(self.max_queue_by_adapter.values(), default=0.0),
+            "classes": self.classes,
         }
 
 
@@ -170,7 +179,8 @@ class Simulator:
         if not self.waiting or not any(w.load() < w.max_batch for w in self.workers):
             return
         waiting = [WaitingRequest(s.req.request_id, s.req.arrival_s, s.req.adapter, frozenset(),
-                                  0 if not s.req.label else 1, s.req.images, s.req.label, s.req.prompt_tokens)
+                                  0 if not s.req.label else 1, s.req.images, s.req.label, s.req.prompt_tokens,
+                                  s.req.slo_s)
                    for s in self.waiting.values()]
         decision = self.policy.decide(self.now, waiting, [w.view() for w in self.workers])
         self.decisions += 1
@@ -273,7 +283,29 @@ class Simulator:
                 mode_time[k] = mode_time.get(k, 0.0) + v
         return SimResult(self.name, len(done), lat, tok, ttft, queue, end - start,
                          sum(w.switches for w in self.workers), sum(w.loads for w in self.workers), max_q,
-                         unfinished=submitted - len(done), mode_time_s=mode_time)
+                         unfinished=submitted - len(done), mode_time_s=mode_time,
+                         classes=self._classes(end - start))
+
+    def _classes(self, span_s: float) -> dict[str, dict]:
+        unfinished = [s.req for s in self.waiting.values()]
+        unfinished += [s.req for w in self.workers for s in itertools.chain(w.running, w.admitted)]
+        out: dict[str, dict] = {}
+        for name in sorted(({s.req.slo_class for s in self.done} | {r.slo_class for r in unfinished}) - {""}):
+            done = [s for s in self.done if s.req.slo_class == name]
+            lat = sorted(s.done_s - s.req.arrival_s for s in done)
+            row = {"n": len(done), "unfinished": sum(r.slo_class == name for r in unfinished),
+                   "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
+                   "p50_ms": 1000 * _pct(lat, 0.50), "p99_ms": 1000 * _pct(lat, 0.99),
+                   "throughput_rps": len(done) / span_s if span_s > 0 else 0.0}
+            objectives = {s.req.slo_s for s in done} | {r.slo_s for r in unfinished if r.slo_class == name}
+            if max(objectives, default=0.0) > 0:
+                within = sum(s.done_s - s.req.arrival_s <= s.req.slo_s for s in done if s.req.slo_s > 0)
+                counted = sum(s.req.slo_s > 0 for s in done) + sum(r.slo_class == name and r.slo_s > 0
+                                                                    for r in unfinished)
+                row |= {"slo_ms": 1000 * max(objectives), "within": within, "over": counted - within,
+                        "attainment": within / counted if counted else float("nan")}
+            out[name] = row
+        return out
 
 
 def simulate(policy: SchedulingPolicy, trace: Sequence[TraceRequest], cost: CostModel, **kwargs) -> SimResult:
@@ -300,6 +332,8 @@ def run_matrix(policies: Sequence[str], alphas: Sequence[float], rates: Sequence
                        "ttft_ms": s["ttft_ms"], "max_queue_ms": s["max_queue_ms"], "completed": s["completed"],
                        "unfinished": s["unfinished"],
                        "mode_time_s": {k: round(v, 3) for k, v in sorted(res.mode_time_s.items())}}
+                if res.classes:
+                    row["classes"] = res.classes
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)

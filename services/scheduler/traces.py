@@ -1,8 +1,10 @@
 """Request traces for the scheduling simulator: synthetic (Poisson / gamma-bursty arrivals,
-Zipf adapter popularity, task-head + generation mix) and the Azure LLM inference trace CSV.
+Zipf adapter popularity, task-head + generation mix), the Azure LLM inference trace CSV, and the
+paper's two applications at once (`two_app_trace`: video streams + visual retrieval).
 
 A `TraceRequest` is what a client would send: arrival time, adapter, prompt tokens, images,
-tokens to generate (1 for a task-head request, which answers from one forward pass).
+tokens to generate (1 for a task-head request, which answers from one forward pass), and the
+latency objective of the task it names, if any (valora.v1.Task.slo_ms / slo_class).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class TraceRequest:
     output_tokens: int
     # A vision task-head request (classification, counting): one forward, no decoding.
     label: bool = False
+    # The task's latency objective in seconds (0 = none) and its SLO class.
+    slo_s: float = 0.0
+    slo_class: str = ""
 
 
 def adapter_names(n: int) -> list[str]:
@@ -69,6 +74,49 @@ def synthetic_trace(*, n: int, rate: float, alpha: float, adapters: int = 64, bu
         label = rng.random() < task_head_fraction
         tokens = 1 if label else min(max_output_tokens, max(2, round(rng.expovariate(1.0 / mean_output_tokens))))
         out.append(TraceRequest(f"r{i}", t, a, rng.randint(*prompt_tokens), images, tokens, label))
+    return out
+
+
+def two_app_trace(*, seconds: float, streams: int, retrieval_rate: float, video_tasks: int = 4,
+                  frames: int = 4, video_slo_ms: float = 1000.0, retrieval_slo_ms: float = 0.0,
+                  retrieval_adapters: int = 64, alpha: float = 1.0, prompt_tokens: tuple[int, int] = (16, 64),
+                  mean_output_tokens: float = 32.0, max_output_tokens: int = 256,
+                  seed: int = 0) -> list[TraceRequest]:
+    """Issue 23's two applications for `seconds`:
+
+    - video analytics: `streams` cameras, each sending one chunk of `frames` frames per second
+      (its own phase, ±5% jitter) to one of `video_tasks` task-head adapters (stream i → task
+      i mod video_tasks); class "video", objective `video_slo_ms` (the chunk period: an answer
+      later than the next chunk is of no use; 0: none);
+    - visual retrieval: Poisson arrivals at `retrieval_rate`/s of image + question generation
+      requests to Zipf(`alpha`) text adapters; class "retrieval", objective `retrieval_slo_ms`
+      (0: none, the throughput application).
+
+    Here the class names the application even without an objective (the simulator reports per
+    class); the store keeps a class only with an objective."""
+    rng = random.Random(seed)
+    video_names = [f"adapters/video{i}/versions/1" for i in range(video_tasks)]
+    out: list[TraceRequest] = []
+    for s in range(streams):
+        t = rng.random()  # phase
+        k = 0
+        while t < seconds:
+            out.append(TraceRequest(f"v{s}-{k}", t, video_names[s % video_tasks], rng.randint(*prompt_tokens),
+                                    frames, 1, True, video_slo_ms / 1000.0, "video"))
+            t += 1.0 * (1.0 + rng.uniform(-0.05, 0.05))
+            k += 1
+    names = adapter_names(retrieval_adapters)
+    weights = zipf_weights(retrieval_adapters, alpha)
+    t, i = 0.0, 0
+    while True:
+        t += rng.expovariate(retrieval_rate)
+        if t >= seconds:
+            break
+        tokens = min(max_output_tokens, max(2, round(rng.expovariate(1.0 / mean_output_tokens))))
+        out.append(TraceRequest(f"q{i}", t, rng.choices(names, weights=weights, k=1)[0], rng.randint(*prompt_tokens),
+                                1, tokens, False, retrieval_slo_ms / 1000.0, "retrieval"))
+        i += 1
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
 
 

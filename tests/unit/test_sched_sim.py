@@ -15,6 +15,7 @@ from services.scheduler.traces import (
     load_azure_csv,
     synthetic_trace,
     trace_stats,
+    two_app_trace,
     zipf_weights,
 )
 
@@ -91,6 +92,18 @@ def test_merged_steps_skip_the_lora_term_and_profiles_exist():
         load_profile("tpu")
 
 
+def test_two_app_trace_streams_chunks_per_second_beside_poisson_retrieval():
+    tr = two_app_trace(seconds=20, streams=8, retrieval_rate=30.0, video_tasks=4, video_slo_ms=250.0, seed=1)
+    video = [r for r in tr if r.slo_class == "video"]
+    retrieval = [r for r in tr if r.slo_class == "retrieval"]
+    assert len(video) + len(retrieval) == len(tr) and tr == sorted(tr, key=lambda r: r.arrival_s)
+    assert 8 * 19 <= len(video) <= 8 * 21  # one chunk a second per stream
+    assert all(r.label and r.images == 4 and r.slo_s == 0.25 for r in video)
+    assert len({r.adapter for r in video}) == 4
+    assert len(retrieval) / 20 == pytest.approx(30.0, rel=0.15)
+    assert all(not r.label and r.slo_s == 0.0 for r in retrieval)  # the throughput application: no objective
+
+
 # -- simulator ------------------------------------------------------------------------------------
 def _with_rare(trace, every_s=1.5):
     end = trace[-1].arrival_s
@@ -139,6 +152,46 @@ def test_baselines_in_the_simulator_behave_as_named():
     assert seen["slora"] <= {Mode.UNMERGED} and seen["punica"] <= {Mode.UNMERGED}
     assert Mode.MIXTURE not in seen["dlora"]
     assert Mode.MERGED in seen["valora"]
+
+
+def test_deadline_ordering_raises_the_video_class_attainment_in_the_simulator():
+    """Video chunks with a 1 s objective beside retrieval past the workers' capacity: valora with
+    deadlines meets the objective for more chunks than without, and finishes the same work."""
+    trace = two_app_trace(seconds=8, streams=16, retrieval_rate=70.0, seed=2)
+    on, off = (simulate(make_policy("valora", COST, deadlines=d), trace, COST, workers=2, max_batch=16)
+               for d in (True, False))
+    v_on, v_off = on.classes["video"], off.classes["video"]
+    assert v_on["within"] + v_on["over"] == v_off["within"] + v_off["over"] == sum(r.slo_class == "video"
+                                                                                   for r in trace)
+    assert v_on["attainment"] > v_off["attainment"] + 0.1
+    assert "attainment" not in on.classes["retrieval"]  # no objective, latency figures only
+    assert on.completed == off.completed == len(trace)
+
+
+def test_without_objectives_the_simulation_is_the_same_with_or_without_deadlines():
+    trace = synthetic_trace(n=400, rate=60.0, alpha=1.0, adapters=32, seed=4)
+    on, off = (simulate(make_policy("valora", COST, deadlines=d), trace, COST, workers=2, max_batch=8)
+               for d in (True, False))
+    assert on.latencies_s == off.latencies_s and on.switches == off.switches and on.classes == off.classes == {}
+
+
+def test_bench_sched_cli_two_app_rows_carry_classes(tmp_path):
+    from valora.cli import app
+
+    out = tmp_path / "sched.json"
+    result = CliRunner().invoke(app, ["bench", "sched", "--workload", "two-app", "--alphas", "1", "--rates", "20",
+                                      "--seconds", "3", "--video-streams", "4", "--deadlines", "both",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert sorted((r["policy"], r["deadlines"]) for r in rows if r["policy"] in ("valora", "dlora")) == [
+        ("dlora", False), ("dlora", True), ("valora", False), ("valora", True)]
+    assert {r["deadlines"] for r in rows if r["policy"] in ("slora", "punica")} == {None}
+    for r in rows:
+        assert r["trace"] == "two-app" and set(r["classes"]) == {"video", "retrieval"}
+        assert 0.0 <= r["classes"]["video"]["attainment"] <= 1.0 and r["classes"]["video"]["slo_ms"] == 1000.0
+    assert data["info"]["two_app"]["video_streams"] == 4
 
 
 def test_bench_sched_cli_writes_rows(tmp_path):
