@@ -6,9 +6,12 @@ leaving it behind a merged adapter.
 
 A request with a latency objective (its task's slo_ms, `WaitingRequest.slo_s`) brings its own
 bound: it is due at arrival + objective, and it starves once its credit passes `SLO_URGENT_SHARE`
-of the objective (when that is tighter than θ). A request without one is due at arrival + θ, so
-with no objectives anywhere earliest-due is first come first served and every threshold is θ:
-the paper's rule unchanged. (services/scheduler/slo.py counts whether objectives were met.)
+of the objective (when that is tighter than θ). While its credit is still within the objective
+(run now, it would finish in time: `claims_deadline`) a starving one goes before every other
+starving request; once the objective is lost it is one more starving request in credit order. A
+request without one is due at arrival + θ, so with no objectives anywhere earliest-due is first
+come first served and every threshold is θ: the paper's rule unchanged.
+(services/scheduler/slo.py counts whether objectives were met.)
 """
 
 from __future__ import annotations
@@ -73,6 +76,15 @@ def due_s(req, theta_s: float) -> float:
     policy's own bound, so objective-less requests keep their arrival order among themselves)."""
     slo_s = getattr(req, "slo_s", 0.0)
     return req.arrival_s + (slo_s if slo_s > 0 else theta_s)
+
+
+def claims_deadline(req, credit_s: float) -> bool:
+    """Whether `req` (starving) is served by its deadline ahead of the credit order: it has an
+    objective and, run now, would still meet it (credit = wait + estimated run within it). A
+    request past that point is late whatever happens; putting it first would make the ones
+    still in time late too (EDF's domino under overload)."""
+    slo_s = getattr(req, "slo_s", 0.0)
+    return 0 < slo_s and credit_s <= slo_s
 
 
 def starving(credits: Iterable[Credit], theta_s: float) -> list[Credit]:

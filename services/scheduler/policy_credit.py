@@ -6,10 +6,11 @@ and allowed there:
 
 1. credits: waiting time + estimated execution time (credits.py, cost_model.py); *starving* =
    credit > θ (`theta_s`), or for a request with a latency objective credit > the tighter of θ and
-   half its objective (`credits.threshold_s`). Starving requests are taken first (highest credit
-   in units of its threshold first: the highest credit when all thresholds are θ), the others
-   earliest due first (`credits.due_s`: arrival + objective, arrival + θ without one — first come
-   first served when no request has an objective).
+   half its objective (`credits.threshold_s`). Starving requests are taken first: those whose
+   objective can still be met earliest deadline first (`credits.claims_deadline`), then the
+   others highest credit first; the requests not starving earliest due first (`credits.due_s`:
+   arrival + objective, arrival + θ without one — first come first served when no request has
+   an objective).
 2. more than half of `max_batch_size` starving → UNMERGED, the batch by credit.
    (dLoRA: any starving request → UNMERGED; it has no mixture mode.)
 3. some starving → MIXTURE: the merged adapter stays, starving requests first, then the merged
@@ -41,7 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from services.scheduler.cost_model import CostModel, profile_for_device
-from services.scheduler.credits import credit_of, due_s, threshold_s
+from services.scheduler.credits import claims_deadline, credit_of, due_s, threshold_s
 from services.scheduler.policy import (
     Assignment,
     Decision,
@@ -96,11 +97,14 @@ class CreditPolicy(SchedulingPolicy):
         starving_ids = {rid for rid, c in credit.items() if c > limit[rid]}
 
         def rank(r: WaitingRequest) -> tuple:
-            # Starving requests first, the most past its own threshold first; the others earliest due.
+            # Starving requests whose objective can still be met, earliest deadline first; the
+            # other starving ones, highest credit first; the rest, earliest due first.
             rid = r.request_id
-            if rid in starving_ids:
-                return (0, -credit[rid] / limit[rid], r.arrival_s, rid)
-            return (1, due[rid], r.arrival_s, rid)
+            if rid not in starving_ids:
+                return (2, due[rid], r.arrival_s, rid)
+            if self.deadlines and claims_deadline(r, credit[rid]):
+                return (0, due[rid], r.arrival_s, rid)
+            return (1, -credit[rid], r.arrival_s, rid)
 
         remaining: dict[str, WaitingRequest] = {r.request_id: r for r in sorted(waiting, key=rank)}
         wanted: dict[str | None, int] = {}

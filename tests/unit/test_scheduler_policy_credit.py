@@ -141,6 +141,20 @@ def test_a_request_past_half_its_objective_opens_a_merged_worker_to_mixture():
     assert plain.mode_commands == [] and placed(plain) == {"a1": "w1"}
 
 
+def test_starving_requests_still_in_time_go_before_starving_ones_without_objectives():
+    # Past capacity everyone starves. A video request that can still make its 500 ms objective
+    # goes before retrieval requests starving longer (credit order would put it last); one that
+    # has lost its objective is one more starving request in credit order, so it does not make
+    # the ones still in time late too.
+    waiting = [req("retrieval-old", waited=2.0), req("retrieval", waited=1.5),
+               req("video", label=True, waited=0.4, slo_s=0.5), req("video-lost", label=True, waited=1.6, slo_s=0.5)]
+    w = worker(max_batch=4)
+    assert [a.request_id for a in valora().decide(NOW, waiting, [w]).assignments] == [
+        "video", "retrieval-old", "retrieval", "video-lost"]
+    assert [a.request_id for a in CreditPolicy(COST, deadlines=False).decide(NOW, waiting, [w]).assignments] == [
+        "retrieval-old", "retrieval", "video-lost", "video"]  # 0.4 s + a forward is below θ: not starving
+
+
 def test_without_objectives_deadlines_change_nothing():
     """Default behaviour: with no objective anywhere the decisions are those of Alg. 1 as the
     paper has it (deadlines=False), starving or not, merged or not."""
