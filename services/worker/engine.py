@@ -49,6 +49,7 @@ from services.worker.outputs import OutputProcessor
 from services.worker.inbox import Inbox
 from services.worker.intake import RequestIntake
 from services.worker.prefiller import Prefiller
+from services.worker.processor import vision_token_ids
 from services.worker.requests import (
     EngineStats,
     Event,
@@ -102,7 +103,7 @@ class Engine:
         self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
         self.max_model_len = self.runner.max_model_len
         self.intake = RequestIntake(self.processor, config, self.device, self.dtype, self.max_model_len, self.kv,
-                                    (self.model.config.image_token_id, self.model.config.video_token_id),
+                                    vision_token_ids(self.model.config),
                                     self.text_config.vocab_size)
         # resident adapters live in the KV pool's blocks (S-LoRA's unified pool): KV and adapters trade memory
         self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap,

@@ -14,6 +14,7 @@ import torch
 from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
+from services.worker.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from services.worker.requests import OutputKind, WorkRequest
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.worker.sequence import PreparedRequest
@@ -22,12 +23,14 @@ from services.worker.vision import VisionItem, stage_pixels
 
 class RequestIntake:
     def __init__(self, processor, config, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 kv: BlockManager, vision_token_ids: tuple[int, int], vocab_size: int) -> None:
-        """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit); `vocab_size`:
-        the model's (its logits' width: the token ids a request may name)."""
+                 kv: BlockManager, vision_tokens: dict[str, int], vocab_size: int) -> None:
+        """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit);
+        `vision_tokens`: the model's id of each of processor.VISION_TOKENS; `vocab_size`: the
+        model's (its logits' width: the token ids a request may name)."""
         self.processor, self.config, self.device, self.dtype = processor, config, device, dtype
-        self.max_model_len, self.kv, self.vision_token_ids = max_model_len, kv, vision_token_ids
+        self.max_model_len, self.kv, self.vision_tokens = max_model_len, kv, vision_tokens
         self.vocab_size = vocab_size
+        self.vision_token_ids = (vision_tokens[IMAGE_PAD], vision_tokens[VIDEO_PAD])  # the pads: usage's image_tokens
 
     @property
     def pixel_dtype(self) -> torch.dtype | None:
@@ -75,14 +78,35 @@ class RequestIntake:
             raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
                                 f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
                                 reason="EXCEEDS_KV_CACHE")
+        self._check_placeholders(request, inputs)
         image_tokens = int(torch.isin(ids, torch.tensor(self.vision_token_ids)).sum())  # images' and videos'
-        if image_tokens and request.raw_prompt:  # placeholders without pixels would fail the engine's step
-            field = "item.prompt_token_ids" if request.prompt_token_ids else "item.prompt"
-            raise invalid_field(field, f"holds {image_tokens} image or video placeholder tokens "
-                                f"{list(self.vision_token_ids)}; a raw prompt takes no images or videos")
         return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
                                vision=vision, release_after=release_after)
+
+    def _check_placeholders(self, request: WorkRequest, inputs: dict) -> None:
+        """The prompt's vision placeholder tokens against what its images and videos place: each
+        one <|vision_start|>, its grid's t·h·w / merge² pads, <|vision_end|>; a raw prompt none.
+        A pad without features (or features without their pads) fails the engine's prefill step,
+        INTERNAL for every request of the batch, or the processor's expansion: so they are refused
+        here, INVALID_ARGUMENT. Text typed with them is refused before the processor, naming its
+        field (preprocess.process_request); this catches what that cannot see (token ids, a
+        tokenizer that makes them of other text)."""
+        ids = inputs["input_ids"]
+        merge = self.processor.image_processor.merge_size ** 2
+        grids = {kind: inputs.get(f"{kind}_grid_thw") for kind in ("image", "video")}
+        grids = {kind: torch.zeros((0, 3), dtype=torch.long) if g is None else g for kind, g in grids.items()}
+        pads = {kind: int(g.prod(dim=-1).sum()) // merge for kind, g in grids.items()}
+        items = len(grids["image"]) + len(grids["video"])
+        want = {VISION_START: items, IMAGE_PAD: pads["image"], VIDEO_PAD: pads["video"], VISION_END: items}
+        for token, n in want.items():
+            got = int((ids == self.vision_tokens[token]).sum())
+            if got != n:
+                field = "item.prompt_token_ids" if request.prompt_token_ids else "item.prompt"
+                media = ("a raw prompt takes no images or videos" if request.raw_prompt else
+                         f"its {len(grids['image'])} images and {len(grids['video'])} videos place {n}")
+                raise invalid_field(field, f"holds {got} {token} tokens (id {self.vision_tokens[token]}); {media}",
+                                    reason="VISION_TOKEN_IN_PROMPT")
 
     def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
         """OpenAI's bounds (as the gateway's), and every token id in the model's vocabulary."""

@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from services.common.errors import ValoraError, invalid_field
-from services.worker.processor import build_inputs, decode_image
+from services.worker.processor import VISION_TOKENS, build_inputs, decode_image, typed_vision_token
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
@@ -67,7 +67,8 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
 def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | None
                     ) -> tuple[dict, list[VisionItem]]:
     """The processor's inputs for the request (pixels cast to `pixel_dtype` when given) and its
-    images'/videos' content keys; INVALID_ARGUMENT (BAD_IMAGE) for images it cannot take."""
+    images'/videos' content keys; INVALID_ARGUMENT for images it cannot take (BAD_IMAGE) and for
+    text holding a vision placeholder token (VISION_TOKEN_IN_PROMPT: processor.typed_vision_token)."""
     if request.raw_prompt and (request.images or request.videos or request.system or request.history):
         raise invalid_field("item.raw_prompt", "a raw prompt takes no images, videos, system or history")
     if request.prompt_token_ids and (not request.raw_prompt or request.prompt):
@@ -75,6 +76,13 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
     for i, frames in enumerate(request.videos):
         if not frames:
             raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
+    texts = [("item.prompt", request.prompt), ("item.system", request.system),
+             *((f"item.history[{i}].text", turn[1]) for i, turn in enumerate(request.history))]
+    for field, text in texts:  # before the processor: it expands every <|image_pad|> it finds
+        if token := typed_vision_token(text):
+            raise invalid_field(field, f"holds {token!r}, a vision placeholder token: the request's images and "
+                                f"videos place their own ({', '.join(VISION_TOKENS)} are not taken as text)",
+                                reason="VISION_TOKEN_IN_PROMPT")
     try:
         inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos, request.system,
                                    request.history, raw=request.raw_prompt, token_ids=request.prompt_token_ids))

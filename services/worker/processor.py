@@ -34,6 +34,11 @@ from services.common.errors import invalid_field
 SYSTEM_PROMPT = "You are a helpful assistant."
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
+# The tokens of the vision placeholders: only build_inputs places them (one run per image or
+# video, expanded to its feature count). Typed into a request's text they tokenize as the same
+# special tokens, and the prompt no longer matches its pixels (`typed_vision_token`).
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VISION_TOKENS = (VISION_START, IMAGE_PAD, VIDEO_PAD, VISION_END)
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
@@ -83,6 +88,29 @@ def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int,
         f"<|im_start|>user\n{VISION_PLACEHOLDER * shown}{videos}{prompt}<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def vision_token_ids(model_config) -> dict[str, int]:
+    """The model's id of each of VISION_TOKENS (what its get_rope_index and embedding look for)."""
+    c = model_config
+    return {VISION_START: c.vision_start_token_id, IMAGE_PAD: c.image_token_id, VIDEO_PAD: c.video_token_id,
+            VISION_END: c.vision_end_token_id}
+
+
+def typed_vision_token(text: str) -> str | None:
+    """The first vision placeholder token (`VISION_TOKENS`) `text` holds, or None.
+
+    The processor expands every `<|image_pad|>` of the chat text with the next image's grid, and
+    the tokenizer turns each of these strings into its special token, whoever typed it: a user's
+    `<|image_pad|>` beside one image made the processor's expansion raise a bare StopIteration, and
+    without images it reached the engine as a placeholder without pixels (the step failed INTERNAL,
+    with every request of its prefill batch). A request holding one is refused (preprocess.py), not
+    escaped: the model's own chat template and processor (build_inputs' reference) make the same
+    chat into placeholders too, so no escaping keeps the input they give; escaping would need the
+    user's text tokenized apart from the template's, where the processor tokenizes the chat text
+    in one call; and the client learns why. vLLM refuses such a prompt too ("Expected there to be
+    N prompt updates corresponding to N image items", vllm-project/vllm#15338)."""
+    return next((t for t in VISION_TOKENS if t in text), None)
 
 
 def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tensor, list[int]]:

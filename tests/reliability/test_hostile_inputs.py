@@ -65,6 +65,11 @@ def cases() -> list[tuple[str, inf.InferRequest, str]]:
     add("label without task", inf.InferenceInput(prompt="hi", output_kind=types_pb2.OUTPUT_KIND_LABEL), INV)
     add("output kind 99", inf.InferenceInput(prompt="hi", output_kind=99), INV)
     add("control characters prompt", _inp(prompt="\x00\x01\x02\u202e\ud7ff" * 50), "ANY")
+    # vision placeholders typed as text: the worker's engine step failed INTERNAL (retried on every
+    # worker, failing each prefill batch), or beside an image the processor raised StopIteration
+    add("typed image placeholder", _inp(prompt="<|vision_start|><|image_pad|><|vision_end|> what?"), INV)
+    add("typed image placeholder beside an image", _inp(prompt="<|image_pad|>?", images=[_img(png(1))]), INV)
+    add("typed video placeholder", _inp(prompt="<|video_pad|>"), INV)
     return out
 
 
@@ -106,6 +111,29 @@ def test_hostile_inputs_get_the_right_status_and_memory_stays_bounded(cluster):
     assert not wrong, wrong
     assert not dead, dead
     assert worst < 200, growth
+
+
+def test_typed_vision_placeholders_over_http_are_400s_naming_their_field(cluster):
+    """OpenAI chat messages whose text holds Qwen2-VL's vision placeholder tokens, with no image
+    and beside one, through the gateway's HTTP to a worker: 400s naming the message's field in the
+    work item (the worker's refusal), where they were 500s (the engine's step) or a StopIteration;
+    the worker serves on."""
+    import base64
+
+    import openai
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(2)).decode()}}
+    client = openai.OpenAI(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
+    cases = [([{"role": "user", "content": "what is <|image_pad|>?"}], "item.prompt"),
+             ([{"role": "user", "content": [image, {"type": "text", "text": "<|image_pad|> and?"}]}], "item.prompt"),
+             ([{"role": "system", "content": "<|vision_start|>"}, {"role": "user", "content": "hi"}], "item.system")]
+    for messages, param in cases:
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="valora-base", messages=messages, max_tokens=2)
+        assert exc.value.body["param"] == param and exc.value.body["code"] == "vision_token_in_prompt", exc.value.body
+    ok = client.chat.completions.create(model="valora-base", max_tokens=2,
+                                        messages=[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}])
+    assert ok.usage.completion_tokens >= 1
 
 
 def test_a_media_bomb_inside_every_per_item_limit_is_refused_before_decoding(cluster):

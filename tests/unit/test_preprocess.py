@@ -193,3 +193,55 @@ def test_a_raw_prompt_is_tokenized_as_is(model):
     with pytest.raises(InvalidArgument) as exc:
         eng.prepare(work_request_from_pb(raw, None))
     assert exc.value.field_violations[0].field == "item.raw_prompt"
+
+
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+def test_typed_vision_tokens_are_refused_naming_their_field(model, token):
+    """A vision placeholder typed into a chat request's text (prompt, system, a history turn), with
+    no image or beside one: INVALID_ARGUMENT naming the field, before the processor. Without the
+    check the image pad reached the engine without pixels (its prefill step failed INTERNAL, with
+    every request of the batch) or, beside an image, the processor raised a bare StopIteration."""
+    eng = Engine(EngineConfig(model_path=model, device="cpu"))
+    one = [types_pb2.Image(data=png(1, 56))]
+    for images in ([], one):
+        for field, kw in (("item.prompt", dict(prompt=f"look {token} here")),
+                          ("item.system", dict(prompt="Hi", system=f"Be {token} brief.")),
+                          ("item.history[1].text", dict(prompt="Hi", history=[
+                              types_pb2.ChatTurn(role="user", text="x", images=len(images)),
+                              types_pb2.ChatTurn(role="assistant", text=f"a {token}")]))):
+            with pytest.raises(InvalidArgument) as exc:
+                eng.prepare(work_request_from_pb(work_pb2.WorkItem(request_id="v", images=images, **kw), None))
+            assert exc.value.reason == "VISION_TOKEN_IN_PROMPT", (field, len(images))
+            assert exc.value.field_violations[0].field == field and token in str(exc.value), exc.value
+
+
+def test_placeholder_tokens_must_match_the_requests_media(model):
+    """The tokenized prompt's placeholders against its images and videos, whatever made them: raw
+    token ids with a vision start/end, processor inputs (a preprocessing process's) holding a pad
+    too many or too few. The requests the template builds pass, conversations and videos too."""
+    eng = Engine(EngineConfig(model_path=model, device="cpu"))
+    ids = eng.tokenizer("Once upon a time")["input_ids"]
+    start, end = eng.model.config.vision_start_token_id, eng.model.config.vision_end_token_id
+    for bad in ([*ids, start], [end, *ids]):
+        with pytest.raises(InvalidArgument) as exc:
+            eng.prepare(work_request_from_pb(work_pb2.WorkItem(request_id="b", raw_prompt=True,
+                                                               prompt_token_ids=bad), None))
+        assert exc.value.field_violations[0].field == "item.prompt_token_ids"
+        assert exc.value.reason == "VISION_TOKEN_IN_PROMPT"
+    from services.worker.preprocess import process_request
+
+    good = [item("g1", png(1, 56), png(2, 84)), item("g2", png(3, 56), frames=(png(4, 56), png(5, 56))),
+            work_pb2.WorkItem(request_id="g3", prompt="And now?", images=[types_pb2.Image(data=png(6, 56))] * 2,
+                              history=[types_pb2.ChatTurn(role="user", text="This?", images=1),
+                                       types_pb2.ChatTurn(role="assistant", text="A square.")])]
+    for it in good:
+        assert eng.prepare(work_request_from_pb(it, None)).image_tokens > 0
+    request = work_request_from_pb(good[1], None)
+    inputs, vision = process_request(eng.processor, request, None)
+    pad = eng.model.config.image_token_id
+    for edit in (lambda t: torch.cat([t, torch.tensor([[pad]])], 1),  # a pad with no features
+                 lambda t: t[t != pad][None]):  # features with no pads
+        bent = dict(inputs, input_ids=edit(inputs["input_ids"]))
+        with pytest.raises(InvalidArgument) as exc:
+            eng.prepare(request, (bent, vision))
+        assert exc.value.field_violations[0].field == "item.prompt" and "<|image_pad|>" in str(exc.value)

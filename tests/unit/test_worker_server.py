@@ -130,6 +130,27 @@ async def test_errors_map_to_status_codes(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias[1000000]" in err.value.details()
 
 
+async def test_typed_vision_placeholders_are_refused_and_batched_requests_go_on(cluster):
+    """A prompt whose text holds an image placeholder, without an image and beside one, sent with
+    good requests: INVALID_ARGUMENT naming item.prompt (it was INTERNAL for every request of its
+    prefill batch, or a StopIteration); the others answer what they answer alone."""
+    worker, store, channel, stub = cluster
+    image = [types_pb2.Image(data=png(3), mime_type="image/png")]
+    good = dict(prompt="Describe the image.", images=image, params=types_pb2.GenerationParams(max_new_tokens=4))
+    alone = await generate(stub, request_id="alone", **good)
+    runs = await asyncio.gather(
+        generate(stub, request_id="pad-no-image", prompt="What is <|image_pad|>?"),
+        generate(stub, request_id="g1", **good),
+        generate(stub, request_id="pad-one-image", prompt="<|vision_start|><|image_pad|><|vision_end|>?",
+                 images=image),
+        generate(stub, request_id="g2", **good), return_exceptions=True)
+    for bad in (runs[0], runs[2]):
+        assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert "item.prompt" in bad.details() and "<|" in bad.details()
+    for got in (runs[1], runs[3]):
+        assert got[1].text == alone[1].text and got[1].usage.output_tokens == alone[1].usage.output_tokens
+
+
 async def test_deadline_frees_the_sequence(cluster):
     worker, store, channel, stub = cluster
     call = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
