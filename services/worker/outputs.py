@@ -37,10 +37,12 @@ class OutputProcessor:
         except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
             log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
 
-    def guard(self, seqs: list[Sequence], fn, *args) -> None:
-        """Runs one unit of work; an exception fails the requests involved, not the engine."""
+    def guard(self, seqs: list[Sequence], fn, *args) -> bool:
+        """Runs one unit of work; an exception fails the requests involved, not the engine.
+        Returns whether it ran without one."""
         try:
             fn(*args)
+            return True
         except Exception as exc:  # noqa: BLE001
             log.error("engine_step_failed", error=repr(exc), requests=[s.req.request_id for s in seqs])
             error = exc if isinstance(exc, ValoraError) else ValoraError(
@@ -48,6 +50,7 @@ class OutputProcessor:
             for s in seqs:
                 self.sched.finish(s)
                 self.emit(s, Failed(error))
+            return False
 
     def accept(self, s: Sequence, token: int, logprobs: list[float] | None = None) -> None:
         """A new token for `s` (`logprobs`: its packed log-probabilities, sampling.token_logprobs,

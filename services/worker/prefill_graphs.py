@@ -101,7 +101,6 @@ class PrefillGraphs(GraphSet):
         lora = None
         if step.active:
             lora = self.runtime.backend.launch_key() if step.kernel else "reference"
-        self.reference_steps += lora == "reference"
         e = self.entry((t, rows, lora), lambda: _Entry(**self._buffers(t, rows, embeds[0].dtype)),
                        graphless=lora == "reference")
         host = torch.zeros(e.inp.shape[0], dtype=torch.long)
@@ -116,9 +115,10 @@ class PrefillGraphs(GraphSet):
         host[4 * t:] = torch.tensor(tail, dtype=torch.long)
         e.inp.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
         torch.cat(embeds, out=e.embeds[:n])
-        self.padding_tokens += t - n
         self.blocks.sync()
-        (out,) = self.run(e, self._forward)
+        (out,) = self.run(e, self._forward)  # raises: the entry and the counters as they were
+        self.padding_tokens += t - n
+        self.reference_steps += lora == "reference"
         return out[:len(wanted)]
 
     def _buffers(self, t: int, rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -90,23 +90,37 @@ class GraphSet:
     def run(self, e: GraphEntry, forward: Callable[[GraphEntry], tuple]) -> tuple:
         """One forward of the entry (its buffers filled): replayed, captured or eager. Returns
         the forward's outputs, owned by the entry: read them (or queue their copy) before its
-        next run."""
-        e.seen += 1
-        self.static_steps += 1
-        if e.seen == 1:
-            self.warmup_steps += 1
-        elif e.graph is None and not e.graphless:
-            self._capture(e, forward)
+        next run.
+
+        A forward that raises (the engine fails or retries its rows: prefiller.py) leaves the
+        entry and the counters as they were: a warm-up that failed is not a warm-up (the next run
+        warms up again instead of capturing over uninitialised state), and a capture that failed
+        because the forward itself fails, run eagerly right after, is not held against the key
+        (it would go graph-less for good after three such forwards)."""
+        warmup = e.seen == 0
+        capture_failed = False
+        if not warmup and e.graph is None and not e.graphless:
+            capture_failed = not self._capture(e, forward)
         if e.graph is not None:
             e.graph.replay()
             self.replays += 1
         else:
-            if e.seen > 1 and self.capture:
+            try:
+                e.out = forward(e)
+            except BaseException:
+                if capture_failed:
+                    self._forgive(e)
+                raise
+            if not warmup and self.capture:
                 self.eager_steps += 1
-            e.out = forward(e)
+        e.seen += 1
+        self.static_steps += 1
+        self.warmup_steps += warmup
         return e.out
 
-    def _capture(self, e: GraphEntry, forward: Callable[[GraphEntry], tuple]) -> None:
+    def _capture(self, e: GraphEntry, forward: Callable[[GraphEntry], tuple]) -> bool:
+        """Captures the entry's graph (its first replay follows); False when the capture failed
+        (nothing kept: the caller runs the forward eagerly)."""
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"):
@@ -118,9 +132,17 @@ class GraphSet:
             log.warning(f"{self.name}_graph_capture_failed", error=repr(exc)[:500], failures=e.failures,
                         graphless=e.graphless)
             torch.cuda.synchronize(self.device)
-            return
+            return False
         e.graph, e.out = graph, out
         self.captures += 1
+        return True
+
+    def _forgive(self, e: GraphEntry) -> None:
+        """Takes back the capture failure just counted: the eager forward after it failed too,
+        so the forward failed, not the capture."""
+        e.failures -= 1
+        e.graphless = e.failures >= MAX_CAPTURE_FAILURES
+        self.capture_failures -= 1
 
     def release(self) -> None:
         """Frees every captured graph (at the engine's stop). A graph that captured NCCL

@@ -57,6 +57,12 @@ class StepTrace:
                                 prefill_tokens=sum(s.prefill_to - s.prefilled for s in prefill))
             self.mark("admit")
 
+    def note(self, **fields) -> None:
+        """Adds what this step did besides its phases to its line (e.g. a failed prefill batch's
+        rows retried alone, prefiller.py)."""
+        if self.on and self._marks:
+            self._record.update(fields)
+
     def end(self, decode_rows: int) -> None:
         """The step ends, having decoded `decode_rows` rows."""
         if not self.on or not self._marks:

@@ -96,16 +96,18 @@ class VisionTower:
         patches `pixels` one item after the other (on the device, any float dtype: the tower
         casts), in a tensor of their own."""
         e = self._entry(grid, count)
-        e.seen += 1
-        if e.graph is None and self.capture and not e.graphless and e.seen > 1 and self._graphable(grid, count):
+        if e.graph is None and self.capture and not e.graphless and e.seen > 0 and self._graphable(grid, count):
             self._capture(e, pixels, grid, count)
         if e.graph is not None:
             e.pixels.copy_(pixels)
             e.graph.replay()
             self.replays += 1
+            e.seen += 1
             return e.out.clone()
+        out = self._forward(pixels, grid, count, e)
+        e.seen += 1  # after it ran: a warm-up that raised (the prefill retries its rows) warms up again
         self.eager += 1
-        return self._forward(pixels, grid, count, e)
+        return out
 
     def _graphable(self, grid: tuple[int, int, int], count: int) -> bool:
         return count * grid[0] * grid[1] * grid[2] <= self.max_graph_patches

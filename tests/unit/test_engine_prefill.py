@@ -1,13 +1,16 @@
 """Batched prefill of the worker engine on the tiny Qwen2-VL (fp32): requests of different
 prompt lengths, adapters (and none), output kinds, images and videos prefilled in ONE forward
 answer exactly as each does alone (packed into one sequence, no padding); the step's token
-bound; a failing batched forward fails its requests only."""
+bound; a failing batched forward fails only the rows whose own forward fails."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import queue
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -40,8 +43,9 @@ def started_engine(model_path, **config) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def engine(model_path):
-    eng = started_engine(model_path)
+def engine(model_path, tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "steps.jsonl"  # the step trace, read by the failure tests
+    eng = started_engine(model_path, step_trace=str(trace))
     yield eng
     eng.stop()
 
@@ -205,30 +209,118 @@ def test_a_chunked_context_shares_its_steps_with_the_requests_around_it(engine, 
         assert results[r.request_id].result.token_ids == engine.generate(r)[1].token_ids, r.request_id
 
 
-def test_failed_batched_forward_fails_its_requests_only(engine):
+@contextlib.contextmanager
+def failing_prefill(engine, module, fails):
+    """Raises inside every prefill forward whose rows' request ids `fails(ids)` picks, from a
+    pre-hook on `module` (a decoder layer: the layers before it have written the rows' keys and
+    values; the LM head: every piece is cached, the first tokens are being chosen). Yields the
+    failed forwards' request ids, in order."""
+    current: list[str] = []
+    calls: list[list[str]] = []
+    prefill = engine.runner.prefill
+
+    def tracked(rows, step):
+        current[:] = [s.req.request_id for s in rows]
+        try:
+            return prefill(rows, step)
+        finally:
+            current.clear()
+
+    def boom(mod, args):
+        if current and fails(current):  # decode steps run these modules too: never fail them
+            calls.append(list(current))
+            raise RuntimeError("injected prefill failure")
+
+    engine.runner.prefill = tracked
+    hook = module.register_forward_pre_hook(boom)
+    try:
+        yield calls
+    finally:
+        hook.remove()
+        del engine.runner.prefill
+
+
+def wait_idle(engine):
+    """Until no sequence, cache or adapter pin is left (the last events reach sinks first)."""
+    for _ in range(200):
+        s = engine.stats()
+        if s.running == 0 and s.kv_cache_bytes == 0:
+            break
+        threading.Event().wait(0.01)
+    assert s.running == 0 and s.kv_cache_bytes == 0
+    assert not engine.pool._pins  # the failed requests' adapter slots were released
+
+
+@pytest.mark.parametrize("where", ["layer", "head"])
+def test_a_row_whose_forward_fails_fails_alone_and_its_batch_goes_on(engine, prefills, where):
+    """A prefill batch whose forward raises is prefilled again row by row: only the row whose own
+    forward raises fails (INTERNAL with the error, once: never retried again); the others — the
+    last chunk of a context whose first chunk was cached a step before, an adapter's row and a
+    LABEL row — answer what they answer alone, a decoding request goes on, and nothing leaks.
+    Before, every request of the batch failed."""
+    lm = engine.model.model.language_model
+    module = lm.layers[-1] if where == "layer" else engine.model.lm_head
+    running: queue.Queue = queue.Queue()
+    long_running = WorkRequest("keeps-going", "Count.", [random_image(40)], adapter=A, max_new_tokens=24)
+    engine.submit(engine.prepare(long_running), running.put)
+    assert isinstance(running.get(timeout=60), TextDelta)  # decoding
+    chunked = WorkRequest("chunked", "Describe the picture in detail, every object and colour. " * 4,
+                          [random_image(44, 112)], adapter=C, max_new_tokens=4)
+    reqs = [chunked,
+            WorkRequest("bad", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
+            WorkRequest("plain", "Describe it.", [random_image(42)], max_new_tokens=4),
+            WorkRequest("label", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL,
+                        head="color")]
+    m = engine.prepare(chunked).prompt_tokens
+    assert sum(engine.prepare(r).prompt_tokens for r in reqs[1:]) < m - 16
+    old = engine.config.max_prefill_tokens
+    engine.config.max_prefill_tokens = m - 8  # step 1: its first chunk; step 2: its last 8 tokens and the rest
+    engine.prefiller.isolated_batches = engine.prefiller.failed_rows = 0
+    del prefills[:]
+    try:
+        with failing_prefill(engine, module, lambda ids: "bad" in ids) as calls:
+            got = {rid: outcome(q)[1] for rid, q in submit_together(engine, reqs).items()}
+    finally:
+        engine.config.max_prefill_tokens = old
+    assert [sorted(b) for b in prefills] == [["chunked"], ["bad", "chunked", "label", "plain"]], prefills
+    assert sorted(map(sorted, calls)) == [["bad"], ["bad", "chunked", "label", "plain"]], calls  # the row once alone
+    bad = got.pop("bad")
+    assert isinstance(bad, Failed) and bad.error.reason == "ENGINE_STEP_FAILED" and "injected prefill failure" in \
+        str(bad.error)
+    for r in reqs[2:] + reqs[:1]:
+        ev, want = got[r.request_id], engine.generate(r)[1]  # alone, the budget restored
+        assert isinstance(ev, Finished), (r.request_id, ev)
+        assert ev.result.token_ids == want.token_ids and ev.result.label == want.label, r.request_id
+        assert [s for _, s in ev.result.scores] == pytest.approx([s for _, s in want.scores], abs=1e-5)
+    assert got["chunked"].result.output_tokens == 4 and got["label"].result.label in LABELS
+    deltas, ev = outcome(running)
+    assert isinstance(ev, Finished) and ev.result.output_tokens == 24
+    assert engine.alive
+    wait_idle(engine)
+    assert (engine.prefiller.isolated_batches, engine.prefiller.failed_rows) == (1, 1)
+    # the step's trace line: its phases once each (the retries' time is its prefill's), the retry said
+    engine.trace._file.flush()
+    lines = [json.loads(line) for line in Path(engine.config.step_trace).read_text().splitlines()]
+    (step,) = [line for line in lines if "prefill_retried_rows" in line][-1:]
+    assert (step["prefill_rows"], step["prefill_retried_rows"], step["prefill_failed_rows"]) == (4, 4, 1)
+    assert set(step["host_ms"]) <= {"admit", "inputs", "prefill", "decode", "sync"} and "prefill" in step["host_ms"]
+
+
+def test_failed_batched_forwards_fail_their_requests_only(engine):
+    """A forward that fails every time (a broken device): the batch, then each row alone, fail —
+    every request of the batch fails, once each, and the decoding request beside them goes on."""
     running: queue.Queue = queue.Queue()
     long = WorkRequest("keeps-going", "Count.", [random_image(40)], adapter=A, max_new_tokens=24)
     engine.submit(engine.prepare(long), running.put)
     assert isinstance(running.get(timeout=60), TextDelta)  # decoding
-    armed = threading.Event()
-    armed.set()
-
-    def boom(module, args, kwargs):
-        if armed.is_set() and kwargs.get("inputs_embeds") is not None:  # a prefill (decode steps pass ids)
-            armed.clear()
-            raise RuntimeError("injected prefill failure")
-
-    hook = engine.model.model.language_model.register_forward_pre_hook(boom, with_kwargs=True)
-    try:
+    with failing_prefill(engine, engine.model.model.language_model, lambda ids: True) as calls:
         failed = {rid: outcome(q)[1] for rid, q in submit_together(engine, [
             WorkRequest("f1", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
             WorkRequest("f2", "Describe it.", [random_image(42, 112)], max_new_tokens=4),
             WorkRequest("f3", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL,
                         head="color"),
         ]).items()}
-    finally:
-        hook.remove()
-    assert not armed.is_set()
+    assert len(calls) == 4 and sorted(map(len, calls)) == [1, 1, 1, 3], calls  # the batch, then each row once
     for rid, ev in failed.items():
         assert isinstance(ev, Failed) and ev.error.reason == "ENGINE_STEP_FAILED", (rid, ev)
         assert "injected prefill failure" in str(ev.error)
@@ -237,13 +329,7 @@ def test_failed_batched_forward_fails_its_requests_only(engine):
     assert engine.alive
     assert engine.generate(WorkRequest("after", "Hi.", [random_image(41)], adapter=B,
                                        max_new_tokens=4))[1].output_tokens == 4
-    for _ in range(200):  # nothing leaked: no sequence, no cache, no pinned adapter slot
-        s = engine.stats()
-        if s.running == 0 and s.kv_cache_bytes == 0:
-            break
-        threading.Event().wait(0.01)
-    assert s.running == 0 and s.kv_cache_bytes == 0
-    assert not engine.pool._pins  # the failed requests' adapter slots were released
+    wait_idle(engine)
 
 
 def test_label_request_prefilled_in_chunks_answers_alike(engine):
@@ -289,6 +375,68 @@ def test_padded_prefill_gives_the_tokens_of_the_unpadded_one(engine, model_path)
         assert {k[0] for k in off.runner.prefill_graphs.entries} != {k[0] for k in graphs.entries}
     finally:
         off.stop()
+
+
+def test_a_forward_that_raises_leaves_its_graph_entry_as_it_was(monkeypatch):
+    """step_graphs.GraphSet (prefill and decode graphs) with a fake CUDA graph API: a forward that
+    raises — in its warm-up, or in a capture and then eagerly — leaves the entry and the counters
+    as they were, so the key's next forward warms up again (a capture over a failed warm-up runs
+    lazy initialisation inside the capture) and the failure is not held against the key's
+    captures (three would make it graph-less for good); a capture that fails on its own counts."""
+    import torch
+
+    from services.worker import step_graphs
+
+    class FakeGraph:
+        replays = 0
+
+        def replay(self):
+            FakeGraph.replays += 1
+
+    capturing = []
+
+    @contextlib.contextmanager
+    def capture(*args, **kwargs):
+        capturing.append(True)
+        try:
+            yield
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    graphs = step_graphs.GraphSet("test", torch.device("cpu"), capture=False, max_graphs=4)
+    graphs.capture = True  # as on CUDA
+    fail = {"forward": False, "capture": False}
+
+    def forward(e):
+        if fail["forward"] or (fail["capture"] and capturing):
+            raise RuntimeError("injected")
+        return (torch.ones(1),)
+
+    def run(e):
+        return graphs.run(e, forward)
+
+    e = graphs.entry(("k",), step_graphs.GraphEntry)
+    fail["forward"] = True
+    for _ in range(step_graphs.MAX_CAPTURE_FAILURES + 1):  # a warm-up that raises, every time
+        with pytest.raises(RuntimeError):
+            run(e)
+    assert (e.seen, graphs.warmup_steps, graphs.static_steps) == (0, 0, 0)
+    fail["forward"] = False
+    run(e)  # the warm-up
+    assert (e.seen, graphs.warmup_steps, e.graph) == (1, 1, None)
+    fail["forward"] = True
+    for _ in range(step_graphs.MAX_CAPTURE_FAILURES + 1):  # the capture raises, then the eager forward
+        with pytest.raises(RuntimeError):
+            run(e)
+    assert (e.failures, e.graphless, graphs.capture_failures, graphs.eager_steps, e.seen) == (0, False, 0, 0, 1)
+    fail.update(forward=False, capture=True)  # the capture alone fails: counted, the eager forward answers
+    assert run(e)[0].item() == 1 and (e.failures, graphs.capture_failures, graphs.eager_steps) == (1, 1, 1)
+    fail["capture"] = False
+    run(e)
+    assert isinstance(e.graph, FakeGraph) and graphs.captures == 1 and FakeGraph.replays == 1 and e.seen == 3
 
 
 @pytest.mark.parametrize("n,bucket", [(1, 128), (128, 128), (129, 256), (1000, 1024), (1024, 1024), (1025, 1280),
