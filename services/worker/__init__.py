@@ -38,7 +38,8 @@
     relay.py         engine-thread events to the request streams, one loop wake-up per burst
     vision.py        images/videos -> prompt embeddings, the image-feature cache by content hash
     vision_tower.py  the vision tower over items of one grid, replayed from a CUDA graph per grid
+    architectures.py the served model families (one entry each), a model directory's family
     model.py         loading the model; re-exports build_inputs
-    tiny_model.py    the tiny Qwen2-VL built locally (python -m services.worker.tiny_model PATH)
+    tiny_model.py    a family's tiny model built locally (python -m services.worker.tiny_model PATH)
     testing.py       random PEFT-layout bundles, PEFT dirs, an in-memory adapter store
 """

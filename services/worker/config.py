@@ -81,7 +81,8 @@ class WorkerSettings(ServiceSettings):
     """Worker settings; every field is also VALORA_<FIELD> (e.g. VALORA_MODEL_PATH)."""
 
     model_path: str = Field(str(DEFAULT_TINY_MODEL_PATH),
-                            description="Local model directory (Qwen2-VL layout). Never downloaded.")
+                            description="Local model directory (an HF checkpoint of a family in "
+                            "services/worker/architectures.py; any other is refused). Never downloaded.")
     build_tiny_model: bool = Field(True, description="Build the tiny Qwen2-VL into model_path when it is missing.")
     adapter_store_address: str = Field("", description="host:port of the adapter store (FetchAdapter).")
     adapter_cache_dir: str = Field("~/.cache/valora/adapters", description="Disk cache of bundles by sha256.")

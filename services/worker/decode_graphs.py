@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.architectures import language_model
 from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedDecode
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.step_graphs import GraphEntry, GraphSet, bucket_rows
@@ -70,7 +71,7 @@ class DecodeGraphs(GraphSet):
                  pool_handle=None) -> None:
         # The reference attention reads lengths on the host: such steps run without graphs.
         super().__init__("decode", device, capture and attention_kernel, max_graphs, pool_handle)
-        self.lm = model.model.language_model
+        self.lm = language_model(model)
         self.head = model.lm_head
         self.text_config = self.lm.config
         self.runtime = runtime

@@ -37,6 +37,7 @@ from services.common.errors import (
     invalid_field,
 )
 from services.worker.adapters import AdapterPool, AdapterWeights
+from services.worker.architectures import architecture_of
 from services.worker.config import EngineConfig
 from services.worker.decoder import Decoder
 from services.worker.kv_cache import PoolMemory
@@ -87,6 +88,7 @@ class Engine:
             raise ValueError("max_prefills_per_step and max_prefill_tokens must be positive")
         self.dtype = DTYPES[config.dtype]
         path = Path(config.model_path).expanduser()
+        self.arch = architecture_of(path)  # a family the worker does not serve is refused here, by name
         self.processor = load_processor(path)
         self.tokenizer = self.processor.tokenizer
         self.tp = config.tp if config.tp is not None and config.tp.world_size > 1 else None

@@ -22,6 +22,7 @@ from torch import nn
 
 from kernels.reference import SegmentPlan, multi_lora_reference_
 from services.common.adapter_format import TARGET_MODULES, module_parent
+from services.worker.architectures import language_model
 
 LayerModule = tuple[int, str]
 MultiLoraOp = Callable[..., torch.Tensor]
@@ -320,7 +321,7 @@ class MixtureEntry(LoraEntry):
 
 
 def language_layers(model: nn.Module) -> Sequence[nn.Module]:
-    return model.model.language_model.layers
+    return language_model(model).layers
 
 
 def install_lora(model: nn.Module, runtime: LoraRuntime) -> dict[LayerModule, LoraLinear]:

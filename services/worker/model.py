@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, GenerationConfig, Qwen2VLForConditionalGeneration
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+from services.worker.architectures import architecture_of
 from services.worker.processor import ImageQwen2VLProcessor, build_inputs, chat_text, load_processor
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_shape_model, ensure_tiny_model
 
@@ -26,20 +27,22 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(path: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               load_format: str = "auto", seed: int = 0) -> Qwen2VLForConditionalGeneration:
-    """The model of a local directory. `load_format="dummy"` ignores any weight files and builds
-    the directory's architecture with random weights (fixed seed) directly on `device` — for
-    benchmarks and tests at full-size shapes without a checkpoint (as vLLM's dummy format)."""
+               load_format: str = "auto", seed: int = 0) -> PreTrainedModel:
+    """The model of a local directory, of one of the served families (architectures.py; any
+    other is refused). `load_format="dummy"` ignores any weight files and builds the directory's
+    architecture with random weights (fixed seed) directly on `device` — for benchmarks and tests
+    at full-size shapes without a checkpoint (as vLLM's dummy format)."""
     path = Path(path).expanduser()
+    cls = architecture_of(path).hf_model
     if load_format == "auto":
-        model = Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=dtype)
+        model = cls.from_pretrained(str(path), dtype=dtype)
         return model.to(device).eval()
     if load_format != "dummy":
         raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
     config = AutoConfig.from_pretrained(str(path))
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=dtype)
+        model = cls._from_config(config, dtype=dtype)
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model.eval()
@@ -88,7 +91,7 @@ def load_sharded_model(path: Path | str, device: str | torch.device, dtype: torc
     path = Path(path).expanduser()
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=dtype)
+        model = architecture_of(path).hf_model._from_config(config, dtype=dtype)
     checkpoint = _Checkpoint(path, model)
     layers = shard_model_(model, tp, runtime)
     model.to_empty(device=device)

@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from kernels import paged_attention, paged_prefill
+from services.worker.architectures import for_model
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
 from services.worker.kv_cache import BlockManager, KVPool, device_budget, kv_bytes_per_token, pool_blocks
 from services.worker.lora import LoraRuntime, StepLora
@@ -51,6 +52,7 @@ class ModelRunner:
                  device: torch.device, tp: TPGroup | None) -> None:
         """`config`: the engine's EngineConfig (KV pool, graph and block settings)."""
         self.model, self.runtime, self.vision = model, runtime, vision
+        self.rope_inputs = for_model(model).rope_inputs  # what the family's get_rope_index takes
         self.text_config = model.config.text_config
         self.device = device
         self.pool, self.blocks = self._make_pool(config, self.text_config, dtype, tp)
@@ -176,7 +178,7 @@ class ModelRunner:
         ids = first["input_ids"].new_zeros((b, width))
         types = first["mm_token_type_ids"].new_zeros((b, width))
         mask = torch.zeros((b, width), dtype=torch.long)
-        grids: dict[str, list[torch.Tensor]] = {"image_grid_thw": [], "video_grid_thw": []}
+        found: dict[str, list[torch.Tensor]] = {key: [] for key in self.rope_inputs}  # grids, in row order
         for i, (s, n) in enumerate(zip(rows, lengths)):
             inp = s.prep.inputs
             p = s.prep.prompt_tokens
@@ -184,24 +186,23 @@ class ModelRunner:
             ids[i, p:n] = torch.tensor(s.tokens, dtype=ids.dtype)
             types[i, :p] = inp["mm_token_type_ids"][0]
             mask[i, :n] = 1
-            for key, found in grids.items():
+            for key, got in found.items():
                 if inp.get(key) is not None:
-                    found.append(inp[key])
+                    got.append(inp[key])
         # The step launches everything before it waits on the device once, for the first tokens:
         # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
         # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
         # On the host: the rope index walks every row in Python (no device syncs per row).
         position_ids, deltas = self.model.model.get_rope_index(
             ids, mm_token_type_ids=types, attention_mask=mask,
-            **{key: torch.cat(found) if found else None for key, found in grids.items()})
+            **{key: torch.cat(got) if got else None for key, got in found.items()})
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
         embeds = []
         for i, (e, s) in enumerate(zip(row_embeds, rows)):
             e = e[0]
             if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
                 p = s.prep.prompt_tokens
-                e = torch.cat([e, self.model.model.language_model.embed_tokens(
-                    self.upload(ids[i, p:p + len(s.tokens)]))])
+                e = torch.cat([e, self.model.get_input_embeddings()(self.upload(ids[i, p:p + len(s.tokens)]))])
             embeds.append(e)
         return embeds, [position_ids[:, i, :n] for i, n in enumerate(lengths)], [int(d) for d in deltas]
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.architectures import language_model
 from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedPrefill
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.step_graphs import GraphEntry, GraphSet
@@ -72,7 +73,7 @@ class PrefillGraphs(GraphSet):
         buckets x the LoRA mixes' launch keys (a key's graph holds no memory of its own but
         its outputs: the set's captures share one pool and its entries of a bucket their inputs)."""
         super().__init__("prefill", device, capture and kernel and pad, max_graphs, pool_handle)
-        self.lm = model.model.language_model
+        self.lm = language_model(model)
         self.text_config = self.lm.config
         self.runtime, self.pool, self.blocks = runtime, pool, blocks
         self.max_rows, self.pad, self.kernel = rows, pad, kernel

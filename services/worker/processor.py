@@ -30,6 +30,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
 from services.common.errors import invalid_field
+from services.worker.architectures import Architecture, architecture_of
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -60,18 +61,24 @@ class _ImageProcessorMarker:
 
 
 AutoProcessor.register(_ImageProcessorMarker, ImageQwen2VLProcessor, exist_ok=True)
+_PROCESSORS = {cls.__name__: cls for cls in (ImageQwen2VLProcessor,)}
+
+
+def processor_class(arch: Architecture) -> type:
+    """The family's image-only processor class (its entry names it)."""
+    return _PROCESSORS[arch.processor_class]
 
 
 def load_processor(path: Path | str):
-    """The model directory's processor; falls back to an image-only Qwen2-VL processor when the
+    """The model directory's processor; falls back to its family's image-only processor when the
     saved one cannot load here (e.g. a real Qwen2-VL checkpoint without torchvision)."""
     try:
         return AutoProcessor.from_pretrained(str(path))
     except (ImportError, ValueError, TypeError):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
-        return ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                     chat_template=getattr(tokenizer, "chat_template", None))
+        return processor_class(architecture_of(path))(image_processor=image_processor, tokenizer=tokenizer,
+                                                      chat_template=getattr(tokenizer, "chat_template", None))
 
 
 def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int, ...] = (), system: str = "",

@@ -28,6 +28,7 @@ from services.common.names import parse_version_name
 from services.common import metrics
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
+from services.worker.architectures import architecture_of
 from services.worker.config import WorkerSettings, check_tp_size, engine_config, prepare_kernels
 from services.worker.detokenizer import TokenText
 from services.worker.engine import Engine
@@ -453,6 +454,7 @@ async def create_server(settings: WorkerSettings) -> Service:
                 if not settings.build_tiny_model:
                     raise FileNotFoundError(f"no model at {path} (VALORA_MODEL_PATH)")
                 ensure_tiny_model(path)
+            architecture_of(path)  # an unsupported family is refused before any rank starts
             check_tp_size(settings, path)
             if settings.tp_size == 1:
                 prepare_kernels(settings)

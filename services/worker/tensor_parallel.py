@@ -85,6 +85,7 @@ from torch import nn
 
 from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, module_parent
 from services.worker.adapters import AdapterWeights
+from services.worker.architectures import language_model
 from services.worker.lora import LayerModule, LoraLinear, LoraRuntime
 
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -219,12 +220,12 @@ TP_LAYERS = (ColumnParallelLoraLinear, RowParallelLoraLinear)
 
 
 def _text_model(model: nn.Module) -> nn.Module:
-    """The Qwen2-VL text model (decoder layers) of a ForConditionalGeneration, a Qwen2VLModel or itself."""
+    """The text model (decoder layers) of a ForConditionalGeneration, its base model or itself."""
     if hasattr(model, "layers"):
         return model
     if hasattr(model, "language_model"):
         return model.language_model
-    return model.model.language_model
+    return language_model(model)
 
 
 def check_divisible(config, tp: TPGroup) -> None:

@@ -1,9 +1,11 @@
-"""Qwen2-VL model directories built locally with a fixed seed (no downloads).
+"""Model directories of the served families (architectures.py) built locally with a fixed seed
+(no downloads).
 
 `ensure_tiny_model(path)` writes a tiny but real `Qwen2VLForConditionalGeneration` (2 text layers,
-hidden 128, 2 vision blocks), a byte-level BPE tokenizer trained on a small built-in corpus with
-Qwen2-VL's special tokens, and a `Qwen2VLProcessor` using the PIL image processor (56x56 -> 4
-image tokens, 112x112 -> 16). Everything loads back with `from_pretrained(path)` /
+hidden 128, 2 vision blocks: the family entry's `tiny` shape; `arch=` another family's), a
+byte-level BPE tokenizer trained on a small built-in corpus with Qwen2-VL's special tokens, and
+the family's image-only processor using the PIL image processor (56x56 -> 4 image tokens,
+112x112 -> 16). Everything loads back with `from_pretrained(path)` /
 `AutoProcessor.from_pretrained(path)`.
 
 `ensure_shape_model(path, "qwen2-vl-7b")` writes the same tokenizer and processor (with Qwen2-VL's
@@ -21,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.worker.architectures import Architecture, by_name
+
 DEFAULT_TINY_MODEL_PATH = Path("~/.cache/valora/tiny-qwen2-vl")
 
 SPECIAL_TOKENS = (
@@ -33,12 +37,11 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 BPE_VOCAB_SIZE = 1000  # trained tokens (bytes + merges); specials come after
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 112 * 112
 
 # Full-size architectures (random weights): text and vision dimensions of the released models.
 SHAPES = {
     "qwen2-vl-7b": dict(
+        family="qwen2-vl",
         text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                   num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                   mrope_section=[16, 24, 24]),
@@ -48,6 +51,7 @@ SHAPES = {
     # Issue 10's 13B shape for tensor parallelism: Llama-2-13B's decoder dimensions with Qwen2-VL's
     # vocabulary, M-RoPE and 7B vision tower (merging into the 5120-wide language model).
     "qwen2-vl-13b-like": dict(
+        family="qwen2-vl",
         text=dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                   num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=32768,
                   mrope_section=[16, 24, 24]),
@@ -55,6 +59,7 @@ SHAPES = {
         pixels=(56 * 56, 28 * 28 * 1280),
     ),
     "qwen2-vl-2b": dict(
+        family="qwen2-vl",
         text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                   mrope_section=[16, 24, 24]),
@@ -119,17 +124,7 @@ def _build_tokenizer():
     return fast
 
 
-_TINY = dict(
-    text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096, mrope_section=[4, 6, 6]),
-    vision=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2),
-    pixels=(MIN_PIXELS, MAX_PIXELS),
-)
-
-
-def _build_config(tokenizer, shape: dict):
-    from transformers import Qwen2VLConfig
-
+def _build_config(tokenizer, shape: dict, arch: Architecture):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(shape["text"])
     mrope = text.pop("mrope_section")
@@ -144,7 +139,7 @@ def _build_config(tokenizer, shape: dict):
     )
     vision_config = dict(**shape["vision"], in_channels=3, patch_size=14, spatial_merge_size=2,
                          temporal_patch_size=2)
-    return Qwen2VLConfig(
+    return arch.hf_config(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
@@ -163,36 +158,38 @@ def _generation_config(tokenizer):
                             bos_token_id=ids["<|endoftext|>"], do_sample=False)
 
 
-def _build_processor(tokenizer, pixels: tuple[int, int]):
+def _build_processor(tokenizer, pixels: tuple[int, int], arch: Architecture):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from services.worker.processor import ImageQwen2VLProcessor
+    from services.worker.processor import processor_class
 
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14, temporal_patch_size=2, merge_size=2
     )
-    # Qwen2-VL's own video processor needs torchvision (not importable here); we serve images.
-    return ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    # The stock video processor needs torchvision (not importable here): the family's image-only one.
+    return processor_class(arch)(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny_model(seed: int = 0):
-    """Returns (model, processor) built in memory; deterministic for a given seed."""
+def build_tiny_model(seed: int = 0, arch: str = "qwen2-vl"):
+    """Returns (model, processor) of the family `arch`'s tiny shape (architectures.py), built in
+    memory; deterministic for a given seed."""
     import torch
-    from transformers import Qwen2VLForConditionalGeneration
 
+    family = by_name(arch)
     tokenizer = _build_tokenizer()
-    config = _build_config(tokenizer, _TINY)
+    config = _build_config(tokenizer, family.tiny, family)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = family.hf_model(config).eval()
     model.generation_config = _generation_config(tokenizer)
-    return model, _build_processor(tokenizer, _TINY["pixels"])
+    return model, _build_processor(tokenizer, family.tiny["pixels"], family)
 
 
-def ensure_tiny_model(path: Path | str) -> Path:
-    """Builds the tiny model into `path` unless `path/config.json` already exists; returns the path."""
+def ensure_tiny_model(path: Path | str, arch: str = "qwen2-vl") -> Path:
+    """Builds the tiny model of the family `arch` into `path` unless `path/config.json` already
+    exists; returns the path."""
 
     def write(tmp: Path) -> None:
-        model, processor = build_tiny_model()
+        model, processor = build_tiny_model(arch=arch)
         processor.save_pretrained(tmp)
         model.save_pretrained(tmp)
 
@@ -206,11 +203,14 @@ def ensure_shape_model(path: Path | str, arch: str) -> Path:
     if arch not in SHAPES:
         raise ValueError(f"unknown architecture {arch!r}; known: {sorted(SHAPES)}")
 
+    shape = SHAPES[arch]
+    family = by_name(shape["family"])
+
     def write(tmp: Path) -> None:
         tokenizer = _build_tokenizer()
-        _build_config(tokenizer, SHAPES[arch]).save_pretrained(tmp)
+        _build_config(tokenizer, shape, family).save_pretrained(tmp)
         _generation_config(tokenizer).save_pretrained(tmp)
-        _build_processor(tokenizer, SHAPES[arch]["pixels"]).save_pretrained(tmp)
+        _build_processor(tokenizer, shape["pixels"], family).save_pretrained(tmp)
 
     return _write_atomically(Path(path).expanduser(), write)
 

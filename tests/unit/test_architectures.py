@@ -1,0 +1,57 @@
+"""The architecture registry: a model directory's family found from its config.json, and a family
+the worker does not serve refused at start-up with its name and the supported ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.worker.architectures import ARCHITECTURES, architecture_of, by_name, for_model
+from services.worker.config import WorkerSettings
+from services.worker.server import create_server
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def llava_dir(tmp_path):
+    """A directory of an HF checkpoint's config of a family not served (yet)."""
+    d = tmp_path / "llava"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                               "model_type": "llava"}))
+    return d
+
+
+async def test_the_worker_refuses_a_model_of_an_unsupported_architecture(llava_dir, tmp_path):
+    worker = await create_server(WorkerSettings(model_path=str(llava_dir), port=0, build_tiny_model=False,
+                                                adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0))
+    try:
+        with pytest.raises(ValueError) as err:
+            await worker.start()
+        message = str(err.value)
+        assert "'LlavaForConditionalGeneration' is not supported" in message and str(llava_dir) in message
+        assert all(a.hf_class in message for a in ARCHITECTURES.values())
+        assert worker.servicer.engine is None
+    finally:
+        await worker.stop(0)
+
+
+def test_families_by_directory_name_and_model(model_path, tmp_path):
+    from services.worker.model import load_model
+
+    qwen2_vl = architecture_of(model_path)
+    assert qwen2_vl is by_name("qwen2-vl") is by_name("Qwen2VLForConditionalGeneration")
+    assert for_model(load_model(model_path)) is qwen2_vl
+    # A config without `architectures` (written by hand): its model_type decides.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    assert architecture_of(tmp_path) is qwen2_vl
+    with pytest.raises(ValueError, match="'llava' is not supported"):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+        architecture_of(tmp_path)
