@@ -34,6 +34,9 @@ class Architecture:
     # valora's image-only processor class of the family (processor.py: the stock one's video
     # processor needs torchvision), saved with the tiny model and the fallback for a checkpoint's
     processor_class: str
+    # Whether vision_tower.VisionTower's forward (Qwen2-VL's tower math, a CUDA graph per grid) is
+    # this family's tower; otherwise HF's own runs, eagerly (vision_tower.HFVisionTower).
+    graphed_tower: bool
     # The processor outputs the family's get_rope_index takes besides the token ids and types
     # (model_runner.ModelRunner._inputs concatenates each over a batch's rows).
     rope_inputs: tuple[str, ...]
@@ -62,6 +65,7 @@ QWEN2_VL = Architecture(
     model_type="qwen2_vl",
     config_class="Qwen2VLConfig",
     processor_class="ImageQwen2VLProcessor",
+    graphed_tower=True,
     rope_inputs=("image_grid_thw", "video_grid_thw"),
     tiny=dict(
         text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -71,7 +75,28 @@ QWEN2_VL = Architecture(
     ),
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (QWEN2_VL,)}
+# Qwen2-VL's language model (Qwen2 with M-RoPE) and processor; its vision tower has window
+# attention (full attention in `fullatt_block_indexes` only), RMSNorm and a gated SiLU MLP, which
+# VisionTower's forward does not compute. Its rope index spaces a video's temporal positions by
+# `tokens_per_second` x the seconds a temporal patch spans (`second_per_grid_ts`; an image's by 1).
+QWEN2_5_VL = Architecture(
+    name="qwen2.5-vl",
+    hf_class="Qwen2_5_VLForConditionalGeneration",
+    model_type="qwen2_5_vl",
+    config_class="Qwen2_5_VLConfig",
+    processor_class="ImageQwen2_5_VLProcessor",
+    graphed_tower=False,
+    rope_inputs=("image_grid_thw", "video_grid_thw", "second_per_grid_ts"),
+    tiny=dict(
+        text=QWEN2_VL.tiny["text"],
+        # windows of 2x2 merged tokens (56 px): a 112 px image has 4, an 84 px one 4 of 3 sizes
+        vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
+                    hidden_act="silu", window_size=56, fullatt_block_indexes=[1], tokens_per_second=2),
+        pixels=QWEN2_VL.tiny["pixels"],
+    ),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (QWEN2_VL, QWEN2_5_VL)}
 
 
 def supported() -> str:

@@ -171,7 +171,9 @@ class ModelRunner:
         """Each row's whole context as prefill inputs: embeddings (context, hidden) on the device
         (one vision-tower pass for every image/video not in the feature cache; a recomputed
         sequence's generated tokens embedded as text), M-RoPE positions (3, context) on the host
-        and its rope delta."""
+        and its rope delta: the family's get_rope_index over the batch, given each of its
+        `rope_inputs` concatenated row after row as it walks them (grids; Qwen2.5-VL's seconds
+        per temporal patch of each video, without which every video would take its default)."""
         lengths = [s.context for s in rows]
         b, width = len(rows), max(lengths)
         first = rows[0].prep.inputs

@@ -1,4 +1,5 @@
-"""Prompt building for Qwen2-VL: the processor the worker loads and `build_inputs`.
+"""Prompt building for the Qwen2-VL family (Qwen2.5-VL too): the processor the worker loads and
+`build_inputs`.
 
 `build_inputs(processor, images, prompt, videos)` is THE way a request becomes model inputs (the
 e2e test uses it as its reference). The chat text is Qwen2-VL's template: default system turn,
@@ -9,10 +10,11 @@ turn start.
 Qwen2-VL's stock processor needs torchvision for its video processor, which does not import on
 these machines, so `ImageQwen2VLProcessor` is Qwen2VLProcessor without the video slot,
 registered with AutoProcessor so `AutoProcessor.from_pretrained(tiny_model_dir)` works once this
-module is imported. Videos (a list of frames) go through `video_inputs`: every frame through the
-image processor (the same resize bounds, rescale and normalisation as images), then the frames'
-patches paired along time in the layout of Qwen2-VL's video processor (`pixel_values_videos`,
-`video_grid_thw`). Differences from the torchvision video processor: frames resize with PIL
+module is imported (`ImageQwen2_5_VLProcessor` likewise: the same, plus Qwen2.5-VL's
+`second_per_grid_ts` with videos). Videos (a list of frames) go through `video_inputs`: every
+frame through the image processor (the same resize bounds, rescale and normalisation as
+images), then the frames' patches paired along time in the layout of Qwen2-VL's video processor
+(`pixel_values_videos`, `video_grid_thw`). Differences from the torchvision video processor: frames resize with PIL
 bicubic instead of torchvision's, and the image processor's min/max pixels bound each frame
 (the stock video processor has its own, larger, bounds).
 """
@@ -41,6 +43,10 @@ VIDEO_PAD = "<|video_pad|>"
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VISION_TOKENS = (VISION_START, IMAGE_PAD, VIDEO_PAD, VISION_END)
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# A request's video frames carry no times: they are taken as sampled at 2 per second
+# (qwen-vl-utils' default rate), 1 s per temporal patch of 2 frames — what HF's Qwen2.5-VL rope
+# index assumes without second_per_grid_ts, too.
+VIDEO_FPS = 2.0
 
 
 class ImageQwen2VLProcessor(Qwen2VLProcessor):
@@ -56,12 +62,19 @@ class ImageQwen2VLProcessor(Qwen2VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
-class _ImageProcessorMarker:
-    """Registry key for ImageQwen2VLProcessor (so it does not replace Qwen2VLConfig's mapping)."""
+class ImageQwen2_5_VLProcessor(ImageQwen2VLProcessor):
+    """Qwen2.5-VL's processor for images and text only: Qwen2-VL's, whose video inputs also carry
+    `second_per_grid_ts` (Qwen2.5-VL's rope index spaces a video's temporal positions by time)."""
+
+    @property
+    def model_input_names(self):
+        return super().model_input_names + ["second_per_grid_ts"]
 
 
-AutoProcessor.register(_ImageProcessorMarker, ImageQwen2VLProcessor, exist_ok=True)
-_PROCESSORS = {cls.__name__: cls for cls in (ImageQwen2VLProcessor,)}
+_PROCESSORS = {cls.__name__: cls for cls in (ImageQwen2VLProcessor, ImageQwen2_5_VLProcessor)}
+for _cls in _PROCESSORS.values():
+    # a key class of its own for each (so it replaces no config's own processor mapping)
+    AutoProcessor.register(type(f"_{_cls.__name__}Key", (), {}), _cls, exist_ok=True)
 
 
 def processor_class(arch: Architecture) -> type:
@@ -170,6 +183,9 @@ def build_inputs(processor, images: list[Image.Image], prompt: str,
     if chunks:
         inputs["pixel_values_videos"] = torch.cat([c[0] for c in chunks])
         inputs["video_grid_thw"] = torch.tensor([c[1] for c in chunks], dtype=torch.long)
+        if "second_per_grid_ts" in processor.model_input_names:  # as HF's Qwen2.5-VL processor gives it
+            inputs["second_per_grid_ts"] = torch.full((len(chunks),),
+                                                      processor.image_processor.temporal_patch_size / VIDEO_FPS)
     return inputs
 
 

@@ -13,7 +13,8 @@ own pixel bounds: 448x448 -> 256 image tokens) and the config of a full-size arc
 weights: the worker loads it with `load_format="dummy"` (random weights on the device, like
 vLLM's `--load-format dummy`), for benchmarks and GPU tests at the real shape.
 
-Run as `python -m services.worker.tiny_model PATH [ARCH]`.
+Run as `python -m services.worker.tiny_model PATH [ARCH]`: ARCH `tiny` (Qwen2-VL's tiny model),
+a family's name for its tiny model (`qwen2.5-vl`), or a full-size shape of SHAPES.
 """
 
 from __future__ import annotations
@@ -66,9 +67,18 @@ SHAPES = {
         vision=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4),
         pixels=(56 * 56, 28 * 28 * 1280),
     ),
+    "qwen2.5-vl-7b": dict(
+        family="qwen2.5-vl",
+        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                  mrope_section=[16, 24, 24]),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                    hidden_act="silu", window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        pixels=(56 * 56, 28 * 28 * 16384),  # Qwen2.5-VL's processor bounds
+    ),
 }
 
-# Qwen2-VL's chat template (default system turn, images as vision_start/pad/end).
+# Qwen2-VL's chat template (Qwen2.5-VL's is the same) (default system turn, images as vision_start/pad/end).
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}"
     "{% for message in messages %}"
@@ -237,7 +247,10 @@ def _write_atomically(path: Path, write) -> Path:
 def main(argv: list[str]) -> int:
     target = Path(argv[1]) if len(argv) > 1 else DEFAULT_TINY_MODEL_PATH
     arch = argv[2] if len(argv) > 2 else "tiny"
-    print(ensure_tiny_model(target) if arch == "tiny" else ensure_shape_model(target, arch))
+    if arch in SHAPES:
+        print(ensure_shape_model(target, arch))
+    else:
+        print(ensure_tiny_model(target, "qwen2-vl" if arch == "tiny" else arch))
     return 0
 
 

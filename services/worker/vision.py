@@ -10,8 +10,8 @@ or the mode, and one cache serves every request of the worker.
 
 `VisionEncoder.embed` (engine thread) looks every item up in the `FeatureCache`, runs the vision
 tower over each missing image and video chunk (vision_tower.py: Qwen2-VL's own math, a CUDA graph
-per grid), stores the features, and scatters them into the token embeddings at the
-`<|image_pad|>` / `<|video_pad|>` positions.
+per grid; for a family whose tower differs, HF's, eagerly), stores the features, and scatters them
+into the token embeddings at the `<|image_pad|>` / `<|video_pad|>` positions.
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ import hashlib
 import threading
 from dataclasses import dataclass
 
+import structlog
 import torch
 
-from services.worker.vision_tower import VisionTower
+from services.worker.architectures import for_model
+from services.worker.vision_tower import HFVisionTower, VisionTower
+
+log = structlog.get_logger()
 
 IMAGE = "image"
 VIDEO = "video"
@@ -169,8 +173,14 @@ class VisionEncoder:
 
     def __init__(self, model, cache: FeatureCache, device: torch.device, dtype: torch.dtype, tp=None,
                  graphs: bool = True) -> None:
-        self.model = model  # Qwen2VLForConditionalGeneration
-        self.tower = VisionTower(model.model.visual, device, capture=graphs)  # `graphs`: on CUDA
+        self.model = model  # a served family's ForConditionalGeneration
+        arch = for_model(model)
+        if arch.graphed_tower:
+            self.tower = VisionTower(model.model.visual, device, capture=graphs)  # `graphs`: on CUDA
+        else:
+            self.tower = HFVisionTower(model.model)
+            log.info("vision_tower", family=arch.name, tower="hf_eager", graphs=False,
+                     why="not Qwen2-VL's tower math (vision_tower.VisionTower)")
         self.cache = cache
         self.device = device
         self.dtype = dtype

@@ -1,4 +1,5 @@
-"""Qwen2-VL's vision tower over items of one grid at a time, replayed from a CUDA graph per grid.
+"""Qwen2-VL's vision tower over items of one grid at a time, replayed from a CUDA graph per grid;
+`HFVisionTower`, HF's own tower run eagerly, for the families whose tower math differs.
 
 HF's tower forward launches ~30 kernels per block from Python (its rotary embedding alone is ~14
 elementwise ops, its SDPA path splits every segment into its own call), ~1000 launches for a 7B's
@@ -197,3 +198,23 @@ class VisionTower:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / reps
+
+
+class HFVisionTower:
+    """A family's own HF vision tower, run eagerly (no CUDA graphs), for the families whose tower
+    VisionTower's forward does not compute (architectures.py `graphed_tower`): Qwen2.5-VL's window
+    attention over a permuted patch order, RMSNorm and gated MLP are another forward, and HF's
+    is the reference the engine's features must equal. `encode_items` as VisionTower's: every
+    item of the call in one `get_image_features` (Qwen2.5-VL's video features are the same
+    computation), split back per item."""
+
+    def __init__(self, base_model) -> None:
+        """`base_model`: the ForConditionalGeneration's `model` (its get_image_features)."""
+        self.base = base_model
+        self.eager = 0  # calls (observability + tests)
+
+    def encode_items(self, items: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        pixels = items[0][0] if len(items) == 1 else torch.cat([p for p, _ in items])
+        grids = torch.tensor([g for _, g in items], dtype=torch.long, device=pixels.device)  # as HF generate's
+        self.eager += 1
+        return list(self.base.get_image_features(pixels, grids).pooler_output)

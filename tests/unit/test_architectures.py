@@ -55,3 +55,21 @@ def test_families_by_directory_name_and_model(model_path, tmp_path):
     with pytest.raises(ValueError, match="'llava' is not supported"):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
         architecture_of(tmp_path)
+
+
+def test_the_qwen2_5_vl_7b_shape_model_is_a_full_size_qwen2_5_vl(tmp_path):
+    """`ensure_shape_model(path, "qwen2.5-vl-7b")` (engine_bench --arch): the released model's
+    dimensions, built on the meta device as the dummy load format would build them."""
+    import torch
+    from transformers import AutoConfig
+
+    from services.worker.model import ensure_shape_model
+
+    path = ensure_shape_model(tmp_path / "qwen2.5-vl-7b", "qwen2.5-vl-7b")
+    family = architecture_of(path)
+    assert family is by_name("qwen2.5-vl")
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = family.hf_model._from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(8.29e9, rel=0.01)  # Qwen2.5-VL-7B's
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size == 3584
