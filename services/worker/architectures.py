@@ -2,8 +2,9 @@
 know of it beyond the HF model it loads, so family-specific choices are made here, not spread
 over the engine as checks of the model's class.
 
-A model directory's family is its config.json's `architectures[0]` (`model_type` when that is
-missing); `architecture_of(path)` refuses any other at start-up, naming the supported ones. What
+A model directory's family is the first served class its config.json's `architectures` lists
+(its `model_type` when it lists none); `architecture_of(path)` refuses any other at start-up,
+naming the directory's architecture and the supported ones. What
 every served family shares is not an entry's field:
 
 - the language model is `model.model.language_model` (transformers 5's layout of every
