@@ -691,8 +691,9 @@ _DEMO_HELP = (
     "Pretrains the tiny base briefly and generates adapters for a few vision tasks with the accuracy-aware greedy "
     "fusion (both cached under --home, keyed by the settings), starts a local cluster on that base when none is "
     "running (and stops it afterwards), registers the adapters and one task per head (idempotent), then sends "
-    "held-out test images as task-head label requests mixed concurrently with text-generation requests through "
-    "the adapters and the base.")
+    "the generator's whole test split as task-head label requests mixed concurrently with text-generation "
+    "requests through the adapters and the base, and checks every served label against the generator's "
+    "prediction for the same image.")
 
 
 @app.command(help=_DEMO_HELP)
@@ -701,7 +702,8 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
          tasks: str = typer.Option("digit,parity,digit-rot90,count",
                                    help="Tasks to generate adapters for, in fusion order "
                                    "(`python -m services.generator tasks`)."),
-         per_task: int = typer.Option(40, min=1, help="Held-out test images per task sent as label requests."),
+         per_task: int = typer.Option(0, min=0, help="Test images per task sent as label requests (0: the "
+                                      "generator's whole test split; fewer: its first ones, a wider interval)."),
          text_requests: int = typer.Option(32, min=0, help="Text-generation requests (\"Which digit is this?\" on "
                                            "held-out digit images) spread over the base and the adapters."),
          concurrency: int = typer.Option(8, min=1),
@@ -711,7 +713,8 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
          pretrain_steps: int = typer.Option(300, min=1, help="Pretraining steps of the demo base."),
          margin: float = typer.Option(0.03, help="Thresholds = single-task val accuracy minus this."),
          rank: int = typer.Option(8, min=1), seed: int = typer.Option(0),
-         threads: int = typer.Option(2, min=1, help="torch CPU threads for pretraining/generation."),
+         threads: int = typer.Option(2, min=1, help="torch CPU threads for pretraining/generation (the trained "
+                                     "weights depend on it: torch splits CPU reductions by thread)."),
          requests: int = typer.Option(48, help="--quick: requests in the workload."),
          home: Path = HOME, address: str = ADDRESS, api_key: str = API_KEY, admin_key: str = ADMIN_KEY,
          report: Path = typer.Option(None, help="Write the report JSON here (default: <home>/demo-report.json).")):
@@ -736,6 +739,7 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
     import torch
 
     from services.generator import demo as gdemo
+    from services.generator.pipeline import agreement, held_out_images
 
     torch.set_num_threads(threads)
     with console.status("pretraining the demo base…") as st:
@@ -778,12 +782,13 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
             # The mixed workload: label requests (task heads) and text requests, shuffled together.
             work: list[dict] = []
             for t in names:
-                pngs, truth = gdemo.held_out_images(t, per_task)
+                pngs, truth = held_out_images(t, settings.limit)
                 work += [{"kind": "label", "target": registered[t]["task"], "task": t, "prompt": manifest["prompts"][t],
-                          "image": png, "truth": y} for png, y in zip(pngs, truth)]
+                          "image": png, "truth": y, "index": i}
+                         for i, (png, y) in enumerate(zip(pngs[:per_task or None], truth))]
             text_targets = ["base"] + [f"adapters/{a['name']}@{DEMO_ALIAS}" for a in manifest["adapters"]]
             if text_requests:
-                pngs, truth = gdemo.held_out_images("digit", text_requests)
+                pngs, truth = held_out_images("digit", text_requests)
                 work += [{"kind": "text", "target": text_targets[i % len(text_targets)], "task": "digit",
                           "prompt": "Which digit is this?", "image": pngs[i], "truth": truth[i]}
                          for i in range(len(pngs))]
@@ -810,33 +815,41 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
         if started is not None:
             cluster_mod.stop_cluster(home)
 
-    # Per task: served accuracy on held-out test images vs the threshold the fusion had to keep.
-    acc_table = Table(title=f"served accuracy: {per_task} held-out test images per task, label requests "
-                            f"through the gateway ({len(manifest['adapters'])} greedy-fused adapter"
-                            f"{'s' if len(manifest['adapters']) != 1 else ''})")
-    for col in ("task", "adapter", "n", "served", "gen. test", "thresh.", "ok", "mean ms", "p99 ms"):
+    # Per task: served accuracy on the generator's test images vs the threshold the fusion had to
+    # keep, and every served label vs the generator's prediction for the same image.
+    acc_table = Table(title=f"served accuracy: {'the whole test split' if not per_task else f'{per_task} test images'}"
+                            f" per task, label requests through the gateway ({len(manifest['adapters'])} greedy-fused "
+                            f"adapter{'s' if len(manifest['adapters']) != 1 else ''})")
+    for col in ("task", "adapter", "n", "served", "95% interval", "generator", "agree", "thresh.", "ok", "mean ms",
+                "p99 ms"):
         acc_table.add_column(col, justify="left" if col in ("task", "adapter", "ok") else "right")
     task_rows = []
     for t in names:
-        mine = [(ms, r, ans == it["truth"]) for it, ms, r, ans in results if it["kind"] == "label" and it["task"] == t]
-        acc = sum(ok for _, _, ok in mine) / len(mine)
+        mine = sorted(((it["index"], ms, r, ans, it["truth"]) for it, ms, r, ans in results
+                       if it["kind"] == "label" and it["task"] == t), key=lambda row: row[0])
         reg = registered[t]
+        check = agreement([ans for _, _, _, ans, _ in mine], [y for *_, y in mine],
+                          manifest["test_predictions"][t][:len(mine)])
         row = {"task": t, "target": reg["task"], "prompt": manifest["prompts"][t], "adapter": reg["version"],
-               "n": len(mine), "served_accuracy": round(acc, 4), "generator_test_accuracy": reg["accuracy"],
-               "threshold": reg["threshold"], "meets_threshold": acc >= reg["threshold"],
+               "n": check["n"], "served_accuracy": check["served_accuracy"], "interval_95": check["interval_95"],
+               "generator_accuracy_same_images": check["offline_accuracy"], "agree": check["agree"],
+               "generator_test_accuracy": reg["accuracy"], "test_split": len(manifest["test_predictions"][t]),
+               "threshold": reg["threshold"], "meets_threshold": check["served_accuracy"] >= reg["threshold"],
                "single_task_val_accuracy": manifest["demo"]["single_task_accuracy"][t]["val"],
-               **{k: v for k, v in _latency_row(reg["task"], [(ms, r) for ms, r, _ in mine]).items()
+               **{k: v for k, v in _latency_row(reg["task"], [(ms, r) for _, ms, r, _, _ in mine]).items()
                   if k.endswith("_ms")}}
         task_rows.append(row)
-        ok = row["meets_threshold"]
+        ok, same = row["meets_threshold"], row["agree"] == row["n"]
         acc_table.add_row(t, reg["version"].replace("adapters/", "").replace("/versions/", " v"), str(row["n"]),
-                          f"{'[green]' if ok else '[red]'}{acc:.3f}", f"{reg['accuracy']:.3f}",
-                          f"{reg['threshold']:.3f}", "yes" if ok else "[red]no", f"{row['mean_ms']:.0f}",
-                          f"{row['p99_ms']:.0f}")
+                          f"{'[green]' if ok else '[red]'}{row['served_accuracy']:.3f}",
+                          "{:.3f}-{:.3f}".format(*row["interval_95"]), f"{row['generator_accuracy_same_images']:.3f}",
+                          f"{'' if same else '[red]'}{row['agree']}/{row['n']}", f"{reg['threshold']:.3f}",
+                          "yes" if ok else "[red]no", f"{row['mean_ms']:.0f}", f"{row['p99_ms']:.0f}")
     console.print(acc_table)
     console.print("[dim]questions: " + "; ".join(f"{t}: {manifest['prompts'][t]!r}" for t in names)
-                  + ". served = served label == truth; gen. test = the generator's accuracy on its whole test split; "
-                  "thresh. = single-task val accuracy - margin")
+                  + ". served = served label == truth (95% interval: Wilson's, for other images of the same kind); "
+                  "generator = its accuracy on the same images; agree = served labels equal to the generator's "
+                  "prediction; thresh. = single-task val accuracy - margin")
 
     # Per target: latency of every request kind in the mixed batch.
     targets = [registered[t]["task"] for t in names] + (text_targets if text_requests else [])
@@ -877,10 +890,12 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
         "p50_ms": round(_percentile(all_lat, 50), 1), "p99_ms": round(_percentile(all_lat, 99), 1),
         "workers": sorted({r.worker for _, _, r, _ in results}),
         "all_tasks_meet_threshold": all(r["meets_threshold"] for r in task_rows),
+        "served_equals_generator": all(r["agree"] == r["n"] for r in task_rows),
         "tasks": task_rows, "rows": target_rows, "timings": timings,
     }
     console.print(f"throughput {summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']:.0f} ms, p99 "
                   f"{summary['p99_ms']:.0f} ms; every task meets its threshold: {summary['all_tasks_meet_threshold']}; "
+                  f"served = generator on every image: {summary['served_equals_generator']}; "
                   f"times: " + ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items()))
     out = report or home / "demo-report.json"
     out.write_text(json.dumps(summary, indent=2))

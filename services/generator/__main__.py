@@ -5,7 +5,7 @@
     python -m services.generator generate --model-path ~/.cache/valora/tiny-qwen2-vl --out out/gen \\
         [--gateway localhost:50051] [--order digit,parity,...] [--rank 8] [--epochs 4] [--compare]
     python -m services.generator register --out out/gen --gateway localhost:50051 [--check 60]
-    python -m services.generator check --out out/gen --gateway localhost:50051 --n 60
+    python -m services.generator check --out out/gen --gateway localhost:50051 [--n 60]   # default: whole test split
     python -m services.generator serve   # runs GenerationJobs (settings: VALORA_ADAPTER_STORE_ADDRESS, ...;
                                          # VALORA_PORT > 0 serves gRPC health there, VALORA_METRICS_PORT /metrics)
 
@@ -163,14 +163,8 @@ def generate(
     out.mkdir(parents=True, exist_ok=True)
     for b in bundles:
         b.write(out)
-    manifest = {
-        "base_model": str(model_path), "rank": rank, "lora_alpha": alpha, "epochs": epochs, "lr": lr,
-        "head_lr": head_lr, "seed": seed, "order": names, "thresholds": thresholds, "margin": margin,
-        "adapters": [{"name": b.name, "tasks": list(b.heads), "heads": b.heads} for b in bundles],
-        "prompts": {t: tasks[t].prompt for t in names},
-        "head_input": "final-norm hidden state of the last prompt token (chat template, image then prompt)",
-        "greedy": greedy_result.to_json(),
-    }
+    manifest = pipeline.manifest(str(model_path), tasks, names, thresholds, margin, rank, alpha, cfg, limit, bundles,
+                                 greedy_result)
     if gateway:
         manifest["registered"] = pipeline.register(gateway, bundles, greedy_result,
                                                    {t: tasks[t].prompt for t in names}, api_key=api_key,
@@ -225,10 +219,11 @@ def register(
 def check(
     out: Path = typer.Option(..., exists=True, file_okay=False, help="A directory written by `generate`."),
     gateway: str = typer.Option(..., help="host:port of a valora gateway where `register` put them."),
-    n: int = typer.Option(60, min=1, help="Test images per task."),
+    n: int = typer.Option(0, min=0, help="Test images per task (0: the whole test split)."),
     api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
 ) -> None:
-    """Send test images through the gateway (task + label output); compare with the measured accuracy."""
+    """Send test images through the gateway (task + label output); compare with the generator's
+    prediction for each image and its measured accuracy."""
     _check(out, gateway, n, api_key)
 
 
@@ -236,11 +231,15 @@ def _check(out: Path, gateway: str, n: int, api_key: str | None) -> None:
     from services.generator import pipeline
 
     manifest, _, result = pipeline.load_generated(out)
-    served = pipeline.served_accuracy(gateway, manifest, n, api_key=api_key)
-    table = Table("task", "adapter", "served accuracy", "measured (test, all)", "n served")
-    for task, (acc, count) in served.items():
-        table.add_row(task, (manifest.get("registered") or {}).get(task, "?"), f"{acc:.3f}",
-                      f"{result.tasks[task]['accuracy']:.3f}", str(count))
+    served = pipeline.served_accuracy(gateway, manifest, n or None, api_key=api_key)
+    table = Table("task", "adapter", "n", "served", "95% interval", "generator (same images)", "agree",
+                  "generator (test split)")
+    for task, row in served.items():
+        agree = "?" if row["agree"] is None else f"{row['agree']}/{row['n']}"
+        offline = "?" if row["offline_accuracy"] is None else f"{row['offline_accuracy']:.3f}"
+        table.add_row(task, (manifest.get("registered") or {}).get(task, "?"), str(row["n"]),
+                      f"{row['served_accuracy']:.3f}", "{:.3f}-{:.3f}".format(*row["interval_95"]), offline, agree,
+                      f"{result.tasks[task]['accuracy']:.3f}")
     console.print(table)
 
 

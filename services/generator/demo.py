@@ -7,9 +7,10 @@ small, fast task subset, generated once and cached under `$VALORA_HOME`.
 The cache directory is keyed by every setting that changes the result (tasks and their order,
 pretraining steps, epochs, split cap, rank, margin, seed, prefix); a directory is only used once
 its manifest.json exists (written last, into a temporary directory that is then renamed), so an
-interrupted run regenerates. The manifest has `generate`'s layout (`python -m services.generator
-check --out <dir>` works on it) plus a `demo` block with the settings, timings and the single-task
-accuracies the thresholds were measured from.
+interrupted run regenerates. The manifest has `generate`'s layout (pipeline.manifest, with every
+test image's prediction; `python -m services.generator check --out <dir>` works on it) plus a
+`demo` block with the settings, timings and the single-task accuracies the thresholds were
+measured from.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Callable
 
 Log = Callable[[str], None]
 
-# Bumped when what a cached directory holds would change for the same settings.
-CACHE_FORMAT = 1
+# Bumped when what a cached directory holds would change for the same settings (2: the manifest
+# keeps every test image's prediction and the split cap, for the demo's per-image check).
+CACHE_FORMAT = 2
 # Fast tasks: digit identity (what the base was pretrained on), parity, rotated digits (new to the
 # base) and counting squares (synthetic; new to the base).
 DEMO_TASKS = ("digit", "parity", "digit-rot90", "count")
@@ -58,16 +60,13 @@ class _ReuseSingles:
     def __init__(self, trainer, singles: dict):
         self.trainer, self.singles = trainer, singles
 
-    def empty(self):
-        return self.trainer.empty()
+    def __getattr__(self, name: str):  # everything but `fuse` is the trainer's own
+        return getattr(self.trainer, name)
 
     def fuse(self, state, tasks):
         if not state.heads and len(tasks) == 1 and tasks[0] in self.singles:
             return self.singles[tasks[0]]
         return self.trainer.fuse(state, tasks)
-
-    def validate(self, state, tasks, split: str = "val"):
-        return self.trainer.validate(state, tasks, split)
 
 
 def base_dir(home: Path, steps: int, seed: int) -> Path:
@@ -130,14 +129,8 @@ def ensure_adapters(home: Path, base: Path, settings: DemoSettings = DemoSetting
     for b in bundles:
         b.write(tmp)
     manifest = {
-        "base_model": str(base), "rank": settings.rank, "lora_alpha": settings.lora_alpha, "epochs": settings.epochs,
-        "lr": cfg.lr, "head_lr": cfg.head_lr, "seed": settings.seed, "order": names, "thresholds": thresholds,
-        "margin": settings.margin,
-        "adapters": [{"name": b.name, "tasks": list(b.heads), "heads": b.heads,
-                      "sha256": hashlib.sha256(b.data).hexdigest()} for b in bundles],
-        "prompts": {t: tasks[t].prompt for t in names},
-        "head_input": "final-norm hidden state of the last prompt token (chat template, image then prompt)",
-        "greedy": greedy_result.to_json(),
+        **pipeline.manifest(str(base), tasks, names, thresholds, settings.margin, settings.rank, settings.lora_alpha,
+                            cfg, settings.limit, bundles, greedy_result),
         "demo": {"key": settings.key(), "settings": {**asdict(settings), "tasks": names},
                  "single_task_accuracy": {t: {k: round(v, 4) for k, v in a.items()} for t, a in single.items()},
                  "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
@@ -147,19 +140,3 @@ def ensure_adapters(home: Path, base: Path, settings: DemoSettings = DemoSetting
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out, manifest, False
-
-
-def held_out_images(task: str, n: int) -> tuple[list[bytes], list[str]]:
-    """The first `n` held-out test images of `task` as PNG bytes, with their true labels
-    (the same images whatever `limit` generation used: splits are capped, not re-drawn)."""
-    import io
-
-    from services.generator.datasets import build_task
-
-    data = build_task(task, limit=n)
-    pngs = []
-    for img in data.images["test"]:
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        pngs.append(buf.getvalue())
-    return pngs, [data.labels[int(y)] for y in data.targets["test"]]

@@ -9,20 +9,28 @@ Strategies compared (all on the same base model, data splits and training settin
 
 Thresholds, unless given, are measured: each task's single-adapter *validation* accuracy minus
 `margin`. Fusion decides on validation accuracy; reported accuracies are on the test split.
+
+A generated directory (`manifest`, `load_generated`) also keeps the greedy adapters' prediction
+for every test image, so serving can be checked image by image (`served_accuracy`, `valora
+demo`): a worker computing the serving contract (services/generator/__init__.py) answers those
+labels exactly, and a served accuracy then differs from the generator's only where it was
+measured on other images: `binomial_interval` says how far a sample of n may fall.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from services.generator.bundle import Bundle, export_bundle
-from services.generator.datasets import TaskData
+from services.generator.datasets import TaskData, build_task
 from services.generator.fusion import FusionResult, FusionStep, Source, greedy_fusion
-from services.generator.training import AdapterState, TorchTrainer
+from services.generator.training import AdapterState, TorchTrainer, TrainConfig
 
 Log = Callable[[str], None]
 
@@ -33,6 +41,8 @@ class StrategyResult:
     adapters: list[list[str]]  # tasks per adapter
     tasks: dict[str, dict]  # task -> {"threshold", "accuracy", "val_accuracy", "adapter"}
     extra: dict = field(default_factory=dict)
+    # task -> predicted label per test image (split order); kept in the manifest, not in results files
+    predictions: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"strategy": self.strategy, "n_adapters": len(self.adapters), "tasks": self.tasks, **self.extra}
@@ -77,17 +87,21 @@ def all_in_one(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[
 
 def greedy(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[str, float], prefix: str,
            on_step: Callable[[FusionStep], None] | None = None) -> tuple[StrategyResult, FusionResult]:
+    """The greedy fusion of `order`; its rows' test accuracies come from the same per-image test
+    predictions the result keeps (`StrategyResult.predictions`, label names)."""
     res = greedy_fusion([Source.single(t) for t in order], thresholds, trainer, on_step=on_step)
-    rows = {}
+    rows, predictions = {}, {}
     for a in res.adapters:
-        test = trainer.validate(a.state, a.tasks, "test")
-        for t in a.tasks:
-            rows[t] = _row(thresholds[t], test[t], a.accuracy[t], f"{prefix}-{a.index}")
+        for t, pred in trainer.predict(a.state, a.tasks, "test").items():
+            test = float((pred == trainer.targets(t, "test")).float().mean())
+            rows[t] = _row(thresholds[t], test, a.accuracy[t], f"{prefix}-{a.index}")
+            labels = trainer.tasks[t].labels
+            predictions[t] = [labels[i] for i in pred.tolist()]
     steps = [{"source": s.source, "adapter": f"{prefix}-{s.adapter_index}", "decision": s.decision,
               "val_accuracy": {k: round(v, 4) for k, v in s.accuracy.items()}, "failing": list(s.failing)}
              for s in res.steps]
     return StrategyResult("greedy-fusion", [a.tasks for a in res.adapters], {t: rows[t] for t in order},
-                          {"steps": steps}), res
+                          {"steps": steps}, {t: predictions[t] for t in order}), res
 
 
 def bundles_of(res: FusionResult, tasks: Mapping[str, TaskData], rank: int, lora_alpha: float, prefix: str,
@@ -118,6 +132,28 @@ def register(address: str, bundles: Sequence[Bundle], result: StrategyResult, pr
     return versions
 
 
+HEAD_INPUT = "final-norm hidden state of the last prompt token (chat template, image then prompt)"
+
+
+def manifest(base_model: str, tasks: Mapping[str, TaskData], order: Sequence[str], thresholds: Mapping[str, float],
+             margin: float, rank: int, lora_alpha: float, config: TrainConfig, limit: int | None,
+             bundles: Sequence[Bundle], result: StrategyResult) -> dict:
+    """A generated directory's manifest.json (`generate` and the demo write it, `load_generated`
+    reads it): settings, adapters, prompts, the greedy result, the split cap `limit` the splits
+    were built with (so the same test images can be rebuilt) and every test image's prediction."""
+    return {
+        "base_model": base_model, "rank": rank, "lora_alpha": lora_alpha, "epochs": config.epochs, "lr": config.lr,
+        "head_lr": config.head_lr, "seed": config.seed, "order": list(order), "thresholds": dict(thresholds),
+        "margin": margin, "limit": limit,
+        "adapters": [{"name": b.name, "tasks": list(b.heads), "heads": b.heads,
+                      "sha256": hashlib.sha256(b.data).hexdigest()} for b in bundles],
+        "prompts": {t: tasks[t].prompt for t in order},
+        "head_input": HEAD_INPUT,
+        "greedy": result.to_json(),
+        "test_predictions": result.predictions,
+    }
+
+
 def load_generated(out_dir: Path) -> tuple[dict, list[Bundle], StrategyResult]:
     """What `generate` wrote to `out_dir`: (manifest, bundles, greedy result)."""
     out_dir = Path(out_dir)
@@ -128,7 +164,8 @@ def load_generated(out_dir: Path) -> tuple[dict, list[Bundle], StrategyResult]:
         bundles.append(Bundle(a["name"], (d / "adapter_model.safetensors").read_bytes(),
                               (d / "adapter_config.json").read_text(), json.loads((d / "heads.json").read_text())))
     g = manifest["greedy"]
-    result = StrategyResult(g["strategy"], [a["tasks"] for a in manifest["adapters"]], g["tasks"])
+    result = StrategyResult(g["strategy"], [a["tasks"] for a in manifest["adapters"]], g["tasks"],
+                            predictions=manifest.get("test_predictions", {}))
     return manifest, bundles, result
 
 
@@ -149,25 +186,57 @@ def write_results(results: Sequence[StrategyResult], path: Path | None = None, m
     return path
 
 
-def served_accuracy(address: str, manifest: dict, per_task: int,
-                    api_key: str | None = None) -> dict[str, tuple[float, int]]:
-    """Accuracy of the served tasks on the first `per_task` test images of each (through the
-    gateway: task + LABEL output, the task's prompt). {task: (accuracy, n)}."""
+def held_out_images(task: str, limit: int | None = None) -> tuple[list[bytes], list[str]]:
+    """The generator's test split of `task` built with split cap `limit` (the manifest's), as PNG
+    bytes (lossless: a worker decodes the very pixels) with the true labels, in the order of the
+    manifest's test predictions. A smaller `limit` gives the first images of the same split."""
     import io
 
+    data = build_task(task, limit=limit)
+    pngs = []
+    for img in data.images["test"]:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    return pngs, [data.labels[int(y)] for y in data.targets["test"]]
+
+
+def binomial_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval for an accuracy measured as `correct` of `n` images: the model's
+    accuracy on the task's whole distribution lies in it (95%), so a number measured on other
+    images may differ by about its half-width (40 images at 0.54: ±0.15; 300: ±0.06)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def agreement(served: Sequence[str], truth: Sequence[str], offline: Sequence[str]) -> dict:
+    """Served labels against the truth and the generator's predictions for the same images:
+    {"n", "served_accuracy", "interval_95", "offline_accuracy" (same images), "agree"}."""
+    n = len(served)
+    correct = sum(s == y for s, y in zip(served, truth))
+    lo, hi = binomial_interval(correct, n)
+    return {"n": n, "served_accuracy": round(correct / n, 4) if n else 0.0, "interval_95": [round(lo, 4), round(hi, 4)],
+            "offline_accuracy": round(sum(o == y for o, y in zip(offline, truth)) / n, 4) if n and offline else None,
+            "agree": sum(s == o for s, o in zip(served, offline)) if offline else None}
+
+
+def served_accuracy(address: str, manifest: dict, per_task: int | None = None,
+                    api_key: str | None = None) -> dict[str, dict]:
+    """Each served task on its test split (`per_task`: only the first that many images), through
+    the gateway: task + LABEL output, the task's prompt. {task: `agreement`'s row}."""
     from services.common.names import task_name
-    from services.generator.datasets import build_task
     from valora.client import ValoraClient
 
     out = {}
     with ValoraClient(address, api_key=api_key) as client:
         for task in manifest["order"]:
-            data = build_task(task, limit=per_task)
-            correct = 0
-            for img, y in zip(data.images["test"], data.targets["test"]):
-                buf = io.BytesIO()
-                img.save(buf, format="PNG")
-                r = client.infer(manifest["prompts"][task], [buf.getvalue()], task=task_name(task), label=True)
-                correct += int(r.label == data.labels[int(y)])
-            out[task] = (correct / len(data.targets["test"]), len(data.targets["test"]))
+            pngs, truth = held_out_images(task, manifest.get("limit"))
+            pngs, truth = pngs[:per_task or None], truth[:per_task or None]
+            served = [client.infer(manifest["prompts"][task], [png], task=task_name(task), label=True).label
+                      for png in pngs]
+            out[task] = agreement(served, truth, manifest.get("test_predictions", {}).get(task, [])[:len(served)])
     return out

@@ -178,9 +178,16 @@ class TorchTrainer:
 
     def validate(self, state: AdapterState, tasks: Sequence[str], split: str = "val") -> dict[str, float]:
         """Accuracy of each task's head with the adapter applied, on `split`."""
+        return {t: float((pred == self.targets(t, split)).float().mean())
+                for t, pred in self.predict(state, tasks, split).items()}
+
+    def predict(self, state: AdapterState, tasks: Sequence[str], split: str = "test") -> dict[str, torch.Tensor]:
+        """Each task's predicted label index per image of `split` (in split order), with the
+        adapter applied: what a worker must answer for the same images (the served = offline
+        check compares its labels with these, image by image)."""
         self.base.set_lora_enabled(True)
         self.base.load_lora(state.lora)
-        return {t: self._accuracy(t, split, state.heads[t]) for t in tasks}
+        return {t: self._predict(t, split, state.heads[t]) for t in tasks}
 
     # -- evaluation & the no-adapter baseline ---------------------------------------------------
 
@@ -194,10 +201,11 @@ class TorchTrainer:
         return torch.cat([self.base.head_features(tpl, feats[i:i + batch]) for i in range(0, len(feats), batch)])
 
     @torch.no_grad()
+    def _predict(self, task: str, split: str, head: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (self._hidden(task, split) @ head[0].t() + head[1]).argmax(-1)
+
     def _accuracy(self, task: str, split: str, head: tuple[torch.Tensor, torch.Tensor]) -> float:
-        h = self._hidden(task, split)
-        pred = (h @ head[0].t() + head[1]).argmax(-1)
-        return float((pred == self.targets(task, split)).float().mean())
+        return float((self._predict(task, split, head) == self.targets(task, split)).float().mean())
 
     def logits(self, state: AdapterState, task: str, split: str) -> torch.Tensor:
         self.base.set_lora_enabled(True)

@@ -1,8 +1,10 @@
 """`valora demo` end to end with tiny settings: a briefly pretrained base, greedy-fused adapters
 generated on real data (one task, few images, one epoch), registered through the gateway of a real
-cluster, held-out test images answered by the task head (label requests) mixed with text requests;
-the report's per-task accuracy is computed from the served labels. A second run must reuse the
-cached base and adapters and re-register without error (same versions, tasks kept)."""
+cluster, the generator's whole test split answered by the task head (label requests) mixed with
+text requests; the report's per-task accuracy is computed from the served labels, and every served
+label is the generator's prediction for that image (so the served accuracy is the generator's test
+accuracy, exactly). A second run must reuse the cached base and adapters and re-register without
+error (same versions, tasks kept)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from valora.cluster import default_model_path, ensure_model, start_cluster, stop
 
 pytestmark = pytest.mark.e2e
 
-TINY = ["--tasks", "parity", "--per-task", "6", "--text-requests", "3", "--epochs", "1", "--limit", "24",
+LIMIT = 24  # split cap: the test split the demo serves whole
+TINY = ["--tasks", "parity", "--text-requests", "3", "--epochs", "1", "--limit", str(LIMIT),
         "--pretrain-steps", "2", "--concurrency", "4", "--max-new-tokens", "3", "--threads", "1"]
 
 
@@ -45,18 +48,24 @@ def test_demo_serves_generated_adapters_and_reports_served_accuracy(home_and_clu
     first = run_demo(home, cluster.gateway, tmp_path / "r1.json")
     assert first["demo"] == "generated" and first["base_cached"] and not first["generated_cached"]
     [task] = first["tasks"]
-    assert task["task"] == "parity" and task["target"] == "tasks/demo-parity" and task["n"] == 6
+    assert task["task"] == "parity" and task["target"] == "tasks/demo-parity"
+    assert task["n"] == task["test_split"] == first["generation"]["split_sizes"]["parity"]["test"] == LIMIT
+    # served = offline: the served label of every test image is the generator's prediction for it
+    assert task["agree"] == LIMIT and first["served_equals_generator"]
+    assert task["served_accuracy"] == task["generator_accuracy_same_images"] == task["generator_test_accuracy"]
+    lo, hi = task["interval_95"]
+    assert lo <= task["served_accuracy"] <= hi
     assert task["adapter"] == "adapters/demo-fused-0/versions/1"
     assert task["threshold"] == first["generation"]["thresholds"]["parity"]
     assert task["meets_threshold"] == (task["served_accuracy"] >= task["threshold"])
     label_row = next(r for r in first["rows"] if r["target"] == "tasks/demo-parity")
-    assert label_row["kind"] == "label" and label_row["n"] == 6 and label_row["modes"]
-    # served accuracy is the share of served labels equal to the truth (n = 6, so a multiple of 1/6)
-    assert abs(task["served_accuracy"] * 6 - round(task["served_accuracy"] * 6)) < 1e-3
+    assert label_row["kind"] == "label" and label_row["n"] == LIMIT and label_row["modes"]
+    # served accuracy is the share of served labels equal to the truth (a multiple of 1/LIMIT)
+    assert abs(task["served_accuracy"] * LIMIT - round(task["served_accuracy"] * LIMIT)) < 1e-3
     assert label_row["correct"] == task["served_accuracy"]
     text_targets = {r["target"] for r in first["rows"] if r["kind"] == "text"}
     assert text_targets == {"base", "adapters/demo-fused-0@demo"}
-    assert first["requests"] == 6 + 3 and first["label_requests"] == 6
+    assert first["requests"] == LIMIT + 3 and first["label_requests"] == LIMIT
 
     # Again: cached base and adapters, idempotent registration (same version, task kept), same labels.
     second = run_demo(home, cluster.gateway, tmp_path / "r2.json")

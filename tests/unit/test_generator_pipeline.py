@@ -28,3 +28,29 @@ def test_results_file_is_a_list_of_strategies_and_appends(tmp_path):
     assert not r1.meets_thresholds() and not r0.meets_thresholds()
     write_results([r1], path)  # without append the file is replaced
     assert len(json.loads(path.read_text())) == 1
+
+
+def test_binomial_interval_is_wilsons_and_narrows_with_n():
+    from services.generator.pipeline import binomial_interval
+
+    lo, hi = binomial_interval(22, 40)  # the demo's old 40-image sample: about +-0.15
+    assert 0.39 < lo < 0.41 and 0.68 < hi < 0.70
+    lo, hi = binomial_interval(165, 300)  # a whole count test split: about +-0.06
+    assert hi - lo < 0.12
+    assert binomial_interval(40, 40)[1] == 1.0 and binomial_interval(0, 40)[0] == 0.0
+
+
+def test_agreement_compares_served_labels_with_truth_and_the_generators_predictions():
+    from services.generator.pipeline import agreement
+
+    row = agreement(["a", "b", "b", "a"], truth=["a", "b", "a", "a"], offline=["a", "b", "b", "b"])
+    assert row["n"] == 4 and row["served_accuracy"] == 0.75 and row["offline_accuracy"] == 0.5
+    assert row["agree"] == 3
+    assert agreement(["a"], ["a"], [])["agree"] is None  # an old manifest without predictions
+
+
+def test_predictions_stay_out_of_the_results_file(tmp_path):
+    r = StrategyResult("greedy-fusion", [["a"]], {"a": {"threshold": 0.5, "accuracy": 1.0, "adapter": "f-0"}},
+                       predictions={"a": ["x", "y"]})
+    doc = json.loads(write_results([r], tmp_path / "g.json").read_text())
+    assert "predictions" not in json.dumps(doc)
