@@ -36,7 +36,7 @@ import torch
 from services.worker.architectures import language_model
 from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedDecode
 from services.worker.lora import LoraRuntime, StepLora
-from services.worker.step_graphs import GraphEntry, GraphSet, bucket_rows
+from services.worker.step_graphs import REFERENCE, GraphEntry, GraphSet, bucket_rows, lora_launch_key
 
 __all__ = ["DecodeGraphs", "DecodeRow", "bucket_rows"]
 
@@ -80,12 +80,6 @@ class DecodeGraphs(GraphSet):
         self.mask_kinds = sorted(set(getattr(self.lm.config, "layer_types", None) or ["full_attention"]))
         self.pin = device.type == "cuda"  # host inputs from pinned memory: their copy does not wait for the device
 
-    def _key(self, rows: int, step: StepLora | None) -> tuple:
-        lora = None
-        if step is not None and step.active:
-            lora = self.runtime.backend.launch_key() if step.kernel else "reference"
-        return rows, lora
-
     def step(self, batch: list[DecodeRow], step: StepLora | None, rows: int = 0,
              ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs one decode step of `batch` (each row's new token written into the pool) and
@@ -95,10 +89,10 @@ class DecodeGraphs(GraphSet):
         the rows' last tokens as a (b,) long device tensor instead of `batch`'s (pipelined)."""
         b = len(batch)
         pad = max(rows, b) - b
-        key = self._key(b + pad, step)
+        key = (b + pad, lora_launch_key(self.runtime, step))
         e = self.entry(key, lambda: _Entry(inp=torch.zeros(5 * key[0], dtype=torch.long, device=self.device)),
-                       graphless=key[1] == "reference")
-        self.reference_steps += key[1] == "reference"
+                       graphless=key[1] == REFERENCE)
+        self.reference_steps += key[1] == REFERENCE
         null = self.blocks.null_row
         # padding rows: position 0, the null block's first slot, context 1, the null table row
         host = [*(r.position for r in batch), *[0] * pad, *(r.slot for r in batch), *[0] * pad,

@@ -35,7 +35,7 @@ import torch
 from services.worker.architectures import language_model
 from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedPrefill
 from services.worker.lora import LoraRuntime, StepLora
-from services.worker.step_graphs import GraphEntry, GraphSet
+from services.worker.step_graphs import REFERENCE, GraphEntry, GraphSet, lora_launch_key
 
 MIN_BUCKET = 128
 
@@ -99,12 +99,10 @@ class PrefillGraphs(GraphSet):
         if step.plan.num_tokens not in (0, t) and step.active:
             raise ValueError(f"the LoRA plan covers {step.plan.num_tokens} tokens, the forward {t}")
         rows = max(self.max_rows, r)
-        lora = None
-        if step.active:
-            lora = self.runtime.backend.launch_key() if step.kernel else "reference"
+        lora = lora_launch_key(self.runtime, step)
         e = self.entry((t, rows, lora), lambda: _Entry(**self._buffers(t, rows, embeds[0].dtype)),
-                       graphless=lora == "reference")
-        host = torch.zeros(e.inp.shape[0], dtype=torch.long)
+                       graphless=lora == REFERENCE)
+        host = torch.zeros(e.inp.shape[0], dtype=torch.long, pin_memory=self.pin)  # copied up without a wait
         host[:3 * t].view(3, t)[:, :n] = torch.cat(positions, dim=1)
         host[3 * t:3 * t + n] = torch.cat(slots)  # padding tokens: slot 0, the null block's
         cu = [0]
@@ -114,12 +112,12 @@ class PrefillGraphs(GraphSet):
         tail = [*cu, *[n] * (rows - r), *seq_lens, *[0] * (rows - r), *table_rows, *[null] * (rows - r),
                 *wanted, *[0] * (rows - len(wanted))]
         host[4 * t:] = torch.tensor(tail, dtype=torch.long)
-        e.inp.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
+        e.inp.copy_(host, non_blocking=True)
         torch.cat(embeds, out=e.embeds[:n])
         self.blocks.sync()
         (out,) = self.run(e, self._forward)  # raises: the entry and the counters as they were
         self.padding_tokens += t - n
-        self.reference_steps += lora == "reference"
+        self.reference_steps += lora == REFERENCE
         return out[:len(wanted)]
 
     def _buffers(self, t: int, rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -41,6 +41,18 @@ def bucket_rows(n: int) -> int:
     return 3 * p // 4 if n <= 3 * p // 4 else p
 
 
+REFERENCE = "reference"  # the LoRA key of a step the torch reference takes: never captured
+
+
+def lora_launch_key(runtime, step) -> tuple | str | None:
+    """The LoRA part of a forward's graph key: None without LoRA rows, the ATMM backend's launch
+    key (the host values its launches depend on) when the kernel took the step, else REFERENCE
+    (the torch reference slices on the host, so such forwards run without a graph)."""
+    if step is None or not step.active:
+        return None
+    return runtime.backend.launch_key() if step.kernel else REFERENCE
+
+
 @dataclass(eq=False)
 class GraphEntry:
     """One key's graph and what its forward returned (tensors the graph's replays overwrite)."""
