@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from kernels import paged_attention, paged_prefill
+from kernels import sampling as sampling_kernels
 from services.worker.architectures import for_model
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
 from services.worker.kv_cache import BlockManager, KVPool, device_budget, kv_bytes_per_token, pool_blocks
@@ -62,6 +63,7 @@ class ModelRunner:
         shape = (heads, self.pool.kv_heads, self.pool.head_dim, config.kv_block_size)
         attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
         self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
+        self.sampling_kernel = self._sampling_kernel_usable()
         self.trace: StepTrace | None = None  # the engine's (its "inputs" phase: embeddings, vision tower)
         # decode and prefill graphs capture into one memory pool: their forwards run one at a time
         handle = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -80,6 +82,16 @@ class ModelRunner:
         if self.device.type == "cuda" and problem is not None:
             log.warning("paged_attention_kernel_unusable", kernel=name, reason=problem)
         log.info("paged_attention", kernel=name, op="triton" if problem is None else "torch_reference")
+        return problem is None
+
+    def _sampling_kernel_usable(self) -> bool:
+        """Whether the one-launch sampler (kernels/sampling.py) runs here (its self_check on CUDA)."""
+        if self.device.type != "cuda":
+            return False
+        problem = sampling_kernels.self_check(self.device)
+        if problem is not None:
+            log.warning("sampling_kernel_unusable", reason=problem)
+        log.info("sampling", op="triton" if problem is None else "torch_reference")
         return problem is None
 
     def _make_pool(self, cfg, tc, dtype: torch.dtype, tp: TPGroup | None) -> tuple[KVPool, BlockManager]:
@@ -251,7 +263,7 @@ class ModelRunner:
             return greedy
         rs = RowSampling.of(params, self.device)
         history = None if rs.penalties is None else self._history(rows, logits.shape[-1], pending)
-        return sample(logits[:len(rows)], rs, self.upload(torch.tensor(counters)), history)
+        return sample(logits[:len(rows)], rs, self.upload(torch.tensor(counters)), history, kernel=self.sampling_kernel)
 
     def _history(self, rows: list[Sequence], vocab: int, pending: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,9 @@ vLLM's order.
 
 `sample` takes a step's logits (rows, vocab) and each row's parameters as device tensors and
 returns the tokens as a device tensor: no host copy of logits, no per-row work on the host, so a
-sampled row can feed the next decode step without a round trip (pipelined decode) and a batch
-with sampled rows costs a few batched ops.
+sampled row can feed the next decode step without a round trip (pipelined decode); on CUDA the
+choice is one launch for the batch (kernels/sampling.py: thresholds by bisection, no sort). Top-k
+and top-p keep every token tied with the last one kept.
 
 Randomness is counter-based: row i's uniform for vocabulary entry v is a hash of (its seed, the
 position its token will take, v), and the token is the Gumbel-max choice argmax(log p + g) with
@@ -25,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_TEMPERATURE = 1e-5
-_MASK31 = (1 << 31) - 1
+from kernels.sampling import MIN_TEMPERATURE, sample_tokens, uniforms  # noqa: F401 - uniforms: this module's API
 
 
 @dataclass(frozen=True)
@@ -66,25 +66,6 @@ class SamplingParams:
         if self.greedy or self.seed:
             return self
         return dataclasses.replace(self, seed=secrets.randbits(62) or 1)
-
-
-def _mix(h: torch.Tensor) -> torch.Tensor:
-    """A 31-bit integer hash (murmur3's finaliser shape with 31-bit products, so int64 math never
-    overflows): int64 tensor of values in [0, 2^31) -> the same."""
-    h = h ^ (h >> 16)
-    h = (h * 0x45D9F3B) & _MASK31
-    h = h ^ (h >> 13)
-    h = (h * 0x2C1B3C6D) & _MASK31
-    return h ^ (h >> 16)
-
-
-def uniforms(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(rows, vocab) float32 in (0, 1): a function of (seed, counter, vocabulary index) only."""
-    key = _mix((seeds & _MASK31) ^ _mix(((seeds >> 31) & _MASK31) ^ _mix(counters & _MASK31)))
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _mix((key[:, None] ^ (v * 0x9E3779B1 & _MASK31)[None, :]) & _MASK31)
-    h = _mix(h ^ key[:, None])
-    return (h.to(torch.float32) + 0.5) / float(1 << 31)
 
 
 @dataclass
@@ -148,34 +129,19 @@ def penalize(logits: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor
 
 
 def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor,
-           history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           history: tuple[torch.Tensor, torch.Tensor] | None = None, kernel: bool = False) -> torch.Tensor:
     """(rows,) long tokens for (rows, vocab) logits. `counters` (rows,) long: the position each
     row's token will take (the noise's counter). `history`: (output counts, prompt-or-output
     seen) per row and vocabulary entry, when rows.penalties is set. The logit bias (`add_bias`),
     then the penalties (`penalize`) apply first: the greedy rows' argmax is the biased and
-    penalized logits'."""
+    penalized logits'. The choice itself is kernels/sampling.py's (`kernel`: its one-launch
+    Triton kernel where it runs, else its torch reference; the same tokens)."""
     if rows.bias is not None:
         logits = add_bias(logits, *rows.bias)
     if rows.penalties is not None:
         logits = penalize(logits, rows.penalties, *history)
-    greedy = logits.argmax(-1)
-    scores = logits.float() / rows.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
-    noise = -torch.log(-torch.log(uniforms(rows.seed, counters, logits.shape[-1])))
-    if rows.filtered:
-        scores, idx = torch.sort(scores, dim=-1, descending=True)
-        ranks = torch.arange(scores.shape[-1], device=scores.device)
-        drop = (rows.top_k[:, None] > 0) & (ranks[None, :] >= rows.top_k[:, None])
-        probs = torch.softmax(scores, dim=-1)
-        top_p = rows.top_p[:, None]
-        # keep the smallest prefix whose mass reaches top_p (top_p 0 or 1: off)
-        drop |= (top_p > 0) & (top_p < 1) & (torch.cumsum(probs, dim=-1) - probs > top_p)
-        drop |= probs < rows.min_p[:, None] * probs[:, :1]  # min-p: below min_p x the most likely (0: none)
-        scores = scores.masked_fill(drop, float("-inf"))
-        choice = (scores + noise.gather(1, idx)).argmax(-1)
-        sampled = idx.gather(1, choice[:, None])[:, 0]
-    else:
-        sampled = (scores + noise).argmax(-1)
-    return torch.where(rows.temperature < MIN_TEMPERATURE, greedy, sampled)
+    return sample_tokens(logits, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed, counters,
+                         kernel=kernel, filtered=rows.filtered)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
