@@ -37,6 +37,7 @@ from PIL import Image
 from bench.common import RESULTS, run_info, write_json
 from services.worker.model import ensure_shape_model, ensure_tiny_model
 from services.worker.requests import Failed, Finished, WorkRequest
+from services.worker.sampling import SamplingParams
 from services.worker.testing import random_adapter_bundle
 
 CATEGORIES = [  # first match wins
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sizes", default="448,644", help="the two images of a pair (px)")
     ap.add_argument("--graphs", default="static", choices=("static", "auto"))
     ap.add_argument("--decode-s", type=float, default=2.0, help="seconds of decode profiled")
+    ap.add_argument("--top-p-every", type=int, default=0,
+                    help="every Nth decode row samples (temperature 1, top-p 0.9; mixed-vision has 2), 0: all greedy")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
@@ -169,8 +172,13 @@ def main(argv: list[str] | None = None) -> dict:
     both_steps = eng.runner.prefill_graphs.static_steps - steps0
     both = kernels(prof)
     # decode: `rows` long requests, nothing else arriving
+    def sampling(i: int) -> SamplingParams:
+        top_p = args.top_p_every and i % args.top_p_every == args.top_p_every - 1
+        return SamplingParams(temperature=1.0, top_p=0.9, seed=i + 1) if top_p else SamplingParams()
+
     handles = [eng.submit(eng.prepare(WorkRequest(f"d{i}", f"Tell a long story, number {i}.", [],
-                                                  adapter=names[i % len(names)], max_new_tokens=4000)),
+                                                  adapter=names[i % len(names)], max_new_tokens=4000,
+                                                  sampling=sampling(i))),
                           lambda ev: None) for i in range(args.rows)]
     while eng.running_count < args.rows:
         time.sleep(0.05)
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
               "vision": summarize(difference(both, lm_scaled), both_steps, args.top),
               "mixed": {**summarize(mixed, mixed_steps, args.top), "decode_steps": mixed_decode_steps}}
     out = {**run_info(), "bench": "step_profile", "arch": args.arch, "graphs": args.graphs, "rows": args.rows,
-           "adapters": args.adapters, "ranks": ranks, "sizes": sizes, "phases": phases}
+           "top_p_every": args.top_p_every, "adapters": args.adapters, "ranks": ranks, "sizes": sizes, "phases": phases}
     name = args.name or "step-profile"
     write_json(name, out, RESULTS)
     for phase, s in phases.items():
