@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
     while eng.running_count < args.rows:
         time.sleep(0.05)
     time.sleep(1.0)  # every row past its prefill, decode graphs warm
+    while True:  # no capture left: the profiler's exit synchronizes, which a capture forbids
+        captures = eng.graphs.captures
+        time.sleep(1.0)
+        if eng.graphs.captures == captures:
+            break
     steps0 = eng.graphs.static_steps
     with profile(activities=acts) as prof:
         time.sleep(args.decode_s)
