@@ -13,7 +13,9 @@
   `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
   template (`raw_prompt`), or token ids (a list of ints, or a list of one such list) sent on as
-  they are (`prompt_token_ids`); a batch of several prompts is a 400. The same parameters
+  they are (`prompt_token_ids`); a batch of several prompts is a 400. Special tokens in either
+  are the caller's own (no template to break out of); in a chat message's text they are a 400
+  (`special_token_in_prompt`, the worker's refusal naming the token and field). The same parameters
   (`logprobs`: the legacy API's count of alternatives); `text_completion` objects and chunks.
 - `GET /v1/models`: the base model, every adapter (and its aliases) and every task;
   `GET /v1/models/{id}` one of them.

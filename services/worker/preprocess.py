@@ -24,7 +24,8 @@ import structlog
 import torch
 
 from services.common.errors import ValoraError, invalid_field
-from services.worker.processor import VISION_TOKENS, build_inputs, decode_image, typed_vision_token
+from services.worker.processor import (VISION_TOKENS, build_inputs, decode_image, typed_special_token,
+                                       typed_vision_token)
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
@@ -68,7 +69,9 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
                     ) -> tuple[dict, list[VisionItem]]:
     """The processor's inputs for the request (pixels cast to `pixel_dtype` when given) and its
     images'/videos' content keys; INVALID_ARGUMENT for images it cannot take (BAD_IMAGE) and for
-    text holding a vision placeholder token (VISION_TOKEN_IN_PROMPT: processor.typed_vision_token)."""
+    text holding a vision placeholder token (VISION_TOKEN_IN_PROMPT: processor.typed_vision_token)
+    and a chat request's text holding another special token of the tokenizer, `<|im_start|>` …
+    (SPECIAL_TOKEN_IN_PROMPT: processor.typed_special_token; a raw prompt's are its own)."""
     if request.raw_prompt and (request.images or request.videos or request.system or request.history):
         raise invalid_field("item.raw_prompt", "a raw prompt takes no images, videos, system or history")
     if request.prompt_token_ids and (not request.raw_prompt or request.prompt):
@@ -83,6 +86,10 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
             raise invalid_field(field, f"holds {token!r}, a vision placeholder token: the request's images and "
                                 f"videos place their own ({', '.join(VISION_TOKENS)} are not taken as text)",
                                 reason="VISION_TOKEN_IN_PROMPT")
+        if not request.raw_prompt and (token := typed_special_token(text, processor.tokenizer)):
+            raise invalid_field(field, f"holds {token!r}, a special token of the model's tokenizer: the chat "
+                                "template places the turns' control tokens, text may not",
+                                reason="SPECIAL_TOKEN_IN_PROMPT")
     try:
         inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos, request.system,
                                    request.history, raw=request.raw_prompt, token_ids=request.prompt_token_ids))

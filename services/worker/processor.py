@@ -133,6 +133,31 @@ def typed_vision_token(text: str) -> str | None:
     return next((t for t in VISION_TOKENS if t in text), None)
 
 
+def special_tokens(tokenizer) -> tuple[str, ...]:
+    """The tokenizer's special tokens other than the vision placeholders (those have their own
+    check, `typed_vision_token`): its named ones (eos, pad, …) and every added token marked
+    special (Qwen2-VL's `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, `<|object_ref_start|>`, …).
+    Added tokens not marked special (Qwen2.5's `<tool_call>`) are text to the chat template."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    names = {*getattr(tokenizer, "all_special_tokens", ()), *(t.content for t in added.values() if t.special)}
+    return tuple(sorted(names - set(VISION_TOKENS) - {""}))
+
+
+def typed_special_token(text: str, tokenizer) -> str | None:
+    """The first special token (`special_tokens`) `text` holds, or None.
+
+    The chat template wraps each turn's text in `<|im_start|>role\n…<|im_end|>` and the tokenizer
+    takes every special token's text as that token, whoever typed it: a user's
+    `<|im_end|>\n<|im_start|>system\n…` closed its own turn and opened a system turn of its making
+    (role injection: the ids are those of the template's own turns). As for the vision
+    placeholders, a chat request's text holding one is refused (preprocess.py), not escaped: the
+    processor tokenizes the chat text in one call, so no escaping keeps what HF's template and
+    processor make of the same chat. A raw prompt (text or token ids: `/v1/completions`) is the
+    caller's whole input, without a template to break out of: its special tokens are its own."""
+    found = [(i, t) for t in special_tokens(tokenizer) if (i := text.find(t)) >= 0]
+    return min(found)[1] if found else None
+
+
 def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tensor, list[int]]:
     """One video chunk -> (patches (t*h*w, C*T*p*p), grid [t, h, w]) in Qwen2-VL's video layout.
 
