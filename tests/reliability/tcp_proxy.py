@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to `upstream`. `cut()` resets every open connection and refuses
     new ones until `restore()`; `cut_after(n)` resets a connection once it has sent n bytes
-    upstream (a cut in the middle of a request body)."""
+    upstream (a cut in the middle of a request body); `blackhole()` keeps every connection open
+    and accepts new ones but forwards nothing either way (the bytes wait) until `restore()`."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -21,6 +23,7 @@ class TcpProxy:
         self.down = False
         self.limit: int | None = None
         self.cuts = 0
+        self.held = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -51,6 +54,8 @@ class TcpProxy:
         try:
             while True:
                 data = src.recv(65536)
+                while self.held.is_set() and not self._closed and not self.down:
+                    time.sleep(0.01)
                 if not data or self.down:
                     break
                 if upstream and self.limit is not None and sent + len(data) > self.limit:
@@ -78,9 +83,13 @@ class TcpProxy:
     def cut_after(self, nbytes: int) -> None:
         self.limit = nbytes
 
+    def blackhole(self) -> None:
+        self.held.set()
+
     def restore(self) -> None:
         self.limit = None
         self.down = False
+        self.held.clear()
 
     def close(self) -> None:
         self._closed = True
