@@ -6,6 +6,7 @@ never at a step."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -14,7 +15,7 @@ import torch
 from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
-from services.worker.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+from services.worker.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, chat_text, special_tokens
 from services.worker.requests import OutputKind, WorkRequest
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.worker.sequence import PreparedRequest
@@ -31,6 +32,9 @@ class RequestIntake:
         self.max_model_len, self.kv, self.vision_tokens = max_model_len, kv, vision_tokens
         self.vocab_size = vocab_size
         self.vision_token_ids = (vision_tokens[IMAGE_PAD], vision_tokens[VIDEO_PAD])  # the pads: usage's image_tokens
+        tokenizer = processor.tokenizer
+        self.special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special_tokens(tokenizer)}
+        self._special_id_tensor = torch.tensor(sorted(self.special_ids.values()), dtype=torch.long)
 
     @property
     def pixel_dtype(self) -> torch.dtype | None:
@@ -79,6 +83,7 @@ class RequestIntake:
                                 f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
                                 reason="EXCEEDS_KV_CACHE")
         self._check_placeholders(request, inputs)
+        self._check_special_tokens(request, ids)
         image_tokens = int(torch.isin(ids, torch.tensor(self.vision_token_ids)).sum())  # images' and videos'
         return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
                                image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
@@ -107,6 +112,23 @@ class RequestIntake:
                          f"its {len(grids['image'])} images and {len(grids['video'])} videos place {n}")
                 raise invalid_field(field, f"holds {got} {token} tokens (id {self.vision_tokens[token]}); {media}",
                                     reason="VISION_TOKEN_IN_PROMPT")
+
+    def _check_special_tokens(self, request: WorkRequest, ids: torch.Tensor) -> None:
+        """A chat request's tokens against its template: each special token (processor.
+        special_tokens: `<|im_start|>`, `<|im_end|>`, …) as many times as chat_text places it
+        around the turns. Text typed with one is refused before the processor, naming its field
+        (preprocess.process_request); this catches what that cannot see: a tokenizer that makes
+        one of other text (a special token matched after an NFKC normalizer: `＜｜im_start｜＞`).
+        A raw prompt's are the caller's own."""
+        if request.raw_prompt:
+            return
+        skeleton = chat_text("", 0, (), "-", [(role, "", 0) for role, _, _ in request.history])
+        found = collections.Counter(ids[torch.isin(ids, self._special_id_tensor)].tolist())
+        for token, token_id in self.special_ids.items():
+            want, got = skeleton.count(token), found[token_id]
+            if got != want:
+                raise invalid_field("item.prompt", f"its text makes {got} {token} tokens (id {token_id}) where the "
+                                    f"chat template places {want}", reason="SPECIAL_TOKEN_IN_PROMPT")
 
     def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
         """OpenAI's bounds (as the gateway's), and every token id in the model's vocabulary."""
