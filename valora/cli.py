@@ -77,7 +77,9 @@ def up(ctx: typer.Context, home: Path = HOME,
        workers: int = typer.Option(1, min=1, help="Worker processes (with --device cuda: one per visible GPU "
                                    "in turn)."),
        port: int = typer.Option(50051, help="Gateway port (0: any free port)."),
-       http_port: int = typer.Option(8080, help="Gateway's OpenAI-compatible HTTP port (0: any free port)."),
+       http_port: int = typer.Option(8080, help="Gateway's OpenAI-compatible HTTP port (0: any free port). "
+                                     "Given while the gateway's http_enabled is false (--set, --config or "
+                                     "VALORA_HTTP_ENABLED) it is an error (exit 2), never ignored."),
        model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model)."),
        device: WorkerDevice = typer.Option(WorkerDevice.cpu, "--device", envvar="VALORA_DEVICE",
                                            help="Workers' torch device. cuda: worker i gets visible GPU i mod the "
@@ -127,6 +129,9 @@ def up(ctx: typer.Context, home: Path = HOME,
                                               ("dtype", dtype, "worker", "dtype"), ("tp", tp, "worker", "tp_size"),
                                               ("port", port, "gateway", "port"),
                                               ("http_port", http_port, "gateway", "http_port")))
+        http_given = getattr(ctx.get_parameter_source("http_port"), "name", "") == "COMMANDLINE"
+        cluster_mod.check_http_port(f"--http-port {http_port}" if http_given else None, sets, from_file,
+                                    os.environ, config)
     except cluster_mod.SettingsError as e:
         _refuse(str(e))
     device_name = device.value if isinstance(device, Enum) else device  # a setting's value: its text

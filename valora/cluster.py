@@ -426,6 +426,24 @@ def http_enabled(env: Mapping[str, str]) -> bool:
         return True
 
 
+def check_http_port(flag: str | None, sets: Layer, config: Layer, environ: Mapping[str, str],
+                    config_path: object = "") -> None:
+    """A port for the OpenAI-compatible HTTP API (`flag`, the `--http-port N` given on the command
+    line, else a gateway http_port of --set or --config) while the gateway's settings turn that API
+    off (http_enabled false by --set, --config or VALORA_HTTP_ENABLED): a SettingsError naming
+    both, instead of a port that is silently never opened."""
+    if flag is None and "http_port" not in {**config.get("gateway", {}), **sets.get("gateway", {})}:
+        return
+    if http_enabled(merge_settings(sets, config, environ)["gateway"]):
+        return
+    port = flag or _source("gateway", "http_port", sets, config, config_path)
+    off = _source("gateway", "http_enabled", sets, config, config_path)
+    if off.endswith("in the environment"):
+        off = f"VALORA_HTTP_ENABLED={environ.get('VALORA_HTTP_ENABLED', '')} in the environment"
+    raise SettingsError(f"{port} is a port of the OpenAI-compatible HTTP API, which {off} turns off: "
+                        "drop one of them")
+
+
 def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
                   model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
                   startup_timeout_s: float = STARTUP_TIMEOUT_S, register: bool = False,

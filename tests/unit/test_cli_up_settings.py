@@ -221,8 +221,10 @@ def test_the_banner_shows_the_http_url_only_when_the_gateway_serves_http(tmp_pat
     monkeypatch.delenv("VALORA_HTTP_ENABLED", raising=False)
     path = toml(tmp_path, "[gateway]\nhttp_enabled = false\n")
     runs = {"default": [], "config": ["--config", path], "set": ["--set", "gateway.http_enabled=false"]}
-    try:
-        out = {name: up(tmp_path / name, "--model-path", str(tmp_path / name), *args) for name, args in runs.items()}
+    try:  # no --http-port: with HTTP off it would be refused
+        out = {name: CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path / name), "--port", "0",
+                                                  "--model-path", str(tmp_path / name), *args])
+               for name, args in runs.items()}
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -238,6 +240,49 @@ def test_the_banner_shows_the_http_url_only_when_the_gateway_serves_http(tmp_pat
             assert http_url is None and "VALORA_HTTP_PORT" not in gateway
             assert gateway["VALORA_HTTP_ENABLED"] == "false"
             assert "HTTP" not in banner and "gateway: 127.0.0.1:" in banner, banner
+
+
+def test_an_http_port_with_http_off_is_refused_not_ignored(tmp_path, started, monkeypatch):
+    """--http-port (or a gateway http_port of --set/--config) while gateway.http_enabled is false
+    would name a port nothing opens: one line naming both, exit 2, nothing started. HTTP off with
+    no port given starts."""
+    monkeypatch.delenv("VALORA_HTTP_ENABLED", raising=False)
+    off = toml(tmp_path, "[gateway]\nhttp_enabled = false\n")
+    both = tmp_path / "both.toml"
+    both.write_text("[gateway]\nhttp_enabled = false\nhttp_port = 6001\n")
+    refused = [
+        (["--http-port", "8081", "--set", "gateway.http_enabled=false"], None,
+         "--http-port 8081 is a port of the OpenAI-compatible HTTP API, which --set gateway.http_enabled=false "
+         "turns off: drop one of them"),
+        (["--http-port", "0", "--config", off], None,
+         f"--http-port 0 is a port of the OpenAI-compatible HTTP API, which --config {off} [gateway] "
+         "http_enabled turns off"),
+        (["--http-port", "8081"], {"VALORA_HTTP_ENABLED": "0"},
+         "--http-port 8081 is a port of the OpenAI-compatible HTTP API, which VALORA_HTTP_ENABLED=0 in the "
+         "environment turns off"),
+        (["--config", str(both)], None, f"--config {both} [gateway] http_port is a port of the OpenAI-compatible "
+                                        f"HTTP API, which --config {both} [gateway] http_enabled turns off"),
+        (["--set", "gateway.http_port=7001"], {"VALORA_HTTP_ENABLED": "false"},
+         "--set gateway.http_port=7001 is a port of the OpenAI-compatible HTTP API, which "
+         "VALORA_HTTP_ENABLED=false in the environment turns off"),
+    ]
+    for args, env, says in refused:
+        result = CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path), "--port", "0", *args], env=env)
+        assert result.exit_code == 2, (args, result.output)
+        assert says in " ".join(result.output.split()), (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert started == [] and cluster_mod.Cluster.load(tmp_path) is None
+    for args, env in ((["--set", "gateway.http_enabled=false"], None), (["--config", off], None),
+                      ([], {"VALORA_HTTP_ENABLED": "false"}),
+                      (["--http-port", "8081", "--set", "gateway.http_enabled=true"], {"VALORA_HTTP_ENABLED": "0"})):
+        result = CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path), "--port", "0", *args], env=env)
+        assert result.exit_code == 0, (args, result.output)
+        assert started.pop()["http_port"] == (8081 if "--http-port" in args else 8080)
+        (tmp_path / cluster_mod.STATE_FILE).unlink(missing_ok=True)
+    help_text = CliRunner().invoke(cli.app, ["up", "--help"], env={"COLUMNS": "200"}).output
+    words = " ".join("".join(c if c not in "│╭╮╰╯─" else " " for c in help_text).split())
+    assert ("Given while the gateway's http_enabled is false (--set, --config or VALORA_HTTP_ENABLED) it is an "
+            "error (exit 2), never ignored.") in words, words
 
 
 def test_flags_given_win_over_the_config_and_agree_with_set(tmp_path, started, monkeypatch):
