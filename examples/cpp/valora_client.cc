@@ -1,8 +1,9 @@
 // Usage: valora_client infer|stream HOST:PORT "prompt" [image.png] [adapters/name@alias]
 // Calls InferenceService.Infer (prints the InferResult as one JSON line) or InferStream (prints
 // each InferStreamResponse as a JSON line: {"text_delta": ...} as text arrives, then
-// {"result": {...}}). A failed call prints {"code": N, "status": "NAME", "details": ...} on
-// stderr and exits 1. API key (if the gateway needs one): VALORA_API_KEY. A W3C traceparent in
+// {"result": {...}}). A failed call prints `CODE: message (REASON)` on stderr, as the Python SDK's
+// typed errors and the valora CLI do (REASON: the google.rpc.ErrorInfo of the status details),
+// then `  field: description` for each BadRequest field violation, and exits 1. API key (if the gateway needs one): VALORA_API_KEY. A W3C traceparent in
 // VALORA_TRACEPARENT is sent as metadata, so the gateway's trace continues the caller's.
 // The stubs are generated from ../../protos at build time (see the Makefile).
 #include <chrono>
@@ -12,8 +13,10 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
-#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/unknown_field_set.h>
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
@@ -40,14 +43,55 @@ const char* CodeName(grpc::StatusCode code) {
   return i >= 0 && i <= 16 ? names[i] : "UNKNOWN";
 }
 
-// A google.protobuf.Struct, so the message is escaped by protobuf's JSON printer, not by hand.
+// The length-delimited fields numbered `number` of a serialized message.
+std::vector<std::string> Fields(const std::string& bytes, int number) {
+  google::protobuf::UnknownFieldSet set;
+  std::vector<std::string> out;
+  if (!set.ParseFromString(bytes)) return out;
+  for (int i = 0; i < set.field_count(); ++i) {
+    const auto& f = set.field(i);
+    if (f.number() == number && f.type() == google::protobuf::UnknownField::TYPE_LENGTH_DELIMITED)
+      out.push_back(f.length_delimited());
+  }
+  return out;
+}
+
+std::string First(const std::string& bytes, int number) {
+  auto fields = Fields(bytes, number);
+  return fields.empty() ? "" : fields.front();
+}
+
+// What the server put in the status details (the grpc-status-details-bin trailer, a serialized
+// google.rpc.Status): ErrorInfo.reason and BadRequest's field violations. Debian ships no C++
+// classes of google/rpc's protos, so the few fields are read by number: Status.details = 3, each
+// an Any (type_url 1, value 2); ErrorInfo.reason = 1; BadRequest.field_violations = 1, each
+// {field 1, description 2}. Malformed details read as none.
+struct Details {
+  std::string reason;
+  std::vector<std::pair<std::string, std::string>> violations;
+};
+
+Details ReadDetails(const std::string& status_bytes) {
+  const std::string prefix = "type.googleapis.com/google.rpc.";
+  Details out;
+  for (const auto& any : Fields(status_bytes, 3)) {
+    std::string type = First(any, 1), value = First(any, 2);
+    if (type == prefix + "ErrorInfo") {
+      out.reason = First(value, 1);
+    } else if (type == prefix + "BadRequest") {
+      for (const auto& v : Fields(value, 1)) out.violations.emplace_back(First(v, 1), First(v, 2));
+    }
+  }
+  return out;
+}
+
 int Fail(const grpc::Status& status) {
-  google::protobuf::Struct err;
-  auto& fields = *err.mutable_fields();
-  fields["code"].set_number_value(status.error_code());
-  fields["status"].set_string_value(CodeName(status.error_code()));
-  fields["details"].set_string_value(status.error_message());
-  std::cerr << ToJson(err) << std::endl;
+  Details details = ReadDetails(status.error_details());
+  std::cerr << CodeName(status.error_code()) << ": " << status.error_message();
+  if (!details.reason.empty()) std::cerr << " (" << details.reason << ")";
+  std::cerr << "\n";
+  for (const auto& [field, description] : details.violations) std::cerr << "  " << field << ": " << description << "\n";
+  std::cerr.flush();
   return 1;
 }
 

@@ -19,6 +19,7 @@ from PIL import Image
 from services.common.adapter_format import BaseModelShapes, make_random_bundle
 from valora.client import ValoraClient
 from valora.cluster import start_cluster, stop_cluster
+from valora.errors import ValoraRpcError
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 8
@@ -246,10 +247,20 @@ def test_cpp_client_streams_tokens(cluster, adapters, cpp_client, tmp_path):
     assert result["adapter_version"] == adapters["alpha"][0].name
 
 
-def test_cpp_client_shows_the_status_code(cluster, cpp_client):
-    out = subprocess.run([str(cpp_client), "infer", cluster.gateway, "hi", "", "adapters/nope"],
+@pytest.mark.parametrize("adapter, code", [("adapters/nope", grpc.StatusCode.NOT_FOUND),
+                                           ("adapters/Not A Name", grpc.StatusCode.INVALID_ARGUMENT)])
+def test_cpp_client_shows_the_status_code_and_its_error_info(cluster, cpp_client, adapter, code):
+    """A failed call: `CODE: message (REASON)` on stderr, the reason read from the status details'
+    google.rpc.ErrorInfo, then each BadRequest field violation, exactly as the Python SDK's typed
+    error has them."""
+    with pytest.raises(ValoraRpcError) as raised:
+        with ValoraClient(cluster.gateway, retries=0) as client:
+            client.infer("hi", adapter=adapter, max_new_tokens=8)
+    want = raised.value
+    assert want.code() == code and want.reason, want  # a reason to read: the test can fail
+    assert bool(want.field_violations) == (code == grpc.StatusCode.INVALID_ARGUMENT), want.field_violations
+    out = subprocess.run([str(cpp_client), "infer", cluster.gateway, "hi", "", adapter],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == ""
-    err = json.loads(out.stderr)
-    assert (err["code"], err["status"]) == (grpc.StatusCode.NOT_FOUND.value[0], "NOT_FOUND"), err
-    assert "nope" in err["details"]
+    assert out.stderr == f"{code.name}: {want.message} ({want.reason})\n" + "".join(
+        f"  {field}: {why}\n" for field, why in want.field_violations)
