@@ -107,3 +107,21 @@ def test_host_patterns_and_public_addresses():
     for private in ("10.1.2.3", "127.0.0.1", "169.254.169.254", "192.168.0.1", "::1", "fe80::1%eth0",
                     "::ffff:10.0.0.1", "0.0.0.0", "224.0.0.1"):
         assert not _public(private), private
+
+
+def test_the_examples_readme_names_every_image_url_error_code():
+    """examples/README.md tells HTTP clients which `code` a refused image URL gets: the codes it
+    names (backticked, less the gateway's image_url_* settings) are exactly the ones the gateway
+    answers with (services/gateway/image_urls.py, http_openai.py)."""
+    import re
+    from pathlib import Path
+
+    from services.gateway.config import GatewaySettings
+
+    repo = Path(__file__).resolve().parents[2]
+    code = r"(?:unsupported_image_url|image_url_\w+)"
+    source = "".join((repo / "services/gateway" / f).read_text() for f in ("image_urls.py", "http_openai.py"))
+    raised = set(re.findall(rf'"({code})"', source))
+    readme = (repo / "examples/README.md").read_text()
+    named = {t for t in re.findall(rf"`({code})`", readme) if t not in GatewaySettings.model_fields}
+    assert len(raised) >= 4 and named == raised, (named, raised)
