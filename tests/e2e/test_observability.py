@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import openai
 import pytest
@@ -135,6 +136,45 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     modes = {dict(lbl)["mode"]: v for (n, lbl), v in worker.items() if n == "valora:mode"}
     assert sum(modes.values()) == 1, f"exactly one current mode per worker: {modes}"
     assert all(dict(lbl)["worker"] == worker_info.name for (n, lbl), _ in worker.items() if n == "valora:mode")
+
+
+DASHBOARD = REPO / "deploy" / "grafana" / "valora-dashboard.json"
+# The `service` label Prometheus adds to each process's samples (deploy/prometheus/prometheus.yml).
+SCRAPE_SERVICE = {"gateway": "gateway", "scheduler": "scheduler", "adapter_store": "adapter-store",
+                  "worker": "worker"}
+
+
+def _matches(labels: dict, matchers: str) -> bool:
+    """Whether a sample's labels satisfy a PromQL selector's matchers (`k="v"`, `!=`, `=~`, `!~`)."""
+    for key, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', matchers):
+        have = labels.get(key, "")
+        hit = have == value if op in ("=", "!=") else re.fullmatch(value, have) is not None
+        if hit == (op.startswith("!")):
+            return False
+    return True
+
+
+def test_every_dashboard_panel_has_series_after_requests(cluster, traffic):
+    """Each selector of every panel of deploy/grafana/valora-dashboard.json matches a sample some
+    process emits after the traffic and one failed call (the errors panel's): no panel queries
+    a series nothing emits, or one that appears only after an event the panel waits for (a mode
+    switch) and reads "No data" until then."""
+    with pytest.raises(grpc.RpcError), ValoraClient(cluster.gateway, retries=0) as client:
+        client.infer("hi", adapter="adapters/nope", max_new_tokens=MAX_NEW)
+    dash = json.loads(DASHBOARD.read_text())
+    selectors = {(p["title"], m.group(1), m.group(2) or "") for p in dash["panels"] if p["type"] != "row"
+                 for t in p["targets"] for m in re.finditer(r"(valora:[a-z0-9_]+)(\{[^}]*\})?", t["expr"])}
+    assert len(selectors) > 20
+    deadline = time.monotonic() + 10
+    while True:  # the worker publishes its engine's steps, mode and pool from a loop (every 0.5 s)
+        samples = [(name, {**dict(lbl), "service": SCRAPE_SERVICE[p.service]})
+                   for p in cluster.processes for name, lbl in scrape(p.metrics_url)]
+        empty = sorted((title, name + matchers) for title, name, matchers in selectors
+                       if not any(n == name and _matches(lbl, matchers) for n, lbl in samples))
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert empty == [], f"panels with no series: {empty}"
 
 
 def spans_in(log: str) -> list[dict]:
