@@ -39,6 +39,20 @@ GENERATION_TOKENS = Counter("valora:generation_tokens_total", "Tokens generated.
 REQUEST_SUCCESS = Counter("valora:request_success_total", "Requests a worker finished, by why they stopped "
                           "(stop: EOS, a stop sequence or a label; length: max_new_tokens).",
                           ["worker", "finished_reason"])
+# vLLM's per-request histograms (a request a worker finished): its token counts, and its time on
+# the worker by phase from its first scheduling (prefill start): prefill = to the first token,
+# decode = first to last token, inference = prefill start to the last token.
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+REQUEST_PROMPT_TOKENS = Histogram("valora:request_prompt_tokens", "Prompt tokens (text and vision) of a "
+                                  "finished request.", ["worker"], buckets=TOKEN_BUCKETS)
+REQUEST_GENERATION_TOKENS = Histogram("valora:request_generation_tokens", "Tokens a finished request generated.",
+                                      ["worker"], buckets=TOKEN_BUCKETS)
+REQUEST_PREFILL_TIME = Histogram("valora:request_prefill_time_seconds", "A finished request's prefill start to "
+                                 "its first token.", ["worker"], buckets=LATENCY_BUCKETS)
+REQUEST_DECODE_TIME = Histogram("valora:request_decode_time_seconds", "A finished request's first token to its "
+                                "last.", ["worker"], buckets=LATENCY_BUCKETS)
+REQUEST_INFERENCE_TIME = Histogram("valora:request_inference_time_seconds", "A finished request's prefill start "
+                                   "to its last token (prefill + decode).", ["worker"], buckets=LATENCY_BUCKETS)
 KV_CACHE_USAGE = Gauge("valora:kv_cache_usage_perc", "Share of the worker's paged KV pool in use, 0 to 1.",
                        ["worker"])
 MODE = Gauge("valora:mode", "1 for the worker's current inference mode.", ["worker", "mode"])

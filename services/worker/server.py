@@ -213,6 +213,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         metrics.GENERATION_TOKENS.labels(self.worker_name).inc(r.output_tokens)
         reason = "length" if r.finish_reason == FinishReason.LENGTH else "stop"  # vLLM's finished_reason values
         metrics.REQUEST_SUCCESS.labels(self.worker_name, reason).inc()
+        metrics.REQUEST_PROMPT_TOKENS.labels(self.worker_name).observe(r.prompt_tokens)
+        metrics.REQUEST_GENERATION_TOKENS.labels(self.worker_name).observe(r.output_tokens)
+        prefill_s = max(0.0, r.first_token_ms - r.queue_ms) / 1e3  # queue_ms: arrival to prefill start
+        metrics.REQUEST_PREFILL_TIME.labels(self.worker_name).observe(prefill_s)
+        metrics.REQUEST_DECODE_TIME.labels(self.worker_name).observe(max(0.0, r.total_ms - r.first_token_ms) / 1e3)
+        metrics.REQUEST_INFERENCE_TIME.labels(self.worker_name).observe(max(0.0, r.total_ms - r.queue_ms) / 1e3)
         label = metrics.adapter_label(r.adapter)
         metrics.TIME_TO_FIRST_TOKEN.labels(label).observe(r.first_token_ms / 1e3)
         metrics.E2E_LATENCY.labels(label, "OK").observe(r.total_ms / 1e3)

@@ -126,6 +126,10 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     gaps = total(worker, "valora:generation_tokens_total") - total(worker, "valora:request_success_total")
     assert total(worker, "valora:inter_token_latency_seconds_count") >= gaps > traffic
     assert has(worker, "valora:kv_cache_usage_perc")
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):  # vLLM's per-request ones
+        assert total(worker, f"valora:{name}_count") == total(worker, "valora:request_success_total"), name
+    assert total(worker, "valora:request_prompt_tokens_sum") == total(worker, "valora:prompt_tokens_total")
     assert total(worker, "valora:engine_step_seconds_count", kind="prefill") >= 1  # every step, by kind
     assert total(worker, "valora:engine_step_seconds_count", kind="decode") >= 1
     assert total(worker, "valora:lora_adapters", where="host") >= 1  # the traffic's adapter

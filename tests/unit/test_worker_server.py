@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
+from prometheus_client import REGISTRY
 
 from services.common.server import build_service
 from services.worker.model import ensure_tiny_model
@@ -101,6 +102,33 @@ async def test_health_load_generate_and_status(cluster):
     status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
     assert status.healthy and status.running_requests == 0 and status.max_batch_size == 4
     assert set(status.host_adapters) == {A, B} and status.device == "cpu"
+
+
+async def test_a_finished_request_is_one_sample_of_vllms_per_request_histograms(cluster):
+    """valora:request_prompt_tokens, request_generation_tokens and the request's prefill, decode
+    and inference times (vLLM's names and phases: from its first scheduling) get one sample per
+    finished request, the result's own numbers."""
+    worker, store, channel, stub = cluster
+    labels = {"worker": worker.servicer.worker_name}
+
+    def read(metric: str) -> tuple[float, float]:
+        return tuple(REGISTRY.get_sample_value(f"valora:{metric}_{part}", labels) or 0.0 for part in ("count", "sum"))
+
+    names = ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",
+             "request_decode_time_seconds", "request_inference_time_seconds")
+    before = {m: read(m) for m in names}
+    _, res = await generate(stub, request_id="r-hist", images=[types_pb2.Image(data=png(3), mime_type="image/png")],
+                            prompt="Describe the image.", params=types_pb2.GenerationParams(max_new_tokens=5))
+    t = res.timing
+    want = {"request_prompt_tokens": res.usage.prompt_tokens, "request_generation_tokens": res.usage.output_tokens,
+            "request_prefill_time_seconds": (t.first_token_ms - t.queue_ms) / 1e3,
+            "request_decode_time_seconds": (t.total_ms - t.first_token_ms) / 1e3,
+            "request_inference_time_seconds": (t.total_ms - t.queue_ms) / 1e3}
+    assert res.usage.prompt_tokens > 4 and res.usage.output_tokens > 1
+    assert 0 < want["request_prefill_time_seconds"] < want["request_inference_time_seconds"]
+    for m in names:
+        count, total = (after - was for after, was in zip(read(m), before[m]))
+        assert count == 1 and total == pytest.approx(want[m], rel=1e-9, abs=1e-9), m
 
 
 async def test_errors_map_to_status_codes(cluster):
