@@ -749,14 +749,14 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
     torch.set_num_threads(threads)
     with console.status("pretraining the demo base…") as st:
         base, provenance, base_cached = gdemo.ensure_base(
-            tiny, home, steps=pretrain_steps, seed=seed, log=console.print,
+            tiny, home, steps=pretrain_steps, seed=seed, log=console.print, threads=threads,
             progress=lambda s, n, loss: st.update(f"pretraining the demo base: step {s}/{n}, loss {loss:.3f}"))
     timings["pretrain_s"] = round(time.perf_counter() - t0, 1)
     console.print(f"base: {base} ({'cached' if base_cached else 'pretrained'}; text answer to \"Which digit is "
                   f"this?\" on the digit val split: {provenance['val_accuracy']:.3f})")
 
     settings = gdemo.DemoSettings(tasks=tuple(names), pretrain_steps=pretrain_steps, epochs=epochs,
-                                  limit=limit or None, rank=rank, margin=margin, seed=seed)
+                                  limit=limit or None, rank=rank, margin=margin, seed=seed, threads=threads)
     t0 = time.perf_counter()
     with console.status("generating adapters…") as st:
         gen_dir, manifest, gen_cached = gdemo.ensure_adapters(

@@ -1,11 +1,13 @@
 """The adapters `valora demo` serves: a briefly pretrained base and greedy-fused adapters on a
 small, fast task subset, generated once and cached under `$VALORA_HOME`.
 
-    ensure_base(tiny, home, steps, seed)   -> <home>/models/demo-base-s{steps}-seed{seed}
-    ensure_adapters(home, base, settings)  -> <home>/demo/gen-{settings.key()} (bundles + manifest.json)
+    ensure_base(tiny, home, steps, seed, threads) -> <home>/models/demo-base-s{steps}-seed{seed}-t{threads}
+    ensure_adapters(home, base, settings)         -> <home>/demo/gen-{settings.key()} (bundles + manifest.json)
 
 The cache directory is keyed by every setting that changes the result (tasks and their order,
-pretraining steps, epochs, split cap, rank, margin, seed, prefix); a directory is only used once
+pretraining steps, epochs, split cap, rank, margin, seed, prefix, and torch's CPU thread count:
+torch splits CPU reductions by thread, so the trained weights depend on it; both functions set
+that count themselves, so a key always says how its directory was made); a directory is only used once
 its manifest.json exists (written last, into a temporary directory that is then renamed), so an
 interrupted run regenerates. The manifest has `generate`'s layout (pipeline.manifest, with every
 test image's prediction; `python -m services.generator check --out <dir>` works on it) plus a
@@ -43,6 +45,7 @@ class DemoSettings:
     margin: float = 0.03  # threshold = single-task val accuracy - margin
     seed: int = 0
     prefix: str = "demo-fused"
+    threads: int = 2  # torch CPU threads (`valora demo --threads`); ensure_adapters sets it
 
     @property
     def lora_alpha(self) -> float:
@@ -69,19 +72,24 @@ class _ReuseSingles:
         return self.trainer.fuse(state, tasks)
 
 
-def base_dir(home: Path, steps: int, seed: int) -> Path:
-    return Path(home) / "models" / f"demo-base-s{steps}-seed{seed}"
+def base_dir(home: Path, steps: int, seed: int, threads: int = 2) -> Path:
+    return Path(home) / "models" / f"demo-base-s{steps}-seed{seed}-t{threads}"
 
 
 def ensure_base(tiny_model: Path, home: Path, steps: int = 300, seed: int = 0, log: Log = print,
-                progress: Callable[[int, int, float], None] | None = None) -> tuple[Path, dict, bool]:
-    """The briefly pretrained base (pretrain.py), built once. Returns (path, provenance, cached)."""
+                progress: Callable[[int, int, float], None] | None = None,
+                threads: int = 2) -> tuple[Path, dict, bool]:
+    """The briefly pretrained base (pretrain.py) with `threads` torch CPU threads, built once per
+    (steps, seed, threads). Returns (path, provenance, cached)."""
     from services.generator.pretrain import PROVENANCE_FILE, pretrain
 
-    out = base_dir(home, steps, seed)
+    out = base_dir(home, steps, seed, threads)
     record = out / PROVENANCE_FILE
     if record.exists() and (out / "config.json").exists():
         return out, json.loads(record.read_text()), True
+    import torch
+
+    torch.set_num_threads(threads)
     log(f"pretraining the demo base ({steps} steps on the digit train split) -> {out}")
     pretrain(tiny_model, out, steps=steps, seed=seed, progress=progress)
     return out, json.loads(record.read_text()), False
@@ -95,6 +103,8 @@ def ensure_adapters(home: Path, base: Path, settings: DemoSettings = DemoSetting
     if (out / "manifest.json").exists():
         return out, json.loads((out / "manifest.json").read_text()), True
 
+    import torch
+
     from services.generator import pipeline
     from services.generator.datasets import TASKS, build_tasks
     from services.generator.model import BaseModel
@@ -105,6 +115,7 @@ def ensure_adapters(home: Path, base: Path, settings: DemoSettings = DemoSetting
         raise ValueError(f"unknown tasks {unknown}; known: {sorted(TASKS)}")
     names = list(settings.tasks)
     started = time.time()
+    torch.set_num_threads(settings.threads)
     tasks = build_tasks(names, limit=settings.limit)
     model = BaseModel.load(base, rank=settings.rank, lora_alpha=settings.lora_alpha)
     cfg = TrainConfig(epochs=settings.epochs, seed=settings.seed)

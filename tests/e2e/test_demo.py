@@ -30,7 +30,8 @@ def home_and_cluster(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("valora-demo")
     ensure_model(default_model_path(home))
-    base, _, _ = ensure_base(default_model_path(home), home, steps=2, seed=0, log=lambda _: None)
+    base, _, _ = ensure_base(default_model_path(home), home, steps=2, seed=0, log=lambda _: None,
+                              threads=1)  # the demo's --threads 1: the same cached base
     cluster = start_cluster(home / "cluster", model_path=base)
     yield home, cluster
     stop_cluster(home / "cluster")

@@ -13,9 +13,16 @@ def test_key_is_stable_and_changes_with_every_setting():
     s = DemoSettings()
     assert s.key() == DemoSettings().key()
     for change in (dict(tasks=("digit", "parity")), dict(pretrain_steps=301), dict(epochs=4), dict(limit=None),
-                   dict(rank=4), dict(margin=0.05), dict(seed=1), dict(prefix="x"),
+                   dict(rank=4), dict(margin=0.05), dict(seed=1), dict(prefix="x"), dict(threads=1),
                    dict(tasks=("parity", "digit", "digit-rot90", "count"))):
         assert replace(s, **change).key() != s.key(), change
+
+
+def test_the_pretrained_base_is_keyed_by_threads_too(tmp_path):
+    from services.generator.demo import base_dir
+
+    assert base_dir(tmp_path, 300, 0, threads=1) != base_dir(tmp_path, 300, 0, threads=2)
+    assert base_dir(tmp_path, 300, 0, threads=2) == base_dir(tmp_path, 300, 0, threads=2)
 
 
 def test_complete_cache_is_reused_without_training(tmp_path):
