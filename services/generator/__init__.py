@@ -1,6 +1,7 @@
 """Accuracy-aware adapter generation (VaLoRA §4.2): offline, CPU-friendly, torch.
 
     datasets.py   vision tasks built from data shipped in packages (sklearn digits + synthetic)
+    user_datasets.py  datasets a user brings (image folder, JSONL), validated; packed for a job
     model.py      the frozen base Qwen2-VL with LoRA slots; what a task head reads
     training.py   TorchTrainer: LoRA + per-task heads trained jointly on cached image features
     fusion.py     the greedy fusion algorithm with rollback (pure; `Trainer` protocol)

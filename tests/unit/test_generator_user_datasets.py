@@ -1,0 +1,226 @@
+"""Datasets a user brings (services/generator/user_datasets.py): an image folder and JSONL,
+written here with PIL; every validation error names the file (and line), and the splits are
+stratified, disjoint and deterministic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.generator.user_datasets import (
+    MIN_PER_LABEL,
+    DatasetError,
+    UnsupportedTask,
+    load_dataset,
+    pack_dataset,
+    task_id_of,
+    unpack_dataset,
+)
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
+
+
+def _image(path: Path, colour, i: int, size=(20, 14)) -> Path:
+    """A distinct image (a pixel differs per i, so no two files have the same bytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.new("RGB", size, colour)
+    img.putpixel((i % size[0], i // size[0] % size[1]), (i * 7 % 256, 255, i * 13 % 256))
+    img.save(path)
+    return path
+
+
+def image_folder(root: Path, per_label: int = 8, labels=("red", "blue", "green")) -> Path:
+    for lab in labels:
+        for i in range(per_label):
+            _image(root / lab / f"{i:02d}.png", COLOURS[lab], i + 100 * list(COLOURS).index(lab))
+    return root
+
+
+def jsonl_dataset(root: Path, per_label: int = 8, task: str | None = None, extra: list[dict] = ()) -> Path:
+    lines = []
+    for k, lab in enumerate(("red", "blue")):
+        for i in range(per_label):
+            rel = f"imgs/{lab}-{i}.png"
+            _image(root / rel, COLOURS[lab], i + 100 * k)
+            rec = {"id": f"{lab}-{i}", "image": rel, "question": "What colour is it?", "label": lab}
+            if task:
+                rec["task"] = task
+            lines.append(rec)
+    lines.extend(extra)
+    path = root / "colours.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def _problems(exc_info) -> list[str]:
+    return exc_info.value.problems
+
+
+def test_image_folder_is_one_task_with_stratified_deterministic_splits(tmp_path):
+    root = image_folder(tmp_path / "My Colours")
+    (root / "prompt.txt").write_text("Which colour fills the image?\n")
+    tasks = load_dataset(root)
+    assert list(tasks) == ["my-colours"]
+    d = tasks["my-colours"]
+    assert d.prompt == "Which colour fills the image?"
+    assert d.labels == ("blue", "green", "red")
+    assert [d.size(s) for s in ("train", "val", "test")] == [3 * 5, 3 * 2, 3 * 1]  # 8 per label: 5/2/1
+    for s in ("train", "val", "test"):
+        assert set(d.targets[s].tolist()) == {0, 1, 2}
+        assert all(img.mode == "RGB" and img.size == (56, 56) for img in d.images[s])
+        # each image's colour is its label's: the labels went with the right files
+        for img, y in zip(d.images[s], d.targets[s]):
+            assert img.getpixel((30, 30)) == COLOURS[d.labels[y]]
+    again = load_dataset(root)["my-colours"]
+    for s in ("train", "val", "test"):
+        assert np.array_equal(again.targets[s], d.targets[s])
+        assert [i.tobytes() for i in again.images[s]] == [i.tobytes() for i in d.images[s]]
+    pixels = {s: {i.tobytes() for i in d.images[s]} for s in ("train", "val", "test")}
+    assert not (pixels["train"] & pixels["test"]) and not (pixels["val"] & pixels["test"])
+    assert load_dataset(root, limit=2)["my-colours"].size("train") == 2
+
+
+def test_jsonl_tasks_labels_and_the_default_task_name(tmp_path):
+    path = jsonl_dataset(tmp_path)
+    tasks = load_dataset(path)
+    assert list(tasks) == ["colours"]
+    d = tasks["colours"]
+    assert d.prompt == "What colour is it?" and d.labels == ("blue", "red")
+    assert [d.size(s) for s in ("train", "val", "test")] == [10, 4, 2]
+    for img, y in zip(d.images["test"], d.targets["test"]):
+        assert img.getpixel((30, 30)) == COLOURS[d.labels[y]]
+    assert list(load_dataset(jsonl_dataset(tmp_path / "b", task="paint"))) == ["paint"]
+
+
+def test_task_ids_from_names():
+    assert task_id_of("My Colours") == "my-colours"
+    assert task_id_of("2024_pets") == "d-2024-pets"
+    assert task_id_of("__") == "d"
+
+
+def test_missing_directory_and_missing_image_name_the_path_and_line(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        load_dataset(tmp_path / "nope")
+    assert str(tmp_path / "nope") in str(e.value)
+    path = jsonl_dataset(tmp_path, extra=[{"id": "x", "image": "imgs/gone.png", "question": "What colour is it?",
+                                           "label": "red"}])
+    with pytest.raises(DatasetError) as e:
+        load_dataset(path)
+    assert _problems(e) == [f"{path}:17: image 'imgs/gone.png' not found"]
+
+
+def test_unreadable_image_is_named(tmp_path):
+    root = image_folder(tmp_path / "c")
+    bad = root / "red" / "broken.png"
+    bad.write_bytes(b"\x89PNG not really")
+    with pytest.raises(DatasetError) as e:
+        load_dataset(root)
+    assert len(_problems(e)) == 1 and _problems(e)[0].startswith(f"{bad}: unreadable image")
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    root = image_folder(tmp_path / "c")
+    (root / "purple").mkdir()
+    (root / "purple" / "notes.txt").write_text("todo")
+    with pytest.raises(DatasetError) as e:
+        load_dataset(root)
+    assert len(_problems(e)) == 1
+    assert _problems(e)[0].startswith(f"{root / 'purple'}: label 'purple' has no images (1 other files)")
+
+
+def test_too_few_examples_for_the_split_names_the_label(tmp_path):
+    root = image_folder(tmp_path / "c", labels=("red", "blue"))
+    for p in sorted((root / "blue").iterdir())[MIN_PER_LABEL - 1:]:
+        p.unlink()
+    with pytest.raises(DatasetError) as e:
+        load_dataset(root)
+    assert _problems(e) == [f"{root / 'blue'}: label 'blue' has {MIN_PER_LABEL - 1} examples; each label needs at "
+                            f"least {MIN_PER_LABEL} for the 60/20/20 train/val/test split"]
+    with pytest.raises(DatasetError) as e:
+        load_dataset(image_folder(tmp_path / "one", labels=("red",)))
+    assert "1 label ('red'); a task needs at least 2" in str(e.value)
+
+
+def test_duplicate_ids_and_duplicate_images_are_named(tmp_path):
+    path = jsonl_dataset(tmp_path, extra=[
+        {"id": "red-3", "image": "imgs/red-3.png", "question": "What colour is it?", "label": "red"},
+        {"id": "again", "image": "imgs/red-2.png", "question": "What colour is it?", "label": "blue"}])
+    with pytest.raises(DatasetError) as e:
+        load_dataset(path)
+    assert _problems(e) == [f"{path}:17: duplicate id 'red-3' (first on line 4)",
+                            f"{path}:18: the same image as {path}:3 (label 'red' there, 'blue' here); drop one"]
+    root = image_folder(tmp_path / "c")
+    (root / "blue" / "copy.png").write_bytes((root / "red" / "01.png").read_bytes())
+    with pytest.raises(DatasetError) as e:
+        load_dataset(root)
+    assert _problems(e) == [f"{root / 'red' / '01.png'}: the same image as {root / 'blue' / 'copy.png'} "
+                            "(label 'blue' there, 'red' here); drop one"]
+
+
+def test_malformed_lines_are_each_named_and_all_reported(tmp_path):
+    path = jsonl_dataset(tmp_path, extra=[
+        "not json",
+        {"image": "imgs/red-1.png", "label": "red"},
+        {"image": "/etc/passwd", "question": "What colour is it?", "label": "red", "id": "abs"},
+        {"image": "../x.png", "question": "What colour is it?", "label": "red", "id": "up"},
+        {"image": "imgs/red-1.png", "question": "Which colour?", "label": "red", "id": "q"},
+        {"image": "imgs/red-1.png", "question": "What colour is it?", "label": "red", "task": "Bad Task"}])
+    path.write_text(path.read_text().replace('"not json"', "not json"))
+    with pytest.raises(DatasetError) as e:
+        load_dataset(path)
+    got = _problems(e)
+    assert [p.split(": ", 1)[0] for p in got] == [f"{path}:{n}" for n in range(17, 23)]
+    assert "not JSON" in got[0] and "missing 'question'" in got[1]
+    assert "must be a path inside" in got[2] and "must be a path inside" in got[3]
+    assert "differs from line 1's 'What colour is it?'" in got[4] and "must match" in got[5]
+
+
+def test_answer_text_tasks_are_refused_for_now(tmp_path):
+    path = jsonl_dataset(tmp_path, extra=[
+        {"image": "imgs/red-1.png", "question": "What is in the image?", "answer": "a red square"},
+        {"image": "imgs/red-2.png", "question": "What is in the image?", "answer": "a red square"}])
+    with pytest.raises(UnsupportedTask) as e:
+        load_dataset(path)
+    assert _problems(e)[0].startswith(f"{path}:17: answer-text (VQA-style) tasks need text-task training")
+    assert "(2 answer records, lines 17, 18)" in _problems(e)[0]
+
+
+def test_pack_and_unpack_round_trip_both_layouts(tmp_path):
+    folder = image_folder(tmp_path / "colours")
+    jsonl = jsonl_dataset(tmp_path / "j")
+    (tmp_path / "j" / "imgs" / "unused.png").write_bytes(b"not packed")
+    for src in (folder, jsonl):
+        data = pack_dataset(src)
+        dest = tmp_path / f"unpacked-{src.name}"
+        dest.mkdir()
+        found = unpack_dataset(data, dest)
+        assert found.name == src.name
+        a, b = load_dataset(src), load_dataset(found)
+        assert list(a) == list(b)
+        for t in a:
+            assert [i.tobytes() for i in a[t].images["test"]] == [i.tobytes() for i in b[t].images["test"]]
+        archive = tmp_path / f"{src.name}.tar.gz"
+        archive.write_bytes(data)
+        assert list(load_dataset(archive)) == list(a)
+    assert not (tmp_path / "unpacked-colours.jsonl" / "imgs" / "unused.png").exists()
+
+
+def test_an_archive_member_outside_the_archive_is_refused(tmp_path):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("../evil.txt")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"evil"))
+    dest = tmp_path / "d"
+    dest.mkdir()
+    with pytest.raises(DatasetError) as e:
+        unpack_dataset(buf.getvalue(), dest, source="upload")
+    assert _problems(e) == ["upload: member '../evil.txt' is not a plain file inside the archive"]
+    assert not (tmp_path / "evil.txt").exists()
