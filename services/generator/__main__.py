@@ -4,6 +4,7 @@
     python -m services.generator pretrain --model-path ~/.cache/valora/tiny-qwen2-vl --out ~/.cache/valora/demo-qwen2-vl
     python -m services.generator generate --model-path ~/.cache/valora/tiny-qwen2-vl --out out/gen \\
         [--gateway localhost:50051] [--order digit,parity,...] [--rank 8] [--epochs 4] [--compare]
+    python -m services.generator generate --model-path ... --out out/pets --dataset ~/pets [--threshold pets=0.8]
     python -m services.generator register --out out/gen --gateway localhost:50051 [--check 60]
     python -m services.generator check --out out/gen --gateway localhost:50051 [--n 60]   # default: whole test split
     python -m services.generator serve   # runs GenerationJobs (settings: VALORA_ADAPTER_STORE_ADDRESS, ...;
@@ -14,6 +15,8 @@ unless --threshold task=acc is given for every task), runs the greedy fusion, wr
 and a manifest to --out, optionally registers them through the gateway (adapter versions + one
 task per head, with threshold and measured accuracy), and with --compare also measures the
 no-adapter and all-in-one baselines and writes bench/results/generation-<date>.json.
+`--dataset` (repeatable) adds a user's tasks: an image folder or a JSONL file, validated first
+(services/generator/user_datasets.py says what each may hold and what is refused).
 """
 
 from __future__ import annotations
@@ -83,7 +86,10 @@ def generate(
     model_path: Path = typer.Option(..., help="Local Qwen2-VL model directory (config.json, weights, tokenizer)."),
     out: Path = typer.Option(..., help="Directory for the bundles and manifest.json."),
     gateway: Optional[str] = typer.Option(None, help="host:port of a valora gateway to register the adapters with."),
-    order: str = typer.Option("", help="Comma-separated tasks in fusion order (default: the built-in order)."),
+    order: str = typer.Option("", help="Comma-separated tasks in fusion order (default: the datasets' tasks, "
+                                       "else the built-in order)."),
+    dataset: list[Path] = typer.Option([], help="A dataset of yours: an image folder (one sub-folder per label) "
+                                               "or a JSONL file (image, question, label); repeatable."),
     rank: int = typer.Option(8, min=1, help="LoRA rank r."),
     lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha (scale = alpha / r); default 2r."),
     epochs: int = typer.Option(4, min=1, help="Epochs over the (union of the) tasks' train splits per fusion."),
@@ -107,19 +113,24 @@ def generate(
     import torch
 
     from services.generator import pipeline
-    from services.generator.datasets import DEFAULT_TASKS, TASKS, build_tasks
     from services.generator.model import BaseModel
     from services.generator.training import TorchTrainer, TrainConfig
+    from services.generator.user_datasets import DatasetError, tasks_for
 
     torch.set_num_threads(threads)
-    names = [t.strip() for t in order.split(",") if t.strip()] or list(DEFAULT_TASKS)
-    unknown = [t for t in names if t not in TASKS]
-    if unknown:
-        raise typer.BadParameter(f"unknown tasks {unknown}; see `python -m services.generator tasks`")
     given = _parse_thresholds(threshold)
     alpha = lora_alpha if lora_alpha is not None else 2.0 * rank
     started = time.time()
-    tasks = build_tasks(names, limit=limit)
+    try:
+        names, tasks, datasets = tasks_for([t.strip() for t in order.split(",") if t.strip()], dataset, limit=limit)
+    except DatasetError as exc:
+        console.print(f"[red]{exc}[/red]", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc}; see `python -m services.generator tasks`") from None
+    extra = sorted(set(given) - set(names))
+    if extra:
+        raise typer.BadParameter(f"--threshold names tasks not generated: {extra} (tasks: {names})")
     base = BaseModel.load(model_path, rank=rank, lora_alpha=alpha)
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr=head_lr, seed=seed)
 
@@ -164,7 +175,7 @@ def generate(
     for b in bundles:
         b.write(out)
     manifest = pipeline.manifest(str(model_path), tasks, names, thresholds, margin, rank, alpha, cfg, limit, bundles,
-                                 greedy_result)
+                                 greedy_result, datasets=datasets)
     if gateway:
         manifest["registered"] = pipeline.register(gateway, bundles, greedy_result,
                                                    {t: tasks[t].prompt for t in names}, api_key=api_key,

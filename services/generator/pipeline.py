@@ -137,10 +137,11 @@ HEAD_INPUT = "final-norm hidden state of the last prompt token (chat template, i
 
 def manifest(base_model: str, tasks: Mapping[str, TaskData], order: Sequence[str], thresholds: Mapping[str, float],
              margin: float, rank: int, lora_alpha: float, config: TrainConfig, limit: int | None,
-             bundles: Sequence[Bundle], result: StrategyResult) -> dict:
+             bundles: Sequence[Bundle], result: StrategyResult, datasets: Mapping[str, str] | None = None) -> dict:
     """A generated directory's manifest.json (`generate` and the demo write it, `load_generated`
     reads it): settings, adapters, prompts, the greedy result, the split cap `limit` the splits
-    were built with (so the same test images can be rebuilt) and every test image's prediction."""
+    were built with (so the same test images can be rebuilt), every test image's prediction and,
+    for a task from a user's dataset, where the dataset was (`datasets`, task -> path)."""
     return {
         "base_model": base_model, "rank": rank, "lora_alpha": lora_alpha, "epochs": config.epochs, "lr": config.lr,
         "head_lr": config.head_lr, "seed": config.seed, "order": list(order), "thresholds": dict(thresholds),
@@ -151,6 +152,7 @@ def manifest(base_model: str, tasks: Mapping[str, TaskData], order: Sequence[str
         "head_input": HEAD_INPUT,
         "greedy": result.to_json(),
         "test_predictions": result.predictions,
+        "datasets": dict(datasets or {}),
     }
 
 
@@ -186,13 +188,20 @@ def write_results(results: Sequence[StrategyResult], path: Path | None = None, m
     return path
 
 
-def held_out_images(task: str, limit: int | None = None) -> tuple[list[bytes], list[str]]:
+def held_out_images(task: str, limit: int | None = None, dataset: str | None = None) -> tuple[list[bytes], list[str]]:
     """The generator's test split of `task` built with split cap `limit` (the manifest's), as PNG
     bytes (lossless: a worker decodes the very pixels) with the true labels, in the order of the
-    manifest's test predictions. A smaller `limit` gives the first images of the same split."""
+    manifest's test predictions. A smaller `limit` gives the first images of the same split.
+    `dataset`: the user's dataset the task came from (the manifest's `datasets`); its images are
+    the resized ones the generator measured."""
     import io
 
-    data = build_task(task, limit=limit)
+    if dataset:
+        from services.generator.user_datasets import load_dataset
+
+        data = load_dataset(dataset, limit=limit)[task]
+    else:
+        data = build_task(task, limit=limit)
     pngs = []
     for img in data.images["test"]:
         buf = io.BytesIO()
@@ -234,7 +243,7 @@ def served_accuracy(address: str, manifest: dict, per_task: int | None = None,
     out = {}
     with ValoraClient(address, api_key=api_key) as client:
         for task in manifest["order"]:
-            pngs, truth = held_out_images(task, manifest.get("limit"))
+            pngs, truth = held_out_images(task, manifest.get("limit"), (manifest.get("datasets") or {}).get(task))
             pngs, truth = pngs[:per_task or None], truth[:per_task or None]
             served = [client.infer(manifest["prompts"][task], [png], task=task_name(task), label=True).label
                       for png in pngs]

@@ -374,3 +374,32 @@ def unpack_dataset(data: bytes, dest: Path, source: str = "archive") -> Path:
         raise DatasetError(source, [f"{source}: {len(jsonl)} .jsonl files at the top ({names}); pack one"])
     dirs = [p for p in top if p.is_dir()]
     return dirs[0] if len(dirs) == 1 and not [p for p in top if p.is_file()] else dest
+
+
+def tasks_for(order: list[str] | tuple[str, ...], datasets=(), limit: int | None = None,
+              image_size: int = DEFAULT_IMAGE_SIZE) -> tuple[list[str], dict[str, TaskData], dict[str, str]]:
+    """The tasks of a generation run: every dataset's tasks (`load_dataset`) and the built-in
+    tasks `order` names. Fusion order is `order` when given (it must name every dataset task it
+    wants; a dataset task it leaves out is not generated), else the datasets' tasks in the order
+    given, else the built-in default order. Returns (order, {task: TaskData}, {task: dataset}).
+    Raises DatasetError for a bad dataset, ValueError for unknown or clashing task names."""
+    from services.generator.datasets import DEFAULT_TASKS, TASKS, build_task
+
+    loaded: dict[str, TaskData] = {}
+    where: dict[str, str] = {}
+    for ds in datasets:
+        for name, data in load_dataset(ds, image_size=image_size, limit=limit).items():
+            if name in TASKS:
+                raise ValueError(f"dataset {ds}: task {name!r} is a built-in task's name; rename it "
+                                 "(the folder, the file, or the records' \"task\")")
+            if name in loaded:
+                raise ValueError(f"dataset {ds}: task {name!r} is also in dataset {where[name]}")
+            loaded[name], where[name] = data, str(ds)
+    names = list(order) or list(loaded) or list(DEFAULT_TASKS)
+    unknown = [t for t in names if t not in TASKS and t not in loaded]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; built-in: {sorted(TASKS)}; from the datasets: {sorted(loaded)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a task is named twice in the order {names}")
+    tasks = {t: loaded[t] if t in loaded else build_task(t, image_size=image_size, limit=limit) for t in names}
+    return names, tasks, {t: where[t] for t in names if t in where}

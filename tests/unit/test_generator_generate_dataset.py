@@ -1,0 +1,64 @@
+"""`python -m services.generator generate --dataset`: one real (tiny) run on an image folder a
+user brings, and the refusals a bad dataset or an answer-text task gets before any training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("torch")
+
+from services.generator.__main__ import app  # noqa: E402
+from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset  # noqa: E402
+
+
+def _generate(model_path, out, *args):
+    return CliRunner().invoke(app, ["generate", "--model-path", str(model_path), "--out", str(out), "--rank", "2",
+                                    "--epochs", "1", "--batch-size", "8", "--threads", "1", *args])
+
+
+def test_generate_on_an_image_folder(model_path, tmp_path):
+    from services.generator.pipeline import held_out_images, load_generated
+
+    root = image_folder(tmp_path / "swatches", per_label=6)
+    out = tmp_path / "gen"
+    result = _generate(model_path, out, "--dataset", str(root), "--threshold", "swatches=0.1", "--prefix", "sw")
+    assert result.exit_code == 0, result.output
+    manifest, bundles, greedy = load_generated(out)
+    assert manifest["order"] == ["swatches"] and manifest["datasets"] == {"swatches": str(root)}
+    assert manifest["thresholds"] == {"swatches": 0.1}
+    assert [b.name for b in bundles] == ["sw-0"] and list(bundles[0].heads) == ["swatches"]
+    assert json.loads((out / "sw-0" / "heads.json").read_text())["swatches"] == ["blue", "green", "red"]
+    # the test split the generator measured: 1 image per label (6 per label: 4/1/1), rebuilt from
+    # the dataset for the served check in the order of the manifest's predictions
+    pngs, truth = held_out_images("swatches", manifest["limit"], manifest["datasets"]["swatches"])
+    assert sorted(truth) == ["blue", "green", "red"]
+    preds = manifest["test_predictions"]["swatches"]
+    assert len(preds) == len(pngs) == 3 and set(preds) <= {"blue", "green", "red"}
+    accuracy = sum(p == t for p, t in zip(preds, truth)) / 3
+    assert greedy.tasks["swatches"]["accuracy"] == round(accuracy, 4)
+
+
+def test_a_bad_dataset_is_refused_before_training_with_its_location(model_path, tmp_path):
+    root = image_folder(tmp_path / "swatches")
+    (root / "red" / "00.png").write_bytes(b"garbage")
+    result = _generate("/no/such/model", tmp_path / "gen", "--dataset", str(root))
+    assert result.exit_code == 2
+    assert str(root / "red" / "00.png") in result.output.replace("\n", "") and "unreadable image" in result.output
+    assert not (tmp_path / "gen").exists()
+
+
+def test_answer_text_tasks_are_refused_saying_why(tmp_path):
+    path = jsonl_dataset(tmp_path, extra=[{"image": "imgs/red-1.png", "question": "What is it?",
+                                           "answer": "a red square"}])
+    result = _generate("/no/such/model", tmp_path / "gen", "--dataset", str(path))
+    assert result.exit_code == 2
+    assert "text-task training" in result.output and f"{path.name}:17" in result.output.replace("\n", "")
+
+
+def test_dataset_task_names_may_not_shadow_built_in_tasks(tmp_path):
+    path = jsonl_dataset(tmp_path, task="digit")
+    result = _generate("/no/such/model", tmp_path / "gen", "--dataset", str(path))
+    assert result.exit_code == 2 and "built-in task" in result.output
