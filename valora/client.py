@@ -406,18 +406,37 @@ class ValoraClient:
 
     # -- generation jobs -----------------------------------------------------------------------
 
-    def create_generation_job(self, base_model: str, sources: dict[str, float] | Iterable[tuple[str, float]], *,
+    def create_generation_job(self, base_model: str,
+                              sources: dict[str, float] | Iterable[tuple[str, float] | tuple[str, float, str]], *,
                               rank: int = 0, epochs: int = 0, adapter_prefix: str = "", split_limit: int = 0,
                               job_id: str = "", request_id: str = "") -> resources_pb2.GenerationJob:
         """Queues accuracy-aware adapter generation: `sources` maps task -> accuracy threshold, in
-        fusion order. Idempotent per request_id (one is made up when not given)."""
+        fusion order; a (task, threshold, "datasets/{sha256}") item names a task of a dataset
+        uploaded with `upload_dataset`. Idempotent per request_id (one is made up when not given)."""
         items = sources.items() if isinstance(sources, dict) else sources
         job = resources_pb2.GenerationJob(
             base_model=base_model, rank=rank, epochs=epochs, adapter_prefix=adapter_prefix, split_limit=split_limit,
-            sources=[resources_pb2.GenerationSource(task=t, accuracy_threshold=a) for t, a in items])
+            sources=[resources_pb2.GenerationSource(task=item[0], accuracy_threshold=item[1],
+                                                    dataset=item[2] if len(item) > 2 else "") for item in items])
         r = self._call(self._admin.CreateGenerationJob, admin_pb.CreateGenerationJobRequest(
             job_id=job_id, job=job, request_id=request_id or uuid.uuid4().hex), self._admin_key)
         return r.job
+
+    def upload_dataset(self, archive: bytes) -> resources_pb2.Dataset:
+        """Uploads a dataset archive (.tar[.gz] or .zip of an image folder or a JSONL file) for
+        generation jobs; returns its `datasets/{sha256}` (the same bytes give the same name)."""
+        import hashlib
+
+        meta = admin_pb.UploadDatasetMetadata(sha256=hashlib.sha256(archive).hexdigest())
+
+        def parts():
+            yield admin_pb.UploadDatasetRequest(metadata=meta)
+            for i in range(0, len(archive), UPLOAD_CHUNK):
+                yield admin_pb.UploadDatasetRequest(chunk=archive[i:i + UPLOAD_CHUNK])
+
+        r = self._retrying(lambda: self._admin.UploadDataset(parts(), timeout=self.timeout_s,
+                                                             metadata=_metadata(self._admin_key)))
+        return r.dataset
 
     @staticmethod
     def _job_name(name: str) -> str:

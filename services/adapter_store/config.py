@@ -36,6 +36,9 @@ class StoreSettings(ServiceSettings):
     max_bundle_bytes: int = Field(
         1 << 30, description="Largest bundle accepted, in bytes (enforced while receiving)."
     )
+    max_dataset_bytes: int = Field(
+        1 << 30, description="Largest dataset archive accepted (AdminService.UploadDataset), in bytes."
+    )
     upload_spool_dir: str = Field(
         "", description="Directory uploads are spooled to while they arrive; empty: the system temp dir."
     )

@@ -13,8 +13,16 @@ from valora.v1 import resources_pb2 as res_pb
 from services.common import names
 from services.common.errors import invalid_field
 
-from services.adapter_store.domain import Adapter, Head, Task, Version
-from services.adapter_store.jobs import Job, JobResult, JobSource, JobSpec, TaskOutcome
+from services.adapter_store.domain import Adapter, Dataset, Head, Task, Version
+from services.adapter_store.jobs import (
+    Job,
+    JobResult,
+    JobSource,
+    JobSpec,
+    TaskOutcome,
+    dataset_name,
+    parse_dataset_name,
+)
 from services.adapter_store.tile_tables import StoredTileTable
 from services.adapter_store.validation import UploadRequest, normalize_sha256
 
@@ -111,10 +119,14 @@ _JOB_STATE_NAMES = {v: k for k, v in _JOB_STATES.items()}
 MAX_RANK = 256
 
 
+def dataset_to_pb(d: Dataset) -> res_pb.Dataset:
+    return res_pb.Dataset(name=dataset_name(d.sha256), sha256=d.sha256, size_bytes=d.size)
+
+
 def job_to_pb(j: Job) -> res_pb.GenerationJob:
     return res_pb.GenerationJob(
         name=j.name, base_model=j.spec.base_model,
-        sources=[res_pb.GenerationSource(task=s.task, accuracy_threshold=s.accuracy_threshold)
+        sources=[res_pb.GenerationSource(task=s.task, accuracy_threshold=s.accuracy_threshold, dataset=s.dataset)
                  for s in j.spec.sources],
         rank=j.spec.rank, epochs=j.spec.epochs, adapter_prefix=j.spec.adapter_prefix,
         split_limit=j.spec.split_limit, state=_JOB_STATES[j.state], progress=j.progress, message=j.message,
@@ -158,13 +170,15 @@ def job_spec_from_pb(job_id: str, j: res_pb.GenerationJob) -> JobSpec:
         seen.add(s.task)
         if not 0.0 <= s.accuracy_threshold <= 1.0:
             raise invalid_field(f"job.sources[{i}].accuracy_threshold", "must be within [0, 1]")
+        if s.dataset:
+            parse_dataset_name(s.dataset, f"job.sources[{i}].dataset")
     if not 0 <= j.rank <= MAX_RANK:
         raise invalid_field("job.rank", f"must be within [0, {MAX_RANK}] (0 means 8)")
     if j.epochs < 0 or j.split_limit < 0:
         raise invalid_field("job.epochs" if j.epochs < 0 else "job.split_limit", "must not be negative")
     if j.adapter_prefix:
         names.check_id(j.adapter_prefix, "job.adapter_prefix")
-    return JobSpec(j.base_model, tuple(JobSource(s.task, s.accuracy_threshold) for s in j.sources),
+    return JobSpec(j.base_model, tuple(JobSource(s.task, s.accuracy_threshold, s.dataset) for s in j.sources),
                    j.rank or 8, j.epochs or 4, j.adapter_prefix, j.split_limit)
 
 

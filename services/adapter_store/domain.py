@@ -135,3 +135,11 @@ def page_token(after: str | int) -> str:
 class GcReport:
     pending_removed: list[str]
     blobs_removed: list[str]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset archive uploaded for generation jobs ("datasets/{sha256}")."""
+
+    sha256: str
+    size: int

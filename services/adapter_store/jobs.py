@@ -62,6 +62,28 @@ def parse_job_name(value: str, field_path: str = "name") -> str:
 class JobSource:
     task: str
     accuracy_threshold: float
+    dataset: str = ""  # "datasets/{sha256}" of an uploaded dataset holding the task; "": built-in
+
+
+_DATASET = re.compile(r"^datasets/(?P<sha256>[0-9a-f]{64})$")
+
+
+def dataset_name(sha256: str) -> str:
+    return f"datasets/{sha256}"
+
+
+def parse_dataset_name(value: str, field_path: str = "name") -> str:
+    """The sha256 of "datasets/{sha256}"."""
+    m = _DATASET.fullmatch(value or "")
+    if m is None:
+        raise invalid_field(field_path, f"{value!r} is not a dataset name (datasets/{{sha256}}, lowercase hex)")
+    return m.group("sha256")
+
+
+def datasets_of(spec_json: str) -> set[str]:
+    """The sha256 of every dataset a stored job spec names."""
+    return {s["dataset"].removeprefix("datasets/") for s in json.loads(spec_json or "{}").get("sources", [])
+            if s.get("dataset")}
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from services.adapter_store.blobs import BlobStore
 from services.adapter_store.domain import (
     Adapter,
     Alias,
+    Dataset,
     GcReport,
     Head,
     Page,
@@ -42,10 +43,13 @@ from services.adapter_store.domain import (
     Version,
     page_token,
 )
+from services.adapter_store.jobs import dataset_name, datasets_of
 from services.adapter_store.models import (
     AdapterRow,
     AliasRow,
     FusedMemberRow,
+    GenerationJobRow,
+    GenerationJobState,
     TaskRow,
     VersionRow,
     VersionState,
@@ -481,12 +485,42 @@ class Registry:
     def _live_shas(self) -> set[str]:
         with self._sessions.begin() as s:
             return set(s.scalars(select(VersionRow.sha256).where(
-                VersionRow.state.in_([VersionState.PENDING, VersionState.READY]))))
+                VersionRow.state.in_([VersionState.PENDING, VersionState.READY])))) | self._job_datasets(s)
 
     def _is_live(self, sha256: str) -> bool:
         with self._sessions.begin() as s:
             return bool(s.scalar(select(func.count()).select_from(VersionRow).where(
-                VersionRow.sha256 == sha256, VersionRow.state.in_([VersionState.PENDING, VersionState.READY]))))
+                VersionRow.sha256 == sha256, VersionRow.state.in_([VersionState.PENDING, VersionState.READY])))) \
+                or sha256 in self._job_datasets(s)
+
+    @staticmethod
+    def _job_datasets(s: Session) -> set[str]:
+        """Datasets a PENDING or RUNNING generation job names: kept until the job ends."""
+        out: set[str] = set()
+        for spec in s.scalars(select(GenerationJobRow.spec_json).where(
+                GenerationJobRow.state.in_([GenerationJobState.PENDING, GenerationJobState.RUNNING]))):
+            out |= datasets_of(spec)
+        return out
+
+    # ------------------------------------------------------------------ datasets
+
+    def put_dataset(self, sha256: str, data: BinaryIO, size: int) -> Dataset:
+        """Stores a dataset archive under its sha256 (BlobIntegrityError when the bytes differ).
+        A blob like any other: GC keeps it while a PENDING or RUNNING job names it, and for the
+        grace period after this put (the time to create the job)."""
+        self.blobs.put(sha256, data, size)
+        return Dataset(sha256, size)
+
+    def get_dataset(self, sha256: str) -> Dataset:
+        info = self.blobs.stat(sha256)
+        if info is None:
+            raise NotFound(f"{dataset_name(sha256)} was not uploaded, or was collected after its jobs ended; "
+                           "upload it again", reason="DATASET_NOT_FOUND")
+        return Dataset(sha256, info.size)
+
+    def open_dataset(self, sha256: str) -> Iterator[bytes]:
+        self.get_dataset(sha256)
+        return self.blobs.open(sha256)
 
 
 def _ref_adapter(reference: str) -> str | None:

@@ -44,7 +44,7 @@ async def create_server(settings: StoreSettings) -> Service:
     checker = await loop.run_in_executor(executor, BundleChecker.from_settings, settings)
     jobs = GenerationJobs(registry.sessions, settings.job_lease_s, settings.job_max_attempts)
     admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir, jobs,
-                          timeout_s=settings.backend_timeout_s)
+                          timeout_s=settings.backend_timeout_s, max_dataset_bytes=settings.max_dataset_bytes)
     store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes, jobs,
                                  timeout_s=settings.backend_timeout_s)
 

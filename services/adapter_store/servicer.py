@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import mmap
+import re
+import tarfile
 import tempfile
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import Executor
 from datetime import timedelta
@@ -21,11 +24,19 @@ from valora.v1 import admin_service_pb2 as admin_pb
 from valora.v1 import admin_service_pb2_grpc as admin_grpc
 
 from services.common import names
-from services.common.errors import ValoraError, WorkerUnavailable, invalid_field
+from services.common.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    NotFound,
+    ValoraError,
+    WorkerUnavailable,
+    invalid_field,
+)
 
 from services.adapter_store import convert
 from services.adapter_store.domain import PageRequest
-from services.adapter_store.jobs import GenerationJobs, parse_job_name
+from services.adapter_store.blobs import BlobIntegrityError
+from services.adapter_store.jobs import GenerationJobs, parse_dataset_name, parse_job_name
 from services.adapter_store.registry import Registry
 from services.adapter_store.tile_tables import TileTables
 from services.adapter_store.validation import BundleChecker
@@ -85,12 +96,14 @@ def _lost_connection_underneath(error: BaseException | None) -> bool:
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
     def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor, spool_dir: str = "",
-                 jobs: GenerationJobs | None = None, timeout_s: float = 60.0) -> None:
+                 jobs: GenerationJobs | None = None, timeout_s: float = 60.0,
+                 max_dataset_bytes: int = 1 << 30) -> None:
         _Blocking.__init__(self, executor, timeout_s)
         self.registry = registry
         self.jobs = jobs or GenerationJobs(registry.sessions)
         self.checker = checker
         self.spool_dir = spool_dir
+        self.max_dataset_bytes = max_dataset_bytes
 
     # adapters
     async def CreateAdapter(self, request, context):
@@ -216,6 +229,14 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
         spec = convert.job_spec_from_pb(request.job_id, request.job)
         if len(request.request_id) > 128:
             raise invalid_field("request_id", "at most 128 characters")
+        for i, src in enumerate(spec.sources):
+            if src.dataset:
+                try:
+                    await self.run(self.registry.get_dataset, parse_dataset_name(src.dataset))
+                except NotFound as exc:
+                    raise FailedPrecondition(f"job.sources[{i}].dataset: {exc.message}", reason=exc.reason,
+                                             field_violations=[FieldViolation(f"job.sources[{i}].dataset",
+                                                                              exc.message)]) from None
         j = await self.run(self.jobs.create, request.job_id, spec, request.request_id or None)
         return admin_pb.CreateGenerationJobResponse(job=convert.job_to_pb(j))
 
@@ -231,6 +252,62 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
     async def CancelGenerationJob(self, request, context):
         j = await self.run(self.jobs.cancel, parse_job_name(request.name))
         return admin_pb.CancelGenerationJobResponse(job=convert.job_to_pb(j))
+
+
+    async def UploadDataset(self, request_iterator, context):
+        """Metadata (the sha256) first, then chunks spooled to a temp file under max_dataset_bytes;
+        the archive must be a .tar[.gz] or .zip (what is inside is the runner's to validate)."""
+        sha256 = None
+        spool = None
+        size = 0
+        try:
+            async for msg in request_iterator:
+                try:
+                    part = msg.WhichOneof("part")
+                    if spool is None:
+                        if part != "metadata":
+                            raise invalid_field("metadata", "the first message must carry the metadata")
+                        sha256 = msg.metadata.sha256
+                        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+                            raise invalid_field("metadata.sha256", "must be the archive's hex sha256 (lowercase)")
+                        spool = await self.run(tempfile.TemporaryFile, prefix="valora-dataset-",
+                                               dir=self.spool_dir or None)
+                    elif part == "chunk":
+                        size += len(msg.chunk)
+                        if size > self.max_dataset_bytes:
+                            raise invalid_field("chunk", f"the dataset is larger than {self.max_dataset_bytes} "
+                                                "bytes (the store's max_dataset_bytes)", reason="DATASET_TOO_LARGE")
+                        await self.run(spool.write, msg.chunk)
+                    else:
+                        raise invalid_field("metadata", "sent more than once")
+                except ValoraError:
+                    await _drain(request_iterator)
+                    raise
+            if spool is None:
+                raise invalid_field("metadata", "the stream carried no metadata")
+            d = await self.run(self._put_spooled_dataset, sha256, spool, size)
+            return admin_pb.UploadDatasetResponse(dataset=convert.dataset_to_pb(d))
+        finally:
+            if spool is not None:
+                await self.run(spool.close)
+
+    def _put_spooled_dataset(self, sha256: str, spool, size: int):
+        spool.flush()
+        spool.seek(0)
+        is_zip = zipfile.is_zipfile(spool)
+        spool.seek(0)
+        if not is_zip:
+            try:
+                with tarfile.open(fileobj=spool, mode="r:*") as tar:
+                    tar.next()
+            except (tarfile.TarError, EOFError, OSError):
+                raise invalid_field("chunk", "the dataset must be a .tar, .tar.gz or .zip archive",
+                                    reason="DATASET_NOT_AN_ARCHIVE") from None
+        spool.seek(0)
+        try:
+            return self.registry.put_dataset(sha256, spool, size)
+        except BlobIntegrityError:
+            raise invalid_field("metadata.sha256", "the bytes received do not hash to it") from None
 
 
 class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
@@ -269,6 +346,26 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
                            convert.job_state_from_pb(request.state), request.progress, request.message, result,
                            request.error)
         return store_pb.UpdateGenerationJobResponse(job=convert.job_to_pb(j))
+
+    async def FetchDataset(self, request, context):
+        chunks = await self.run(self.registry.open_dataset, parse_dataset_name(request.name))
+        buf = bytearray()
+        sentinel = object()
+        try:
+            while True:
+                piece = await self.run(next, chunks, sentinel)
+                if piece is sentinel:
+                    break
+                buf += piece
+                while len(buf) >= self.chunk_bytes:
+                    yield store_pb.FetchDatasetResponse(chunk=bytes(buf[:self.chunk_bytes]))
+                    del buf[:self.chunk_bytes]
+            if buf:
+                yield store_pb.FetchDatasetResponse(chunk=bytes(buf))
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                await self.run(close)
 
     async def ResolveReference(self, request, context):
         r = await self.run(self.registry.resolve, request.reference)

@@ -78,12 +78,11 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
 
-    async def UploadAdapterVersion(self, request_iterator, context):
+    async def _relay_stream(self, stub_method, request_iterator, context):
         # Parts are written one by one (not relayed through an iterator) so that when the store
         # answers early (bad metadata, size limit) the client gets the store's status, not an
         # INTERNAL from the half-consumed request iterator.
-        call = self.store.UploadAdapterVersion(timeout=self._timeout(context),
-                                               metadata=forwarded_metadata(context))
+        call = stub_method(timeout=self._timeout(context), metadata=forwarded_metadata(context))
         try:
             try:
                 async for part in request_iterator:
@@ -91,13 +90,20 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
                 await call.done_writing()
             except (asyncio.InvalidStateError, grpc.RpcError):
                 pass  # the store already answered; its status is raised below
-            resp = await call
-            self.on_registry_change()
-            return resp
+            return await call
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         finally:
             call.cancel()
+
+    async def UploadAdapterVersion(self, request_iterator, context):
+        resp = await self._relay_stream(self.store.UploadAdapterVersion, request_iterator, context)
+        self.on_registry_change()
+        return resp
+
+    async def UploadDataset(self, request_iterator, context):
+        """Forwards a dataset upload (generation jobs' user data) to the adapter store."""
+        return await self._relay_stream(self.store.UploadDataset, request_iterator, context)
 
     async def GetClusterStatus(self, request, context):
         try:

@@ -56,6 +56,7 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
     def __init__(self):
         self.metadata: list[dict] = []
         self.uploaded = b""
+        self.datasets: list[bytes] = []
         self.resolved: list[str] = []  # every ResolveReference asked
         self.pending: set[str] = set()  # references whose version is not READY yet
         self.down: grpc.StatusCode | None = None  # answer every resolution with this (an outage)
@@ -95,6 +96,18 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
                 self.uploaded += part.chunk
         return admin_service_pb2.UploadAdapterVersionResponse(
             version=resources_pb2.AdapterVersion(name=f"{meta.parent}/versions/1", size_bytes=len(self.uploaded)))
+
+
+    async def UploadDataset(self, request_iterator, context):
+        meta, data = None, b""
+        async for part in request_iterator:
+            if part.HasField("metadata"):
+                meta = part.metadata
+            else:
+                data += part.chunk
+        self.datasets.append(data)
+        return admin_service_pb2.UploadDatasetResponse(
+            dataset=resources_pb2.Dataset(name=f"datasets/{meta.sha256}", sha256=meta.sha256, size_bytes=len(data)))
 
 
 class FakeScheduler(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -396,6 +409,33 @@ async def test_admin_rpcs_are_forwarded_without_credentials():
 
         status = await env.admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest(), metadata=md)
         assert status.queued_requests == 2 and status.workers[0].address == "w1"
+
+
+async def test_dataset_uploads_are_forwarded_to_the_store_for_admins_only():
+    def bearer(key):
+        return (("authorization", f"Bearer {key}"),)
+
+    async def code_of(coro):
+        try:
+            await coro
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    async with gateway(admin_keys=[ADMIN_KEY], api_keys=[API_KEY]) as env:
+        def parts():
+            async def gen():
+                yield admin_service_pb2.UploadDatasetRequest(
+                    metadata=admin_service_pb2.UploadDatasetMetadata(sha256="ab" * 32))
+                for chunk in (b"tar", b"gz"):
+                    yield admin_service_pb2.UploadDatasetRequest(chunk=chunk)
+            return gen()
+
+        assert await code_of(env.admin.UploadDataset(parts(), metadata=bearer(API_KEY))) \
+            == grpc.StatusCode.PERMISSION_DENIED
+        got = await env.admin.UploadDataset(parts(), metadata=bearer(ADMIN_KEY))
+        assert got.dataset.name == "datasets/" + "ab" * 32 and got.dataset.size_bytes == 5
+        assert env.store.datasets == [b"targz"]
 
 
 async def test_resolutions_of_ready_versions_are_reused_until_the_registry_changes():

@@ -316,6 +316,26 @@ class CancelGenerationJobRequest(_message.Message):
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
+class UploadDatasetRequest(_message.Message):
+    __slots__ = ("metadata", "chunk")
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    metadata: UploadDatasetMetadata
+    chunk: bytes
+    def __init__(self, metadata: _Optional[_Union[UploadDatasetMetadata, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadDatasetMetadata(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class UploadDatasetResponse(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: _resources_pb2.Dataset
+    def __init__(self, dataset: _Optional[_Union[_resources_pb2.Dataset, _Mapping]] = ...) -> None: ...
+
 class CancelGenerationJobResponse(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -130,6 +130,11 @@ class AdminServiceStub:
                 request_serializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobRequest.SerializeToString,
                 response_deserializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobResponse.FromString,
                 _registered_method=True)
+        self.UploadDataset = channel.stream_unary(
+                '/valora.v1.AdminService/UploadDataset',
+                request_serializer=valora_dot_v1_dot_admin__service__pb2.UploadDatasetRequest.SerializeToString,
+                response_deserializer=valora_dot_v1_dot_admin__service__pb2.UploadDatasetResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -259,6 +264,17 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadDataset(self, request_iterator, context):
+        """Client stream: first message carries metadata, the rest carry a dataset archive's bytes in
+        order (a .tar[.gz] or .zip of an image folder or a JSONL file; services/generator/user_datasets.py
+        says what they may hold). Stored by content; a job's sources name it (GenerationSource.dataset),
+        never a path on a server. Kept while a PENDING or RUNNING job names it, and for the store's
+        pending_grace_s after the upload (time to create the job).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -356,6 +372,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.CancelGenerationJob,
                     request_deserializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobRequest.FromString,
                     response_serializer=valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobResponse.SerializeToString,
+            ),
+            'UploadDataset': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadDataset,
+                    request_deserializer=valora_dot_v1_dot_admin__service__pb2.UploadDatasetRequest.FromString,
+                    response_serializer=valora_dot_v1_dot_admin__service__pb2.UploadDatasetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -872,6 +893,33 @@ class AdminService:
             '/valora.v1.AdminService/CancelGenerationJob',
             valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobRequest.SerializeToString,
             valora_dot_v1_dot_admin__service__pb2.CancelGenerationJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadDataset(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/valora.v1.AdminService/UploadDataset',
+            valora_dot_v1_dot_admin__service__pb2.UploadDatasetRequest.SerializeToString,
+            valora_dot_v1_dot_admin__service__pb2.UploadDatasetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -114,12 +114,24 @@ class Task(_message.Message):
     def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ...) -> None: ...
 
 class GenerationSource(_message.Message):
-    __slots__ = ("task", "accuracy_threshold")
+    __slots__ = ("task", "accuracy_threshold", "dataset")
     TASK_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
     task: str
     accuracy_threshold: float
-    def __init__(self, task: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ...) -> None: ...
+    dataset: str
+    def __init__(self, task: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., dataset: _Optional[str] = ...) -> None: ...
+
+class Dataset(_message.Message):
+    __slots__ = ("name", "sha256", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerationTaskResult(_message.Message):
     __slots__ = ("task", "adapter_version", "accuracy_threshold", "measured_accuracy")

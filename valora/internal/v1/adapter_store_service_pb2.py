@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from valora.v1 import resources_pb2 as valora_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.valora/internal/v1/adapter_store_service.proto\x12\x12valora.internal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19valora/v1/resources.proto\",\n\x17ResolveReferenceRequest\x12\x11\n\treference\x18\x01 \x01(\t\"e\n\x18ResolveReferenceResponse\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.valora.v1.AdapterVersion\x12\x1d\n\x04task\x18\x02 \x01(\x0b\x32\x0f.valora.v1.Task\"&\n\x13\x46\x65tchAdapterRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"_\n\x14\x46\x65tchAdapterMetadata\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.valora.v1.AdapterVersion\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x02 \x01(\t\"m\n\x14\x46\x65tchAdapterResponse\x12<\n\x08metadata\x18\x01 \x01(\x0b\x32(.valora.internal.v1.FetchAdapterMetadataH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"+\n\x19\x43laimGenerationJobRequest\x12\x0e\n\x06runner\x18\x01 \x01(\t\"\xaf\x01\n\x1a\x43laimGenerationJobResponse\x12%\n\x03job\x18\x01 \x01(\x0b\x32\x18.valora.v1.GenerationJob\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x31\n\x0elease_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\x05\"\xcc\x01\n\x1aUpdateGenerationJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08progress\x18\x02 \x01(\x02\x12\x0f\n\x07message\x18\x03 \x01(\t\x12,\n\x05state\x18\x04 \x01(\x0e\x32\x1d.valora.v1.GenerationJobState\x12.\n\x06result\x18\x05 \x01(\x0b\x32\x1e.valora.v1.GenerationJobResult\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\t\"D\n\x1bUpdateGenerationJobResponse\x12%\n\x03job\x18\x01 \x01(\x0b\x32\x18.valora.v1.GenerationJob\"\xc4\x01\n\tTileTable\x12\x10\n\x08gpu_name\x18\x01 \x01(\t\x12\x10\n\x08gpu_arch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\ntable_json\x18\x04 \x01(\t\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\\\n\x13PutTileTableRequest\x12\x10\n\x08gpu_name\x18\x01 \x01(\t\x12\x10\n\x08gpu_arch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\ntable_json\x18\x04 \x01(\t\"D\n\x14PutTileTableResponse\x12,\n\x05table\x18\x01 \x01(\x0b\x32\x1d.valora.internal.v1.TileTable\"H\n\x13GetTileTableRequest\x12\x10\n\x08gpu_name\x18\x01 \x01(\t\x12\x10\n\x08gpu_arch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\"D\n\x14GetTileTableResponse\x12,\n\x05table\x18\x01 \x01(\x0b\x32\x1d.valora.internal.v1.TileTable2\x9c\x05\n\x13\x41\x64\x61pterStoreService\x12m\n\x10ResolveReference\x12+.valora.internal.v1.ResolveReferenceRequest\x1a,.valora.internal.v1.ResolveReferenceResponse\x12\x63\n\x0c\x46\x65tchAdapter\x12\'.valora.internal.v1.FetchAdapterRequest\x1a(.valora.internal.v1.FetchAdapterResponse0\x01\x12s\n\x12\x43laimGenerationJob\x12-.valora.internal.v1.ClaimGenerationJobRequest\x1a..valora.internal.v1.ClaimGenerationJobResponse\x12v\n\x13UpdateGenerationJob\x12..valora.internal.v1.UpdateGenerationJobRequest\x1a/.valora.internal.v1.UpdateGenerationJobResponse\x12\x61\n\x0cPutTileTable\x12\'.valora.internal.v1.PutTileTableRequest\x1a(.valora.internal.v1.PutTileTableResponse\x12\x61\n\x0cGetTileTable\x12\'.valora.internal.v1.GetTileTableRequest\x1a(.valora.internal.v1.GetTileTableResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.valora/internal/v1/adapter_store_service.proto\x12\x12valora.internal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19valora/v1/resources.proto\",\n\x17ResolveReferenceRequest\x12\x11\n\treference\x18\x01 \x01(\t\"e\n\x18ResolveReferenceResponse\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.valora.v1.AdapterVersion\x12\x1d\n\x04task\x18\x02 \x01(\x0b\x32\x0f.valora.v1.Task\"&\n\x13\x46\x65tchAdapterRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"_\n\x14\x46\x65tchAdapterMetadata\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.valora.v1.AdapterVersion\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x02 \x01(\t\"m\n\x14\x46\x65tchAdapterResponse\x12<\n\x08metadata\x18\x01 \x01(\x0b\x32(.valora.internal.v1.FetchAdapterMetadataH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"#\n\x13\x46\x65tchDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x14\x46\x65tchDatasetResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\"+\n\x19\x43laimGenerationJobRequest\x12\x0e\n\x06runner\x18\x01 \x01(\t\"\xaf\x01\n\x1a\x43laimGenerationJobResponse\x12%\n\x03job\x18\x01 \x01(\x0b\x32\x18.valora.v1.GenerationJob\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x31\n\x0elease_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x14\n\x0cmax_attempts\x18\x05 \x01(\x05\"\xcc\x01\n\x1aUpdateGenerationJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08progress\x18\x02 \x01(\x02\x12\x0f\n\x07message\x18\x03 \x01(\t\x12,\n\x05state\x18\x04 \x01(\x0e\x32\x1d.valora.v1.GenerationJobState\x12.\n\x06result\x18\x05 \x01(\x0b\x32\x1e.valora.v1.GenerationJobResult\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\t\"D\n\x1bUpdateGenerationJobResponse\x12%\n\x03job\x18\x01 \x01(\x0b\x32\x18.valora.v1.GenerationJob\"\xc4\x01\n\tTileTable\x12\x10\n\x08gpu_name\x18\x01 \x01(\t\x12\x10\n\x08gpu_arch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\ntable_json\x18\x04 \x01(\t\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\\\n\x13PutTileTableRequest\x12\x10\n\x08gpu_name\x18\x01 \x01(\t\x12\x10\n\x08gpu_arch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\ntable_json\x18\x04 \x01(\t\"D\n\x14PutTileTableResponse\x12,\n\x05table\x18\x01 \x01(\x0b\x32\x1d.valora.internal.v1.TileTable\"H\n\x13GetTileTableRequest\x12\x10\n\x08gpu_name\x18\x01 \x01(\t\x12\x10\n\x08gpu_arch\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\"D\n\x14GetTileTableResponse\x12,\n\x05table\x18\x01 \x01(\x0b\x32\x1d.valora.internal.v1.TileTable2\x81\x06\n\x13\x41\x64\x61pterStoreService\x12m\n\x10ResolveReference\x12+.valora.internal.v1.ResolveReferenceRequest\x1a,.valora.internal.v1.ResolveReferenceResponse\x12\x63\n\x0c\x46\x65tchAdapter\x12\'.valora.internal.v1.FetchAdapterRequest\x1a(.valora.internal.v1.FetchAdapterResponse0\x01\x12s\n\x12\x43laimGenerationJob\x12-.valora.internal.v1.ClaimGenerationJobRequest\x1a..valora.internal.v1.ClaimGenerationJobResponse\x12v\n\x13UpdateGenerationJob\x12..valora.internal.v1.UpdateGenerationJobRequest\x1a/.valora.internal.v1.UpdateGenerationJobResponse\x12\x63\n\x0c\x46\x65tchDataset\x12\'.valora.internal.v1.FetchDatasetRequest\x1a(.valora.internal.v1.FetchDatasetResponse0\x01\x12\x61\n\x0cPutTileTable\x12\'.valora.internal.v1.PutTileTableRequest\x1a(.valora.internal.v1.PutTileTableResponse\x12\x61\n\x0cGetTileTable\x12\'.valora.internal.v1.GetTileTableRequest\x1a(.valora.internal.v1.GetTileTableResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,24 +44,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHADAPTERMETADATA']._serialized_end=446
   _globals['_FETCHADAPTERRESPONSE']._serialized_start=448
   _globals['_FETCHADAPTERRESPONSE']._serialized_end=557
-  _globals['_CLAIMGENERATIONJOBREQUEST']._serialized_start=559
-  _globals['_CLAIMGENERATIONJOBREQUEST']._serialized_end=602
-  _globals['_CLAIMGENERATIONJOBRESPONSE']._serialized_start=605
-  _globals['_CLAIMGENERATIONJOBRESPONSE']._serialized_end=780
-  _globals['_UPDATEGENERATIONJOBREQUEST']._serialized_start=783
-  _globals['_UPDATEGENERATIONJOBREQUEST']._serialized_end=987
-  _globals['_UPDATEGENERATIONJOBRESPONSE']._serialized_start=989
-  _globals['_UPDATEGENERATIONJOBRESPONSE']._serialized_end=1057
-  _globals['_TILETABLE']._serialized_start=1060
-  _globals['_TILETABLE']._serialized_end=1256
-  _globals['_PUTTILETABLEREQUEST']._serialized_start=1258
-  _globals['_PUTTILETABLEREQUEST']._serialized_end=1350
-  _globals['_PUTTILETABLERESPONSE']._serialized_start=1352
-  _globals['_PUTTILETABLERESPONSE']._serialized_end=1420
-  _globals['_GETTILETABLEREQUEST']._serialized_start=1422
-  _globals['_GETTILETABLEREQUEST']._serialized_end=1494
-  _globals['_GETTILETABLERESPONSE']._serialized_start=1496
-  _globals['_GETTILETABLERESPONSE']._serialized_end=1564
-  _globals['_ADAPTERSTORESERVICE']._serialized_start=1567
-  _globals['_ADAPTERSTORESERVICE']._serialized_end=2235
+  _globals['_FETCHDATASETREQUEST']._serialized_start=559
+  _globals['_FETCHDATASETREQUEST']._serialized_end=594
+  _globals['_FETCHDATASETRESPONSE']._serialized_start=596
+  _globals['_FETCHDATASETRESPONSE']._serialized_end=633
+  _globals['_CLAIMGENERATIONJOBREQUEST']._serialized_start=635
+  _globals['_CLAIMGENERATIONJOBREQUEST']._serialized_end=678
+  _globals['_CLAIMGENERATIONJOBRESPONSE']._serialized_start=681
+  _globals['_CLAIMGENERATIONJOBRESPONSE']._serialized_end=856
+  _globals['_UPDATEGENERATIONJOBREQUEST']._serialized_start=859
+  _globals['_UPDATEGENERATIONJOBREQUEST']._serialized_end=1063
+  _globals['_UPDATEGENERATIONJOBRESPONSE']._serialized_start=1065
+  _globals['_UPDATEGENERATIONJOBRESPONSE']._serialized_end=1133
+  _globals['_TILETABLE']._serialized_start=1136
+  _globals['_TILETABLE']._serialized_end=1332
+  _globals['_PUTTILETABLEREQUEST']._serialized_start=1334
+  _globals['_PUTTILETABLEREQUEST']._serialized_end=1426
+  _globals['_PUTTILETABLERESPONSE']._serialized_start=1428
+  _globals['_PUTTILETABLERESPONSE']._serialized_end=1496
+  _globals['_GETTILETABLEREQUEST']._serialized_start=1498
+  _globals['_GETTILETABLEREQUEST']._serialized_end=1570
+  _globals['_GETTILETABLERESPONSE']._serialized_start=1572
+  _globals['_GETTILETABLERESPONSE']._serialized_end=1640
+  _globals['_ADAPTERSTORESERVICE']._serialized_start=1643
+  _globals['_ADAPTERSTORESERVICE']._serialized_end=2412
 # @@protoc_insertion_point(module_scope)

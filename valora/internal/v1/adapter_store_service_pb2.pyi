@@ -46,6 +46,18 @@ class FetchAdapterResponse(_message.Message):
     chunk: bytes
     def __init__(self, metadata: _Optional[_Union[FetchAdapterMetadata, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
+class FetchDatasetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class FetchDatasetResponse(_message.Message):
+    __slots__ = ("chunk",)
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    chunk: bytes
+    def __init__(self, chunk: _Optional[bytes] = ...) -> None: ...
+
 class ClaimGenerationJobRequest(_message.Message):
     __slots__ = ("runner",)
     RUNNER_FIELD_NUMBER: _ClassVar[int]

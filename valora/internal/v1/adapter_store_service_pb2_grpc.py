@@ -56,6 +56,11 @@ class AdapterStoreServiceStub:
                 request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.SerializeToString,
                 response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.FromString,
                 _registered_method=True)
+        self.FetchDataset = channel.unary_stream(
+                '/valora.internal.v1.AdapterStoreService/FetchDataset',
+                request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchDatasetRequest.SerializeToString,
+                response_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchDatasetResponse.FromString,
+                _registered_method=True)
         self.PutTileTable = channel.unary_unary(
                 '/valora.internal.v1.AdapterStoreService/PutTileTable',
                 request_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.PutTileTableRequest.SerializeToString,
@@ -108,6 +113,14 @@ class AdapterStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchDataset(self, request, context):
+        """A dataset's archive bytes in chunks (a runner unpacks it for a job's sources); NOT_FOUND
+        when it was never uploaded or was collected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutTileTable(self, request, context):
         """ATMM tile tables (kernels.tile_table JSON), one per GPU name, arch and dtype: the offline
         tile search uploads, CUDA workers read theirs at start-up. Put replaces the key's table (the
@@ -147,6 +160,11 @@ def add_AdapterStoreServiceServicer_to_server(servicer, server):
                     servicer.UpdateGenerationJob,
                     request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.FromString,
                     response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.SerializeToString,
+            ),
+            'FetchDataset': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchDataset,
+                    request_deserializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchDatasetRequest.FromString,
+                    response_serializer=valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchDatasetResponse.SerializeToString,
             ),
             'PutTileTable': grpc.unary_unary_rpc_method_handler(
                     servicer.PutTileTable,
@@ -269,6 +287,33 @@ class AdapterStoreService:
             '/valora.internal.v1.AdapterStoreService/UpdateGenerationJob',
             valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobRequest.SerializeToString,
             valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.UpdateGenerationJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/valora.internal.v1.AdapterStoreService/FetchDataset',
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchDatasetRequest.SerializeToString,
+            valora_dot_internal_dot_v1_dot_adapter__store__service__pb2.FetchDatasetResponse.FromString,
             options,
             channel_credentials,
             insecure,
