@@ -458,8 +458,13 @@ def _job_state(job) -> str:
 
 
 @app.command()
-def generate(source: list[str] = typer.Option(..., "--source", "-s", help="task[:accuracy threshold], in fusion "
+def generate(source: list[str] = typer.Option([], "--source", "-s", help="task[:accuracy threshold], in fusion "
                                               "order (repeatable); `python -m services.generator tasks` lists tasks."),
+             dataset: Path = typer.Option(None, "--dataset", help="Your dataset (an image folder, a JSONL file, or "
+                                          "an archive of one): validated here, uploaded through the store, its "
+                                          "tasks added to the sources."),
+             threshold: float = typer.Option(0.0, min=0.0, max=1.0, help="Accuracy threshold of the --dataset "
+                                             "tasks that no --source names."),
              base_model: Path = typer.Option(None, help="Base model path on the runner's machine (default: the "
                                              "local cluster's tiny model)."),
              rank: int = typer.Option(8, min=1, max=256), epochs: int = typer.Option(4, min=1),
@@ -473,8 +478,18 @@ def generate(source: list[str] = typer.Option(..., "--source", "-s", help="task[
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     model = str(Path(base_model or cluster_mod.default_model_path(home)).expanduser().resolve())
+    if not source and dataset is None:
+        raise typer.BadParameter("give --source (built-in tasks) and/or --dataset")
+    sources = _parse_sources(source)
     with ValoraClient(_address(home, address), admin_key=admin_key) as client:
-        job = client.create_generation_job(model, _parse_sources(source), rank=rank, epochs=epochs,
+        if dataset is not None:
+            from services.generator.user_datasets import DatasetError, upload_for_job
+
+            try:
+                sources = upload_for_job(client, dataset, sources, threshold)
+            except DatasetError as exc:
+                _refuse(str(exc))
+        job = client.create_generation_job(model, sources, rank=rank, epochs=epochs,
                                            adapter_prefix=prefix, split_limit=limit, job_id=job_id)
         console.print(f"{job.name}: {_job_state(job)}")
         if not wait:

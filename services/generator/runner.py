@@ -2,9 +2,10 @@
 
 Polls the adapter store for PENDING generation jobs (AdapterStoreService.ClaimGenerationJob; the
 store owns the job's state machine), runs the greedy fusion of the job's sources on its base
-model, reports progress after every fused source (UpdateGenerationJob), registers the fused
-adapters and one task per source, and finishes the job SUCCEEDED with the versions and
-accuracies, or FAILED with the error.
+model (a source is a built-in task, or a task of a dataset the user uploaded through the store:
+fetched with FetchDataset and validated here, `job_tasks`), reports progress after every fused
+source (UpdateGenerationJob), registers the fused adapters and one task per source, and
+finishes the job SUCCEEDED with the versions and accuracies, or FAILED with the error.
 
 A claim is a lease (the store's job_lease_s): every report carries its lease_id and renews it,
 and a heartbeat thread re-sends the last progress whenever a third of the lease passed without
@@ -218,14 +219,10 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
     import torch
 
     from services.generator import pipeline
-    from services.generator.datasets import TASKS, build_tasks
     from services.generator.model import BaseModel
     from services.generator.training import TorchTrainer, TrainConfig
 
     names = [s.task for s in job.sources]
-    unknown = [t for t in names if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown tasks {unknown}; known: {sorted(TASKS)}")
     thresholds = {s.task: float(s.accuracy_threshold) for s in job.sources}
     job_id = job.name.removeprefix("generationJobs/")
     prefix = job.adapter_prefix or job_id
@@ -234,7 +231,7 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
 
     torch.set_num_threads(threads)
     report(0.01, f"loading {job.base_model} and {len(names)} task datasets")
-    tasks = build_tasks(names, limit=job.split_limit or None)
+    tasks = job_tasks(job, report)
     base = BaseModel.load(job.base_model, rank=rank, lora_alpha=alpha)
     check = getattr(report, "check", None)  # stops training at the next step once the job must stop
     trainer = TorchTrainer(base, tasks, TrainConfig(epochs=epochs, batch_size=batch_size),
@@ -258,6 +255,44 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
     return register(admin_address, job_id, prefix, bundles, greedy_result,
                     {t: tasks[t].prompt for t in names}, admin_key, attempt=getattr(report, "attempt", 1),
                     internal_token=internal_token)
+
+
+def job_tasks(job: res.GenerationJob, report: Reporter) -> dict:
+    """{task: TaskData} of the job's sources: built-in tasks, and tasks of the datasets the
+    sources name, fetched from the store (report.stub, FetchDataset) and unpacked into a
+    temporary directory. A dataset's problems are reported as "datasets/{sha256}:file[:line]";
+    a source whose task is not in the dataset it names fails the job."""
+    import tempfile
+    from pathlib import Path
+
+    from services.generator.user_datasets import DatasetError, tasks_for, unpack_dataset
+
+    names = [s.task for s in job.sources]
+    datasets = list(dict.fromkeys(s.dataset for s in job.sources if s.dataset))
+    with tempfile.TemporaryDirectory(prefix="valora-job-") as tmp:
+        paths: dict[str, Path] = {}
+        for i, name in enumerate(datasets):
+            data = b"".join(part.chunk for part in report.stub.FetchDataset(
+                store_pb.FetchDatasetRequest(name=name), timeout=report.timeout_s))
+            dest = Path(tmp) / str(i)
+            dest.mkdir()
+            try:
+                paths[name] = unpack_dataset(data, dest, source=name)
+            except DatasetError as exc:
+                raise DatasetError(name, exc.problems) from None
+        try:
+            _, tasks, where = tasks_for(names, [paths[d] for d in datasets], limit=job.split_limit or None)
+        except DatasetError as exc:
+            for name, path in paths.items():
+                if exc.source == str(path):
+                    base = str(path.parent) + "/"
+                    raise DatasetError(name, [p.replace(base, f"{name}:") for p in exc.problems]) from None
+            raise
+        for i, s in enumerate(job.sources):
+            if where.get(s.task, "") != (str(paths[s.dataset]) if s.dataset else ""):
+                origin = f"dataset {s.dataset}" if s.dataset else "the built-in tasks"
+                raise ValueError(f"sources[{i}]: task {s.task!r} is not in {origin}")
+    return tasks
 
 
 def attempt_request_id(job_id: str, bundle_name: str, attempt: int) -> str:

@@ -403,3 +403,19 @@ def tasks_for(order: list[str] | tuple[str, ...], datasets=(), limit: int | None
         raise ValueError(f"a task is named twice in the order {names}")
     tasks = {t: loaded[t] if t in loaded else build_task(t, image_size=image_size, limit=limit) for t in names}
     return names, tasks, {t: where[t] for t in names if t in where}
+
+
+def upload_for_job(client, path: Path | str, sources: list[tuple[str, float]],
+                   threshold: float) -> list[tuple[str, float, str]]:
+    """What `valora generate --dataset PATH` sends: validates the dataset here (DatasetError,
+    before any byte is sent), uploads it through the store (`client.upload_dataset`: a
+    .tar.gz, `pack_dataset`; an archive is sent as it is) and returns the job's sources: the
+    given (task, threshold) ones in their order, a dataset task among them tagged with the
+    dataset, then the dataset's other tasks with `threshold`."""
+    path = Path(path).expanduser()
+    tasks = load_dataset(path)
+    archive = path.read_bytes() if path.is_file() and _is_archive(path) else pack_dataset(path)
+    name = client.upload_dataset(archive).name
+    given = {t for t, _ in sources}
+    return ([(t, a, name if t in tasks else "") for t, a in sources]
+            + [(t, threshold, name) for t in tasks if t not in given])
