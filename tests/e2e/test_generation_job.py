@@ -65,3 +65,25 @@ def test_generate_wait_registers_a_ready_adapter_and_task(cluster):
         assert registered.adapter == version and registered.head == "parity"
         assert abs(registered.measured_accuracy - task.measured_accuracy) < 1e-6
         assert [j.name for j in client.list_generation_jobs()] == ["generationJobs/gen-e2e"]
+
+
+def test_generate_on_a_dataset_uploads_it_through_the_gateway(cluster, tmp_path):
+    """`valora generate --dataset`: the image folder travels as an upload through the gateway to
+    the store, the runner process fetches it with the internal token and trains on it."""
+    from tests.unit.test_generator_user_datasets import image_folder
+
+    home, model, c = cluster
+    root = image_folder(tmp_path / "swatches", per_label=6)
+    result = CliRunner().invoke(app, [
+        "generate", "--dataset", str(root), "--threshold", "0.0", "--epochs", "1", "--rank", "4",
+        "--job-id", "gen-data", "--base-model", str(model), "--address", c.gateway, "--wait", "--poll-s", "0.2"])
+    assert result.exit_code == 0, result.output + repr(result.exception) + (home / "runner.log").read_text()
+    with ValoraClient(c.gateway) as client:
+        job = client.get_generation_job("gen-data")
+        assert job.state == res.GENERATION_JOB_STATE_SUCCEEDED and not job.error
+        [source] = job.sources
+        assert source.task == "swatches" and source.dataset.startswith("datasets/")
+        [version] = job.result.adapter_versions
+        [served] = [v for v in client.list_versions("gen-data-0") if v.name == version]
+        assert served.state == "ready" and served.heads == {"swatches": ["blue", "green", "red"]}
+        assert client.get_task("gen-data-swatches").adapter == version
