@@ -51,6 +51,8 @@ DEFAULT_PROMPT = "What does this image show?"
 MIN_PER_LABEL = 5  # 3 train, 1 val, 1 test
 TASK_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
 MAX_PROBLEMS_SHOWN = 20
+MAX_UNPACKED_BYTES = 8 << 30  # an archive a job names is unpacked on the runner: bounded
+MAX_UNPACKED_FILES = 1_000_000
 TEXT_TASKS_MISSING = ("answer-text (VQA-style) tasks need text-task training, which the generator does not "
                       "have yet; give each record a \"label\" (a closed-set task trained with a head) instead")
 
@@ -333,16 +335,25 @@ def pack_dataset(path: Path | str) -> bytes:
     return buf.getvalue()
 
 
-def unpack_dataset(data: bytes, dest: Path, source: str = "archive") -> Path:
+def unpack_dataset(data: bytes, dest: Path, source: str = "archive", max_bytes: int = MAX_UNPACKED_BYTES,
+                   max_files: int = MAX_UNPACKED_FILES) -> Path:
     """Extracts an archive of a dataset into `dest` (plain files and folders only, nothing outside
-    `dest`) and returns the dataset in it: the one .jsonl at its top, else its one top folder
-    (an image folder), else `dest` itself."""
+    `dest`, at most `max_files` files and `max_bytes` bytes in all, checked on the sizes the
+    archive declares before anything is written) and returns the dataset in it: the one .jsonl
+    at its top, else its one top folder (an image folder), else `dest` itself."""
     dest = Path(dest)
     problems: list[str] = []
     raw = io.BytesIO(data)
+
+    def check_sizes(sizes: list[int]) -> None:
+        if len(sizes) > max_files or sum(sizes) > max_bytes:
+            raise DatasetError(source, [f"{source}: the archive holds {len(sizes)} files, {sum(sizes)} bytes "
+                                        f"unpacked; at most {max_files} files and {max_bytes} bytes are unpacked"])
+
     try:
         if zipfile.is_zipfile(raw):
             with zipfile.ZipFile(raw) as z:
+                check_sizes([i.file_size for i in z.infolist() if not i.is_dir()])
                 for info in z.infolist():
                     if _resolve(dest, info.filename) is None:
                         problems.append(f"{source}: member {info.filename!r} leaves the archive")
@@ -353,6 +364,7 @@ def unpack_dataset(data: bytes, dest: Path, source: str = "archive") -> Path:
         else:
             raw.seek(0)
             with tarfile.open(fileobj=raw, mode="r:*") as tar:
+                check_sizes([m.size for m in tar.getmembers() if m.isfile()])
                 for m in tar.getmembers():
                     if _resolve(dest, m.name) is None or not (m.isfile() or m.isdir()):
                         problems.append(f"{source}: member {m.name!r} is not a plain file inside the archive")

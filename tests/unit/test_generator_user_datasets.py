@@ -224,3 +224,17 @@ def test_an_archive_member_outside_the_archive_is_refused(tmp_path):
         unpack_dataset(buf.getvalue(), dest, source="upload")
     assert _problems(e) == ["upload: member '../evil.txt' is not a plain file inside the archive"]
     assert not (tmp_path / "evil.txt").exists()
+
+
+def test_an_archive_too_large_unpacked_is_refused_before_writing(tmp_path):
+    data = pack_dataset(image_folder(tmp_path / "colours"))
+    for kw in (dict(max_bytes=1000), dict(max_files=10)):
+        dest = tmp_path / f"d{len(kw)}-{next(iter(kw))}"
+        dest.mkdir()
+        with pytest.raises(DatasetError) as e:
+            unpack_dataset(data, dest, source="upload", **kw)
+        assert _problems(e)[0].startswith("upload: the archive holds 24 files,")
+        assert list(dest.iterdir()) == []
+    dest = tmp_path / "ok"
+    dest.mkdir()
+    assert unpack_dataset(data, dest, max_files=24).name == "colours"
