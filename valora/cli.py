@@ -541,7 +541,8 @@ def jobs_get(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), 
         j = client.get_generation_job(name)
     console.print(f"{j.name}: {_job_state(j)} progress={j.progress:.0%} rank={j.rank or 8} epochs={j.epochs or 4} "
                   f"created={_when(j.create_time)} updated={_when(j.update_time)}", markup=False)
-    console.print("sources: " + ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources), markup=False)
+    console.print("sources: " + ", ".join(f"{s.task}:{s.accuracy_threshold:g}" + (f" ({s.dataset})" if s.dataset
+                                          else "") for s in j.sources), markup=False)
     if j.error or j.message:
         console.print(j.error or j.message, markup=False, highlight=False)
     if _job_state(j) == "SUCCEEDED":

@@ -229,3 +229,20 @@ def test_cli_jobs_list_get_cancel(client, invoke, capsys):
     assert code == 15 and out.startswith("NOT_FOUND: generationJobs/cli-nope"), out
     code, out = failed(capsys, "jobs", "get", "cli-nope")
     assert code == 15 and out.startswith("NOT_FOUND: "), out
+
+
+def test_cli_jobs_get_names_a_sources_dataset(client, invoke):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("data.jsonl")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"{}"))
+    dataset = client.upload_dataset(buf.getvalue())
+    client.create_generation_job("/models/tiny", [("digit", 0.8), ("pets", 0.5, dataset.name)], job_id="cli-data")
+    r = invoke("jobs", "get", "cli-data")
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[1] == f"sources: digit:0.8, pets:0.5 ({dataset.name})"
+    client.cancel_generation_job("cli-data")
