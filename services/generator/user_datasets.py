@@ -30,6 +30,7 @@ same splits.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -308,18 +309,29 @@ def _is_archive(path: Path) -> bool:
     return zipfile.is_zipfile(path) or tarfile.is_tarfile(path)
 
 
+def _normalised(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """No times, owners or modes of the packing machine in the archive: the same dataset packs to
+    the same bytes, so to the same `datasets/{sha256}`."""
+    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+    info.mode = 0o644 if info.isfile() else 0o755
+    return info
+
+
 def pack_dataset(path: Path | str) -> bytes:
     """A dataset as one .tar.gz (what a generation job references, uploaded through the store):
-    an image folder whole under its own name, or a JSONL file with the images it names."""
+    an image folder whole under its own name, or a JSONL file with the images it names.
+    Deterministic: the same files give the same bytes, whenever and by whomever packed."""
     path = Path(path).expanduser()
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
         if path.is_dir():
             for p in sorted(path.rglob("*")):
                 if p.is_file():
-                    tar.add(p, arcname=f"{path.name}/{p.relative_to(path).as_posix()}", recursive=False)
+                    tar.add(p, arcname=f"{path.name}/{p.relative_to(path).as_posix()}", recursive=False,
+                            filter=_normalised)
         elif path.is_file():
-            tar.add(path, arcname=path.name)
+            tar.add(path, arcname=path.name, filter=_normalised)
+            added: set[str] = set()
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
                     rel = json.loads(line).get("image")
@@ -328,8 +340,9 @@ def pack_dataset(path: Path | str) -> bytes:
                 image = _resolve(path.parent, rel) if isinstance(rel, str) else None
                 if image is not None and image.is_file():
                     arc = image.relative_to(path.parent.resolve()).as_posix()
-                    if arc not in tar.getnames():
-                        tar.add(image, arcname=arc, recursive=False)
+                    if arc not in added:
+                        added.add(arc)
+                        tar.add(image, arcname=arc, recursive=False, filter=_normalised)
         else:
             raise DatasetError(str(path), [f"{path}: no such file or directory"])
     return buf.getvalue()

@@ -238,3 +238,17 @@ def test_an_archive_too_large_unpacked_is_refused_before_writing(tmp_path):
     dest = tmp_path / "ok"
     dest.mkdir()
     assert unpack_dataset(data, dest, max_files=24).name == "colours"
+
+
+def test_packing_is_deterministic_across_file_times_and_clocks(tmp_path, monkeypatch):
+    import os
+    import time
+
+    for src in (image_folder(tmp_path / "colours"), jsonl_dataset(tmp_path / "j")):
+        first = pack_dataset(src)
+        for p in [src, *src.parent.rglob("*")]:
+            os.utime(p, (1_000_000, 1_000_000))
+        later = time.time() + 3600
+        monkeypatch.setattr(time, "time", lambda: later)
+        assert pack_dataset(src) == first
+        monkeypatch.undo()
