@@ -252,3 +252,41 @@ def test_packing_is_deterministic_across_file_times_and_clocks(tmp_path, monkeyp
         monkeypatch.setattr(time, "time", lambda: later)
         assert pack_dataset(src) == first
         monkeypatch.undo()
+
+
+class _Uploads:
+    """A client's upload_dataset, recording what was sent."""
+
+    def __init__(self):
+        self.sent: list[bytes] = []
+
+    def upload_dataset(self, archive: bytes):
+        import hashlib
+        from types import SimpleNamespace
+
+        self.sent.append(archive)
+        return SimpleNamespace(name=f"datasets/{hashlib.sha256(archive).hexdigest()}")
+
+
+def test_upload_for_job_orders_sources_and_sends_archives_as_they_are(tmp_path):
+    import hashlib
+
+    from services.generator.user_datasets import upload_for_job
+
+    path = jsonl_dataset(tmp_path / "j", extra=[
+        {"image": f"imgs/red-{i}.png", "question": "Is it red?", "label": "yes", "task": "isred", "id": f"r{i}"}
+        for i in range(5)] + [
+        {"image": f"imgs/blue-{i}.png", "question": "Is it red?", "label": "no", "task": "isred", "id": f"b{i}"}
+        for i in range(5)])
+    client = _Uploads()
+    sources = upload_for_job(client, path, [("digit", 0.9), ("isred", 0.7)], threshold=0.4)
+    name = f"datasets/{hashlib.sha256(client.sent[0]).hexdigest()}"
+    assert sources == [("digit", 0.9, ""), ("isred", 0.7, name), ("colours", 0.4, name)]
+    archive = tmp_path / "j.tar.gz"
+    archive.write_bytes(client.sent[0])
+    assert upload_for_job(client, archive, [], threshold=0.5) == [("colours", 0.5, name), ("isred", 0.5, name)]
+    assert client.sent[1] == client.sent[0]  # the archive itself, not a re-pack
+    (tmp_path / "j" / "imgs" / "red-0.png").unlink()
+    with pytest.raises(DatasetError):
+        upload_for_job(client, path, [], threshold=0.5)
+    assert len(client.sent) == 2  # nothing sent for a bad dataset
