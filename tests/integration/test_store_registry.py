@@ -429,3 +429,57 @@ def test_concurrent_uploads_and_alias_moves(store):
         outcomes = list(pool.map(move, versions[1:]))
     assert outcomes.count("moved") == 1
     assert outcomes.count(grpc.StatusCode.ABORTED) == len(versions) - 2
+
+
+def _dataset_archive(n: int = 20_000) -> bytes:
+    import io
+    import tarfile
+
+    import random
+
+    payload = random.Random(0).randbytes(n)  # incompressible: larger than fetch_chunk_bytes (4096) packed
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("pets/cat/0.png")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+def test_datasets_upload_fetch_and_live_while_a_job_names_them(store):
+    """On each backend (S3 blobs, the PostgreSQL job query GC runs): a dataset archive uploaded
+    in chunks is fetched back byte for byte, a job names it, and GC keeps it until the job ends."""
+    data = _dataset_archive()
+    sha = hashlib.sha256(data).hexdigest()
+
+    def parts():
+        yield admin_pb.UploadDatasetRequest(metadata=admin_pb.UploadDatasetMetadata(sha256=sha))
+        for i in range(0, len(data), 3000):
+            yield admin_pb.UploadDatasetRequest(chunk=data[i:i + 3000])
+
+    d = store.admin.UploadDataset(parts()).dataset
+    assert (d.name, d.sha256, d.size_bytes) == (f"datasets/{sha}", sha, len(data))
+    chunks = [p.chunk for p in store.store.FetchDataset(store_pb.FetchDatasetRequest(name=d.name))]
+    assert b"".join(chunks) == data and len(chunks) > 1
+    code, reason, _, _ = error_of(lambda: list(store.store.FetchDataset(
+        store_pb.FetchDatasetRequest(name="datasets/" + "f" * 64))))
+    assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "DATASET_NOT_FOUND")
+
+    job = store.admin.CreateGenerationJob(admin_pb.CreateGenerationJobRequest(job_id="pets", job=res_pb.GenerationJob(
+        base_model="/m", sources=[res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)]))).job
+    assert job.sources[0].dataset == d.name
+    registry = build_registry(store.settings.model_copy(update={"run_migrations": False}))
+    try:
+        later = utcnow() + timedelta(seconds=5)
+        assert sha not in registry.gc(grace_s=0, now=later).blobs_removed
+        assert registry.blobs.exists(sha)
+        store.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(name=job.name))
+        assert sha in registry.gc(grace_s=0, now=later).blobs_removed
+        assert not registry.blobs.exists(sha)
+    finally:
+        registry.close()
+    code, reason, fields, _ = error_of(store.admin.CreateGenerationJob, admin_pb.CreateGenerationJobRequest(
+        job=res_pb.GenerationJob(base_model="/m", sources=[
+            res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)])))
+    assert (code, reason, fields) == (grpc.StatusCode.FAILED_PRECONDITION, "DATASET_NOT_FOUND",
+                                      ["job.sources[0].dataset"])
