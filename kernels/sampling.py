@@ -15,11 +15,10 @@ runs where triton or CUDA is missing, defines them):
   every token tied at its last score kept); top-k (k > 0): the smallest score with at most k - 1
   scores above it (the k largest, ties at the k-th kept); min-p (> 0): exp(s - max s) >= min_p.
 
-Thresholds instead of a sort: the Triton kernel (one program per row) finds the top-p and the
-top-k threshold each by a search over the 32-bit keys of the float scores (a key orders like its
-float, so the search ends on an exact score): a pass over the row weighs 16 candidate keys at once
-(the mass, or the count, of the scores above each), shrinking the range 17-fold, so 8 passes a
-filter; a greedy row is one pass. A batch's logits stay in L2
+Thresholds instead of a sort: the Triton kernel (one program per row) finds the top-p and top-k
+thresholds together by bisection over the 32-bit keys of the float scores (a key orders like its
+float, so 32 halvings end on an exact score), each halving one pass over the row accumulating the
+mass and the count above its two midpoints; a greedy row is one pass. A batch's logits stay in L2
 between passes (rows x vocab x 2 bytes: 33 MB at 110 rows of Qwen2's 152k vocabulary in bf16).
 The torch path sorts (~2.6 ms at 58 rows on an H200, bench/sampling_bench.py has the A/B).
 """
@@ -38,9 +37,7 @@ except ImportError:  # CPU machines
 MIN_TEMPERATURE = 1e-5
 _MASK31 = (1 << 31) - 1
 BLOCK = 2048  # vocabulary entries a program reads per iteration
-SEARCH_BLOCK = 512  # ... in a threshold search pass, times CANDIDATES accumulators
-CANDIDATES = 16  # keys weighed per search pass: the range shrinks 17-fold a pass
-SEARCH_STEPS = 8  # 17^8 > 2^32: a 32-bit key range
+SEARCH_STEPS = 32  # bisection halvings: a 32-bit key range
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
@@ -125,34 +122,8 @@ if triton is not None:
         return tl.math.div_rn(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32), t)
 
     @triton.jit
-    def _search_tl(base, vocab, t, m, bound, lo, hi, COUNT: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr,
-                   STEPS: tl.constexpr):
-        """The smallest key h in (lo, hi] whose strictly larger scores weigh at most `bound`: their
-        mass exp(s - m) (top-p: bound = top_p x Z), or their count (COUNT, top-k: bound = k - 1).
-        lo fails and hi holds; each pass weighs C candidate keys spread over (lo, hi), so the range
-        shrinks (C + 1)-fold a pass: STEPS passes cover a 32-bit range."""
-        offs = tl.arange(0, BLOCK)
-        j = tl.arange(0, C).to(tl.int64) + 1
-        for _ in range(STEPS):
-            cand = lo + ((hi - lo) * j) // (C + 1)  # in [lo, hi), increasing
-            acc = tl.zeros((BLOCK, C), tl.float32)
-            for off in range(0, vocab, BLOCK):
-                idx = off + offs
-                s = _scores_tl(base, idx, vocab, t)
-                if COUNT:
-                    w = tl.full((BLOCK,), 1.0, tl.float32)
-                else:
-                    w = tl.exp(s - m)
-                acc += tl.where(_key_tl(s)[:, None] > cand[None, :], w[:, None], 0.0)
-            ok = tl.sum(acc, 0) <= bound  # false then true along the candidates
-            hi = tl.min(tl.where(ok, cand, hi), 0)
-            lo = tl.max(tl.where(ok, lo, cand), 0)
-        return hi
-
-    @triton.jit
     def _sample_kernel(logits, stride, vocab, temperature, top_p, top_k, min_p, seed, counters, out,
-                       MIN_T: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-                       CANDIDATES: tl.constexpr, STEPS: tl.constexpr):
+                       MIN_T: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * stride
         offs = tl.arange(0, BLOCK)
@@ -188,14 +159,28 @@ if triton is not None:
             use_k = k > 0
             top_key = _key_tl(m)
             neg_key = top_key - top_key - 2139095041  # the key of -inf
+            lo_p = neg_key
             hi_p = top_key
+            lo_k = neg_key
             hi_k = top_key
-            if use_p:
-                hi_p = _search_tl(base, vocab, t, m, p * z, neg_key, top_key, False, SEARCH_BLOCK, CANDIDATES,
-                                  STEPS)
-            if use_k:
-                hi_k = _search_tl(base, vocab, t, m, (k - 1).to(tl.float32), neg_key, top_key, True, SEARCH_BLOCK,
-                                  CANDIDATES, STEPS)
+            if use_p | use_k:  # invariant: lo fails, hi holds; hi ends on the smallest key that holds
+                for _ in range(STEPS):
+                    mid_p = lo_p + (hi_p - lo_p) // 2
+                    mid_k = lo_k + (hi_k - lo_k) // 2
+                    mass_vec = tl.zeros((BLOCK,), tl.float32)
+                    cnt_vec = tl.zeros((BLOCK,), tl.int32)
+                    for off in range(0, vocab, BLOCK):
+                        idx = off + offs
+                        s = _scores_tl(base, idx, vocab, t)
+                        ks = _key_tl(s)
+                        mass_vec += tl.where(ks > mid_p, tl.exp(s - m), 0.0)
+                        cnt_vec += (ks > mid_k).to(tl.int32)
+                    ok_p = tl.sum(mass_vec, 0) <= p * z
+                    ok_k = tl.sum(cnt_vec, 0) <= k - 1
+                    hi_p = tl.where(ok_p, mid_p, hi_p)
+                    lo_p = tl.where(ok_p, lo_p, mid_p)
+                    hi_k = tl.where(ok_k, mid_k, hi_k)
+                    lo_k = tl.where(ok_k, lo_k, mid_k)
             tau = neg_key
             tau = tl.where(use_p, tl.maximum(tau, hi_p), tau)
             tau = tl.where(use_k, tl.maximum(tau, hi_k), tau)
@@ -240,8 +225,7 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p:
                                 top_p.float().contiguous(), top_k.long().contiguous(),
                                 min_p.float().contiguous(), seed.long().contiguous(),
                                 counters.long().contiguous(), out, MIN_T=MIN_TEMPERATURE, BLOCK=BLOCK,
-                                SEARCH_BLOCK=SEARCH_BLOCK, CANDIDATES=CANDIDATES, STEPS=SEARCH_STEPS,
-                                num_warps=8)
+                                STEPS=SEARCH_STEPS, num_warps=8)
     return out
 
 
