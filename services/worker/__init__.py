@@ -33,12 +33,13 @@
     store_client.py  FetchAdapter from the adapter store + disk cache by sha256
     detokenizer.py   incremental detokenization and stop sequences
     sampling.py      greedy / temperature, top-k, top-p, min-p, seeded
-    processor.py     Qwen2-VL processor (no torchvision), frames -> video patches, build_inputs
+    processor.py     Qwen2-VL processor (no torchvision), frames -> video patches, build_inputs (any family)
     preprocess.py    WorkItem -> WorkRequest -> processor inputs, optionally in spawned processes
     relay.py         engine-thread events to the request streams, one loop wake-up per burst
     vision.py        images/videos -> prompt embeddings, the image-feature cache by content hash
     vision_tower.py  the vision tower over items of one grid, replayed from a CUDA graph per grid
     architectures.py the served model families (one entry each), a model directory's family
+    llava.py         LLaVA-1.5's chat format, inputs, placeholder count, vision tower, tiny model
     model.py         loading the model; re-exports build_inputs
     tiny_model.py    a family's tiny model built locally (python -m services.worker.tiny_model PATH)
     testing.py       random PEFT-layout bundles, PEFT dirs, an in-memory adapter store

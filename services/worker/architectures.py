@@ -12,8 +12,10 @@ every served family shares is not an entry's field:
   q/k/v/o_proj and gate/up/down_proj (`adapter_format.TARGET_MODULES`: the adapter format, the
   store's validation and the TP partitioning all name them), so PEFT adapters trained on the HF
   model load as they are;
-- the M-RoPE positions come from HF's own `model.model.get_rope_index`, given the processor
-  outputs the family lists in `rope_inputs`.
+- the prefill's positions (3 axes a token, the engine's layout) come from `rope_positions`: for an
+  M-RoPE family HF's own `model.model.get_rope_index`, given the processor outputs the family lists
+  in `rope_inputs`; for a 1-D RoPE family (LLaVA's Llama) 0..n-1 a row on every axis, delta 0, and
+  the graphs hand the language model one axis (`mrope`).
 
 Importing this module loads neither torch nor transformers (config.py imports tiny_model, which
 builds its configs from these entries); the classes are resolved by name when asked for.
@@ -34,6 +36,7 @@ class Architecture:
     config_class: str  # the transformers config class tiny_model builds
     # valora's image-only processor class of the family (processor.py: the stock one's video
     # processor needs torchvision), saved with the tiny model and the fallback for a checkpoint's
+    # (LLaVA: HF's LlavaProcessor, which loads here as it is)
     processor_class: str
     # Whether vision_tower.VisionTower's forward (Qwen2-VL's tower math, a CUDA graph per grid) is
     # this family's tower; otherwise HF's own runs, eagerly (vision_tower.HFVisionTower).
@@ -41,8 +44,22 @@ class Architecture:
     # The processor outputs the family's get_rope_index takes besides the token ids and types
     # (model_runner.ModelRunner._inputs concatenates each over a batch's rows).
     rope_inputs: tuple[str, ...]
+    # M-RoPE (Qwen2-VL's 3-axis positions from get_rope_index, a rope delta a row) or, False, plain
+    # 1-D RoPE (Llama's: positions 0..n-1, position_ids (batch, tokens) for the language model).
+    mrope: bool = True
+    # Whether the language model takes `attention_mask` as a mapping of one mask per layer type
+    # (Qwen2's: the graphs pass {type: None}). Llama's builds its causal mask from whatever it is
+    # given, so the engine's attention is registered for it without a mask function and HF builds
+    # none (its paged forwards read the pool through block tables: attention.py).
+    mask_mapping: bool = True
+    # Whether HF's get_image_features takes the images' grids (Qwen's patch rows) or pixel images
+    # of one fixed size only (LLaVA's CLIP: one (C, H, W) row an image, vision.vision_items).
+    tower_grids: bool = True
+    # Whether tensor parallelism (tensor_parallel.py) is implemented and tested for the family;
+    # a tp_size > 1 worker of another is refused at start-up (`check_tensor_parallel`).
+    tensor_parallel: bool = True
     # The tiny model's shape (tiny_model.py, fixed seed): `text` and `vision` config fields of the
-    # family's config class, and the processor's (min, max) pixels.
+    # family's config class, and the processor's (min, max) pixels (LLaVA: its image size).
     tiny: dict = field(default_factory=dict)
 
     @property
@@ -97,7 +114,32 @@ QWEN2_5_VL = Architecture(
     ),
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (QWEN2_VL, QWEN2_5_VL)}
+# LLaVA-1.5: CLIP ViT (336 px, patch 14: 576 image tokens; the features of its second-last layer
+# without the CLS token) + a 2-layer GELU projector + a Llama language model with 1-D RoPE; its
+# processor is LlavaProcessor with a CLIPImageProcessor, its chat format "USER: <image>\n... ASSISTANT:"
+# (llava.py). HF's own tower runs, eagerly; no videos, no tensor parallelism (refused).
+LLAVA_1_5 = Architecture(
+    name="llava-1.5",
+    hf_class="LlavaForConditionalGeneration",
+    model_type="llava",
+    config_class="LlavaConfig",
+    processor_class="LlavaProcessor",
+    graphed_tower=False,
+    rope_inputs=(),
+    mrope=False,
+    mask_mapping=False,
+    tower_grids=False,
+    tensor_parallel=False,
+    tiny=dict(
+        text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096),
+        # 56 px images of 14 px patches: 16 image tokens (the CLS token dropped)
+        vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    image_size=56, patch_size=14, projection_dim=64),
+    ),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (QWEN2_VL, QWEN2_5_VL, LLAVA_1_5)}
 
 
 def supported() -> str:
@@ -138,6 +180,26 @@ def for_model(model) -> Architecture:
     return ARCHITECTURES[name]
 
 
+def check_tensor_parallel(arch: Architecture, world_size: int) -> None:
+    """ValueError naming the family unless it may be served over `world_size` ranks."""
+    if world_size > 1 and not arch.tensor_parallel:
+        raise ValueError(f"tensor parallelism ({world_size} ranks) is not supported for {arch.name} "
+                         f"({arch.hf_class}); serve it on one device (tp_size 1)")
+
+
 def language_model(model):
     """The language model (embeddings, decoder layers, final norm) of a served model."""
     return model.model.language_model
+
+
+def rope_positions(model, input_ids, mm_token_type_ids, attention_mask, **rope_inputs):
+    """(positions (3, batch, width), rope deltas (batch,)) of right-padded rows (`attention_mask`
+    1 on each row's tokens): HF's get_rope_index for an M-RoPE family; for a 1-D one each row's
+    0..n-1 on all three axes (the graphs take one) and deltas 0."""
+    if for_model(model).mrope:
+        return model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+                                          attention_mask=attention_mask, **rope_inputs)
+    import torch  # noqa: PLC0415
+
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    return positions[None].expand(3, -1, -1), torch.zeros(input_ids.shape[0], dtype=torch.long)

@@ -34,6 +34,7 @@ from kernels.paged_attention import paged_decode_attention, paged_decode_attenti
 from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 NAME = "valora_sdpa"
+NAME_MASKLESS = "valora_sdpa_maskless"
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -70,10 +71,15 @@ def use_shape_free_sdpa(device) -> bool:
     return True
 
 
-def use_grouped_decode_attention(text_config) -> None:
+def use_grouped_decode_attention(text_config, masks: bool = True) -> None:
     """Registers the attention function (once; masks are built as for SDPA) and selects it for the
-    model's text config."""
+    model's text config. `masks=False` selects it under NAME_MASKLESS, registered without a mask
+    function, so HF builds no mask for it: for a language model that makes its causal mask of any
+    `attention_mask` it is given (Llama's; the engine's paged forwards need none,
+    architectures.Architecture.mask_mapping)."""
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, grouped_decode_attention)
         AttentionMaskInterface.register(NAME, sdpa_mask)
-    text_config._attn_implementation = NAME
+    if NAME_MASKLESS not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME_MASKLESS, grouped_decode_attention)
+    text_config._attn_implementation = NAME if masks else NAME_MASKLESS

@@ -208,16 +208,18 @@ def _choice(name: str, value: object, accepted: dict[str, str]) -> object:
 
 
 def check_tp_size(settings: WorkerSettings, model_path: Path) -> None:
-    """ValueError naming VALORA_TP_SIZE unless the model's heads, KV heads and intermediate size
-    split over tp_size ranks."""
+    """ValueError naming VALORA_TP_SIZE unless the model's family may be served tensor parallel
+    and its heads, KV heads and intermediate size split over tp_size ranks."""
     if settings.tp_size == 1:
         return
     from transformers import AutoConfig  # noqa: PLC0415
 
+    from services.worker.architectures import architecture_of, check_tensor_parallel  # noqa: PLC0415
     from services.worker.tensor_parallel import TPGroup, check_divisible  # noqa: PLC0415 - torch
 
     config = AutoConfig.from_pretrained(model_path)
     try:
+        check_tensor_parallel(architecture_of(model_path), settings.tp_size)
         check_divisible(getattr(config, "text_config", config), TPGroup(world_size=settings.tp_size))
     except ValueError as exc:
         raise ValueError(f"VALORA_TP_SIZE={settings.tp_size}: {exc}") from None

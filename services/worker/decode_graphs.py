@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.architectures import language_model
+from services.worker.architectures import for_model, language_model
 from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedDecode
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.step_graphs import REFERENCE, GraphEntry, GraphSet, bucket_rows, lora_launch_key
@@ -72,6 +72,7 @@ class DecodeGraphs(GraphSet):
         # The reference attention reads lengths on the host: such steps run without graphs.
         super().__init__("decode", device, capture and attention_kernel, max_graphs, pool_handle)
         self.lm = language_model(model)
+        self.mrope = for_model(model).mrope  # else the language model takes one axis of the positions
         self.head = model.lm_head
         self.text_config = self.lm.config
         self.runtime = runtime
@@ -114,8 +115,8 @@ class DecodeGraphs(GraphSet):
         paged = PagedDecode(block_tables=self.blocks.tables.index_select(0, e.rows),
                             seq_lens=e.lens.to(torch.int32), kernel=self.attention_kernel)
         cache = PagedCache(self.text_config, self.pool, e.slots, paged)
+        pos = e.pos.view(1, rows, 1).expand(3, rows, 1) if self.mrope else e.pos.view(rows, 1)
         out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: None for kind in self.mask_kinds},
-                      position_ids=e.pos.view(1, rows, 1).expand(3, rows, 1), past_key_values=cache,
-                      use_cache=True, paged_decode=paged)
+                      position_ids=pos, past_key_values=cache, use_cache=True, paged_decode=paged)
         logits = self.head(out.last_hidden_state[:, -1])
         return logits.argmax(-1), logits

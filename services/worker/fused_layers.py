@@ -33,7 +33,8 @@ from services.worker.lora import language_layers
 
 def fused_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
                         past_key_values=None, use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-    """Qwen2VLDecoderLayer.forward on the fused ops (same arguments, same result)."""
+    """Qwen2VLDecoderLayer.forward on the fused ops (same arguments, same result); LlamaDecoderLayer's
+    is the same computation (its attention has no sliding window)."""
     attn, mlp = self.self_attn, self.mlp
     b, s, _ = hidden_states.shape
     d = attn.head_dim
@@ -49,7 +50,7 @@ def fused_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, 
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
-                       sliding_window=attn.sliding_window, position_ids=position_ids, **kwargs)
+                       sliding_window=getattr(attn, "sliding_window", None), position_ids=position_ids, **kwargs)
     out = attn.o_proj(out.reshape(b, s, -1).contiguous())
     norm = self.post_attention_layernorm
     residual, x = layer_ops.add_rms_norm(hidden_states, out, norm.weight, norm.variance_epsilon)

@@ -15,7 +15,9 @@ import torch
 from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
-from services.worker.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, chat_text, special_tokens
+from services.worker.llava import IMAGE_TOKEN
+from services.worker.processor import (IMAGE_PAD, VIDEO_PAD, chat_text,
+                                       placeholder_counts, special_tokens)
 from services.worker.requests import OutputKind, WorkRequest
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.worker.sequence import PreparedRequest
@@ -26,12 +28,13 @@ class RequestIntake:
     def __init__(self, processor, config, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  kv: BlockManager, vision_tokens: dict[str, int], vocab_size: int) -> None:
         """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit);
-        `vision_tokens`: the model's id of each of processor.VISION_TOKENS; `vocab_size`: the
+        `vision_tokens`: the model's id of each of its family's vision tokens; `vocab_size`: the
         model's (its logits' width: the token ids a request may name)."""
         self.processor, self.config, self.device, self.dtype = processor, config, device, dtype
         self.max_model_len, self.kv, self.vision_tokens = max_model_len, kv, vision_tokens
         self.vocab_size = vocab_size
-        self.vision_token_ids = (vision_tokens[IMAGE_PAD], vision_tokens[VIDEO_PAD])  # the pads: usage's image_tokens
+        # the pads (LLaVA's <image> tokens): usage's image_tokens
+        self.vision_token_ids = tuple(i for t, i in vision_tokens.items() if t in (IMAGE_PAD, VIDEO_PAD, IMAGE_TOKEN))
         tokenizer = processor.tokenizer
         self.special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special_tokens(tokenizer)}
         self._special_id_tensor = torch.tensor(sorted(self.special_ids.values()), dtype=torch.long)
@@ -90,26 +93,24 @@ class RequestIntake:
                                vision=vision, release_after=release_after)
 
     def _check_placeholders(self, request: WorkRequest, inputs: dict) -> None:
-        """The prompt's vision placeholder tokens against what its images and videos place: each
-        one <|vision_start|>, its grid's t·h·w / merge² pads, <|vision_end|>; a raw prompt none.
+        """The prompt's vision placeholder tokens against what its images and videos place
+        (processor.placeholder_counts: for Qwen2-VL each one <|vision_start|>, its grid's t·h·w /
+        merge² pads, <|vision_end|>; for LLaVA each image's <image> tokens); a raw prompt none.
         A pad without features (or features without their pads) fails the engine's prefill step,
         INTERNAL for every request of the batch, or the processor's expansion: so they are refused
         here, INVALID_ARGUMENT. Text typed with them is refused before the processor, naming its
         field (preprocess.process_request); this catches what that cannot see (token ids, a
         tokenizer that makes them of other text)."""
         ids = inputs["input_ids"]
-        merge = self.processor.image_processor.merge_size ** 2
-        grids = {kind: inputs.get(f"{kind}_grid_thw") for kind in ("image", "video")}
-        grids = {kind: torch.zeros((0, 3), dtype=torch.long) if g is None else g for kind, g in grids.items()}
-        pads = {kind: int(g.prod(dim=-1).sum()) // merge for kind, g in grids.items()}
-        items = len(grids["image"]) + len(grids["video"])
-        want = {VISION_START: items, IMAGE_PAD: pads["image"], VIDEO_PAD: pads["video"], VISION_END: items}
-        for token, n in want.items():
+        per_image = inputs.get("image_grid_thw", inputs.get("pixel_values"))  # LLaVA's: a pixel row an image
+        images = 0 if per_image is None else len(per_image)
+        videos = 0 if inputs.get("video_grid_thw") is None else len(inputs["video_grid_thw"])
+        for token, n in placeholder_counts(self.processor, inputs).items():
             got = int((ids == self.vision_tokens[token]).sum())
             if got != n:
                 field = "item.prompt_token_ids" if request.prompt_token_ids else "item.prompt"
                 media = ("a raw prompt takes no images or videos" if request.raw_prompt else
-                         f"its {len(grids['image'])} images and {len(grids['video'])} videos place {n}")
+                         f"its {images} images and {videos} videos place {n}")
                 raise invalid_field(field, f"holds {got} {token} tokens (id {self.vision_tokens[token]}); {media}",
                                     reason="VISION_TOKEN_IN_PROMPT")
 

@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from services.common.adapter_format import BaseModelShapes
+from services.worker.architectures import architecture_of, check_tensor_parallel
 from services.worker.atmm_backend import AtmmBackend
 from services.worker.attention import use_grouped_decode_attention, use_shape_free_sdpa
 from services.worker.fused_layers import install_fused_layers
@@ -36,12 +37,14 @@ class LoraModel:
 def load_lora_model(path: Path, config, device: torch.device, dtype: torch.dtype, tp: TPGroup | None) -> LoraModel:
     """`config`: the EngineConfig (load_format, fused_layers, use_atmm, lora_fold_rows)."""
     runtime = LoraRuntime()
+    arch = architecture_of(path)
+    check_tensor_parallel(arch, tp.world_size if tp is not None else 1)
     if tp is not None and config.load_format == "auto":  # the rank's shard, never the whole model
         model, lora_layers = load_sharded_model(path, device, dtype, tp, runtime)
     else:
         model = load_model(path, device, dtype, config.load_format)
         lora_layers = install_lora(model, runtime) if tp is None else shard_model_(model, tp, runtime)
-    use_grouped_decode_attention(model.config.text_config)
+    use_grouped_decode_attention(model.config.text_config, masks=arch.mask_mapping)
     if use_shape_free_sdpa(device):
         log.info("sdpa_backends", cudnn=False, why="per-shape host cost (services/worker/attention.py)")
     model_config = json.loads((path / "config.json").read_text())

@@ -16,7 +16,7 @@ import torch
 
 from kernels import paged_attention, paged_prefill
 from kernels import sampling as sampling_kernels
-from services.worker.architectures import for_model
+from services.worker.architectures import for_model, rope_positions
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
 from services.worker.kv_cache import BlockManager, KVPool, device_budget, kv_bytes_per_token, pool_blocks
 from services.worker.lora import LoraRuntime, StepLora
@@ -207,8 +207,8 @@ class ModelRunner:
         # host inputs go up with non-blocking copies (a blocking one waits for all queued work,
         # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
         # On the host: the rope index walks every row in Python (no device syncs per row).
-        position_ids, deltas = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=types, attention_mask=mask,
+        position_ids, deltas = rope_positions(
+            self.model, ids, mm_token_type_ids=types, attention_mask=mask,
             **{key: torch.cat(got) if got else None for key, got in found.items()})
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
         embeds = []

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.architectures import language_model
+from services.worker.architectures import for_model, language_model
 from services.worker.kv_cache import BlockManager, KVPool, PagedCache, PagedPrefill
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.step_graphs import REFERENCE, GraphEntry, GraphSet, lora_launch_key
@@ -74,6 +74,7 @@ class PrefillGraphs(GraphSet):
         its outputs: the set's captures share one pool and its entries of a bucket their inputs)."""
         super().__init__("prefill", device, capture and kernel and pad, max_graphs, pool_handle)
         self.lm = language_model(model)
+        self.mrope = for_model(model).mrope  # else the language model takes one axis of the positions
         self.text_config = self.lm.config
         self.runtime, self.pool, self.blocks = runtime, pool, blocks
         self.max_rows, self.pad, self.kernel = rows, pad, kernel
@@ -135,5 +136,6 @@ class PrefillGraphs(GraphSet):
                              cu_q=e.cu.to(torch.int32), seq_lens=e.lens.to(torch.int32), kernel=self.kernel)
         cache = PagedCache(self.text_config, self.pool, e.slots, paged)
         out = self.lm(inputs_embeds=e.embeds[None], attention_mask={kind: None for kind in self.mask_kinds},
-                      position_ids=e.pos, past_key_values=cache, use_cache=True, paged_prefill=paged)
+                      position_ids=e.pos if self.mrope else e.pos[0], past_key_values=cache, use_cache=True,
+                      paged_prefill=paged)
         return (out.last_hidden_state[0].index_select(0, e.last),)

@@ -24,8 +24,8 @@ import structlog
 import torch
 
 from services.common.errors import ValoraError, invalid_field
-from services.worker.processor import (VISION_TOKENS, build_inputs, decode_image, typed_special_token,
-                                       typed_vision_token)
+from services.worker.processor import (build_inputs, decode_image, typed_special_token, typed_vision_token,
+                                       vision_tokens)
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
@@ -81,10 +81,11 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
             raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
     texts = [("item.prompt", request.prompt), ("item.system", request.system),
              *((f"item.history[{i}].text", turn[1]) for i, turn in enumerate(request.history))]
+    placeholders = vision_tokens(processor)
     for field, text in texts:  # before the processor: it expands every <|image_pad|> it finds
-        if token := typed_vision_token(text):
+        if token := typed_vision_token(text, placeholders):
             raise invalid_field(field, f"holds {token!r}, a vision placeholder token: the request's images and "
-                                f"videos place their own ({', '.join(VISION_TOKENS)} are not taken as text)",
+                                f"videos place their own ({', '.join(placeholders)} are not taken as text)",
                                 reason="VISION_TOKEN_IN_PROMPT")
         if not request.raw_prompt and (token := typed_special_token(text, processor.tokenizer)):
             raise invalid_field(field, f"holds {token!r}, a special token of the model's tokenizer: the chat "

@@ -1,5 +1,6 @@
 """Prompt building for the Qwen2-VL family (Qwen2.5-VL too): the processor the worker loads and
-`build_inputs`.
+`build_inputs`; LLaVA-1.5's processor is HF's LlavaProcessor, and `build_inputs`,
+`placeholder_counts` and the vision tokens of a LLaVA processor are llava.py's.
 
 `build_inputs(processor, images, prompt, videos)` is THE way a request becomes model inputs (the
 e2e test uses it as its reference). The chat text is Qwen2-VL's template: default system turn,
@@ -27,11 +28,12 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import AutoProcessor, AutoTokenizer, BatchFeature, ProcessorMixin
+from transformers import AutoProcessor, AutoTokenizer, BatchFeature, LlavaProcessor, ProcessorMixin
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
 from services.common.errors import invalid_field
+from services.worker import llava
 from services.worker.architectures import Architecture, architecture_of
 
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -75,6 +77,7 @@ _PROCESSORS = {cls.__name__: cls for cls in (ImageQwen2VLProcessor, ImageQwen2_5
 for _cls in _PROCESSORS.values():
     # a key class of its own for each (so it replaces no config's own processor mapping)
     AutoProcessor.register(type(f"_{_cls.__name__}Key", (), {}), _cls, exist_ok=True)
+_PROCESSORS["LlavaProcessor"] = LlavaProcessor  # HF's own (it loads without torchvision)
 
 
 def processor_class(arch: Architecture) -> type:
@@ -88,6 +91,8 @@ def load_processor(path: Path | str):
     try:
         return AutoProcessor.from_pretrained(str(path))
     except (ImportError, ValueError, TypeError):
+        if processor_class(architecture_of(path)) is LlavaProcessor:
+            raise
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
         return processor_class(architecture_of(path))(image_processor=image_processor, tokenizer=tokenizer,
@@ -111,14 +116,36 @@ def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int,
 
 
 def vision_token_ids(model_config) -> dict[str, int]:
-    """The model's id of each of VISION_TOKENS (what its get_rope_index and embedding look for)."""
+    """The model's id of each of its family's vision tokens (VISION_TOKENS, LLaVA's llava.VISION_TOKENS:
+    what its get_rope_index and embedding look for)."""
     c = model_config
+    if getattr(c, "vision_start_token_id", None) is None:  # LLaVA: its image token alone
+        return {llava.IMAGE_TOKEN: c.image_token_id}
     return {VISION_START: c.vision_start_token_id, IMAGE_PAD: c.image_token_id, VIDEO_PAD: c.video_token_id,
             VISION_END: c.vision_end_token_id}
 
 
-def typed_vision_token(text: str) -> str | None:
-    """The first vision placeholder token (`VISION_TOKENS`) `text` holds, or None.
+def vision_tokens(processor) -> tuple[str, ...]:
+    """The placeholder tokens of the processor's family (only build_inputs places them)."""
+    return llava.VISION_TOKENS if isinstance(processor, LlavaProcessor) else VISION_TOKENS
+
+
+def placeholder_counts(processor, inputs) -> dict[str, int]:
+    """How many of each of its family's vision tokens a request's processor inputs must hold: for
+    Qwen2-VL one <|vision_start|> and <|vision_end|> an image or video and its grid's t·h·w /
+    merge² pads; for LLaVA each image's `<image>` tokens (llava.placeholder_counts)."""
+    if isinstance(processor, LlavaProcessor):
+        return llava.placeholder_counts(processor, inputs)
+    merge = processor.image_processor.merge_size ** 2
+    grids = {kind: inputs.get(f"{kind}_grid_thw") for kind in ("image", "video")}
+    grids = {kind: torch.zeros((0, 3), dtype=torch.long) if g is None else g for kind, g in grids.items()}
+    pads = {kind: int(g.prod(dim=-1).sum()) // merge for kind, g in grids.items()}
+    items = len(grids["image"]) + len(grids["video"])
+    return {VISION_START: items, IMAGE_PAD: pads["image"], VIDEO_PAD: pads["video"], VISION_END: items}
+
+
+def typed_vision_token(text: str, tokens: Sequence[str] = VISION_TOKENS) -> str | None:
+    """The first vision placeholder token (`tokens`: the family's, `vision_tokens`) `text` holds, or None.
 
     The processor expands every `<|image_pad|>` of the chat text with the next image's grid, and
     the tokenizer turns each of these strings into its special token, whoever typed it: a user's
@@ -130,7 +157,7 @@ def typed_vision_token(text: str) -> str | None:
     user's text tokenized apart from the template's, where the processor tokenizes the chat text
     in one call; and the client learns why. vLLM refuses such a prompt too ("Expected there to be
     N prompt updates corresponding to N image items", vllm-project/vllm#15338)."""
-    return next((t for t in VISION_TOKENS if t in text), None)
+    return next((t for t in tokens if t in text), None)
 
 
 def special_tokens(tokenizer) -> tuple[str, ...]:
@@ -199,6 +226,8 @@ def build_inputs(processor, images: list[Image.Image], prompt: str,
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         return BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                              "mm_token_type_ids": torch.zeros_like(ids)})
+    if isinstance(processor, LlavaProcessor):
+        return llava.build_inputs(processor, images, prompt, videos, system, history, raw)
     chunks = [video_inputs(processor.image_processor, frames) for frames in videos or []]
     merge = processor.image_processor.merge_size ** 2
     # Video pads expanded here (the processor expands image pads only: it has no video processor).

@@ -13,8 +13,12 @@ own pixel bounds: 448x448 -> 256 image tokens) and the config of a full-size arc
 weights: the worker loads it with `load_format="dummy"` (random weights on the device, like
 vLLM's `--load-format dummy`), for benchmarks and GPU tests at the real shape.
 
+A tiny LLaVA-1.5 (`arch="llava-1.5"`, llava.py) has the same trained BPE with Llama's special
+tokens (`<s>` put before every text, `</s>` its end) and `<image>`, a CLIP tower of 56 px images
+(16 image tokens) and LlavaProcessor with CLIP's image processing and llava-hf's chat template.
+
 Run as `python -m services.worker.tiny_model PATH [ARCH]`: ARCH `tiny` (Qwen2-VL's tiny model),
-a family's name for its tiny model (`qwen2.5-vl`), or a full-size shape of SHAPES.
+a family's name for its tiny model (`qwen2.5-vl`, `llava-1.5`), or a full-size shape of SHAPES.
 """
 
 from __future__ import annotations
@@ -106,7 +110,10 @@ Answer the question about the video frame. What color is the truck? Blue. Where 
 """
 
 
-def _build_tokenizer():
+def _build_tokenizer(specials: tuple[str, ...] = SPECIAL_TOKENS, eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
+                     bos: str | None = None):
+    """The byte-level BPE tokenizer trained on _CORPUS, with `specials` after the trained tokens
+    (Qwen2-VL's by default); `bos`: a token put before every encoded text (Llama's `<s>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,13 +128,17 @@ def _build_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(specials))
+    if bos is not None:
+        template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                 special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=eos,
+        pad_token=pad,
         unk_token=None,
-        bos_token=None,
+        bos_token=bos,
         model_max_length=32768,
     )
     fast.padding_side = "left"
@@ -180,18 +191,31 @@ def _build_processor(tokenizer, pixels: tuple[int, int], arch: Architecture):
     return processor_class(arch)(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
 
 
+def _family_files(shape: dict, family: Architecture):
+    """(tokenizer, config, generation config, processor) of a family's model of `shape`."""
+    if family.model_type == "llava":
+        from services.worker import llava  # noqa: PLC0415 - it imports torch
+
+        tokenizer = _build_tokenizer(llava.SPECIAL_TOKENS, eos="</s>", pad="<pad>", bos="<s>")
+        vision = shape["vision"]
+        return (tokenizer, llava.tiny_config(tokenizer, shape, family), llava.tiny_generation_config(tokenizer),
+                llava.tiny_processor(tokenizer, vision["image_size"], vision["patch_size"]))
+    tokenizer = _build_tokenizer()
+    return (tokenizer, _build_config(tokenizer, shape, family), _generation_config(tokenizer),
+            _build_processor(tokenizer, shape["pixels"], family))
+
+
 def build_tiny_model(seed: int = 0, arch: str = "qwen2-vl"):
     """Returns (model, processor) of the family `arch`'s tiny shape (architectures.py), built in
     memory; deterministic for a given seed."""
     import torch
 
     family = by_name(arch)
-    tokenizer = _build_tokenizer()
-    config = _build_config(tokenizer, family.tiny, family)
+    _, config, generation_config, processor = _family_files(family.tiny, family)
     torch.manual_seed(seed)
     model = family.hf_model(config).eval()
-    model.generation_config = _generation_config(tokenizer)
-    return model, _build_processor(tokenizer, family.tiny["pixels"], family)
+    model.generation_config = generation_config
+    return model, processor
 
 
 def ensure_tiny_model(path: Path | str, arch: str = "qwen2-vl") -> Path:
@@ -217,10 +241,10 @@ def ensure_shape_model(path: Path | str, arch: str) -> Path:
     family = by_name(shape["family"])
 
     def write(tmp: Path) -> None:
-        tokenizer = _build_tokenizer()
-        _build_config(tokenizer, shape, family).save_pretrained(tmp)
-        _generation_config(tokenizer).save_pretrained(tmp)
-        _build_processor(tokenizer, shape["pixels"], family).save_pretrained(tmp)
+        _, config, generation_config, processor = _family_files(shape, family)
+        config.save_pretrained(tmp)
+        generation_config.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
 
     return _write_atomically(Path(path).expanduser(), write)
 

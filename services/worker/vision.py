@@ -11,7 +11,8 @@ or the mode, and one cache serves every request of the worker.
 `VisionEncoder.embed` (engine thread) looks every item up in the `FeatureCache`, runs the vision
 tower over each missing image and video chunk (vision_tower.py: Qwen2-VL's own math, a CUDA graph
 per grid; for a family whose tower differs, HF's, eagerly), stores the features, and scatters them
-into the token embeddings at the `<|image_pad|>` / `<|video_pad|>` positions.
+into the token embeddings at the `<|image_pad|>` / `<|video_pad|>` positions (LLaVA's `<image>`:
+its config's image token; llava.LlavaVisionTower, HF's CLIP tower and projector, eagerly).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import structlog
 import torch
 
 from services.worker.architectures import for_model
+from services.worker.llava import LlavaVisionTower
 from services.worker.vision_tower import HFVisionTower, VisionTower
 
 log = structlog.get_logger()
@@ -54,10 +56,17 @@ def content_key(kind: str, grid: tuple[int, int, int], patches: torch.Tensor) ->
 
 
 def vision_items(inputs) -> list[VisionItem]:
-    """Every image then every video of the processor's outputs, with its content key."""
+    """Every image then every video of the processor's outputs, with its content key. Images
+    without a grid (LLaVA's: pixel_values (images, C, H, W) for a tower of one input size) are
+    one pixel row each, keyed with the grid (1, H, W)."""
     items: list[VisionItem] = []
     for kind, (pix_key, grid_key) in _INPUT_KEYS.items():
         pixels, grids = inputs.get(pix_key), inputs.get(grid_key)
+        if pixels is not None and grids is None and kind == IMAGE and pixels.dim() == 4:
+            grid = (1, int(pixels.shape[2]), int(pixels.shape[3]))
+            items.extend(VisionItem(kind, content_key(kind, grid, pixels[i:i + 1]), i, i + 1, grid)
+                         for i in range(pixels.shape[0]))
+            continue
         if pixels is None or grids is None:
             continue
         row = 0
@@ -178,7 +187,7 @@ class VisionEncoder:
         if arch.graphed_tower:
             self.tower = VisionTower(model.model.visual, device, capture=graphs)  # `graphs`: on CUDA
         else:
-            self.tower = HFVisionTower(model.model)
+            self.tower = HFVisionTower(model.model) if arch.tower_grids else LlavaVisionTower(model.model)
             log.info("vision_tower", family=arch.name, tower="hf_eager", graphs=False,
                      why="not Qwen2-VL's tower math (vision_tower.VisionTower)")
         self.cache = cache
@@ -246,7 +255,7 @@ class VisionEncoder:
         if not items:
             return embeds
         config = self.model.config
-        for kind, token_id in ((IMAGE, config.image_token_id), (VIDEO, config.video_token_id)):
+        for kind, token_id in ((IMAGE, config.image_token_id), (VIDEO, getattr(config, "video_token_id", None))):
             feats = [found[it.key] for it in items if it.kind == kind]
             if not feats:
                 continue

@@ -20,23 +20,23 @@ def anyio_backend():
 
 
 @pytest.fixture
-def llava_dir(tmp_path):
+def idefics_dir(tmp_path):
     """A directory of an HF checkpoint's config of a family not served (yet)."""
-    d = tmp_path / "llava"
+    d = tmp_path / "idefics3"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
-                                               "model_type": "llava"}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
+                                               "model_type": "idefics3"}))
     return d
 
 
-async def test_the_worker_refuses_a_model_of_an_unsupported_architecture(llava_dir, tmp_path):
-    worker = await create_server(WorkerSettings(model_path=str(llava_dir), port=0, build_tiny_model=False,
+async def test_the_worker_refuses_a_model_of_an_unsupported_architecture(idefics_dir, tmp_path):
+    worker = await create_server(WorkerSettings(model_path=str(idefics_dir), port=0, build_tiny_model=False,
                                                 adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0))
     try:
         with pytest.raises(ValueError) as err:
             await worker.start()
         message = str(err.value)
-        assert "'LlavaForConditionalGeneration' is not supported" in message and str(llava_dir) in message
+        assert "'Idefics3ForConditionalGeneration' is not supported" in message and str(idefics_dir) in message
         assert all(a.hf_class in message for a in ARCHITECTURES.values())
         assert worker.servicer.engine is None
     finally:
@@ -52,8 +52,10 @@ def test_families_by_directory_name_and_model(model_path, tmp_path):
     # A config without `architectures` (written by hand): its model_type decides.
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     assert architecture_of(tmp_path) is qwen2_vl
-    with pytest.raises(ValueError, match="'llava' is not supported"):
-        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    assert architecture_of(tmp_path) is by_name("llava-1.5") is by_name("LlavaForConditionalGeneration")
+    with pytest.raises(ValueError, match="'idefics3' is not supported"):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
         architecture_of(tmp_path)
 
 
