@@ -16,6 +16,7 @@ The peer runs first in the same process (same weights: one seed), then is freed.
 
     python -m bench.engine_bench                       # H200: 7B shape, writes results/engine-<suffix>.json
     python -m bench.engine_bench --arch tiny --device cpu --dtype float32 --batch 4 --adapters 2 --new-tokens 3
+    python -m bench.engine_bench --arch llava-1.5-7b    # another family's shape (architectures.py), random weights
 
 Decode is pipelined by default (EngineConfig.pipeline_decode); `--no-pipeline` runs serial steps for
 an A/B. The detail file says which (valora.pipeline_decode, valora.pipelined_steps). Its decode
@@ -41,14 +42,16 @@ from PIL import Image
 
 from bench.common import RESULTS, exit_rank, run_info, write_json
 from services.common.server import freeze_startup_heap
+from services.worker.architectures import ARCHITECTURES
 from services.worker.model import ensure_shape_model, ensure_tiny_model, load_model, load_processor
-from services.worker.processor import chat_text
+from services.worker.processor import family_chat_text
 from services.worker.requests import Failed, Finished, WorkRequest
 from services.common.modes import Mode
 from services.worker.testing import random_adapter_bundle, write_peft_dir
 
 PROMPT = "Describe."  # with the chat template: 33 text tokens beside the image's 256 (§3: 32)
 RUNS = ("base", "merged", "unmerged_one", "unmerged_mixed", "mixture")
+FAMILIES = {a.name for a in ARCHITECTURES.values()}  # --arch NAME: the family's tiny model
 
 
 def images(n: int, size: int, rep: int) -> list[Image.Image]:
@@ -280,7 +283,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
     rows = []
 
     def inputs(rep: int):
-        texts = [chat_text(PROMPT, 1)] * args.batch
+        texts = [family_chat_text(processor, PROMPT, 1)] * args.batch
         enc = processor(images=images(args.batch, args.image, rep), text=texts, padding=True, return_tensors="pt")
         return enc.to(args.device)
 
@@ -373,8 +376,9 @@ def run_valora_tp(args, model_dir: Path, bundles: dict, load_format: str) -> tup
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="qwen2-vl-7b", help="qwen2-vl-7b | qwen2-vl-2b | qwen2-vl-13b-like "
-                    "(random weights) | tiny")
+    ap.add_argument("--arch", default="qwen2-vl-7b", help="qwen2-vl-7b | qwen2-vl-2b | qwen2-vl-13b-like | "
+                    "qwen2.5-vl-7b | llava-1.5-7b (random weights) | tiny (Qwen2-VL's) | qwen2.5-vl | llava-1.5 "
+                    "(that family's tiny model)")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/valora/<arch>")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
@@ -409,8 +413,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--profile: unknown runs {unknown} (runs: {', '.join(RUNS)})")
 
     model_dir = args.model_dir or Path(f"~/.cache/valora/{args.arch}").expanduser()
-    if args.arch == "tiny":
-        ensure_tiny_model(model_dir)
+    if args.arch == "tiny" or args.arch in FAMILIES:
+        ensure_tiny_model(model_dir, "qwen2-vl" if args.arch == "tiny" else args.arch)
         load_format = "auto"
     else:
         ensure_shape_model(model_dir, args.arch)

@@ -115,6 +115,14 @@ def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int,
     )
 
 
+def family_chat_text(processor, prompt: str, num_images: int) -> str:
+    """The chat text of one user turn (the images, then the prompt) in the processor's family's
+    format: `chat_text`'s, or LLaVA's (llava.chat_text)."""
+    if isinstance(processor, LlavaProcessor):
+        return llava.chat_text(prompt, num_images)
+    return chat_text(prompt, num_images)
+
+
 def vision_token_ids(model_config) -> dict[str, int]:
     """The model's id of each of its family's vision tokens (VISION_TOKENS, LLaVA's llava.VISION_TOKENS:
     what its get_rope_index and embedding look for)."""

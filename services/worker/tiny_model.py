@@ -80,6 +80,15 @@ SHAPES = {
                     hidden_act="silu", window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
         pixels=(56 * 56, 28 * 28 * 16384),  # Qwen2.5-VL's processor bounds
     ),
+    # LLaVA-1.5-7B: Vicuna-7B (Llama-2-7B's decoder, 32000 tokens + <image> + <pad>, padded to 32064)
+    # and CLIP ViT-L/14 at 336 px (576 image tokens).
+    "llava-1.5-7b": dict(
+        family="llava-1.5",
+        text=dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=336, patch_size=14, projection_dim=768),
+    ),
 }
 
 # Qwen2-VL's chat template (Qwen2.5-VL's is the same) (default system turn, images as vision_start/pad/end).

@@ -75,3 +75,24 @@ def test_the_qwen2_5_vl_7b_shape_model_is_a_full_size_qwen2_5_vl(tmp_path):
         model = family.hf_model._from_config(config)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(8.29e9, rel=0.01)  # Qwen2.5-VL-7B's
     assert config.vision_config.out_hidden_size == config.text_config.hidden_size == 3584
+
+
+def test_the_llava_1_5_7b_shape_model_is_a_full_size_llava(tmp_path):
+    """`ensure_shape_model(path, "llava-1.5-7b")` (engine_bench --arch): llava-1.5-7b-hf's
+    dimensions (Vicuna-7B + CLIP ViT-L/14 at 336 px), its processor placing 576 image tokens."""
+    import torch
+    from transformers import AutoConfig
+
+    from services.worker.model import build_inputs, ensure_shape_model, load_processor
+    from services.worker.testing import random_image
+
+    path = ensure_shape_model(tmp_path / "llava-1.5-7b", "llava-1.5-7b")
+    family = architecture_of(path)
+    assert family is by_name("llava-1.5")
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = family.hf_model._from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 7_063_427_072  # llava-hf/llava-1.5-7b-hf's
+    inputs = build_inputs(load_processor(path), [random_image(0, 448)], "Describe.")
+    assert inputs["pixel_values"].shape == (1, 3, 336, 336)
+    assert int((inputs["input_ids"] == config.image_token_id).sum()) == config.image_seq_length == 576

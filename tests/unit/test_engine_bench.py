@@ -66,3 +66,17 @@ def test_engine_bench_tensor_parallel_gives_one_process_tokens(tmp_path):
     assert two_detail["workload"]["tp"] == 2 and two_detail["valora"]["tp"] == 2
     assert set(two_detail["valora"]["tokens"]) == set(engine_bench.RUNS)
     assert two_detail["valora"]["tokens"] == one_detail["valora"]["tokens"]
+
+
+def test_engine_bench_on_a_tiny_llava_agrees_with_peft(tmp_path):
+    """`--arch llava-1.5` (the family's tiny model): the HF + PEFT peer gets LLaVA's chat text,
+    and every run's greedy tokens and first-token logits equal the engine's."""
+    rows = engine_bench.main(["--arch", "llava-1.5", "--model-dir", str(tmp_path / "llava"), "--device", "cpu",
+                              "--dtype", "float32", "--batch", "2", "--adapters", "2", "--new-tokens", "2",
+                              "--reps", "1", "--peer-reps", "1", "--warmup", "0",
+                              "--out-dir", str(tmp_path), "--name", "engine-llava"])
+    assert {r["impl"] for r in rows} == {"valora", "hf_peft"}
+    detail = json.loads((tmp_path / "engine-llava.detail.json").read_text())
+    assert detail["token_agreement"] == {"base": 1.0, "merged": 1.0, "unmerged_one": 1.0, "unmerged_mixed": 1.0}
+    for run, cmp in detail["first_token_logits"].items():
+        assert cmp["relerr"] < 1e-4 and cmp["top1_agreement"] == 1.0, (run, cmp)
