@@ -36,6 +36,7 @@ A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 MAX_NEW = 8
 PROMPT = "Describe the image."
 TOKENS = 16  # a tiny LLaVA image: (56 / 14)^2 patches, the CLS token dropped
+LABELS = ["red", "green", "blue", "yellow"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def llava_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bundles(llava_path):
     return {A: random_adapter_bundle(llava_path, rank=4, lora_alpha=8, seed=1),
-            B: random_adapter_bundle(llava_path, rank=8, lora_alpha=4, seed=2)}
+            B: random_adapter_bundle(llava_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS})}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def engine(llava_path, bundles):
                               default_max_new_tokens=MAX_NEW))
     eng.start()
     for name, b in bundles.items():
-        assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+        assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
     yield eng
     eng.stop()
 
@@ -88,6 +89,7 @@ def reference(llava_path, bundles, tmp_path_factory):
                 out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 
+    generate.model, generate.processor = model, processor
     return generate
 
 
@@ -151,6 +153,43 @@ def test_a_conversation_matches_hf_and_the_chat_template(engine, reference, llav
                                              max_new_tokens=MAX_NEW))
         assert got.token_ids == reference(B, images, system="Be brief.", history=history)
     assert engine.vision.cache.stats().hits == hits + 2
+
+
+def test_a_prompt_prefilled_in_chunks_gets_hf_tokens(engine, reference):
+    """A context over the step's prefill budget is prefilled in pieces, each at its own 1-D
+    positions (the slice of its row's), and gives the tokens HF gives it whole."""
+    images = [random_image(11), random_image(12, 64)]
+    request = WorkRequest("long", "Describe the picture in detail, every object and colour.", images, adapter=A,
+                          max_new_tokens=MAX_NEW)
+    n = engine.prepare(request).prompt_tokens
+    batches, run, budget = [], engine.prefiller.run, engine.config.max_prefill_tokens
+    engine.prefiller.run = lambda seqs: (batches.append([s.req.request_id for s in seqs]), run(seqs))[1]
+    engine.config.max_prefill_tokens = 16
+    try:
+        _, got = engine.generate(request)
+    finally:
+        engine.config.max_prefill_tokens = budget
+        del engine.prefiller.run
+    assert batches == [["long"]] * -(-n // 16) and n > 3 * 16
+    assert got.token_ids == reference(A, images, prompt=request.prompt)
+
+
+def test_a_label_request_takes_the_heads_argmax_of_hf_peft(engine, reference, bundles):
+    from services.worker.adapters import parse_bundle
+    from services.worker.requests import FinishReason, OutputKind
+
+    img = random_image(9)
+    _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B, output_kind=OutputKind.LABEL,
+                                       head="color"))
+    inputs = dict(build_inputs(reference.processor, [img], "What color is it?"))
+    inputs.pop("mm_token_type_ids")
+    reference.model.set_adapter(B)
+    with torch.no_grad():
+        hidden = reference.model.base_model.model.model(**inputs).last_hidden_state[0, -1]
+    w = parse_bundle(B, "", bundles[B].data, bundles[B].config_json, engine.shapes).heads["color"]
+    probs = torch.softmax(hidden @ w[0].t() + w[1], dim=-1)
+    assert r.finish_reason == FinishReason.LABEL and r.label == LABELS[int(probs.argmax())]
+    assert dict(r.scores)[r.label] == pytest.approx(float(probs.max()), abs=1e-4)
 
 
 def test_videos_typed_image_tokens_and_tensor_parallelism_are_refused(engine, llava_path):
