@@ -5,6 +5,7 @@ parallelism are refused by name; the gRPC worker serves it from VALORA_MODEL_PAT
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -16,7 +17,7 @@ from services.worker.architectures import by_name
 from services.worker.config import WorkerSettings, check_tp_size
 from services.worker.engine import Engine, EngineConfig
 from services.worker.fused_layers import fused_layer_forward
-from services.worker.llava import IMAGE_TOKEN, LlavaVisionTower, chat_text
+from services.worker.llava import CHAT_TEMPLATE, IMAGE_TOKEN, LlavaVisionTower, chat_text
 from services.worker.model import build_inputs, ensure_tiny_model, load_model, load_processor
 from services.worker.processor import decode_image
 from services.worker.requests import WorkRequest
@@ -190,6 +191,65 @@ def test_a_label_request_takes_the_heads_argmax_of_hf_peft(engine, reference, bu
     probs = torch.softmax(hidden @ w[0].t() + w[1], dim=-1)
     assert r.finish_reason == FinishReason.LABEL and r.label == LABELS[int(probs.argmax())]
     assert dict(r.scores)[r.label] == pytest.approx(float(probs.max()), abs=1e-4)
+
+
+def write_llava_hf_layout(tiny, directory):
+    """The tiny model in llava-hf/llava-1.5-7b-hf's files: transformers 4's weight names
+    (language_model.model.*, language_model.lm_head, vision_tower.vision_model.*,
+    multi_modal_projector.*) in two shards with model.safetensors.index.json, the image processor in
+    preprocessor_config.json, the processor's own fields in processor_config.json, the template in
+    chat_template.json, and the tokenizer, config and generation config files."""
+    import re
+    import shutil
+
+    from safetensors.torch import save_file
+
+    def v4(key: str) -> str:
+        if key == "lm_head.weight":
+            return "language_model.lm_head.weight"
+        key = re.sub(r"^model\.language_model\.", "language_model.model.", key)
+        key = re.sub(r"^model\.vision_tower\.", "vision_tower.vision_model.", key)
+        return re.sub(r"^model\.multi_modal_projector\.", "multi_modal_projector.", key)
+
+    directory.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, directory / name)
+    processor = load_processor(tiny)
+    image = {**processor.image_processor.to_dict(), "image_processor_type": "CLIPImageProcessor"}
+    (directory / "preprocessor_config.json").write_text(json.dumps(image))
+    (directory / "processor_config.json").write_text(json.dumps({
+        "image_token": IMAGE_TOKEN, "num_additional_image_tokens": 1, "patch_size": 14,
+        "processor_class": "LlavaProcessor", "vision_feature_select_strategy": "default"}))
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    weights = [(v4(k), v.contiguous()) for k, v in load_model(tiny).state_dict().items()]
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for _, v in weights)}, "weight_map": {}}
+    for i, part in enumerate((weights[:len(weights) // 2], weights[len(weights) // 2:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file(dict(part), str(directory / shard), metadata={"format": "pt"})
+        index["weight_map"].update({k: shard for k, _ in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def test_a_checkpoint_in_llava_hfs_layout_serves_the_same_tokens(engine, llava_path, tmp_path):
+    """A directory as llava-hf's LLaVA-1.5 checkpoints are (sharded, transformers 4's names,
+    legacy processor files) loads as the same model and processor: the same answers."""
+    path = write_llava_hf_layout(llava_path, tmp_path / "llava-hf")
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not (path / "model.safetensors").exists() and len(set(names.values())) == 2
+    assert {n.split(".")[0] for n in names} == {"language_model", "vision_tower", "multi_modal_projector"}
+    processor = load_processor(path)
+    assert processor.chat_template == CHAT_TEMPLATE and processor.patch_size == 14
+    other = Engine(EngineConfig(model_path=path, max_batch_size=8, device_slots=2, kv_cache_bytes=TEST_KV_BYTES,
+                                default_max_new_tokens=MAX_NEW))
+    other.start()
+    try:
+        for name, b in {A: random_adapter_bundle(path, rank=4, lora_alpha=8, seed=1)}.items():
+            assert other.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
+        for request in requests()[:4]:
+            assert other.generate(request)[1].token_ids == engine.generate(request)[1].token_ids, request.request_id
+    finally:
+        other.stop()
 
 
 def test_videos_typed_image_tokens_and_tensor_parallelism_are_refused(engine, llava_path):
