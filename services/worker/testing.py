@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,14 +92,23 @@ def random_adapter_bundle(
 
 
 def write_peft_dir(bundle: AdapterBundle, directory: str | Path) -> Path:
-    """adapter_model.safetensors (LoRA tensors only) + adapter_config.json, for PeftModel.from_pretrained."""
+    """adapter_model.safetensors (LoRA tensors only) + adapter_config.json, for PeftModel.from_pretrained.
+
+    The config's target_modules is a regex over the language model's decoder layers: PEFT matches a
+    list of names by suffix, so the bundle's names also wrapped the vision towers' modules of those
+    names (LLaVA's CLIP q/k/v_proj, Qwen2.5-VL's gate/up/down_proj), zero LoRA terms the HF + PEFT
+    reference computed on every image (engine_bench's peer timings included) that valora's adapters,
+    the language model's only, do not have."""
     from safetensors.torch import load as load_safetensors
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: v for k, v in load_safetensors(bundle.data).items() if not k.startswith("heads.")}
     (d / "adapter_model.safetensors").write_bytes(save_safetensors(tensors))
-    (d / "adapter_config.json").write_text(bundle.config_json)
+    config = json.loads(bundle.config_json)
+    modules = "|".join(re.escape(m) for m in config["target_modules"])
+    config["target_modules"] = rf"(.*\.)?language_model\.layers\.\d+\.(self_attn|mlp)\.({modules})"
+    (d / "adapter_config.json").write_text(json.dumps(config))
     return d
 
 

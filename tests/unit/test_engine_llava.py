@@ -6,7 +6,6 @@ parallelism are refused by name; the gRPC worker serves it from VALORA_MODEL_PAT
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -68,14 +67,9 @@ def reference(llava_path, bundles, tmp_path_factory):
     from peft import PeftModel
 
     peft_dir = tmp_path_factory.mktemp("peft")
-    with warnings.catch_warnings():
-        # PEFT matches target names by suffix: it also wraps the CLIP tower's q/k/v_proj, finds no
-        # weights for them in the bundle (valora's adapters hold the language model's only) and
-        # leaves them at their zero init, saying so.
-        warnings.filterwarnings("ignore", "Found missing adapter keys", UserWarning)
-        model = PeftModel.from_pretrained(load_model(llava_path), write_peft_dir(bundles[A], peft_dir / "a"),
-                                          adapter_name=A).eval()
-        model.load_adapter(write_peft_dir(bundles[B], peft_dir / "b"), adapter_name=B)
+    model = PeftModel.from_pretrained(load_model(llava_path), write_peft_dir(bundles[A], peft_dir / "a"),
+                                      adapter_name=A).eval()
+    model.load_adapter(write_peft_dir(bundles[B], peft_dir / "b"), adapter_name=B)
     processor = load_processor(llava_path)
 
     def generate(adapter, images, prompt=PROMPT, system="", history=()):
@@ -107,6 +101,13 @@ def images_of(sizes):
 def requests():
     return [WorkRequest(name, PROMPT, images_of(sizes), adapter=ad, max_new_tokens=MAX_NEW)
             for name, (ad, sizes) in CASES.items()]
+
+
+def test_the_peft_reference_wraps_the_language_models_projections_only(reference):
+    """PEFT matches a list of target names by suffix: the CLIP tower's q/k/v_proj would be wrapped
+    too (zero LoRA terms valora's adapters do not have); write_peft_dir names the decoder layers'."""
+    wrapped = [n for n, m in reference.model.named_modules() if hasattr(m, "lora_A")]
+    assert len(wrapped) == 2 * 7 and all(".language_model.layers." in n for n in wrapped)
 
 
 def test_text_and_image_requests_match_hf_peft_unmerged_and_merged(engine, reference):
