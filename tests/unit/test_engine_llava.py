@@ -6,6 +6,7 @@ parallelism are refused by name; the gRPC worker serves it from VALORA_MODEL_PAT
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from services.worker.testing import (
 
 from tests.unit.test_engine import run_concurrently
 
+DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")  # as test_engine.py's: cuda runs the graphs and kernels
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 MAX_NEW = 8
 PROMPT = "Describe the image."
@@ -52,8 +54,8 @@ def bundles(llava_path):
 
 @pytest.fixture(scope="module")
 def engine(llava_path, bundles):
-    eng = Engine(EngineConfig(model_path=llava_path, max_batch_size=8, device_slots=2, kv_cache_bytes=TEST_KV_BYTES,
-                              default_max_new_tokens=MAX_NEW))
+    eng = Engine(EngineConfig(model_path=llava_path, device=DEVICE, max_batch_size=8, device_slots=2,
+                              kv_cache_bytes=TEST_KV_BYTES, default_max_new_tokens=MAX_NEW))
     eng.start()
     for name, b in bundles.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
@@ -67,13 +69,13 @@ def reference(llava_path, bundles, tmp_path_factory):
     from peft import PeftModel
 
     peft_dir = tmp_path_factory.mktemp("peft")
-    model = PeftModel.from_pretrained(load_model(llava_path), write_peft_dir(bundles[A], peft_dir / "a"),
+    model = PeftModel.from_pretrained(load_model(llava_path, DEVICE), write_peft_dir(bundles[A], peft_dir / "a"),
                                       adapter_name=A).eval()
     model.load_adapter(write_peft_dir(bundles[B], peft_dir / "b"), adapter_name=B)
     processor = load_processor(llava_path)
 
     def generate(adapter, images, prompt=PROMPT, system="", history=()):
-        inputs = dict(build_inputs(processor, images, prompt, system=system, history=history))
+        inputs = dict(build_inputs(processor, images, prompt, system=system, history=history).to(DEVICE))
         inputs.pop("mm_token_type_ids")  # the processor's, asked for by the engine; LLaVA's generate takes none
         with torch.no_grad():
             if adapter is None:
@@ -183,11 +185,11 @@ def test_a_label_request_takes_the_heads_argmax_of_hf_peft(engine, reference, bu
     img = random_image(9)
     _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B, output_kind=OutputKind.LABEL,
                                        head="color"))
-    inputs = dict(build_inputs(reference.processor, [img], "What color is it?"))
+    inputs = dict(build_inputs(reference.processor, [img], "What color is it?").to(DEVICE))
     inputs.pop("mm_token_type_ids")
     reference.model.set_adapter(B)
     with torch.no_grad():
-        hidden = reference.model.base_model.model.model(**inputs).last_hidden_state[0, -1]
+        hidden = reference.model.base_model.model.model(**inputs).last_hidden_state[0, -1].cpu()
     w = parse_bundle(B, "", bundles[B].data, bundles[B].config_json, engine.shapes).heads["color"]
     probs = torch.softmax(hidden @ w[0].t() + w[1], dim=-1)
     assert r.finish_reason == FinishReason.LABEL and r.label == LABELS[int(probs.argmax())]
@@ -241,8 +243,8 @@ def test_a_checkpoint_in_llava_hfs_layout_serves_the_same_tokens(engine, llava_p
     assert {n.split(".")[0] for n in names} == {"language_model", "vision_tower", "multi_modal_projector"}
     processor = load_processor(path)
     assert processor.chat_template == CHAT_TEMPLATE and processor.patch_size == 14
-    other = Engine(EngineConfig(model_path=path, max_batch_size=8, device_slots=2, kv_cache_bytes=TEST_KV_BYTES,
-                                default_max_new_tokens=MAX_NEW))
+    other = Engine(EngineConfig(model_path=path, device=DEVICE, max_batch_size=8, device_slots=2,
+                                kv_cache_bytes=TEST_KV_BYTES, default_max_new_tokens=MAX_NEW))
     other.start()
     try:
         for name, b in {A: random_adapter_bundle(path, rank=4, lora_alpha=8, seed=1)}.items():
