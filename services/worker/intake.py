@@ -16,7 +16,7 @@ from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
 from services.worker.llava import IMAGE_TOKEN
-from services.worker.processor import (IMAGE_PAD, VIDEO_PAD, chat_text,
+from services.worker.processor import (IMAGE_PAD, VIDEO_PAD, chat_skeleton,
                                        placeholder_counts, special_tokens)
 from services.worker.requests import OutputKind, WorkRequest
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
@@ -116,17 +116,18 @@ class RequestIntake:
 
     def _check_special_tokens(self, request: WorkRequest, ids: torch.Tensor) -> None:
         """A chat request's tokens against its template: each special token (processor.
-        special_tokens: `<|im_start|>`, `<|im_end|>`, …) as many times as chat_text places it
-        around the turns. Text typed with one is refused before the processor, naming its field
-        (preprocess.process_request); this catches what that cannot see: a tokenizer that makes
-        one of other text (a special token matched after an NFKC normalizer: `＜｜im_start｜＞`).
-        A raw prompt's are the caller's own."""
+        special_tokens: `<|im_start|>`, `<|im_end|>`, …) as many times as the family's template
+        places it around the turns (processor.chat_skeleton, tokenized). Text typed with one is
+        refused before the processor, naming its field (preprocess.process_request); this catches
+        what that cannot see: a tokenizer that makes one of other text (a special token matched
+        after an NFKC normalizer: `＜｜im_start｜＞`). A raw prompt's are the caller's own."""
         if request.raw_prompt:
             return
-        skeleton = chat_text("", 0, (), "-", [(role, "", 0) for role, _, _ in request.history])
+        skeleton = self.processor.tokenizer(chat_skeleton(self.processor, [role for role, _, _ in request.history]))
+        wanted = collections.Counter(skeleton["input_ids"])  # with what the tokenizer adds (LLaVA's <s>)
         found = collections.Counter(ids[torch.isin(ids, self._special_id_tensor)].tolist())
         for token, token_id in self.special_ids.items():
-            want, got = skeleton.count(token), found[token_id]
+            want, got = wanted[token_id], found[token_id]
             if got != want:
                 raise invalid_field("item.prompt", f"its text makes {got} {token} tokens (id {token_id}) where the "
                                     f"chat template places {want}", reason="SPECIAL_TOKEN_IN_PROMPT")

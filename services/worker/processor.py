@@ -123,6 +123,15 @@ def family_chat_text(processor, prompt: str, num_images: int) -> str:
     return chat_text(prompt, num_images)
 
 
+def chat_skeleton(processor, roles: Sequence[str]) -> str:
+    """The family's chat text of empty turns (a system turn, history turns of `roles`, the user
+    turn): where its template alone places control tokens (intake's special-token count)."""
+    history = [(role, "", 0) for role in roles]
+    if isinstance(processor, LlavaProcessor):
+        return llava.chat_text("", 0, "-", history)
+    return chat_text("", 0, (), "-", history)
+
+
 def vision_token_ids(model_config) -> dict[str, int]:
     """The model's id of each of its family's vision tokens (VISION_TOKENS, LLaVA's llava.VISION_TOKENS:
     what its get_rope_index and embedding look for)."""
@@ -175,7 +184,7 @@ def special_tokens(tokenizer) -> tuple[str, ...]:
     Added tokens not marked special (Qwen2.5's `<tool_call>`) are text to the chat template."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     names = {*getattr(tokenizer, "all_special_tokens", ()), *(t.content for t in added.values() if t.special)}
-    return tuple(sorted(names - set(VISION_TOKENS) - {""}))
+    return tuple(sorted(names - set(VISION_TOKENS) - set(llava.VISION_TOKENS) - {""}))
 
 
 def typed_special_token(text: str, tokenizer) -> str | None:
