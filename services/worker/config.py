@@ -43,6 +43,7 @@ class EngineConfig:
     max_rank: int = 256
     max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
     max_prefill_tokens: int = 8192  # tokens (rows packed) per prefill forward; a longer context: chunks
+    prefill_fill_padding: bool = False  # queued pieces into the tokens a forward pads to its graph bucket
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps
@@ -103,6 +104,9 @@ class WorkerSettings(ServiceSettings):
     max_prefill_tokens: int = Field(8192, ge=1, description="Tokens one step prefills (its pieces packed without "
                                     "padding): whole prompts, then a chunk of the next one; a longer prompt takes "
                                     "several steps, the running requests decoding between them.")
+    prefill_fill_padding: bool = Field(False, description="Fill the tokens a prefill forward pads to its graph "
+                                       "bucket with pieces of the next queued requests (chunks where they do not "
+                                       "fit; at most max_prefills_per_step rows): work the padding would waste.")
     decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
                                "size: auto (on CUDA) or off (static, the same step without capture).")
     prefill_graphs: str = Field("auto", description="The packed prefill forward as CUDA graphs keyed by its "

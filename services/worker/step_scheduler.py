@@ -19,6 +19,7 @@ generated tokens).
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Callable
 
@@ -34,11 +35,14 @@ MIN_CHUNK = 256  # tokens (at most a quarter of the budget): a shorter chunk beh
 
 
 class StepScheduler:
-    def __init__(self, config, kv: BlockManager, pool: AdapterPool, lock: threading.Condition) -> None:
+    def __init__(self, config, kv: BlockManager, pool: AdapterPool, lock: threading.Condition,
+                 padded: Callable[[int], int] | None = None) -> None:
         """`config`: the engine's EngineConfig (max_batch_size, max_prefills_per_step,
-        max_prefill_tokens, read when used); `lock`: the engine's condition guarding `incoming`
-        and `waiting` (submit runs on other threads); everything else is the engine thread's."""
-        self.config, self.kv, self.pool, self.lock = config, kv, pool, lock
+        max_prefill_tokens, prefill_fill_padding, read when used); `lock`: the engine's condition
+        guarding `incoming` and `waiting` (submit runs on other threads); everything else is the
+        engine thread's. `padded`: the tokens a prefill forward of n tokens runs (ModelRunner.
+        prefill_tokens: its graph bucket)."""
+        self.config, self.kv, self.pool, self.lock, self.padded = config, kv, pool, lock, padded
         self.incoming: collections.deque[Sequence] = collections.deque()
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefill: collections.deque[Sequence] = collections.deque()
@@ -125,7 +129,26 @@ class StepScheduler:
             batch.append(s)
             if s.prefill_to < s.context:
                 break  # a chunk ends the batch (FIFO: nobody overtakes it)
+        if self.config.prefill_fill_padding and self.padded is not None:
+            self._fill_padding(batch)
         return batch
+
+    def _fill_padding(self, batch: list[Sequence]) -> None:
+        """Pieces of the next queued sequences into the tokens the forward would pad to its graph
+        bucket anyway (a 2060-token step pads to 2304): at most the bucket, max_prefills_per_step
+        rows, FIFO (the last one taken may be a chunk, which ends the batch as above)."""
+        if not batch or batch[-1].prefill_to < batch[-1].context:
+            return
+        total = sum(s.prefill_to - s.prefilled for s in batch)
+        room = self.padded(total) - total
+        for s in itertools.islice(self.prefill, len(batch), None):
+            if room <= 0 or len(batch) == self.config.max_prefills_per_step:
+                break
+            s.prefill_to = s.prefilled + min(s.context - s.prefilled, room)
+            room -= s.prefill_to - s.prefilled
+            batch.append(s)
+            if s.prefill_to < s.context:
+                break
 
     def prefilled(self, s: Sequence) -> None:
         """`s` was prefilled (its whole context): it decodes from the next step on."""

@@ -443,3 +443,34 @@ def test_a_forward_that_raises_leaves_its_graph_entry_as_it_was(monkeypatch):
                                       (2048, 2048), (2049, 2560), (8000, 8192)])
 def test_bucket_tokens(n, bucket):
     assert bucket_tokens(n) == bucket
+
+
+def test_pieces_fill_the_padding_of_the_forwards_bucket(engine, prefills):
+    """prefill_fill_padding: a step whose budget stops the next request (left under the smallest
+    chunk) takes a piece of it into the tokens its forward pads to the graph bucket anyway; the
+    forward runs no more tokens (the same bucket), fewer of them padding; the tokens are each
+    request's alone. Off (the default), the same requests leave the padding empty."""
+    reqs = [WorkRequest(f"fill-{i}", "Describe it.", [random_image(70 + i)], max_new_tokens=2) for i in range(3)]
+    n = engine.prepare(reqs[0]).prompt_tokens
+    assert all(engine.prepare(r).prompt_tokens == n for r in reqs)
+    assert bucket_tokens(2 * n) > 2 * n  # room in the bucket
+    old = engine.config.max_prefill_tokens, engine.config.prefill_fill_padding
+    results = {}
+    try:
+        for fill in (False, True):
+            engine.config.max_prefill_tokens, engine.config.prefill_fill_padding = 2 * n + 8, fill
+            del prefills[:]
+            pad0 = engine.runner.prefill_graphs.padding_tokens
+            got = {rid: outcome(q)[1] for rid, q in submit_together(engine, reqs).items()}
+            results[fill] = (list(prefills), engine.runner.prefill_graphs.padding_tokens - pad0, got)
+    finally:
+        engine.config.max_prefill_tokens, engine.config.prefill_fill_padding = old
+    ids = [r.request_id for r in reqs]
+    assert results[False][0] == [ids[:2], ids[2:]], results[False][0]
+    room = bucket_tokens(2 * n) - 2 * n
+    first = [ids, ids[2:]] if room < n else [ids]  # the third whole when it fits the padding
+    assert results[True][0] == first, results[True][0]
+    assert results[True][1] < results[False][1]  # fewer padding tokens run
+    for r in reqs:
+        want = engine.generate(r)[1].token_ids
+        assert all(results[f][2][r.request_id].result.token_ids == want for f in (False, True)), r.request_id
