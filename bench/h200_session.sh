@@ -14,10 +14,11 @@
 #                                                     # CONC (128) x2 then Poisson RATE (30 req/s) x2, REQUESTS (1024) a run
 #   (serve: SERVE_ARGS adds serve_bench options, e.g. "--env VALORA_MAX_PREFILLS_PER_STEP=8"; SERVE_S bounds it, 420 s;
 #    PYSPY=1 samples the worker, TRACE=1 writes and sums up the engine's step trace)
+#   SUF=<commit> SERVE_CONFIGS="a:<args>|b:<args>" bash bench/h200_session.sh serve-ab  # serve runs per worker setting
 #   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged decode/prefill attention benches, §3 engine bench
 #                                                     # (valora only) and its 32-adapter r8 batch-32 variant
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers|multigpu|serve|paged}
+MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|paged}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -155,6 +156,15 @@ elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weigh
   cat /tmp/valora-serve-*/logs/*.log 2>/dev/null | grep -E "warning|error" | sed -E 's/^[0-9 :-]+//' | cut -c1-300 \
     | sort | uniq -c | sort -rn | head -60 > "$OUT/service-warnings.txt"
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+elif [ "$MODE" = serve-ab ]; then  # several worker settings in one call, each a serve run of its own:
+  # SERVE_CONFIGS="name:serve_bench args|name2:args2" (SERVE_ARGS: common to all), results under $OUT/<name>
+  # with SUF <commit>-<name>, e.g. SERVE_CONFIGS="b4:--env VALORA_MAX_PREFILLS_PER_STEP=4|fill:--env
+  # VALORA_MAX_PREFILLS_PER_STEP=8 --env VALORA_MAX_PREFILL_TOKENS=2048 --env VALORA_PREFILL_FILL_PADDING=1"
+  IFS='|' read -ra CFGS <<< "${SERVE_CONFIGS:?name:args|...}"
+  for c in "${CFGS[@]}"; do
+    OUT="$OUT/${c%%:*}" SUF="$SUF-${c%%:*}" SERVE_ARGS="${SERVE_ARGS:-} ${c#*:}" bash "$0" serve
+    say "serve ${c%%:*}"
+  done
 elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \
     tests/gpu/test_paged_prefill_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_prefill_gpu.py tests/unit/test_engine.py tests/unit/test_kv_cache.py \
