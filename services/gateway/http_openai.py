@@ -9,8 +9,10 @@
   ids outside the model's vocabulary are the worker's 400), `stream` (SSE chunks, then
   `data: [DONE]`), `stream_options.include_usage`. Extension: `output_kind: "label"` with a task
   runs its head; the label is the message content and its scores come back under
-  `valora.scores`. A parameter the engine does not implement (`tools`, `response_format`, …;
-  `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never silently ignored.
+  `valora.scores`. Bodies are parsed through openai_models.py's typed models: a parameter the
+  engine does not implement (`tools`, `response_format`, …; `UNSUPPORTED`) is a 400 naming it
+  unless it has its neutral value, never silently ignored; an unknown one (`temprature`) is
+  OpenAI's `Unrecognized request argument supplied: temprature`; a mistyped one names its field.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
   template (`raw_prompt`), or token ids (a list of ints, or a list of one such list) sent on as
   they are (`prompt_token_ids`); a batch of several prompts is a 400. Special tokens in either
@@ -64,6 +66,7 @@ from services.common.server import REQUEST_ID_KEY, new_request_id
 from services.gateway.auth import AUTHORIZATION_KEY, INFERENCE_PREFIX, ApiKeyAuthInterceptor
 from services.gateway.config import GatewaySettings
 from services.gateway.image_urls import ImageFetcher, ImageUrlError
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Message, RequestError, parse
 from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
 from valora.v1 import types_pb2
 
@@ -90,14 +93,6 @@ _FINISH = {
     types_pb2.FINISH_REASON_LABEL: "stop",
 }
 _LIST_PAGE = 1000
-
-
-class RequestError(Exception):
-    """A malformed HTTP request, answered 400 before anything reaches gRPC."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
@@ -137,45 +132,35 @@ def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
     return types_pb2.Image(data=data, mime_type=header[: -len(";base64")])
 
 
-def _message_parts(messages: Any, remote: list | None = None
+def _message_parts(messages: list[Message] | None, remote: list | None = None
                    ) -> tuple[list[tuple[str, str, int]], list[types_pb2.Image]]:
     """(role, text, images it shows) per message, and every image in order. `remote`: where the
     remote image URLs go, (index, url, param) each, their images left empty to fetch (None: a
     remote URL is a 400)."""
-    if not isinstance(messages, list) or not messages:
+    if not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     turns: list[tuple[str, str, int]] = []
     images: list[types_pb2.Image] = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise RequestError("each message needs a role and content", f"messages[{i}]")
-        content = msg.get("content")
-        if content is None:
-            content = ""
+        content = msg.content if msg.content is not None else ""
         if isinstance(content, str):
-            turns.append((msg["role"], content, 0))
+            turns.append((msg.role, content, 0))
             continue
-        if not isinstance(content, list):
-            raise RequestError("content must be a string or a list of parts", f"messages[{i}].content")
         texts, before = [], len(images)
         for j, part in enumerate(content):
             param = f"messages[{i}].content[{j}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind == "image_url":
-                image_url = part.get("image_url")
-                url = image_url.get("url") if isinstance(image_url, dict) else image_url
-                if not isinstance(url, str):
-                    raise RequestError("image_url.url must be a string", f"{param}.image_url.url")
-                if remote is not None and not url.startswith("data:"):
-                    remote.append((len(images), url, f"{param}.image_url.url"))
-                    images.append(types_pb2.Image())
-                else:
-                    images.append(_image_from_data_url(url, f"{param}.image_url.url"))
+            if part.type == "text":
+                texts.append(part.text)
+                continue
+            url = part.url
+            if url is None:
+                raise RequestError("image_url.url must be a string", f"{param}.image_url.url")
+            if remote is not None and not url.startswith("data:"):
+                remote.append((len(images), url, f"{param}.image_url.url"))
+                images.append(types_pb2.Image())
             else:
-                raise RequestError("content parts must be {type: text} or {type: image_url}", param)
-        turns.append((msg["role"], "\n".join(texts), len(images) - before))
+                images.append(_image_from_data_url(url, f"{param}.image_url.url"))
+        turns.append((msg.role, "\n".join(texts), len(images) - before))
     return turns, images
 
 
@@ -199,15 +184,6 @@ def conversation(inp: inference_service_pb2.InferenceInput, turns: list[tuple[st
         inp.history.add(role=role, text=text, images=n)
 
 
-def _number(body: dict, key: str, kind: type, param: str | None = None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"{key} must be a{'n integer' if kind is int else ' number'}", param or key)
-    return value
-
-
 def _assign(message: Any, field: str, value: Any, param: str) -> None:
     try:
         setattr(message, field, value)
@@ -215,44 +191,33 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
         raise RequestError(f"{param} is out of range", param) from None
 
 
-# Chat-completion parameters the engine does not implement, with the values that mean "not used".
+# Parameters OpenAI defines that the engine does not implement, with the values that mean "not
+# used" (openai_models.parse: a 400 naming the parameter for any other value).
 UNSUPPORTED = {
     "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
     "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
+    "parallel_tool_calls": (), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
+    "prompt_cache_options": (), "prompt_cache_retention": (),
 }
-
-
-def _refuse_unsupported(body: dict) -> None:
-    """A parameter the engine does not implement is a 400 naming it, never silently ignored;
-    its neutral value (what OpenAI does without it) passes."""
-    for key, neutral in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is not None and value not in neutral:
-            raise RequestError(f"{key} is not supported by this server", key, code="unsupported_parameter")
 
 
 def build_input(body: Any, base_model: str, remote: list | None = None
                 ) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a chat completion request, and whether to stream. `remote`:
     collects the remote image URLs to fetch (_message_parts)."""
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    _refuse_unsupported(body)
-    turns, images = _message_parts(body.get("messages"), remote)
+    req = parse(ChatCompletionRequest, body, UNSUPPORTED)
+    turns, images = _message_parts(req.messages, remote)
     inp = inference_service_pb2.InferenceInput()
     conversation(inp, turns)
     inp.images.extend(images)
-    stream = _request_options(body, base_model, inp)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise RequestError("logprobs must be a boolean", "logprobs")
-    top = _number(body, "top_logprobs", int)
-    if top is not None and not logprobs:
+    stream = _request_options(req, base_model, inp)
+    if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    inp.params.logprobs = bool(logprobs)
-    if top is not None:
-        _assign(inp.params, "top_logprobs", top, "top_logprobs")
+    inp.params.logprobs = bool(req.logprobs)
+    if req.top_logprobs is not None:
+        _assign(inp.params, "top_logprobs", req.top_logprobs, "top_logprobs")
     return inp, stream
 
 
@@ -260,10 +225,8 @@ def build_completion_input(body: Any, base_model: str, remote: list | None = Non
                            ) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a (legacy) completion request, and whether to stream: the
     prompt, text or token ids, is the model's whole input, without the chat template (`raw_prompt`)."""
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    _refuse_unsupported(body)
-    prompt = body.get("prompt")
+    req = parse(CompletionRequest, body, UNSUPPORTED)
+    prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -280,37 +243,32 @@ def build_completion_input(body: Any, base_model: str, remote: list | None = Non
     else:
         raise RequestError("prompt must be a non-empty string or list of token ids (or a list of one of them)",
                            "prompt")
-    stream = _request_options(body, base_model, inp)
-    top = _number(body, "logprobs", int)  # the legacy API's logprobs: how many alternatives
-    if top is not None:
+    stream = _request_options(req, base_model, inp)
+    if req.logprobs is not None:  # the legacy API's logprobs: how many alternatives
         inp.params.logprobs = True
-        _assign(inp.params, "top_logprobs", top, "logprobs")
+        _assign(inp.params, "top_logprobs", req.logprobs, "logprobs")
     return inp, stream
 
 
-def _logit_bias(bias: Any, p: types_pb2.GenerationParams) -> None:
-    """OpenAI's logit_bias ({"token id": bias}) into GenerationParams.logit_bias; its bounds (how
-    many, the biases' range, the vocabulary) are the validation's and the worker's."""
-    if bias is None:
-        return
-    if not isinstance(bias, dict):
-        raise RequestError("logit_bias must be an object mapping token ids to biases", "logit_bias")
-    for key, value in bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+def _logit_bias(bias: dict[str, float] | None, p: types_pb2.GenerationParams) -> None:
+    """OpenAI's logit_bias ({"token id": bias}, typed by openai_models) into
+    GenerationParams.logit_bias; its bounds (how many, the biases' range, the vocabulary) are the
+    validation's and the worker's."""
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
             raise RequestError(f"logit_bias key {key!r} is not a token id (a non-negative integer)", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestError(f"logit_bias[{key!r}] must be a number", "logit_bias")
         try:
             p.logit_bias[int(key)] = value
         except (ValueError, TypeError, OverflowError):
             raise RequestError(f"logit_bias key {key} is not a token id (out of range)", "logit_bias") from None
 
 
-def _request_options(body: dict, base_model: str, inp: inference_service_pb2.InferenceInput) -> bool:
+def _request_options(req: ChatCompletionRequest | CompletionRequest, base_model: str,
+                     inp: inference_service_pb2.InferenceInput) -> bool:
     """What chat and text completions share, set on `inp`: the model (target), output kind, n,
     the generation parameters, stop; returns whether to stream."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+    model = req.model
+    if not model:
         raise RequestError("model is required: an adapter (adapters/...), a task (tasks/...) or "
                            f"{base_model!r}", "model")
     if model.startswith("adapters/"):
@@ -320,46 +278,30 @@ def _request_options(body: dict, base_model: str, inp: inference_service_pb2.Inf
     elif model != base_model:
         raise errors.NotFound(f"model {model!r} does not exist: use adapters/..., tasks/... or {base_model!r}",
                               reason="MODEL_NOT_FOUND")
-    kind = body.get("output_kind", "text")
-    if kind not in ("text", "label"):
-        raise RequestError("output_kind must be 'text' or 'label'", "output_kind")
-    inp.output_kind = types_pb2.OUTPUT_KIND_LABEL if kind == "label" else types_pb2.OUTPUT_KIND_TEXT
-    n = _number(body, "n", int)
-    if n not in (None, 1):
+    inp.output_kind = types_pb2.OUTPUT_KIND_LABEL if req.output_kind == "label" else types_pb2.OUTPUT_KIND_TEXT
+    if req.n not in (None, 1):
         raise RequestError("only n=1 is supported", "n")
     # Ranges (temperature, top_p, max_new_tokens …) are the gateway's validation's business;
     # here only what the mapping itself needs: 0 tokens would silently mean "the default", and
     # values must fit the proto fields.
     p = inp.params
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, int)
+    chosen = getattr(req, "max_completion_tokens", None)
+    key, max_tokens = ("max_completion_tokens", chosen) if chosen is not None else ("max_tokens", req.max_tokens)
     if max_tokens is not None:
         if max_tokens <= 0:
             raise RequestError(f"{key} must be positive", key)
         _assign(p, "max_new_tokens", max_tokens, key)
-    for name, kind, field in (("temperature", float, "temperature"), ("top_p", float, "top_p"),
-                              ("top_k", int, "top_k"), ("min_p", float, "min_p"), ("seed", int, "seed"),
-                              ("presence_penalty", float, "presence_penalty"),
-                              ("frequency_penalty", float, "frequency_penalty"),
-                              ("repetition_penalty", float, "repetition_penalty")):
-        value = _number(body, name, kind)
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
         if value is not None:
-            _assign(p, field, value, name)
-    _logit_bias(body.get("logit_bias"), p)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        p.stop.append(stop)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        p.stop.extend(stop)
-    elif stop is not None:
-        raise RequestError("stop must be a string or a list of strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be a boolean", "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
-    return stream
+            _assign(p, name, value, name)
+    _logit_bias(req.logit_bias, p)
+    if isinstance(req.stop, str):
+        p.stop.append(req.stop)
+    elif req.stop is not None:
+        p.stop.extend(req.stop)
+    return bool(req.stream)
 
 
 # -- the server -----------------------------------------------------------------------------------

@@ -490,3 +490,68 @@ def test_request_parsing():
         with pytest.raises(RequestError) as exc:
             build_input(body, "valora-base")
         assert exc.value.param == param
+
+
+async def test_unknown_arguments_are_refused_as_openai_refuses_them():
+    """A misspelled parameter (the SDK's extra_body sends anything) is OpenAI's 400 naming it,
+    not silently ignored; inside a message too. valora's and vLLM's extensions pass."""
+    async with http_stack() as (worker, client, _):
+        with pytest.raises(openai.BadRequestError) as typo:
+            await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}],
+                                                 extra_body={"temprature": 0.5})
+        with pytest.raises(openai.BadRequestError) as nested:
+            await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "contnet": "x"}])
+        with pytest.raises(openai.BadRequestError) as legacy:  # a chat parameter, not the legacy API's
+            await client.completions.create(model="valora-base", prompt="x", extra_body={"top_logprobs": 2})
+        assert not worker.items
+        first = await client.chat.completions.create(
+            model="valora-base", messages=[{"role": "user", "content": "x"}],
+            extra_body={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "output_kind": "text"}, user="u1")
+        again = await client.chat.completions.create(model="valora-base", messages=[
+            {"role": "user", "content": "x"}, first.choices[0].message, {"role": "user", "content": "y"}])
+    assert typo.value.body == {"message": "Unrecognized request argument supplied: temprature",
+                               "type": "invalid_request_error", "param": "temprature", "code": "unrecognized_argument"}
+    assert nested.value.body["message"] == "Unrecognized request argument supplied: messages[0].contnet"
+    assert legacy.value.body["param"] == "top_logprobs"
+    assert worker.items[0].params.top_k == 3 and round(worker.items[0].params.repetition_penalty, 3) == 1.1
+    assert again.choices[0].message.content == "two cars"  # the SDK's own message, sent back as history
+    assert [(t.role, t.text) for t in worker.items[1].history] == [("user", "x"), ("assistant", "two cars")]
+
+
+def test_every_openai_parameter_is_typed_or_refused():
+    """Each parameter of the openai package's request types is either a typed field of ours or
+    in UNSUPPORTED, where a value other than its neutral one is a 400 naming it."""
+    import typing
+
+    from openai.types import completion_create_params as legacy
+    from openai.types.chat import completion_create_params as chat
+
+    from services.gateway.http_openai import UNSUPPORTED
+    from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+
+    for params, model, build, base in (
+            (chat.CompletionCreateParamsStreaming, ChatCompletionRequest, build_input,
+             {"model": "valora-base", "messages": [{"role": "user", "content": "x"}]}),
+            (legacy.CompletionCreateParamsStreaming, CompletionRequest, build_completion_input,
+             {"model": "valora-base", "prompt": "x"})):
+        names = typing.get_type_hints(params)
+        missing = [n for n in names if n not in model.model_fields and n not in UNSUPPORTED]
+        assert not missing, (model.__name__, missing)
+        for name in names:
+            if name in UNSUPPORTED:
+                with pytest.raises(RequestError) as exc:
+                    build({**base, name: "used"}, "valora-base")
+                assert (exc.value.param, exc.value.code) == (name, "unsupported_parameter")
+                assert exc.value.message == f"{name} is not supported by this server"
+    with pytest.raises(RequestError) as exc:
+        build_input({"model": "valora-base", "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, {"role": "user", "content": "x"}]},
+            "valora-base")
+    assert (exc.value.param, exc.value.code) == ("messages[0].tool_calls", "unsupported_parameter")
+    for key, value, param in (("temperature", True, "temperature"), ("stream", "yes", "stream"),
+                              ("stop", [1], "stop[0]"), ("user", 5, "user"), ("top_k", 1.5, "top_k"),
+                              ("output_kind", "json", "output_kind")):
+        with pytest.raises(RequestError) as exc:
+            build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value},
+                        "valora-base")
+        assert exc.value.param == param and exc.value.message.startswith(f"{param}: "), exc.value.message
