@@ -2,7 +2,9 @@
 
 Every service calls `start_metrics_server(settings.metrics_port)`; 0 disables the endpoint.
 Labels whose values users choose are bounded: `adapter_label()` and `slo_class_label()` fold values
-past `MAX_ADAPTER_LABELS` / `MAX_SLO_CLASS_LABELS` into "other".
+past `MAX_ADAPTER_LABELS` / `MAX_SLO_CLASS_LABELS` into "other". Series counted per event whose
+label values are known up front are exported at zero from start-up (`init_service`, `init_worker`);
+those of user-chosen labels (adapter, SLO class) appear with their first event.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from services.common.errors import ValoraError
@@ -75,6 +78,33 @@ SLO_REQUESTS = Counter("valora:slo_requests_total", "Requests of tasks with a la
 ENGINE_STEP = Histogram("valora:engine_step_seconds", "Engine steps by what they ran: prefill (a prefill forward, "
                         "decode rows beside it or not) or decode.", ["worker", "kind"],
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+
+# The label values of series counted per event: each is exported at zero from start-up
+# (init_service, init_worker), so rate() and increase() see a series before its first event.
+FINISHED_REASONS = ("stop", "length")  # vLLM's finished_reason values a worker reports
+SWITCH_KINDS = ("merge", "unmerge", "switch")
+SWAP_DIRECTIONS = ("in", "out")  # host→device, evicted
+LOAD_STAGES = ("fetch", "load")
+STEP_KINDS = ("prefill", "decode")
+STATUS_CODES = tuple(code.name for code in grpc.StatusCode)
+
+
+def init_service(service: str) -> None:
+    """valora:requests_total{service} at zero for every status code (gateway, scheduler)."""
+    for code in STATUS_CODES:
+        REQUESTS_TOTAL.labels(service, code)
+
+
+def init_worker(worker: str) -> None:
+    """A worker's counters and per-request histograms at zero, with every label value they take."""
+    for metric in (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
+                   REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, REQUEST_INFERENCE_TIME):
+        metric.labels(worker)
+    for metric, values in ((REQUEST_SUCCESS, FINISHED_REASONS), (MODE_SWITCHES, SWITCH_KINDS),
+                           (ADAPTER_SWAPS, SWAP_DIRECTIONS), (ADAPTER_LOAD, LOAD_STAGES), (ENGINE_STEP, STEP_KINDS)):
+        for value in values:
+            metric.labels(worker, value)
+
 
 class BoundedLabel:
     """Values of one label whose values users choose: the first `limit` distinct ones are kept,

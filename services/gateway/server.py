@@ -3,6 +3,7 @@ OpenAI-compatible HTTP front beside it (services/gateway/http_openai.py)."""
 
 from __future__ import annotations
 
+from services.common import metrics
 from services.common.channels import client_credentials, open_channel
 from services.common.internal_auth import internal_token
 from services.common.server import Service, build_service, channel_options
@@ -41,6 +42,7 @@ async def create_server(settings: GatewaySettings) -> Service:
 
     service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing,
                             internal=False)
+    metrics.init_service("gateway")  # its requests_total series at zero from start-up
     service.http = None
     if settings.http_enabled:
         target = loopback_target(settings.host, service.port)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common import metrics
 from services.common.channels import client_credentials
 from services.common.internal_auth import internal_token
 from services.common.server import Service, build_service, channel_options
@@ -46,6 +47,7 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
         return [scheduler_service_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name]
 
     service = build_service("scheduler", settings, register, tracer_provider=tracing)
+    metrics.init_service("scheduler")  # its requests_total series at zero from start-up
     service.on_start.append(pool.start)
     service.on_start.append(dispatcher.start)
     # on_stop runs in reverse: the dispatcher fails queued requests, then channels close.

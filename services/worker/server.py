@@ -440,6 +440,7 @@ async def create_server(settings: WorkerSettings) -> Service:
     service = build_service("worker", settings, register, tracer_provider=tracing)
     address = f"{settings.host}:{service.port}"
     servicer.worker_name = settings.worker_name or address
+    metrics.init_worker(servicer.worker_name)
     servicer.address = settings.advertise_address or address
     service.servicer = servicer  # tests and tools reach the engine through it
     servicer.is_serving = lambda: service.serving  # draining: the scheduler stops placing requests here
