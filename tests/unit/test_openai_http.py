@@ -555,3 +555,38 @@ def test_every_openai_parameter_is_typed_or_refused():
             build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value},
                         "valora-base")
         assert exc.value.param == param and exc.value.message.startswith(f"{param}: "), exc.value.message
+
+
+def test_the_readme_openai_example_is_a_request_the_gateway_takes():
+    """README's "Using it" OpenAI example (a system prompt, an https image) run against a stand-in
+    SDK: the request it sends parses, its image a remote URL for the fetcher (image_urls.py)."""
+    import pathlib
+    import re
+    import sys
+    import types
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from openai import OpenAI" in b)
+    sent = []
+
+    class Completions:
+        def create(self, **kwargs):
+            sent.append(kwargs)
+            return types.SimpleNamespace(choices=[types.SimpleNamespace(message=types.SimpleNamespace(content="x"))])
+
+    class OpenAI:
+        def __init__(self, **kwargs):
+            self.chat = types.SimpleNamespace(completions=Completions())
+
+    stand_in = types.ModuleType("openai")
+    stand_in.OpenAI = OpenAI
+    saved = sys.modules.get("openai")
+    sys.modules["openai"] = stand_in
+    try:
+        exec(compile(block, "README.md", "exec"), {"print": lambda *a: None})  # noqa: S102 - the README's own code
+    finally:
+        sys.modules["openai"] = saved
+    remote = []
+    inp, _ = build_input(sent[0], "valora-base", remote)
+    assert inp.system and inp.prompt and inp.adapter == sent[0]["model"]
+    assert len(remote) == 1 and remote[0][1].startswith("https://")
