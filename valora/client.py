@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf import field_mask_pb2
 
 from valora import errors
 from valora.v1 import admin_service_pb2 as admin_pb
@@ -388,6 +389,23 @@ class ValoraClient:
         """`name` is "tasks/{task}" or just "{task}"."""
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         return self._call(self._admin.GetTask, admin_pb.GetTaskRequest(name=name), self._admin_key).task
+
+    def update_task(self, name: str, *, description: str | None = None, slo_ms: float | None = None,
+                    slo_class: str | None = None, etag: str = "") -> resources_pb2.Task:
+        """Changes the fields given (the others stay as they are); returns the task as it is now.
+        `slo_ms=0` alone clears the class too. `etag` (get_task(...).etag): only if the task has
+        not changed since, else ABORTED (reason ETAG_MISMATCH). INVALID_ARGUMENT for bad values
+        or no field given, NOT_FOUND for no such task."""
+        name = name if name.startswith("tasks/") else f"tasks/{name}"
+        task = resources_pb2.Task(name=name)
+        paths = []
+        for path, value in (("description", description), ("slo_ms", slo_ms), ("slo_class", slo_class)):
+            if value is not None:
+                setattr(task, path, value)
+                paths.append(path)
+        r = self._call(self._admin.UpdateTask, admin_pb.UpdateTaskRequest(
+            task=task, update_mask=field_mask_pb2.FieldMask(paths=paths), etag=etag), self._admin_key)
+        return r.task
 
     def list_tasks(self, page_size: int = 100) -> list[resources_pb2.Task]:
         """Every task (all pages)."""

@@ -13,7 +13,7 @@ from valora.v1 import resources_pb2 as res_pb
 from services.common import names
 from services.common.errors import invalid_field
 
-from services.adapter_store.domain import Adapter, Dataset, Head, Task, Version
+from services.adapter_store.domain import MUTABLE_TASK_FIELDS, Adapter, Dataset, Head, Task, Version, check_slo
 from services.adapter_store.jobs import (
     Job,
     JobResult,
@@ -61,12 +61,8 @@ def task_to_pb(t: Task) -> res_pb.Task:
     return res_pb.Task(
         name=t.name, adapter=t.adapter_ref, head=t.head, description=t.description,
         accuracy_threshold=t.accuracy_threshold, measured_accuracy=t.measured_accuracy,
-        create_time=timestamp(t.create_time), slo_ms=t.slo_ms, slo_class=t.slo_class,
+        create_time=timestamp(t.create_time), slo_ms=t.slo_ms, slo_class=t.slo_class, etag=t.etag,
     )
-
-
-# Longest latency objective a task may carry: past an hour it no longer orders a queue.
-MAX_SLO_MS = 3_600_000.0
 
 
 def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
@@ -80,17 +76,24 @@ def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
         value = getattr(t, field_name)
         if not 0.0 <= value <= 1.0:
             raise invalid_field(f"task.{field_name}", "must be within [0, 1]")
-    if not 0.0 <= t.slo_ms <= MAX_SLO_MS:  # NaN fails both comparisons
-        raise invalid_field("task.slo_ms", f"must be within [0, {MAX_SLO_MS:.0f}] ms (0: no objective)")
-    slo_class = t.slo_class
-    if slo_class:
-        names.check_id(slo_class, "task.slo_class")
-        if t.slo_ms == 0:
-            raise invalid_field("task.slo_class", "a class needs its objective: set task.slo_ms")
-    elif t.slo_ms > 0:
-        slo_class = task_id  # stored as such, so the class shown is the label counted
+    slo_class = check_slo(task_id, t.slo_ms, t.slo_class)
     return Task(task_id, t.adapter, t.head, t.description, t.accuracy_threshold, t.measured_accuracy,
                 slo_ms=t.slo_ms, slo_class=slo_class)
+
+
+def task_update_from_pb(r: admin_pb.UpdateTaskRequest) -> tuple[str, dict[str, object]]:
+    """UpdateTask's task id and the new values of the fields its update_mask names (checked one by
+    one here; together, on the task as it will be, by the registry)."""
+    task_id = names.parse_task_name(r.task.name, "task.name")
+    paths = list(r.update_mask.paths)
+    if not paths:
+        raise invalid_field("update_mask", f"name the fields to change, of {', '.join(MUTABLE_TASK_FIELDS)}")
+    changes: dict[str, object] = {}
+    for path in paths:
+        if path not in MUTABLE_TASK_FIELDS:
+            raise invalid_field("update_mask", f"{path!r} cannot be updated (only {', '.join(MUTABLE_TASK_FIELDS)})")
+        changes[path] = getattr(r.task, path)
+    return task_id, changes
 
 
 def upload_from_pb(m: admin_pb.UploadAdapterVersionMetadata) -> UploadRequest:

@@ -91,6 +91,34 @@ class Task:
     def name(self) -> str:
         return names.task_name(self.id)
 
+    @property
+    def etag(self) -> str:
+        """A digest of every field the Task resource shows (as Adapter.etag): UpdateTask's
+        precondition, with nothing stored."""
+        content = [self.id, self.adapter_ref, self.head, self.description, self.accuracy_threshold,
+                   self.measured_accuracy, self.create_time.isoformat() if self.create_time else "",
+                   self.slo_ms, self.slo_class]
+        return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
+
+
+# Longest latency objective a task may carry: past an hour it no longer orders a queue.
+MAX_SLO_MS = 3_600_000.0
+# The Task fields UpdateTask may change (paths of its update_mask).
+MUTABLE_TASK_FIELDS = ("description", "slo_ms", "slo_class")
+
+
+def check_slo(task_id: str, slo_ms: float, slo_class: str) -> str:
+    """The SLO class a task with this objective and class is stored with (INVALID_ARGUMENT on
+    task.slo_ms / task.slo_class for values CreateTask and UpdateTask refuse)."""
+    if not 0.0 <= slo_ms <= MAX_SLO_MS:  # NaN fails both comparisons
+        raise invalid_field("task.slo_ms", f"must be within [0, {MAX_SLO_MS:.0f}] ms (0: no objective)")
+    if slo_class:
+        names.check_id(slo_class, "task.slo_class")
+        if slo_ms == 0:
+            raise invalid_field("task.slo_class", "a class needs its objective: set task.slo_ms")
+        return slo_class
+    return task_id if slo_ms > 0 else ""  # stored as such, so the class shown is the label counted
+
 
 @dataclass(frozen=True)
 class Resolution:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import BinaryIO
 
@@ -31,6 +32,7 @@ from services.common.errors import (
 
 from services.adapter_store.blobs import BlobStore
 from services.adapter_store.domain import (
+    MUTABLE_TASK_FIELDS,
     Adapter,
     Alias,
     Dataset,
@@ -41,6 +43,7 @@ from services.adapter_store.domain import (
     Resolution,
     Task,
     Version,
+    check_slo,
     page_token,
 )
 from services.adapter_store.jobs import dataset_name, datasets_of
@@ -418,20 +421,53 @@ class Registry:
             if task.head and task.head not in {h["name"] for h in row.heads}:
                 raise invalid_field("task.head", f"{names.version_name(row.adapter_id, row.version)} has no head "
                                     f"{task.head!r}")
-            if task.slo_class:
-                # One class, one objective: its attainment count would mean nothing otherwise.
-                other = s.scalars(select(TaskRow).where(TaskRow.slo_class == task.slo_class,
-                                                        TaskRow.slo_ms != task.slo_ms).limit(1)).first()
-                if other is not None:
-                    raise FailedPrecondition(
-                        f"SLO class {task.slo_class!r} has objective {other.slo_ms:g} ms "
-                        f"({names.task_name(other.id)}), not {task.slo_ms:g} ms", reason="SLO_CLASS_OBJECTIVE_MISMATCH")
+            self._check_slo_class(s, task)
             new = TaskRow(id=task.id, adapter_ref=task.adapter_ref, head=task.head, description=task.description,
                           accuracy_threshold=task.accuracy_threshold, measured_accuracy=task.measured_accuracy,
                           created_at=utcnow(), slo_ms=task.slo_ms, slo_class=task.slo_class)
             s.add(new)
             s.flush()
             return _task(new)
+
+    @staticmethod
+    def _check_slo_class(s: Session, task: Task) -> None:
+        """One class, one objective: its attainment count would mean nothing otherwise."""
+        if not task.slo_class:
+            return
+        other = s.scalars(select(TaskRow).where(TaskRow.slo_class == task.slo_class, TaskRow.id != task.id,
+                                                TaskRow.slo_ms != task.slo_ms).limit(1)).first()
+        if other is not None:
+            raise FailedPrecondition(
+                f"SLO class {task.slo_class!r} has objective {other.slo_ms:g} ms ({names.task_name(other.id)}), "
+                f"not {task.slo_ms:g} ms; to change a shared objective, move its tasks to a new class",
+                reason="SLO_CLASS_OBJECTIVE_MISMATCH")
+
+    def update_task(self, task_id: str, changes: dict[str, object], etag: str = "") -> Task:
+        """Sets the task's mutable fields named in `changes` (domain.MUTABLE_TASK_FIELDS), the
+        task checked as CreateTask checks it; with `etag`, only if the task is still as read
+        (Task.etag), else ABORTED. slo_ms changed alone to 0 clears the class too."""
+        unknown = set(changes) - set(MUTABLE_TASK_FIELDS)
+        if unknown:
+            raise invalid_field("update_mask", f"{sorted(unknown)} cannot be updated")
+        with self._sessions.begin() as s:
+            row = s.get(TaskRow, task_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"{names.task_name(task_id)} not found", reason="TASK_NOT_FOUND")
+            current = _task(row)
+            if etag and current.etag != etag:
+                raise Aborted(f"{current.name} changed (etag {etag!r} is stale); read it again",
+                              reason="ETAG_MISMATCH")
+            slo_ms = float(changes.get("slo_ms", current.slo_ms))
+            if "slo_class" in changes:
+                slo_class = str(changes["slo_class"])
+            else:  # the class follows the objective: none without one, the task's own id by default
+                slo_class = current.slo_class if slo_ms > 0 else ""
+            updated = replace(current, description=str(changes.get("description", current.description)),
+                              slo_ms=slo_ms, slo_class=check_slo(task_id, slo_ms, slo_class))
+            self._check_slo_class(s, updated)
+            row.description, row.slo_ms, row.slo_class = updated.description, updated.slo_ms, updated.slo_class
+            s.flush()
+            return _task(row)
 
     def get_task(self, task_id: str) -> Task:
         with self._sessions.begin() as s:

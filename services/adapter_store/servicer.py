@@ -217,6 +217,11 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
         return admin_pb.ListTasksResponse(tasks=[convert.task_to_pb(t) for t in page.items],
                                           next_page_token=page.next_page_token)
 
+    async def UpdateTask(self, request, context):
+        task_id, changes = convert.task_update_from_pb(request)
+        t = await self.run(self.registry.update_task, task_id, changes, request.etag)
+        return admin_pb.UpdateTaskResponse(task=convert.task_to_pb(t))
+
     async def DeleteTask(self, request, context):
         await self.run(self.registry.delete_task, names.parse_task_name(request.name, "name"))
         return admin_pb.DeleteTaskResponse()

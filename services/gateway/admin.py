@@ -20,14 +20,14 @@ from valora.v1 import admin_service_pb2, admin_service_pb2_grpc
 # Registry RPCs that change what a reference resolves to: after one succeeds, this gateway's
 # cached resolutions are dropped (InferenceServicer.resolved).
 CHANGING = {"CreateAdapter", "DeleteAdapter", "DeleteAdapterVersion", "SetAlias", "DeleteAlias", "CreateTask",
-            "DeleteTask", "UploadAdapterVersion"}
+            "UpdateTask", "DeleteTask", "UploadAdapterVersion"}
 
 # Unary registry RPCs forwarded as they are.
 FORWARDED_UNARY = (
     "CreateAdapter", "GetAdapter", "ListAdapters", "DeleteAdapter",
     "GetAdapterVersion", "ListAdapterVersions", "DeleteAdapterVersion",
     "SetAlias", "DeleteAlias",
-    "CreateTask", "GetTask", "ListTasks", "DeleteTask",
+    "CreateTask", "GetTask", "ListTasks", "UpdateTask", "DeleteTask",
     "CreateGenerationJob", "GetGenerationJob", "ListGenerationJobs", "CancelGenerationJob",
 )
 _NOT_FORWARDED = {AUTHORIZATION_KEY, "user-agent", "content-type", "te"}

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from google.protobuf import field_mask_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -483,3 +484,69 @@ def test_datasets_upload_fetch_and_live_while_a_job_names_them(store):
             res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)])))
     assert (code, reason, fields) == (grpc.StatusCode.FAILED_PRECONDITION, "DATASET_NOT_FOUND",
                                       ["job.sources[0].dataset"])
+
+
+def test_update_task_changes_its_mutable_fields_guarded_by_its_etag(store):
+    """UpdateTask changes what the mask names and nothing else (resolution shows it at once),
+    keeps the rules CreateTask checks (one objective per class, the class follows the objective),
+    refuses immutable or unknown paths and bad values field by field, and is ABORTED on a stale
+    etag; NOT_FOUND for no such task."""
+    upload(store, data=make_bundle(heads={"cls": 2}, seed=22), heads={"cls": ["yes", "no"]})
+    create, update = store.admin.CreateTask, store.admin.UpdateTask
+
+    def mask(*paths):
+        return field_mask_pb2.FieldMask(paths=list(paths))
+
+    create(admin_pb.CreateTaskRequest(task_id="count", task=res_pb.Task(
+        adapter="adapters/demo", head="cls", description="cars", slo_ms=250.0, slo_class="video")))
+    create(admin_pb.CreateTaskRequest(task_id="detect", task=res_pb.Task(
+        adapter="adapters/demo", head="cls", slo_ms=250.0, slo_class="video")))
+    read = store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task
+    assert read.etag and read.etag == store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task.etag
+
+    # description only: the SLO fields sent along are not in the mask, so they stay
+    got = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", description="trucks", slo_ms=9.0),
+                                            update_mask=mask("description"), etag=read.etag)).task
+    assert (got.description, got.slo_ms, got.slo_class, got.head) == ("trucks", 250.0, "video", "cls")
+    assert got.etag != read.etag and got.create_time == read.create_time
+    assert store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task == got
+    code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
+        task=res_pb.Task(name="tasks/count", description="stale"), update_mask=mask("description"), etag=read.etag))
+    assert (code, reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH")
+
+    # one class keeps one objective: moving one of its two tasks alone is refused
+    code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
+        task=res_pb.Task(name="tasks/count", slo_ms=100.0), update_mask=mask("slo_ms")))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "SLO_CLASS_OBJECTIVE_MISMATCH")
+    moved = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=100.0, slo_class="fast"),
+                                              update_mask=mask("slo_ms", "slo_class"))).task
+    assert (moved.slo_ms, moved.slo_class, moved.description) == (100.0, "fast", "trucks")
+    r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/count"))
+    assert (r.task.slo_ms, r.task.slo_class) == (100.0, "fast")  # what the gateway hands the scheduler
+    # objective alone to 0 clears the class; back above 0 without a class names it after the task
+    off = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count"), update_mask=mask("slo_ms"))).task
+    assert (off.slo_ms, off.slo_class) == (0.0, "")
+    own = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=40.0),
+                                            update_mask=mask("slo_ms"))).task
+    assert (own.slo_ms, own.slo_class) == (40.0, "count")
+
+    for request, field in (
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=-1.0), update_mask=mask("slo_ms")),
+             "task.slo_ms"),
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=float("nan")),
+                                        update_mask=mask("slo_ms")), "task.slo_ms"),
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_class="Video!"),
+                                        update_mask=mask("slo_class")), "task.slo_class"),
+            # a class without an objective
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_class="video"),
+                                        update_mask=mask("slo_ms", "slo_class")), "task.slo_class"),
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", head="other"), update_mask=mask("head")),
+             "update_mask"),
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=5.0)), "update_mask"),
+            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="count"), update_mask=mask("slo_ms")), "task.name")):
+        code, _, fields, _ = error_of(update, request)
+        assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, [field]), request
+    assert store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task == own  # nothing changed
+    code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
+        task=res_pb.Task(name="tasks/ghost", description="x"), update_mask=mask("description")))
+    assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "TASK_NOT_FOUND")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 
 import grpc
 import pytest
+from google.protobuf import field_mask_pb2
 from google.rpc import error_details_pb2
 from prometheus_client import REGISTRY
 from grpc_status import rpc_status
@@ -49,9 +51,21 @@ TASKS = {"tasks/count": resources_pb2.Task(name="tasks/count", adapter="adapters
                                          slo_class="retrieval")}
 
 
-class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer):
+class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_service_pb2_grpc.AdminServiceServicer):
+    def __init__(self):
+        self.tasks = {name: copy.deepcopy(t) for name, t in TASKS.items()}
+        self.resolved: list[str] = []
+
     async def ResolveReference(self, request, context):
-        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION, task=TASKS.get(request.reference))
+        self.resolved.append(request.reference)
+        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION,
+                                                                  task=self.tasks.get(request.reference))
+
+    async def UpdateTask(self, request, context):
+        task = self.tasks[request.task.name]
+        for path in request.update_mask.paths:
+            setattr(task, path, getattr(request.task, path))
+        return admin_service_pb2.UpdateTaskResponse(task=task)
 
 
 class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
@@ -76,18 +90,20 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def stack(max_queue=16):
+async def stack(max_queue=16, store=None, **gateway_settings):
     worker = Worker()
     backend = grpc.aio.server()
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, backend)
-    adapter_store_service_pb2_grpc.add_AdapterStoreServiceServicer_to_server(Store(), backend)
+    store = store or Store()
+    adapter_store_service_pb2_grpc.add_AdapterStoreServiceServicer_to_server(store, backend)
+    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(store, backend)
     addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
     await backend.start()
     scheduler = await create_scheduler(SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05,
                                                          dispatch_tick_s=0.05, max_queue=max_queue))
     await scheduler.start()
     gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
-                                                   adapter_store_address=addr))
+                                                   adapter_store_address=addr, **gateway_settings))
     await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
@@ -136,6 +152,35 @@ async def test_task_objective_reaches_the_scheduler_which_counts_attainment_per_
     moved = {k: slo_count(*k) - v for k, v in before.items()}
     assert moved == {("video", "within"): 2, ("video", "over"): 0, ("retrieval", "within"): 0,
                      ("retrieval", "over"): 1, ("none", "within"): 0, ("none", "over"): 0}
+
+
+async def test_an_updated_task_objective_reaches_the_scheduler_within_the_resolve_cache_bound():
+    """The scheduler takes a task's objective from each request (the gateway resolves the task
+    and keeps the answer resolve_cache_s): after UpdateTask through a gateway its next request
+    carries the new objective at once; another gateway, which cached the old one, within
+    resolve_cache_s."""
+    store = Store()
+
+    async def count_request(infer):
+        await infer.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
+            prompt="how many cars?", task="tasks/count")))
+
+    async with stack(store=store, resolve_cache_s=60.0) as (worker, infer, admin):
+        async with stack(store=store, resolve_cache_s=0.3) as (other_worker, other_infer, _):
+            await count_request(infer)
+            await count_request(other_infer)  # both gateways now keep the old objective
+            await count_request(infer)
+            assert store.resolved == ["tasks/count"] * 2
+            updated = await admin.UpdateTask(admin_service_pb2.UpdateTaskRequest(
+                task=resources_pb2.Task(name="tasks/count", slo_ms=80.0, slo_class="fast"),
+                update_mask=field_mask_pb2.FieldMask(paths=["slo_ms", "slo_class"])))
+            assert (updated.task.slo_ms, updated.task.slo_class) == (80.0, "fast")
+            await count_request(infer)  # the gateway that forwarded the update dropped its cache
+            await count_request(other_infer)  # still within the other's resolve_cache_s
+            await asyncio.sleep(0.4)
+            await count_request(other_infer)
+    assert [(i.slo_ms, i.slo_class) for i in worker.items] == [(60_000.0, "video")] * 2 + [(80.0, "fast")]
+    assert [(i.slo_ms, i.slo_class) for i in other_worker.items] == [(60_000.0, "video")] * 2 + [(80.0, "fast")]
 
 
 async def test_worker_error_passes_through_both_hops():

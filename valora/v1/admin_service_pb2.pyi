@@ -1,3 +1,4 @@
+from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from valora.v1 import resources_pb2 as _resources_pb2
 from valora.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
@@ -207,6 +208,22 @@ class ListTasksResponse(_message.Message):
     tasks: _containers.RepeatedCompositeFieldContainer[_resources_pb2.Task]
     next_page_token: str
     def __init__(self, tasks: _Optional[_Iterable[_Union[_resources_pb2.Task, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class UpdateTaskRequest(_message.Message):
+    __slots__ = ("task", "update_mask", "etag")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MASK_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    task: _resources_pb2.Task
+    update_mask: _field_mask_pb2.FieldMask
+    etag: str
+    def __init__(self, task: _Optional[_Union[_resources_pb2.Task, _Mapping]] = ..., update_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class UpdateTaskResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _resources_pb2.Task
+    def __init__(self, task: _Optional[_Union[_resources_pb2.Task, _Mapping]] = ...) -> None: ...
 
 class DeleteTaskRequest(_message.Message):
     __slots__ = ("name",)

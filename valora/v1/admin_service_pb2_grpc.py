@@ -100,6 +100,11 @@ class AdminServiceStub:
                 request_serializer=valora_dot_v1_dot_admin__service__pb2.ListTasksRequest.SerializeToString,
                 response_deserializer=valora_dot_v1_dot_admin__service__pb2.ListTasksResponse.FromString,
                 _registered_method=True)
+        self.UpdateTask = channel.unary_unary(
+                '/valora.v1.AdminService/UpdateTask',
+                request_serializer=valora_dot_v1_dot_admin__service__pb2.UpdateTaskRequest.SerializeToString,
+                response_deserializer=valora_dot_v1_dot_admin__service__pb2.UpdateTaskResponse.FromString,
+                _registered_method=True)
         self.DeleteTask = channel.unary_unary(
                 '/valora.v1.AdminService/DeleteTask',
                 request_serializer=valora_dot_v1_dot_admin__service__pb2.DeleteTaskRequest.SerializeToString,
@@ -218,6 +223,15 @@ class AdminServiceServicer:
 
     def ListTasks(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateTask(self, request, context):
+        """Changes the task's fields named in update_mask (only description, slo_ms and slo_class may
+        change); the result shows the whole task. Requests resolved before see the change within the
+        gateway's resolve_cache_s (at once through the gateway that served this call).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -342,6 +356,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListTasks,
                     request_deserializer=valora_dot_v1_dot_admin__service__pb2.ListTasksRequest.FromString,
                     response_serializer=valora_dot_v1_dot_admin__service__pb2.ListTasksResponse.SerializeToString,
+            ),
+            'UpdateTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTask,
+                    request_deserializer=valora_dot_v1_dot_admin__service__pb2.UpdateTaskRequest.FromString,
+                    response_serializer=valora_dot_v1_dot_admin__service__pb2.UpdateTaskResponse.SerializeToString,
             ),
             'DeleteTask': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteTask,
@@ -731,6 +750,33 @@ class AdminService:
             '/valora.v1.AdminService/ListTasks',
             valora_dot_v1_dot_admin__service__pb2.ListTasksRequest.SerializeToString,
             valora_dot_v1_dot_admin__service__pb2.ListTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/valora.v1.AdminService/UpdateTask',
+            valora_dot_v1_dot_admin__service__pb2.UpdateTaskRequest.SerializeToString,
+            valora_dot_v1_dot_admin__service__pb2.UpdateTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,7 +92,7 @@ class TaskHead(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time", "slo_ms", "slo_class")
+    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time", "slo_ms", "slo_class", "etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Task(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     SLO_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     adapter: str
     head: str
@@ -111,7 +112,8 @@ class Task(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     slo_ms: float
     slo_class: str
-    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ...) -> None: ...
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class GenerationSource(_message.Message):
     __slots__ = ("task", "accuracy_threshold", "dataset")

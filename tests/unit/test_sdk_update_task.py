@@ -1,0 +1,54 @@
+"""ValoraClient.update_task against a real adapter store (SQLite) behind a real gateway over
+loopback gRPC: only the fields given change, the etag guards the update, and bad values and
+unknown tasks come back as typed errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.testing import RunningStore, adapter_config, make_bundle, write_tiny_model
+from services.common.testing import ServiceThread
+from services.gateway.config import GatewaySettings
+from services.gateway.server import create_server as create_gateway
+from valora import errors
+from valora.client import ValoraClient
+
+ADMIN_KEY = "admin-key-update-task"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sdk-update-task")
+    settings = StoreSettings(database_url=f"sqlite:///{tmp / 'r.db'}", blob_dir=str(tmp / "blobs"),
+                             model_path=str(write_tiny_model(tmp / "tiny")), gc_interval_s=0, port=0)
+    with RunningStore(settings) as store:
+        settings = GatewaySettings(adapter_store_address=store.address, scheduler_address=store.address,
+                                   admin_keys=[ADMIN_KEY], http_enabled=False, port=0)
+        with ServiceThread(create_gateway, settings, "gateway") as gw:
+            with ValoraClient(gw.address, admin_key=ADMIN_KEY, retries=0, timeout_s=30) as c:
+                yield c
+
+
+def test_sdk_update_task(client):
+    client.upload_adapter_version("sdk-upd", make_bundle(rank=4, seed=3), adapter_config(rank=4))
+    created = client.create_task("sdk-upd-ask", adapter="adapters/sdk-upd", description="ask", slo_ms=500.0,
+                                 slo_class="retrieval")
+    got = client.update_task("sdk-upd-ask", description="ask it", etag=created.etag)
+    assert (got.description, got.slo_ms, got.slo_class) == ("ask it", 500.0, "retrieval")
+    assert client.get_task("tasks/sdk-upd-ask") == got
+    with pytest.raises(errors.Aborted) as exc:  # changed since `created` was read
+        client.update_task("sdk-upd-ask", slo_ms=100.0, etag=created.etag)
+    assert exc.value.reason == "ETAG_MISMATCH"
+    got = client.update_task("tasks/sdk-upd-ask", slo_ms=100.0, slo_class="", etag=got.etag)
+    assert (got.slo_ms, got.slo_class, got.description) == (100.0, "sdk-upd-ask", "ask it")
+    got = client.update_task("sdk-upd-ask", slo_ms=0.0)
+    assert (got.slo_ms, got.slo_class) == (0.0, "")
+    with pytest.raises(errors.InvalidArgument):
+        client.update_task("sdk-upd-ask", slo_ms=-5.0)
+    with pytest.raises(errors.InvalidArgument):  # nothing to change
+        client.update_task("sdk-upd-ask")
+    with pytest.raises(errors.NotFound) as exc:
+        client.update_task("sdk-upd-nope", description="x")
+    assert exc.value.reason == "TASK_NOT_FOUND"
+    assert client.get_task("sdk-upd-ask") == got
