@@ -56,6 +56,10 @@ REQUEST_DECODE_TIME = Histogram("valora:request_decode_time_seconds", "A finishe
                                 "last.", ["worker"], buckets=LATENCY_BUCKETS)
 REQUEST_INFERENCE_TIME = Histogram("valora:request_inference_time_seconds", "A finished request's prefill start "
                                    "to its last token (prefill + decode).", ["worker"], buckets=LATENCY_BUCKETS)
+ADAPTER_RELEASES = Counter("valora:adapter_releases_total", "Finished requests whose adapter was released early "
+                           "(GenerationParams.adapter_release_fraction, or their task's default).", ["worker"])
+RELEASED_TOKENS = Counter("valora:adapter_released_tokens_total", "Tokens finished requests generated on the base "
+                          "path after their adapter's early release (no LoRA work).", ["worker"])
 KV_CACHE_USAGE = Gauge("valora:kv_cache_usage_perc", "Share of the worker's paged KV pool in use, 0 to 1.",
                        ["worker"])
 MODE = Gauge("valora:mode", "1 for the worker's current inference mode.", ["worker", "mode"])

@@ -123,5 +123,6 @@ class OutputProcessor:
             request_id=s.req.request_id, token_ids=list(s.tokens), finish_reason=reason,
             image_tokens=s.prep.image_tokens, prompt_tokens=s.prep.prompt_tokens, output_tokens=len(s.tokens),
             queue_ms=(s.t_prefill - t0) * 1e3, first_token_ms=(s.t_first - t0) * 1e3, total_ms=(now - t0) * 1e3,
-            mode=s.mode, adapter=s.req.adapter or "", token_times=list(s.token_times), **kw,
+            mode=s.mode, adapter=s.req.adapter or "", token_times=list(s.token_times),
+            released_after_tokens=s.prep.release_after if s.released else 0, **kw,
         )

@@ -80,6 +80,9 @@ class GenerationResult:
     adapter: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (when asked)
     token_times: list[float] = field(default_factory=list)  # time.monotonic() each token reached the host
+    # Early adapter release: the tokens generated with the adapter before the rest went on the base
+    # path (0: never released).
+    released_after_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         metrics.REQUEST_SUCCESS.labels(self.worker_name, reason).inc()
         metrics.REQUEST_PROMPT_TOKENS.labels(self.worker_name).observe(r.prompt_tokens)
         metrics.REQUEST_GENERATION_TOKENS.labels(self.worker_name).observe(r.output_tokens)
+        if r.released_after_tokens:
+            metrics.ADAPTER_RELEASES.labels(self.worker_name).inc()
+            metrics.RELEASED_TOKENS.labels(self.worker_name).inc(r.output_tokens - r.released_after_tokens)
         prefill_s = max(0.0, r.first_token_ms - r.queue_ms) / 1e3  # queue_ms: arrival to prefill start
         metrics.REQUEST_PREFILL_TIME.labels(self.worker_name).observe(prefill_s)
         metrics.REQUEST_DECODE_TIME.labels(self.worker_name).observe(max(0.0, r.total_ms - r.first_token_ms) / 1e3)

@@ -557,6 +557,9 @@ def test_early_adapter_release(engine, model_path, bundles, tmp_path):
     assert half == peft_release_reference(model_path, bundles[A], img, prompt, tmp_path, n // 2, n)
     assert got["off"].token_ids == full and got["half"].mode == Mode.UNMERGED
     assert got["base"].token_ids == got["base0"].token_ids  # nothing to release without an adapter
+    # what the worker counts (valora:adapter_releases_total): released rows only, at their point
+    assert {rid: r.released_after_tokens for rid, r in got.items()} == {
+        "full": 0, "half": n // 2, "off": 0, "base": 0, "base0": 0, "b": n // 2}
     try:
         engine.set_mode(Mode.MERGED, A)
         merged = run_concurrently(engine, [req("m-half", 0.5), req("m-full")])
