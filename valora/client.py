@@ -376,12 +376,14 @@ class ValoraClient:
 
     def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
                     accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0, slo_ms: float = 0.0,
-                    slo_class: str = "") -> resources_pb2.Task:
+                    slo_class: str = "", adapter_release_fraction: float = 0.0) -> resources_pb2.Task:
         """`slo_ms`: the latency objective of the task's requests (0: none); `slo_class`: the
-        application it counts under (empty: the task's id)."""
+        application it counts under (empty: the task's id); `adapter_release_fraction`: the early
+        adapter release of its requests that set none of their own (0: off)."""
         r = self._call(self._admin.CreateTask, admin_pb.CreateTaskRequest(task_id=task_id, task=resources_pb2.Task(
             adapter=adapter, head=head, description=description, accuracy_threshold=accuracy_threshold,
-            measured_accuracy=measured_accuracy, slo_ms=slo_ms, slo_class=slo_class)),
+            measured_accuracy=measured_accuracy, slo_ms=slo_ms, slo_class=slo_class,
+            adapter_release_fraction=adapter_release_fraction)),
             self._admin_key)
         return r.task
 
@@ -391,7 +393,8 @@ class ValoraClient:
         return self._call(self._admin.GetTask, admin_pb.GetTaskRequest(name=name), self._admin_key).task
 
     def update_task(self, name: str, *, description: str | None = None, slo_ms: float | None = None,
-                    slo_class: str | None = None, etag: str = "") -> resources_pb2.Task:
+                    slo_class: str | None = None, adapter_release_fraction: float | None = None,
+                    etag: str = "") -> resources_pb2.Task:
         """Changes the fields given (the others stay as they are); returns the task as it is now.
         `slo_ms=0` alone clears the class too. `etag` (get_task(...).etag): only if the task has
         not changed since, else ABORTED (reason ETAG_MISMATCH). INVALID_ARGUMENT for bad values
@@ -399,7 +402,8 @@ class ValoraClient:
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         task = resources_pb2.Task(name=name)
         paths = []
-        for path, value in (("description", description), ("slo_ms", slo_ms), ("slo_class", slo_class)):
+        for path, value in (("description", description), ("slo_ms", slo_ms), ("slo_class", slo_class),
+                            ("adapter_release_fraction", adapter_release_fraction)):
             if value is not None:
                 setattr(task, path, value)
                 paths.append(path)

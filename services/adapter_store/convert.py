@@ -13,7 +13,16 @@ from valora.v1 import resources_pb2 as res_pb
 from services.common import names
 from services.common.errors import invalid_field
 
-from services.adapter_store.domain import MUTABLE_TASK_FIELDS, Adapter, Dataset, Head, Task, Version, check_slo
+from services.adapter_store.domain import (
+    MUTABLE_TASK_FIELDS,
+    Adapter,
+    Dataset,
+    Head,
+    Task,
+    Version,
+    check_release_fraction,
+    check_slo,
+)
 from services.adapter_store.jobs import (
     Job,
     JobResult,
@@ -62,6 +71,7 @@ def task_to_pb(t: Task) -> res_pb.Task:
         name=t.name, adapter=t.adapter_ref, head=t.head, description=t.description,
         accuracy_threshold=t.accuracy_threshold, measured_accuracy=t.measured_accuracy,
         create_time=timestamp(t.create_time), slo_ms=t.slo_ms, slo_class=t.slo_class, etag=t.etag,
+        adapter_release_fraction=t.adapter_release_fraction,
     )
 
 
@@ -78,7 +88,8 @@ def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
             raise invalid_field(f"task.{field_name}", "must be within [0, 1]")
     slo_class = check_slo(task_id, t.slo_ms, t.slo_class)
     return Task(task_id, t.adapter, t.head, t.description, t.accuracy_threshold, t.measured_accuracy,
-                slo_ms=t.slo_ms, slo_class=slo_class)
+                slo_ms=t.slo_ms, slo_class=slo_class,
+                adapter_release_fraction=check_release_fraction(t.adapter_release_fraction))
 
 
 def task_update_from_pb(r: admin_pb.UpdateTaskRequest) -> tuple[str, dict[str, object]]:

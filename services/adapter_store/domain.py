@@ -86,6 +86,8 @@ class Task:
     # Latency objective in ms (0 = none) and its SLO class (the task's id unless named).
     slo_ms: float = 0.0
     slo_class: str = ""
+    # Default GenerationParams.adapter_release_fraction of the task's requests (0 = off).
+    adapter_release_fraction: float = 0.0
 
     @property
     def name(self) -> str:
@@ -97,14 +99,14 @@ class Task:
         precondition, with nothing stored."""
         content = [self.id, self.adapter_ref, self.head, self.description, self.accuracy_threshold,
                    self.measured_accuracy, self.create_time.isoformat() if self.create_time else "",
-                   self.slo_ms, self.slo_class]
+                   self.slo_ms, self.slo_class, self.adapter_release_fraction]
         return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
 
 
 # Longest latency objective a task may carry: past an hour it no longer orders a queue.
 MAX_SLO_MS = 3_600_000.0
 # The Task fields UpdateTask may change (paths of its update_mask).
-MUTABLE_TASK_FIELDS = ("description", "slo_ms", "slo_class")
+MUTABLE_TASK_FIELDS = ("description", "slo_ms", "slo_class", "adapter_release_fraction")
 
 
 def check_slo(task_id: str, slo_ms: float, slo_class: str) -> str:
@@ -118,6 +120,12 @@ def check_slo(task_id: str, slo_ms: float, slo_class: str) -> str:
             raise invalid_field("task.slo_class", "a class needs its objective: set task.slo_ms")
         return slo_class
     return task_id if slo_ms > 0 else ""  # stored as such, so the class shown is the label counted
+
+
+def check_release_fraction(fraction: float) -> float:
+    if not 0.0 <= fraction <= 1.0:  # NaN fails both comparisons
+        raise invalid_field("task.adapter_release_fraction", f"{fraction} is not in [0, 1] (0: never released)")
+    return fraction
 
 
 @dataclass(frozen=True)

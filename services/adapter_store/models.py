@@ -132,6 +132,8 @@ class TaskRow(Base):
     # Latency objective (0 = none) and the SLO class it belongs to (valora.v1.Task.slo_ms).
     slo_ms: Mapped[float] = mapped_column(Float, default=0.0)
     slo_class: Mapped[str] = mapped_column(String(ID_LEN), default="", index=True)
+    # Default early adapter release of the task's requests, in [0, 1] (0 = off).
+    adapter_release_fraction: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class FusedMemberRow(Base):

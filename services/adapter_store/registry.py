@@ -43,6 +43,7 @@ from services.adapter_store.domain import (
     Resolution,
     Task,
     Version,
+    check_release_fraction,
     check_slo,
     page_token,
 )
@@ -75,7 +76,7 @@ def _version(row: VersionRow) -> Version:
 
 def _task(row: TaskRow) -> Task:
     return Task(row.id, row.adapter_ref, row.head, row.description, row.accuracy_threshold,
-                row.measured_accuracy, row.created_at, row.slo_ms, row.slo_class)
+                row.measured_accuracy, row.created_at, row.slo_ms, row.slo_class, row.adapter_release_fraction)
 
 
 class Registry:
@@ -424,7 +425,8 @@ class Registry:
             self._check_slo_class(s, task)
             new = TaskRow(id=task.id, adapter_ref=task.adapter_ref, head=task.head, description=task.description,
                           accuracy_threshold=task.accuracy_threshold, measured_accuracy=task.measured_accuracy,
-                          created_at=utcnow(), slo_ms=task.slo_ms, slo_class=task.slo_class)
+                          created_at=utcnow(), slo_ms=task.slo_ms, slo_class=task.slo_class,
+                          adapter_release_fraction=task.adapter_release_fraction)
             s.add(new)
             s.flush()
             return _task(new)
@@ -462,10 +464,13 @@ class Registry:
                 slo_class = str(changes["slo_class"])
             else:  # the class follows the objective: none without one, the task's own id by default
                 slo_class = current.slo_class if slo_ms > 0 else ""
+            fraction = float(changes.get("adapter_release_fraction", current.adapter_release_fraction))
             updated = replace(current, description=str(changes.get("description", current.description)),
-                              slo_ms=slo_ms, slo_class=check_slo(task_id, slo_ms, slo_class))
+                              slo_ms=slo_ms, slo_class=check_slo(task_id, slo_ms, slo_class),
+                              adapter_release_fraction=check_release_fraction(fraction))
             self._check_slo_class(s, updated)
             row.description, row.slo_ms, row.slo_class = updated.description, updated.slo_ms, updated.slo_class
+            row.adapter_release_fraction = updated.adapter_release_fraction
             s.flush()
             return _task(row)
 

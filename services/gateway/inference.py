@@ -45,6 +45,8 @@ class Target:
     # The named task's latency objective (0 = none) and SLO class, for the scheduler.
     slo_ms: float = 0.0
     slo_class: str = ""
+    # The named task's early adapter release policy (0 = off): the request's own value wins.
+    adapter_release_fraction: float = 0.0
 
 
 class ResolutionCache:
@@ -204,8 +206,10 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
                 raise errors.FailedPrecondition(f"{version.name} carries no head {head!r}",
                                                 reason="HEAD_NOT_IN_VERSION")
         task = resp.task if resp.HasField("task") else None
-        return Target(adapter=adapter, head=head, slo_ms=task.slo_ms if task else 0.0,
-                      slo_class=task.slo_class if task else "")
+        if task is None:
+            return Target(adapter=adapter, head=head)
+        return Target(adapter=adapter, head=head, slo_ms=task.slo_ms, slo_class=task.slo_class,
+                      adapter_release_fraction=task.adapter_release_fraction)
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
         item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head, system=inp.system,
@@ -220,4 +224,6 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         item.params.CopyFrom(inp.params)
         if item.params.max_new_tokens == 0:
             item.params.max_new_tokens = self.settings.default_max_new_tokens
+        if item.params.adapter_release_fraction == 0:  # the task's policy, unless the request set its own
+            item.params.adapter_release_fraction = target.adapter_release_fraction
         return item

@@ -550,3 +550,31 @@ def test_update_task_changes_its_mutable_fields_guarded_by_its_etag(store):
     code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
         task=res_pb.Task(name="tasks/ghost", description="x"), update_mask=mask("description")))
     assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "TASK_NOT_FOUND")
+
+
+def test_task_release_policy_round_trips_and_updates(store):
+    """A task's early adapter release default is stored, resolved (what the gateway applies),
+    updated on its own, and refused outside [0, 1] at create and at update."""
+    upload(store, data=make_bundle(seed=23))
+    created = store.admin.CreateTask(admin_pb.CreateTaskRequest(task_id="ask", task=res_pb.Task(
+        adapter="adapters/demo", adapter_release_fraction=0.5, slo_ms=100.0))).task
+    assert created.adapter_release_fraction == 0.5
+    r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/ask"))
+    assert r.task.adapter_release_fraction == 0.5
+    got = store.admin.UpdateTask(admin_pb.UpdateTaskRequest(
+        task=res_pb.Task(name="tasks/ask", adapter_release_fraction=0.25),
+        update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"]), etag=created.etag)).task
+    assert (got.adapter_release_fraction, got.slo_ms, got.slo_class) == (0.25, 100.0, "ask")
+    assert got.etag != created.etag
+    assert store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/ask")).task.adapter_release_fraction == 0.25
+    for bad in (-0.1, 1.5, float("nan")):
+        code, _, fields, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
+            task_id="bad", task=res_pb.Task(adapter="adapters/demo", adapter_release_fraction=bad)))
+        assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.adapter_release_fraction"]), bad
+        code, _, fields, _ = error_of(store.admin.UpdateTask, admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/ask", adapter_release_fraction=bad),
+            update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])))
+        assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.adapter_release_fraction"]), bad
+    off = store.admin.UpdateTask(admin_pb.UpdateTaskRequest(
+        task=res_pb.Task(name="tasks/ask"), update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])))
+    assert off.task.adapter_release_fraction == 0.0

@@ -48,7 +48,10 @@ def anyio_backend():
 TASKS = {"tasks/count": resources_pb2.Task(name="tasks/count", adapter="adapters/cars@prod", slo_ms=60_000.0,
                                            slo_class="video"),
          "tasks/ask": resources_pb2.Task(name="tasks/ask", adapter="adapters/cars@prod", slo_ms=0.001,
-                                         slo_class="retrieval")}
+                                         slo_class="retrieval"),
+         # A text task that releases its adapter halfway by default.
+         "tasks/describe": resources_pb2.Task(name="tasks/describe", adapter="adapters/cars@prod",
+                                              adapter_release_fraction=0.5)}
 
 
 class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_service_pb2_grpc.AdminServiceServicer):
@@ -181,6 +184,24 @@ async def test_an_updated_task_objective_reaches_the_scheduler_within_the_resolv
             await count_request(other_infer)
     assert [(i.slo_ms, i.slo_class) for i in worker.items] == [(60_000.0, "video")] * 2 + [(80.0, "fast")]
     assert [(i.slo_ms, i.slo_class) for i in other_worker.items] == [(60_000.0, "video")] * 2 + [(80.0, "fast")]
+
+
+async def test_a_task_release_policy_is_the_default_of_its_requests():
+    """The gateway fills in params.adapter_release_fraction from the task it resolved, for a
+    request that sets none; a request's own value wins; a request without the task gets none."""
+    async with stack() as (worker, infer, admin):
+        async def describe(**params):
+            await infer.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
+                prompt="describe the cars", task="tasks/describe", params=types_pb2.GenerationParams(**params))))
+
+        await describe()
+        await describe(adapter_release_fraction=0.25)
+        await infer.Infer(inference_service_pb2.InferRequest(input=infer_input()))
+        await admin.UpdateTask(admin_service_pb2.UpdateTaskRequest(
+            task=resources_pb2.Task(name="tasks/describe", adapter_release_fraction=0.75),
+            update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])))
+        await describe()
+    assert [i.params.adapter_release_fraction for i in worker.items] == [0.5, 0.25, 0.0, 0.75]
 
 
 async def test_worker_error_passes_through_both_hops():

@@ -92,7 +92,7 @@ class TaskHead(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time", "slo_ms", "slo_class", "etag")
+    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time", "slo_ms", "slo_class", "etag", "adapter_release_fraction")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class Task(_message.Message):
     SLO_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RELEASE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     adapter: str
     head: str
@@ -113,7 +114,8 @@ class Task(_message.Message):
     slo_ms: float
     slo_class: str
     etag: str
-    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
+    adapter_release_fraction: float
+    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., etag: _Optional[str] = ..., adapter_release_fraction: _Optional[float] = ...) -> None: ...
 
 class GenerationSource(_message.Message):
     __slots__ = ("task", "accuracy_threshold", "dataset")
