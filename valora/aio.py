@@ -91,12 +91,12 @@ class AsyncValoraClient:
                     raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                     repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-                    prompt_token_ids: Iterable[int] = ()) -> InferResult:
+                    prompt_token_ids: Iterable[int] = (), adapter_release_fraction: float = 0.0) -> InferResult:
         """One request's result; the parameters of ValoraClient.infer."""
         req = _request(inf_pb.InferRequest, _input(
             prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
             raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids), request_id)
+            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
         return InferResult.from_pb((await self._call(self._inference.Infer, req, self._api_key)).result)
 
     async def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
@@ -106,14 +106,15 @@ class AsyncValoraClient:
                            raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                            presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                            repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-                           prompt_token_ids: Iterable[int] = ()) -> AsyncIterator[str | InferResult]:
+                           prompt_token_ids: Iterable[int] = (), adapter_release_fraction: float = 0.0
+                           ) -> AsyncIterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen). Leaving the loop
         early cancels the call."""
         req = _request(inf_pb.InferStreamRequest, _input(
             prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
             raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids), request_id)
+            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
         for attempt in range(self.retries + 1):
             started = False
             call = self._inference.InferStream(req, timeout=self.timeout_s, metadata=_metadata(self._api_key))

@@ -115,8 +115,8 @@ def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | Non
            label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
            stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
            top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0),
-           logit_bias: Mapping[int, float] | None = None, prompt_token_ids: Iterable[int] = ()
-           ) -> inf_pb.InferenceInput:
+           logit_bias: Mapping[int, float] | None = None, prompt_token_ids: Iterable[int] = (),
+           adapter_release_fraction: float = 0.0) -> inf_pb.InferenceInput:
     inp = inf_pb.InferenceInput(
         prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
         output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
@@ -124,7 +124,8 @@ def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | Non
                                           top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
                                           min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs,
                                           presence_penalty=penalties[0], frequency_penalty=penalties[1],
-                                          repetition_penalty=penalties[2], logit_bias=logit_bias or {}))
+                                          repetition_penalty=penalties[2], logit_bias=logit_bias or {},
+                                          adapter_release_fraction=adapter_release_fraction))
     inp.prompt_token_ids.extend(prompt_token_ids)
     inp.raw_prompt = raw_prompt or bool(inp.prompt_token_ids)  # token ids are a raw prompt
     if adapter:
@@ -255,17 +256,19 @@ class ValoraClient:
               request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
               top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
               repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-              prompt_token_ids: Iterable[int] = ()) -> InferResult:
+              prompt_token_ids: Iterable[int] = (), adapter_release_fraction: float = 0.0) -> InferResult:
         """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
         template; then no images); `prompt_token_ids`: that input as token ids instead (no
         `prompt`; raw_prompt implied). `logprobs`: each generated token's log-probability in the
         result, with the `top_logprobs` (<= 20) most likely tokens at its position. Penalties as
         OpenAI's (presence, frequency) and vLLM's (repetition; 0 = off); `logit_bias` as OpenAI's
-        (token id -> a bias in [-100, 100] added to its logit)."""
+        (token id -> a bias in [-100, 100] added to its logit). `adapter_release_fraction`: early
+        adapter release after that share of max_new_tokens, in [0, 1] (0: the task's policy, if
+        any, else never)."""
         req = _request(inf_pb.InferRequest, _input(
             prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
             raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids), request_id)
+            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
     def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
@@ -274,14 +277,14 @@ class ValoraClient:
                      stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
                      raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
-                     logit_bias: Mapping[int, float] | None = None, prompt_token_ids: Iterable[int] = ()
-                     ) -> Iterator[str | InferResult]:
+                     logit_bias: Mapping[int, float] | None = None, prompt_token_ids: Iterable[int] = (),
+                     adapter_release_fraction: float = 0.0) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
         req = _request(inf_pb.InferStreamRequest, _input(
             prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
             raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids), request_id)
+            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
         for attempt in range(self.retries + 1):
             started = False
             try:

@@ -1,8 +1,11 @@
 """ValoraClient.update_task against a real adapter store (SQLite) behind a real gateway over
 loopback gRPC: only the fields given change, the etag guards the update, and bad values and
-unknown tasks come back as typed errors."""
+unknown tasks come back as typed errors; and the SDK's requests' own adapter_release_fraction
+(test_gateway's gateway, in front of its in-test store and scheduler)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -11,8 +14,12 @@ from services.adapter_store.testing import RunningStore, adapter_config, make_bu
 from services.common.testing import ServiceThread
 from services.gateway.config import GatewaySettings
 from services.gateway.server import create_server as create_gateway
+from tests.unit.test_gateway import anyio_backend  # noqa: F401 - fixture
+from tests.unit.test_gateway import gateway
 from valora import errors
+from valora.aio import AsyncValoraClient
 from valora.client import ValoraClient
+from valora.cluster import free_port
 
 ADMIN_KEY = "admin-key-update-task"
 
@@ -52,3 +59,21 @@ def test_sdk_update_task(client):
         client.update_task("sdk-upd-nope", description="x")
     assert exc.value.reason == "TASK_NOT_FOUND"
     assert client.get_task("sdk-upd-ask") == got
+
+
+@pytest.mark.anyio
+async def test_sdk_requests_carry_their_own_release_fraction():
+    """infer / infer_stream (sync and asyncio) send adapter_release_fraction; 0 leaves it to the
+    task's policy, filled in by the gateway."""
+    port = free_port()
+    async with gateway(port=port) as env:
+        address = f"127.0.0.1:{port}"
+        async with AsyncValoraClient(address, retries=0, timeout_s=30) as c:
+            await c.infer("a car?", adapter="adapters/cars", adapter_release_fraction=0.5)
+            [_ async for _ in c.infer_stream("a car?", task="tasks/caption", adapter_release_fraction=0.25)]
+        with ValoraClient(address, retries=0, timeout_s=30) as sync:  # in a thread: this loop serves the gateway
+            await asyncio.to_thread(sync.infer, "a car?", adapter="adapters/cars", adapter_release_fraction=0.75)
+            await asyncio.to_thread(lambda: list(sync.infer_stream("a car?", adapter="adapters/cars",
+                                                                   adapter_release_fraction=1.0)))
+            await asyncio.to_thread(sync.infer, "a car?", adapter="adapters/cars")
+    assert [i.params.adapter_release_fraction for i in env.scheduler.items] == [0.5, 0.25, 0.75, 1.0, 0.0]
