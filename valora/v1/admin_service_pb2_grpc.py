@@ -229,8 +229,9 @@ class AdminServiceServicer:
 
     def UpdateTask(self, request, context):
         """Changes the task's fields named in update_mask (only description, slo_ms, slo_class and
-        adapter_release_fraction may change); the result shows the whole task. Requests resolved before see the change within the
-        gateway's resolve_cache_s (at once through the gateway that served this call).
+        adapter_release_fraction may change); the result shows the whole task. Requests see the
+        change within the gateways' resolve_cache_s (at once through the gateway that served this
+        call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
