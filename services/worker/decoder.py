@@ -14,10 +14,21 @@ as do all steps with pipelining off) when a row's next token needs a block the p
 have (preemption), when penalized rows mix pending and host tokens, or when a row releases its
 adapter with a pending token (the next step's LoRA plan depends on it). Commands and the engine's
 stop take the pending tokens first too (`flush`).
+
+No batch fails for one row (as a prefill's, prefiller.py): when a decode step's forward or its
+choice of tokens raises, the step is undone, the tokens launched before it are taken on the host,
+and every row still running decodes that step alone, from its host token (`_isolate`); only a row
+whose own step raises fails (INTERNAL, ENGINE_STEP_FAILED), the others take the tokens they would
+have had (sampled rows too: a token depends on the seed and its position alone), and the next step
+starts from host tokens. Under tensor parallelism every rank does the same when the failure is the
+inputs' (every rank raises in the same forward, so the same rows run alone, the same collectives
+in the same order); a rank whose step fails alone desynchronises the group, isolated or not
+(tensor_parallel.py).
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from services.worker.decode_graphs import bucket_rows
@@ -27,6 +38,8 @@ from services.worker.outputs import OutputProcessor
 from services.worker.sequence import PendingStep, Sequence
 from services.worker.step_scheduler import StepScheduler
 
+log = structlog.get_logger()
+
 
 class Decoder:
     def __init__(self, sched: StepScheduler, lora: LoraPlanner, runner: ModelRunner, outputs: OutputProcessor,
@@ -35,6 +48,8 @@ class Decoder:
         self.device, self.pipeline = device, pipeline
         self.pending: list[PendingStep] = []  # launched tokens the host has not taken, oldest first
         self.pipelined_steps = 0  # steps launched from pending device tokens
+        self.isolated_steps = 0  # batched steps that raised, their rows then decoded alone
+        self.failed_rows = 0  # rows of those whose step alone raised too
         # largest decode batch seen (rows, distinct LoRA entries in one forward): observability + tests
         self.peak_rows = 0
         self.peak_entries = 0
@@ -53,7 +68,12 @@ class Decoder:
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
         self.peak_rows = max(self.peak_rows, len(rows))
         self.peak_entries = max(self.peak_entries, len(step.entries))
-        tokens, logprobs = self._launch(rows, step)
+        lengths = [s.length for s in rows]
+        try:
+            tokens, logprobs = self._launch(rows, step)
+        except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
+            self._isolate(rows, lengths, [], exc)
+            return
         if self._holdable(rows):
             self.pending.append(self._hold(rows, tokens, logprobs))
             return
@@ -101,13 +121,56 @@ class Decoder:
         self.peak_rows = max(self.peak_rows, len(rows))
         self.peak_entries = max(self.peak_entries, len(step.entries))
         taken, self.pending = self.pending, []
-        self.pending.append(self._hold(rows, *self._launch(rows, step, ids=ids)))
+        lengths = [s.length for s in rows]
+        try:
+            launched = self._launch(rows, step, ids=ids)
+        except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
+            self._isolate(rows, lengths, taken, exc)
+            return True
+        self.pending.append(self._hold(rows, *launched))
         self.pipelined_steps += 1
         for p in taken:
             self._take(p)
         if not self._holdable(rows):
             self.flush()
         return True
+
+    def _isolate(self, rows: list[Sequence], lengths: list[int], taken: list[PendingStep], exc: Exception) -> None:
+        """After a decode step of `rows` raised: the step undone, then each row's step alone.
+
+        Every row back to the length it had (a step whose tokens' choice raised had counted its
+        new token); the failed forward may have written some layers' keys and values of the new
+        token, at the slot the row's step alone writes again, every layer, before reading it (its
+        blocks stay the row's). The tokens launched before the step (`taken`, pipelined) are taken
+        on the host first, as a flush would: they are the rows' last tokens, and a row they
+        finish decodes no more. Then every row still running runs the step alone from its host
+        token, in the batch's order, and takes its token at once: a row whose step alone raises
+        fails (the guard: INTERNAL with the error, its blocks and adapter pin given back), never
+        retried again; when every step fails (a broken device) every row fails. A batch of one
+        row is not retried: its error is the row's."""
+        for s, n in zip(rows, lengths):
+            s.length = n
+        for p in taken:
+            self._take(p)
+        alive = [s for s in rows if not s.finished]
+        if len(rows) == 1:
+            if alive:
+                raise exc
+            return
+        self.isolated_steps += 1
+        log.warning("decode_step_failed", error=repr(exc)[:500], requests=[s.req.request_id for s in rows],
+                    retry="each row alone")
+        failed = 0
+        for s in alive:
+            failed += not self.outputs.guard([s], self._alone, s)
+        self.failed_rows += failed
+        if self.runner.trace is not None:
+            self.runner.trace.note(decode_retried_rows=len(alive), decode_failed_rows=failed)
+
+    def _alone(self, s: Sequence) -> None:
+        """One decode step of `s` alone (its own bucket and LoRA plan), its token taken now."""
+        tokens, logprobs = self._launch([s], self.lora.plan([s], 1, 1))
+        self.outputs.accept(s, tokens.tolist()[0], _rows_of(logprobs, 1)[0])
 
     def _gather(self, rows: list[Sequence], where: dict) -> torch.Tensor:
         """The rows' last tokens on the device: a pending one where it is pending, else the host's."""
