@@ -2,7 +2,9 @@
 
 A worker that fails before the first output message is excluded and the request goes back to
 the queue (up to `max_attempts` workers); once output has reached the caller a failure is
-UNAVAILABLE, never a silent replay. The same holds when the pool declares the worker lost
+UNAVAILABLE, never a silent replay — except the worker's engine failing that request alone
+(ENGINE_STEP_FAILED: the worker goes on serving), which reaches the caller as the worker sent it,
+not replayed either. The same holds when the pool declares the worker lost
 (heartbeats stopped, or down for the TTL) while the request waits there for its first output:
 the worker call is cancelled and the request placed again; after output started the request
 fails UNAVAILABLE as soon as the worker is lost (a stopped worker no longer holds its clients
@@ -40,6 +42,9 @@ WORKER_FAILURES = frozenset({
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
+# The worker's engine failed this request alone (services/worker/outputs.py, OutputProcessor.guard)
+# and goes on serving: after output started the client gets that error, not a worker failure.
+ROW_FAILED = "ENGINE_STEP_FAILED"
 
 
 class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -143,6 +148,9 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 if code == grpc.StatusCode.UNAVAILABLE:
                     handle.mark_failed(err.details() or code.name)
                 if started:
+                    failed = errors.from_rpc_error(err)
+                    if failed.reason == ROW_FAILED:  # the request's own failure, the worker goes on: its error
+                        raise failed from None
                     raise errors.WorkerUnavailable(
                         f"worker {worker} failed after output started ({code.name}); not replayed",
                         reason="WORKER_FAILED_MID_STREAM") from None

@@ -11,6 +11,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from prometheus_client import REGISTRY
 
+from services.common.errors import ValoraError
 from services.common.server import REQUEST_ID_KEY
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server
@@ -71,6 +72,9 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
+        if self.fail_after_first == "row":  # the engine failed this request alone (outputs.py's guard)
+            err = ValoraError("engine step failed: RuntimeError: bad row", reason="ENGINE_STEP_FAILED")
+            await context.abort_with_status(rpc_status.to_status(err.to_status()))
         if self.fail_after_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died mid-stream")
         yield worker_service_pb2.GenerateResponse(text_delta="lo")
@@ -192,6 +196,25 @@ async def test_worker_failing_after_first_token_is_unavailable_and_not_replayed(
             async for r in stub.Submit(submit_request("r1"), timeout=10):
                 got.append(r.text_delta)
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert got == ["hel"] and len(bad.calls) == 1 and good.calls == []
+
+
+async def test_a_row_failed_by_the_engine_after_first_token_keeps_its_own_error():
+    """A worker whose engine fails one request mid-stream (ENGINE_STEP_FAILED: a decode step that
+    raised for that row alone, services/worker/decoder.py) is not a failed worker: the client gets
+    the engine's INTERNAL with its reason and message, not replayed. Before: UNAVAILABLE
+    WORKER_FAILED_MID_STREAM, the engine's error gone."""
+    bad = FakeWorker(fail_after_first="row", resident=[ADAPTER])
+    good = FakeWorker()
+    async with cluster(bad, good) as stub:
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for r in stub.Submit(submit_request("r1"), timeout=10):
+                got.append(r.text_delta)
+    info = error_details_pb2.ErrorInfo()
+    reasons = [info.reason for d in rpc_status.from_call(exc.value).details if d.Unpack(info)]
+    assert exc.value.code() == grpc.StatusCode.INTERNAL and reasons == ["ENGINE_STEP_FAILED"], exc.value
+    assert "bad row" in exc.value.details()
     assert got == ["hel"] and len(bad.calls) == 1 and good.calls == []
 
 
