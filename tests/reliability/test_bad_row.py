@@ -4,7 +4,9 @@ and make one row's forward raise), prefilled in one forward. The forward raises 
 pre-hook on the last decoder layer, as a row whose input breaks the model would): that row fails
 alone, a clear INTERNAL naming the engine's error, and the 7 others stream to the end the tokens
 they get alone (services/worker/prefiller.py: a failed batched forward is prefilled again row by
-row). Nothing stays held in the engine or the scheduler.
+row). Nothing stays held in the engine or the scheduler. The same 8 once more, the bad row's third
+decode step raising instead (batched, then alone: services/worker/decoder.py decodes a failed
+step's rows one by one): it fails after its first tokens, the 7 others stream what they get alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from grpc_status import rpc_status
 
 from tests.reliability.conftest import InProcessStack, record
 from tests.reliability.images import png
+from tests.unit.test_engine_decode_failure import failing_decode
 from tests.unit.test_engine_prefill import failing_prefill
 from valora.v1 import inference_service_pb2 as inf
 from valora.v1 import inference_service_pb2_grpc as inf_grpc
@@ -154,5 +157,40 @@ def test_one_bad_row_leaves_its_seven_co_batched_streams_finishing(stack):
     assert bad["code"] == "INTERNAL" and bad["reason"] == "ENGINE_STEP_FAILED", bad
     assert "injected prefill failure" in bad["details"] and not bad["deltas"], bad
     assert (engine.prefiller.isolated_batches, engine.prefiller.failed_rows) == (1, 1)
+    assert not any(held.values()), held
+    assert engine.alive and after["code"] == "OK" and after["tokens"] == alone[BAD]["tokens"], after
+
+
+def test_one_row_whose_decode_step_fails_leaves_its_seven_co_batched_streams_finishing(stack):
+    engine, reqs = stack.engine, requests()
+    with grpc.insecure_channel(stack.address) as ch:
+        stub = inf_grpc.InferenceServiceStub(ch)
+        alone = {r.request_id: stream(stub, r) for r in reqs}
+        assert all(a["code"] == "OK" and a["tokens"] for a in alone.values()), alone
+        assert len(alone[BAD]["tokens"]) > 4, alone[BAD]  # alone it decodes past the step that fails below
+        engine.decoder.isolated_steps = engine.decoder.failed_rows = 0
+        with failing_decode(engine, "layer", lambda ids: BAD in ids, after=2) as calls:
+            got = together(stack, stub, reqs)
+        held = settle(stack)
+        after = stream(stub, reqs[3])
+    by_id = dict(zip((r.request_id for r in reqs), got))
+    bad = by_id.pop(BAD)
+    same = {rid: g["code"] == "OK" and g["tokens"] == alone[rid]["tokens"] and g["deltas"] == g["text"]
+            == alone[rid]["text"] for rid, g in by_id.items()}
+    stepped = [sorted(c) for c in calls]
+    passed = (sum(same.values()) == ROWS - 1 and bad["code"] == "INTERNAL" and bad["reason"] == "ENGINE_STEP_FAILED"
+              and alone[BAD]["text"].startswith(bad["deltas"]) and not any(held.values()) and engine.alive
+              and after["code"] == "OK")
+    record("bad-row-decode", "co-batched streams that finish with the tokens they get alone when one row's "
+           "decode step fails", sum(same.values()), f"{ROWS - 1} of {ROWS - 1}; the bad row INTERNAL, alone",
+           passed, rows=ROWS, bad_status=bad["code"], bad_reason=bad["reason"], bad_details=bad["details"][:200],
+           bad_streamed_chars=len(bad["deltas"]), steps_that_raised=stepped,
+           isolated_steps=engine.decoder.isolated_steps, failed_rows=engine.decoder.failed_rows,
+           stream_p50_s=p50(list(by_id.values())), held_after=held, tokens_each=MAX_NEW)
+    assert stepped == [sorted(r.request_id for r in reqs), [BAD]], stepped  # one step of 8, then the row alone
+    assert all(same.values()), {rid: (g, alone[rid]) for rid, g in by_id.items() if not same[rid]}
+    assert bad["code"] == "INTERNAL" and bad["reason"] == "ENGINE_STEP_FAILED", bad
+    assert "injected decode failure" in bad["details"] and alone[BAD]["text"].startswith(bad["deltas"]), bad
+    assert (engine.decoder.isolated_steps, engine.decoder.failed_rows) == (1, 1)
     assert not any(held.values()), held
     assert engine.alive and after["code"] == "OK" and after["tokens"] == alone[BAD]["tokens"], after
