@@ -3,14 +3,17 @@
 Rank 0 runs one scenario through its Engine — requests with images and mixed adapters (unmerged),
 a sampled request with a random seed, requests arriving while others decode, a mode switch to
 merged then mixture in the middle, a cancellation, a request past its deadline, an adapter made
-resident ahead of its requests and one offloaded at the end — while rank 1
-runs its Engine as a follower. The same scenario on a single-process engine is the reference: the
-greedy tokens and finish reasons must agree. Followers have no sinks; what each would have emitted
-(recorded under its _emit) must equal rank 0's events, and both ranks must have run the same steps.
+resident ahead of its requests and one offloaded at the end, and (CPU) a request whose third
+decode step raises on every rank, batched and then alone (decoder.py: the step's rows decoded one
+by one in lockstep, that row failed) — while rank 1 runs its Engine as a follower. The same
+scenario on a single-process engine is the reference: the greedy tokens and finish reasons must
+agree. Followers have no sinks; what each would have emitted (recorded under its _emit) must equal
+rank 0's events, and both ranks must have run the same steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import queue
@@ -30,6 +33,7 @@ from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
 from services.common.modes import Mode
 from services.worker.sampling import SamplingParams
 from services.worker.testing import random_adapter_bundle, random_image
+from tests.unit.test_engine_decode_failure import failing_decode
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -39,6 +43,7 @@ A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gam
 SAMPLED = "s0"  # seed 0: a random seed, so only the TP ranks agree with each other
 CANCELLED = "long"
 EXPIRED = "late"
+POISONED = "p0"  # its decode steps raise from the third on, on every rank (CPU: hooks do not run in a replay)
 
 
 def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
@@ -55,7 +60,14 @@ def _outcome(event) -> list:
     return ["failed", event.error.reason]
 
 
-def _scenario(eng: Engine, model_path) -> dict[str, list]:
+def _poisoned(eng: Engine, device: str):
+    """On CPU: POISONED's decode steps raise from the third on (the same steps on every rank)."""
+    if device != "cpu":
+        return contextlib.nullcontext()
+    return failing_decode(eng, "layer", lambda ids: POISONED in ids, after=2)
+
+
+def _scenario(eng: Engine, model_path, device: str = "cpu") -> dict[str, list]:
     """Drives `eng` (rank 0 or a single process); returns each request's outcome."""
     for i, (name, modules) in enumerate(((A, None), (B, None), (C, ("q_proj", "v_proj")))):
         kw = {"target_modules": modules} if modules else {}
@@ -82,6 +94,8 @@ def _scenario(eng: Engine, model_path) -> dict[str, list]:
         submit("base0", None, 2)
         submit(SAMPLED, A, 3, sampling=SamplingParams(temperature=0.9, top_k=20))
         submit(CANCELLED, B, 4, max_new=200)
+        if device == "cpu":
+            submit(POISONED, B, 11)
     first_delta("a0")
     submit("c1", C, 5)  # arrive while the first batch decodes
     submit("a1", A, 6)
@@ -132,19 +146,21 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
 
             eng.outputs.emit = record
         eng.start()
-        if rank == 0:
-            got = _scenario(eng, model_path)
-            eng.stop()
-        else:
-            with pytest.raises(FailedPrecondition, match="follower"):
-                eng.submit(None, print)
-            eng.stop(timeout=300)  # returns once rank 0's stop reached this rank's loop
-            got = would_emit
+        with _poisoned(eng, device):
+            if rank == 0:
+                got = _scenario(eng, model_path, device)
+                eng.stop()
+            else:
+                with pytest.raises(FailedPrecondition, match="follower"):
+                    eng.submit(None, print)
+                eng.stop(timeout=300)  # returns once rank 0's stop reached this rank's loop
+                got = would_emit
         assert not eng._thread.is_alive() and eng._error is None
         s = eng.stats()
         summary = {"outcomes": got, "steps": [list(x[:2]) for x in eng.step_log],
                    "mode": s.mode.value, "merged": s.merged_adapter, "host": s.host_adapters,
-                   "resident": s.resident_adapters, "pipelined": eng.decoder.pipelined_steps}
+                   "resident": s.resident_adapters, "pipelined": eng.decoder.pipelined_steps,
+                   "isolated": [eng.decoder.isolated_steps, eng.decoder.failed_rows]}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()
@@ -171,11 +187,14 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
     assert lead["outcomes"][EXPIRED] == ["failed", "DEADLINE_EXCEEDED"]
     if device == "cpu":  # CUDA fp32: LoRA steps run eager (the torch reference is not capturable)
         assert lead["pipelined"] > 0
+        # one step raised for the poisoned row: every rank decoded its rows alone, failed that row only
+        assert lead["outcomes"][POISONED] == ["failed", "ENGINE_STEP_FAILED"] and lead["isolated"] == [1, 1]
 
     single = Engine(_config(model_path, device=device))
     single.start()
     try:
-        ref = _scenario(single, model_path)
+        with _poisoned(single, device):
+            ref = _scenario(single, model_path, device)
     finally:
         single.stop()
     assert set(ref) == set(lead["outcomes"])
