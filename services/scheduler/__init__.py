@@ -1,1 +1,1 @@
-"""valora scheduler: owns the request queue and places requests on workers (see policy.py)."""
+"""valora scheduler: owns the request queue and places requests on workers (see policies/)."""

@@ -1,6 +1,6 @@
 """Execution-time estimates for the scheduler: engine step, LoRA term, mode switch, adapter load.
 
-The credit policy (policy.py) and the simulator (sim.py) share one `CostModel` per worker GPU
+The credit policy (policies/credit.py) and the simulator (sim.py) share one `CostModel` per worker GPU
 profile. A step of the iteration-level engine costs
 
     step_ms = decode_base_ms + decode_row_ms * rows           (weights + KV read)

@@ -24,7 +24,7 @@ import structlog
 
 from services.common import metrics
 from services.common.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
-from services.scheduler.policy import ModeCommand, PrefetchHint, SchedulingPolicy, WaitingRequest
+from services.scheduler.policies.base import ModeCommand, PrefetchHint, SchedulingPolicy, WaitingRequest
 from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import work_pb2, worker_service_pb2
 

@@ -11,7 +11,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.cost_model import load_profile
 from services.scheduler.policies import make_policy
-from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.policies.base import SchedulingPolicy
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.workers import WorkerPool
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.cost_model import CostModel
-from services.scheduler.policy import ModeCommand, SchedulingPolicy, WaitingRequest, WorkerView
+from services.scheduler.policies.base import ModeCommand, SchedulingPolicy, WaitingRequest, WorkerView
 from services.common.modes import Mode
 from services.scheduler.traces import TraceRequest
 

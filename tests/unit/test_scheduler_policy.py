@@ -1,5 +1,5 @@
-from services.scheduler.policy import (
-    AffinityLeastLoadedPolicy,
+from services.scheduler.policies.affinity import AffinityLeastLoadedPolicy
+from services.scheduler.policies.base import (
     Assignment,
     ModeCommand,
     WaitingRequest,

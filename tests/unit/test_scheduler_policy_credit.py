@@ -8,10 +8,10 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.cost_model import CostModel
 from services.scheduler.credits import credit_of, due_s, starving, threshold_s
 from services.scheduler.policies import POLICY_NAMES, make_policy
-from services.scheduler.policy import ModeCommand, PrefetchHint, WaitingRequest, WorkerView
+from services.scheduler.policies.base import ModeCommand, PrefetchHint, WaitingRequest, WorkerView
 from services.common.modes import Mode
-from services.scheduler.policy_baselines import PunicaPolicy, SLoRAPolicy
-from services.scheduler.policy_credit import CreditPolicy
+from services.scheduler.policies.baselines import PunicaPolicy, SLoRAPolicy
+from services.scheduler.policies.credit import CreditPolicy
 
 A, B, C, D = (f"adapters/{x}/versions/1" for x in "abcd")
 NOW = 100.0

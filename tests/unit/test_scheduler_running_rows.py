@@ -16,9 +16,9 @@ from test_scheduler_service import ADAPTER, FakeWorker, submit_request, wait_unt
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.cost_model import CostModel
 from services.scheduler.credits import estimate_prompt_tokens
-from services.scheduler.policy import ModeCommand, SchedulingPolicy, WaitingRequest
+from services.scheduler.policies.base import ModeCommand, SchedulingPolicy, WaitingRequest
 from services.common.modes import Mode
-from services.scheduler.policy_credit import CreditPolicy
+from services.scheduler.policies.credit import CreditPolicy
 from services.scheduler.server import create_server
 from services.scheduler.workers import WorkerHandle
 from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc

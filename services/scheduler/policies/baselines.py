@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.scheduler.policy import (
+from services.scheduler.policies.base import (
     Assignment,
     Decision,
     ModeCommand,

@@ -4,7 +4,7 @@ Every round, for every worker with free slots (workers whose merged adapter has 
 first, then the least loaded, then resident-adapter affinity), over the requests still unplaced
 and allowed there:
 
-1. credits: waiting time + estimated execution time (credits.py, cost_model.py); *starving* =
+1. credits: waiting time + estimated execution time (services/scheduler/credits.py, cost_model.py); *starving* =
    credit > θ (`theta_s`), or for a request with a latency objective credit > the tighter of θ and
    half its objective (`credits.threshold_s`). Starving requests are taken first: those whose
    objective can still be met earliest deadline first (`credits.claims_deadline`), then the
@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 
 from services.scheduler.cost_model import CostModel, profile_for_device
 from services.scheduler.credits import claims_deadline, credit_of, due_s, threshold_s
-from services.scheduler.policy import (
+from services.scheduler.policies.base import (
     Assignment,
     Decision,
     ModeCommand,
@@ -54,7 +54,7 @@ from services.scheduler.policy import (
     merged_of,
 )
 from services.common.modes import Mode
-from services.scheduler.policy_baselines import prefetch_hints
+from services.scheduler.policies.baselines import prefetch_hints
 
 _NO_ADAPTER = ""  # sort key of the base model among adapter names
 

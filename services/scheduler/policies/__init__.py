@@ -1,0 +1,59 @@
+"""Placement policies: which waiting request runs on which worker, and in which mode.
+
+The dispatcher (services/scheduler/dispatcher.py) calls `SchedulingPolicy.decide` whenever the
+queue or a worker changes; the simulator (services/scheduler/sim.py) calls the same code. Policies
+are pure: plain dataclasses in, a `Decision` out, no protobuf, no I/O, no clocks (the caller
+passes `now_s`).
+
+    base.py       what a policy sees and returns (WaitingRequest, WorkerView, Decision) and the
+                  SchedulingPolicy interface
+    affinity.py   the foundation policy: adapter affinity, then the least loaded worker
+    baselines.py  the unmerged-only baselines (S-LoRA, Punica)
+    credit.py     VaLoRA's credit-based mode scheduling (paper Alg. 1) and dLoRA's
+
+Policies (registry `POLICIES`, chosen by the `policy` setting, env VALORA_POLICY):
+
+- `valora` (default) — paper Alg. 1, `CreditPolicy(mixture=True)`: credits = waiting time +
+  estimated execution time (services/scheduler/credits.py, cost_model.py). Per worker and round:
+  no starving request → MERGED on the adapter that minimizes the mean latency of the worker's
+  requests counting the switch cost; some starving (credit > θ) → MIXTURE (the merged adapter
+  stays, starving requests run through the deLoRA term); more than half of max batch starving →
+  UNMERGED. Requests with a latency objective (per-application SLO classes) are taken earliest
+  deadline first and starve earlier (half their objective), which is what moves a worker to
+  mixture for them.
+- `dlora` — `CreditPolicy(mixture=False)`: the same credits and merged choice, but starvation
+  switches to UNMERGED (dLoRA's merge/unmerge switching, no mixture).
+- `slora` — UNMERGED only, first come first served, adapter affinity (resident first) then least
+  loaded, prefetch hints for adapters not resident.
+- `punica` — UNMERGED only, first come first served, consolidating placement (the busiest worker
+  with room, Punica's scheduler), no affinity, no prefetch.
+- `affinity` — the foundation policy (`AffinityLeastLoadedPolicy`).
+"""
+
+from __future__ import annotations
+
+from services.scheduler.cost_model import PROFILES, CostModel
+from services.scheduler.policies.affinity import AffinityLeastLoadedPolicy
+from services.scheduler.policies.base import SchedulingPolicy
+from services.scheduler.policies.baselines import PunicaPolicy, SLoRAPolicy
+from services.scheduler.policies.credit import CreditPolicy
+
+POLICY_NAMES = ("valora", "dlora", "slora", "punica", "affinity")
+
+
+def make_policy(name: str, cost: CostModel | None = None, *, theta_s: float = 1.0,
+                deadlines: bool = True) -> SchedulingPolicy:
+    """A fresh policy by name; `cost` is the default worker profile of the credit policies
+    (CPU workers use the cpu-tiny profile); `deadlines` False has them ignore latency objectives.
+    The baselines are first come first served whatever the objectives (their papers have none)."""
+    if name == "valora":
+        return CreditPolicy(cost, theta_s=theta_s, mixture=True, profiles=PROFILES, deadlines=deadlines)
+    if name == "dlora":
+        return CreditPolicy(cost, theta_s=theta_s, mixture=False, profiles=PROFILES, deadlines=deadlines)
+    if name == "slora":
+        return SLoRAPolicy()
+    if name == "punica":
+        return PunicaPolicy()
+    if name == "affinity":
+        return AffinityLeastLoadedPolicy()
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
