@@ -7,7 +7,7 @@ import pytest
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.cost_model import CostModel
 from services.scheduler.credits import credit_of, due_s, starving, threshold_s
-from services.scheduler.policies import POLICY_NAMES, make_policy
+from services.scheduler.policies import POLICIES, POLICY_NAMES, make_policy
 from services.scheduler.policies.base import ModeCommand, PrefetchHint, WaitingRequest, WorkerView
 from services.common.modes import Mode
 from services.scheduler.policies.baselines import PunicaPolicy, SLoRAPolicy
@@ -217,8 +217,13 @@ def test_punica_is_unmerged_fcfs_and_consolidates():
 
 
 def test_policy_registry_and_setting(monkeypatch):
+    assert POLICY_NAMES == tuple(POLICIES) == ("valora", "dlora", "slora", "punica", "affinity")
     for name in POLICY_NAMES:
+        assert type(make_policy(name)) is POLICIES[name][0]
         assert make_policy(name).decide(NOW, [], [worker()]).assignments == []
+    assert make_policy("valora").mixture and not make_policy("dlora").mixture
+    with pytest.raises(ValueError, match="unknown policy 'fastest'; known: valora, dlora"):
+        make_policy("fastest")
     assert SchedulerSettings().policy == "valora"
     monkeypatch.setenv("VALORA_POLICY", "punica")
     monkeypatch.setenv("VALORA_STARVATION_THETA_S", "0.25")

@@ -11,7 +11,8 @@ passes `now_s`).
     baselines.py  the unmerged-only baselines (S-LoRA, Punica)
     credit.py     VaLoRA's credit-based mode scheduling (paper Alg. 1) and dLoRA's
 
-Policies (registry `POLICIES`, chosen by the `policy` setting, env VALORA_POLICY):
+Policies (the registry `POLICIES` below maps each name to its class; the `policy` setting, env
+VALORA_POLICY, picks one):
 
 - `valora` (default) — paper Alg. 1, `CreditPolicy(mixture=True)`: credits = waiting time +
   estimated execution time (services/scheduler/credits.py, cost_model.py). Per worker and round:
@@ -32,13 +33,26 @@ Policies (registry `POLICIES`, chosen by the `policy` setting, env VALORA_POLICY
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from services.scheduler.cost_model import PROFILES, CostModel
 from services.scheduler.policies.affinity import AffinityLeastLoadedPolicy
 from services.scheduler.policies.base import SchedulingPolicy
 from services.scheduler.policies.baselines import PunicaPolicy, SLoRAPolicy
 from services.scheduler.policies.credit import CreditPolicy
 
-POLICY_NAMES = ("valora", "dlora", "slora", "punica", "affinity")
+# The registry: a policy's name (the `policy` setting) → its class and the keyword arguments that
+# make it that policy. The credit policies also take the cost model, θ and the deadline switch
+# (make_policy passes them); the baselines take nothing.
+POLICIES: Mapping[str, tuple[type[SchedulingPolicy], Mapping[str, object]]] = MappingProxyType({
+    "valora": (CreditPolicy, {"mixture": True}),
+    "dlora": (CreditPolicy, {"mixture": False}),
+    "slora": (SLoRAPolicy, {}),
+    "punica": (PunicaPolicy, {}),
+    "affinity": (AffinityLeastLoadedPolicy, {}),
+})
+POLICY_NAMES = tuple(POLICIES)
 
 
 def make_policy(name: str, cost: CostModel | None = None, *, theta_s: float = 1.0,
@@ -46,14 +60,9 @@ def make_policy(name: str, cost: CostModel | None = None, *, theta_s: float = 1.
     """A fresh policy by name; `cost` is the default worker profile of the credit policies
     (CPU workers use the cpu-tiny profile); `deadlines` False has them ignore latency objectives.
     The baselines are first come first served whatever the objectives (their papers have none)."""
-    if name == "valora":
-        return CreditPolicy(cost, theta_s=theta_s, mixture=True, profiles=PROFILES, deadlines=deadlines)
-    if name == "dlora":
-        return CreditPolicy(cost, theta_s=theta_s, mixture=False, profiles=PROFILES, deadlines=deadlines)
-    if name == "slora":
-        return SLoRAPolicy()
-    if name == "punica":
-        return PunicaPolicy()
-    if name == "affinity":
-        return AffinityLeastLoadedPolicy()
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    cls, fixed = POLICIES[name]
+    if issubclass(cls, CreditPolicy):
+        return cls(cost, theta_s=theta_s, profiles=PROFILES, deadlines=deadlines, **fixed)
+    return cls(**fixed)
