@@ -4,10 +4,8 @@ over loopback gRPC: what each call returns or prints, and a failed call's typed 
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
 from services.adapter_store.config import StoreSettings
@@ -112,9 +110,9 @@ def test_sdk_admin_calls_need_the_admin_key(gateway):
 @pytest.fixture
 def invoke(gateway, monkeypatch, tmp_path):
     """Runs `valora ARGS` against the gateway (address and key from the environment, as a user
-    would set them); tables printed wide enough not to wrap."""
-    monkeypatch.setattr(cli, "console", Console(width=200))
-    env = {"VALORA_ADDRESS": gateway, "VALORA_ADMIN_KEY": ADMIN_KEY, "VALORA_HOME": str(tmp_path)}
+    would set them); tables printed wide enough not to wrap (COLUMNS: every CLI module's console
+    reads it)."""
+    env = {"VALORA_ADDRESS": gateway, "VALORA_ADMIN_KEY": ADMIN_KEY, "VALORA_HOME": str(tmp_path), "COLUMNS": "200"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 
