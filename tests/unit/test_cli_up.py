@@ -231,10 +231,11 @@ def test_every_command_has_help_and_the_cli_a_version():
 
 
 def test_status_names_the_mode():
+    from valora.cli.status import _mode_name
     from valora.v1 import types_pb2
 
-    assert cli._mode_name(types_pb2.INFERENCE_MODE_MIXTURE) == "mixture"
-    assert {cli._mode_name(v.number) for v in types_pb2.InferenceMode.DESCRIPTOR.values} >= {"merged", "unmerged"}
+    assert _mode_name(types_pb2.INFERENCE_MODE_MIXTURE) == "mixture"
+    assert {_mode_name(v.number) for v in types_pb2.InferenceMode.DESCRIPTOR.values} >= {"merged", "unmerged"}
 
 
 def test_the_cli_prints_a_failed_call_and_exits_with_its_code(capsys):

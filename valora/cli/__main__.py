@@ -1,0 +1,5 @@
+"""`python -m valora.cli`: the `valora` command."""
+
+from valora.cli import run
+
+run()
