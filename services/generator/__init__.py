@@ -9,6 +9,7 @@
     pipeline.py   strategies compared, thresholds, registration through the SDK, results file
     __main__.py   `python -m services.generator generate ...`
     demo.py       what `valora demo` serves: pretrained base + greedy-fused adapters, cached per settings
+    demo_workload.py  what `valora demo` does with them: registration, the mixed workload, its rows
     pretrain.py   brief pretraining of the base on real images (a stand-in for a pretrained LMM)
     runner.py     `python -m services.generator serve`: runs the store's PENDING generation jobs
 

@@ -1,13 +1,11 @@
 """`valora demo`: serve greedy-fused adapters generated on real data (or, --quick, random ones)
-and report served accuracy and latency."""
+and report served accuracy and latency. What it serves and measures is the generator's
+(services/generator/demo.py, demo_workload.py); this module starts, prints and writes the report."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,29 +18,11 @@ from valora.cli.common import ADDRESS, ADMIN_KEY, API_KEY, HOME, _address, app, 
 from valora.client import ValoraClient
 
 
-def _demo_images(n: int, seed: int) -> list[bytes]:
-    """Small synthetic RGB images (PNG) so the demo needs no dataset."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
-
-
 def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path, address: str | None,
                 api_key: str | None, admin_key: str | None, report: Path | None) -> None:
     """The quick demo: three random adapters on the tiny random base, synthetic images, latency only."""
     from services.common.adapter_format import BaseModelShapes, make_random_bundle
+    from services.generator.demo_workload import latency_row, percentile, synthetic_images
 
     started = None
     if address is None and cluster_mod.Cluster.load(home) is None:
@@ -60,7 +40,7 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
                 client.set_alias(f"adapters/demo-{i}", "prod", v.name)
                 targets[f"adapters/demo-{i}@prod"] = {"adapter": f"adapters/demo-{i}@prod"}
                 console.print(f"registered {v.name} (rank {rank}, sha256 {v.sha256[:12]})")
-            images = _demo_images(4, seed=0)
+            images = synthetic_images(4, seed=0)
             names = list(targets)
             # (target, picture) pairs repeat, so determinism under batching can be checked.
             work = [(names[i % len(names)], i % len(images)) for i in range(requests)]
@@ -84,7 +64,7 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
             table.add_column(col, justify="right" if col not in ("target", "mode") else "left")
         rows = []
         for target in names:
-            row = _latency_row(target, [(ms, r) for (t, _), ms, r in results if t == target])
+            row = latency_row(target, [(ms, r) for (t, _), ms, r in results if t == target])
             rows.append(row)
             table.add_row(target, str(row["n"]), ",".join(row["modes"]), f"{row['mean_ms']:.0f}",
                           f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['ttft_ms']:.0f}",
@@ -92,8 +72,8 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
         console.print(table)
         all_lat = [ms for _, ms, _ in results]
         summary = {"demo": "quick", "requests": requests, "concurrency": concurrency, "wall_s": wall_s,
-                   "throughput_rps": requests / wall_s, "p50_ms": _percentile(all_lat, 50),
-                   "p99_ms": _percentile(all_lat, 99), "workers": sorted({r.worker for _, _, r in results}),
+                   "throughput_rps": requests / wall_s, "p50_ms": percentile(all_lat, 50),
+                   "p99_ms": percentile(all_lat, 99), "workers": sorted({r.worker for _, _, r in results}),
                    "deterministic": consistent, "rows": rows,
                    "sample": {t: next(r.text for (tt, _), _, r in results if tt == t) for t in names}}
         console.print(f"throughput {summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']:.0f} ms, "
@@ -106,67 +86,6 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
     finally:
         if started is not None:
             cluster_mod.stop_cluster(home)
-
-
-def _latency_row(target: str, mine: list[tuple[float, object]]) -> dict:
-    lat = [ms for ms, _ in mine]
-    return {"target": target, "n": len(mine), "modes": sorted({r.mode for _, r in mine}),
-            "mean_ms": round(statistics.mean(lat), 1), "p50_ms": round(_percentile(lat, 50), 1),
-            "p99_ms": round(_percentile(lat, 99), 1),
-            "ttft_ms": round(statistics.mean(r.first_token_ms for _, r in mine), 1),
-            "queue_ms": round(statistics.mean(r.queue_ms for _, r in mine), 1),
-            "output_tokens": sum(r.output_tokens for _, r in mine)}
-
-
-DEMO_TASK_PREFIX = "demo-"  # the demo's tasks are tasks/demo-{task}
-DEMO_ALIAS = "demo"
-
-
-def _register_demo(client: ValoraClient, gen_dir: Path, log=console.print) -> dict[str, dict]:
-    """Registers the generated bundles and one task per head; safe to repeat.
-
-    Uploads carry a request id derived from the bundle's sha256, so a repeat returns the version
-    registered before (no new version); the alias `demo` points at it. A task that exists already
-    is kept when it names the same version and head, and replaced otherwise (tasks/demo-* belong
-    to the demo). Returns {task: {"task", "adapter", "version", "threshold", "accuracy"}}."""
-    import grpc
-
-    from services.generator.pipeline import load_generated
-
-    _, bundles, result = load_generated(gen_dir)
-    prompts = json.loads((gen_dir / "manifest.json").read_text())["prompts"]
-    out: dict[str, dict] = {}
-    for b in bundles:
-        sha = hashlib.sha256(b.data).hexdigest()
-        v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
-                                          request_id=f"valora-demo-{b.name}-{sha[:32]}")
-        client.set_alias(f"adapters/{b.name}", DEMO_ALIAS, v.name)
-        log(f"adapter {v.name} (sha256 {v.sha256[:12]}, rank {v.rank}, heads {', '.join(b.heads)}) "
-            f"alias @{DEMO_ALIAS}")
-        for head in b.heads:
-            task_id = f"{DEMO_TASK_PREFIX}{head}"
-            row = result.tasks[head]
-            kwargs = dict(adapter=v.name, head=head, accuracy_threshold=row["threshold"],
-                          measured_accuracy=row["accuracy"],
-                          description=f"prompt: {prompts[head]} (valora demo; greedy-fused adapter)")
-            try:
-                client.create_task(task_id, **kwargs)
-                what = "created"
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
-                name = f"tasks/{task_id}"
-                have = client.get_task(name)
-                if have.adapter == v.name and have.head == head:
-                    what = "exists"
-                else:
-                    client.delete_task(name)
-                    client.create_task(task_id, **kwargs)
-                    what = f"replaced (was {have.adapter} head {have.head})"
-            log(f"  task tasks/{task_id} -> {v.name} head {head}: {what}")
-            out[head] = {"task": f"tasks/{task_id}", "adapter": f"adapters/{b.name}", "version": v.name,
-                         "threshold": row["threshold"], "accuracy": row["accuracy"]}
-    return out
 
 
 _DEMO_HELP = (
@@ -207,8 +126,6 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
     if quick:
         return _quick_demo(requests, concurrency, max_new_tokens or 12, home, address, api_key, admin_key, report)
     max_new_tokens = max_new_tokens or 8
-    import random
-
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     home = Path(home).expanduser().resolve()
@@ -222,7 +139,7 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
     import torch
 
     from services.generator import demo as gdemo
-    from services.generator.pipeline import agreement, held_out_images
+    from services.generator import demo_workload as workload
 
     torch.set_num_threads(threads)
     with console.status("pretraining the demo base…") as st:
@@ -259,39 +176,15 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
         gateway = _address(home, address)
         with ValoraClient(gateway, api_key=api_key, admin_key=admin_key) as client:
             t0 = time.perf_counter()
-            registered = _register_demo(client, gen_dir)
+            registered = workload.register(client, gen_dir, log=console.print)
             timings["register_s"] = round(time.perf_counter() - t0, 1)
 
             # The mixed workload: label requests (task heads) and text requests, shuffled together.
-            work: list[dict] = []
-            for t in names:
-                pngs, truth = held_out_images(t, settings.limit)
-                work += [{"kind": "label", "target": registered[t]["task"], "task": t, "prompt": manifest["prompts"][t],
-                          "image": png, "truth": y, "index": i}
-                         for i, (png, y) in enumerate(zip(pngs[:per_task or None], truth))]
-            text_targets = ["base"] + [f"adapters/{a['name']}@{DEMO_ALIAS}" for a in manifest["adapters"]]
-            if text_requests:
-                pngs, truth = held_out_images("digit", text_requests)
-                work += [{"kind": "text", "target": text_targets[i % len(text_targets)], "task": "digit",
-                          "prompt": "Which digit is this?", "image": pngs[i], "truth": truth[i]}
-                         for i in range(len(pngs))]
-            random.Random(seed).shuffle(work)
-
-            def run(item: dict):
-                t1 = time.perf_counter()
-                if item["kind"] == "label":
-                    r = client.infer(item["prompt"], [item["image"]], task=item["target"], label=True)
-                    answer = r.label
-                else:
-                    adapter = None if item["target"] == "base" else item["target"]
-                    r = client.infer(item["prompt"], [item["image"]], adapter=adapter, max_new_tokens=max_new_tokens)
-                    answer = r.text.strip()
-                return item, (time.perf_counter() - t1) * 1000, r, answer
-
+            work, text_targets = workload.mixed_workload(names, registered, manifest, settings.limit, per_task,
+                                                         text_requests, seed)
             t0 = time.perf_counter()
             with console.status(f"mixed workload: {len(work)} requests, concurrency {concurrency}…"):
-                with ThreadPoolExecutor(concurrency) as pool:
-                    results = list(pool.map(run, work))
+                results = workload.run_workload(client, work, concurrency, max_new_tokens)
             wall_s = time.perf_counter() - t0
             timings["workload_s"] = round(wall_s, 1)
     finally:
@@ -306,27 +199,13 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
     for col in ("task", "adapter", "n", "served", "95% interval", "generator", "agree", "thresh.", "ok", "mean ms",
                 "p99 ms"):
         acc_table.add_column(col, justify="left" if col in ("task", "adapter", "ok") else "right")
-    task_rows = []
-    for t in names:
-        mine = sorted(((it["index"], ms, r, ans, it["truth"]) for it, ms, r, ans in results
-                       if it["kind"] == "label" and it["task"] == t), key=lambda row: row[0])
-        reg = registered[t]
-        check = agreement([ans for _, _, _, ans, _ in mine], [y for *_, y in mine],
-                          manifest["test_predictions"][t][:len(mine)])
-        row = {"task": t, "target": reg["task"], "prompt": manifest["prompts"][t], "adapter": reg["version"],
-               "n": check["n"], "served_accuracy": check["served_accuracy"], "interval_95": check["interval_95"],
-               "generator_accuracy_same_images": check["offline_accuracy"], "agree": check["agree"],
-               "generator_test_accuracy": reg["accuracy"], "test_split": len(manifest["test_predictions"][t]),
-               "threshold": reg["threshold"], "meets_threshold": check["served_accuracy"] >= reg["threshold"],
-               "single_task_val_accuracy": manifest["demo"]["single_task_accuracy"][t]["val"],
-               **{k: v for k, v in _latency_row(reg["task"], [(ms, r) for _, ms, r, _, _ in mine]).items()
-                  if k.endswith("_ms")}}
-        task_rows.append(row)
+    task_rows = workload.task_rows(names, results, registered, manifest)
+    for row in task_rows:
         ok, same = row["meets_threshold"], row["agree"] == row["n"]
-        acc_table.add_row(t, reg["version"].replace("adapters/", "").replace("/versions/", " v"), str(row["n"]),
-                          f"{'[green]' if ok else '[red]'}{row['served_accuracy']:.3f}",
+        acc_table.add_row(row["task"], row["adapter"].replace("adapters/", "").replace("/versions/", " v"),
+                          str(row["n"]), f"{'[green]' if ok else '[red]'}{row['served_accuracy']:.3f}",
                           "{:.3f}-{:.3f}".format(*row["interval_95"]), f"{row['generator_accuracy_same_images']:.3f}",
-                          f"{'' if same else '[red]'}{row['agree']}/{row['n']}", f"{reg['threshold']:.3f}",
+                          f"{'' if same else '[red]'}{row['agree']}/{row['n']}", f"{row['threshold']:.3f}",
                           "yes" if ok else "[red]no", f"{row['mean_ms']:.0f}", f"{row['p99_ms']:.0f}")
     console.print(acc_table)
     console.print("[dim]questions: " + "; ".join(f"{t}: {manifest['prompts'][t]!r}" for t in names)
@@ -340,16 +219,10 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
                             f"{text_requests} text) in one stream, concurrency {concurrency}")
     for col in ("target", "kind", "n", "mode", "mean", "p50", "p99", "ttft", "queue", "tok", "correct"):
         lat_table.add_column(col, justify="left" if col in ("target", "kind", "mode") else "right")
-    target_rows = []
-    for target in targets:
-        mine = [(it, ms, r, ans) for it, ms, r, ans in results if it["target"] == target]
-        row = {**_latency_row(target, [(ms, r) for _, ms, r, _ in mine]), "kind": mine[0][0]["kind"],
-               "correct": round(sum(ans == it["truth"] for it, _, _, ans in mine) / len(mine), 4)}
-        if row["kind"] == "text":
-            row["sample"] = [{"truth": it["truth"], "text": r.text} for it, _, r, _ in mine[:3]]
-        target_rows.append(row)
-        lat_table.add_row(target.replace("adapters/", "").replace("tasks/", "task "), row["kind"], str(row["n"]),
-                          ",".join(row["modes"]), f"{row['mean_ms']:.0f}", f"{row['p50_ms']:.0f}",
+    target_rows = workload.target_rows(targets, results)
+    for row in target_rows:
+        lat_table.add_row(row["target"].replace("adapters/", "").replace("tasks/", "task "), row["kind"],
+                          str(row["n"]), ",".join(row["modes"]), f"{row['mean_ms']:.0f}", f"{row['p50_ms']:.0f}",
                           f"{row['p99_ms']:.0f}", f"{row['ttft_ms']:.0f}", f"{row['queue_ms']:.0f}",
                           str(row["output_tokens"]), f"{row['correct']:.2f}")
     console.print(lat_table)
@@ -370,7 +243,7 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
         "registered": registered, "requests": len(results), "label_requests": len(results) - text_requests,
         "text_requests": text_requests, "concurrency": concurrency, "max_new_tokens": max_new_tokens,
         "wall_s": round(wall_s, 2), "throughput_rps": round(len(results) / wall_s, 2),
-        "p50_ms": round(_percentile(all_lat, 50), 1), "p99_ms": round(_percentile(all_lat, 99), 1),
+        "p50_ms": round(workload.percentile(all_lat, 50), 1), "p99_ms": round(workload.percentile(all_lat, 99), 1),
         "workers": sorted({r.worker for _, _, r, _ in results}),
         "all_tasks_meet_threshold": all(r["meets_threshold"] for r in task_rows),
         "served_equals_generator": all(r["agree"] == r["n"] for r in task_rows),
