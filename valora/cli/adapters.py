@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, _address, _when, console
+from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, console, gateway_address, iso_time
 from valora.client import ValoraClient
 
 adapters_app = typer.Typer(help="Register, inspect and delete adapters, their versions and aliases.",
@@ -21,7 +21,7 @@ def adapters_register(adapter: str, bundle: Path = typer.Option(..., exists=True
                       alias: str = typer.Option(None), home: Path = HOME, address: str = ADDRESS,
                       admin_key: str = ADMIN_KEY):
     """Upload a PEFT adapter (safetensors + adapter_config.json) as a new immutable version."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         version = client.upload_adapter_version(adapter, bundle.read_bytes(), config.read_text())
         if alias:
             client.set_alias(version.name.split("/versions/")[0], alias, version.name)
@@ -31,7 +31,7 @@ def adapters_register(adapter: str, bundle: Path = typer.Option(..., exists=True
 @adapters_app.command("list")
 def adapters_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List adapters with their versions and aliases."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         table = Table(title="adapters")
         for col in ("adapter", "versions", "aliases"):
             table.add_column(col)
@@ -54,10 +54,10 @@ def _version_number(version_name: str) -> str:
 def adapters_get(name: str = typer.Argument(..., help="adapters/{a} or {a}"), home: Path = HOME,
                  address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Show one adapter: latest version, aliases, creation time, etag, description."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         a = client.get_adapter(name)
     aliases = ", ".join(f"{k}→{_version_number(v)}" for k, v in sorted(a.aliases.items())) or "-"
-    console.print(f"{a.name} latest=v{a.latest_version} aliases={aliases} created={_when(a.create_time)} "
+    console.print(f"{a.name} latest=v{a.latest_version} aliases={aliases} created={iso_time(a.create_time)} "
                   f"etag={a.etag}", markup=False)
     if a.description:
         console.print(a.description, markup=False, highlight=False)
@@ -73,7 +73,7 @@ def adapters_delete(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
     name = _adapter_name(name)
     if not yes:
         typer.confirm(f"delete {name}, retiring all its versions?", abort=True)
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         client.delete_adapter(name, etag=etag)
     console.print(f"deleted {name}", markup=False)
 
@@ -82,7 +82,7 @@ def adapters_delete(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
 def adapters_versions(name: str = typer.Argument(..., help="adapters/{a} or {a}"), home: Path = HOME,
                       address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List an adapter's versions with their rank, state, size, heads and the aliases on them."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         a = client.get_adapter(name)
         versions = client.list_versions(a.name)
     on = {}
@@ -108,7 +108,7 @@ def adapters_alias(name: str = typer.Argument(..., help="adapters/{a} or {a}"),
     name = _adapter_name(name)
     number = version.removeprefix("v")
     target = f"{name}/versions/{number}" if number.isdigit() else _adapter_name(version)
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         new_etag = client.set_alias(name, alias, target, etag=etag)
     console.print(f"{name}@{alias} → {target} etag={new_etag}", markup=False)
 
@@ -119,6 +119,6 @@ def adapters_unalias(name: str = typer.Argument(..., help="adapters/{a} or {a}")
                      address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Remove an alias (refused while a task uses it)."""
     name = _adapter_name(name)
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         client.delete_alias(name, alias)
     console.print(f"removed {name}@{alias}", markup=False)

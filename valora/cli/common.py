@@ -36,20 +36,21 @@ API_KEY = typer.Option(None, "--api-key", envvar="VALORA_API_KEY", help="Inferen
 ADMIN_KEY = typer.Option(None, "--admin-key", envvar="VALORA_ADMIN_KEY", help="Admin API key.")
 
 
-def _address(home: Path, address: str | None) -> str:
+def gateway_address(home: Path, address: str | None) -> str:
+    """The gateway to call: --address, else the running local cluster's, else 127.0.0.1:50051."""
     if address:
         return address
     running = cluster_mod.Cluster.load(home)
     return running.gateway if running else "127.0.0.1:50051"
 
 
-def _refuse(message: str) -> NoReturn:
+def refuse(message: str) -> NoReturn:
     """A bad `valora up` setting or option: one red line, exit 2, nothing started."""
     console.print(f"error: {message}", style="red", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
-def _when(ts) -> str:
+def iso_time(ts) -> str:
     """A protobuf Timestamp as UTC ISO time ("-" when unset)."""
     import datetime as dt
 

@@ -14,7 +14,7 @@ import typer
 from rich.table import Table
 
 from valora import cluster as cluster_mod
-from valora.cli.common import ADDRESS, ADMIN_KEY, API_KEY, HOME, _address, app, console
+from valora.cli.common import ADDRESS, ADMIN_KEY, API_KEY, HOME, app, console, gateway_address
 from valora.client import ValoraClient
 
 
@@ -29,7 +29,7 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
         with console.status("starting a local cluster…"):
             started = cluster_mod.start_cluster(home, gateway_port=0)
     try:
-        gateway = _address(home, address)
+        gateway = gateway_address(home, address)
         model_path = Path(os.environ.get("VALORA_MODEL_PATH", cluster_mod.default_model_path(home)))
         shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
         with ValoraClient(gateway, api_key=api_key, admin_key=admin_key) as client:
@@ -169,11 +169,11 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
         with console.status(f"starting a local cluster on {base.name}…"):
             started = cluster_mod.start_cluster(home, gateway_port=0, model_path=base)
     else:
-        console.print(f"[yellow]using the running cluster at {_address(home, address)}: its workers must serve "
+        console.print(f"[yellow]using the running cluster at {gateway_address(home, address)}: its workers must serve "
                       f"{base} for the accuracies to hold")
     timings["cluster_start_s"] = round(time.perf_counter() - t0, 1)
     try:
-        gateway = _address(home, address)
+        gateway = gateway_address(home, address)
         with ValoraClient(gateway, api_key=api_key, admin_key=admin_key) as client:
             t0 = time.perf_counter()
             registered = workload.register(client, gen_dir, log=console.print)

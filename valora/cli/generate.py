@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 
 from valora import cluster as cluster_mod
-from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, _address, _refuse, app, console
-from valora.cli.jobs import _job_result_table, _job_state
+from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, app, console, gateway_address, refuse
+from valora.cli.jobs import job_result_table, job_state
 from valora.client import ValoraClient
 
 
@@ -48,28 +48,28 @@ def generate(source: list[str] = typer.Option([], "--source", "-s", help="task[:
     if not source and dataset is None:
         raise typer.BadParameter("give --source (built-in tasks) and/or --dataset")
     sources = _parse_sources(source)
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         if dataset is not None:
             from services.generator.user_datasets import DatasetError, upload_for_job
 
             try:
                 sources = upload_for_job(client, dataset, sources, threshold)
             except DatasetError as exc:
-                _refuse(str(exc))
+                refuse(str(exc))
         job = client.create_generation_job(model, sources, rank=rank, epochs=epochs,
                                            adapter_prefix=prefix, split_limit=limit, job_id=job_id)
-        console.print(f"{job.name}: {_job_state(job)}")
+        console.print(f"{job.name}: {job_state(job)}")
         if not wait:
             return
         with Progress(TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as progress:
-            bar = progress.add_task(job.message, total=1.0, state=_job_state(job))
-            while _job_state(job) in ("PENDING", "RUNNING"):
+            bar = progress.add_task(job.message, total=1.0, state=job_state(job))
+            while job_state(job) in ("PENDING", "RUNNING"):
                 time.sleep(poll_s)
                 job = client.get_generation_job(job.name)
-                progress.update(bar, completed=job.progress, description=job.message, state=_job_state(job))
-    state = _job_state(job)
+                progress.update(bar, completed=job.progress, description=job.message, state=job_state(job))
+    state = job_state(job)
     if state != "SUCCEEDED":
         console.print(f"[red]{job.name} {state}[/red] {job.error or job.message}")
         raise typer.Exit(1)
-    console.print(_job_result_table(job))
+    console.print(job_result_table(job))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from valora.cli.common import ADDRESS, API_KEY, HOME, _address, app, console
+from valora.cli.common import ADDRESS, API_KEY, HOME, app, console, gateway_address
 from valora.client import ValoraClient
 
 
@@ -19,7 +19,7 @@ def infer(prompt: str = typer.Option("", "--prompt", "-p"),
           max_new_tokens: int = typer.Option(0), temperature: float = typer.Option(0.0),
           stream: bool = typer.Option(False), home: Path = HOME, address: str = ADDRESS, api_key: str = API_KEY):
     """Send one request."""
-    with ValoraClient(_address(home, address), api_key=api_key) as client:
+    with ValoraClient(gateway_address(home, address), api_key=api_key) as client:
         if stream:
             for part in client.infer_stream(prompt, image, adapter=adapter, task=task,
                                             max_new_tokens=max_new_tokens, temperature=temperature):

@@ -8,21 +8,21 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, _address, _when, console
+from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, console, gateway_address, iso_time
 from valora.client import ValoraClient
 
 jobs_app = typer.Typer(help="Generation jobs (queued by `valora generate`).", no_args_is_help=True)
 
 
-def _job_state(job) -> str:
+def job_state(job) -> str:
     from valora.v1 import resources_pb2
 
     return resources_pb2.GenerationJobState.Name(job.state).removeprefix("GENERATION_JOB_STATE_")
 
 
-def _job_result_table(job) -> Table:
+def job_result_table(job) -> Table:
     """A SUCCEEDED job's tasks: adapter version, threshold and measured test accuracy."""
-    table = Table("task", "adapter version", "threshold", "accuracy (test)", title=f"{job.name} {_job_state(job)}")
+    table = Table("task", "adapter version", "threshold", "accuracy (test)", title=f"{job.name} {job_state(job)}")
     for t in job.result.tasks:
         ok = t.measured_accuracy >= t.accuracy_threshold
         table.add_row(t.task, t.adapter_version, f"{t.accuracy_threshold:.3f}",
@@ -33,14 +33,14 @@ def _job_result_table(job) -> Table:
 @jobs_app.command("list")
 def jobs_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List generation jobs, newest first."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         jobs = client.list_generation_jobs()
     table = Table(title="generation jobs")
     for col in ("job", "state", "progress", "sources", "created", "message"):
         table.add_column(col, justify="right" if col == "progress" else "left")
     for j in jobs:
-        table.add_row(j.name, _job_state(j), f"{j.progress:.0%}",
-                      ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources), _when(j.create_time),
+        table.add_row(j.name, job_state(j), f"{j.progress:.0%}",
+                      ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources), iso_time(j.create_time),
                       Text(j.error or j.message))
     console.print(table)
 
@@ -49,22 +49,22 @@ def jobs_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_
 def jobs_get(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), home: Path = HOME,
              address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Show one generation job: state, progress, sources and, once it SUCCEEDED, its result."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         j = client.get_generation_job(name)
-    console.print(f"{j.name}: {_job_state(j)} progress={j.progress:.0%} rank={j.rank or 8} epochs={j.epochs or 4} "
-                  f"created={_when(j.create_time)} updated={_when(j.update_time)}", markup=False)
+    console.print(f"{j.name}: {job_state(j)} progress={j.progress:.0%} rank={j.rank or 8} epochs={j.epochs or 4} "
+                  f"created={iso_time(j.create_time)} updated={iso_time(j.update_time)}", markup=False)
     console.print("sources: " + ", ".join(f"{s.task}:{s.accuracy_threshold:g}" + (f" ({s.dataset})" if s.dataset
                                           else "") for s in j.sources), markup=False)
     if j.error or j.message:
         console.print(j.error or j.message, markup=False, highlight=False)
-    if _job_state(j) == "SUCCEEDED":
-        console.print(_job_result_table(j))
+    if job_state(j) == "SUCCEEDED":
+        console.print(job_result_table(j))
 
 
 @jobs_app.command("cancel")
 def jobs_cancel(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), home: Path = HOME,
                 address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Cancel a PENDING or RUNNING job (a finished one: FAILED_PRECONDITION)."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         j = client.cancel_generation_job(name)
-    console.print(f"{j.name}: {_job_state(j)}", markup=False)
+    console.print(f"{j.name}: {job_state(j)}", markup=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, _address, app, console
+from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, app, console, gateway_address
 from valora.client import ValoraClient
 from valora.v1 import types_pb2
 
@@ -19,7 +19,7 @@ def _mode_name(mode: int) -> str:
 @app.command()
 def status(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Workers, their mode and the adapters they hold."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         s = client.cluster_status()
     table = Table(title=f"workers (queued: {s.queued_requests})")
     for col in ("worker", "healthy", "mode", "merged", "resident", "running", "decode step ms", "prefill step ms"):

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, _address, _when, console
+from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, console, gateway_address, iso_time
 from valora.client import ValoraClient
 
 tasks_app = typer.Typer(help="Tasks: named adapter references with a head and an accuracy threshold.",
@@ -22,13 +22,13 @@ def _slo(t) -> str:
 
 def _task_line(t) -> str:
     return (f"{t.name} adapter={t.adapter} head={t.head or '-'} threshold={t.accuracy_threshold:.3f} "
-            f"accuracy={t.measured_accuracy:.3f} created={_when(t.create_time)} slo={_slo(t)}")
+            f"accuracy={t.measured_accuracy:.3f} created={iso_time(t.create_time)} slo={_slo(t)}")
 
 
 @tasks_app.command("list")
 def tasks_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List tasks with their adapter, head, threshold, measured accuracy and latency objective."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         tasks = client.list_tasks()
     table = Table(title="tasks")
     for col in ("task", "adapter", "head", "threshold", "accuracy", "slo", "description"):
@@ -43,7 +43,7 @@ def tasks_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN
 def tasks_get(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home: Path = HOME, address: str = ADDRESS,
               admin_key: str = ADMIN_KEY):
     """Show one task."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         t = client.get_task(name)
     console.print(_task_line(t), markup=False)
     if t.description:
@@ -64,7 +64,7 @@ def tasks_create(task_id: str = typer.Argument(..., help="{t} of tasks/{t}"),
                                                "share it (empty: the task's id)."),
                  home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Create a task naming an adapter (and head) so requests can say tasks/{t}."""
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         t = client.create_task(task_id, adapter, head=head, description=description, accuracy_threshold=threshold,
                                measured_accuracy=accuracy, slo_ms=slo_ms, slo_class=slo_class)
     console.print(_task_line(t), markup=False)
@@ -75,6 +75,6 @@ def tasks_delete(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home:
                  admin_key: str = ADMIN_KEY):
     """Delete a task (its adapter stays)."""
     name = name if name.startswith("tasks/") else f"tasks/{name}"
-    with ValoraClient(_address(home, address), admin_key=admin_key) as client:
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         client.delete_task(name)
     console.print(f"deleted {name}", markup=False)

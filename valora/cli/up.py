@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from valora import cluster as cluster_mod
-from valora.cli.common import HOME, _refuse, app, console
+from valora.cli.common import HOME, app, console, refuse
 
 
 class WorkerDevice(str, Enum):
@@ -70,7 +70,7 @@ def up(ctx: typer.Context, home: Path = HOME,
         console.print(f"[yellow]a cluster is already recorded in {home}; run `valora down` first")
         raise typer.Exit(1)
     if startup_timeout <= 0:
-        _refuse(f"--startup-timeout {startup_timeout:g}: must be more than 0 seconds")
+        refuse(f"--startup-timeout {startup_timeout:g}: must be more than 0 seconds")
     try:
         sets = cluster_mod.parse_set(settings)
         from_file = cluster_mod.load_settings_file(config) if config else {}
@@ -85,7 +85,7 @@ def up(ctx: typer.Context, home: Path = HOME,
         cluster_mod.check_http_port(f"--http-port {http_port}" if http_given else None, sets, from_file,
                                     os.environ, config)
     except cluster_mod.SettingsError as e:
-        _refuse(str(e))
+        refuse(str(e))
     device_name = device.value if isinstance(device, Enum) else device  # a setting's value: its text
     dtype_name = (dtype.value if isinstance(dtype, Enum) else dtype) if dtype else (
         "bfloat16" if device_name == "cuda" else "float32")
@@ -93,7 +93,7 @@ def up(ctx: typer.Context, home: Path = HOME,
     try:
         worker_env = cluster_mod.worker_device_env(workers, device_name, dtype_name, gpu_ids, tp)
     except ValueError as e:
-        _refuse(str(e))
+        refuse(str(e))
     # The settings of the flags above are the flags' values (worker_env, the ports); the tensor-parallel
     # size always, or a VALORA_TP_SIZE of the caller's would outlive --tp 1.
     flagged = {"VALORA_DEVICE", "VALORA_DTYPE", "VALORA_TP_SIZE", "VALORA_PORT", "VALORA_HTTP_PORT"}
