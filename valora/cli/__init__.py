@@ -10,6 +10,7 @@
     tasks.py     tasks list / get / create / delete
     jobs.py      jobs list / get / cancel
     bench.py     bench sched (the scheduling simulator), bench scale (bench/scale_bench.py)
+    __main__.py  `python -m valora.cli`
 
 `main` is the `valora` command (pyproject's entry point `run` calls it).
 """
