@@ -7,6 +7,13 @@ A bundle is one safetensors file in PEFT's layout plus PEFT's adapter_config.jso
     base_model.model.model.language_model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
     heads.{name}.weight (num_labels, hidden)   heads.{name}.bias (num_labels,)   -- vision task heads
 
+That is the layout PEFT writes under transformers 5 (and 4.52+). PEFT adapters saved under older
+transformers name the language model where the model class had it then (`KEY_LAYOUTS`, by the base
+model's `model_type`): Qwen2-VL and Qwen2.5-VL's `base_model.model.model.layers.{i}...`, LLaVA's
+`base_model.model.language_model.model.layers.{i}...`; `validate_bundle` maps each to the layout
+above (`BundleInfo.keys`), so the store's validation and the worker's loading read the same
+tensors.
+
 Scale is lora_alpha / r (PEFT's default). Torch-free: shapes come from the base model's
 config.json, tensors' shapes from the safetensors header.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,10 +33,31 @@ LM_PREFIX = "base_model.model.model.language_model.layers."
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+# A decoder layer's LoRA weight, after its layout's prefix ("...layers.").
 _LORA_KEY = re.compile(
-    r"^base_model\.model\.model\.language_model\.layers\.(?P<layer>[0-9]+)\.(?:self_attn|mlp)\."
-    r"(?P<module>[a-z_]+)\.lora_(?P<which>[AB])\.weight$"
+    r"^(?P<layer>[0-9]+)\.(?P<parent>[a-z_]+)\.(?P<module>[a-z_0-9]+)\.lora_(?P<which>[AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where a family's saved PEFT keys put its modules, in every layout transformers has had."""
+
+    language_model: tuple[str, ...]  # prefixes of its decoder layers ("...layers."), LM_PREFIX first
+
+
+_QWEN_VL_KEYS = KeyLayout(
+    # transformers < 4.52: Qwen2VLForConditionalGeneration.model was the language model, .visual the tower
+    language_model=(LM_PREFIX, "base_model.model.model.layers."),
 )
+# The served families' layouts by config.json's model_type (services/worker/architectures.py lists
+# the families; a test checks each has its entry here).
+KEY_LAYOUTS: dict[str, KeyLayout] = {
+    "qwen2_vl": _QWEN_VL_KEYS,
+    "qwen2_5_vl": _QWEN_VL_KEYS,
+    # transformers < 4.52: LlavaForConditionalGeneration.language_model was a LlamaForCausalLM
+    "llava": KeyLayout(language_model=(LM_PREFIX, "base_model.model.language_model.model.layers.")),
+}
+DEFAULT_KEY_LAYOUT = KeyLayout(language_model=(LM_PREFIX,))
 _HEAD_KEY = re.compile(r"^heads\.(?P<name>[a-z][a-z0-9_-]{0,62})\.(?P<part>weight|bias)$")
 SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 # Bytes per element of every dtype the safetensors format defines (to check data_offsets).
@@ -56,6 +84,11 @@ class BaseModelShapes:
     num_layers: int
     hidden_size: int
     features: dict[str, tuple[int, int]]  # module -> (in_features, out_features)
+    family: str = ""  # config.json's model_type ("": none given)
+
+    @property
+    def key_layout(self) -> KeyLayout:
+        return KEY_LAYOUTS.get(self.family, DEFAULT_KEY_LAYOUT)
 
     @classmethod
     def from_config(cls, config: dict) -> "BaseModelShapes":
@@ -66,6 +99,7 @@ class BaseModelShapes:
         head_dim = int(text.get("head_dim") or h // heads)
         inter = int(text["intermediate_size"])
         return cls(
+            family=str(config.get("model_type") or ""),
             num_layers=int(text["num_hidden_layers"]),
             hidden_size=h,
             features={
@@ -90,6 +124,8 @@ class BundleInfo:
     layers: tuple[int, ...]
     heads: dict[str, int]  # head name -> number of labels
     dtype: str
+    # (layer, module, "A" | "B") -> the tensor's name in the bundle (its layout's)
+    keys: dict[tuple[int, str, str], str] = field(default_factory=dict)
 
 
 def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dict:
@@ -179,6 +215,8 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
     dtypes: set[str] = set()
     pairs: dict[tuple[int, str], set[str]] = {}
     heads: dict[str, dict[str, list[int]]] = {}
+    keys: dict[tuple[int, str, str], str] = {}
+    layout = shapes.key_layout
     for name, meta in header.items():
         if name == "__metadata__":
             continue
@@ -190,13 +228,18 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         if m := _HEAD_KEY.fullmatch(name):
             heads.setdefault(m["name"], {})[m["part"]] = shape
             continue
-        m = _LORA_KEY.fullmatch(name)
-        if not m:
+        prefix = next((p for p in layout.language_model if name.startswith(p)), None)
+        m = _LORA_KEY.fullmatch(name[len(prefix):]) if prefix is not None else None
+        if not m or m["parent"] not in ("self_attn", "mlp"):
             raise InvalidAdapter(f"tensor {name!r} does not name a LoRA weight of the language model",
                                  reason="UNKNOWN_TENSOR")
         layer, module, which = int(m["layer"]), m["module"], m["which"]
         if module not in shapes.features or layer >= shapes.num_layers:
             raise InvalidAdapter(f"tensor {name!r}: the base model has no such module", reason="UNKNOWN_TENSOR")
+        if (layer, module, which) in keys:
+            raise InvalidAdapter(f"tensors {keys[(layer, module, which)]!r} and {name!r} are the same weight "
+                                 "in two key layouts", reason="UNKNOWN_TENSOR")
+        keys[(layer, module, which)] = name
         fin, fout = shapes.features[module]
         if len(shape) != 2:
             raise InvalidAdapter(f"tensor {name!r}: expected 2 dimensions, got {shape}", reason="BAD_SHAPE")
@@ -242,6 +285,7 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         layers=tuple(sorted(layers)),
         heads=head_labels,
         dtype=sorted(dtypes)[0],
+        keys=keys,
     )
 
 

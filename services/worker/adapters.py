@@ -28,12 +28,7 @@ from typing import Protocol, TypeVar
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.common.adapter_format import (
-    TARGET_MODULES,
-    BaseModelShapes,
-    lora_key,
-    validate_bundle,
-)
+from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, validate_bundle
 from services.common.errors import AdapterNotFound, FailedPrecondition
 
 LayerModule = tuple[int, str]  # (layer index, module name e.g. "q_proj")
@@ -82,17 +77,18 @@ def parse_bundle(
     max_rank: int = 256,
     head_labels: dict[str, list[str]] | None = None,
 ) -> AdapterWeights:
-    """Validates a bundle against the base model and loads it (host memory, fp32 kept as stored)."""
+    """Validates a bundle against the base model and loads it (host memory, fp32 kept as stored).
+    Its tensors are read by the names validation found them under (any key layout of the family,
+    adapter_format.KEY_LAYOUTS)."""
     info = validate_bundle(data, config_json, shapes, max_rank)
     tensors = load_safetensors(data)
     a: dict[LayerModule, torch.Tensor] = {}
     b: dict[LayerModule, torch.Tensor] = {}
-    for layer in info.layers:
+    for layer in info.layers:  # in the order a bundle of LM_PREFIX's layout always had
         for module in TARGET_MODULES:
-            ka, kb = lora_key(layer, module, "A"), lora_key(layer, module, "B")
-            if ka in tensors:
-                a[(layer, module)] = tensors[ka].t().contiguous()
-                b[(layer, module)] = tensors[kb].t().contiguous()
+            if (layer, module, "A") in info.keys:
+                a[(layer, module)] = tensors[info.keys[(layer, module, "A")]].t().contiguous()
+                b[(layer, module)] = tensors[info.keys[(layer, module, "B")]].t().contiguous()
     heads = {}
     for head in info.heads:
         heads[head] = (tensors[f"heads.{head}.weight"], tensors.get(f"heads.{head}.bias"))

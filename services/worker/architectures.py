@@ -11,7 +11,9 @@ every served family shares is not an entry's field:
   ForConditionalGeneration here: `language_model`); its decoder layers' LoRA projections are
   q/k/v/o_proj and gate/up/down_proj (`adapter_format.TARGET_MODULES`: the adapter format, the
   store's validation and the TP partitioning all name them), so PEFT adapters trained on the HF
-  model load as they are;
+  model load as they are, in every key layout transformers has given the family (adapter_format's
+  KEY_LAYOUTS, by `model_type`: transformers 4 had Qwen2-VL's LM under `model.`, LLaVA's under
+  `language_model.model.`);
 - the prefill's positions (3 axes a token, the engine's layout) come from `rope_positions`: for an
   M-RoPE family HF's own `model.model.get_rope_index`, given the processor outputs the family lists
   in `rope_inputs`; for a 1-D RoPE family (LLaVA's Llama) 0..n-1 a row on every axis, delta 0, and

@@ -4,7 +4,14 @@ import struct
 
 import pytest
 
-from services.common.adapter_format import BaseModelShapes, make_random_bundle, validate_bundle
+from services.common.adapter_format import (
+    LM_PREFIX,
+    TARGET_MODULES,
+    BaseModelShapes,
+    lora_key,
+    make_random_bundle,
+    validate_bundle,
+)
 from services.common.errors import InvalidAdapter
 
 CONFIG = {"text_config": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -110,3 +117,50 @@ def test_tensor_bytes_must_tile_the_body(edit):
     with pytest.raises(InvalidAdapter) as err:
         validate_bundle(_with_body(data, change), cfg, SHAPES, 64)
     assert err.value.reason == "NOT_SAFETENSORS"
+
+
+def _renamed(data: bytes, rename) -> bytes:
+    """The bundle with every tensor's name passed through `rename` (None: the tensor dropped)."""
+    def edit(header, body):
+        return {(rename(k) if k != "__metadata__" else k): v for k, v in header.items()}, body
+    return _with_body(data, edit)
+
+
+FAMILIES = {"qwen2_vl": "base_model.model.model.layers.", "qwen2_5_vl": "base_model.model.model.layers.",
+            "llava": "base_model.model.language_model.model.layers."}  # transformers 4's LM, PEFT's prefix
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_family_loads_the_language_model_keys_transformers_4_gave_it(family):
+    shapes = BaseModelShapes.from_config({**CONFIG, "model_type": family})
+    data, cfg = make_random_bundle(shapes, rank=4, seed=1)
+    old = _renamed(data, lambda k: k.replace(LM_PREFIX, FAMILIES[family]))
+    new_info, old_info = validate_bundle(data, cfg, shapes, 64), validate_bundle(old, cfg, shapes, 64)
+    assert old_info.keys == {k: v.replace(LM_PREFIX, FAMILIES[family]) for k, v in new_info.keys.items()}
+    assert (old_info.rank, old_info.layers, old_info.target_modules) == (4, (0, 1), TARGET_MODULES)
+    assert old_info.keys[(1, "down_proj", "B")] == f"{FAMILIES[family]}1.mlp.down_proj.lora_B.weight"
+    # another family's old layout is not this one's: Qwen2-VL's `model.layers.` is no LLaVA key
+    other = next(p for f, p in FAMILIES.items() if p != FAMILIES[family])
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(_renamed(data, lambda k: k.replace(LM_PREFIX, other)), cfg, shapes, 64)
+    assert err.value.reason == "UNKNOWN_TENSOR"
+
+
+def test_one_weight_under_two_layouts_is_refused():
+    shapes = BaseModelShapes.from_config({**CONFIG, "model_type": "qwen2_vl"})
+    data, cfg = make_random_bundle(shapes, rank=4, seed=1, target_modules=("q_proj",))
+    from safetensors.numpy import load, save
+
+    tensors = load(data)
+    one = lora_key(0, "q_proj", "A")
+    again = save({**tensors, one.replace(LM_PREFIX, FAMILIES["qwen2_vl"]): tensors[one]})
+    with pytest.raises(InvalidAdapter, match="two key layouts"):
+        validate_bundle(again, cfg, shapes, 64)
+
+
+def test_a_config_without_a_family_takes_transformers_5_keys_only():
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
+    assert SHAPES.family == "" and validate_bundle(data, cfg, SHAPES, 64).keys
+    with pytest.raises(InvalidAdapter):
+        validate_bundle(_renamed(data, lambda k: k.replace(LM_PREFIX, FAMILIES["qwen2_vl"])), cfg, SHAPES, 64)
+

@@ -96,3 +96,13 @@ def test_the_llava_1_5_7b_shape_model_is_a_full_size_llava(tmp_path):
     inputs = build_inputs(load_processor(path), [random_image(0, 448)], "Describe.")
     assert inputs["pixel_values"].shape == (1, 3, 336, 336)
     assert int((inputs["input_ids"] == config.image_token_id).sum()) == config.image_seq_length == 576
+
+
+def test_every_family_names_its_peft_key_layouts():
+    """A family added to the registry without its adapters' key layouts would take only
+    transformers 5's keys."""
+    from services.common.adapter_format import KEY_LAYOUTS, LM_PREFIX
+
+    for arch in ARCHITECTURES.values():
+        layout = KEY_LAYOUTS[arch.model_type]
+        assert layout.language_model[0] == LM_PREFIX and len(layout.language_model) > 1, arch.name
