@@ -12,7 +12,8 @@ transformers name the language model where the model class had it then (`KEY_LAY
 model's `model_type`): Qwen2-VL and Qwen2.5-VL's `base_model.model.model.layers.{i}...`, LLaVA's
 `base_model.model.language_model.model.layers.{i}...`; `validate_bundle` maps each to the layout
 above (`BundleInfo.keys`), so the store's validation and the worker's loading read the same
-tensors.
+tensors. Any other tensor is refused with the module names that do not exist in the served
+family's language model.
 
 Scale is lora_alpha / r (PEFT's default). Torch-free: shapes come from the base model's
 config.json, tensors' shapes from the safetensors header.
@@ -36,6 +37,9 @@ TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
 # A decoder layer's LoRA weight, after its layout's prefix ("...layers.").
 _LORA_KEY = re.compile(
     r"^(?P<layer>[0-9]+)\.(?P<parent>[a-z_]+)\.(?P<module>[a-z_0-9]+)\.lora_(?P<which>[AB])\.weight$")
+# What PEFT appends to a wrapped module's name in a saved tensor's (lora_A/B, DoRA's magnitude,
+# embeddings' lora_embedding_A/B, a lora_B bias).
+_PEFT_SUFFIX = re.compile(r"\.(?:lora_[A-Za-z_]+)(?:\.[A-Za-z_]+)?$")
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
     pairs: dict[tuple[int, str], set[str]] = {}
     heads: dict[str, dict[str, list[int]]] = {}
     keys: dict[tuple[int, str, str], str] = {}
+    unknown: set[str] = set()
     layout = shapes.key_layout
     for name, meta in header.items():
         if name == "__metadata__":
@@ -230,12 +235,19 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
             continue
         prefix = next((p for p in layout.language_model if name.startswith(p)), None)
         m = _LORA_KEY.fullmatch(name[len(prefix):]) if prefix is not None else None
-        if not m or m["parent"] not in ("self_attn", "mlp"):
-            raise InvalidAdapter(f"tensor {name!r} does not name a LoRA weight of the language model",
-                                 reason="UNKNOWN_TENSOR")
+        if not m:
+            if prefix is not None and _LORA_KEY.fullmatch(_PEFT_SUFFIX.sub(".lora_A.weight", name[len(prefix):])):
+                raise InvalidAdapter(f"tensor {name!r}: only LoRA's lora_A and lora_B weights are supported "
+                                     "(not DoRA's magnitude vectors nor LoRA biases)", reason="UNKNOWN_TENSOR")
+            unknown.add(_module_name(name))
+            continue
         layer, module, which = int(m["layer"]), m["module"], m["which"]
-        if module not in shapes.features or layer >= shapes.num_layers:
-            raise InvalidAdapter(f"tensor {name!r}: the base model has no such module", reason="UNKNOWN_TENSOR")
+        if module not in shapes.features or m["parent"] != module_parent(module):
+            unknown.add(_module_name(name))
+            continue
+        if layer >= shapes.num_layers:
+            raise InvalidAdapter(f"tensor {name!r}: layer {layer} does not exist, the base model's language "
+                                 f"model has {shapes.num_layers} layers", reason="UNKNOWN_TENSOR")
         if (layer, module, which) in keys:
             raise InvalidAdapter(f"tensors {keys[(layer, module, which)]!r} and {name!r} are the same weight "
                                  "in two key layouts", reason="UNKNOWN_TENSOR")
@@ -251,6 +263,13 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         modules.add(module)
         layers.add(layer)
         pairs.setdefault((layer, module), set()).add(which)
+    if unknown:
+        names = sorted(unknown)
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise InvalidAdapter(
+            f"target modules {names[:8]}{more} do not exist in the language model of the base model "
+            f"({shapes.family or 'unknown family'}, {shapes.num_layers} layers): LoRA applies to "
+            f"layers.N.self_attn.{{q,k,v,o}}_proj and layers.N.mlp.{{gate,up,down}}_proj", reason="UNKNOWN_TENSOR")
     bad_dtypes = dtypes - SAFETENSORS_DTYPES
     if bad_dtypes:
         raise InvalidAdapter(f"dtypes {sorted(bad_dtypes)} not allowed; use one of {sorted(SAFETENSORS_DTYPES)}",
@@ -287,6 +306,13 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         dtype=sorted(dtypes)[0],
         keys=keys,
     )
+
+
+def _module_name(tensor: str) -> str:
+    """The module a saved tensor belongs to, as the model names it, layer indices as N:
+    base_model.model.transformer.h.0.attn.c_attn.lora_A.weight -> transformer.h.N.attn.c_attn."""
+    name = _PEFT_SUFFIX.sub("", tensor).removeprefix("base_model.model.")
+    return re.sub(r"\.[0-9]+(?=\.|$)", ".N", name)
 
 
 def make_random_bundle(

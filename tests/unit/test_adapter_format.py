@@ -2,6 +2,7 @@ import json
 import pickle
 import struct
 
+import numpy as np
 import pytest
 
 from services.common.adapter_format import (
@@ -163,4 +164,31 @@ def test_a_config_without_a_family_takes_transformers_5_keys_only():
     assert SHAPES.family == "" and validate_bundle(data, cfg, SHAPES, 64).keys
     with pytest.raises(InvalidAdapter):
         validate_bundle(_renamed(data, lambda k: k.replace(LM_PREFIX, FAMILIES["qwen2_vl"])), cfg, SHAPES, 64)
+
+
+@pytest.mark.parametrize("rename, named", [
+    (lambda k: k.replace("self_attn.q_proj", "self_attn.qkv_proj"), "model.language_model.layers.N.self_attn.qkv_proj"),
+    (lambda k: k.replace("mlp.up_proj", "self_attn.up_proj"), "model.language_model.layers.N.self_attn.up_proj"),
+    (lambda k: k.replace(LM_PREFIX, "base_model.model.transformer.h."), "transformer.h.N.mlp.gate_proj"),
+], ids=["fused-qkv", "wrong-parent", "gpt2-layout"])
+def test_target_modules_the_family_lacks_are_refused_by_name(rename, named):
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
+    extra = _renamed(data, rename)
+    with pytest.raises(InvalidAdapter) as err:
+        validate_bundle(extra, cfg, SHAPES, 64)
+    assert err.value.reason == "UNKNOWN_TENSOR" and err.value.code.name == "INVALID_ARGUMENT"
+    assert named in str(err.value) and "do not exist in the language model" in str(err.value)
+
+
+def test_a_layer_past_the_last_and_doras_magnitudes_are_refused_by_name():
+    from safetensors.numpy import load, save
+
+    tensors = load(make_random_bundle(SHAPES, rank=4, seed=1)[0])
+    _, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
+    past = {k.replace("layers.1.", "layers.7."): v for k, v in tensors.items()}
+    with pytest.raises(InvalidAdapter, match="layer 7 does not exist.* has 2 layers"):
+        validate_bundle(save(past), cfg, SHAPES, 64)
+    dora = {**tensors, f"{LM_PREFIX}0.self_attn.q_proj.lora_magnitude_vector": np.ones(32, np.float32)}
+    with pytest.raises(InvalidAdapter, match="DoRA"):
+        validate_bundle(save(dora), cfg, SHAPES, 64)
 

@@ -90,3 +90,31 @@ def test_page_tokens():
     for bad in ("xyz", page_token("a")[:-3], "e30="):
         with pytest.raises(InvalidArgument):
             PageRequest.parse(2, bad)
+
+
+def test_the_store_checks_with_the_workers_code_path_in_the_familys_layouts(tmp_path):
+    """Registration refuses what the worker would: the same validate_bundle, the family from the
+    base model's config.json. LLaVA under transformers 4 (its LM under language_model.model.):
+    accepted; a module LLaVA's Llama lacks: refused, named."""
+    from services.adapter_store.config import StoreSettings
+    from services.adapter_store.testing import safetensors_bytes
+    from services.common.adapter_format import LM_PREFIX, BaseModelShapes
+    from services.worker.adapters import parse_bundle
+
+    llava = {**TINY_CONFIG, "model_type": "llava"}
+    settings = StoreSettings(model_path=str(write_tiny_model(tmp_path / "llava", llava)), max_rank=16,
+                             max_header_bytes=4096, max_bundle_bytes=64 * 1024)
+    checker = BundleChecker.from_settings(settings)
+    assert checker.shapes.family == "llava"
+    old = "base_model.model.language_model.model.layers."
+    tensors = {f"{old}{i}.self_attn.q_proj.lora_{w}.weight": ("F32", [4, 64] if w == "A" else [64, 4])
+               for i in range(2) for w in "AB"}
+    data = safetensors_bytes(tensors)
+    out = checker.check(req(), data)
+    assert out.info.target_modules == ("q_proj",) and out.info.layers == (0, 1)
+    weights = parse_bundle("v", out.sha256, data, adapter_config(), BaseModelShapes.from_config(llava))
+    assert sorted(weights.a) == [(0, "q_proj"), (1, "q_proj")] and weights.a[(0, "q_proj")].shape == (64, 4)
+    fused = safetensors_bytes({f"{LM_PREFIX}0.self_attn.qkv_proj.lora_A.weight": ("F32", [4, 64])})
+    with pytest.raises(InvalidAdapter, match=r"\['model.language_model.layers.N.self_attn.qkv_proj'\]") as err:
+        checker.check(req(), fused)
+    assert err.value.reason == "UNKNOWN_TENSOR" and err.value.code.name == "INVALID_ARGUMENT"
