@@ -11,11 +11,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from services.common.adapter_format import BaseModelShapes, BundleInfo, validate_bundle
 from services.common.errors import FailedPrecondition, InvalidAdapter, invalid_field
 
 from services.adapter_store.domain import Head
 
+log = structlog.get_logger()
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _PICKLE_PROTO = b"\x80"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -88,6 +91,9 @@ class BundleChecker:
             raise InvalidAdapter("bundle is empty", reason="NOT_SAFETENSORS")
         _reject_non_safetensors(data)
         info = validate_bundle(data, req.adapter_config_json, self.shapes, self.max_rank, self.max_header_bytes)
+        if info.ignored:  # the worker's parse_bundle leaves them out the same way, saying so again
+            log.warning("adapter_vision_lora_ignored", adapter=req.adapter_id, modules=list(info.ignored),
+                        why="valora applies LoRA to the language model only")
         digest = hashlib.sha256(data).hexdigest()
         if req.sha256 and req.sha256 != digest:
             raise InvalidAdapter(f"sha256 mismatch: metadata says {req.sha256}, the bytes hash to {digest}",

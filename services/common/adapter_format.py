@@ -12,8 +12,10 @@ transformers name the language model where the model class had it then (`KEY_LAY
 model's `model_type`): Qwen2-VL and Qwen2.5-VL's `base_model.model.model.layers.{i}...`, LLaVA's
 `base_model.model.language_model.model.layers.{i}...`; `validate_bundle` maps each to the layout
 above (`BundleInfo.keys`), so the store's validation and the worker's loading read the same
-tensors. Any other tensor is refused with the module names that do not exist in the served
-family's language model.
+tensors. LoRA weights of the vision tower or the projector (PEFT matches a list of target
+names by suffix: `["q_proj", "v_proj"]` also wraps CLIP's q/v_proj) are ignored, as vLLM ignores
+them, and named (`BundleInfo.ignored`) for the callers' warnings; any other tensor is refused
+with the module names that do not exist in the served family's language model.
 
 Scale is lora_alpha / r (PEFT's default). Torch-free: shapes come from the base model's
 config.json, tensors' shapes from the safetensors header.
@@ -47,19 +49,26 @@ class KeyLayout:
     """Where a family's saved PEFT keys put its modules, in every layout transformers has had."""
 
     language_model: tuple[str, ...]  # prefixes of its decoder layers ("...layers."), LM_PREFIX first
+    vision: tuple[str, ...] = ()  # prefixes of its vision tower and projector: LoRA there is ignored
 
 
 _QWEN_VL_KEYS = KeyLayout(
     # transformers < 4.52: Qwen2VLForConditionalGeneration.model was the language model, .visual the tower
     language_model=(LM_PREFIX, "base_model.model.model.layers."),
+    vision=("base_model.model.model.visual.", "base_model.model.visual."),
 )
 # The served families' layouts by config.json's model_type (services/worker/architectures.py lists
 # the families; a test checks each has its entry here).
 KEY_LAYOUTS: dict[str, KeyLayout] = {
     "qwen2_vl": _QWEN_VL_KEYS,
     "qwen2_5_vl": _QWEN_VL_KEYS,
-    # transformers < 4.52: LlavaForConditionalGeneration.language_model was a LlamaForCausalLM
-    "llava": KeyLayout(language_model=(LM_PREFIX, "base_model.model.language_model.model.layers.")),
+    # transformers < 4.52: LlavaForConditionalGeneration.language_model was a LlamaForCausalLM, and
+    # .vision_tower (CLIPVisionModel: .vision_model) and .multi_modal_projector its own attributes
+    "llava": KeyLayout(
+        language_model=(LM_PREFIX, "base_model.model.language_model.model.layers."),
+        vision=("base_model.model.model.vision_tower.", "base_model.model.vision_tower.",
+                "base_model.model.model.multi_modal_projector.", "base_model.model.multi_modal_projector."),
+    ),
 }
 DEFAULT_KEY_LAYOUT = KeyLayout(language_model=(LM_PREFIX,))
 _HEAD_KEY = re.compile(r"^heads\.(?P<name>[a-z][a-z0-9_-]{0,62})\.(?P<part>weight|bias)$")
@@ -130,6 +139,8 @@ class BundleInfo:
     dtype: str
     # (layer, module, "A" | "B") -> the tensor's name in the bundle (its layout's)
     keys: dict[tuple[int, str, str], str] = field(default_factory=dict)
+    # modules of the vision tower / projector whose LoRA weights were ignored (layer indices as N)
+    ignored: tuple[str, ...] = ()
 
 
 def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dict:
@@ -221,6 +232,7 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
     heads: dict[str, dict[str, list[int]]] = {}
     keys: dict[tuple[int, str, str], str] = {}
     unknown: set[str] = set()
+    ignored: set[str] = set()
     layout = shapes.key_layout
     for name, meta in header.items():
         if name == "__metadata__":
@@ -232,6 +244,9 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         shape = list(meta["shape"])
         if m := _HEAD_KEY.fullmatch(name):
             heads.setdefault(m["name"], {})[m["part"]] = shape
+            continue
+        if name.startswith(layout.vision):
+            ignored.add(_module_name(name))
             continue
         prefix = next((p for p in layout.language_model if name.startswith(p)), None)
         m = _LORA_KEY.fullmatch(name[len(prefix):]) if prefix is not None else None
@@ -275,7 +290,8 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         raise InvalidAdapter(f"dtypes {sorted(bad_dtypes)} not allowed; use one of {sorted(SAFETENSORS_DTYPES)}",
                              reason="BAD_DTYPE")
     if not pairs:
-        raise InvalidAdapter("bundle holds no LoRA weights", reason="EMPTY_ADAPTER")
+        also = f" (those of the vision tower, ignored: {sorted(ignored)[:4]})" if ignored else ""
+        raise InvalidAdapter(f"bundle holds no LoRA weights of the language model{also}", reason="EMPTY_ADAPTER")
     unpaired = [f"layer {l} {mod}" for (l, mod), w in pairs.items() if w != {"A", "B"}]
     if unpaired:
         raise InvalidAdapter(f"lora_A without lora_B (or the reverse): {unpaired[:3]}", reason="BAD_SHAPE")
@@ -305,12 +321,13 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         heads=head_labels,
         dtype=sorted(dtypes)[0],
         keys=keys,
+        ignored=tuple(sorted(ignored)),
     )
 
 
 def _module_name(tensor: str) -> str:
     """The module a saved tensor belongs to, as the model names it, layer indices as N:
-    base_model.model.transformer.h.0.attn.c_attn.lora_A.weight -> transformer.h.N.attn.c_attn."""
+    base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight -> model.visual.blocks.N.attn.qkv."""
     name = _PEFT_SUFFIX.sub("", tensor).removeprefix("base_model.model.")
     return re.sub(r"\.[0-9]+(?=\.|$)", ".N", name)
 

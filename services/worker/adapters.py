@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+import structlog
 import torch
 from safetensors.torch import load as load_safetensors
 
@@ -32,6 +33,7 @@ from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, vali
 from services.common.errors import AdapterNotFound, FailedPrecondition
 
 LayerModule = tuple[int, str]  # (layer index, module name e.g. "q_proj")
+log = structlog.get_logger()
 K = TypeVar("K", bound=Hashable)
 
 # Every packed view starts at a multiple of this many bytes from its buffer's start (the caching
@@ -79,8 +81,11 @@ def parse_bundle(
 ) -> AdapterWeights:
     """Validates a bundle against the base model and loads it (host memory, fp32 kept as stored).
     Its tensors are read by the names validation found them under (any key layout of the family,
-    adapter_format.KEY_LAYOUTS)."""
+    adapter_format.KEY_LAYOUTS); LoRA weights of the vision tower are left out, with a warning."""
     info = validate_bundle(data, config_json, shapes, max_rank)
+    if info.ignored:
+        log.warning("adapter_vision_lora_ignored", adapter=name, modules=list(info.ignored),
+                    why="valora applies LoRA to the language model only")
     tensors = load_safetensors(data)
     a: dict[LayerModule, torch.Tensor] = {}
     b: dict[LayerModule, torch.Tensor] = {}

@@ -13,7 +13,7 @@ every served family shares is not an entry's field:
   store's validation and the TP partitioning all name them), so PEFT adapters trained on the HF
   model load as they are, in every key layout transformers has given the family (adapter_format's
   KEY_LAYOUTS, by `model_type`: transformers 4 had Qwen2-VL's LM under `model.`, LLaVA's under
-  `language_model.model.`);
+  `language_model.model.`), their vision tower's LoRA weights ignored with a warning;
 - the prefill's positions (3 axes a token, the engine's layout) come from `rope_positions`: for an
   M-RoPE family HF's own `model.model.get_rope_index`, given the processor outputs the family lists
   in `rope_inputs`; for a 1-D RoPE family (LLaVA's Llama) 0..n-1 a row on every axis, delta 0, and

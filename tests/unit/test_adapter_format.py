@@ -1,4 +1,5 @@
 import json
+import re
 import pickle
 import struct
 
@@ -192,3 +193,29 @@ def test_a_layer_past_the_last_and_doras_magnitudes_are_refused_by_name():
     with pytest.raises(InvalidAdapter, match="DoRA"):
         validate_bundle(save(dora), cfg, SHAPES, 64)
 
+
+@pytest.mark.parametrize("family, tower", [
+    ("qwen2_vl", "base_model.model.model.visual.blocks.0.attn.qkv"),
+    ("qwen2_vl", "base_model.model.visual.blocks.1.mlp.fc1"),  # transformers 4
+    ("qwen2_5_vl", "base_model.model.model.visual.blocks.0.mlp.gate_proj"),
+    ("llava", "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj"),
+    ("llava", "base_model.model.vision_tower.vision_model.encoder.layers.2.self_attn.v_proj"),  # transformers 4
+    ("llava", "base_model.model.multi_modal_projector.linear_1"),
+])
+def test_vision_tower_lora_weights_are_ignored_and_named(family, tower):
+    from safetensors.numpy import load, save
+
+    shapes = BaseModelShapes.from_config({**CONFIG, "model_type": family})
+    data, cfg = make_random_bundle(shapes, rank=4, seed=1)
+    vision = {f"{tower}.lora_A.weight": np.ones((4, 8), np.float32),
+              f"{tower}.lora_B.weight": np.ones((8, 4), np.float32)}
+    info = validate_bundle(save({**load(data), **vision}), cfg, shapes, 64)
+    assert info.ignored == (re.sub(r"\.[0-9]+\.", ".N.", tower.removeprefix("base_model.model.")),)
+    assert info.keys == validate_bundle(data, cfg, shapes, 64).keys
+    with pytest.raises(InvalidAdapter, match="no LoRA weights of the language model.*vision tower") as err:
+        validate_bundle(save(vision), cfg, shapes, 64)
+    assert err.value.reason == "EMPTY_ADAPTER"
+    # a family without that tower refuses it by name
+    other = BaseModelShapes.from_config({**CONFIG, "model_type": "llava" if family != "llava" else "qwen2_vl"})
+    with pytest.raises(InvalidAdapter, match="do not exist"):
+        validate_bundle(save({**load(data), **vision}), cfg, other, 64)

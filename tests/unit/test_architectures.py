@@ -100,9 +100,9 @@ def test_the_llava_1_5_7b_shape_model_is_a_full_size_llava(tmp_path):
 
 def test_every_family_names_its_peft_key_layouts():
     """A family added to the registry without its adapters' key layouts would take only
-    transformers 5's keys."""
+    transformers 5's keys and refuse its vision tower's LoRA weights instead of ignoring them."""
     from services.common.adapter_format import KEY_LAYOUTS, LM_PREFIX
 
     for arch in ARCHITECTURES.values():
         layout = KEY_LAYOUTS[arch.model_type]
-        assert layout.language_model[0] == LM_PREFIX and len(layout.language_model) > 1, arch.name
+        assert layout.language_model[0] == LM_PREFIX and len(layout.language_model) > 1 and layout.vision, arch.name

@@ -94,9 +94,11 @@ def test_page_tokens():
 
 def test_the_store_checks_with_the_workers_code_path_in_the_familys_layouts(tmp_path):
     """Registration refuses what the worker would: the same validate_bundle, the family from the
-    base model's config.json. LLaVA under transformers 4 (its LM under language_model.model.):
-    accepted; a module LLaVA's Llama lacks: refused, named."""
+    base model's config.json. LLaVA under transformers 4 (its LM under language_model.model.,
+    CLIP's q_proj wrapped too): accepted, CLIP's ignored; a module LLaVA's Llama lacks: refused, named."""
     from services.adapter_store.config import StoreSettings
+    from structlog.testing import capture_logs
+
     from services.adapter_store.testing import safetensors_bytes
     from services.common.adapter_format import LM_PREFIX, BaseModelShapes
     from services.worker.adapters import parse_bundle
@@ -109,10 +111,18 @@ def test_the_store_checks_with_the_workers_code_path_in_the_familys_layouts(tmp_
     old = "base_model.model.language_model.model.layers."
     tensors = {f"{old}{i}.self_attn.q_proj.lora_{w}.weight": ("F32", [4, 64] if w == "A" else [64, 4])
                for i in range(2) for w in "AB"}
+    clip = "base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
+    tensors |= {f"{clip}.lora_A.weight": ("F32", [4, 32]), f"{clip}.lora_B.weight": ("F32", [32, 4])}
     data = safetensors_bytes(tensors)
-    out = checker.check(req(), data)
+    with capture_logs() as logs:
+        out = checker.check(req(), data)
+        weights = parse_bundle("v", out.sha256, data, adapter_config(), BaseModelShapes.from_config(llava))
     assert out.info.target_modules == ("q_proj",) and out.info.layers == (0, 1)
-    weights = parse_bundle("v", out.sha256, data, adapter_config(), BaseModelShapes.from_config(llava))
+    ignored = ["vision_tower.vision_model.encoder.layers.N.self_attn.q_proj"]
+    assert out.info.ignored == tuple(ignored)
+    warned = [e for e in logs if e["event"] == "adapter_vision_lora_ignored"]
+    assert [(e["log_level"], e["adapter"], e["modules"]) for e in warned] == [("warning", "a", ignored),
+                                                                              ("warning", "v", ignored)]
     assert sorted(weights.a) == [(0, "q_proj"), (1, "q_proj")] and weights.a[(0, "q_proj")].shape == (64, 4)
     fused = safetensors_bytes({f"{LM_PREFIX}0.self_attn.qkv_proj.lora_A.weight": ("F32", [4, 64])})
     with pytest.raises(InvalidAdapter, match=r"\['model.language_model.layers.N.self_attn.qkv_proj'\]") as err:
