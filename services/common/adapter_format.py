@@ -17,7 +17,8 @@ names by suffix: `["q_proj", "v_proj"]` also wraps CLIP's q/v_proj) are ignored,
 them, and named (`BundleInfo.ignored`) for the callers' warnings; any other tensor is refused
 with the module names that do not exist in the served family's language model.
 
-Scale is lora_alpha / r (PEFT's default). Torch-free: shapes come from the base model's
+Scale is lora_alpha / r (PEFT's default), lora_alpha / sqrt(r) with `use_rslora`; DoRA and an
+alpha_pattern of other alphas are refused. Torch-free: shapes come from the base model's
 config.json, tensors' shapes from the safetensors header.
 """
 
@@ -133,6 +134,7 @@ class BundleInfo:
 
     rank: int
     lora_alpha: float
+    scale: float  # of B·A
     target_modules: tuple[str, ...]
     layers: tuple[int, ...]
     heads: dict[str, int]  # head name -> number of labels
@@ -303,6 +305,14 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
     cfg_rank = config.get("r")
     if cfg_rank is not None and cfg_rank != rank:
         raise InvalidAdapter(f"adapter_config r={cfg_rank} but tensors have rank {rank}", reason="BAD_CONFIG")
+    lora_alpha = float(config.get("lora_alpha", rank))
+    if config.get("use_dora"):
+        raise InvalidAdapter("adapter_config_json: use_dora is not supported (DoRA rescales each weight; "
+                             "valora adds LoRA's B·A only)", reason="BAD_CONFIG")
+    alphas = config.get("alpha_pattern") or {}
+    if not isinstance(alphas, dict) or any(v != lora_alpha for v in alphas.values()):
+        raise InvalidAdapter(f"adapter_config_json: alpha_pattern {alphas!r} is not supported: one lora_alpha "
+                             "for every module", reason="BAD_CONFIG")
     head_labels: dict[str, int] = {}
     for head, parts in heads.items():
         w = parts.get("weight")
@@ -315,7 +325,9 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         head_labels[head] = w[0]
     return BundleInfo(
         rank=rank,
-        lora_alpha=float(config.get("lora_alpha", rank)),
+        lora_alpha=lora_alpha,
+        # PEFT's: lora_alpha / r, or rsLoRA's lora_alpha / sqrt(r)
+        scale=lora_alpha / (rank ** 0.5 if config.get("use_rslora") else rank),
         target_modules=tuple(m for m in TARGET_MODULES if m in modules),
         layers=tuple(sorted(layers)),
         heads=head_labels,

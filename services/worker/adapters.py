@@ -49,7 +49,7 @@ class AdapterWeights:
     name: str  # "adapters/{a}/versions/{v}"
     sha256: str
     rank: int
-    scale: float  # lora_alpha / r
+    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
     a: dict[LayerModule, torch.Tensor]  # (in, r)
     b: dict[LayerModule, torch.Tensor]  # (r, out)
     heads: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
@@ -98,7 +98,7 @@ def parse_bundle(
     for head in info.heads:
         heads[head] = (tensors[f"heads.{head}.weight"], tensors.get(f"heads.{head}.bias"))
     return AdapterWeights(
-        name=name, sha256=sha256, rank=info.rank, scale=info.lora_alpha / info.rank, a=a, b=b,
+        name=name, sha256=sha256, rank=info.rank, scale=info.scale, a=a, b=b,
         heads=heads, labels=dict(head_labels or {}),
     )
 

@@ -219,3 +219,15 @@ def test_vision_tower_lora_weights_are_ignored_and_named(family, tower):
     other = BaseModelShapes.from_config({**CONFIG, "model_type": "llava" if family != "llava" else "qwen2_vl"})
     with pytest.raises(InvalidAdapter, match="do not exist"):
         validate_bundle(save({**load(data), **vision}), cfg, other, 64)
+
+
+def test_rslora_scales_by_the_root_of_the_rank_and_dora_and_alpha_patterns_are_refused():
+    data, cfg = make_random_bundle(SHAPES, rank=4, seed=1, lora_alpha=8)
+    config = json.loads(cfg)
+    assert validate_bundle(data, cfg, SHAPES, 64).scale == 2.0
+    assert validate_bundle(data, json.dumps({**config, "use_rslora": True}), SHAPES, 64).scale == 4.0
+    assert validate_bundle(data, json.dumps({**config, "alpha_pattern": {"q_proj": 8}}), SHAPES, 64).scale == 2.0
+    for bad, match in (({"use_dora": True}, "use_dora"), ({"alpha_pattern": {"q_proj": 16}}, "alpha_pattern")):
+        with pytest.raises(InvalidAdapter, match=match) as err:
+            validate_bundle(data, json.dumps({**config, **bad}), SHAPES, 64)
+        assert err.value.reason == "BAD_CONFIG"

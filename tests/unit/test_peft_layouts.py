@@ -149,3 +149,23 @@ def test_greedy_tokens_equal_hf_peft(family, engine, layout):
     # PEFT applies its vision LoRA weights: they change an image's logits, which valora's do not follow
     full, lm = (reference(a, [random_image(3)], logits=True) for a in ("full", "lm"))
     assert not torch.allclose(full, lm)
+
+
+def test_an_rslora_adapter_equals_peft(family, engine, tmp_path):
+    """use_rslora (scale lora_alpha / sqrt(r), not / r): read from adapter_config.json, as PEFT does."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    _, path, _, _ = family
+    torch.manual_seed(1)
+    peft_model = get_peft_model(load_model(path), LoraConfig(r=16, lora_alpha=8, use_rslora=True,
+                                                             target_modules=TARGETS, init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path)
+    data = (tmp_path / "adapter_model.safetensors").read_bytes()
+    assert engine.load_adapter_bytes("rslora", "r" * 64, data, (tmp_path / "adapter_config.json").read_text())
+    model = PeftModel.from_pretrained(load_model(path), tmp_path).eval()
+    inputs = dict(build_inputs(load_processor(path), [], PROMPT))
+    inputs.pop("mm_token_type_ids", None)
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    _, got = engine.generate(WorkRequest("r", PROMPT, [], adapter="rslora", max_new_tokens=MAX_NEW))
+    assert got.token_ids == want.tolist()
