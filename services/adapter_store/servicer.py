@@ -354,23 +354,8 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
 
     async def FetchDataset(self, request, context):
         chunks = await self.run(self.registry.open_dataset, parse_dataset_name(request.name))
-        buf = bytearray()
-        sentinel = object()
-        try:
-            while True:
-                piece = await self.run(next, chunks, sentinel)
-                if piece is sentinel:
-                    break
-                buf += piece
-                while len(buf) >= self.chunk_bytes:
-                    yield store_pb.FetchDatasetResponse(chunk=bytes(buf[:self.chunk_bytes]))
-                    del buf[:self.chunk_bytes]
-            if buf:
-                yield store_pb.FetchDatasetResponse(chunk=bytes(buf))
-        finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                await self.run(close)
+        async for chunk in self._rechunked(chunks):
+            yield store_pb.FetchDatasetResponse(chunk=chunk)
 
     async def ResolveReference(self, request, context):
         r = await self.run(self.registry.resolve, request.reference)
@@ -382,6 +367,12 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
         v, chunks = await self.run(self.registry.open_ready, adapter_id, version)
         yield store_pb.FetchAdapterResponse(metadata=store_pb.FetchAdapterMetadata(
             version=convert.version_to_pb(v), adapter_config_json=v.adapter_config_json))
+        async for chunk in self._rechunked(chunks):
+            yield store_pb.FetchAdapterResponse(chunk=chunk)
+
+    async def _rechunked(self, chunks):
+        """The blob's byte pieces (a blocking iterator, read on the store's threads) as messages of
+        chunk_bytes each, the last shorter; the iterator closed however the stream ends."""
         buf = bytearray()
         sentinel = object()
         try:
@@ -391,10 +382,10 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
                     break
                 buf += piece
                 while len(buf) >= self.chunk_bytes:
-                    yield store_pb.FetchAdapterResponse(chunk=bytes(buf[:self.chunk_bytes]))
+                    yield bytes(buf[:self.chunk_bytes])
                     del buf[:self.chunk_bytes]
             if buf:
-                yield store_pb.FetchAdapterResponse(chunk=bytes(buf))
+                yield bytes(buf)
         finally:
             close = getattr(chunks, "close", None)
             if close is not None:
