@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from services.common.modes import Mode
-from services.worker.config import WorkerSettings
 from services.worker.engine import Engine, EngineConfig
 from services.worker.model import build_inputs, ensure_tiny_model, load_model, load_processor
 from services.worker.processor import decode_image
@@ -18,10 +17,8 @@ from services.worker.requests import WorkRequest
 from services.worker.sequence import Sequence
 from services.worker.testing import (
     TEST_KV_BYTES,
-    InMemoryAdapterStore,
     random_adapter_bundle,
     random_image,
-    serve_worker,
     write_peft_dir,
 )
 from services.worker.vision_tower import HFVisionTower
@@ -152,21 +149,12 @@ def anyio_backend():
 
 @pytest.mark.anyio
 async def test_the_worker_serves_it_from_valora_model_path(engine, qwen25_path, bundles, tmp_path, monkeypatch):
-    from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
     from valora.v1 import types_pb2
 
-    from tests.unit.test_worker_server import generate, png
+    from tests.unit.test_worker_server import png, served_image_request
 
-    monkeypatch.setenv("VALORA_MODEL_PATH", str(qwen25_path))
-    settings = WorkerSettings(port=0, build_tiny_model=False, default_max_new_tokens=MAX_NEW,
-                              adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0)
-    store = InMemoryAdapterStore({A: bundles[A]})
-    async with serve_worker(settings, store) as (worker, channel):
-        stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-        _, res = await generate(stub, request_id="g", prompt=PROMPT, images=[types_pb2.Image(data=png(7))],
-                                adapter=work_pb2.AdapterRef(version=A, sha256=bundles[A].sha256))
-        assert worker.servicer.engine.arch.name == "qwen2.5-vl"
-        status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+    arch, res, status = await served_image_request(qwen25_path, A, bundles[A], PROMPT, MAX_NEW, tmp_path, monkeypatch)
+    assert arch == "qwen2.5-vl"
     assert res.usage.image_tokens == 4 and res.mode == types_pb2.INFERENCE_MODE_UNMERGED and status.healthy
     # the engine in-process gives the served worker's answer
     _, direct = engine.generate(WorkRequest("d", PROMPT, [decode_image(png(7))], adapter=A, max_new_tokens=MAX_NEW))

@@ -65,6 +65,21 @@ async def generate(stub, **item):
     return deltas, result
 
 
+async def served_image_request(model_path, name: str, bundle, prompt: str, max_new: int, tmp_path, monkeypatch):
+    """A worker started from VALORA_MODEL_PATH=`model_path` (a family's tiny checkpoint) answers one
+    request with one image (png(7)) and adapter `name`: (the engine's family name, the result,
+    the worker's status)."""
+    monkeypatch.setenv("VALORA_MODEL_PATH", str(model_path))
+    settings = WorkerSettings(port=0, build_tiny_model=False, default_max_new_tokens=max_new,
+                              adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0)
+    async with serve_worker(settings, InMemoryAdapterStore({name: bundle})) as (worker, channel):
+        stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        _, res = await generate(stub, request_id="g", prompt=prompt, images=[types_pb2.Image(data=png(7))],
+                                adapter=work_pb2.AdapterRef(version=name, sha256=bundle.sha256))
+        status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
+        return worker.servicer.engine.arch.name, res, status
+
+
 async def test_health_load_generate_and_status(cluster):
     worker, store, channel, stub = cluster
     health = health_pb2_grpc.HealthStub(channel)
