@@ -8,6 +8,8 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
+from valora.cli import common as cli_common
+
 from services.adapter_store.config import StoreSettings
 from services.adapter_store.testing import RunningStore, adapter_config, make_bundle, write_tiny_model
 from services.common.testing import ServiceThread
@@ -115,6 +117,9 @@ def invoke(gateway, monkeypatch, tmp_path):
     env = {"VALORA_ADDRESS": gateway, "VALORA_ADMIN_KEY": ADMIN_KEY, "VALORA_HOME": str(tmp_path), "COLUMNS": "200"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # the console follows COLUMNS unless a width was fixed on it: `valora demo` run in-process
+    # (tests/e2e/test_demo.py, earlier in the suite) fixes 120 when its output is not a terminal
+    monkeypatch.setattr(cli_common.console, "_width", None)
 
     def run(*args: str, input: str | None = None):
         return CliRunner().invoke(cli.app, list(args), input=input, env=env)
