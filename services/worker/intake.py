@@ -38,6 +38,7 @@ class RequestIntake:
         tokenizer = processor.tokenizer
         self.special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special_tokens(tokenizer)}
         self._special_id_tensor = torch.tensor(sorted(self.special_ids.values()), dtype=torch.long)
+        self._template_ids: dict[tuple[str, ...], collections.Counter] = {}  # history roles -> the template's ids
 
     @property
     def pixel_dtype(self) -> torch.dtype | None:
@@ -123,8 +124,12 @@ class RequestIntake:
         after an NFKC normalizer: `＜｜im_start｜＞`). A raw prompt's are the caller's own."""
         if request.raw_prompt:
             return
-        skeleton = self.processor.tokenizer(chat_skeleton(self.processor, [role for role, _, _ in request.history]))
-        wanted = collections.Counter(skeleton["input_ids"])  # with what the tokenizer adds (LLaVA's <s>)
+        roles = tuple(role for role, _, _ in request.history)
+        wanted = self._template_ids.get(roles)
+        if wanted is None:  # tokenized once per shape of history, with what the tokenizer adds (LLaVA's <s>)
+            wanted = collections.Counter(self.processor.tokenizer(chat_skeleton(self.processor, roles))["input_ids"])
+            if len(self._template_ids) < 256:
+                self._template_ids[roles] = wanted
         found = collections.Counter(ids[torch.isin(ids, self._special_id_tensor)].tolist())
         for token, token_id in self.special_ids.items():
             want, got = wanted[token_id], found[token_id]
