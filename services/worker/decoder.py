@@ -74,8 +74,8 @@ class Decoder:
         except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
             self._isolate(rows, lengths, [], exc)
             return
-        if self._holdable(rows):
-            self.pending.append(self._hold(rows, tokens, logprobs))
+        if self.holdable(rows):
+            self.pending.append(self.hold(rows, tokens, logprobs))
             return
         for s, token, lp in zip(rows, tokens.tolist(), _rows_of(logprobs, len(rows))):  # one copy for the batch
             self.outputs.guard([s], self.outputs.accept, s, token, lp)  # a row that fails here fails alone
@@ -83,16 +83,16 @@ class Decoder:
     def hold_first(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> bool:
         """Holds a prefill's first tokens of `rows` (now running) on the device for the next
         decode step; False (nothing held: the caller takes them) when they may not wait."""
-        if not self._holdable(rows):
+        if not self.holdable(rows):
             return False
-        self.pending.append(self._hold(rows, tokens, logprobs))
+        self.pending.append(self.hold(rows, tokens, logprobs))
         return True
 
     def flush(self) -> None:
         """Takes the pending tokens, if any (before anything that needs every token known)."""
         pending, self.pending = self.pending, []
         for p in pending:
-            self.outputs.guard([s for s in p.rows if not s.finished], self._take, p)
+            self.outputs.guard([s for s in p.rows if not s.finished], self.take, p)
 
     def _launch(self, rows: list[Sequence], step, ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,7 +116,7 @@ class Decoder:
             return False
         if not self.sched.can_grow(rows):
             return False
-        ids = self._gather(rows, where)
+        ids = self.gather(rows, where)
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
         self.peak_rows = max(self.peak_rows, len(rows))
         self.peak_entries = max(self.peak_entries, len(step.entries))
@@ -127,11 +127,11 @@ class Decoder:
         except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
             self._isolate(rows, lengths, taken, exc)
             return True
-        self.pending.append(self._hold(rows, *launched))
+        self.pending.append(self.hold(rows, *launched))
         self.pipelined_steps += 1
         for p in taken:
-            self._take(p)
-        if not self._holdable(rows):
+            self.take(p)
+        if not self.holdable(rows):
             self.flush()
         return True
 
@@ -151,7 +151,7 @@ class Decoder:
         for s, n in zip(rows, lengths):
             s.length = n
         for p in taken:
-            self._take(p)
+            self.take(p)
         alive = [s for s in rows if not s.finished]
         if len(rows) == 1:
             if alive:
@@ -172,7 +172,7 @@ class Decoder:
         tokens, logprobs = self._launch([s], self.lora.plan([s], 1, 1))
         self.outputs.accept(s, tokens.tolist()[0], _rows_of(logprobs, 1)[0])
 
-    def _gather(self, rows: list[Sequence], where: dict) -> torch.Tensor:
+    def gather(self, rows: list[Sequence], where: dict) -> torch.Tensor:
         """The rows' last tokens on the device: a pending one where it is pending, else the host's."""
         if len(self.pending) == 1 and self.pending[0].rows == rows:  # Sequence compares by identity
             return self.pending[0].tokens  # the same rows as the pending step (steady decoding)
@@ -194,7 +194,7 @@ class Decoder:
         flat = torch.cat(sources) if len(sources) > 1 else sources[0]
         return flat.index_select(0, self.runner.upload(torch.tensor(index)))
 
-    def _holdable(self, rows: list[Sequence]) -> bool:
+    def holdable(self, rows: list[Sequence]) -> bool:
         """Whether tokens just launched for `rows` may wait for the next step's launch: pipelining
         is on, some row goes on after this token (no speculative step when all are done:
         finished, or at max_new_tokens), and none releases its adapter with it (the next step's
@@ -211,7 +211,7 @@ class Decoder:
             goes_on = goes_on or n < s.prep.max_new_tokens
         return goes_on
 
-    def _hold(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> PendingStep:
+    def hold(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> PendingStep:
         """Queues the copy of launched tokens (and log-probabilities) to the host, right behind
         the work that computes them."""
         pin = self.device.type == "cuda"
@@ -227,7 +227,7 @@ class Decoder:
             copied.record(torch.cuda.current_stream(self.device))
         return PendingStep(rows, tokens, host, copied, host_lp)
 
-    def _take(self, pending: PendingStep) -> None:
+    def take(self, pending: PendingStep) -> None:
         """Accepts pending tokens; a row that finished or left since their launch drops its own."""
         if pending.copied is not None:
             pending.copied.synchronize()

@@ -45,6 +45,7 @@ from services.worker.lora_manager import Command, LoraManager
 from services.worker.lora_plans import LoraPlanner
 from services.worker.lora_model import load_lora_model
 from services.worker.model import load_processor
+from services.worker.mixed_step import MixedStep
 from services.worker.model_runner import ModelRunner
 from services.worker.outputs import OutputProcessor
 from services.worker.inbox import Inbox
@@ -120,6 +121,8 @@ class Engine:
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
         self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
         self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.decoder, self.tokenizer)
+        self.mixed = MixedStep(self.sched, self.lora, self.runner, self.outputs, self.decoder,
+                               self.prefiller) if config.mixed_steps else None
         self.trace = self.runner.trace = StepTrace(config.step_trace, self.device)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -327,12 +330,16 @@ class Engine:
         batch = self.sched.take_prefills()
         self.trace.taken(batch)
         decoding = len(self.sched.running)
-        if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
-            self.outputs.guard(batch, self.prefiller.run, batch)
-        self.trace.mark("prefill")
         decoded = list(self.sched.running)
-        if decoded:
-            self.outputs.guard(decoded, self.decoder.step)
+        if batch and self.mixed is not None and self._ride(batch, decoded):
+            self.trace.mark("prefill")  # one forward: prefill and decode
+        else:
+            if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
+                self.outputs.guard(batch, self.prefiller.run, batch)
+            self.trace.mark("prefill")
+            decoded = list(self.sched.running)
+            if decoded:
+                self.outputs.guard(decoded, self.decoder.step)
         self.trace.mark("decode")
         if self.device.type == "cuda" and not self.decoder.pending:
             torch.cuda.synchronize(self.device)  # step time is GPU time too (the logits' .item() syncs anyway)
@@ -347,6 +354,12 @@ class Engine:
         self.step_log.append((len(batch), decoding, ms))
         self.steps += 1
         self._update_stats(step_ms=ms)
+
+    def _ride(self, batch: list[Sequence], decoded: list[Sequence]) -> bool:
+        """Whether the step's prefill and decode ran as one forward (mixed_step.py). An error
+        outside that forward (a failed forward falls back by itself) fails the step's rows."""
+        rode: list[bool] = []
+        return not self.outputs.guard(batch + decoded, lambda: rode.append(self.mixed.run(batch))) or rode[0]
 
     def _fail_waiting(self, s: Sequence, error: ValoraError | None) -> None:
         """A waiting request that will not run: `error`, or (None) why it was halted."""

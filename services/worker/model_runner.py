@@ -48,6 +48,19 @@ class PrefillOutput:
     logprobs: torch.Tensor | None = None
 
 
+@dataclass
+class Riders:
+    """Decode rows riding a prefill forward (mixed_step.py): each row's next token as a piece of
+    one token beside the prefill pieces. `ids`: their last tokens on the device, in `rows` order
+    (a pipelined step's pending tokens), else None (the host's). After the forward their tokens
+    (rows,) and packed log-probabilities (or None) are on the device, as a decode step's."""
+
+    rows: list[Sequence]
+    ids: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, model, runtime: LoraRuntime, vision: VisionEncoder, config, dtype: torch.dtype,
                  device: torch.device, tp: TPGroup | None) -> None:
@@ -71,7 +84,8 @@ class ModelRunner:
                                    capture=config.decode_graphs == "auto", attention_kernel=attention_kernel,
                                    pool_handle=handle)
         self.prefill_graphs = PrefillGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
-                                            rows=config.max_prefills_per_step,
+                                            rows=max(config.max_prefills_per_step,
+                                                     config.max_batch_size if config.mixed_steps else 0),
                                             capture=config.prefill_graphs == "auto",
                                             pad=config.prefill_graphs != "off", kernel=self.prefill_kernel,
                                             pool_handle=handle)
@@ -125,7 +139,8 @@ class ModelRunner:
                         hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION")
         return pool, manager
 
-    def prefill(self, rows: list[Sequence], step: StepLora) -> tuple[list[Sequence], PrefillOutput]:
+    def prefill(self, rows: list[Sequence], step: StepLora, riders: Riders | None = None
+                ) -> tuple[list[Sequence], PrefillOutput]:
         """Prefills each row's piece [s.prefilled, s.prefill_to) of its context in one forward of
         the language model, `step` their LoRA plan (rows ordered by LoRA entry, each row's piece
         length: one StepLora, no permutation, ATMM takes it). Returns the rows whose whole
@@ -141,39 +156,65 @@ class ModelRunner:
         batch, padded on the host, padding masked out: every row gets the positions and rope
         delta it has alone); a row prefilled in chunks keeps them for its next pieces. A
         sequence prefilled again after a preemption runs over its prompt and its generated
-        tokens (text). The completed text rows' first tokens are chosen on the device."""
-        fresh = [s for s in rows if s.prefilled == 0]
+        tokens (text). The completed text rows' first tokens are chosen on the device.
+
+        `riders`: rows of `rows` that decode in this forward (mixed_step.py): each runs its next
+        token as a piece of one (embedded from its last token, at its next position and slot) and
+        takes a token chosen with the first tokens, in one sampling call."""
+        ride = {s: j for j, s in enumerate(riders.rows)} if riders is not None else {}
+        ride_embeds = None
+        if ride:
+            ids = riders.ids
+            if ids is None:
+                ids = self.upload(torch.tensor([s.last_token for s in riders.rows]))
+            ride_embeds = self.model.get_input_embeddings()(ids.view(-1)[:len(ride)].long())
+        fresh = [s for s in rows if s.prefilled == 0 and s not in ride]
         if fresh:
             for s, e, pos, delta in zip(fresh, *self._inputs(fresh)):
                 s.chunk_inputs = (e, pos, delta)
         if self.trace is not None:
             self.trace.mark("inputs")
-        parts, positions, slots = [], [], []
+        parts, positions, slots, lens = [], [], [], []
+        wanted, at, end = [], {}, 0  # each completed row's last token; each rider's token
         for s in rows:
+            j = ride.get(s)
+            if j is not None:
+                parts.append(ride_embeds[j:j + 1])
+                positions.append(torch.full((3, 1), s.length + s.rope_delta, dtype=torch.long))
+                slots.append(self.blocks.slots(s.id, s.length, s.length + 1))
+                lens.append(s.length + 1)
+                at[s] = end
+                end += 1
+                continue
             e, pos, _ = s.chunk_inputs
             a, b = s.prefilled, s.prefill_to
             parts.append(e[a:b])
             positions.append(pos[:, a:b])
             slots.append(self.blocks.slots(s.id, a, b))
-        done = [i for i, s in enumerate(rows) if s.prefill_to == s.context]
-        wanted, end = [], 0
-        for i, part in enumerate(parts):
-            end += part.shape[0]
-            if i in done:
-                wanted.append(end - 1)  # each completed row's last token
+            lens.append(b)
+            end += b - a
+            if b == s.context:
+                wanted.append(end - 1)
+        completed = [s for s in rows if s not in ride and s.prefill_to == s.context]
+        if ride:
+            wanted += [at[s] for s in riders.rows]
         self.runtime.step = step
         try:
             hidden = self.prefill_graphs.forward(parts, positions, slots, [self.blocks.row(s.id) for s in rows],
-                                                 [s.prefill_to for s in rows], wanted, step)
+                                                 lens, wanted, step)
         finally:
             self.runtime.step = None
         for s in rows:
-            s.prefilled = s.prefill_to
-        completed = [rows[i] for i in done]
+            if s in ride:
+                s.length += 1
+            else:
+                s.prefilled = s.prefill_to
         deltas = [s.chunk_inputs[2] for s in completed]
         for s in completed:
             s.chunk_inputs = None
-        return completed, self._first_tokens(completed, [s.context for s in completed], deltas, hidden)
+        k = len(completed)
+        return completed, self._first_tokens(completed, [s.context for s in completed], deltas, hidden[:k],
+                                             riders if ride else None, hidden[k:])
 
     def prefill_tokens(self, n: int) -> int:
         """The tokens a prefill forward of `n` packed tokens runs (its LoRA plan covers them all)."""
@@ -221,19 +262,33 @@ class ModelRunner:
         return embeds, [position_ids[:, i, :n] for i, n in enumerate(lengths)], [int(d) for d in deltas]
 
     def _first_tokens(self, rows: list[Sequence], lengths: list[int], deltas: list[int],
-                      hidden: torch.Tensor) -> PrefillOutput:
-        """The text rows' first tokens from their last hidden states (rows, hidden), on the device."""
+                      hidden: torch.Tensor, riders: Riders | None = None,
+                      ridden: torch.Tensor | None = None) -> PrefillOutput:
+        """The text rows' first tokens from their last hidden states (rows, hidden), on the device;
+        with `riders`, theirs too (from `ridden`, (riders, hidden)), in the same sampling call."""
         b = len(rows)
         text = [i for i, s in enumerate(rows) if s.req.output_kind != OutputKind.LABEL]
+        if not text and riders is None:
+            return PrefillOutput(lengths, deltas, hidden)
+        head_in = hidden if len(text) == b else hidden[self.upload(torch.tensor(text, dtype=torch.long))]
+        chosen_rows = [rows[i] for i in text]
+        # each row's token takes position (its context + rope delta): the sampler's counter
+        counters = [lengths[i] + deltas[i] for i in text]
+        if riders is not None:
+            head_in = torch.cat([head_in, ridden]) if text else ridden
+            chosen_rows += riders.rows
+            counters += [s.length + s.rope_delta for s in riders.rows]
+        head_out = self.model.lm_head(head_in)
+        chosen = self.choose(chosen_rows, head_out.argmax(-1), head_out, counters)
+        packed = self.logprobs(chosen_rows, head_out, chosen)
+        k = len(text)
+        if riders is not None:
+            riders.tokens = chosen[k:]
+            riders.logprobs = None if packed is None else packed[k:]
         if not text:
             return PrefillOutput(lengths, deltas, hidden)
-        head_in = hidden if len(text) == b else hidden[self.upload(torch.tensor(text))]
-        head_out = self.model.lm_head(head_in)
-        # each row's token takes position (its context + rope delta): the sampler's counter
-        chosen = self.choose([rows[i] for i in text], head_out.argmax(-1), head_out,
-                             [lengths[i] + deltas[i] for i in text])
-        packed = self.logprobs([rows[i] for i in text], head_out, chosen)
-        return PrefillOutput(lengths, deltas, hidden, text, chosen, head_out, packed)
+        return PrefillOutput(lengths, deltas, hidden, text, chosen[:k], head_out[:k],
+                             None if packed is None else packed[:k])
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's

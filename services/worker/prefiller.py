@@ -42,12 +42,8 @@ class Prefiller:
         row whose own forward raises fails (the engine's guard: INTERNAL with the error); the
         others go on with the tokens they would have had. A row alone that fails is failed, never
         retried again; when every forward fails (a broken device) every row fails."""
-        t0 = time.monotonic()
         rows = sorted(seqs, key=self.lora.sort_key)
-        for s in rows:
-            if s.prefilled == 0 and not s.tokens:  # a recomputed sequence keeps its first prefill's time
-                s.t_prefill = t0
-        self.peak_rows = max(self.peak_rows, len(rows))
+        self.starting(rows)
         before = [(s.prefilled, s.chunk_inputs) for s in rows]
         try:
             done, out = self._prefill(rows)
@@ -57,7 +53,15 @@ class Prefiller:
             self._isolate(rows, before, exc)
             return
         if done:
-            self._hand_off(done, out)
+            self.hand_off(done, out)
+
+    def starting(self, rows: list[Sequence]) -> None:
+        """Before a forward prefills `rows`: their prefill start times, the peak batch."""
+        t0 = time.monotonic()
+        for s in rows:
+            if s.prefilled == 0 and not s.tokens:  # a recomputed sequence keeps its first prefill's time
+                s.t_prefill = t0
+        self.peak_rows = max(self.peak_rows, len(rows))
 
     def _prefill(self, rows: list[Sequence]) -> tuple[list[Sequence], PrefillOutput]:
         """One forward of the rows' pieces (ModelRunner.prefill) under their LoRA plan."""
@@ -101,9 +105,9 @@ class Prefiller:
     def _alone(self, s: Sequence) -> None:
         done, out = self._prefill([s])
         if done:
-            self._hand_off(done, out)
+            self.hand_off(done, out)
 
-    def _hand_off(self, rows: list[Sequence], out: PrefillOutput) -> None:
+    def hand_off(self, rows: list[Sequence], out: PrefillOutput) -> None:
         """After the prefill forward: each row's own hand-off (prefilled), then the text rows'
         first tokens — held on the device for the next decode step when the decoder pipelines
         them (Decoder.hold_first: the host takes them once that step is launched), else taken now."""
@@ -119,7 +123,7 @@ class Prefiller:
 
     def prefilled(self, s: Sequence, length: int, rope_delta: int, hidden: torch.Tensor) -> None:
         """After the prefill forward: answers a LABEL request, or (re)starts decoding (its first
-        token follows, _hand_off)."""
+        token follows, hand_off)."""
         s.length = length
         s.rope_delta = rope_delta
         if s.req.output_kind == OutputKind.LABEL:

@@ -1,0 +1,124 @@
+"""Mixed steps (mixed_step.py) on the tiny Qwen2-VL (fp32, CPU, static decode step): requests
+joining mid-decode are prefilled in forwards the running rows decode in too, and every request
+gets the tokens, log-probabilities, text and finish reason it gets with the prefill and the decode
+step apart — pipelined or not, greedy and seeded sampled rows, adapters and none, chunked prompts;
+a mixed forward that raises after it moved the rows on runs the two forwards apart, unchanged."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from services.worker.engine import Engine, EngineConfig
+from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
+from services.worker.sampling import SamplingParams
+from services.worker.testing import load_random_adapters, random_image
+
+A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
+
+
+def req(i: int, n: int, **kw) -> WorkRequest:
+    return WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], max_new_tokens=n, **kw)
+
+
+def first() -> list[WorkRequest]:
+    return [req(0, 20), req(1, 14, adapter=B, logprobs=2),
+            req(2, 16, adapter=A, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=5))]
+
+
+def joiners(n: int) -> list[WorkRequest]:
+    """Submitted when r0 has streamed n tokens: they prefill while the first ones decode."""
+    return [req(10 + n, 6, adapter=A), req(20 + n, 5, logprobs=1),
+            req(30 + n, 7, adapter=B, sampling=SamplingParams(temperature=1.0, top_k=20, seed=n)),
+            WorkRequest(f"long{n}", "Tell me everything about this picture. " * 6, [random_image(40 + n)],
+                        max_new_tokens=4, adapter=A)]
+
+
+def run(model_path, mixed: bool, pipeline: bool = True, patch=None) -> tuple[Engine, dict]:
+    """The workload on a fresh engine; returns it (stopped) and each request's summary."""
+    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", pipeline_decode=pipeline,
+                              mixed_steps=mixed, max_batch_size=12, max_prefills_per_step=3,
+                              max_prefill_tokens=160, device_slots=3))  # "long…" prefills in chunks
+    eng.eos_ids = set()
+    if patch is not None:
+        patch(eng)
+    eng.start()
+    events: dict[str, list] = {}
+    ended: queue.Queue = queue.Queue()
+
+    def submit(r: WorkRequest) -> None:
+        got = events[r.request_id] = []
+
+        def sink(ev):
+            got.append(ev)
+            if r.request_id == "r0" and isinstance(ev, TextDelta) and sum(
+                    isinstance(e, TextDelta) for e in got) in (3, 8):
+                for j in joiners(len(got)):  # on the engine thread: deterministic
+                    submit(j)
+            if isinstance(ev, (Finished, Failed)):
+                ended.put(r.request_id)
+        eng.submit(eng.prepare(r), sink)
+
+    try:
+        load_random_adapters(eng, model_path, (A, B))
+        with eng._wake:
+            for r in first():
+                submit(r)
+        for _ in range(3 + 2 * 4):
+            ended.get(timeout=180)
+        for _ in range(500):
+            if eng.stats().running == 0 and eng.stats().kv_cache_bytes == 0:
+                break
+            time.sleep(0.01)
+    finally:
+        eng.stop()
+    return eng, {rid: summary(evs) for rid, evs in events.items()}
+
+
+def summary(events: list) -> tuple:
+    ends = [e for e in events if isinstance(e, (Finished, Failed))]
+    assert ends == [events[-1]], "one terminal event, the last one"
+    end = events[-1]
+    assert isinstance(end, Finished), end
+    r = end.result
+    # log-probabilities from another forward's batch agree to rounding
+    lps = tuple((lp.token_id, pytest.approx(lp.logprob, abs=1e-4)) for lp in r.logprobs)
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), tuple(r.token_ids), r.finish_reason, lps
+
+
+@pytest.fixture(scope="module")
+def apart(model_path):
+    eng, out = run(model_path, mixed=False)
+    assert eng.mixed is None
+    return out
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
+def test_mixed_steps_give_every_request_its_tokens(model_path, apart, pipeline):
+    eng, out = run(model_path, mixed=True, pipeline=pipeline)
+    assert out == apart
+    assert len(out) == 11
+    assert eng.mixed.steps >= 4 and eng.mixed.fallbacks == 0  # both joins (and the chunks) rode
+    assert eng.kv.used_blocks == 0
+
+
+def test_a_mixed_forward_that_raises_runs_both_apart(model_path, apart):
+    """The forward raises after it cached its tokens and moved every row on (the riders'
+    lengths, the pieces' `prefilled`): each row is put back and the step runs as two forwards."""
+    def patch(eng: Engine) -> None:
+        real = eng.runner.prefill
+        failures = []
+
+        def prefill(rows, step, riders=None):
+            got = real(rows, step, riders)
+            if riders is not None and len(failures) < 2:
+                failures.append(1)
+                raise RuntimeError("injected after the mixed forward")
+            return got
+        eng.runner.prefill = prefill
+
+    eng, out = run(model_path, mixed=True, patch=patch)
+    assert out == apart
+    assert eng.mixed.fallbacks == 2 and eng.mixed.steps >= 2
