@@ -130,7 +130,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
     rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
                         "first_logits": {}}
     first_logits: dict[str, torch.Tensor] = {}
-    hand_off = eng.prefiller._hand_off
+    hand_off = eng.prefiller.hand_off
 
     def record_prefill(rows, out):  # first-token logits, rep 0
         for i, logits in zip(out.text, out.logits if out.logits is not None else ()):
@@ -138,7 +138,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
                 first_logits[rows[i].req.request_id] = logits.float().cpu()
         return hand_off(rows, out)
 
-    eng.prefiller._hand_off = record_prefill
+    eng.prefiller.hand_off = record_prefill
     try:
         for name, b in bundles.items():
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, to_device=True)
