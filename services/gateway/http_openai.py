@@ -9,7 +9,9 @@
   ids outside the model's vocabulary are the worker's 400), `stream` (SSE chunks, then
   `data: [DONE]`), `stream_options.include_usage`. Extension: `output_kind: "label"` with a task
   runs its head; the label is the message content and its scores come back under
-  `valora.scores`. Bodies are parsed through openai_models.py's typed models: a parameter the
+  `valora.scores`. Extension: `adapter_release_fraction` (GenerationParams', [0, 1]: after that
+  share of the output the request goes on without its adapter; 0 or omitted: the task's own
+  policy, else never). Bodies are parsed through openai_models.py's typed models: a parameter the
   engine does not implement (`tools`, `response_format`, …; `UNSUPPORTED`) is a 400 naming it
   unless it has its neutral value, never silently ignored; an unknown one (`temprature`) is
   OpenAI's `Unrecognized request argument supplied: temprature`; a mistyped one names its field.
@@ -292,7 +294,7 @@ def _request_options(req: ChatCompletionRequest | CompletionRequest, base_model:
             raise RequestError(f"{key} must be positive", key)
         _assign(p, "max_new_tokens", max_tokens, key)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+                 "repetition_penalty", "adapter_release_fraction"):
         value = getattr(req, name)
         if value is not None:
             _assign(p, name, value, name)

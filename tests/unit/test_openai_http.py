@@ -518,6 +518,37 @@ async def test_unknown_arguments_are_refused_as_openai_refuses_them():
     assert [(t.role, t.text) for t in worker.items[1].history] == [("user", "x"), ("assistant", "two cars")]
 
 
+async def test_adapter_release_fraction_through_extra_body():
+    """Early adapter release per request over HTTP (issue 23): extra_body's
+    adapter_release_fraction reaches the worker's request as the gRPC path's field, on chat and
+    text completions; out of [0, 1] it is the gateway validation's 400 naming the field."""
+    async with http_stack() as (worker, client, _):
+        await client.chat.completions.create(model="adapters/cars@prod", messages=[{"role": "user", "content": "x"}],
+                                             extra_body={"adapter_release_fraction": 0.25})
+        await client.completions.create(model="adapters/cars@prod", prompt="x",
+                                        extra_body={"adapter_release_fraction": 1})
+        bad = []
+        for value in (1.5, -0.1):
+            with pytest.raises(openai.BadRequestError) as exc:
+                await client.chat.completions.create(model="adapters/cars@prod",
+                                                     messages=[{"role": "user", "content": "x"}],
+                                                     extra_body={"adapter_release_fraction": value})
+            bad.append(exc.value)
+        with pytest.raises(openai.BadRequestError) as legacy_bad:
+            await client.completions.create(model="adapters/cars@prod", prompt="x",
+                                            extra_body={"adapter_release_fraction": 2})
+        with pytest.raises(openai.BadRequestError) as typed:  # a string is not a number
+            await client.chat.completions.create(model="adapters/cars@prod",
+                                                 messages=[{"role": "user", "content": "x"}],
+                                                 extra_body={"adapter_release_fraction": "0.5"})
+    assert [round(i.params.adapter_release_fraction, 3) for i in worker.items] == [0.25, 1.0]
+    for err in (*bad, legacy_bad.value):
+        assert err.status_code == 400
+        assert err.body["param"] == "input.params.adapter_release_fraction" and err.body["code"] == "invalid_argument"
+        assert "not in [0, 1]" in err.body["message"], err.body
+    assert typed.value.body["param"] == "adapter_release_fraction"
+
+
 def test_every_openai_parameter_is_typed_or_refused():
     """Each parameter of the openai package's request types is either a typed field of ours or
     in UNSUPPORTED, where a value other than its neutral one is a 400 naming it."""
