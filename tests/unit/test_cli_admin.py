@@ -193,10 +193,10 @@ def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0].startswith("tasks/cli-color adapter=adapters/cli-tasks head=color")
     assert r.output.splitlines()[1] == "colour of [the] car"  # user text is printed as it is, not as markup
-    assert r.output.splitlines()[0].endswith(" slo=-")  # no latency objective
+    assert " slo=- release=- etag=" in r.output.splitlines()[0]  # no latency objective, no early release
     r = invoke("tasks", "create", "cli-count", "--adapter", "adapters/cli-tasks", "--slo-ms", "250",
-               "--slo-class", "video")
-    assert r.exit_code == 0 and r.output.rstrip().endswith(" slo=video:250ms"), r.output
+               "--slo-class", "video", "--release-fraction", "0.5")
+    assert r.exit_code == 0 and " slo=video:250ms release=0.5 etag=" in r.output, r.output
     r = invoke("tasks", "list")
     row = next(line for line in r.output.splitlines() if "tasks/cli-count" in line)
     assert "video:250ms" in row, row
@@ -209,6 +209,44 @@ def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     assert code == 15 and out.startswith("NOT_FOUND: "), out  # the adapter does not exist
     r = invoke("tasks", "create", "cli-x", "--adapter", "adapters/cli-tasks", "--threshold", "2")
     assert r.exit_code == 2  # a usage error, refused before any call
+
+
+def test_cli_tasks_update(client, invoke, capsys):
+    """`valora tasks update`: the options given change (UpdateTask's fields), the rest stay;
+    --etag guards it as on `adapters delete`/`alias` (a stale one: ABORTED, exit 20); bad values
+    and no option are usage errors before any call."""
+    upload(client, "cli-upd", 4)
+    created = client.create_task("cli-upd", adapter="adapters/cli-upd", description="ask", slo_ms=500.0,
+                                 slo_class="retrieval")
+    r = invoke("tasks", "update", "cli-upd", "--release-fraction", "0.25", "--etag", created.etag)
+    assert r.exit_code == 0, r.output
+    got = client.get_task("cli-upd")
+    assert (got.adapter_release_fraction, got.slo_ms, got.slo_class, got.description) == (0.25, 500.0, "retrieval",
+                                                                                         "ask")
+    assert r.output.strip() == f"tasks/cli-upd adapter=adapters/cli-upd head=- threshold=0.000 accuracy=0.000 " \
+        f"created={cli_common.iso_time(got.create_time)} slo=retrieval:500ms release=0.25 etag={got.etag}"
+    r = invoke("tasks", "get", "cli-upd")
+    assert r.output.splitlines()[0].endswith(f" release=0.25 etag={got.etag}"), r.output
+    r = invoke("tasks", "update", "tasks/cli-upd", "--slo-ms", "120", "--slo-class", "video",
+               "--description", "ask [it]")
+    assert r.exit_code == 0, r.output
+    now = client.get_task("cli-upd")
+    assert (now.slo_ms, now.slo_class, now.description, now.adapter_release_fraction) == (120.0, "video", "ask [it]",
+                                                                                         0.25)
+    code, out = failed(capsys, "tasks", "update", "cli-upd", "--release-fraction", "0", "--etag", got.etag)
+    assert code == cli.RPC_EXIT_BASE + grpc.StatusCode.ABORTED.value[0] == 20
+    assert out.startswith("ABORTED: ") and out.endswith("(ETAG_MISMATCH)"), out
+    assert client.get_task("cli-upd").adapter_release_fraction == 0.25  # not changed
+    r = invoke("tasks", "update", "cli-upd", "--release-fraction", "0")  # no etag: unconditional; 0 turns it off
+    assert r.exit_code == 0 and " release=- " in r.output, r.output
+    before = client.get_task("cli-upd").etag
+    for args in (("--release-fraction", "1.5"), ("--slo-ms", "-1"), ()):
+        r = invoke("tasks", "update", "cli-upd", *args)
+        assert r.exit_code == 2, (args, r.output)  # a usage error, refused before any call
+    assert client.get_task("cli-upd").etag == before
+    code, out = failed(capsys, "tasks", "update", "cli-upd-nope", "--description", "x")
+    assert code == 15 and out.startswith("NOT_FOUND: ") and out.endswith("(TASK_NOT_FOUND)"), out
+    client.delete_task("cli-upd")
 
 
 def test_cli_jobs_list_get_cancel(client, invoke, capsys):

@@ -7,7 +7,7 @@
     generate.py  generate: queue a generation job
     demo.py      demo: generated adapters served and measured (--quick: random ones)
     adapters.py  adapters register / list / get / delete / versions / alias / unalias
-    tasks.py     tasks list / get / create / delete
+    tasks.py     tasks list / get / create / update / delete
     jobs.py      jobs list / get / cancel
     bench.py     bench sched (the scheduling simulator), bench scale (bench/scale_bench.py)
     __main__.py  `python -m valora.cli`

@@ -20,9 +20,19 @@ def _slo(t) -> str:
     return f"{t.slo_class}:{t.slo_ms:g}ms" if t.slo_ms else "-"
 
 
+def _release(t) -> str:
+    """The task's early adapter release policy (its requests' default fraction), "-" when off."""
+    return f"{t.adapter_release_fraction:g}" if t.adapter_release_fraction else "-"
+
+
 def _task_line(t) -> str:
     return (f"{t.name} adapter={t.adapter} head={t.head or '-'} threshold={t.accuracy_threshold:.3f} "
-            f"accuracy={t.measured_accuracy:.3f} created={iso_time(t.create_time)} slo={_slo(t)}")
+            f"accuracy={t.measured_accuracy:.3f} created={iso_time(t.create_time)} slo={_slo(t)} "
+            f"release={_release(t)} etag={t.etag}")
+
+
+RELEASE_HELP = ("Early adapter release of the task's requests that set none of their own: after this share of "
+                "max_new_tokens a request goes on without the adapter (0: never).")
 
 
 @tasks_app.command("list")
@@ -62,11 +72,34 @@ def tasks_create(task_id: str = typer.Argument(..., help="{t} of tasks/{t}"),
                                               "arrival at the scheduler to result (0: none)."),
                  slo_class: str = typer.Option("", help="Application the objective belongs to; tasks of one class "
                                                "share it (empty: the task's id)."),
+                 release_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=RELEASE_HELP),
                  home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """Create a task naming an adapter (and head) so requests can say tasks/{t}."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         t = client.create_task(task_id, adapter, head=head, description=description, accuracy_threshold=threshold,
-                               measured_accuracy=accuracy, slo_ms=slo_ms, slo_class=slo_class)
+                               measured_accuracy=accuracy, slo_ms=slo_ms, slo_class=slo_class,
+                               adapter_release_fraction=release_fraction)
+    console.print(_task_line(t), markup=False)
+
+
+@tasks_app.command("update")
+def tasks_update(name: str = typer.Argument(..., help="tasks/{t} or {t}"),
+                 description: str = typer.Option(None),
+                 slo_ms: float = typer.Option(None, min=0.0, help="Latency objective in ms (0: none; alone, it "
+                                              "clears the class too)."),
+                 slo_class: str = typer.Option(None, help="Application the objective belongs to (empty: the "
+                                               "task's id)."),
+                 release_fraction: float = typer.Option(None, min=0.0, max=1.0, help=RELEASE_HELP),
+                 etag: str = typer.Option("", help="Update only if the task still has this etag "
+                                          "(`valora tasks get` shows it)."),
+                 home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+    """Change a task's description, latency objective, SLO class or release policy (the options
+    given; the rest stay). Its adapter, head and threshold are fixed: create a new task for those."""
+    if description is None and slo_ms is None and slo_class is None and release_fraction is None:
+        raise typer.BadParameter("give at least one of --description, --slo-ms, --slo-class, --release-fraction")
+    with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
+        t = client.update_task(name, description=description, slo_ms=slo_ms, slo_class=slo_class,
+                               adapter_release_fraction=release_fraction, etag=etag)
     console.print(_task_line(t), markup=False)
 
 
