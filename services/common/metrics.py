@@ -82,6 +82,14 @@ SLO_REQUESTS = Counter("valora:slo_requests_total", "Requests of tasks with a la
 ENGINE_STEP = Histogram("valora:engine_step_seconds", "Engine steps by what they ran: prefill (a prefill forward, "
                         "decode rows beside it or not) or decode.", ["worker", "kind"],
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+# vLLM's scheduler series: the tokens each engine step ran (its prefill pieces' tokens + its decode
+# rows, one token each; vLLM's buckets) and the sequences the step scheduler preempted (their KV
+# blocks taken back; each is prefilled again over its prompt and generated tokens).
+ITERATION_TOKENS = Histogram("valora:iteration_tokens_total", "Tokens per engine step: prefill tokens plus decode "
+                             "rows.", ["worker"],
+                             buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+NUM_PREEMPTIONS = Counter("valora:num_preemptions_total", "Sequences the worker's step scheduler preempted "
+                          "(KV blocks taken back; recomputed later).", ["worker"])
 
 # The label values of series counted per event: each is exported at zero from start-up
 # (init_service, init_worker), so rate() and increase() see a series before its first event.
@@ -102,7 +110,8 @@ def init_service(service: str) -> None:
 def init_worker(worker: str) -> None:
     """A worker's counters and per-request histograms at zero, with every label value they take."""
     for metric in (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
-                   REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, REQUEST_INFERENCE_TIME):
+                   REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, REQUEST_INFERENCE_TIME, ITERATION_TOKENS,
+                   NUM_PREEMPTIONS):
         metric.labels(worker)
     for metric, values in ((REQUEST_SUCCESS, FINISHED_REASONS), (MODE_SWITCHES, SWITCH_KINDS),
                            (ADAPTER_SWAPS, SWAP_DIRECTIONS), (ADAPTER_LOAD, LOAD_STAGES), (ENGINE_STEP, STEP_KINDS)):

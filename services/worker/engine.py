@@ -128,6 +128,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (prefill rows, decode rows, ms)
+        self.step_tokens: collections.deque = collections.deque(maxlen=4096)  # each step's prefill + decode tokens
         self.steps = 0  # steps logged so far (readers take step_log's entries since their last look)
         self._stats_lock = threading.Lock()
         self._kv_bytes = 0
@@ -328,6 +329,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         batch = self.sched.take_prefills()
+        tokens = sum(s.prefill_to - s.prefilled for s in batch)  # this step's prefill pieces (before they run)
         self.trace.taken(batch)
         decoding = len(self.sched.running)
         decoded = list(self.sched.running)
@@ -352,6 +354,7 @@ class Engine:
         # latency); consecutive step times still add up to wall time.
         ms = (time.perf_counter() - t0) * 1e3
         self.step_log.append((len(batch), decoding, ms))
+        self.step_tokens.append(tokens + len(decoded))
         self.steps += 1
         self._update_stats(step_ms=ms)
 

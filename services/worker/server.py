@@ -551,12 +551,30 @@ def _lora_requests_info(engine: Engine, name: str, last: tuple | None) -> tuple:
     return labels
 
 
+def _engine_step_metrics(engine: Engine, name: str, seen: tuple[int, int]) -> tuple[int, int]:
+    """valora:engine_step_seconds and iteration_tokens_total get the engine's steps logged since
+    `seen` (steps, preemptions: what the last call returned; (0, 0) at first) and
+    num_preemptions_total the sequences its step scheduler preempted since; returns the new `seen`.
+    Each count is read once (the engine thread goes on logging); a step log that wrapped between
+    two calls loses its oldest entries."""
+    steps, preempted = engine.steps, engine.sched.preemptions
+    new = max(0, min(steps - seen[0], engine.step_log.maxlen))
+    if new:
+        for prefill_rows, _, ms in list(engine.step_log)[-new:]:
+            metrics.ENGINE_STEP.labels(name, "prefill" if prefill_rows else "decode").observe(ms / 1e3)
+        for tokens in list(engine.step_tokens)[-new:]:
+            metrics.ITERATION_TOKENS.labels(name).observe(tokens)
+    if preempted > seen[1]:
+        metrics.NUM_PREEMPTIONS.labels(name).inc(preempted - seen[1])
+    return steps, preempted
+
+
 async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, period_s: float = 0.5) -> None:
     """Health follows the engine thread (and a tensor-parallel worker's follower processes):
     as soon as one dies, NOT_SERVING and the process fails (it drains and exits non-zero, so its
     supervisor starts it again). An engine loop that began no step for `stall_s` seconds (a hung
     device, a deadlock) is NOT_SERVING until it beats again (0: not watched)."""
-    stalled, steps_seen, lora_info = False, 0, None
+    stalled, steps_seen, lora_info = False, (0, 0), None
     while True:
         await asyncio.sleep(period_s)
         if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
@@ -567,10 +585,7 @@ async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, per
             resident, host = engine.pool.counts()
             metrics.LORA_ADAPTERS.labels(name, "resident").set(resident)
             metrics.LORA_ADAPTERS.labels(name, "host").set(host)
-            steps = engine.steps  # read once: the engine thread goes on logging
-            new, steps_seen = min(steps - steps_seen, engine.step_log.maxlen), steps
-            for prefill_rows, _, ms in list(engine.step_log)[-new:] if new else ():
-                metrics.ENGINE_STEP.labels(name, "prefill" if prefill_rows else "decode").observe(ms / 1e3)
+            steps_seen = _engine_step_metrics(engine, name, steps_seen)
             mode = engine.adapters.mode
             for m in Mode:  # valora:mode is the engine's, from start-up on (not only after SetMode)
                 metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == mode else 0)

@@ -48,6 +48,8 @@ def test_a_fresh_scrape_lists_event_counters_at_zero():
         'valora:generation_tokens_total{worker="w0"} 0.0',
         'valora:request_prompt_tokens_count{worker="w0"} 0.0',
         'valora:request_inference_time_seconds_count{worker="w0"} 0.0',
+        'valora:num_preemptions_total{worker="w0"} 0.0',
+        'valora:iteration_tokens_total_count{worker="w0"} 0.0',
         *(f'valora:adapter_load_seconds_count{{stage="{s}",worker="w0"}} 0.0' for s in ("fetch", "load")),
         *(f'valora:engine_step_seconds_count{{kind="{k}",worker="w0"}} 0.0' for k in ("prefill", "decode")),
     ]

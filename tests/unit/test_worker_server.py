@@ -146,6 +146,67 @@ async def test_a_finished_request_is_one_sample_of_vllms_per_request_histograms(
         assert count == 1 and total == pytest.approx(want[m], rel=1e-9, abs=1e-9), m
 
 
+async def metric_reaches(name: str, labels: dict, at_least: float, timeout: float = 10.0) -> float:
+    """The sample's value once it is at least `at_least` (the worker's watch loop exports the
+    engine's steps every 0.5 s); its last value after `timeout`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        value = REGISTRY.get_sample_value(name, labels) or 0.0
+        if value >= at_least or loop.time() > end:
+            return value
+        await asyncio.sleep(0.05)
+
+
+async def test_a_served_request_counts_in_vllms_iteration_tokens(cluster):
+    """valora:iteration_tokens_total (vLLM's): one sample per engine step, its prefill tokens plus
+    its decode rows; one request alone is its prompt in the prefill step, then a token a step (the
+    first comes with the prefill, and a pipelined step may compute one the request never shows)."""
+    worker, store, channel, stub = cluster
+    engine, labels = worker.servicer.engine, {"worker": worker.servicer.worker_name}
+    count0 = await metric_reaches("valora:iteration_tokens_total_count", labels, engine.steps)  # earlier tests' steps
+    sum0 = REGISTRY.get_sample_value("valora:iteration_tokens_total_sum", labels)
+    one = {**labels, "le": "1.0"}  # steps of one token
+    ones0 = REGISTRY.get_sample_value("valora:iteration_tokens_total_bucket", one)
+    steps0 = engine.steps
+    _, res = await generate(stub, request_id="r-iter", images=[types_pb2.Image(data=png(4), mime_type="image/png")],
+                            prompt="Describe the image.", params=types_pb2.GenerationParams(max_new_tokens=6))
+    while engine.running_count:  # the step that emitted the result is logged when it ends
+        await asyncio.sleep(0.01)
+    steps = engine.steps - steps0
+    count = await metric_reaches("valora:iteration_tokens_total_count", labels, count0 + steps) - count0
+    total = REGISTRY.get_sample_value("valora:iteration_tokens_total_sum", labels) - sum0
+    assert steps >= 2 and count == steps
+    p, n = res.usage.prompt_tokens, res.usage.output_tokens
+    assert n > 1 and p + n - 1 <= total <= p + n, (p, n, total)
+    assert REGISTRY.get_sample_value("valora:iteration_tokens_total_bucket", one) - ones0 == steps - 1  # decode steps
+
+
+async def test_a_preemption_counts_in_vllms_num_preemptions(cluster, tmp_path):
+    """valora:num_preemptions_total (vLLM's): a worker whose KV pool holds the prompts of 7
+    concurrent requests but not their growth preempts (StepScheduler.preempt, as in
+    test_decode_graphs' tight pool), and the counter follows its step scheduler's count from 0."""
+    served, store, _, _ = cluster
+    block_bytes = served.servicer.engine.kv_pool.block_bytes // (served.servicer.engine.kv.block_size // 8)
+    settings = WorkerSettings(model_path=str(served.servicer.engine.config.model_path), port=0, build_tiny_model=False,
+                              max_batch_size=8, kv_block_size=8, kv_cache_bytes=31 * block_bytes,
+                              worker_name="w-preempt", adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0)
+    labels = {"worker": "w-preempt"}
+    async with serve_worker(settings, store) as (worker, channel):
+        assert REGISTRY.get_sample_value("valora:num_preemptions_total", labels) == 0.0  # from start-up
+        engine = worker.servicer.engine
+        engine.eos_ids = set()  # every request runs its full length
+        stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        runs = await asyncio.gather(*(
+            generate(stub, request_id=f"p{i}", prompt="Describe the image." + " more" * i,
+                     images=[types_pb2.Image(data=png(i), mime_type="image/png")],
+                     params=types_pb2.GenerationParams(max_new_tokens=40)) for i in range(7)))
+        assert all(res.usage.output_tokens == 40 for _, res in runs)
+        preempted = engine.sched.preemptions
+        assert preempted > 0
+        assert await metric_reaches("valora:num_preemptions_total", labels, preempted) == preempted
+
+
 async def test_errors_map_to_status_codes(cluster):
     worker, store, channel, stub = cluster
     with pytest.raises(grpc.RpcError) as err:
