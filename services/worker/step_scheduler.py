@@ -140,6 +140,8 @@ class StepScheduler:
         if not batch or batch[-1].prefill_to < batch[-1].context:
             return
         total = sum(s.prefill_to - s.prefilled for s in batch)
+        if self.config.mixed_steps:
+            total += len(self.running)  # the running rows ride in the forward, a token each (mixed_step.py)
         room = self.padded(total) - total
         for s in itertools.islice(self.prefill, len(batch), None):
             if room <= 0 or len(batch) == self.config.max_prefills_per_step:

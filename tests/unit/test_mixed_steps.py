@@ -6,17 +6,23 @@ a mixed forward that raises after it moved the rows on runs the two forwards apa
 
 from __future__ import annotations
 
+import os
 import queue
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from services.worker.engine import Engine, EngineConfig
+from services.worker.prefill_graphs import bucket_tokens
 from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
+from services.worker.step_scheduler import StepScheduler
 from services.worker.testing import load_random_adapters, random_image
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
+DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")  # fp32 on CUDA too: the H200 session runs it there
 
 
 def req(i: int, n: int, **kw) -> WorkRequest:
@@ -38,7 +44,7 @@ def joiners(n: int) -> list[WorkRequest]:
 
 def run(model_path, mixed: bool, pipeline: bool = True, patch=None) -> tuple[Engine, dict]:
     """The workload on a fresh engine; returns it (stopped) and each request's summary."""
-    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", pipeline_decode=pipeline,
+    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, decode_graphs="static", pipeline_decode=pipeline,
                               mixed_steps=mixed, max_batch_size=12, max_prefills_per_step=3,
                               max_prefill_tokens=160, device_slots=3))  # "long…" prefills in chunks
     eng.eos_ids = set()
@@ -122,3 +128,20 @@ def test_a_mixed_forward_that_raises_runs_both_apart(model_path, apart):
     eng, out = run(model_path, mixed=True, patch=patch)
     assert out == apart
     assert eng.mixed.fallbacks == 2 and eng.mixed.steps >= 2
+
+
+def test_padding_filled_beside_riders_stays_in_the_bucket():
+    """prefill_fill_padding with mixed steps: the running rows ride in the forward, a token each,
+    so the pieces filled into its bucket leave them room (without: 1090 + 100 riders run 1280)."""
+    config = SimpleNamespace(max_prefills_per_step=4, max_prefill_tokens=1000, prefill_fill_padding=True,
+                             mixed_steps=True)
+    sched = StepScheduler(config, None, None, threading.Condition(), padded=bucket_tokens)
+    sched.prefill.extend(SimpleNamespace(context=n, prefilled=0, prefill_to=0) for n in (900, 600))
+    sched.running.extend(object() for _ in range(100))
+    batch = sched.take_prefills()
+    tokens = sum(s.prefill_to - s.prefilled for s in batch) + len(sched.running)
+    assert len(batch) == 2 and tokens == bucket_tokens(900 + 100) == 1024
+    config.mixed_steps = False  # nobody rides: the pieces fill the bucket alone
+    sched.prefill[0].prefill_to = sched.prefill[1].prefill_to = 0
+    batch = sched.take_prefills()
+    assert sum(s.prefill_to - s.prefilled for s in batch) == 1024
