@@ -44,7 +44,7 @@ class EngineConfig:
     max_prefills_per_step: int = 2  # requests prefilled together (one forward) per step
     max_prefill_tokens: int = 8192  # tokens (rows packed) per prefill forward; a longer context: chunks
     prefill_fill_padding: bool = False  # queued pieces into the tokens a forward pads to its graph bucket
-    mixed_steps: bool = False  # the running rows' decode step rides in a step's prefill forward (mixed_step.py)
+    mixed_steps: bool = True  # the running rows' decode step rides in a step's prefill forward (mixed_step.py)
     switch_strategy: str = "pristine"  # or "delta" (see switcher.py)
     on_adapter_swap: object = None  # callable("in" | "out"), for metrics
     # The paged KV pool (kv_cache.py): tokens per block; its size in bytes (0: on CUDA what keeps
@@ -108,7 +108,7 @@ class WorkerSettings(ServiceSettings):
     prefill_fill_padding: bool = Field(False, description="Fill the tokens a prefill forward pads to its graph "
                                        "bucket with pieces of the next queued requests (chunks where they do not "
                                        "fit; at most max_prefills_per_step rows): work the padding would waste.")
-    mixed_steps: bool = Field(False, description="A step that prefills runs the running requests' decode step "
+    mixed_steps: bool = Field(True, description="A step that prefills runs the running requests' decode step "
                               "in the same forward (one token each beside the prefill pieces) instead of a "
                               "decode forward of its own: one pass over the weights per step.")
     decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "

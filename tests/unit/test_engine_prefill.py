@@ -52,17 +52,20 @@ def engine(model_path, tmp_path_factory):
 
 @pytest.fixture
 def prefills(engine):
-    """Records the request ids of every prefill forward (whole contexts and chunks), in step order."""
+    """Records the request ids of every step's prefill pieces (whole contexts and chunks), in step
+    order — prefilled alone or with the running rows riding (mixed steps)."""
     batches: list[list[str]] = []
-    run = engine.prefiller.run
+    take = engine.sched.take_prefills
 
-    def record(seqs):
-        batches.append([s.req.request_id for s in seqs])
-        return run(seqs)
+    def record():
+        seqs = take()
+        if seqs:
+            batches.append([s.req.request_id for s in seqs])
+        return seqs
 
-    engine.prefiller.run = record
+    engine.sched.take_prefills = record
     yield batches
-    del engine.prefiller.run
+    del engine.sched.take_prefills
 
 
 def submit_together(engine, requests) -> dict[str, queue.Queue]:
