@@ -19,7 +19,7 @@ from services.worker.prefill_graphs import bucket_tokens
 from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.step_scheduler import StepScheduler
-from services.worker.testing import load_random_adapters, random_image
+from services.worker.testing import TEST_KV_BYTES, load_random_adapters, random_image
 
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")  # fp32 on CUDA too: the H200 session runs it there
@@ -46,7 +46,8 @@ def run(model_path, mixed: bool, pipeline: bool = True, patch=None) -> tuple[Eng
     """The workload on a fresh engine; returns it (stopped) and each request's summary."""
     eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, decode_graphs="static", pipeline_decode=pipeline,
                               mixed_steps=mixed, max_batch_size=12, max_prefills_per_step=3,
-                              max_prefill_tokens=160, device_slots=3))  # "long…" prefills in chunks
+                              max_prefill_tokens=160, device_slots=3,  # "long…" prefills in chunks
+                              kv_cache_bytes=TEST_KV_BYTES))  # on CUDA: not sized by what the last engine left
     eng.eos_ids = set()
     if patch is not None:
         patch(eng)
