@@ -15,10 +15,11 @@
 #   (serve: SERVE_ARGS adds serve_bench options, e.g. "--env VALORA_MAX_PREFILLS_PER_STEP=8"; SERVE_S bounds it, 420 s;
 #    PYSPY=1 samples the worker, TRACE=1 writes and sums up the engine's step trace)
 #   SUF=<commit> SERVE_CONFIGS="a:<args>|b:<args>" bash bench/h200_session.sh serve-ab  # serve runs per worker setting
+#   SUF=<commit> bash bench/h200_session.sh long      # bench/long_context_bench.py (7B shape, one 16k request)
 #   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged decode/prefill attention benches, §3 engine bench
 #                                                     # (valora only) and its 32-adapter r8 batch-32 variant
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|paged}
+MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|paged}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -165,6 +166,10 @@ elif [ "$MODE" = serve-ab ]; then  # several worker settings in one call, each a
     OUT="$OUT/${c%%:*}" SUF="$SUF-${c%%:*}" SERVE_ARGS="${SERVE_ARGS:-} ${c#*:}" bash "$0" serve
     say "serve ${c%%:*}"
   done
+elif [ "$MODE" = long ]; then  # issue "Engine v2": 31 streams beside one 16k-token request at batch 32
+  timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-h200-$SUF" 2>&1 \
+    | grep -v -E "Loading|Writing" | tail -30 | tee -a "$LOG"
+  say long_context_bench
 elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \
     tests/gpu/test_paged_prefill_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_prefill_gpu.py tests/unit/test_engine.py tests/unit/test_kv_cache.py \

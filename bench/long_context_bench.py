@@ -86,8 +86,14 @@ def main(argv: list[str] | None = None) -> dict:
     polling = threading.Event()
 
     def poll() -> None:
+        last = time.monotonic()
         while not polling.is_set():
-            peak[0] = max(peak[0], eng.stats().kv_cache_bytes)
+            st = eng.stats()
+            peak[0] = max(peak[0], st.kv_cache_bytes)
+            if time.monotonic() - last > 5:  # a stalled run shows where it stands in the log
+                last = time.monotonic()
+                print(f"progress: steps {eng.steps}, running {st.running}, waiting {st.waiting}, "
+                      f"ended {ended.qsize()}, last step {st.last_step_ms:.1f} ms, alive {st.alive}", flush=True)
             time.sleep(0.002)
 
     try:
