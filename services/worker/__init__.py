@@ -9,6 +9,7 @@
     intake.py        a request checked, processed and staged before it is queued (prepare)
     prefiller.py     the step's prefill batch or chunk, and each request's hand-off after it
     decoder.py       the step's decode, pipelined with the host
+    mixed_step.py    the running rows' decode riding in the step's prefill forward
     outputs.py       a sequence's tokens to events: stream, stop checks, early release, LABEL answers
     step_scheduler.py the queues, admission, prefill budget and chunking, KV growth, preemption
     model_runner.py  the prefill forward, the decode step, token choice, the KV pool they write
