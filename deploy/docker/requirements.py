@@ -1,9 +1,10 @@
 """Prints the project's pinned runtime dependencies from pyproject.toml, one per line: the
-client's, those of the --extra groups (the images take `server`), less the ones named with
---exclude (by distribution name). The images install from this so the pins live in one place;
-the control-plane image excludes torch and the model stack.
+client's, those of the --extra groups (an extra naming the project itself, `valora[server]`, is
+expanded), less the ones named with --exclude (by distribution name). The control-plane image
+installs `--extra server` from this, under deploy/requirements.lock's versions.
 
-    python requirements.py /app/pyproject.toml --extra server --exclude torch transformers peft
+    python requirements.py /app/pyproject.toml --extra server
+    python requirements.py pyproject.toml --extra generator cuda --exclude torch
 """
 
 from __future__ import annotations
@@ -21,14 +22,35 @@ def dist_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
+def extra_requirements(project: dict, extra: str, seen: set[str] | None = None) -> list[str]:
+    """The requirements of one extra, its references to the project's own extras expanded."""
+    seen = set() if seen is None else seen
+    if extra in seen:
+        return []
+    seen.add(extra)
+    out = []
+    for req in project.get("optional-dependencies", {})[extra]:
+        if dist_name(req) == dist_name(project["name"]):
+            for inner in re.search(r"\[([^\]]*)\]", req).group(1).split(","):
+                out += extra_requirements(project, inner.strip(), seen)
+        else:
+            out.append(req)
+    return out
+
+
 def requirements(pyproject: str, exclude: list[str], extras: list[str]) -> list[str]:
     with open(pyproject, "rb") as fh:
         project = tomllib.load(fh)["project"]
     wanted = list(project["dependencies"])
+    seen: set[str] = set()
     for extra in extras:
-        wanted += project.get("optional-dependencies", {})[extra]
+        wanted += extra_requirements(project, extra, seen)
     skip = {dist_name(name) for name in exclude}
-    return [req for req in wanted if dist_name(req) not in skip]
+    out = []
+    for req in wanted:
+        if dist_name(req) not in skip and req not in out:
+            out.append(req)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

