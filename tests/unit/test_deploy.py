@@ -465,6 +465,30 @@ def test_requirements_helper_keeps_pins_and_expands_the_extras():
     assert len(worker) == len(set(worker)), "an extra reached twice is listed once"
 
 
+def test_both_images_install_at_the_locks_versions():
+    """deploy/requirements.lock pins the images: the worker installs it whole after torch's CUDA
+    build (so torch stays the index's) and runs pip check; the cpu image installs the `server`
+    extra's requirements constrained to it. tests/unit/test_packaging.py checks the lock itself."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    for op, rest in dockerfile_instructions():
+        if op == "FROM":
+            current = stages.setdefault(rest.split()[-1], [])
+        elif stages:
+            current.append((op, rest))
+    lock = "/usr/local/lib/valora/requirements.lock"
+    for name, body in stages.items():
+        assert ("COPY", f"deploy/requirements.lock {lock}") in body, f"{name} stage does not copy the lock"
+        runs = [rest for op, rest in body if op == "RUN"]
+        assert any("pip check" in r for r in runs), f"{name}: no pip check after the installs"
+    cpu_runs = [rest for op, rest in stages["cpu"] if op == "RUN"]
+    assert any(f"pip install -c {lock} -r /tmp/requirements.txt" in r and "--extra server >" in r for r in cpu_runs)
+    worker_runs = [rest for op, rest in stages["worker"] if op == "RUN"]
+    torch_at = next(i for i, r in enumerate(worker_runs) if '--index-url "${TORCH_INDEX_URL}"' in r)
+    lock_at = next(i for i, r in enumerate(worker_runs) if f"pip install -r {lock}" in r)
+    assert torch_at < lock_at, "torch's CUDA build first, then the lock (which has no torch)"
+    assert not any("nvidia-cutlass" in r for r in worker_runs), "the cuda extra's packages come from the lock"
+
+
 def test_healthcheck_script_follows_grpc_health():
     grpc = pytest.importorskip("grpc")
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -215,3 +215,75 @@ def test_the_refusal_is_real():
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:] + out.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# deploy/requirements.lock: the worker image's packages (scripts/lock.sh writes it)
+# ---------------------------------------------------------------------------------------
+
+LOCK = REPO / "deploy" / "requirements.lock"
+
+
+def lock_entries() -> list[Requirement]:
+    return [Requirement(line) for line in LOCK.read_text().splitlines() if line.strip() and not line.startswith(" ")
+            and not line.startswith("#")]
+
+
+def lock_versions() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for req in lock_entries():
+        (spec,) = req.specifier
+        assert spec.operator == "==", f"the lock pins exactly: {req}"
+        out.setdefault(dist(str(req)), set()).add(spec.version)
+    return out
+
+
+def test_every_pin_equals_the_lock():
+    """A pin changed in pyproject.toml without running scripts/lock.sh fails here: each `==` pin of
+    the base requirements and every extra equals the lock's version (the worker image's extras'
+    pins must all be in it); torch is not in the lock (the Dockerfile installs its CUDA build)."""
+    locked = lock_versions()
+    assert "torch" not in locked and "peft" not in locked and "triton" not in locked
+    image = {dist(r) for r in PROJECT["dependencies"]} | expand("generator") | expand("cuda")
+    wrong = []
+    for req in [*PROJECT["dependencies"], *(r for e in PROJECT["optional-dependencies"] for r in own(e))]:
+        r, name = Requirement(req), dist(req)
+        pins = [s.version for s in r.specifier if s.operator == "=="]
+        if not pins:
+            assert name == "torch", f"{req}: only torch's is a range"
+            continue
+        if name in locked and locked[name] != set(pins):
+            wrong.append(f"{req}: lock has {sorted(locked[name])}")
+        elif name not in locked and name in image:
+            wrong.append(f"{req}: not in the lock")
+    assert not wrong, "pyproject.toml and deploy/requirements.lock disagree (run scripts/lock.sh):\n" + \
+        "\n".join(wrong)
+
+
+def test_the_lock_is_closed():
+    """Every requirement of a locked package (read from the installed distributions that have the
+    lock's version) is itself locked, or is torch: nothing the image installs goes unpinned."""
+    env = default_environment() | {"extra": ""}
+    locked, unlocked, checked = lock_versions(), [], 0
+    for entry in lock_entries():
+        name = dist(str(entry))
+        if entry.marker and not entry.marker.evaluate(env):
+            continue
+        try:
+            if importlib.metadata.version(name) not in locked[name]:
+                continue
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        checked += 1
+        for req in map(Requirement, importlib.metadata.requires(name) or []):
+            if (not req.marker or req.marker.evaluate(env)) and dist(str(req)) not in locked | {"torch": set()}:
+                unlocked.append(f"{name} requires {req}")
+    assert checked > 50, f"only {checked} locked packages installed here to check"
+    assert not unlocked, "\n".join(unlocked)
+
+
+def test_the_lock_script_writes_what_the_header_says():
+    head = LOCK.read_text().splitlines()[:3]
+    assert any("scripts/lock.sh" in line for line in head), head
+    script = (REPO / "scripts" / "lock.sh").read_text()
+    assert "--extra generator --extra cuda" in script and "deploy/requirements.lock" in script
