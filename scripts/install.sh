@@ -9,4 +9,6 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[dev]"
+# The worker image's versions (deploy/requirements.lock) wherever the lock has the package, so the
+# tests run on what the images ship; the test tools' own dependencies resolve freely.
+python -m pip install -q -e ".[dev]" -c deploy/requirements.lock

@@ -287,3 +287,21 @@ def test_the_lock_script_writes_what_the_header_says():
     assert any("scripts/lock.sh" in line for line in head), head
     script = (REPO / "scripts" / "lock.sh").read_text()
     assert "--extra generator --extra cuda" in script and "deploy/requirements.lock" in script
+
+
+def test_ci_installs_at_the_locks_versions():
+    """scripts/install.sh (CI's install) takes the lock as constraints, so the tests run on the
+    versions the images ship: every locked package installed here has the lock's version."""
+    assert '-e ".[dev]" -c deploy/requirements.lock' in (REPO / "scripts" / "install.sh").read_text()
+    env = default_environment() | {"extra": ""}
+    drift = []
+    for entry in lock_entries():
+        if entry.marker and not entry.marker.evaluate(env):
+            continue
+        try:
+            have = importlib.metadata.version(entry.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if not entry.specifier.contains(have, prereleases=True):
+            drift.append(f"{entry.name} {have} installed, the lock has {entry.specifier}")
+    assert not drift, "run scripts/install.sh:\n" + "\n".join(drift)
