@@ -305,3 +305,12 @@ def test_ci_installs_at_the_locks_versions():
         if not entry.specifier.contains(have, prereleases=True):
             drift.append(f"{entry.name} {have} installed, the lock has {entry.specifier}")
     assert not drift, "run scripts/install.sh:\n" + "\n".join(drift)
+
+
+def test_the_readme_names_every_extra():
+    """README's "Installing" table has a row for each extra (a new extra needs one)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Installing"):readme.index("## Deploying")]
+    assert "| `valora` |" in section
+    missing = [e for e in PROJECT["optional-dependencies"] if f'`"valora[{e}]"`' not in section]
+    assert not missing, missing
