@@ -7,6 +7,7 @@ declare nothing it does not (save the documented tools below). Fast: no network,
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import subprocess
@@ -78,29 +79,36 @@ def import_names(name: str) -> tuple[str, ...]:
     return IMPORT_NAMES.get(name, (name.replace("-", "_"),))
 
 
+@functools.cache
+def file_imports(path: Path, toplevel_only: bool) -> tuple[tuple[str, int], ...]:
+    """(top-level module, line) of each absolute import of a file (function-level ones too unless
+    toplevel_only; `pytest.importorskip("x")` counts). Cached: several tests scan the same files."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in tree.body if toplevel_only else ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [node.args[0].value]
+        out += [(name.split(".")[0], node.lineno) for name in names]
+    return tuple(out)
+
+
 def third_party_imports(paths: list[str], toplevel_only: bool = False) -> dict[str, str]:
-    """Top-level module name -> one file:line importing it, for every absolute import (function-level
-    ones too unless toplevel_only; `pytest.importorskip("x")` counts) of the .py files under paths."""
+    """Top-level module name -> one file:line importing it, for the third-party imports of the .py
+    files under paths (generated stubs left out: protobuf and grpc only)."""
     out: dict[str, str] = {}
     for root in paths:
         for f in sorted((REPO / root).rglob("*.py")) if (REPO / root).is_dir() else [REPO / root]:
             if "valora/v1" in f.as_posix() or "/internal/v1/" in f.as_posix():
-                continue  # generated stubs: protobuf and grpc only
-            tree = ast.parse(f.read_text(), str(f))
-            nodes = tree.body if toplevel_only else list(ast.walk(tree))
-            for node in nodes:
-                names = []
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module]
-                elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
-                      and node.args and isinstance(node.args[0], ast.Constant)):
-                    names = [node.args[0].value]
-                for name in names:
-                    top = name.split(".")[0]
-                    if top not in FIRST_PARTY and top not in sys.stdlib_module_names and top != "__future__":
-                        out.setdefault(top, f"{f.relative_to(REPO)}:{node.lineno}")
+                continue
+            for top, line in file_imports(f, toplevel_only):
+                if top not in FIRST_PARTY and top not in sys.stdlib_module_names and top != "__future__":
+                    out.setdefault(top, f"{f.relative_to(REPO)}:{line}")
     return out
 
 
