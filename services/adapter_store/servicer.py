@@ -128,40 +128,64 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
     async def UploadAdapterVersion(self, request_iterator, context):
         """Metadata first, then chunks spooled to a temp file (never all in memory) under the
         size limit; validation and registration read it through mmap in the executor."""
-        req = None
-        spool = None
-        size = 0
+        done = []
+
+        async def metadata(msg):
+            req = convert.upload_from_pb(msg)
+            if req.request_id and req.sha256:  # a retry that names its bytes needs no bytes
+                found = await self.run(self.registry.find_upload, req.request_id)
+                if found is not None and (found.adapter_id, found.sha256) == (req.adapter_id, req.sha256):
+                    done.append(found)
+                    return None
+            return req
+
+        req, spool, size = await self._spooled(request_iterator, metadata, self.checker.check_size,
+                                               "valora-upload-")
+        if spool is None:
+            return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done[0]))
+        try:
+            version = await self.run(self._register_spooled, req, spool, size)
+        finally:
+            await self.run(spool.close)
+        return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(version))
+
+    async def _spooled(self, request_iterator, metadata, check_size, prefix: str):
+        """An upload stream read: its first message must carry the metadata, which
+        `await metadata(msg.metadata)` turns into what the caller needs — or None when the caller
+        answers without the bytes (the rest of the stream is drained: returns (None, None, 0));
+        then its chunks go to a temp file, never all in memory, `check_size(bytes so far)`
+        raising once there are too many. Returns (metadata's value, the spool, its size); the
+        caller closes the spool. On an error the stream is drained (a ValoraError) and the spool
+        closed."""
+        head, spool, size = None, None, 0
         try:
             async for msg in request_iterator:
                 try:
                     part = msg.WhichOneof("part")
-                    if req is None:
+                    if spool is None:
                         if part != "metadata":
                             raise invalid_field("metadata", "the first message must carry the metadata")
-                        req = convert.upload_from_pb(msg.metadata)
-                        if req.request_id and req.sha256:  # a retry that names its bytes needs no bytes
-                            done = await self.run(self.registry.find_upload, req.request_id)
-                            if done is not None and (done.adapter_id, done.sha256) == (req.adapter_id, req.sha256):
-                                await _drain(request_iterator)
-                                return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done))
-                        spool = await self.run(tempfile.TemporaryFile, prefix="valora-upload-",
-                                               dir=self.spool_dir or None)
+                        head = await metadata(msg.metadata)
+                        if head is None:
+                            await _drain(request_iterator)
+                            return None, None, 0
+                        spool = await self.run(tempfile.TemporaryFile, prefix=prefix, dir=self.spool_dir or None)
                     elif part == "chunk":
                         size += len(msg.chunk)
-                        self.checker.check_size(size)
+                        check_size(size)
                         await self.run(spool.write, msg.chunk)
                     else:
                         raise invalid_field("metadata", "sent more than once")
                 except ValoraError:
                     await _drain(request_iterator)
                     raise
-            if req is None:
+            if spool is None:
                 raise invalid_field("metadata", "the stream carried no metadata")
-            version = await self.run(self._register_spooled, req, spool, size)
-            return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(version))
-        finally:
+        except BaseException:
             if spool is not None:
                 await self.run(spool.close)
+            raise
+        return head, spool, size
 
     def _register_spooled(self, req, spool, size: int):
         spool.flush()
@@ -262,39 +286,22 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
     async def UploadDataset(self, request_iterator, context):
         """Metadata (the sha256) first, then chunks spooled to a temp file under max_dataset_bytes;
         the archive must be a .tar[.gz] or .zip (what is inside is the runner's to validate)."""
-        sha256 = None
-        spool = None
-        size = 0
+        async def metadata(msg):
+            if not re.fullmatch(r"[0-9a-f]{64}", msg.sha256):
+                raise invalid_field("metadata.sha256", "must be the archive's hex sha256 (lowercase)")
+            return msg.sha256
+
+        def check_size(size: int) -> None:
+            if size > self.max_dataset_bytes:
+                raise invalid_field("chunk", f"the dataset is larger than {self.max_dataset_bytes} "
+                                    "bytes (the store's max_dataset_bytes)", reason="DATASET_TOO_LARGE")
+
+        sha256, spool, size = await self._spooled(request_iterator, metadata, check_size, "valora-dataset-")
         try:
-            async for msg in request_iterator:
-                try:
-                    part = msg.WhichOneof("part")
-                    if spool is None:
-                        if part != "metadata":
-                            raise invalid_field("metadata", "the first message must carry the metadata")
-                        sha256 = msg.metadata.sha256
-                        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
-                            raise invalid_field("metadata.sha256", "must be the archive's hex sha256 (lowercase)")
-                        spool = await self.run(tempfile.TemporaryFile, prefix="valora-dataset-",
-                                               dir=self.spool_dir or None)
-                    elif part == "chunk":
-                        size += len(msg.chunk)
-                        if size > self.max_dataset_bytes:
-                            raise invalid_field("chunk", f"the dataset is larger than {self.max_dataset_bytes} "
-                                                "bytes (the store's max_dataset_bytes)", reason="DATASET_TOO_LARGE")
-                        await self.run(spool.write, msg.chunk)
-                    else:
-                        raise invalid_field("metadata", "sent more than once")
-                except ValoraError:
-                    await _drain(request_iterator)
-                    raise
-            if spool is None:
-                raise invalid_field("metadata", "the stream carried no metadata")
             d = await self.run(self._put_spooled_dataset, sha256, spool, size)
-            return admin_pb.UploadDatasetResponse(dataset=convert.dataset_to_pb(d))
         finally:
-            if spool is not None:
-                await self.run(spool.close)
+            await self.run(spool.close)
+        return admin_pb.UploadDatasetResponse(dataset=convert.dataset_to_pb(d))
 
     def _put_spooled_dataset(self, sha256: str, spool, size: int):
         spool.flush()
