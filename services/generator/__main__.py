@@ -41,9 +41,9 @@ def list_tasks() -> None:
     """List the built-in vision tasks."""
     from services.generator.datasets import DEFAULT_TASKS, TASKS
 
-    table = Table("task", "labels", "prompt", "default", "description")
+    table = Table("task", "kind", "labels / answers", "prompt", "default", "description")
     for name, spec in TASKS.items():
-        table.add_row(name, ",".join(spec.labels), spec.prompt, "yes" if name in DEFAULT_TASKS else "",
+        table.add_row(name, spec.kind, ",".join(spec.labels), spec.prompt, "yes" if name in DEFAULT_TASKS else "",
                       spec.description)
     console.print(table)
 
@@ -174,12 +174,13 @@ def generate(
     out.mkdir(parents=True, exist_ok=True)
     for b in bundles:
         b.write(out)
+    budgets = pipeline.text_budgets(trainer, names)
     manifest = pipeline.manifest(str(model_path), tasks, names, thresholds, margin, rank, alpha, cfg, limit, bundles,
-                                 greedy_result, datasets=datasets)
+                                 greedy_result, datasets=datasets, max_new_tokens=budgets)
     if gateway:
         manifest["registered"] = pipeline.register(gateway, bundles, greedy_result,
                                                    {t: tasks[t].prompt for t in names}, api_key=api_key,
-                                                   admin_key=admin_key, log=console.print)
+                                                   admin_key=admin_key, log=console.print, max_new_tokens=budgets)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     table = Table("strategy", "adapters", *names, title="test accuracy (threshold)")
@@ -220,7 +221,8 @@ def register(
 
     manifest, bundles, result = pipeline.load_generated(out)
     manifest["registered"] = pipeline.register(gateway, bundles, result, manifest["prompts"], api_key=api_key,
-                                               admin_key=admin_key, log=console.print)
+                                               admin_key=admin_key, log=console.print,
+                                               max_new_tokens=manifest.get("max_new_tokens"))
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if check:
         _check(out, gateway, check, api_key)

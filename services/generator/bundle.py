@@ -1,8 +1,11 @@
 """Export a generated adapter as a valora bundle (services/common/adapter_format.py layout).
 
 Tensors: `lora_key(layer, module, "A"|"B")` for every LoRA slot (A (r, in), B (out, r), float32)
-and `heads.{task}.weight` (labels, hidden) / `heads.{task}.bias` (labels,). The config is PEFT's
-adapter_config.json with r and lora_alpha such that lora_alpha / r is the scale used in training.
+and `heads.{task}.weight` (labels, hidden) / `heads.{task}.bias` (labels,) for each head task. A
+text task (datasets.TEXT) has no tensors of its own: it is served by the LoRA alone, as plain
+generation, so an adapter of text tasks only is a plain PEFT LoRA with no heads. The config is
+PEFT's adapter_config.json with r and lora_alpha such that lora_alpha / r is the scale used in
+training.
 """
 
 from __future__ import annotations
@@ -20,12 +23,19 @@ from services.generator.training import AdapterState
 
 @dataclass(frozen=True)
 class Bundle:
-    """What `ValoraClient.upload_adapter_version` takes: bytes, config JSON, heads' labels."""
+    """What `ValoraClient.upload_adapter_version` takes: bytes, config JSON, heads' labels; and
+    `tasks`, every task the adapter serves in fusion order (head tasks and text tasks; empty: its
+    heads')."""
 
     name: str
     data: bytes
     config_json: str
     heads: dict[str, list[str]]
+    tasks: tuple[str, ...] = ()
+
+    @property
+    def served_tasks(self) -> tuple[str, ...]:
+        return self.tasks or tuple(self.heads)
 
     def write(self, out_dir: Path) -> Path:
         d = Path(out_dir) / self.name
@@ -62,4 +72,5 @@ def export_bundle(name: str, state: AdapterState, labels: dict[str, tuple[str, .
         "target_modules": modules,
         "base_model_name_or_path": base_model,
     }
-    return Bundle(name, save(tensors, metadata={"format": "valora-adapter"}), json.dumps(config), heads)
+    return Bundle(name, save(tensors, metadata={"format": "valora-adapter"}), json.dumps(config), heads,
+                  tuple(state.tasks))

@@ -1,6 +1,6 @@
 """Vision task datasets built from data that ships inside packages (no downloads).
 
-Every task is a closed-set classification over small RGB PIL images (56x56 by default, i.e. 4
+Every head task is a closed-set classification over small RGB PIL images (56x56 by default, i.e. 4
 Qwen2-VL image tokens), with fixed train/val/test splits drawn from a fixed seed:
 
     digit           scikit-learn's `load_digits` (1797 8x8 scans), 10 labels "0".."9"
@@ -11,6 +11,12 @@ Qwen2-VL image tokens), with fixed train/val/test splits drawn from a fixed seed
     digit-noisy     the digits under Gaussian pixel noise (sigma 4 of 16), 10 labels
     count           synthetic: 1..5 white squares on black, "1".."5"
     colour          the digits drawn in one of 4 ink colours, "red" / "green" / "blue" / "yellow"
+    square-colour   a text task (answered in generated text, no head): one coloured 2x2 square on
+                    black, "What colour is the square?" -> "red" / "green" / "blue" / "yellow"
+
+A head task (kind "head") is a closed-set classification read by a linear head; a text task
+(kind "text", VQA-style) is answered by the language model itself and scored by normalised exact
+match (services/generator/answers.py): its `labels` are its distinct reference answers.
 
 Splits are by source image (60/20/20 %), so `digit`, `parity` and `digit-rot90` share the same
 held-out scans. Builders are pure functions of (name, seed, image size): calling one twice gives
@@ -30,20 +36,35 @@ SPLIT_SEED = 20251129
 SPLIT_FRACTIONS = (0.6, 0.2, 0.2)
 DEFAULT_IMAGE_SIZE = 56
 SPLITS = ("train", "val", "test")
+HEAD, TEXT = "head", "text"  # task kinds: a head reads the label; text: the answer is generated
 
 
 @dataclass(frozen=True)
 class TaskData:
-    """One task: its prompt, label names, and per split the images and integer labels."""
+    """One task: its prompt, label names, and per split the images and integer labels.
+
+    A text task (`kind` TEXT) is trained and answered in generated text: `labels` are its
+    distinct reference answers (targets index them) and `questions`, when not None, holds each
+    example's own question per split (else every example asks `prompt`)."""
 
     name: str
     prompt: str
     labels: tuple[str, ...]
     images: dict[str, list[Image.Image]]
     targets: dict[str, np.ndarray]  # split -> int64 label indices
+    kind: str = HEAD
+    questions: dict[str, list[str]] | None = None
 
     def size(self, split: str) -> int:
         return len(self.targets[split])
+
+    def question(self, split: str, i: int) -> str:
+        """The question example `i` of `split` asks."""
+        return self.questions[split][i] if self.questions else self.prompt
+
+    def answers(self, split: str) -> list[str]:
+        """The reference label / answer text of each example of `split`."""
+        return [self.labels[int(i)] for i in self.targets[split]]
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,7 @@ class TaskSpec:
     labels: tuple[str, ...]
     build: Callable[[int], tuple[np.ndarray, np.ndarray]]  # seed -> (uint8 images N,H,W[,3], labels N)
     description: str
+    kind: str = HEAD
 
 
 @lru_cache(maxsize=1)
@@ -122,6 +144,17 @@ def _colour(seed: int):
     return _to_u8(rgb), y
 
 
+def _square_colour(seed: int, n: int = 1000, grid: int = 8):
+    """n 8x8 black canvases with one 2x2 square of one of the 4 colours at a random position."""
+    rng = np.random.default_rng(seed + 4)
+    y = rng.integers(0, len(_COLOURS), size=n).astype(np.int64)
+    x = np.zeros((n, grid, grid, 3), dtype=np.float32)
+    rows, cols = rng.integers(0, grid - 1, size=n), rng.integers(0, grid - 1, size=n)
+    for i in range(n):
+        x[i, rows[i]:rows[i] + 2, cols[i]:cols[i] + 2] = _COLOURS[y[i]]
+    return _to_u8(x), y
+
+
 _DIGITS = tuple(str(i) for i in range(10))
 TASKS: dict[str, TaskSpec] = {s.name: s for s in (
     TaskSpec("digit", "Which digit is this?", _DIGITS, _digit_identity, "handwritten digit identity (sklearn digits)"),
@@ -134,6 +167,8 @@ TASKS: dict[str, TaskSpec] = {s.name: s for s in (
              "count 1..5 lit squares (synthetic)"),
     TaskSpec("colour", "What colour is the digit?", ("red", "green", "blue", "yellow"), _colour,
              "ink colour of a handwritten digit"),
+    TaskSpec("square-colour", "What colour is the square?", ("red", "green", "blue", "yellow"), _square_colour,
+             "colour of one square, answered in text (a text task: no head)", kind=TEXT),
 )}
 DEFAULT_TASKS = ("digit", "parity", "ge5", "digit-rot90", "digit-inverted", "count", "colour")
 
@@ -166,7 +201,7 @@ def build_task(name: str, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAG
             idx = idx[:limit]
         images[split] = [render(pixels[i], image_size) for i in idx]
         targets[split] = labels[idx].copy()
-    return TaskData(name=name, prompt=spec.prompt, labels=spec.labels, images=images, targets=targets)
+    return TaskData(name=name, prompt=spec.prompt, labels=spec.labels, images=images, targets=targets, kind=spec.kind)
 
 
 def shifted_copies(images: list[Image.Image], copies: int, seed: int,

@@ -190,6 +190,64 @@ class BaseModel:
         out = self.language_model(inputs_embeds=embeds, position_ids=template.position_ids.expand(-1, b, -1))
         return out.last_hidden_state[:, -1]
 
+    def _embeds(self, template: PromptTemplate, image_features: torch.Tensor, answer_ids: torch.Tensor):
+        """Embeddings and M-RoPE positions of prompt + image features + `answer_ids` (B, T): text
+        after the prompt continues its positions (max + 1, + 2, ... on all three axes, as
+        get_rope_index numbers text after an image)."""
+        b, t = answer_ids.shape
+        emb = self.language_model.embed_tokens
+        embeds = emb(template.input_ids)[None].expand(b, -1, -1).clone()
+        embeds[:, template.image_positions] = image_features.to(embeds.dtype)
+        pos = template.position_ids.expand(-1, b, -1)
+        if t:
+            embeds = torch.cat([embeds, emb(answer_ids)], dim=1)
+            start = int(template.position_ids.max()) + 1
+            more = (start + torch.arange(t, dtype=pos.dtype)).view(1, 1, t).expand(pos.shape[0], b, t)
+            pos = torch.cat([pos, more], dim=-1)
+        return embeds, pos
+
+    def answer_logits(self, template: PromptTemplate, image_features: torch.Tensor,
+                      answer_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced LM logits (B, T, vocab) predicting each token of `answer_ids` (B, T):
+        position k's logits are the model's next-token distribution after the prompt and the
+        answer's first k tokens (the LM head over the final-norm hidden states)."""
+        embeds, pos = self._embeds(template, image_features, answer_ids)
+        h = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state
+        n = len(template.input_ids)
+        return self.model.lm_head(h[:, n - 1:n - 1 + answer_ids.shape[1]])
+
+    def stop_ids(self) -> set[int]:
+        """Tokens that end a generated answer: <|im_end|> and the tokenizer's eos / pad."""
+        ids = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id,
+               self.tokenizer.pad_token_id}
+        return {int(i) for i in ids if i is not None and i >= 0}
+
+    @torch.no_grad()
+    def greedy_answers(self, template: PromptTemplate, image_features: torch.Tensor,
+                       max_new_tokens: int) -> list[str]:
+        """Greedy decoding (argmax, no sampling) of up to `max_new_tokens` after the prompt, for
+        each image; stops at a stop token (`stop_ids`); the decoded text without special tokens,
+        what a worker answers a TEXT request with temperature 0."""
+        b = image_features.shape[0]
+        stops = torch.tensor(sorted(self.stop_ids()))
+        out = torch.zeros(b, 0, dtype=torch.long)
+        done = torch.zeros(b, dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            embeds, pos = self._embeds(template, image_features, out)
+            h = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state[:, -1]
+            nxt = self.model.lm_head(h).argmax(-1)
+            nxt = torch.where(done, stops[0], nxt)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            done |= torch.isin(nxt, stops)
+            if bool(done.all()):
+                break
+        stop_set = set(stops.tolist())
+        texts = []
+        for row in out.tolist():
+            cut = next((i for i, tok in enumerate(row) if tok in stop_set), len(row))
+            texts.append(self.tokenizer.decode(row[:cut], skip_special_tokens=True))
+        return texts
+
     def full_head_features(self, images, prompt: str) -> torch.Tensor:
         """Same as head_features but through the whole model from pixels (the serving path)."""
         pv, thw = self.pixel_inputs(images)

@@ -10,6 +10,11 @@ Strategies compared (all on the same base model, data splits and training settin
 Thresholds, unless given, are measured: each task's single-adapter *validation* accuracy minus
 `margin`. Fusion decides on validation accuracy; reported accuracies are on the test split.
 
+A text task (datasets.TEXT) is fused beside head tasks by the same algorithm; its accuracy is the
+normalised exact match of its greedy-decoded answers, its prediction per test image is that
+answer, and it is registered as a task without a head (served as plain TEXT generation with its
+adapter, `max_new_tokens` from the manifest).
+
 A generated directory (`manifest`, `load_generated`) also keeps the greedy adapters' prediction
 for every test image, so serving can be checked image by image (`served_accuracy`, `valora
 demo`): a worker computing the serving contract (services/generator/__init__.py) answers those
@@ -27,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from services.generator.answers import exact_match
 from services.generator.bundle import Bundle, export_bundle
-from services.generator.datasets import TaskData, build_task
+from services.generator.datasets import TEXT, TaskData, build_task
 from services.generator.fusion import FusionResult, FusionStep, Source, greedy_fusion
 from services.generator.training import AdapterState, TorchTrainer, TrainConfig
 
@@ -92,16 +98,27 @@ def greedy(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[str,
     res = greedy_fusion([Source.single(t) for t in order], thresholds, trainer, on_step=on_step)
     rows, predictions = {}, {}
     for a in res.adapters:
-        for t, pred in trainer.predict(a.state, a.tasks, "test").items():
+        head = [t for t in a.tasks if not trainer.is_text(t)]
+        for t, pred in trainer.predict(a.state, head, "test").items():
             test = float((pred == trainer.targets(t, "test")).float().mean())
             rows[t] = _row(thresholds[t], test, a.accuracy[t], f"{prefix}-{a.index}")
             labels = trainer.tasks[t].labels
             predictions[t] = [labels[i] for i in pred.tolist()]
+        for t in a.tasks:
+            if t not in head:  # a text task: its greedy-decoded answers, scored by exact match
+                predictions[t] = trainer.answers(a.state, t, "test")
+                rows[t] = _row(thresholds[t], trainer.score(t, predictions[t], "test"), a.accuracy[t],
+                               f"{prefix}-{a.index}")
     steps = [{"source": s.source, "adapter": f"{prefix}-{s.adapter_index}", "decision": s.decision,
               "val_accuracy": {k: round(v, 4) for k, v in s.accuracy.items()}, "failing": list(s.failing)}
              for s in res.steps]
     return StrategyResult("greedy-fusion", [a.tasks for a in res.adapters], {t: rows[t] for t in order},
                           {"steps": steps}, {t: predictions[t] for t in order}), res
+
+
+def text_budgets(trainer: TorchTrainer, order: Sequence[str]) -> dict[str, int]:
+    """{text task: the max_new_tokens its answers were decoded (and must be served) with}."""
+    return {t: trainer.max_new_tokens(t) for t in order if trainer.is_text(t)}
 
 
 def bundles_of(res: FusionResult, tasks: Mapping[str, TaskData], rank: int, lora_alpha: float, prefix: str,
@@ -111,22 +128,34 @@ def bundles_of(res: FusionResult, tasks: Mapping[str, TaskData], rank: int, lora
             for a in res.adapters]
 
 
+def task_description(prompt: str, made_by: str, max_new_tokens: int | None = None) -> str:
+    """A registered task's description: the prompt it was trained with (and, for a text task, that
+    it is answered in text, with the decoding budget its accuracy was measured with)."""
+    if max_new_tokens is None:
+        return f"prompt: {prompt} {made_by}"
+    return f"prompt: {prompt} (text task: answer as TEXT, greedy, max_new_tokens {max_new_tokens}) {made_by}"
+
+
 def register(address: str, bundles: Sequence[Bundle], result: StrategyResult, prompts: Mapping[str, str],
-             api_key: str | None = None, admin_key: str | None = None, log: Log = print) -> dict[str, str]:
+             api_key: str | None = None, admin_key: str | None = None, log: Log = print,
+             max_new_tokens: Mapping[str, int] | None = None) -> dict[str, str]:
     """Uploads each bundle as a new version of `adapters/{bundle.name}` and creates one task per
-    head pointing at that version, with its threshold and measured test accuracy (the task's
-    description carries the prompt the head was trained with). Returns {task: version name}."""
+    task it serves pointing at that version, with its threshold and measured test accuracy: a
+    head task with its head, a text task (`max_new_tokens` names them) without one. The task's
+    description carries the prompt it was trained with. Returns {task: version name}."""
     from valora.client import ValoraClient
 
+    text = dict(max_new_tokens or {})
     versions: dict[str, str] = {}
     with ValoraClient(address, api_key=api_key, admin_key=admin_key) as client:
         for b in bundles:
             v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads)
             log(f"registered {v.name} (sha256 {v.sha256[:12]}, heads {sorted(b.heads)})")
-            for task in b.heads:
+            for task in b.served_tasks:
                 row = result.tasks[task]
-                client.create_task(task, adapter=v.name, head=task,
-                                   description=f"prompt: {prompts[task]} (generated by valora generator)",
+                client.create_task(task, adapter=v.name, head=task if task in b.heads else "",
+                                   description=task_description(prompts[task], "(generated by valora generator)",
+                                                                text.get(task) if task not in b.heads else None),
                                    accuracy_threshold=row["threshold"], measured_accuracy=row["accuracy"])
                 versions[task] = v.name
     return versions
@@ -137,18 +166,23 @@ HEAD_INPUT = "final-norm hidden state of the last prompt token (chat template, i
 
 def manifest(base_model: str, tasks: Mapping[str, TaskData], order: Sequence[str], thresholds: Mapping[str, float],
              margin: float, rank: int, lora_alpha: float, config: TrainConfig, limit: int | None,
-             bundles: Sequence[Bundle], result: StrategyResult, datasets: Mapping[str, str] | None = None) -> dict:
+             bundles: Sequence[Bundle], result: StrategyResult, datasets: Mapping[str, str] | None = None,
+             max_new_tokens: Mapping[str, int] | None = None) -> dict:
     """A generated directory's manifest.json (`generate` and the demo write it, `load_generated`
     reads it): settings, adapters, prompts, the greedy result, the split cap `limit` the splits
-    were built with (so the same test images can be rebuilt), every test image's prediction and,
-    for a task from a user's dataset, where the dataset was (`datasets`, task -> path)."""
+    were built with (so the same test images can be rebuilt), every test image's prediction
+    (a text task's: its decoded answer), each task's kind, a text task's decoding budget
+    (`max_new_tokens`) and, for a task from a user's dataset, where the dataset was (`datasets`,
+    task -> path)."""
     return {
         "base_model": base_model, "rank": rank, "lora_alpha": lora_alpha, "epochs": config.epochs, "lr": config.lr,
         "head_lr": config.head_lr, "seed": config.seed, "order": list(order), "thresholds": dict(thresholds),
         "margin": margin, "limit": limit,
-        "adapters": [{"name": b.name, "tasks": list(b.heads), "heads": b.heads,
+        "adapters": [{"name": b.name, "tasks": list(b.served_tasks), "heads": b.heads,
                       "sha256": hashlib.sha256(b.data).hexdigest()} for b in bundles],
         "prompts": {t: tasks[t].prompt for t in order},
+        "kinds": {t: tasks[t].kind for t in order},
+        "max_new_tokens": {t: n for t, n in (max_new_tokens or {}).items() if t in order},
         "head_input": HEAD_INPUT,
         "greedy": result.to_json(),
         "test_predictions": result.predictions,
@@ -164,7 +198,8 @@ def load_generated(out_dir: Path) -> tuple[dict, list[Bundle], StrategyResult]:
     for a in manifest["adapters"]:
         d = out_dir / a["name"]
         bundles.append(Bundle(a["name"], (d / "adapter_model.safetensors").read_bytes(),
-                              (d / "adapter_config.json").read_text(), json.loads((d / "heads.json").read_text())))
+                              (d / "adapter_config.json").read_text(), json.loads((d / "heads.json").read_text()),
+                              tuple(a.get("tasks", ()))))
     g = manifest["greedy"]
     result = StrategyResult(g["strategy"], [a["tasks"] for a in manifest["adapters"]], g["tasks"],
                             predictions=manifest.get("test_predictions", {}))
@@ -188,20 +223,25 @@ def write_results(results: Sequence[StrategyResult], path: Path | None = None, m
     return path
 
 
-def held_out_images(task: str, limit: int | None = None, dataset: str | None = None) -> tuple[list[bytes], list[str]]:
-    """The generator's test split of `task` built with split cap `limit` (the manifest's), as PNG
-    bytes (lossless: a worker decodes the very pixels) with the true labels, in the order of the
-    manifest's test predictions. A smaller `limit` gives the first images of the same split.
-    `dataset`: the user's dataset the task came from (the manifest's `datasets`); its images are
-    the resized ones the generator measured."""
-    import io
-
+def held_out_task(task: str, limit: int | None = None, dataset: str | None = None) -> TaskData:
+    """`task` as the generator built it with split cap `limit` (from `dataset` when it came from one)."""
     if dataset:
         from services.generator.user_datasets import load_dataset
 
-        data = load_dataset(dataset, limit=limit)[task]
-    else:
-        data = build_task(task, limit=limit)
+        return load_dataset(dataset, limit=limit)[task]
+    return build_task(task, limit=limit)
+
+
+def held_out_images(task: str, limit: int | None = None, dataset: str | None = None,
+                    data: TaskData | None = None) -> tuple[list[bytes], list[str]]:
+    """The generator's test split of `task` built with split cap `limit` (the manifest's), as PNG
+    bytes (lossless: a worker decodes the very pixels) with the true labels (a text task's:
+    reference answers), in the order of the manifest's test predictions. A smaller `limit` gives
+    the first images of the same split. `dataset`: the user's dataset the task came from (the
+    manifest's `datasets`); its images are the resized ones the generator measured."""
+    import io
+
+    data = data or held_out_task(task, limit, dataset)
     pngs = []
     for img in data.images["test"]:
         buf = io.BytesIO()
@@ -222,30 +262,42 @@ def binomial_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def agreement(served: Sequence[str], truth: Sequence[str], offline: Sequence[str]) -> dict:
+def agreement(served: Sequence[str], truth: Sequence[str], offline: Sequence[str], text: bool = False) -> dict:
     """Served labels against the truth and the generator's predictions for the same images:
-    {"n", "served_accuracy", "interval_95", "offline_accuracy" (same images), "agree"}."""
+    {"n", "served_accuracy", "interval_95", "offline_accuracy" (same images), "agree"}. `text`:
+    answers of a text task, compared by normalised exact match (answers.py)."""
+    same = exact_match if text else (lambda a, b: a == b)
     n = len(served)
-    correct = sum(s == y for s, y in zip(served, truth))
+    correct = sum(same(s, y) for s, y in zip(served, truth))
     lo, hi = binomial_interval(correct, n)
+    offline_correct = sum(same(o, y) for o, y in zip(offline, truth))
     return {"n": n, "served_accuracy": round(correct / n, 4) if n else 0.0, "interval_95": [round(lo, 4), round(hi, 4)],
-            "offline_accuracy": round(sum(o == y for o, y in zip(offline, truth)) / n, 4) if n and offline else None,
-            "agree": sum(s == o for s, o in zip(served, offline)) if offline else None}
+            "offline_accuracy": round(offline_correct / n, 4) if n and offline else None,
+            "agree": sum(same(s, o) for s, o in zip(served, offline)) if offline else None}
 
 
 def served_accuracy(address: str, manifest: dict, per_task: int | None = None,
                     api_key: str | None = None) -> dict[str, dict]:
     """Each served task on its test split (`per_task`: only the first that many images), through
-    the gateway: task + LABEL output, the task's prompt. {task: `agreement`'s row}."""
+    the gateway: a head task as task + LABEL output with the task's prompt; a text task as task +
+    TEXT output (greedy, the manifest's max_new_tokens) with each image's own question.
+    {task: `agreement`'s row}."""
     from services.common.names import task_name
     from valora.client import ValoraClient
 
     out = {}
     with ValoraClient(address, api_key=api_key) as client:
         for task in manifest["order"]:
-            pngs, truth = held_out_images(task, manifest.get("limit"), (manifest.get("datasets") or {}).get(task))
+            data = held_out_task(task, manifest.get("limit"), (manifest.get("datasets") or {}).get(task))
+            pngs, truth = held_out_images(task, data=data)
             pngs, truth = pngs[:per_task or None], truth[:per_task or None]
-            served = [client.infer(manifest["prompts"][task], [png], task=task_name(task), label=True).label
-                      for png in pngs]
-            out[task] = agreement(served, truth, manifest.get("test_predictions", {}).get(task, [])[:len(served)])
+            if data.kind == TEXT:
+                budget = (manifest.get("max_new_tokens") or {}).get(task, 16)
+                served = [client.infer(data.question("test", i), [png], task=task_name(task),
+                                       max_new_tokens=budget).text for i, png in enumerate(pngs)]
+            else:
+                served = [client.infer(manifest["prompts"][task], [png], task=task_name(task), label=True).label
+                          for png in pngs]
+            out[task] = agreement(served, truth, manifest.get("test_predictions", {}).get(task, [])[:len(served)],
+                                  text=data.kind == TEXT)
     return out

@@ -1,10 +1,18 @@
 """Training LoRA adapters with vision task heads on cached image features (the real `Trainer`).
 
 `AdapterState` is one adapter being generated: LoRA A/B per (layer, module) and one linear head
-per task. `TorchTrainer.fuse(state, tasks)` continues training a copy of `state` on the union of
-the tasks' train splits (each batch from one task, through that task's head, cross-entropy), the
-LoRA weights and all heads jointly; the input state is never modified, so rolling back is
-keeping the old object. `validate` measures accuracy per task on the val (or test) split.
+per head task. `TorchTrainer.fuse(state, tasks)` continues training a copy of `state` on the union
+of the tasks' train splits (each batch from one task), the LoRA weights and all heads jointly; the
+input state is never modified, so rolling back is keeping the old object. `validate` measures
+accuracy per task on the val (or test) split.
+
+A head task's batch is cross-entropy of its head over the last prompt token's hidden state. A
+text task (datasets.TEXT, VQA-style) has no head: its batch (examples asking one question) is
+the language model's own cross-entropy on the answer tokens (the reference answer then
+<|im_end|>, teacher-forced; the prompt's tokens carry no loss), through the LoRA projections and
+the frozen LM head. It is scored by normalised exact match (answers.py) of the greedy-decoded
+answer (`max_new_tokens`: the longest reference answer's tokens + 2, capped), which is what a
+worker answers a plain TEXT request with that adapter at temperature 0.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from services.generator.datasets import TaskData, shifted_copies
+from services.generator.answers import exact_match_accuracy
+from services.generator.datasets import TEXT, TaskData, shifted_copies
 from services.generator.model import BaseModel
 
 LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -27,17 +36,19 @@ LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class AdapterState:
-    """LoRA weights + heads {task: (weight (labels, hidden), bias (labels,))} of one adapter."""
+    """LoRA weights + heads {task: (weight (labels, hidden), bias (labels,))} of one adapter,
+    and the text tasks (no head) it was trained on."""
 
     lora: LoraWeights
     heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Per-task (mean, std) of the hidden state when the head was created: training runs the head
     # on standardised features (well-conditioned); `heads` always holds the folded raw-space head.
     norms: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    text: tuple[str, ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        return tuple(self.heads)
+        return tuple(self.heads) + self.text
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,8 @@ class TrainConfig:
     clip_norm: float = 1.0  # max gradient norm of the LoRA weights per step (0: no clipping)
     seed: int = 0
     head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
-    augment: int = 0  # extra shifted copies of each train split (datasets.shifted_copies)
+    augment: int = 0  # extra shifted copies of each head task's train split (datasets.shifted_copies)
+    max_new_tokens: int = 16  # cap on a text task's greedy decoding (tokens, the stop token included)
 
 
 Progress = Callable[[str, int, int], None]  # (what is training, done steps, total steps)
@@ -97,9 +109,52 @@ class TorchTrainer:
         y = self.targets(task, "train")
         return self._features[key], y.repeat(1 + self.config.augment)
 
-    def template(self, task: str):
+    def template(self, task: str, question: str | None = None):
         self.features(task, "train")
-        return self.base.template(self.tasks[task].prompt, self._grids[task])
+        return self.base.template(self.tasks[task].prompt if question is None else question, self._grids[task])
+
+    def is_text(self, task: str) -> bool:
+        return self.tasks[task].kind == TEXT
+
+    def answer_ids(self, task: str) -> list[list[int]]:
+        """Each reference answer (label index order) as the tokens a text task is trained to
+        generate: the answer's tokens then <|im_end|>."""
+        key = ("answer-ids", task)
+        if key not in self._features:
+            end = self.base.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            tok = self.base.tokenizer
+            self._features[key] = [tok(a, add_special_tokens=False)["input_ids"] + [end]
+                                   for a in self.tasks[task].labels]
+        return self._features[key]
+
+    def max_new_tokens(self, task: str) -> int:
+        """A text task's decoding budget: its longest answer's tokens (with the stop) + 2, capped."""
+        return min(self.config.max_new_tokens, max(len(a) for a in self.answer_ids(task)) + 2)
+
+    def question_groups(self, task: str, split: str) -> dict[str, np.ndarray]:
+        """{question: indices of the examples of `split` asking it} (one group without questions)."""
+        data = self.tasks[task]
+        if not data.questions:
+            return {data.prompt: np.arange(data.size(split))}
+        groups: dict[str, list[int]] = {}
+        for i, q in enumerate(data.questions[split]):
+            groups.setdefault(q, []).append(i)
+        return {q: np.asarray(idx) for q, idx in groups.items()}
+
+    def text_loss(self, task: str, question: str, idx: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the answer tokens (prompt tokens carry none) of a batch of
+        train examples that ask `question`."""
+        feats = self.features(task, "train")[idx]
+        seqs = [self.answer_ids(task)[y] for y in self.targets(task, "train")[idx].tolist()]
+        width = max(len(a) for a in seqs)
+        pad = seqs[0][-1]  # <|im_end|>: padding after the answer, masked out of the loss
+        inputs = torch.full((len(seqs), width), pad, dtype=torch.long)
+        labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+        for i, a in enumerate(seqs):
+            inputs[i, :len(a)] = torch.tensor(a)
+            labels[i, :len(a)] = torch.tensor(a)
+        logits = self.base.answer_logits(self.template(task, question), feats, inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
     # -- the Trainer protocol ------------------------------------------------------------------
 
@@ -117,7 +172,10 @@ class TorchTrainer:
         self.base.load_lora(state.lora)
         heads = nn.ModuleDict()
         norms = dict(state.norms)
+        text = [t for t in tasks if self.is_text(t)]
         for t in tasks:
+            if t in text:
+                continue
             head = nn.Linear(self.base.hidden_size, len(self.tasks[t].labels))
             # A task new to this adapter starts from a linear probe on the adapter's current
             # features (LP-FT); the LoRA weights and every head then train jointly.
@@ -131,35 +189,43 @@ class TorchTrainer:
                 head.bias.copy_(b + w @ mu)
             heads[t] = head
         rng = np.random.default_rng(seed)
-        plan: list[tuple[str, np.ndarray]] = []
+        plan: list[tuple[str, np.ndarray, str | None]] = []
         for _ in range(cfg.epochs):
             epoch = []
             for t in tasks:
+                if t in text:  # a text task's batch asks one question (one prompt template)
+                    for q, group in self.question_groups(t, "train").items():
+                        perm = group[rng.permutation(len(group))]
+                        epoch.extend((t, perm[i:i + cfg.batch_size], q) for i in range(0, len(perm), cfg.batch_size))
+                    continue
                 n = len(self.tasks[t].targets["train"]) * (1 + cfg.augment)
                 perm = rng.permutation(n)
-                epoch.extend((t, perm[i:i + cfg.batch_size]) for i in range(0, n, cfg.batch_size))
+                epoch.extend((t, perm[i:i + cfg.batch_size], None) for i in range(0, n, cfg.batch_size))
             order = rng.permutation(len(epoch))
             plan.extend(epoch[i] for i in order)
         # Training on n tasks is n times longer; a fixed LoRA learning rate that suits one task
         # diverged on seven (all-in-one collapsed to near chance), so it is scaled by 1/sqrt(n).
         lora_lr = cfg.lr / math.sqrt(len(tasks)) if cfg.scale_lr_with_tasks else cfg.lr
-        opt = torch.optim.AdamW([
-            {"params": self.base.lora_parameters(), "lr": lora_lr},
-            {"params": list(heads.parameters()), "lr": cfg.head_lr},
-        ], weight_decay=cfg.weight_decay)
+        groups = [{"params": self.base.lora_parameters(), "lr": lora_lr}]
+        if len(heads):
+            groups.append({"params": list(heads.parameters()), "lr": cfg.head_lr})
+        opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
         total = len(plan)
         warm = max(1, total // 20)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,
             lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
         templates = {t: self.template(t) for t in tasks}
-        train = {t: self.train_set(t) for t in tasks}
+        train = {t: self.train_set(t) for t in tasks if t not in text}
         feats = {t: f for t, (f, _) in train.items()}
         ys = {t: y for t, (_, y) in train.items()}
-        for step, (t, idx) in enumerate(plan):
+        for step, (t, idx, question) in enumerate(plan):
             idx_t = torch.as_tensor(idx)
-            h = (self.base.head_features(templates[t], feats[t][idx_t]) - norms[t][0]) / norms[t][1]
-            loss = F.cross_entropy(heads[t](h), ys[t][idx_t])
+            if question is not None:
+                loss = self.text_loss(t, question, idx_t)
+            else:
+                h = (self.base.head_features(templates[t], feats[t][idx_t]) - norms[t][0]) / norms[t][1]
+                loss = F.cross_entropy(heads[t](h), ys[t][idx_t])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.clip_norm:
@@ -170,24 +236,67 @@ class TorchTrainer:
                 self.progress("+".join(tasks), step + 1, total)
         new_heads = dict(state.heads)
         with torch.no_grad():
-            for t in tasks:
+            for t in heads:
                 mu, sd = norms[t]
                 w = heads[t].weight / sd
                 new_heads[t] = (w.clone(), (heads[t].bias - w @ mu).clone())
-        return AdapterState(lora=self.base.read_lora(), heads=new_heads, norms=norms)
+        held_text = state.text + tuple(t for t in text if t not in state.text)
+        return AdapterState(lora=self.base.read_lora(), heads=new_heads, norms=norms, text=held_text)
 
     def validate(self, state: AdapterState, tasks: Sequence[str], split: str = "val") -> dict[str, float]:
-        """Accuracy of each task's head with the adapter applied, on `split`."""
-        return {t: float((pred == self.targets(t, split)).float().mean())
-                for t, pred in self.predict(state, tasks, split).items()}
+        """Accuracy of each task with the adapter applied, on `split`: a head task's label
+        accuracy, a text task's normalised exact match of its greedy-decoded answers."""
+        head = self.predict(state, [t for t in tasks if not self.is_text(t)], split)
+        return {t: float((head[t] == self.targets(t, split)).float().mean()) if t in head
+                else self.score(t, self.answers(state, t, split), split) for t in tasks}
+
+    def score(self, task: str, predictions: Sequence[str], split: str) -> float:
+        """The accuracy of `predictions` (one per example of `split`, `predictions`' format)."""
+        truth = self.tasks[task].answers(split)
+        if self.is_text(task):
+            return exact_match_accuracy(predictions, truth)
+        return sum(p == y for p, y in zip(predictions, truth)) / len(truth) if truth else 0.0
+
+    def predictions(self, state: AdapterState, tasks: Sequence[str], split: str = "test") -> dict[str, list[str]]:
+        """Each task's answer per image of `split` (in split order) with the adapter applied: a
+        head task's label name, a text task's greedy-decoded text. What a worker must answer for
+        the same images (the served = offline check compares its answers with these)."""
+        head = [t for t in tasks if not self.is_text(t)]
+        idx = self.predict(state, head, split)
+        out = {}
+        for t in tasks:
+            if t in idx:
+                out[t] = [self.tasks[t].labels[i] for i in idx[t].tolist()]
+            else:
+                out[t] = self.answers(state, t, split)
+        return out
 
     def predict(self, state: AdapterState, tasks: Sequence[str], split: str = "test") -> dict[str, torch.Tensor]:
-        """Each task's predicted label index per image of `split` (in split order), with the
-        adapter applied: what a worker must answer for the same images (the served = offline
-        check compares its labels with these, image by image)."""
+        """Each head task's predicted label index per image of `split` (in split order), with
+        the adapter applied."""
         self.base.set_lora_enabled(True)
         self.base.load_lora(state.lora)
         return {t: self._predict(t, split, state.heads[t]) for t in tasks}
+
+    def answers(self, state: AdapterState | None, task: str, split: str = "test", batch: int = 256) -> list[str]:
+        """A text task's greedy-decoded answer per image of `split` with the adapter applied
+        (`state` None: the base model, no adapter)."""
+        self.base.set_lora_enabled(state is not None)
+        try:
+            if state is not None:
+                self.base.load_lora(state.lora)
+            feats = self.features(task, split)
+            out: list[str] = [""] * len(feats)
+            for q, group in self.question_groups(task, split).items():
+                tpl = self.template(task, q)
+                for i in range(0, len(group), batch):
+                    chunk = group[i:i + batch]
+                    for j, text in zip(chunk, self.base.greedy_answers(tpl, feats[torch.as_tensor(chunk)],
+                                                                       self.max_new_tokens(task))):
+                        out[int(j)] = text
+            return out
+        finally:
+            self.base.set_lora_enabled(True)
 
     # -- evaluation & the no-adapter baseline ---------------------------------------------------
 
@@ -235,9 +344,12 @@ class TorchTrainer:
             b = head.bias - (w * mu).sum(-1)
         return w.detach().clone(), b.detach().clone(), (mu.detach().clone(), sd.detach().clone())
 
-    def head_only(self, task: str) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, float]]:
+    def head_only(self, task: str) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, dict[str, float]]:
         """The "no adapter" baseline: a linear head trained alone on the frozen base model's
-        last-token hidden state. Returns (head, {"val": acc, "test": acc})."""
+        last-token hidden state (a text task: the base model's own answers, no head). Returns
+        (head or None, {"val": acc, "test": acc})."""
+        if self.is_text(task):
+            return None, {s: self.score(task, self.answers(None, task, s), s) for s in ("val", "test")}
         self.base.set_lora_enabled(False)
         try:
             w, b, _ = self.fit_head(task)
