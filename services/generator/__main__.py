@@ -16,7 +16,9 @@ and a manifest to --out, optionally registers them through the gateway (adapter 
 task per head, with threshold and measured accuracy), and with --compare also measures the
 no-adapter and all-in-one baselines and writes bench/results/generation-<date>.json.
 `--dataset` (repeatable) adds a user's tasks: an image folder or a JSONL file, validated first
-(services/generator/user_datasets.py says what each may hold and what is refused).
+(services/generator/user_datasets.py says what each may hold and what is refused); JSONL records
+with "answer" text instead of a "label" make a text task (VQA-style: generated answers, scored by
+normalised exact match, registered without a head).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def generate(
     order: str = typer.Option("", help="Comma-separated tasks in fusion order (default: the datasets' tasks, "
                                        "else the built-in order)."),
     dataset: list[Path] = typer.Option([], help="A dataset of yours: an image folder (one sub-folder per label) "
-                                               "or a JSONL file (image, question, label); repeatable."),
+                                               "or a JSONL file (image, question, label or answer text); "
+                                               "repeatable."),
     rank: int = typer.Option(8, min=1, help="LoRA rank r."),
     lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha (scale = alpha / r); default 2r."),
     epochs: int = typer.Option(4, min=1, help="Epochs over the (union of the) tasks' train splits per fusion."),

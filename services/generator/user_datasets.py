@@ -8,12 +8,18 @@ Two layouts (`load_dataset` tells them apart; a .zip or .tar[.gz] archive of eit
     JSONL          one JSON object per line: {"image": path relative to the file, "question": text,
                    "label": text} with optional "id" (unique in the file) and "task" (an id,
                    [a-z][a-z0-9-]{0,62}; default: the file's stem), so one file may hold several
-                   tasks. A record with "answer" instead of "label" is an answer-text (VQA-style)
-                   task: refused for now (`UnsupportedTask`), since the generator trains task
-                   heads only (text-task training is issue 24's "Text tasks" bullet).
+                   tasks. A record with "answer" (text) instead of "label" belongs to a text task
+                   (VQA-style, datasets.TEXT): trained on the answer's tokens, no head, scored by
+                   normalised exact match of the generated answer (answers.py). One task holds
+                   records of one kind.
 
 A label task is trained and served with one prompt (the head reads the last prompt token), so
-every record of a JSONL label task must ask the same question.
+every record of a JSONL label task must ask the same question. A text task's records may each
+ask their own question, and one image may carry several questions (never the same one twice);
+its answers must be short (at most MAX_ANSWER_CHARS characters) and not empty once normalised
+(an answer of only articles or punctuation could never be matched). A text task is split by
+image (an image's questions all fall in one split), 60/20/20 from the same fixed seed, and
+needs at least MIN_TEXT_IMAGES images.
 
 Validation collects every problem before failing (`DatasetError.problems`, each "file[:line]:
 what"): a missing path or image, an image PIL cannot decode, a label folder without images,
@@ -45,17 +51,18 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from services.generator.datasets import DEFAULT_IMAGE_SIZE, SPLIT_FRACTIONS, SPLIT_SEED, SPLITS, TaskData
+from services.generator.answers import normalize_answer
+from services.generator.datasets import DEFAULT_IMAGE_SIZE, SPLIT_FRACTIONS, SPLIT_SEED, SPLITS, TEXT, TaskData
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 DEFAULT_PROMPT = "What does this image show?"
 MIN_PER_LABEL = 5  # 3 train, 1 val, 1 test
+MIN_TEXT_IMAGES = 5  # a text task's distinct images: 3 train, 1 val, 1 test
+MAX_ANSWER_CHARS = 64  # a text task's answers are short (exact match, a few generated tokens)
 TASK_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
 MAX_PROBLEMS_SHOWN = 20
 MAX_UNPACKED_BYTES = 8 << 30  # an archive a job names is unpacked on the runner: bounded
 MAX_UNPACKED_FILES = 1_000_000
-TEXT_TASKS_MISSING = ("answer-text (VQA-style) tasks need text-task training, which the generator does not "
-                      "have yet; give each record a \"label\" (a closed-set task trained with a head) instead")
 
 
 class DatasetError(ValueError):
@@ -69,16 +76,13 @@ class DatasetError(ValueError):
                          + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""))
 
 
-class UnsupportedTask(DatasetError):
-    """A well-formed dataset holding a kind of task the generator cannot train yet (answer text)."""
-
-
 @dataclass
 class _Example:
     id: str
     where: str  # "file" or "file:line", for messages
     image: Path
-    label: str
+    label: str  # a text task's: the answer text
+    question: str = ""
 
 
 def task_id_of(name: str) -> str:
@@ -135,6 +139,59 @@ def _check_examples(examples: list[_Example], source: str, problems: list[str],
             problems.append(f"{label_where.get(label, source)}: label {label!r} has {n} example{plural}; "
                             f"each label needs at least {MIN_PER_LABEL} for the 60/20/20 train/val/test split")
     return data
+
+
+def _check_text_examples(examples: list[_Example], source: str, problems: list[str]) -> dict[str, bytes]:
+    """A text task's checks: readable images, no (image, question) twice, enough images.
+    Returns {example id: image bytes}."""
+    data: dict[str, bytes] = {}
+    seen: dict[tuple[str, str], _Example] = {}
+    images: set[str] = set()
+    for ex in examples:
+        raw = _read_image(ex.image, ex.where, problems)
+        if raw is None:
+            continue
+        digest = hashlib.sha256(raw).hexdigest()
+        key = (digest, normalize_answer(ex.question))
+        if key in seen:
+            first = seen[key]
+            what = "the same answer" if first.label == ex.label else f"answer {first.label!r} there, {ex.label!r} here"
+            problems.append(f"{ex.where}: the same image and question as {first.where} ({what}); drop one")
+        else:
+            seen[key] = ex
+        images.add(digest)
+        data[ex.id] = raw
+    if len(images) < MIN_TEXT_IMAGES and len(data) == len(examples):
+        problems.append(f"{source}: {len(images)} distinct image{'s' if len(images) != 1 else ''}; a text task "
+                        f"needs at least {MIN_TEXT_IMAGES} for the 60/20/20 train/val/test split (by image)")
+    return data
+
+
+def _text_task_data(name: str, examples: list[_Example], data: dict[str, bytes], image_size: int, seed: int,
+                    limit: int | None) -> TaskData:
+    """A text task split by image: every question about one image lands in the same split."""
+    answers = tuple(sorted({ex.label for ex in examples}))
+    index = {a: i for i, a in enumerate(answers)}
+    groups: dict[str, list[_Example]] = {}
+    for ex in sorted(examples, key=lambda e: e.id):
+        groups.setdefault(hashlib.sha256(data[ex.id]).hexdigest(), []).append(ex)
+    ordered = sorted(groups.values(), key=lambda g: g[0].id)
+    perm = np.random.default_rng(seed).permutation(len(ordered))
+    n = len(ordered)
+    a = min(max(1, int(round(n * SPLIT_FRACTIONS[0]))), n - 2)
+    b = min(max(1, int(round(n * SPLIT_FRACTIONS[1]))), n - a - 1)
+    images, targets, questions = {}, {}, {}
+    for split, idx in zip(SPLITS, (perm[:a], perm[a:a + b], perm[a + b:])):
+        chosen = sorted((ex for i in idx for ex in ordered[i]), key=lambda e: e.id)[:limit]
+        images[split] = [_render(data[ex.id], image_size) for ex in chosen]
+        targets[split] = np.array([index[ex.label] for ex in chosen], dtype=np.int64)
+        questions[split] = [ex.question for ex in chosen]
+    asked: dict[str, int] = {}
+    for ex in examples:
+        asked[ex.question] = asked.get(ex.question, 0) + 1
+    prompt = max(sorted(asked), key=lambda q: asked[q])  # the most asked (the served default)
+    return TaskData(name=name, prompt=prompt, labels=answers, images=images, targets=targets, kind=TEXT,
+                    questions=questions)
 
 
 def _task_data(name: str, prompt: str, examples: list[_Example], data: dict[str, bytes], image_size: int,
@@ -209,16 +266,16 @@ def _resolve(base: Path, rel: str) -> Path | None:
 
 def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED,
                limit: int | None = None) -> dict[str, TaskData]:
-    """A JSONL file's tasks {task: TaskData}; raises DatasetError (UnsupportedTask for answer text)."""
+    """A JSONL file's tasks {task: TaskData}: label tasks and text (answer) tasks; raises DatasetError."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(str(path), [f"{path}: no such file"])
     problems: list[str] = []
-    answers: list[str] = []
     default_task = task_id_of(path.stem)
     ids: dict[str, int] = {}
     tasks: dict[str, list[_Example]] = {}
-    prompts: dict[str, tuple[str, int]] = {}  # task -> (question, first line)
+    kinds: dict[str, tuple[str, int]] = {}  # task -> ("label" | "answer", first line)
+    prompts: dict[str, tuple[str, int]] = {}  # label task -> (question, first line)
     label_where: dict[str, dict[str, str]] = {}
     for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         where = f"{path}:{n}"
@@ -238,18 +295,30 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
             continue
         has_label, has_answer = "label" in rec, "answer" in rec
         if has_label == has_answer:
-            problems.append(f"{where}: give exactly one of \"label\" and \"answer\"")
+            problems.append(f"{where}: give exactly one of \"label\" (a label task) and \"answer\" (a text task)")
             continue
-        if has_answer:
-            answers.append(where)
+        kind = "answer" if has_answer else "label"
+        value = rec[kind]
+        if not isinstance(value, (str, int)) or isinstance(value, bool) or not str(value).strip():
+            problems.append(f"{where}: \"{kind}\" must be a non-empty string, got {value!r}")
             continue
-        label = rec["label"]
-        if not isinstance(label, (str, int)) or isinstance(label, bool) or not str(label).strip():
-            problems.append(f"{where}: \"label\" must be a non-empty string, got {label!r}")
+        value = " ".join(str(value).split()) if has_answer else str(value).strip()
+        if has_answer and not normalize_answer(value):
+            problems.append(f"{where}: answer {value!r} is empty once normalised (lowercase, no punctuation, "
+                            "no articles): exact match could never score it")
+            continue
+        if has_answer and len(value) > MAX_ANSWER_CHARS:
+            problems.append(f"{where}: answer of {len(value)} characters; a text task's answers are short "
+                            f"(at most {MAX_ANSWER_CHARS}), scored by exact match")
             continue
         task = rec.get("task", default_task)
         if not isinstance(task, str) or not TASK_ID.fullmatch(task):
             problems.append(f"{where}: task {task!r} must match {TASK_ID.pattern}")
+            continue
+        first_kind = kinds.setdefault(task, (kind, n))
+        if first_kind[0] != kind:
+            problems.append(f"{where}: task {task!r} mixes \"{kind}\" with line {first_kind[1]}'s "
+                            f"\"{first_kind[0]}\"; a task is a label task or a text task (split it with \"task\")")
             continue
         rid = rec.get("id", f"line-{n:08d}")
         if not isinstance(rid, (str, int)) or isinstance(rid, bool):
@@ -261,11 +330,13 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
             continue
         ids[rid] = n
         question = rec["question"].strip()
-        first = prompts.setdefault(task, (question, n))
-        if first[0] != question:
-            problems.append(f"{where}: question {question!r} differs from line {first[1]}'s {first[0]!r}; a label "
-                            f"task is trained and served with one prompt (split it into tasks with \"task\")")
-            continue
+        if not has_answer:
+            first = prompts.setdefault(task, (question, n))
+            if first[0] != question:
+                problems.append(f"{where}: question {question!r} differs from line {first[1]}'s {first[0]!r}; a "
+                                "label task is trained and served with one prompt (split it into tasks with "
+                                "\"task\", or give \"answer\"s: a text task may ask any question)")
+                continue
         image = _resolve(path.parent, rec["image"])
         if image is None:
             problems.append(f"{where}: image {rec['image']!r} must be a path inside {path.parent} (relative)")
@@ -273,22 +344,21 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
         if not image.is_file():
             problems.append(f"{where}: image {rec['image']!r} not found")
             continue
-        tasks.setdefault(task, []).append(_Example(rid, where, image, str(label).strip()))
-        label_where.setdefault(task, {}).setdefault(str(label).strip(), f"{where} (task {task!r})")
-    if answers:
-        raise UnsupportedTask(str(path), [f"{answers[0]}: {TEXT_TASKS_MISSING}"
-                                          + (f" ({len(answers)} answer records, lines "
-                                             f"{', '.join(a.rsplit(':', 1)[1] for a in answers[:5])}"
-                                             f"{', ...' if len(answers) > 5 else ''})" if len(answers) > 1 else "")]
-                              + problems)
+        tasks.setdefault(task, []).append(_Example(rid, where, image, value, question))
+        if not has_answer:
+            label_where.setdefault(task, {}).setdefault(value, f"{where} (task {task!r})")
     if not tasks and not problems:
         problems.append(f"{path}: no records")
     data: dict[str, dict[str, bytes]] = {}
     for task, examples in tasks.items():
-        data[task] = _check_examples(examples, f"{path} (task {task!r})", problems, label_where[task])
+        if kinds[task][0] == "answer":
+            data[task] = _check_text_examples(examples, f"{path} (task {task!r})", problems)
+        else:
+            data[task] = _check_examples(examples, f"{path} (task {task!r})", problems, label_where[task])
     if problems:
         raise DatasetError(str(path), problems)
-    return {t: _task_data(t, prompts[t][0], ex, data[t], image_size, seed, limit) for t, ex in tasks.items()}
+    return {t: (_text_task_data(t, ex, data[t], image_size, seed, limit) if kinds[t][0] == "answer"
+                else _task_data(t, prompts[t][0], ex, data[t], image_size, seed, limit)) for t, ex in tasks.items()}
 
 
 def load_dataset(path: Path | str, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED,

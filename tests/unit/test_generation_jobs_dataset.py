@@ -19,7 +19,7 @@ from services.adapter_store.config import StoreSettings  # noqa: E402
 from services.adapter_store.testing import RunningStore  # noqa: E402
 from services.generator.runner import Runner, RunnerSettings  # noqa: E402
 from services.generator.user_datasets import pack_dataset  # noqa: E402
-from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset  # noqa: E402
+from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset  # noqa: E402
 from valora import cli  # noqa: E402
 from valora.client import ValoraClient  # noqa: E402
 from valora.v1 import admin_service_pb2 as admin_pb  # noqa: E402
@@ -78,12 +78,27 @@ def test_the_runner_trains_on_the_uploaded_dataset_and_registers_it(rs, model_pa
     assert task.description.startswith("prompt: What does this image show?")
 
 
+def test_a_text_task_job_registers_a_task_without_a_head(rs, model_path, tmp_path):
+    path = text_dataset(tmp_path / "ds", n_images=5)
+    result = _generate(rs, model_path, "--dataset", str(path), "--job-id", "tx")
+    assert result.exit_code == 0, result.output
+    final = _run_one(rs)
+    assert final is not None and final.state == res.GENERATION_JOB_STATE_SUCCEEDED, final
+    assert [t.task for t in final.result.tasks] == ["tasks/tx-shapes"]
+    with ValoraClient(rs.address) as client:
+        task = client.get_task("tx-shapes")
+        version = client.get_version(task.adapter)
+    assert task.head == "" and version.heads == {}  # served as TEXT generation with the adapter
+    assert "text task: answer as TEXT, greedy, max_new_tokens" in task.description
+
+
 def test_a_bad_dataset_is_refused_before_anything_is_uploaded(rs, model_path, tmp_path):
     path = jsonl_dataset(tmp_path, extra=[{"image": "imgs/red-1.png", "question": "What is it?",
                                            "answer": "a red square"}])
     result = _generate(rs, model_path, "--dataset", str(path))
     assert result.exit_code == 2
-    assert "text-task training" in result.output and f"{path}:17" in result.output.replace("\n", "")
+    assert "mixes \"answer\" with line 1's \"label\"" in result.output
+    assert f"{path}:17" in result.output.replace("\n", "")
     from services.adapter_store.blobs import LocalBlobStore
 
     assert list(LocalBlobStore(tmp_path / "blobs").list()) == []

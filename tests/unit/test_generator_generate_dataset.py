@@ -1,5 +1,6 @@
 """`python -m services.generator generate --dataset`: one real (tiny) run on an image folder a
-user brings, and the refusals a bad dataset or an answer-text task gets before any training."""
+user brings, one on a JSONL text task (answers, no head), and the refusals a bad dataset gets
+before any training."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 pytest.importorskip("torch")
 
 from services.generator.__main__ import app  # noqa: E402
-from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset  # noqa: E402
+from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset  # noqa: E402
 
 
 def _generate(model_path, out, *args):
@@ -50,12 +51,33 @@ def test_a_bad_dataset_is_refused_before_training_with_its_location(model_path, 
     assert not (tmp_path / "gen").exists()
 
 
-def test_answer_text_tasks_are_refused_saying_why(tmp_path):
-    path = jsonl_dataset(tmp_path, extra=[{"image": "imgs/red-1.png", "question": "What is it?",
-                                           "answer": "a red square"}])
+def test_generate_on_a_jsonl_text_task(model_path, tmp_path):
+    from services.generator.answers import exact_match_accuracy
+    from services.generator.pipeline import held_out_task, load_generated
+
+    path = text_dataset(tmp_path / "ds", n_images=5)
+    out = tmp_path / "gen"
+    result = _generate(model_path, out, "--dataset", str(path), "--threshold", "shapes=0.0", "--prefix", "tx")
+    assert result.exit_code == 0, result.output
+    manifest, bundles, greedy = load_generated(out)
+    assert manifest["kinds"] == {"shapes": "text"} and manifest["max_new_tokens"]["shapes"] >= 3
+    assert [b.name for b in bundles] == ["tx-0"] and bundles[0].heads == {}  # no head: a plain LoRA
+    assert bundles[0].served_tasks == ("shapes",)
+    assert json.loads((out / "tx-0" / "heads.json").read_text()) == {}
+    # the test split's answers, decoded, scored against the references by normalised exact match
+    data = held_out_task("shapes", manifest["limit"], manifest["datasets"]["shapes"])
+    preds = manifest["test_predictions"]["shapes"]
+    assert len(preds) == data.size("test") == 2  # one image (of 5: 3/1/1), two questions
+    assert greedy.tasks["shapes"]["accuracy"] == round(exact_match_accuracy(preds, data.answers("test")), 4)
+
+
+def test_an_empty_answer_is_refused_with_its_line(tmp_path):
+    path = text_dataset(tmp_path, extra=[{"image": "imgs/red-0.png", "question": "What is it?", "answer": ""}])
     result = _generate("/no/such/model", tmp_path / "gen", "--dataset", str(path))
     assert result.exit_code == 2
-    assert "text-task training" in result.output and f"{path.name}:17" in result.output.replace("\n", "")
+    assert '"answer" must be a non-empty string' in result.output and f"{path.name}:21" in result.output.replace(
+        "\n", "")
+    assert not (tmp_path / "gen").exists()
 
 
 def test_dataset_task_names_may_not_shadow_built_in_tasks(tmp_path):

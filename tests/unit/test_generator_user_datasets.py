@@ -13,8 +13,8 @@ from PIL import Image
 
 from services.generator.user_datasets import (
     MIN_PER_LABEL,
+    MIN_TEXT_IMAGES,
     DatasetError,
-    UnsupportedTask,
     load_dataset,
     pack_dataset,
     task_id_of,
@@ -179,14 +179,71 @@ def test_malformed_lines_are_each_named_and_all_reported(tmp_path):
     assert "differs from line 1's 'What colour is it?'" in got[4] and "must match" in got[5]
 
 
-def test_answer_text_tasks_are_refused_for_now(tmp_path):
-    path = jsonl_dataset(tmp_path, extra=[
-        {"image": "imgs/red-1.png", "question": "What is in the image?", "answer": "a red square"},
-        {"image": "imgs/red-2.png", "question": "What is in the image?", "answer": "a red square"}])
-    with pytest.raises(UnsupportedTask) as e:
+def text_dataset(root: Path, n_images: int = 10, extra: list[dict] = ()) -> Path:
+    """A JSONL text task "shapes": each image asked two questions (its colour, its size)."""
+    lines = []
+    for i in range(n_images):
+        lab = ("red", "blue", "green")[i % 3]
+        rel = f"imgs/{lab}-{i}.png"
+        _image(root / rel, COLOURS[lab], i + 300)
+        lines.append({"id": f"c{i:02d}", "image": rel, "question": "What colour is it?", "answer": f"{lab}."})
+        lines.append({"id": f"s{i:02d}", "image": rel, "question": "How big is it?", "answer": "The Small one"})
+    lines.extend(extra)
+    path = root / "shapes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def test_answer_records_make_a_text_task_split_by_image(tmp_path):
+    from services.generator.datasets import TEXT
+
+    path = text_dataset(tmp_path)
+    d = load_dataset(path)["shapes"]
+    assert d.kind == TEXT and d.labels == ("The Small one", "blue.", "green.", "red.")  # answers, as written
+    assert d.prompt in ("What colour is it?", "How big is it?")
+    sizes = [d.size(s) for s in ("train", "val", "test")]
+    assert sizes == [12, 4, 4]  # 10 images (6/2/2), two questions each
+    seen = {}
+    for s in ("train", "val", "test"):
+        assert len(d.questions[s]) == d.size(s)
+        for i, (img, q, a) in enumerate(zip(d.images[s], d.questions[s], d.answers(s))):
+            assert d.question(s, i) == q
+            if q == "What colour is it?":  # each answer went with its own image
+                assert COLOURS[a.rstrip(".")] == img.getpixel((30, 30))
+            else:
+                assert a == "The Small one"
+            key = img.tobytes()
+            assert seen.setdefault(key, s) == s  # an image's questions all land in one split
+    again = load_dataset(path)["shapes"]
+    assert all(again.questions[s] == d.questions[s] and again.answers(s) == d.answers(s) for s in d.questions)
+
+
+def test_text_task_records_are_checked_and_every_problem_named(tmp_path):
+    path = text_dataset(tmp_path, extra=[
+        {"id": "e1", "image": "imgs/red-0.png", "question": "Why?", "answer": "  "},
+        {"id": "e2", "image": "imgs/red-0.png", "question": "Why?", "answer": "The."},
+        {"id": "e3", "image": "imgs/red-0.png", "question": "Why?", "answer": "x" * 65},
+        {"id": "e4", "image": "imgs/red-0.png", "question": "Why?", "answer": ["red"]},
+        {"id": "e5", "image": "imgs/red-0.png", "question": "What colour is it?", "label": "red"},
+        {"id": "e6", "image": "imgs/red-0.png", "question": "what colour is it", "answer": "red"}])
+    with pytest.raises(DatasetError) as e:
         load_dataset(path)
-    assert _problems(e)[0].startswith(f"{path}:17: answer-text (VQA-style) tasks need text-task training")
-    assert "(2 answer records, lines 17, 18)" in _problems(e)[0]
+    got = _problems(e)
+    assert [p.split(": ", 1)[0] for p in got] == [f"{path}:{n}" for n in range(21, 27)]
+    assert '"answer" must be a non-empty string' in got[0]
+    assert "empty once normalised" in got[1] and "at most 64" in got[2]
+    assert '"answer" must be a non-empty string' in got[3]
+    assert "mixes \"label\" with line 1's \"answer\"" in got[4]
+    assert f"the same image and question as {path}:1 (answer 'red.' there, 'red' here)" in got[5]
+
+
+def test_a_text_task_needs_enough_images(tmp_path):
+    path = text_dataset(tmp_path, n_images=MIN_TEXT_IMAGES - 1)
+    with pytest.raises(DatasetError) as e:
+        load_dataset(path)
+    assert _problems(e) == [f"{path} (task 'shapes'): {MIN_TEXT_IMAGES - 1} distinct images; a text task needs "
+                            f"at least {MIN_TEXT_IMAGES} for the 60/20/20 train/val/test split (by image)"]
+    load_dataset(text_dataset(tmp_path / "ok", n_images=MIN_TEXT_IMAGES))  # enough: 3/1/1
 
 
 def test_pack_and_unpack_round_trip_both_layouts(tmp_path):
