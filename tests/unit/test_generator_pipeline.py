@@ -54,3 +54,12 @@ def test_predictions_stay_out_of_the_results_file(tmp_path):
                        predictions={"a": ["x", "y"]})
     doc = json.loads(write_results([r], tmp_path / "g.json").read_text())
     assert "predictions" not in json.dumps(doc)
+
+
+def test_agreement_of_text_answers_is_normalised_exact_match():
+    from services.generator.pipeline import agreement
+
+    row = agreement(["The red.", "blue", "green"], truth=["red", "Blue", "red"], offline=["red", "blue!", "red"],
+                    text=True)
+    assert row["served_accuracy"] == round(2 / 3, 4) and row["offline_accuracy"] == 1.0 and row["agree"] == 2
+    assert agreement(["The red."], ["red"], ["red"])["agree"] == 0  # labels compare exactly
