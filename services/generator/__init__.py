@@ -3,7 +3,9 @@
     datasets.py   vision tasks built from data shipped in packages (sklearn digits + synthetic)
     user_datasets.py  datasets a user brings (image folder, JSONL), validated; packed for a job
     model.py      the frozen base Qwen2-VL with LoRA slots; what a task head reads
-    training.py   TorchTrainer: LoRA + per-task heads trained jointly on cached image features
+    training.py   TorchTrainer: LoRA + per-task heads trained jointly on cached image features;
+                  text tasks (no head) on their answer tokens
+    answers.py    a text task's score: SQuAD/VQA-normalised exact match of generated answers
     fusion.py     the greedy fusion algorithm with rollback (pure; `Trainer` protocol)
     bundle.py     export to the valora bundle format (services/common/adapter_format.py)
     pipeline.py   strategies compared, thresholds, registration through the SDK, results file
