@@ -22,4 +22,12 @@ LoRA is applied to every q,k,v,o,gate,up,down projection of the language model w
 lora_alpha / r; the head reads the final-norm hidden state of the last prompt token;
 label = labels[argmax(W h + b)]. Prompts are in each bundle directory's manifest and in the
 registered Task's description.
+
+Serving contract for a generated text task (datasets.TEXT, VQA-style; no head): the same
+request and LoRA, asked as plain TEXT generation with the task's adapter (a Task registered with
+no head; `valora infer --task T --prompt QUESTION --image ...`, or the SDK's
+`infer(question, [image], task=T, max_new_tokens=N)`), greedy (temperature 0), up to the
+manifest's `max_new_tokens[T]` (also in the Task's description), stopping at <|im_end|>; the
+answer is the decoded text, right when its normalised form (answers.py: lowercase, no
+punctuation or articles) equals the reference's.
 """
