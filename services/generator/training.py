@@ -82,6 +82,7 @@ class TorchTrainer:
         self.progress = progress
         self._features: dict[tuple[str, str], torch.Tensor] = {}
         self._grids: dict[str, tuple[int, int, int]] = {}
+        self._answer_ids: dict[str, list[list[int]]] = {}
         self._fresh = 0
 
     # -- data --------------------------------------------------------------------------------
@@ -119,13 +120,12 @@ class TorchTrainer:
     def answer_ids(self, task: str) -> list[list[int]]:
         """Each reference answer (label index order) as the tokens a text task is trained to
         generate: the answer's tokens then <|im_end|>."""
-        key = ("answer-ids", task)
-        if key not in self._features:
+        if task not in self._answer_ids:
             end = self.base.tokenizer.convert_tokens_to_ids("<|im_end|>")
             tok = self.base.tokenizer
-            self._features[key] = [tok(a, add_special_tokens=False)["input_ids"] + [end]
-                                   for a in self.tasks[task].labels]
-        return self._features[key]
+            self._answer_ids[task] = [tok(a, add_special_tokens=False)["input_ids"] + [end]
+                                      for a in self.tasks[task].labels]
+        return self._answer_ids[task]
 
     def max_new_tokens(self, task: str) -> int:
         """A text task's decoding budget: its longest answer's tokens (with the stop) + 2, capped."""
@@ -256,20 +256,6 @@ class TorchTrainer:
         if self.is_text(task):
             return exact_match_accuracy(predictions, truth)
         return sum(p == y for p, y in zip(predictions, truth)) / len(truth) if truth else 0.0
-
-    def predictions(self, state: AdapterState, tasks: Sequence[str], split: str = "test") -> dict[str, list[str]]:
-        """Each task's answer per image of `split` (in split order) with the adapter applied: a
-        head task's label name, a text task's greedy-decoded text. What a worker must answer for
-        the same images (the served = offline check compares its answers with these)."""
-        head = [t for t in tasks if not self.is_text(t)]
-        idx = self.predict(state, head, split)
-        out = {}
-        for t in tasks:
-            if t in idx:
-                out[t] = [self.tasks[t].labels[i] for i in idx[t].tolist()]
-            else:
-                out[t] = self.answers(state, t, split)
-        return out
 
     def predict(self, state: AdapterState, tasks: Sequence[str], split: str = "test") -> dict[str, torch.Tensor]:
         """Each head task's predicted label index per image of `split` (in split order), with
