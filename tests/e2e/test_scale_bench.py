@@ -97,7 +97,10 @@ def test_rows_for_one_and_two_workers(model, tmp_path):
 
 def test_sigterm_mid_load_stops_every_process(model, tmp_path):
     home, out = tmp_path / "home", tmp_path / "scale.json"
-    proc = subprocess.Popen(bench(model, home, out, "--workers", "1", "--requests", "100000", "--concurrency", "4",
+    # The bench makes its requests (a PNG each) before it starts the cluster: 100000 took ~45 s of
+    # that on the 2-core CI machine. 5000 still outlast the test's 3 s of load many times over
+    # (~30 req/s there; rows == [] below fails if the load ended before the SIGTERM).
+    proc = subprocess.Popen(bench(model, home, out, "--workers", "1", "--requests", "5000", "--concurrency", "4",
                                   "--warmup", "0"),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
