@@ -18,7 +18,6 @@ from PIL import Image
 
 from services.common.adapter_format import BaseModelShapes, make_random_bundle
 from valora.client import ValoraClient
-from valora.cluster import start_cluster, stop_cluster
 from valora.errors import ValoraRpcError
 
 pytestmark = pytest.mark.e2e
@@ -33,16 +32,9 @@ def png(seed: int, size: int = 56) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    home = tmp_path_factory.mktemp("valora-home")
-    c = start_cluster(home, workers=1)
-    yield c
-    stop_cluster(home)
-
-
-@pytest.fixture(scope="module")
-def model_path(cluster) -> Path:
-    return Path(cluster.home) / "models" / "tiny-qwen2-vl"
+def cluster(shared_cluster):
+    """The e2e suite's shared cluster (tests/e2e/conftest.py), on the session's `model_path`."""
+    return shared_cluster
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,17 @@ from typer.testing import CliRunner
 
 from valora.cli import app
 from valora.client import ValoraClient
-from valora.cluster import default_model_path, ensure_model, start_cluster, stop_cluster
 from valora.v1 import resources_pb2 as res
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, model_path, shared_cluster):
+    """(home of the runner's log, the model, the e2e suite's shared cluster: tests/e2e/conftest.py)
+    with a runner process started for this module."""
     home = tmp_path_factory.mktemp("valora-gen")
-    model = default_model_path(home)
-    ensure_model(model)
-    c = start_cluster(home / "cluster", model_path=model)
+    model, c = model_path, shared_cluster
     store = next(p for p in c.processes if p.service == "adapter_store")
     env = {**os.environ, "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store.port}",
            "VALORA_ADMIN_ADDRESS": c.gateway, "VALORA_POLL_S": "0.2", "VALORA_RUNNER_NAME": "e2e-runner",
@@ -39,7 +38,6 @@ def cluster(tmp_path_factory):
         runner.wait(15)
     except subprocess.TimeoutExpired:
         runner.kill()
-    stop_cluster(home / "cluster")
 
 
 def test_generate_wait_registers_a_ready_adapter_and_task(cluster):

@@ -14,18 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.adapter_format import BaseModelShapes, make_random_bundle
 from valora.client import ValoraClient
-from valora.cluster import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    home = tmp_path_factory.mktemp("valora-release")
-    c = start_cluster(home, workers=1)
-    yield c
-    stop_cluster(home)
+def cluster(shared_cluster):
+    """The e2e suite's shared cluster (tests/e2e/conftest.py), on the session's `model_path`:
+    this test reads the worker's release counters as deltas."""
+    return shared_cluster
 
 
 def eos_ids(model_path: Path) -> set[int]:
@@ -54,8 +52,7 @@ def released(cluster) -> tuple[float, float]:
     return totals["valora:adapter_releases_total"], totals["valora:adapter_released_tokens_total"]
 
 
-def test_a_task_release_policy_releases_its_requests_adapter(cluster):
-    model_path = Path(cluster.home) / "models" / "tiny-qwen2-vl"
+def test_a_task_release_policy_releases_its_requests_adapter(cluster, model_path):
     shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
     bundle, cfg = make_random_bundle(shapes, rank=4, seed=11, lora_alpha=8)
     no_eos = {i: -100.0 for i in eos_ids(model_path)}  # every request runs its MAX_NEW tokens
