@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from valora.cli import app
-from valora.cluster import default_model_path, ensure_model, start_cluster, stop_cluster
+from valora.cluster import default_model_path, start_cluster, stop_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -25,11 +25,11 @@ TINY = ["--tasks", "parity", "--text-requests", "3", "--epochs", "1", "--limit",
 
 
 @pytest.fixture(scope="module")
-def home_and_cluster(tmp_path_factory):
+def home_and_cluster(tmp_path_factory, tiny_model_copy):
     from services.generator.demo import ensure_base
 
     home = tmp_path_factory.mktemp("valora-demo")
-    ensure_model(default_model_path(home))
+    tiny_model_copy(default_model_path(home))  # where the demo looks for it (valora/cli/demo.py)
     base, _, _ = ensure_base(default_model_path(home), home, steps=2, seed=0, log=lambda _: None,
                               threads=1)  # the demo's --threads 1: the same cached base
     cluster = start_cluster(home / "cluster", model_path=base)

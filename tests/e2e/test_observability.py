@@ -39,16 +39,15 @@ def png(seed: int, size: int = 56) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, model_path):
     home = tmp_path_factory.mktemp("valora-obs")
-    c = start_cluster(home, workers=1, env={"VALORA_TRACE_CONSOLE": "true"})
+    c = start_cluster(home, workers=1, model_path=model_path, env={"VALORA_TRACE_CONSOLE": "true"})
     yield c
     stop_cluster(home)
 
 
 @pytest.fixture(scope="module")
-def adapter(cluster) -> str:
-    model_path = Path(cluster.home) / "models" / "tiny-qwen2-vl"
+def adapter(cluster, model_path) -> str:
     shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
     bundle, cfg = make_random_bundle(shapes, rank=4, seed=7, lora_alpha=8)
     with ValoraClient(cluster.gateway) as client:

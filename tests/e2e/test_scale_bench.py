@@ -23,9 +23,10 @@ ROW_KEYS = ("gpus", "workers", "throughput_rps", "mean_ms", "p99_ms")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    path = Path(os.environ["VALORA_TEST_MODEL_PATH"]) if os.environ.get("VALORA_TEST_MODEL_PATH") else \
-        tmp_path_factory.mktemp("scale-model") / "tiny-qwen2-vl"
+def model(model_path) -> Path:
+    if not os.environ.get("VALORA_TEST_MODEL_PATH"):
+        return model_path  # the session's tiny model
+    path = Path(os.environ["VALORA_TEST_MODEL_PATH"])
     ensure_model(path)
     return path
 
