@@ -32,12 +32,24 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     if _compiles.get("closed"):
         return subprocess.CompletedProcess(cmd, -1, "", "session ended before this compile started")
     nice = shutil.which("nice") if not _compiles.get("urgent") else None
+    # its own session: with the kernel's autogroups (sched_autogroup_enabled) nice only ranks
+    # processes within one session, and the clusters' services run in sessions of their own
     proc = subprocess.Popen([nice, "-n", "19", *cmd] if nice else cmd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if nice:
+        _autogroup_nice(proc.pid, 19)
     with _compiles["lock"]:
         _compiles["procs"].append(proc)
     out, err = proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _autogroup_nice(pid: int, value: int) -> None:
+    """Sets the nice value of `pid`'s autogroup (its session's share against other sessions)."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(value))
+    except OSError:
+        pass  # no autogroups, or not allowed: plain nice only
 
 
 def start_compiles() -> None:
@@ -78,6 +90,7 @@ def _hurry() -> None:
     with _compiles["lock"]:
         procs = [p for p in _compiles["procs"] if p.poll() is None]
     for proc in procs:
+        _autogroup_nice(proc.pid, 0)
         try:
             tree = psutil.Process(proc.pid)
             for p in (tree, *tree.children(recursive=True)):
