@@ -1,4 +1,4 @@
-"""ATMM vs peers on the GPU (BENCHMARKS.md §1): µs per op, error vs fp32 reference, floor, ratios.
+"""ATMM vs peers on the GPU (docs/benchmarks.md §1): µs per op, error vs fp32 reference, floor, ratios.
 
 Three timings per shape and method: eager (events around one call), graph1 (one op per CUDA graph
 replay) and amortized (20 ops in one graph over rotating inputs and weights, the headline).
@@ -36,7 +36,7 @@ from kernels.timing import time_eager, time_graph
 SHAPES = {"4096": (4096, 4096), "3584": (3584, 3584), "11008to4096": (11008, 4096), "4096to11008": (4096, 11008),
           "18944": (18944, 18944)}
 RANKS = {"8": [8], "16": [16], "32": [32], "64": [64], "128": [128], "mixed": [8, 16, 32, 64]}
-# published peer numbers (vLLM 0.33 Triton lora_shrink+expand, h=4096 r=16, amortized), BENCHMARKS.md
+# published peer numbers (vLLM 0.33 Triton lora_shrink+expand, h=4096 r=16, amortized), docs/benchmarks.md
 VLLM = {(8, 16): 8.8, (8, 64): 9.7, (8, 256): 13.7, (8, 1024): 21.8, (8, 4096): 64.4,
         (64, 16): 12.7, (64, 64): 26.4, (64, 256): 35.4, (64, 1024): 66.6, (64, 4096): 201}
 

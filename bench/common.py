@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kernels.results import RESULTS_DIR, run_info, write_json, write_results
 
-COPY_BW = 4.22e12  # measured H200 device copy, bytes/s (read + write), BENCHMARKS.md
+COPY_BW = 4.22e12  # measured H200 device copy, bytes/s (read + write), docs/benchmarks.md
 RESULTS = RESULTS_DIR
 
 

@@ -1,4 +1,4 @@
-"""Engine end to end (BENCHMARKS.md §3): valora's worker engine vs HF transformers + PEFT.
+"""Engine end to end (docs/benchmarks.md §3): valora's worker engine vs HF transformers + PEFT.
 
 Workload: Qwen2-VL-7B architecture with random weights (`load_format="dummy"`), a batch of 16
 requests, one 448x448 image each (256 image tokens) and ~32 text tokens, 16 new tokens (EOS

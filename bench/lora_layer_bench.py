@@ -1,5 +1,5 @@
 """What the multi-LoRA term costs on top of each projection GEMM of a decoder layer, at the engine's
-shapes (BENCHMARKS.md §3: Qwen2-VL-7B, 8 rank-16 adapters mixed, a prefill of 16 x 289 tokens and
+shapes (docs/benchmarks.md §3: Qwen2-VL-7B, 8 rank-16 adapters mixed, a prefill of 16 x 289 tokens and
 a decode step of 16 tokens), by method — the numbers behind the engine's mixed-vs-base gap.
 
 Per projection (q|k|v and gate|up as the engine's LoraGroups, o, down) and token count, µs per

@@ -1,4 +1,4 @@
-"""Switcher benchmark (BENCHMARKS.md §2): 7B shape, rank 16, W in one contiguous bf16 buffer.
+"""Switcher benchmark (docs/benchmarks.md §2): 7B shape, rank 16, W in one contiguous bf16 buffer.
 
 Times, in one process on the same weights: every compiled bf16 switch kernel config (the original
 `switch_bf16_bm*_bn*` and the bandwidth-oriented `*_pipe_*` / `*_regs_*` families) for the

@@ -17,7 +17,7 @@ full suite), interpolated log-log in T and N; switch
 and merge times from bench/results/switch_*.json (best `ours` config), adapter host→GPU copy
 from its `h2d_adapter`. Without those files the documented defaults below are used (the same
 numbers, measured on the H200 on 2026-11-29). Step base costs are not measured by any bench
-yet: they default to 1.5x the 7B weight-read floor (16.6 GB / 4.22 TB/s ≈ 4 ms, BENCHMARKS.md
+yet: they default to 1.5x the 7B weight-read floor (16.6 GB / 4.22 TB/s ≈ 4 ms, docs/benchmarks.md
 §3) and the prefill floor (≈125 ms for 4608 tokens with images → 0.03 ms/token).
 
 No torch, no I/O after construction: policies call it on every decision.
