@@ -107,16 +107,10 @@ class Decoder:
 
     def _pipelined(self, rows: list[Sequence]) -> bool:
         """Launches the next step from the pending device tokens, then takes them. False (nothing
-        done) when no row's token is pending, when penalized rows would mix pending and host tokens
-        (the penalties count `ids` as not yet taken), or a row's next token needs a block the pool
-        does not have."""
-        where = {s: (k, j) for k, p in enumerate(self.pending) for j, s in enumerate(p.rows)}
-        held = [s in where for s in rows]
-        if not any(held) or (not all(held) and any(s.req.sampling.penalized for s in rows)):
+        done) when it cannot launch from them (`pending_inputs`)."""
+        ids = self.pending_inputs(rows)
+        if ids is None:
             return False
-        if not self.sched.can_grow(rows):
-            return False
-        ids = self.gather(rows, where)
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
         self.peak_rows = max(self.peak_rows, len(rows))
         self.peak_entries = max(self.peak_entries, len(step.entries))
@@ -134,6 +128,19 @@ class Decoder:
         if not self.holdable(rows):
             self.flush()
         return True
+
+    def pending_inputs(self, rows: list[Sequence]) -> torch.Tensor | None:
+        """For a step of `rows` launched from the pending tokens: their last tokens on the device
+        (the caller then takes the pending steps once its step is launched). None when no row's
+        token is pending, when penalized rows would mix pending and host tokens (the penalties
+        count them as not yet taken), or a row's next token needs a block the pool does not have."""
+        where = {s: (k, j) for k, p in enumerate(self.pending) for j, s in enumerate(p.rows)}
+        held = [s in where for s in rows]
+        if not any(held) or (not all(held) and any(s.req.sampling.penalized for s in rows)):
+            return None
+        if not self.sched.can_grow(rows):
+            return None
+        return self.gather(rows, where)
 
     def _isolate(self, rows: list[Sequence], lengths: list[int], taken: list[PendingStep], exc: Exception) -> None:
         """After a decode step of `rows` raised: the step undone, then each row's step alone.

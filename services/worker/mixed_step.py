@@ -52,13 +52,10 @@ class MixedStep:
         if not self.sched.running or any(s.req.sampling.penalized for s in [*batch, *self.sched.running]):
             return False
         running = sorted(self.sched.running, key=self.lora.sort_key)
-        ids, taken = None, []
-        if dec.pending and self.sched.can_grow(running):
-            where = {s: (k, j) for k, p in enumerate(dec.pending) for j, s in enumerate(p.rows)}
-            if any(s in where for s in running):
-                ids = dec.gather(running, where)
-                taken, dec.pending = dec.pending, []
-        if ids is None:
+        ids, taken = dec.pending_inputs(running), []
+        if ids is not None:
+            taken, dec.pending = dec.pending, []
+        else:
             dec.flush()
             self.sched.reserve_decode()  # may preempt (the youngest rows wait to be prefilled again)
             running = sorted(self.sched.running, key=self.lora.sort_key)
