@@ -27,12 +27,12 @@ from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
 from services.worker.testing import random_image
 
 
-def long_prompt(eng: Engine, tokens: int) -> str:
-    """A text prompt of about `tokens` tokens (measured by the engine's own intake)."""
+def long_prompt(eng: Engine, tokens: int) -> tuple[str, int]:
+    """A text prompt of about `tokens` tokens and its exact count (the engine's own intake's)."""
     probe = lambda words: eng.prepare(WorkRequest("probe", "lorem " * words, [], max_new_tokens=1)).prompt_tokens
     fixed = probe(0)  # the chat template's own tokens
-    per_word = (probe(100) - fixed) / 100
-    return "lorem " * max(1, round((tokens - fixed) / per_word))
+    words = max(1, round((tokens - fixed) / ((probe(100) - fixed) / 100)))
+    return "lorem " * words, probe(words)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
             time.sleep(0.002)
 
     try:
-        text = long_prompt(eng, args.long_tokens)
+        text, prompt = long_prompt(eng, args.long_tokens)
         # warm-up: one short and one long-ish request, so graph captures stay out of the measured run
         for r in (WorkRequest("warm-short", "Describe it.", [random_image(99)], max_new_tokens=4),
                   WorkRequest("warm-long", text[: len(text) // 4], [], max_new_tokens=2)):
@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> dict:
         inside = [b - a for a, b in zip(ts, ts[1:]) if b >= window[0] and a <= window[1]]
         gaps.append(max(inside, default=0.0) * 1e3)
     pool = eng.kv_pool.num_blocks * eng.kv_pool.block_bytes
-    prompt = eng.prepare(WorkRequest("probe", text, [], max_new_tokens=1)).prompt_tokens
     result = {
         "workload": {k: getattr(args, k) for k in ("arch", "device", "short", "short_tokens", "long_tokens",
                                                     "long_new", "batch", "max_prefill_tokens")},
