@@ -168,7 +168,7 @@ elif [ "$MODE" = serve-ab ]; then  # several worker settings in one call, each a
   done
 elif [ "$MODE" = long ]; then  # issue "Engine v2": 31 streams beside one 16k-token request at batch 32
   timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-h200-$SUF" 2>&1 \
-    | grep -v -E "Loading|Writing" | tail -30 | tee -a "$LOG"
+    | grep -v -E "Loading|Writing" | tail -120 | tee -a "$LOG"
   say long_context_bench
 elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \

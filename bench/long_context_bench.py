@@ -15,7 +15,10 @@ failures (the exit status is 1 when any request failed).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import queue
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--name", default=None)
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    # a run its caller times out (SIGTERM) leaves every thread's stack in the log: where it stood
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
 
     model_dir = args.model_dir or Path(f"~/.cache/valora/{args.arch}").expanduser()
     tiny = args.arch == "tiny"
@@ -96,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"ended {ended.qsize()}, last step {st.last_step_ms:.1f} ms, alive {st.alive}", flush=True)
             time.sleep(0.002)
 
+    threading.Thread(target=poll, daemon=True).start()
     try:
         text, prompt = long_prompt(eng, args.long_tokens)
         # warm-up: one short and one long-ish request, so graph captures stay out of the measured run
@@ -104,8 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             submit(r)
             ended.get(timeout=args.timeout_s)
         failures.clear()
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
+        peak[0] = 0
         t0 = time.monotonic()
         for i in range(args.short):
             submit(WorkRequest(f"short-{i}", f"Describe image {i}.", [random_image(i)],
