@@ -15,12 +15,19 @@ runs where triton or CUDA is missing, defines them):
   every token tied at its last score kept); top-k (k > 0): the smallest score with at most k - 1
   scores above it (the k largest, ties at the k-th kept); min-p (> 0): exp(s - max s) >= min_p.
 
-Thresholds instead of a sort: the Triton kernel (one program per row) finds the top-p and top-k
-thresholds together by bisection over the 32-bit keys of the float scores (a key orders like its
-float, so 32 halvings end on an exact score), each halving one pass over the row accumulating the
-mass and the count above its two midpoints; a greedy row is one pass. A batch's logits stay in L2
-between passes (rows x vocab x 2 bytes: 33 MB at 110 rows of Qwen2's 152k vocabulary in bf16).
-The torch path sorts (~2.6 ms at 58 rows on an H200, bench/sampling_bench.py has the A/B).
+Candidates instead of a sort: the Triton kernel (one program per row) takes the best noisy score
+among the min-p kept tokens as a candidate and tests it against top-p and top-k by the mass and
+the count of the scores strictly above its own (the candidate is kept iff both hold). A candidate
+that fails scores below the threshold, so every kept token scores above it: the next candidate is
+the best noisy score above the failed one's, found in the same pass that tests it. A test is one
+pass over the row; a sample from the whole distribution falls inside top-p 0.9 nine times in ten,
+so a top-p row takes about three passes (max, mass + candidate, its test). After CANDIDATE_TRIES
+failed candidates (a small top-k over a flat distribution) the thresholds come by bisection over
+the 32-bit keys of the float scores (a key orders like its float, so 32 halvings end on an exact
+score), each halving one pass accumulating the mass and the count above its two midpoints. A
+greedy row is one pass. A batch's logits stay in L2 between passes (rows x vocab x 2 bytes: 33 MB
+at 110 rows of Qwen2's 152k vocabulary in bf16). The torch path sorts (~2.6 ms at 58 rows on an
+H200; bench/sampling_bench.py has the A/B).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ MIN_TEMPERATURE = 1e-5
 _MASK31 = (1 << 31) - 1
 BLOCK = 2048  # vocabulary entries a program reads per iteration
 SEARCH_STEPS = 32  # bisection halvings: a 32-bit key range
+CANDIDATE_TRIES = 6  # candidates tested against the filters before the bisection (module doc)
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
@@ -122,8 +130,17 @@ if triton is not None:
         return tl.math.div_rn(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32), t)
 
     @triton.jit
+    def _noisy_tl(s, idx, rk):
+        """s plus the Gumbel noise of vocabulary entries idx under the row key rk (`uniforms`)."""
+        h = _mix_tl((rk ^ ((idx.to(tl.int64) * 0x9E3779B1) & 0x7FFFFFFF)) & 0x7FFFFFFF)
+        h = _mix_tl(h ^ rk)
+        u = (h.to(tl.float32) + 0.5) / 2147483648.0
+        return s - tl.log(-tl.log(u))
+
+    @triton.jit
     def _sample_kernel(logits, stride, vocab, temperature, top_p, top_k, min_p, seed, counters, out,
-                       MIN_T: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+                       MIN_T: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+                       TRIES: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * stride
         offs = tl.arange(0, BLOCK)
@@ -146,25 +163,65 @@ if triton is not None:
                 s = _scores_tl(base, idx, vocab, t)
                 m_vec = tl.maximum(m_vec, s)
             m = tl.max(m_vec, 0)
-            z_vec = tl.zeros((BLOCK,), tl.float32)
-            for off in range(0, vocab, BLOCK):
-                idx = off + offs
-                s = _scores_tl(base, idx, vocab, t)
-                z_vec += tl.exp(s - m)
-            z = tl.sum(z_vec, 0)
             p = tl.load(top_p + row)
             k = tl.load(top_k + row)
             mp = tl.load(min_p + row)
             use_p = (p > 0) & (p < 1)
             use_k = k > 0
+            sd = tl.load(seed + row)
+            c = tl.load(counters + row)
+            rk = _mix_tl((sd & 0x7FFFFFFF) ^ _mix_tl(((sd >> 31) & 0x7FFFFFFF) ^ _mix_tl(c & 0x7FFFFFFF)))
             top_key = _key_tl(m)
             neg_key = top_key - top_key - 2139095041  # the key of -inf
-            lo_p = neg_key
-            hi_p = top_key
-            lo_k = neg_key
-            hi_k = top_key
-            if use_p | use_k:  # invariant: lo fails, hi holds; hi ends on the smallest key that holds
-                for _ in range(STEPS):
+            # candidate 0: the best noisy score among the min-p kept tokens (the filters' kept set is
+            # a subset: when the candidate is in it, it is the answer), in the pass summing the mass
+            z_vec = tl.zeros((BLOCK,), tl.float32)
+            best = tl.full((BLOCK,), float("-inf"), tl.float32)
+            best_i = tl.zeros((BLOCK,), tl.int32)
+            for off in range(0, vocab, BLOCK):
+                idx = off + offs
+                s = _scores_tl(base, idx, vocab, t)
+                e = tl.exp(s - m)
+                z_vec += e
+                noisy = tl.where((e >= mp) & (idx < vocab), _noisy_tl(s, idx, rk), float("-inf"))
+                better = noisy > best
+                best_i = tl.where(better, idx, best_i)
+                best = tl.where(better, noisy, best)
+            z = tl.sum(z_vec, 0)
+            tok = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
+            done = (~(use_p | use_k)).to(tl.int32)
+            # A candidate outside the kept set scores below the threshold, so every kept token scores
+            # above it: the next candidate is the best among those, found in the pass that tests this
+            # one (the mass and the count strictly above its score against top-p and top-k)
+            for _ in range(TRIES):
+                if done == 0:
+                    c_key = _key_tl(_scores_tl(base, tok, vocab, t))
+                    mass_vec = tl.zeros((BLOCK,), tl.float32)
+                    cnt_vec = tl.zeros((BLOCK,), tl.int32)
+                    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+                    best_i = tl.zeros((BLOCK,), tl.int32)
+                    for off in range(0, vocab, BLOCK):
+                        idx = off + offs
+                        s = _scores_tl(base, idx, vocab, t)
+                        e = tl.exp(s - m)
+                        above = _key_tl(s) > c_key
+                        mass_vec += tl.where(above, e, 0.0)
+                        cnt_vec += above.to(tl.int32)
+                        noisy = tl.where(above & (e >= mp) & (idx < vocab), _noisy_tl(s, idx, rk), float("-inf"))
+                        better = noisy > best
+                        best_i = tl.where(better, idx, best_i)
+                        best = tl.where(better, noisy, best)
+                    ok_p = (tl.sum(mass_vec, 0) <= p * z) | ~use_p
+                    ok_k = (tl.sum(cnt_vec, 0) <= k - 1) | ~use_k
+                    done = (ok_p & ok_k).to(tl.int32)
+                    nxt = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
+                    tok = tl.where(done != 0, tok, nxt)
+            if done == 0:  # still outside after TRIES candidates: the thresholds by bisection
+                lo_p = neg_key
+                hi_p = top_key
+                lo_k = neg_key
+                hi_k = top_key
+                for _ in range(STEPS):  # invariant: lo fails, hi holds; hi ends on the smallest key that holds
                     mid_p = lo_p + (hi_p - lo_p) // 2
                     mid_k = lo_k + (hi_k - lo_k) // 2
                     mass_vec = tl.zeros((BLOCK,), tl.float32)
@@ -181,28 +238,20 @@ if triton is not None:
                     lo_p = tl.where(ok_p, lo_p, mid_p)
                     hi_k = tl.where(ok_k, mid_k, hi_k)
                     lo_k = tl.where(ok_k, lo_k, mid_k)
-            tau = neg_key
-            tau = tl.where(use_p, tl.maximum(tau, hi_p), tau)
-            tau = tl.where(use_k, tl.maximum(tau, hi_k), tau)
-            sd = tl.load(seed + row)
-            c = tl.load(counters + row)
-            rk = _mix_tl((sd & 0x7FFFFFFF) ^ _mix_tl(((sd >> 31) & 0x7FFFFFFF) ^ _mix_tl(c & 0x7FFFFFFF)))
-            best = tl.full((BLOCK,), float("-inf"), tl.float32)
-            best_i = tl.zeros((BLOCK,), tl.int32)
-            for off in range(0, vocab, BLOCK):
-                idx = off + offs
-                s = _scores_tl(base, idx, vocab, t)
-                h = _mix_tl((rk ^ ((idx.to(tl.int64) * 0x9E3779B1) & 0x7FFFFFFF)) & 0x7FFFFFFF)
-                h = _mix_tl(h ^ rk)
-                u = (h.to(tl.float32) + 0.5) / 2147483648.0
-                noisy = s - tl.log(-tl.log(u))
-                keep = (_key_tl(s) >= tau) & (tl.exp(s - m) >= mp) & (idx < vocab)  # exp >= 0 >= min_p 0: off
-                noisy = tl.where(keep, noisy, float("-inf"))
-                better = noisy > best
-                best_i = tl.where(better, idx, best_i)
-                best = tl.where(better, noisy, best)
-            top = tl.max(best, 0)
-            tok = tl.min(tl.where(best == top, best_i, 2147483647), 0)
+                tau = neg_key
+                tau = tl.where(use_p, tl.maximum(tau, hi_p), tau)
+                tau = tl.where(use_k, tl.maximum(tau, hi_k), tau)
+                best = tl.full((BLOCK,), float("-inf"), tl.float32)
+                best_i = tl.zeros((BLOCK,), tl.int32)
+                for off in range(0, vocab, BLOCK):
+                    idx = off + offs
+                    s = _scores_tl(base, idx, vocab, t)
+                    keep = (_key_tl(s) >= tau) & (tl.exp(s - m) >= mp) & (idx < vocab)  # exp >= 0 >= min_p 0: off
+                    noisy = tl.where(keep, _noisy_tl(s, idx, rk), float("-inf"))
+                    better = noisy > best
+                    best_i = tl.where(better, idx, best_i)
+                    best = tl.where(better, noisy, best)
+                tok = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
         tl.store(out + row, tok.to(tl.int64))
 
 
@@ -213,8 +262,9 @@ def available(device) -> bool:
 
 def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                          top_k: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor, counters: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel (one program per row): (rows,) int64 tokens (`out` when given)."""
+                         out: torch.Tensor | None = None, tries: int = CANDIDATE_TRIES) -> torch.Tensor:
+    """The kernel (one program per row): (rows,) int64 tokens (`out` when given; `tries`: the
+    candidates tested before the bisection, module doc)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -225,7 +275,7 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p:
                                 top_p.float().contiguous(), top_k.long().contiguous(),
                                 min_p.float().contiguous(), seed.long().contiguous(),
                                 counters.long().contiguous(), out, MIN_T=MIN_TEMPERATURE, BLOCK=BLOCK,
-                                STEPS=SEARCH_STEPS, num_warps=8)
+                                STEPS=SEARCH_STEPS, TRIES=tries, num_warps=8)
     return out
 
 

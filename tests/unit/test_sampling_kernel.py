@@ -12,7 +12,10 @@ import sys
 
 import torch
 
-from kernels.sampling import _kept_reference, random_case, sample_tokens, sample_tokens_reference
+from kernels.sampling import (
+    CANDIDATE_TRIES, MIN_TEMPERATURE, _kept_reference, random_case, sample_tokens, sample_tokens_reference,
+    uniforms,
+)
 from tests.unit.test_paged_attention import interpreter_rows, needs_triton
 
 
@@ -74,7 +77,9 @@ def test_every_kind_of_row_draws_from_its_kept_set_and_alone_as_in_a_batch():
         assert int(alone) == t
 
 
-INTERPRETER_CASES = [(16, 5000, "bfloat16"), (9, 4097, "float32"), (8, 300, "float16"), (3, 2048, "float32")]
+# (rows, vocab, dtype, logit scale): the last one nearly flat (a small top-p walks several candidates)
+INTERPRETER_CASES = [(16, 5000, "bfloat16", 3.0), (9, 4097, "float32", 3.0), (8, 300, "float16", 3.0),
+                     (3, 2048, "float32", 3.0), (8, 3000, "float32", 0.05)]
 
 
 def _interpreter_main() -> None:
@@ -83,21 +88,47 @@ def _interpreter_main() -> None:
     from kernels.sampling import sample_tokens_triton  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(11)
-    for i, (rows, vocab, dtype) in enumerate(INTERPRETER_CASES):
-        case = random_case(g, rows, vocab, "cpu", getattr(torch, dtype))
+    for i, (rows, vocab, dtype, scale) in enumerate(INTERPRETER_CASES):
+        case = random_case(g, rows, vocab, "cpu", getattr(torch, dtype), scale)
         if i == 1:  # a strided row: a view into wider logits, as the decode graph's buffer is
             wide = torch.randn(rows, vocab + 9)
             wide[:, :vocab] = case[0]
             case = (wide[:, :vocab],) + case[1:]
-        got = sample_tokens_triton(*case)
         want = sample_tokens_reference(*case)
-        print(json.dumps({"case": i, "differ": int((got != want).sum()), "rows": rows}))
+        # every candidate path: the default, one candidate then the bisection, the bisection alone
+        differ = {tries: int((sample_tokens_triton(*case, tries=tries) != want).sum())
+                  for tries in (CANDIDATE_TRIES, 1, 0)}
+        print(json.dumps({"case": i, "differ": differ, "rows": rows, "tries": candidate_tries(*case)}))
+
+
+def candidate_tries(logits, temperature, top_p, top_k, min_p, seed, counters) -> list[int]:
+    """Per sampled row, the candidates the kernel's walk tests until one is in the kept set (its
+    module doc), in torch: which paths a case exercises."""
+    scores = logits.float() / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    noisy = scores - torch.log(-torch.log(uniforms(seed, counters, logits.shape[-1])))
+    kept = _kept_reference(scores, top_p, top_k, min_p)
+    floor = torch.exp(scores - scores.max(-1, keepdim=True).values) >= min_p[:, None]
+    out = []
+    for r in range(len(logits)):
+        if temperature[r] < MIN_TEMPERATURE:
+            continue
+        allowed, n = floor[r].clone(), 1
+        while not kept[r, (c := int(noisy[r].masked_fill(~allowed, float("-inf")).argmax()))]:
+            allowed &= scores[r] > scores[r, c]
+            n += 1
+        out.append(n)
+    return out
 
 
 @needs_triton
 def test_triton_kernel_under_interpreter():
+    tries = []
     for r in interpreter_rows(__file__, len(INTERPRETER_CASES)):
-        assert r["differ"] == 0, r
+        assert set(r["differ"].values()) == {0}, r
+        tries += r["tries"]
+    # the cases reach every path: a first candidate kept, a later one, and (at tries=1) the
+    # bisection after a failed candidate
+    assert 1 in tries and any(1 < n <= CANDIDATE_TRIES for n in tries), tries
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
