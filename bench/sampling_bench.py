@@ -1,5 +1,5 @@
 """The batched sampler's device time: the one-launch Triton kernel (kernels/sampling.py) vs the
-same kernel with thresholds by bisection only (its candidate walk off) vs its torch reference
+same kernel with its candidate walk on and off (thresholds by bisection only) vs its torch reference
 (sort-free thresholds, the same tokens) vs the sort-based sampler it replaced, at the served
 decode's batch sizes and Qwen2's vocabulary, half the rows greedy and half top-p 0.9 (the
 mixed-vision workload, docs/workloads.md), and all rows greedy.
@@ -67,7 +67,9 @@ def main() -> None:
             case = (logits, temperature, top_p, zeros_l, zeros_f, seed, counters)
             row = {"rows": n, "vocab": args.vocab, "mix": mix,
                    "kernel_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case), args.reps),
-                   # the kernel before its candidate walk: thresholds by bisection only
+                   # the candidate walk on (kernel_ms: the served default, CANDIDATE_TRIES), and off
+                   "walk_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case, tries=sampling.WALK_TRIES),
+                                       args.reps),
                    "bisection_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case, tries=0), args.reps),
                    "reference_ms": timed_ms(lambda: sampling.sample_tokens_reference(*case, filtered=True),
                                             args.reps),

@@ -21,8 +21,9 @@ the count of the scores strictly above its own (the candidate is kept iff both h
 that fails scores below the threshold, so every kept token scores above it: the next candidate is
 the best noisy score above the failed one's, found in the same pass that tests it. A test is one
 pass over the row; a sample from the whole distribution falls inside top-p 0.9 nine times in ten,
-so a top-p row takes about three passes (max, mass + candidate, its test). After CANDIDATE_TRIES
-failed candidates (a small top-k over a flat distribution) the thresholds come by bisection over
+so a top-p row takes about three passes (max, mass + candidate, its test). After `tries` failed
+candidates (a small top-k over a flat distribution; CANDIDATE_TRIES, 0 by default: no walk) the
+thresholds come by bisection over
 the 32-bit keys of the float scores (a key orders like its float, so 32 halvings end on an exact
 score), each halving one pass accumulating the mass and the count above its two midpoints. A
 greedy row is one pass. A batch's logits stay in L2 between passes (rows x vocab x 2 bytes: 33 MB
@@ -31,6 +32,8 @@ H200; bench/sampling_bench.py has the A/B).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -45,7 +48,14 @@ MIN_TEMPERATURE = 1e-5
 _MASK31 = (1 << 31) - 1
 BLOCK = 2048  # vocabulary entries a program reads per iteration
 SEARCH_STEPS = 32  # bisection halvings: a 32-bit key range
-CANDIDATE_TRIES = 6  # candidates tested against the filters before the bisection (module doc)
+# Candidates tested against the filters before the bisection (module doc). 0 (the bisection
+# alone) until the walk is measured in serving: on the H200 it samples 4.2x faster in isolation
+# (bench/results/sampling-2dbd430.json) but the served mixed-vision load ran 28.0 req/s with it
+# against 30.9 without in one call (bench/results/serve-h200-2dbd430-walk.json and
+# serve-h200-219bdd4-bisection.json); the serve A/B is
+# `--env VALORA_SAMPLER_TRIES=6` (read at import).
+CANDIDATE_TRIES = int(os.environ.get("VALORA_SAMPLER_TRIES", "0"))
+WALK_TRIES = 6  # what the tests and bench/sampling_bench.py run the walk with
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
@@ -183,13 +193,16 @@ if triton is not None:
                 s = _scores_tl(base, idx, vocab, t)
                 e = tl.exp(s - m)
                 z_vec += e
-                noisy = tl.where((e >= mp) & (idx < vocab), _noisy_tl(s, idx, rk), float("-inf"))
-                better = noisy > best
-                best_i = tl.where(better, idx, best_i)
-                best = tl.where(better, noisy, best)
+                if TRIES > 0:
+                    noisy = tl.where((e >= mp) & (idx < vocab), _noisy_tl(s, idx, rk), float("-inf"))
+                    better = noisy > best
+                    best_i = tl.where(better, idx, best_i)
+                    best = tl.where(better, noisy, best)
             z = tl.sum(z_vec, 0)
             tok = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
             done = (~(use_p | use_k)).to(tl.int32)
+            if TRIES == 0:  # no candidate: the draw below, after the thresholds if any filter is on
+                done = done * 0
             # A candidate outside the kept set scores below the threshold, so every kept token scores
             # above it: the next candidate is the best among those, found in the pass that tests this
             # one (the mass and the count strictly above its score against top-p and top-k)
@@ -221,23 +234,24 @@ if triton is not None:
                 hi_p = top_key
                 lo_k = neg_key
                 hi_k = top_key
-                for _ in range(STEPS):  # invariant: lo fails, hi holds; hi ends on the smallest key that holds
-                    mid_p = lo_p + (hi_p - lo_p) // 2
-                    mid_k = lo_k + (hi_k - lo_k) // 2
-                    mass_vec = tl.zeros((BLOCK,), tl.float32)
-                    cnt_vec = tl.zeros((BLOCK,), tl.int32)
-                    for off in range(0, vocab, BLOCK):
-                        idx = off + offs
-                        s = _scores_tl(base, idx, vocab, t)
-                        ks = _key_tl(s)
-                        mass_vec += tl.where(ks > mid_p, tl.exp(s - m), 0.0)
-                        cnt_vec += (ks > mid_k).to(tl.int32)
-                    ok_p = tl.sum(mass_vec, 0) <= p * z
-                    ok_k = tl.sum(cnt_vec, 0) <= k - 1
-                    hi_p = tl.where(ok_p, mid_p, hi_p)
-                    lo_p = tl.where(ok_p, lo_p, mid_p)
-                    hi_k = tl.where(ok_k, mid_k, hi_k)
-                    lo_k = tl.where(ok_k, lo_k, mid_k)
+                if use_p | use_k:  # invariant: lo fails, hi holds; hi ends on the smallest key that holds
+                    for _ in range(STEPS):
+                        mid_p = lo_p + (hi_p - lo_p) // 2
+                        mid_k = lo_k + (hi_k - lo_k) // 2
+                        mass_vec = tl.zeros((BLOCK,), tl.float32)
+                        cnt_vec = tl.zeros((BLOCK,), tl.int32)
+                        for off in range(0, vocab, BLOCK):
+                            idx = off + offs
+                            s = _scores_tl(base, idx, vocab, t)
+                            ks = _key_tl(s)
+                            mass_vec += tl.where(ks > mid_p, tl.exp(s - m), 0.0)
+                            cnt_vec += (ks > mid_k).to(tl.int32)
+                        ok_p = tl.sum(mass_vec, 0) <= p * z
+                        ok_k = tl.sum(cnt_vec, 0) <= k - 1
+                        hi_p = tl.where(ok_p, mid_p, hi_p)
+                        lo_p = tl.where(ok_p, lo_p, mid_p)
+                        hi_k = tl.where(ok_k, mid_k, hi_k)
+                        lo_k = tl.where(ok_k, lo_k, mid_k)
                 tau = neg_key
                 tau = tl.where(use_p, tl.maximum(tau, hi_p), tau)
                 tau = tl.where(use_k, tl.maximum(tau, hi_k), tau)

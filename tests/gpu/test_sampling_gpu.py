@@ -17,7 +17,7 @@ if not sampling.available("cuda"):
 @pytest.mark.parametrize("rows,vocab,scale", [(110, 152064, 3.0), (7, 151936, 3.0), (3, 1000, 3.0),
                                               (64, 152064, 0.05)])  # nearly flat: long candidate walks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tries", [sampling.CANDIDATE_TRIES, 1, 0])  # 0: the bisection alone
+@pytest.mark.parametrize("tries", [sampling.WALK_TRIES, 1, 0])  # 0: the bisection alone
 def test_kernel_tokens_equal_the_reference(rows, vocab, scale, dtype, tries):
     g = torch.Generator().manual_seed(rows * 7 + vocab)
     case = sampling.random_case(g, rows, vocab, "cuda", dtype, scale)

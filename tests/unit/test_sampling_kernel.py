@@ -13,7 +13,7 @@ import sys
 import torch
 
 from kernels.sampling import (
-    CANDIDATE_TRIES, MIN_TEMPERATURE, _kept_reference, random_case, sample_tokens, sample_tokens_reference,
+    MIN_TEMPERATURE, WALK_TRIES, _kept_reference, random_case, sample_tokens, sample_tokens_reference,
     uniforms,
 )
 from tests.unit.test_paged_attention import interpreter_rows, needs_triton
@@ -97,7 +97,7 @@ def _interpreter_main() -> None:
         want = sample_tokens_reference(*case)
         # every candidate path: the default, one candidate then the bisection, the bisection alone
         differ = {tries: int((sample_tokens_triton(*case, tries=tries) != want).sum())
-                  for tries in (CANDIDATE_TRIES, 1, 0)}
+                  for tries in (WALK_TRIES, 1, 0)}
         print(json.dumps({"case": i, "differ": differ, "rows": rows, "tries": candidate_tries(*case)}))
 
 
@@ -128,7 +128,7 @@ def test_triton_kernel_under_interpreter():
         tries += r["tries"]
     # the cases reach every path: a first candidate kept, a later one, and (at tries=1) the
     # bisection after a failed candidate
-    assert 1 in tries and any(1 < n <= CANDIDATE_TRIES for n in tries), tries
+    assert 1 in tries and any(1 < n <= WALK_TRIES for n in tries), tries
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
