@@ -4,6 +4,8 @@ over loopback gRPC: what each call returns or prints, and a failed call's typed 
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 from typer.testing import CliRunner
@@ -177,6 +179,13 @@ def test_cli_adapters_get_versions_alias_unalias_delete(client, invoke, capsys):
     assert code == 15 and out.startswith("NOT_FOUND: "), out
 
 
+def table_rows(output: str) -> list[dict[str, str]]:
+    """A rich table printed by the CLI as {column header: cell text} per body row."""
+    lines = [line for line in output.splitlines() if line.count("│") >= 2 or line.count("┃") >= 2]
+    cells = [[c.strip() for c in re.split("[│┃]", line)[1:-1]] for line in lines]
+    return [dict(zip(cells[0], row)) for row in cells[1:]]
+
+
 def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     upload(client, "cli-tasks", 3)
     r = invoke("tasks", "create", "cli-color", "--adapter", "adapters/cli-tasks", "--head", "color",
@@ -189,6 +198,7 @@ def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     row = next(line for line in r.output.splitlines() if "tasks/cli-color" in line)
     for text in ("adapters/cli-tasks", "color", "0.800", "0.900", "colour of [the] car"):
         assert text in row, row
+    assert next(t for t in table_rows(r.output) if t["task"] == "tasks/cli-color")["release"] == "-"  # off
     r = invoke("tasks", "get", "cli-color")
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0].startswith("tasks/cli-color adapter=adapters/cli-tasks head=color")
@@ -198,8 +208,8 @@ def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
                "--slo-class", "video", "--release-fraction", "0.5")
     assert r.exit_code == 0 and " slo=video:250ms release=0.5 etag=" in r.output, r.output
     r = invoke("tasks", "list")
-    row = next(line for line in r.output.splitlines() if "tasks/cli-count" in line)
-    assert "video:250ms" in row, row
+    row = next(t for t in table_rows(r.output) if t["task"] == "tasks/cli-count")
+    assert (row["slo"], row["release"]) == ("video:250ms", "0.5"), row
     r = invoke("tasks", "delete", "tasks/cli-count")
     r = invoke("tasks", "delete", "tasks/cli-color")
     assert r.exit_code == 0 and r.output.strip() == "deleted tasks/cli-color", r.output

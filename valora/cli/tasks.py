@@ -37,15 +37,16 @@ RELEASE_HELP = ("Early adapter release of the task's requests that set none of t
 
 @tasks_app.command("list")
 def tasks_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
-    """List tasks with their adapter, head, threshold, measured accuracy and latency objective."""
+    """List tasks with their adapter, head, threshold, measured accuracy, latency objective and
+    early adapter release fraction."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         tasks = client.list_tasks()
     table = Table(title="tasks")
-    for col in ("task", "adapter", "head", "threshold", "accuracy", "slo", "description"):
-        table.add_column(col, justify="right" if col in ("threshold", "accuracy", "slo") else "left")
+    for col in ("task", "adapter", "head", "threshold", "accuracy", "slo", "release", "description"):
+        table.add_column(col, justify="right" if col in ("threshold", "accuracy", "slo", "release") else "left")
     for t in tasks:
         table.add_row(t.name, t.adapter, t.head or "-", f"{t.accuracy_threshold:.3f}", f"{t.measured_accuracy:.3f}",
-                      _slo(t), Text(t.description))  # user text, not markup
+                      _slo(t), _release(t), Text(t.description))  # user text, not markup
     console.print(table)
 
 
