@@ -34,7 +34,9 @@ own InferenceService over loopback, carrying the caller's `Authorization` header
 auth, validation, deadlines, request ids, metrics and tracing are the gRPC path's. Every route but
 `/health` first checks the key with the same auth interceptor (an inference key suffices),
 before reading the body; `/v1/models` lists through the adapter store's registry. gRPC statuses
-become OpenAI-style JSON errors: 400/401/403/404/409/429 (+Retry-After)/503/504.
+become OpenAI-style JSON errors: 400/401/403/404/409/429 (+Retry-After)/503/504, their `param`
+the body's parameter behind the first field violation (`max_tokens` for
+`input.params.max_new_tokens`: http_param), or none.
 
 Sampling follows the gRPC API's defaults: `temperature` omitted (or 0) is greedy decoding, not
 OpenAI's 1.0; `max_tokens` omitted is the gateway's `default_max_new_tokens`.
@@ -52,6 +54,7 @@ import binascii
 import dataclasses
 import itertools
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -95,6 +98,7 @@ _FINISH = {
     types_pb2.FINISH_REASON_LABEL: "stop",
 }
 _LIST_PAGE = 1000
+_BODY = web.RequestKey("valora.body", tuple)  # a completion request's (JSON body, whether chat)
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
@@ -103,19 +107,92 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     return web.json_response(body, status=status, headers=headers)
 
 
-def _error_body(exc: errors.ValoraError) -> tuple[int, dict[str, Any], dict[str, str]]:
+# The HTTP body's parameter behind each gRPC field a validation error names (the gateway
+# validation's `input.…`, the worker's `item.…`; here without that prefix and without [indices]):
+# one name, or (chat's, text completions') where the two APIs differ. A field not found here, nor
+# a parent of it, is answered with no `param` (never an internal path): `request_id` (a header),
+# `params` as a whole, `videos` (not on HTTP). http_param narrows "messages" to the message.
+_HTTP_PARAMS: dict[str, str | tuple[str, str]] = {
+    "": ("messages", "prompt"),  # the input as a whole (no prompt, no image)
+    "prompt": ("messages", "prompt"),
+    "prompt_token_ids": "prompt",
+    "raw_prompt": ("messages", "prompt"),
+    "system": "messages",
+    "history": "messages",
+    "images": "messages",
+    "adapter": "model",
+    "task": "model",
+    "head": "model",
+    "output_kind": "output_kind",
+    "params.max_new_tokens": "max_tokens",  # or max_completion_tokens, the one the body set
+    "params.temperature": "temperature",
+    "params.top_p": "top_p",
+    "params.top_k": "top_k",
+    "params.min_p": "min_p",
+    "params.seed": "seed",
+    "params.presence_penalty": "presence_penalty",
+    "params.frequency_penalty": "frequency_penalty",
+    "params.repetition_penalty": "repetition_penalty",
+    "params.adapter_release_fraction": "adapter_release_fraction",
+    "params.logprobs": "logprobs",
+    "params.top_logprobs": ("top_logprobs", "logprobs"),  # the legacy API's logprobs is the count
+    "params.logit_bias": "logit_bias",
+    "params.stop": "stop",
+}
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def http_param(field: str, body: Any, chat: bool) -> str | None:
+    """The OpenAI-style `param` of a gRPC field violation (`input.params.max_new_tokens` ->
+    `max_tokens`) for a chat (`chat`) or text completion with this JSON `body`; None when the
+    field is not one of the body's (_HTTP_PARAMS)."""
+    head, _, rest = field.partition(".")
+    if head not in ("input", "item"):
+        return None
+    parts = re.sub(r"\[[^\]]*\]", "", rest).split(".")
+    for n in range(len(parts), 0, -1):
+        name = _HTTP_PARAMS.get(".".join(parts[:n]))
+        if name is not None:
+            break
+    else:
+        return None
+    if isinstance(name, tuple):
+        name = name[0] if chat else name[1]
+    body = body if isinstance(body, dict) else {}
+    if name == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    messages = body.get("messages")
+    if name != "messages" or not isinstance(messages, list):
+        return name
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    turns = [i for i, role in enumerate(roles) if role not in _SYSTEM_ROLES]  # history, then the prompt
+    systems = [i for i, role in enumerate(roles) if role in _SYSTEM_ROLES]
+    at = re.fullmatch(r"history\[(\d+)\](?:\.(\w+))?", rest)
+    if at and int(at[1]) < len(turns) - 1:
+        return f"messages[{turns[int(at[1])]}].{'role' if at[2] == 'role' else 'content'}"
+    if rest == "prompt" and turns:
+        return f"messages[{turns[-1]}].content"
+    if rest == "system" and len(systems) == 1:
+        return f"messages[{systems[0]}].content"
+    return "messages"
+
+
+def _error_body(exc: errors.ValoraError, body: Any = None, chat: bool = True
+                ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP status, OpenAI-style error JSON and headers of a domain error answering a
+    request with this JSON `body` (http_param: its first field violation as `param`)."""
     status, type_ = _HTTP_STATUS.get(exc.code, (500, "server_error"))
-    param = exc.field_violations[0].field if exc.field_violations else None
+    param = http_param(exc.field_violations[0].field, body, chat) if exc.field_violations else None
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    body = {"error": {"message": exc.message, "type": type_, "param": param, "code": exc.reason.lower()}}
-    return status, body, headers
+    out = {"error": {"message": exc.message, "type": type_, "param": param, "code": exc.reason.lower()}}
+    return status, out, headers
 
 
-def _from_valora_error(exc: errors.ValoraError) -> web.Response:
-    status, body, headers = _error_body(exc)
-    return web.json_response(body, status=status, headers=headers)
+def _from_valora_error(exc: errors.ValoraError, body: Any = None, chat: bool = True) -> web.Response:
+    status, out, headers = _error_body(exc, body, chat)
+    return web.json_response(out, status=status, headers=headers)
 
 
 # -- request parsing ------------------------------------------------------------------------------
@@ -404,8 +481,8 @@ class OpenAIHttpServer:
                 response = await handler(request)
             except RequestError as exc:
                 response = error_response(400, exc.message, "invalid_request_error", exc.code, exc.param)
-            except errors.ValoraError as exc:
-                response = _from_valora_error(exc)
+            except errors.ValoraError as exc:  # a completion's body (_complete) names its fields
+                response = _from_valora_error(exc, *request.get(_BODY, (None, True)))
             except web.HTTPException as exc:
                 response = error_response(exc.status, exc.reason, "invalid_request_error")
             except Exception as exc:  # noqa: BLE001 - a bug: logged, answered as OpenAI's 500
@@ -456,6 +533,7 @@ class OpenAIHttpServer:
         InferStream, answered in that API's shape."""
         self._authorize(request)
         body = await self._json(request)
+        request[_BODY] = (body, chat)  # for the errors' `param` (http_param)
         remote: list | None = [] if self.images.enabled else None
         inp, stream = build(body, self.settings.served_model_name, remote)
         await self._fetch_images(inp, remote or [])
@@ -521,7 +599,7 @@ class OpenAIHttpServer:
                         if include_usage:
                             await response.write(event({**shape.head(chunk=True), "choices": [], "usage": _usage(r)}))
             except grpc.RpcError as err:  # after the first byte: an error event, then the end
-                _, body, _ = _error_body(errors.from_rpc_error(err))
+                _, body, _ = _error_body(errors.from_rpc_error(err), *request[_BODY])
                 await response.write(event(body))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()

@@ -129,16 +129,18 @@ def test_typed_vision_placeholders_over_http_are_400s_naming_their_field(cluster
     """OpenAI chat messages whose text holds Qwen2-VL's vision placeholder tokens, with no image
     and beside one, through the gateway's HTTP to a worker: 400s naming the message's field in the
     work item (the worker's refusal), where they were 500s (the engine's step) or a StopIteration;
-    the worker serves on."""
+    the worker serves on. The 400's `param` is the message's (the field is item.prompt/item.system)."""
     import base64
 
     import openai
 
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(2)).decode()}}
     client = openai.OpenAI(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
-    cases = [([{"role": "user", "content": "what is <|image_pad|>?"}], "item.prompt"),
-             ([{"role": "user", "content": [image, {"type": "text", "text": "<|image_pad|> and?"}]}], "item.prompt"),
-             ([{"role": "system", "content": "<|vision_start|>"}, {"role": "user", "content": "hi"}], "item.system")]
+    cases = [([{"role": "user", "content": "what is <|image_pad|>?"}], "messages[0].content"),
+             ([{"role": "user", "content": [image, {"type": "text", "text": "<|image_pad|> and?"}]}],
+              "messages[0].content"),
+             ([{"role": "system", "content": "<|vision_start|>"}, {"role": "user", "content": "hi"}],
+              "messages[0].content")]
     for messages, param in cases:
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model="valora-base", messages=messages, max_tokens=2)
@@ -176,11 +178,11 @@ def test_typed_special_tokens_are_refused_naming_token_and_field_over_grpc_and_h
             assert info.reason == "SPECIAL_TOKEN_IN_PROMPT", info
             assert bad.field_violations[0].field == field and token in err.details(), err.details()
     client = openai.OpenAI(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
-    for messages, param in (([{"role": "user", "content": ROLE_INJECTION}], "item.prompt"),
-                            ([{"role": "system", "content": "<|im_start|>"}, {"role": "user", "content": "hi"}],
-                             "item.system"),
+    for messages, param in (([{"role": "user", "content": ROLE_INJECTION}], "messages[0].content"),  # item.prompt
+                            ([{"role": "user", "content": "hi"}, {"role": "system", "content": "<|im_start|>"}],
+                             "messages[1].content"),  # item.system
                             ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>"},
-                              {"role": "user", "content": "and?"}], "item.history[1].text")):
+                              {"role": "user", "content": "and?"}], "messages[1].content")):  # item.history[1].text
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model="valora-base", messages=messages, max_tokens=2)
         body = exc.value.body

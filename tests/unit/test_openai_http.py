@@ -75,6 +75,7 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self):
         self.items = []
         self.fail_with: grpc.StatusCode | None = None
+        self.fail_error: errors.ValoraError | None = None  # raised as it is (its status details)
         self.hang = False  # a long generation: never answers until cancelled
         self.cancelled = asyncio.Event()
 
@@ -82,6 +83,8 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
         self.items.append(request.item)
         if self.fail_with is not None:
             await context.abort(self.fail_with, "worker says no")
+        if self.fail_error is not None:
+            raise self.fail_error
         if self.hang:
             try:
                 await asyncio.sleep(60)
@@ -209,7 +212,7 @@ async def test_token_id_prompts_reach_the_worker_as_they_are():
     assert first.raw_prompt and first.prompt == "" and list(first.prompt_token_ids) == [11, 12, 13]
     assert second.raw_prompt and list(second.prompt_token_ids) == [7, 8] and second.adapter.version == VERSION.name
     assert batch.value.body["param"] == "prompt" and batch.value.body["code"] == "unsupported_parameter"
-    assert negative.value.body["param"] == "input.prompt_token_ids[1]"
+    assert negative.value.body["param"] == "prompt"  # the gateway validation's input.prompt_token_ids[1]
 
 
 def test_completion_request_parsing():
@@ -300,7 +303,7 @@ async def test_logit_bias_reaches_the_worker_and_bad_ones_are_400s():
             bad.append(exc.value.body["param"])
     assert dict(worker.items[0].params.logit_bias) == {5: 100.0, 9: -2.5}
     assert dict(worker.items[1].params.logit_bias) == {11: -100.0}
-    assert bad == ["input.params.logit_bias[5]", "input.params.logit_bias", "logit_bias"] and len(worker.items) == 2
+    assert bad == ["logit_bias"] * 3 and len(worker.items) == 2  # the body's parameter, not input.params.logit_bias[5]
 
 
 async def test_models_lists_base_adapters_aliases_and_tasks():
@@ -374,7 +377,7 @@ async def test_errors_are_openai_shaped_with_the_right_status():
         with pytest.raises(openai.BadRequestError) as too_long:  # the gateway's own validation
             await client.chat.completions.create(model="valora-base", messages=user_message(url),
                                                  max_tokens=10 ** 6)
-        assert "max_new_tokens" in too_long.value.body["param"]
+        assert too_long.value.body["param"] == "max_tokens"  # the body's name, not input.params.max_new_tokens
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="adapters/missing", messages=user_message(url))
         with pytest.raises(openai.NotFoundError):
@@ -397,6 +400,55 @@ async def test_errors_are_openai_shaped_with_the_right_status():
                 not_json = r.status
     assert missing_key[0] == 401 and missing_key[1]["error"]["type"] == "authentication_error"
     assert not_json == 400
+
+
+async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
+    """A field violation's `param` is the HTTP body's parameter, never a gRPC field path: the
+    gateway validation's (`input.params.…`) and the worker's (`item.…`), chat and text completions,
+    plain and streamed; a field the body does not have (`item.params`, `request_id`) gives no param."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and?"}]
+    async with http_stack() as (worker, client, _):
+        async def param(call, **kwargs):
+            with pytest.raises(openai.BadRequestError) as exc:
+                got = await call(**kwargs)
+                if kwargs.get("stream"):
+                    [c async for c in got]
+            assert "item." not in str(exc.value.body["param"]) and "input." not in str(exc.value.body["param"])
+            return exc.value.body["param"]
+
+        chats = client.chat.completions.create
+        texts = client.completions.create
+        gateway = [  # the gateway validation's own field violations
+            (await param(chats, model="valora-base", messages=chat, max_completion_tokens=10 ** 6),
+             "max_completion_tokens"),
+            (await param(chats, model="valora-base", messages=chat, temperature=50), "temperature"),
+            (await param(chats, model="valora-base", messages=chat, top_logprobs=99, logprobs=True), "top_logprobs"),
+            (await param(texts, model="valora-base", prompt="x", logprobs=99), "logprobs"),
+            (await param(texts, model="valora-base", prompt="x", max_tokens=10 ** 6, stream=True), "max_tokens"),
+            (await param(chats, model="valora-base", messages=chat, stop=["x" * 10_000]), "stop"),
+        ]
+        assert [got for got, _ in gateway] == [want for _, want in gateway]
+        assert not worker.items
+        worked = []
+        for field, kwargs, want in (
+                ("item.params.max_new_tokens", {"max_tokens": 5}, "max_tokens"),
+                ("item.params.max_new_tokens", {"max_completion_tokens": 5, "stream": True}, "max_completion_tokens"),
+                ("item.history[1].text", {}, "messages[2].content"),
+                ("item.history[0].role", {"stream": True}, "messages[1].role"),
+                ("item.prompt", {}, "messages[3].content"),
+                ("item.system", {}, "messages[0].content"),
+                ("item.images[0].data", {}, "messages"),
+                ("item.params.logit_bias[7]", {}, "logit_bias"),
+                ("item.params", {}, None),
+                ("request_id", {}, None)):
+            worker.fail_error = errors.invalid_field(field, "the worker says no")
+            worked.append((field, await param(chats, model="valora-base", messages=chat, **kwargs), want))
+        for field, want in (("item.prompt", "prompt"), ("item.prompt_token_ids[0]", "prompt"),
+                            ("item.params.top_logprobs", "logprobs"), ("item.params.max_new_tokens", "max_tokens")):
+            worker.fail_error = errors.invalid_field(field, "the worker says no")
+            worked.append((field, await param(texts, model="valora-base", prompt=[5, 6]), want))
+        assert [(f, got) for f, got, _ in worked] == [(f, want) for f, _, want in worked]
 
 
 async def test_hostile_requests_get_4xx_and_keyless_bodies_are_not_read():
@@ -544,7 +596,7 @@ async def test_adapter_release_fraction_through_extra_body():
     assert [round(i.params.adapter_release_fraction, 3) for i in worker.items] == [0.25, 1.0]
     for err in (*bad, legacy_bad.value):
         assert err.status_code == 400
-        assert err.body["param"] == "input.params.adapter_release_fraction" and err.body["code"] == "invalid_argument"
+        assert err.body["param"] == "adapter_release_fraction" and err.body["code"] == "invalid_argument"
         assert "not in [0, 1]" in err.body["message"], err.body
     assert typed.value.body["param"] == "adapter_release_fraction"
 
