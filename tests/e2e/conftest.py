@@ -7,10 +7,12 @@
   collected one after another, so it starts once per session.
 - `tiny_model_copy(dest)`: the session's tiny model copied to `dest` (where a test's own cluster
   or CLI expects its default model), instead of building it again in a subprocess.
+- `no_eos`: a logit_bias banning the session model's EOS ids: a request runs its max_new_tokens.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -76,3 +78,20 @@ def tiny_model_copy(model_path):
         return dest
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def no_eos(model_path) -> dict[int, float]:
+    """logit_bias -100 on each id the worker stops at (lora_model.py: the generation config's and
+    the text config's eos_token_id)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_path / name
+        if not path.exists():
+            continue
+        cfg = json.loads(path.read_text())
+        for c in (cfg, cfg.get("text_config") or {}):
+            eos = c.get("eos_token_id")
+            ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    assert ids
+    return {i: -100.0 for i in ids}
