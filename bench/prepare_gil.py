@@ -26,8 +26,8 @@ from bench.scale_bench import random_png
 from services.worker.model import load_processor
 from services.worker.preprocess import Preprocessor, process_request, work_request_from_pb
 from services.worker.tiny_model import ensure_shape_model
-from valora.internal.v1 import work_pb2
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import work_pb2
+from valora_protos.v1 import types_pb2
 
 
 def engine_like_loop(seconds: float) -> int:

@@ -59,10 +59,10 @@ from rich.table import Table  # noqa: E402
 
 from valora import cluster as cluster_mod  # noqa: E402
 from valora.client import InferResult, ValoraClient  # noqa: E402
-from valora.internal.v1 import worker_service_pb2, worker_service_pb2_grpc  # noqa: E402
-from valora.v1 import inference_service_pb2 as inf_pb  # noqa: E402
-from valora.v1 import inference_service_pb2_grpc as inf_grpc  # noqa: E402
-from valora.v1 import types_pb2  # noqa: E402
+from valora_protos.internal.v1 import worker_service_pb2, worker_service_pb2_grpc  # noqa: E402
+from valora_protos.v1 import inference_service_pb2 as inf_pb  # noqa: E402
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc  # noqa: E402
+from valora_protos.v1 import types_pb2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -47,9 +47,9 @@ from rich.table import Table  # noqa: E402
 
 from bench import scale_bench as sb  # noqa: E402
 from valora import cluster as cluster_mod  # noqa: E402
-from valora.internal.v1 import worker_service_pb2  # noqa: E402
-from valora.v1 import inference_service_pb2 as inf_pb  # noqa: E402
-from valora.v1 import types_pb2  # noqa: E402
+from valora_protos.internal.v1 import worker_service_pb2  # noqa: E402
+from valora_protos.v1 import inference_service_pb2 as inf_pb  # noqa: E402
+from valora_protos.v1 import types_pb2  # noqa: E402
 
 console = sb.console
 WORKLOAD = "mixed-vision"

@@ -32,11 +32,11 @@ from valora.client import (
     _retry_delay,
     _stream_out,
 )
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
-from valora.v1 import inference_service_pb2 as inf_pb
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import resources_pb2
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import inference_service_pb2 as inf_pb
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import resources_pb2
 
 __all__ = ["AsyncValoraClient"]
 

@@ -27,11 +27,11 @@ import grpc
 from google.protobuf import field_mask_pb2
 
 from valora import errors
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
-from valora.v1 import inference_service_pb2 as inf_pb
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import resources_pb2, types_pb2
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import inference_service_pb2 as inf_pb
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import resources_pb2, types_pb2
 
 UPLOAD_CHUNK = 1 << 20
 MAX_RETRY_DELAY_S = 10.0  # the longest a retry waits on a server's RetryInfo

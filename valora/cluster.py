@@ -150,7 +150,7 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
 def wait_registered(scheduler: str, workers: int, timeout_s: float, token: str = "") -> None:
     """Blocks until the scheduler lists `workers` healthy workers (registered ones join at run time)."""
     from valora.internal_token import with_token
-    from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
+    from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
     with with_token(grpc.insecure_channel(scheduler), token) as channel:

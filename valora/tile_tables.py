@@ -21,7 +21,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 def _stub(address: str):
     import grpc  # noqa: PLC0415
-    from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc  # noqa: PLC0415
+    from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc  # noqa: PLC0415
 
     channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
@@ -31,7 +31,7 @@ def _stub(address: str):
 def push_table_json(address: str, table_json: str, timeout_s: float = 30.0):
     """Uploads a table's JSON text as is (its gpu/arch/dtype are the key); the stored
     valora.internal.v1.TileTable (with its sha256)."""
-    from valora.internal.v1 import adapter_store_service_pb2 as store_pb  # noqa: PLC0415
+    from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb  # noqa: PLC0415
 
     d = json.loads(table_json)
     channel, stub = _stub(address)

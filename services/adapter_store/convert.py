@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import resources_pb2 as res_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import resources_pb2 as res_pb
 
 from services.common import names
 from services.common.errors import invalid_field

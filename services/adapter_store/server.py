@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
 
 from services.common.server import Service, build_service
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
-from valora.v1 import resources_pb2 as res_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import resources_pb2 as res_pb
 
 from services.common.adapter_format import BaseModelShapes, lora_key
 from services.common.testing import ServiceThread

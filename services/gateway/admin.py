@@ -14,8 +14,8 @@ from services.common import errors
 from services.common.server import REQUEST_ID_KEY, new_request_id
 from services.gateway.auth import AUTHORIZATION_KEY
 from services.gateway.config import GatewaySettings
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
-from valora.v1 import admin_service_pb2, admin_service_pb2_grpc
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
+from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 # Registry RPCs that change what a reference resolves to: after one succeeds, this gateway's
 # cached resolutions are dropped (InferenceServicer.resolved).

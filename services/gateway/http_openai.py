@@ -72,8 +72,8 @@ from services.gateway.auth import AUTHORIZATION_KEY, INFERENCE_PREFIX, ApiKeyAut
 from services.gateway.config import GatewaySettings
 from services.gateway.image_urls import ImageFetcher, ImageUrlError
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Message, RequestError, parse
-from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
-from valora.v1 import types_pb2
+from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2
+from valora_protos.v1 import inference_service_pb2_grpc, types_pb2
 
 log = structlog.get_logger()
 

@@ -24,14 +24,14 @@ from services.common import errors, metrics
 from services.common.server import REQUEST_ID_KEY, new_request_id
 from services.gateway.config import GatewaySettings
 from services.gateway.validation import Limits, validate
-from valora.internal.v1 import (
+from valora_protos.internal.v1 import (
     adapter_store_service_pb2,
     adapter_store_service_pb2_grpc,
     scheduler_service_pb2,
     scheduler_service_pb2_grpc,
     work_pb2,
 )
-from valora.v1 import inference_service_pb2, inference_service_pb2_grpc, resources_pb2, types_pb2
+from valora_protos.v1 import inference_service_pb2, inference_service_pb2_grpc, resources_pb2, types_pb2
 
 log = structlog.get_logger()
 # How long a resolution waits for the store when an expired answer can stand in (ResolutionCache.stale).

@@ -13,8 +13,9 @@ from services.gateway.auth import ApiKeyAuthInterceptor
 from services.gateway.config import GatewaySettings
 from services.gateway.http_openai import OpenAIHttpServer, loopback_target
 from services.gateway.inference import InferenceServicer
-from valora.internal.v1 import adapter_store_service_pb2_grpc, scheduler_service_pb2_grpc
-from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc, scheduler_service_pb2_grpc
+from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2
+from valora_protos.v1 import inference_service_pb2_grpc
 
 
 async def create_server(settings: GatewaySettings) -> Service:

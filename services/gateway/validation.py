@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from services.common import names
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.common.errors import FieldViolation, InvalidArgument, ValoraError
-from valora.v1 import inference_service_pb2, types_pb2
+from valora_protos.v1 import inference_service_pb2, types_pb2
 
 # PIL format -> canonical MIME type of the formats the model side accepts.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "BMP": "image/bmp"}

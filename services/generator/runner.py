@@ -44,9 +44,9 @@ from pydantic import Field
 from services.common.config import ServiceSettings
 from services.common.internal_auth import internal_token
 from valora.internal_token import with_token
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
-from valora.v1 import resources_pb2 as res
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora_protos.v1 import resources_pb2 as res
 
 log = structlog.get_logger()
 

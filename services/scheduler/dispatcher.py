@@ -26,7 +26,7 @@ from services.common import metrics
 from services.common.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
 from services.scheduler.policies.base import ModeCommand, PrefetchHint, SchedulingPolicy, WaitingRequest
 from services.scheduler.workers import WorkerPool
-from valora.internal.v1 import work_pb2, worker_service_pb2
+from valora_protos.internal.v1 import work_pb2, worker_service_pb2
 
 log = structlog.get_logger()
 

@@ -14,7 +14,7 @@ from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import SchedulingPolicy
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.workers import WorkerPool
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 
 
 async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | None = None) -> Service:

@@ -29,8 +29,8 @@ from services.scheduler.credits import estimate_prompt_tokens
 from services.scheduler import slo
 from services.scheduler.dispatcher import Dispatcher, Pending
 from services.scheduler.workers import WorkerPool
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2
+from valora_protos.v1 import types_pb2
 
 log = structlog.get_logger()
 

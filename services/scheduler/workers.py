@@ -38,8 +38,8 @@ import structlog
 from services.common.channels import open_channel
 from services.scheduler.policies.base import WorkerView
 from services.common.modes import Mode
-from valora.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import admin_service_pb2
+from valora_protos.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import admin_service_pb2
 
 log = structlog.get_logger()
 

@@ -29,8 +29,8 @@ from services.worker.processor import (build_inputs, decode_image, typed_special
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
-from valora.internal.v1 import work_pb2
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import work_pb2
+from valora_protos.v1 import types_pb2
 
 log = structlog.get_logger()
 

@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from services.common.channels import open_channel
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 
 log = structlog.get_logger()
 

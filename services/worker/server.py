@@ -47,9 +47,9 @@ from services.worker.store_client import AdapterFetcher
 from services.worker.tensor_parallel import free_loopback_port
 from services.worker.tiny_model import ensure_tiny_model
 from services.worker.tp_ranks import Followers, build_rank_engine, init_rank
-from valora.internal.v1 import worker_service_pb2 as pb
-from valora.internal.v1 import worker_service_pb2_grpc as pb_grpc
-from valora.v1 import admin_service_pb2, inference_service_pb2, types_pb2
+from valora_protos.internal.v1 import worker_service_pb2 as pb
+from valora_protos.internal.v1 import worker_service_pb2_grpc as pb_grpc
+from valora_protos.v1 import admin_service_pb2, inference_service_pb2, types_pb2
 
 log = structlog.get_logger()
 

@@ -20,8 +20,8 @@ import grpc
 
 from services.common.channels import open_channel
 from services.common.errors import InvalidAdapter, WorkerUnavailable, from_rpc_error
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
 
 
 @dataclass

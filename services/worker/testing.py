@@ -124,7 +124,7 @@ class InMemoryAdapterStore:
         self.fetches = 0
 
     def version_pb(self, name: str):
-        from valora.v1 import resources_pb2
+        from valora_protos.v1 import resources_pb2
 
         b = self.bundles[name]
         return resources_pb2.AdapterVersion(
@@ -134,8 +134,8 @@ class InMemoryAdapterStore:
         )
 
     def register(self, server) -> list[str]:
-        from valora.internal.v1 import adapter_store_service_pb2 as pb
-        from valora.internal.v1 import adapter_store_service_pb2_grpc as pb_grpc
+        from valora_protos.internal.v1 import adapter_store_service_pb2 as pb
+        from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as pb_grpc
 
         store = self
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from valora.cli import app
 from valora.client import ValoraClient
-from valora.v1 import resources_pb2 as res
+from valora_protos.v1 import resources_pb2 as res
 
 pytestmark = pytest.mark.e2e
 

@@ -264,7 +264,7 @@ def spans_in(log: str) -> list[dict]:
 def test_one_trace_across_the_gateway_scheduler_and_worker_processes(cluster, adapter):
     import grpc
 
-    from valora.v1 import inference_service_pb2, inference_service_pb2_grpc
+    from valora_protos.v1 import inference_service_pb2, inference_service_pb2_grpc
 
     # a reference no other request used: the gateway asks the store (it reuses READY resolutions)
     traced = adapter.replace("@prod", "@traced")

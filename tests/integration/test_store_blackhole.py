@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.adapter_store.config import StoreSettings
 from services.adapter_store.server import create_server
-from valora.v1 import admin_service_pb2 as admin
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import admin_service_pb2 as admin
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -13,9 +13,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
 
 from services.adapter_store.testing import make_bundle, upload_messages
 

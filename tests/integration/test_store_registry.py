@@ -15,9 +15,9 @@ from google.protobuf import field_mask_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import resources_pb2 as res_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import resources_pb2 as res_pb
 
 from services.adapter_store import db
 from services.adapter_store.models import Base, utcnow

@@ -11,7 +11,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
 
 from kernels.tile_table import TileConfig, TileTable
 from services.adapter_store.testing import RunningStore

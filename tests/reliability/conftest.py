@@ -147,7 +147,7 @@ def rss_bytes(pid: int) -> int:
 
 def wait_scheduler_sees(cluster: Cluster, address: str, healthy: bool, timeout_s: float = 15.0) -> float:
     """Polls GetClusterStatus until `address` has the given health; returns seconds waited."""
-    from valora.v1 import admin_service_pb2, admin_service_pb2_grpc
+    from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc
 
     t0 = time.monotonic()
     with grpc.insecure_channel(cluster.gateway) as ch:

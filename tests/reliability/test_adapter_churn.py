@@ -22,8 +22,8 @@ import pytest
 from services.worker.config import WorkerSettings
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle, serve_worker
 from tests.reliability.conftest import record, rss_bytes
-from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.anyio
 ADAPTERS = 300

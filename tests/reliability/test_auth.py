@@ -10,11 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reliability.conftest import ADMIN_KEY, API_KEY, record
-from valora.v1 import admin_service_pb2 as admin
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.v1 import admin_service_pb2 as admin
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 WRONG = "rk-wrong-3b9f1d7c2e4a6b80"

@@ -24,9 +24,9 @@ from tests.reliability.conftest import InProcessStack, record
 from tests.reliability.images import png
 from tests.unit.test_engine_decode_failure import failing_decode
 from tests.unit.test_engine_prefill import failing_prefill
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 ROWS, BAD, MAX_NEW = 8, "poisoned-3", 12

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from tests.reliability.conftest import InProcessStack, record
-from valora.v1 import inference_service_pb2, inference_service_pb2_grpc, types_pb2
+from valora_protos.v1 import inference_service_pb2, inference_service_pb2_grpc, types_pb2
 
 pytestmark = pytest.mark.e2e
 

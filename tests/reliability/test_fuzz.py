@@ -19,11 +19,11 @@ from services.common.errors import ValoraError
 from services.gateway.validation import inspect_image
 from tests.reliability.conftest import ADMIN_KEY, API_KEY, md, record
 from tests.reliability.images import png, png_claiming
-from valora.v1 import admin_service_pb2 as admin
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.v1 import admin_service_pb2 as admin
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 BAD = {"INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"}  # DEADLINE_EXCEEDED here = a hang

@@ -10,9 +10,9 @@ from grpc_status import rpc_status
 
 from tests.reliability.conftest import API_KEY, MAX_MESSAGE_BYTES, alive, md, record, rss_bytes
 from tests.reliability.images import png, png_bomb, png_claiming
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 INV, NF, RE = "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"

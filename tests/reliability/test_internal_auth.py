@@ -11,14 +11,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from valora.internal_token import TOKEN_KEY
 from tests.reliability.conftest import record
-from valora.internal.v1 import adapter_store_service_pb2 as store
-from valora.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
-from valora.internal.v1 import scheduler_service_pb2 as sched
-from valora.internal.v1 import scheduler_service_pb2_grpc as sched_grpc
-from valora.internal.v1 import worker_service_pb2 as work
-from valora.internal.v1 import worker_service_pb2_grpc as work_grpc
-from valora.v1 import admin_service_pb2 as admin
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store
+from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
+from valora_protos.internal.v1 import scheduler_service_pb2 as sched
+from valora_protos.internal.v1 import scheduler_service_pb2_grpc as sched_grpc
+from valora_protos.internal.v1 import worker_service_pb2 as work
+from valora_protos.internal.v1 import worker_service_pb2_grpc as work_grpc
+from valora_protos.v1 import admin_service_pb2 as admin
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
 
 pytestmark = pytest.mark.e2e
 ROGUE = "127.0.0.1:1"

@@ -15,11 +15,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from tests.reliability.conftest import ADMIN_KEY, API_KEY, MAX_BATCH, MAX_QUEUE, md, record
-from valora.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import admin_service_pb2, admin_service_pb2_grpc
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 TOKENS = 8

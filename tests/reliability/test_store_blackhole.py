@@ -23,8 +23,8 @@ from services.adapter_store.testing import RunningStore, make_bundle, upload_mes
 from tests.integration.conftest import _truncate_all, postgres_url, s3_server  # noqa: F401 - fixtures reused
 from tests.reliability.conftest import record
 from tests.reliability.tcp_proxy import TcpProxy
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.v1 import admin_service_pb2 as admin
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.v1 import admin_service_pb2 as admin
 
 pytestmark = pytest.mark.integration
 BACKEND_TIMEOUT_S = 2.0

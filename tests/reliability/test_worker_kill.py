@@ -23,10 +23,10 @@ from tests.reliability.conftest import (
     wait_exit,
     wait_scheduler_sees,
 )
-from valora.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 

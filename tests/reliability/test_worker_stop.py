@@ -14,9 +14,9 @@ import pytest
 from services.scheduler.config import SchedulerSettings
 from tests.reliability.conftest import API_KEY, kill, md, record, wait_scheduler_sees
 from tests.reliability.test_worker_kill import PeakRunning, long_stream
-from valora.v1 import inference_service_pb2 as inf
-from valora.v1 import inference_service_pb2_grpc as inf_grpc
-from valora.v1 import types_pb2
+from valora_protos.v1 import inference_service_pb2 as inf
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.e2e
 DEADLINE_S = 120

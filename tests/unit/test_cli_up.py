@@ -232,7 +232,7 @@ def test_every_command_has_help_and_the_cli_a_version():
 
 def test_status_names_the_mode():
     from valora.cli.status import _mode_name
-    from valora.v1 import types_pb2
+    from valora_protos.v1 import types_pb2
 
     assert _mode_name(types_pb2.INFERENCE_MODE_MIXTURE) == "mixture"
     assert {_mode_name(v.number) for v in types_pb2.InferenceMode.DESCRIPTOR.values} >= {"merged", "unmerged"}
@@ -245,7 +245,7 @@ def test_the_cli_prints_a_failed_call_and_exits_with_its_code(capsys):
 
     from services.common.errors import FieldViolation, InvalidArgument
     from tests.unit.test_client_errors import Scripted
-    from valora.v1 import inference_service_pb2_grpc
+    from valora_protos.v1 import inference_service_pb2_grpc
 
     bad = InvalidArgument("invalid request", reason="INVALID_ARGUMENT",
                           field_violations=[FieldViolation("input.prompt", "too long")])

@@ -25,7 +25,7 @@ from valora.aio import AsyncValoraClient
 from valora.client import AdapterVersion, InferResult, ValoraClient
 from valora.cluster import free_port
 from valora.internal_token import TOKEN_KEY
-from valora.v1 import admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
+from valora_protos.v1 import admin_service_pb2_grpc, inference_service_pb2, inference_service_pb2_grpc
 
 pytestmark = pytest.mark.anyio
 

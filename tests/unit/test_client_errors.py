@@ -13,7 +13,7 @@ from grpc_status import rpc_status
 from services.common.errors import CapacityExceeded, FieldViolation, InvalidArgument, WorkerUnavailable
 from valora import errors
 from valora.client import ValoraClient
-from valora.v1 import inference_service_pb2, inference_service_pb2_grpc
+from valora_protos.v1 import inference_service_pb2, inference_service_pb2_grpc
 
 
 class Scripted(inference_service_pb2_grpc.InferenceServiceServicer):
@@ -92,9 +92,9 @@ def test_tls_and_mutual_tls_and_every_page_of_versions(tmp_path):
     """The SDK speaks TLS (server verified against a CA) and mutual TLS (with its certificate),
     and list_versions reads every page."""
     from tests.reliability.test_mtls import make_pki
-    from valora.v1 import admin_service_pb2 as admin_pb
-    from valora.v1 import admin_service_pb2_grpc as admin_grpc
-    from valora.v1 import resources_pb2
+    from valora_protos.v1 import admin_service_pb2 as admin_pb
+    from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+    from valora_protos.v1 import resources_pb2
 
     class Versions(admin_grpc.AdminServiceServicer):
         def ListAdapterVersions(self, request, context):

@@ -448,6 +448,26 @@ def test_dockerfile_copies_only_what_the_context_sends():
             assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} excluded by .dockerignore"
 
 
+def test_both_images_copy_every_package_the_project_ships():
+    """Each stage's `pip install -e /app` runs the code it copied: every top-level package of
+    pyproject's packages.find (the generated stubs' valora_protos/ beside valora/ and services/)
+    is copied in both, or the image's services fail on their first import."""
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = {pattern.split(".")[0].rstrip("*") for pattern in find["include"]}
+    assert {"valora", "valora_protos", "services"} <= shipped, shipped
+    copied: dict[str, set[str]] = {}
+    for op, rest in dockerfile_instructions():
+        if op == "FROM":
+            stage = copied.setdefault(rest.split()[-1], set())
+        elif op == "COPY" and "--from=" not in rest:
+            stage |= {src.rstrip("/") for src in rest.split()[:-1]}
+    assert set(copied) == {"cpu", "worker"}
+    missing = {name: sorted(shipped - srcs) for name, srcs in copied.items() if shipped - srcs}
+    assert not missing, f"packages the project ships but the image does not copy: {missing}"
+
+
 def test_requirements_helper_keeps_pins_and_expands_the_extras():
     helper = load_script(DEPLOY / "docker" / "requirements.py")
     cpu = helper.requirements(str(ROOT / "pyproject.toml"), [], ["server"])

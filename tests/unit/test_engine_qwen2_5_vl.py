@@ -149,7 +149,7 @@ def anyio_backend():
 
 @pytest.mark.anyio
 async def test_the_worker_serves_it_from_valora_model_path(engine, qwen25_path, bundles, tmp_path, monkeypatch):
-    from valora.v1 import types_pb2
+    from valora_protos.v1 import types_pb2
 
     from tests.unit.test_worker_server import png, served_image_request
 

@@ -232,7 +232,7 @@ def test_gateway_validates_video_frames_like_images():
 
     from services.common.errors import InvalidArgument
     from services.gateway.validation import Limits, validate
-    from valora.v1 import inference_service_pb2, types_pb2
+    from valora_protos.v1 import inference_service_pb2, types_pb2
 
     buf = io.BytesIO()
     random_image(1).save(buf, "PNG")

@@ -20,13 +20,13 @@ from PIL import Image
 from services.common.server import REQUEST_ID_KEY
 from services.gateway.config import GatewaySettings
 from services.gateway.server import create_server
-from valora.internal.v1 import (
+from valora_protos.internal.v1 import (
     adapter_store_service_pb2,
     adapter_store_service_pb2_grpc,
     scheduler_service_pb2,
     scheduler_service_pb2_grpc,
 )
-from valora.v1 import (
+from valora_protos.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
     inference_service_pb2,

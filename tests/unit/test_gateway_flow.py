@@ -19,13 +19,13 @@ from services.gateway.config import GatewaySettings
 from services.gateway.server import create_server as create_gateway
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server as create_scheduler
-from valora.internal.v1 import (
+from valora_protos.internal.v1 import (
     adapter_store_service_pb2,
     adapter_store_service_pb2_grpc,
     worker_service_pb2,
     worker_service_pb2_grpc,
 )
-from valora.v1 import (
+from valora_protos.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
     inference_service_pb2,

@@ -9,9 +9,9 @@ import pytest
 
 from services.adapter_store.config import StoreSettings
 from services.adapter_store.testing import RunningStore, write_tiny_model
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import resources_pb2 as res
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import resources_pb2 as res
 
 PENDING, RUNNING = res.GENERATION_JOB_STATE_PENDING, res.GENERATION_JOB_STATE_RUNNING
 SUCCEEDED, FAILED, CANCELLED = (res.GENERATION_JOB_STATE_SUCCEEDED, res.GENERATION_JOB_STATE_FAILED,

@@ -22,8 +22,8 @@ from services.generator.user_datasets import pack_dataset  # noqa: E402
 from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset  # noqa: E402
 from valora import cli  # noqa: E402
 from valora.client import ValoraClient  # noqa: E402
-from valora.v1 import admin_service_pb2 as admin_pb  # noqa: E402
-from valora.v1 import resources_pb2 as res  # noqa: E402
+from valora_protos.v1 import admin_service_pb2 as admin_pb  # noqa: E402
+from valora_protos.v1 import resources_pb2 as res  # noqa: E402
 
 
 def _settings(tmp_path, model_path) -> StoreSettings:

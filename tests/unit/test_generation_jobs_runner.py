@@ -27,9 +27,9 @@ from services.common.errors import from_rpc_error
 from services.generator.bundle import Bundle
 from services.generator.runner import Runner, RunnerSettings, register
 from valora.client import ValoraClient
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import resources_pb2 as res
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import resources_pb2 as res
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 1.0

@@ -14,9 +14,9 @@ import pytest
 from services.generator.bundle import Bundle
 from services.generator.datasets import TaskData
 from services.generator.pipeline import StrategyResult, register
-from valora.v1 import admin_service_pb2 as admin_pb
-from valora.v1 import admin_service_pb2_grpc as admin_grpc
-from valora.v1 import resources_pb2
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
+from valora_protos.v1 import resources_pb2
 
 
 class RecordingAdmin(admin_grpc.AdminServiceServicer):

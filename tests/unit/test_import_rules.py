@@ -1,8 +1,10 @@
 """The import rules docs/CONTRIBUTING.md states, checked: a service imports services/common/, the
-generated stubs and its own package, never another service; services/common/ imports no service;
-kernels/ imports no service, no gRPC and no API stubs; gateway, scheduler, adapter_store and the
-client SDK load no torch (nor transformers, peft). That the client and the CLI's client commands
-run on the base install (pyproject's dependencies, no extra) is tests/unit/test_packaging.py's."""
+generated stubs (valora_protos, their own package) and its own package, never another service;
+services/common/ imports no service; the stubs import only protobuf and grpc, and nothing imports
+them from the client package (valora/); kernels/ imports no service, no gRPC and no API stubs;
+gateway, scheduler, adapter_store and the client SDK load no torch (nor transformers, peft). That
+the client and the CLI's client commands run on the base install (pyproject's dependencies, no
+extra) is tests/unit/test_packaging.py's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "scheduler", "adapter_store", "worker", "generator")
+STUBS = "valora_protos"
+# Every directory holding Python of ours (the stubs' own package too).
+CODE = ("valora", STUBS, "services", "kernels", "bench", "scripts", "tests")
 
 
 def imports(path: Path) -> list[tuple[str, int]]:
@@ -49,7 +54,25 @@ def test_the_sdk_imports_no_service():
 
 
 def test_kernels_import_no_service_api():
-    bad = violations(REPO / "kernels", lambda p: p[0] in ("services", "valora", "grpc"))
+    bad = violations(REPO / "kernels", lambda p: p[0] in ("services", "valora", STUBS, "grpc"))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_stubs_import_only_protobuf_grpc_and_themselves():
+    """valora_protos is the bottom layer: the SDK and the services import it, it imports neither."""
+    bad = violations(REPO / STUBS, lambda p: p[0] not in (STUBS, "google", "grpc", "warnings", "__future__"))
+    assert not bad, "\n".join(bad)
+    assert [f.name for f in (REPO / STUBS).rglob("*_pb2.py")], "no generated stubs in valora_protos/"
+
+
+def test_the_stubs_live_outside_the_client_package():
+    """No generated module under valora/ and no import of the stubs' old home (valora.v1,
+    valora.internal.v1): a service reaching its API through the SDK's package is what this forbids."""
+    generated = sorted(str(f.relative_to(REPO)) for f in (REPO / "valora").rglob("*_pb2*.py"))
+    assert not generated, generated
+    bad = []
+    for top in CODE:
+        bad += violations(REPO / top, lambda p: p[0] == "valora" and len(p) > 1 and p[1] in ("v1", "internal"))
     assert not bad, "\n".join(bad)
 
 

@@ -14,7 +14,7 @@ from valora.internal_token import TOKEN_KEY, with_token
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server
 from tests.unit.test_scheduler_service import FakeWorker, submit_request
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc
 
 pytestmark = pytest.mark.anyio
 TOKEN = "it-3f9a1c7e5b2d"

@@ -22,13 +22,13 @@ from services.gateway.http_openai import _error_body, build_completion_input, bu
 from services.gateway.server import create_server as create_gateway
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server as create_scheduler
-from valora.internal.v1 import (
+from valora_protos.internal.v1 import (
     adapter_store_service_pb2,
     adapter_store_service_pb2_grpc,
     worker_service_pb2,
     worker_service_pb2_grpc,
 )
-from valora.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, resources_pb2, types_pb2
+from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, resources_pb2, types_pb2
 
 pytestmark = pytest.mark.anyio
 VERSION = resources_pb2.AdapterVersion(name="adapters/cars/versions/1", sha256="ef" * 32,

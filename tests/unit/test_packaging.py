@@ -19,8 +19,9 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-FIRST_PARTY = {"valora", "services", "kernels", "bench", "scripts", "tests"}
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+PROJECT, TOOL = PYPROJECT["project"], PYPROJECT["tool"]
+FIRST_PARTY = {"valora", "valora_protos", "services", "kernels", "bench", "scripts", "tests"}
 
 # Distribution -> its top-level import names, where they differ from the name with - as _.
 IMPORT_NAMES = {
@@ -100,12 +101,10 @@ def file_imports(path: Path, toplevel_only: bool) -> tuple[tuple[str, int], ...]
 
 def third_party_imports(paths: list[str], toplevel_only: bool = False) -> dict[str, str]:
     """Top-level module name -> one file:line importing it, for the third-party imports of the .py
-    files under paths (generated stubs left out: protobuf and grpc only)."""
+    files under paths."""
     out: dict[str, str] = {}
     for root in paths:
         for f in sorted((REPO / root).rglob("*.py")) if (REPO / root).is_dir() else [REPO / root]:
-            if "valora/v1" in f.as_posix() or "/internal/v1/" in f.as_posix():
-                continue
             for top, line in file_imports(f, toplevel_only):
                 if top not in FIRST_PARTY and top not in sys.stdlib_module_names and top != "__future__":
                     out.setdefault(top, f"{f.relative_to(REPO)}:{line}")
@@ -154,7 +153,7 @@ def test_every_import_of_a_role_is_provided_by_its_extras():
         have = provided(BASE | dists) | set(OPTIONAL)
         missing += [f"{role}: {where} imports {mod}" for mod, where in third_party_imports(ROLE_FILES[role]).items()
                     if mod not in have]
-    client = ["valora/" + p.name for p in (REPO / "valora").glob("*.py")] + ["valora/cli"]
+    client = ["valora/" + p.name for p in (REPO / "valora").glob("*.py")] + ["valora/cli", "valora_protos"]
     missing += [f"base: {where} imports {mod}" for mod, where in third_party_imports(client, True).items()
                 if mod not in provided(BASE)]
     assert not missing, "\n".join(missing)
@@ -173,6 +172,20 @@ def test_every_package_of_an_extra_is_used_by_its_role():
     assert set(PROJECT["optional-dependencies"]) == set(ROLE_FILES), "a new extra needs its role's files here"
 
 
+def test_the_stubs_ship_in_the_base_distribution():
+    """The generated stubs are their own top-level package, valora_protos (scripts/gen_protos.py),
+    which the SDK and the services import: it and every package under valora/ match pyproject's
+    packages.find, so `pip install valora` installs them (setuptools filters with fnmatchcase)."""
+    import fnmatch
+
+    include = TOOL["setuptools"]["packages"]["find"]["include"]
+    packages = {".".join(init.parent.relative_to(REPO).parts) for top in ("valora", "valora_protos")
+                for init in (REPO / top).rglob("__init__.py")}
+    assert {"valora", "valora.cli", "valora_protos", "valora_protos.v1", "valora_protos.internal.v1"} <= packages
+    unshipped = sorted(p for p in packages if not any(fnmatch.fnmatchcase(p, pattern) for pattern in include))
+    assert not unshipped, f"not matched by packages.find's include {include}: {unshipped}"
+
+
 # The base install, simulated: every third-party module outside the base requirements' closure
 # (read from the installed distributions) is refused, torch first of all.
 CLIENT_ONLY = """
@@ -189,7 +202,7 @@ while todo:
 tops = {top for top, dists in importlib.metadata.packages_distributions().items()
         if any(re.sub(r"[-_.]+", "-", d).lower() in {re.sub(r"[-_.]+", "-", a).lower() for a in allowed}
                for d in dists)}
-tops |= set(sys.stdlib_module_names) | {"valora", "services", "kernels"}
+tops |= set(sys.stdlib_module_names) | {"valora", "valora_protos", "services", "kernels"}
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]

@@ -20,8 +20,8 @@ from services.worker.config import WorkerSettings
 from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore
 from tests.unit.test_worker_server import png
-from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import types_pb2
 
 
 def item(rid: str, *images: bytes, frames: tuple[bytes, ...] = ()) -> work_pb2.WorkItem:

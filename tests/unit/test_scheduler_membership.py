@@ -15,7 +15,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server
 from services.worker.registration import SchedulerRegistration
 from valora.cluster import free_port
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc
 
 pytestmark = pytest.mark.anyio
 
@@ -234,8 +234,8 @@ async def test_a_frozen_worker_is_lost_ttl_after_its_last_healthy_status():
     counting the TTL from there made its mid-stream clients wait TTL + that detection delay
     (13.5 s against a 10 s TTL, bench/results/reliability-worker-sigstop.json)."""
     from services.scheduler.workers import WorkerPool
-    from valora.internal.v1 import worker_service_pb2
-    from valora.v1 import admin_service_pb2
+    from valora_protos.internal.v1 import worker_service_pb2
+    from valora_protos.v1 import admin_service_pb2
 
     now = [0.0]
     pool = WorkerPool(["127.0.0.1:1"], poll_s=1.0, poll_timeout_s=2.0, default_max_batch_size=4,

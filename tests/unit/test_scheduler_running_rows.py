@@ -21,8 +21,8 @@ from services.common.modes import Mode
 from services.scheduler.policies.credit import CreditPolicy
 from services.scheduler.server import create_server
 from services.scheduler.workers import WorkerHandle
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc
-from valora.v1 import admin_service_pb2, types_pb2
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, worker_service_pb2_grpc
+from valora_protos.v1 import admin_service_pb2, types_pb2
 
 pytestmark = pytest.mark.anyio
 A, B, C = ADAPTER, "adapters/b/versions/1", "adapters/c/versions/1"

@@ -15,14 +15,14 @@ from services.common.errors import ValoraError
 from services.common.server import REQUEST_ID_KEY
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.server import create_server
-from valora.internal.v1 import (
+from valora_protos.internal.v1 import (
     scheduler_service_pb2,
     scheduler_service_pb2_grpc,
     work_pb2,
     worker_service_pb2,
     worker_service_pb2_grpc,
 )
-from valora.v1 import admin_service_pb2, inference_service_pb2, types_pb2
+from valora_protos.v1 import admin_service_pb2, inference_service_pb2, types_pb2
 
 pytestmark = pytest.mark.anyio
 ADAPTER = "adapters/cars/versions/1"

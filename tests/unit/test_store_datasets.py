@@ -17,7 +17,7 @@ from services.adapter_store.testing import RunningStore, write_tiny_model  # noq
 from services.generator.user_datasets import pack_dataset  # noqa: E402
 from tests.unit.test_generator_user_datasets import image_folder  # noqa: E402
 from valora.client import ValoraClient  # noqa: E402
-from valora.v1 import admin_service_pb2 as admin_pb  # noqa: E402
+from valora_protos.v1 import admin_service_pb2 as admin_pb  # noqa: E402
 
 
 def _settings(tmp_path) -> StoreSettings:

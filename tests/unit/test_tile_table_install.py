@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from valora.internal.v1 import adapter_store_service_pb2 as store_pb
+from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
 
 from kernels import atmm
 from kernels.tile_table import TileConfig, TileTable, find_table

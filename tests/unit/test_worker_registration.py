@@ -13,8 +13,8 @@ from services.scheduler.server import create_server as create_scheduler
 from services.worker.model import ensure_tiny_model
 from services.worker.config import WorkerSettings
 from services.worker.server import create_server as create_worker
-from valora.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, work_pb2
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc, work_pb2
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.anyio
 

@@ -19,8 +19,8 @@ from services.worker.model import ensure_tiny_model
 from services.worker.config import WorkerSettings
 from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle, serve_worker
-from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = pytest.mark.anyio
 A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"

@@ -23,14 +23,14 @@ from services.worker.model import ensure_tiny_model
 from services.worker.requests import step_times
 from services.worker.config import WorkerSettings
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle, serve_worker
-from valora.internal.v1 import (
+from valora_protos.internal.v1 import (
     scheduler_service_pb2,
     scheduler_service_pb2_grpc,
     work_pb2,
     worker_service_pb2,
     worker_service_pb2_grpc,
 )
-from valora.v1 import admin_service_pb2, types_pb2
+from valora_protos.v1 import admin_service_pb2, types_pb2
 
 pytestmark = pytest.mark.anyio
 A = "adapters/alpha/versions/1"

@@ -22,8 +22,8 @@ from services.worker.server import create_server
 from services.worker.testing import InMemoryAdapterStore, random_adapter_bundle
 from services.worker.tp_ranks import rank_device
 from tests.unit.test_worker_server import generate, png
-from valora.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
-from valora.v1 import types_pb2
+from valora_protos.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import types_pb2
 
 pytestmark = [pytest.mark.anyio,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),

@@ -15,7 +15,7 @@ jobs_app = typer.Typer(help="Generation jobs (queued by `valora generate`).", no
 
 
 def job_state(job) -> str:
-    from valora.v1 import resources_pb2
+    from valora_protos.v1 import resources_pb2
 
     return resources_pb2.GenerationJobState.Name(job.state).removeprefix("GENERATION_JOB_STATE_")
 

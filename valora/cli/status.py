@@ -8,7 +8,7 @@ from rich.table import Table
 
 from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, app, console, gateway_address
 from valora.client import ValoraClient
-from valora.v1 import types_pb2
+from valora_protos.v1 import types_pb2
 
 
 def _mode_name(mode: int) -> str:

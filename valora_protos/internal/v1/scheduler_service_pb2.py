@@ -23,17 +23,17 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
-from valora.internal.v1 import work_pb2 as valora_dot_internal_dot_v1_dot_work__pb2
-from valora.v1 import inference_service_pb2 as valora_dot_v1_dot_inference__service__pb2
-from valora.v1 import admin_service_pb2 as valora_dot_v1_dot_admin__service__pb2
-from valora.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
+from valora_protos.internal.v1 import work_pb2 as valora_dot_internal_dot_v1_dot_work__pb2
+from valora_protos.v1 import inference_service_pb2 as valora_dot_v1_dot_inference__service__pb2
+from valora_protos.v1 import admin_service_pb2 as valora_dot_v1_dot_admin__service__pb2
+from valora_protos.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*valora/internal/v1/scheduler_service.proto\x12\x12valora.internal.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1dvalora/internal/v1/work.proto\x1a!valora/v1/inference_service.proto\x1a\x1dvalora/v1/admin_service.proto\x1a\x15valora/v1/types.proto\";\n\rSubmitRequest\x12*\n\x04item\x18\x01 \x01(\x0b\x32\x1c.valora.internal.v1.WorkItem\"w\n\x0eSubmitResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.valora.v1.TokenLogprob\"\x1b\n\x19GetSchedulerStatusRequest\"_\n\x1aGetSchedulerStatusResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.valora.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\"^\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\"@\n\x16RegisterWorkerResponse\x12&\n\x03ttl\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"#\n\x10HeartbeatRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x13\n\x11HeartbeatResponse\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse2\x8c\x04\n\x10SchedulerService\x12Q\n\x06Submit\x12!.valora.internal.v1.SubmitRequest\x1a\".valora.internal.v1.SubmitResponse0\x01\x12s\n\x12GetSchedulerStatus\x12-.valora.internal.v1.GetSchedulerStatusRequest\x1a..valora.internal.v1.GetSchedulerStatusResponse\x12g\n\x0eRegisterWorker\x12).valora.internal.v1.RegisterWorkerRequest\x1a*.valora.internal.v1.RegisterWorkerResponse\x12X\n\tHeartbeat\x12$.valora.internal.v1.HeartbeatRequest\x1a%.valora.internal.v1.HeartbeatResponse\x12m\n\x10\x44\x65registerWorker\x12+.valora.internal.v1.DeregisterWorkerRequest\x1a,.valora.internal.v1.DeregisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'valora.internal.v1.scheduler_service_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'valora_protos.internal.v1.scheduler_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=218

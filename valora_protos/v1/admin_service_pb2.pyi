@@ -1,6 +1,6 @@
 from google.protobuf import field_mask_pb2 as _field_mask_pb2
-from valora.v1 import resources_pb2 as _resources_pb2
-from valora.v1 import types_pb2 as _types_pb2
+from valora_protos.v1 import resources_pb2 as _resources_pb2
+from valora_protos.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

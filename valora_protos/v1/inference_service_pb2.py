@@ -22,14 +22,14 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from valora.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
+from valora_protos.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!valora/v1/inference_service.proto\x12\tvalora.v1\x1a\x15valora/v1/types.proto\"\xce\x02\n\x0eInferenceInput\x12 \n\x06images\x18\x01 \x03(\x0b\x32\x10.valora.v1.Image\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\x07\x61\x64\x61pter\x18\x03 \x01(\tH\x00\x12\x0e\n\x04task\x18\x04 \x01(\tH\x00\x12*\n\x0boutput_kind\x18\x05 \x01(\x0e\x32\x15.valora.v1.OutputKind\x12+\n\x06params\x18\x06 \x01(\x0b\x32\x1b.valora.v1.GenerationParams\x12 \n\x06videos\x18\x07 \x03(\x0b\x32\x10.valora.v1.Video\x12\x0e\n\x06system\x18\x08 \x01(\t\x12$\n\x07history\x18\t \x03(\x0b\x32\x13.valora.v1.ChatTurn\x12\x12\n\nraw_prompt\x18\n \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x42\x08\n\x06target\"L\n\x0cInferRequest\x12(\n\x05input\x18\x01 \x01(\x0b\x32\x19.valora.v1.InferenceInput\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\xd5\x02\n\x0bInferResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12%\n\x06scores\x18\x04 \x03(\x0b\x32\x15.valora.v1.LabelScore\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.valora.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.valora.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.valora.v1.Timing\x12&\n\x04mode\x18\x08 \x01(\x0e\x32\x18.valora.v1.InferenceMode\x12\x17\n\x0f\x61\x64\x61pter_version\x18\t \x01(\t\x12\x0e\n\x06worker\x18\n \x01(\t\x12)\n\x08logprobs\x18\x0b \x03(\x0b\x32\x17.valora.v1.TokenLogprob\"7\n\rInferResponse\x12&\n\x06result\x18\x01 \x01(\x0b\x32\x16.valora.v1.InferResult\"R\n\x12InferStreamRequest\x12(\n\x05input\x18\x01 \x01(\x0b\x32\x19.valora.v1.InferenceInput\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"|\n\x13InferStreamResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.valora.v1.InferResult\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.valora.v1.TokenLogprob2\x9e\x01\n\x10InferenceService\x12:\n\x05Infer\x12\x17.valora.v1.InferRequest\x1a\x18.valora.v1.InferResponse\x12N\n\x0bInferStream\x12\x1d.valora.v1.InferStreamRequest\x1a\x1e.valora.v1.InferStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'valora.v1.inference_service_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'valora_protos.v1.inference_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INFERENCEINPUT']._serialized_start=72

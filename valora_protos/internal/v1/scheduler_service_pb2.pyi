@@ -1,10 +1,10 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
-from valora.internal.v1 import work_pb2 as _work_pb2
-from valora.v1 import inference_service_pb2 as _inference_service_pb2
-from valora.v1 import admin_service_pb2 as _admin_service_pb2
-from valora.v1 import types_pb2 as _types_pb2
+from valora_protos.internal.v1 import work_pb2 as _work_pb2
+from valora_protos.v1 import inference_service_pb2 as _inference_service_pb2
+from valora_protos.v1 import admin_service_pb2 as _admin_service_pb2
+from valora_protos.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

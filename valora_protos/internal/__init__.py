@@ -1,0 +1,1 @@
+"""The services' internal APIs (protos/valora/internal)."""
