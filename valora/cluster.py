@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import difflib
-import importlib
 import itertools
 import json
 import os
@@ -243,14 +242,10 @@ def worker_device_env(workers: int, device: str = "cpu", dtype: str = "float32",
 
 # -- the services' settings: `valora up --set` and `--config` ---------------------------------------
 
-# Each service's pydantic settings class (every field is also VALORA_<FIELD>); imported only when
-# settings are checked (the classes need the server extra; the worker's loads torch).
-SETTINGS_CLASSES = {
-    "adapter_store": ("services.adapter_store.config", "StoreSettings"),
-    "worker": ("services.worker.config", "WorkerSettings"),
-    "scheduler": ("services.scheduler.config", "SchedulerSettings"),
-    "gateway": ("services.gateway.config", "GatewaySettings"),
-}
+# Each service's pydantic settings class (every field is also VALORA_<FIELD>): the server's entry
+# point `<service>-settings` (valora/server_code.py), loaded only when settings are checked (the
+# classes need the server extra).
+SETTINGS_ENTRY_POINTS = {svc: f"{svc}-settings" for svc in SERVICES}
 _ONE_TOKEN = "one token for every service: set VALORA_INTERNAL_TOKEN in the environment"
 _WIRED = "it wires the services together"
 # Settings start_cluster sets per process (ports, addresses, names, caches, the shared token), or that
@@ -279,8 +274,12 @@ Layer = dict[str, dict[str, str]]
 
 
 def settings_class(service: str) -> type:
-    module, name = SETTINGS_CLASSES[service]
-    return getattr(importlib.import_module(module), name)
+    from valora import server_code  # noqa: PLC0415
+
+    try:
+        return server_code.load(SETTINGS_ENTRY_POINTS[service])
+    except server_code.ServerCodeMissing as e:
+        raise SettingsError(f"checking the {service} settings: {e}") from None
 
 
 def env_name(key: str) -> str:

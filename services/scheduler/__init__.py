@@ -11,5 +11,6 @@
     cost_model.py  execution-time estimates: engine step, LoRA term, mode switch, adapter load
     slo.py         per-application latency objectives (Task.slo_ms, slo_class)
     sim.py         discrete-event simulator running the real policies on the cost model
+    sim_bench.py   `valora bench sched`'s runs of the simulator (entry point scheduler-sim)
     traces.py      request traces for the simulator (synthetic, Azure CSV, two-app)
 """

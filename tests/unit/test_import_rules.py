@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "scheduler", "adapter_store", "worker", "generator")
 STUBS = "valora_protos"
@@ -117,3 +119,55 @@ def test_package_maps_list_every_module():
         missing += [f"{init.parent.relative_to(REPO)}/{f.name}" for f in sorted(init.parent.glob("*.py"))
                     if f.name != "__init__.py" and f.name not in listed]
     assert not missing, f"not in their package's map: {missing}"
+
+
+# The client package's imports of server-side code that stay, each with why.
+CLIENT_EXCEPTIONS = {
+    ("valora/tile_tables.py", "kernels"): "the tile-table push tool, bound for the CLI or bench/ (issue 25)",
+    ("valora/cluster.py", "torch"): "`valora up --device cuda` counts GPUs with torch when nvidia-smi is missing",
+}
+
+
+def test_the_client_package_reaches_server_code_through_entry_points():
+    """valora/ (the SDK, the CLI, valora.cluster) imports nothing of services/, kernels/ or bench/,
+    nor torch: the server code `bench sched`, `demo`, `up` and `generate --dataset` run is an entry
+    point of group valora.server (valora/server_code.py), so the client installs without it."""
+    bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sorted((REPO / "valora").rglob("*.py"))
+           for mod, line in imports(f) if mod.split(".")[0] in ("services", "kernels", "bench", "torch")
+           and (f.relative_to(REPO).as_posix(), mod.split(".")[0]) not in CLIENT_EXCEPTIONS]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_server_entry_point_resolves_and_every_one_used_is_declared():
+    """Each of pyproject's valora.server entry points imports here (read from pyproject, not the
+    installed metadata, which an editable install only refreshes on reinstall), and every name
+    the client package loads is one of them."""
+    import importlib
+    import tomllib
+
+    from valora.cluster import SETTINGS_ENTRY_POINTS
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["valora.server"]
+    for name, value in declared.items():
+        module, _, attr = value.partition(":")
+        assert module.split(".")[0] == "services", f"{name} = {value}: server code lives in services/"
+        obj = importlib.import_module(module)
+        if attr:
+            assert hasattr(obj, attr), f"{name} = {value}: no {attr} in {module}"
+    used = set(SETTINGS_ENTRY_POINTS.values())
+    for f in sorted((REPO / "valora").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                    and (getattr(node.func, "id", None) == "server_code"
+                         or (getattr(node.func, "attr", None) == "load"
+                             and getattr(node.func.value, "id", None) in ("server_code", "code")))):
+                used.add(node.args[0].value)
+    assert {"scheduler-sim", "demo", "worker-settings"} <= used, used
+    assert used <= set(declared), f"loaded but not declared in pyproject: {sorted(used - set(declared))}"
+
+
+def test_a_missing_entry_point_names_the_install():
+    from valora import server_code
+
+    with pytest.raises(server_code.ServerCodeMissing, match=r"pip install 'valora\[generator\]'"):
+        server_code.load("no-such-entry-point", extra="generator")

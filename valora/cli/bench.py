@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from valora.cli.common import console
+from valora.cli.common import console, server_code
 
 bench_app = typer.Typer(help="Benchmarks (the scheduling simulator; GPU harnesses live in bench/).",
                         no_args_is_help=True)
@@ -57,48 +57,22 @@ def bench_sched(policies: str = typer.Option("valora,dlora,slora,punica", help="
     import platform
     import subprocess
 
-    from services.scheduler.cost_model import load_profile
-    from services.scheduler.policies import make_policy
-    from services.scheduler.sim import run_matrix
-    from services.scheduler.traces import load_azure_csv, synthetic_trace, two_app_trace
-
-    cost = load_profile(profile, results_dir if results_dir.is_dir() else None)
+    sim = server_code("scheduler-sim")
+    cost = sim.load_profile(profile, results_dir if results_dir.is_dir() else None)
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if workload not in ("synthetic", "two-app"):
         raise typer.BadParameter(f"--workload is synthetic or two-app, not {workload!r}")
     modes = {"on": [True], "off": [False], "both": [True, False]}.get(deadlines)
     if modes is None:
         raise typer.BadParameter(f"--deadlines is on, off or both, not {deadlines!r}")
-    credit_policies = ("valora", "dlora")
 
-    def trace_for(alpha: float, rate: float, burst_cv: float) -> list:
-        if workload == "two-app":
-            return two_app_trace(seconds=seconds, streams=video_streams, retrieval_rate=rate, video_tasks=video_tasks,
-                                 video_slo_ms=video_slo_ms, retrieval_slo_ms=retrieval_slo_ms,
-                                 retrieval_adapters=adapters, alpha=alpha, seed=seed)
-        if azure_csv is not None:
-            return load_azure_csv(azure_csv, alpha=alpha, adapters=adapters, task_head_fraction=task_head_fraction,
-                                  max_requests=int(rate * seconds), seed=seed)
-        return synthetic_trace(n=max(1, int(rate * seconds)), rate=rate, alpha=alpha, adapters=adapters,
-                               burst_cv=burst_cv, task_head_fraction=task_head_fraction, seed=seed)
-
-    rows: list[dict] = []
     t0 = time.perf_counter()
     cvs = [1.0] if azure_csv is not None or workload == "two-app" else _floats(burst_cvs)
-    trace_name = workload if workload == "two-app" else "azure-csv" if azure_csv is not None else "synthetic"
-    for cv in cvs:
-        for theta, on in itertools.product(_floats(thetas), modes):
-            first = theta == _floats(thetas)[0] and on == modes[0]
-            run_names = names if first else [n for n in names if n in credit_policies]
-            got = run_matrix(run_names, _floats(alphas), _floats(rates),
-                             make=lambda n, th=theta, on=on: make_policy(n, cost, theta_s=th, deadlines=on), cost=cost,
-                             trace_for=lambda a, r, cv=cv: trace_for(a, r, cv), workers=workers, max_batch=max_batch)
-            for r in got:
-                r["theta_s"] = theta if r["policy"] in credit_policies else None
-                r["deadlines"] = on if r["policy"] in credit_policies else None
-                r["burst_cv"] = cv
-                r["trace"] = trace_name
-            rows.extend(got)
+    rows = sim.matrix(names, _floats(alphas), _floats(rates), cvs, _floats(thetas), modes, cost, workload=workload,
+                      seconds=seconds, workers=workers, max_batch=max_batch, adapters=adapters,
+                      task_head_fraction=task_head_fraction, azure_csv=azure_csv, video_streams=video_streams,
+                      video_tasks=video_tasks, video_slo_ms=video_slo_ms, retrieval_slo_ms=retrieval_slo_ms,
+                      seed=seed)
     wall = time.perf_counter() - t0
     for cv, alpha, rate in itertools.product(cvs, _floats(alphas), _floats(rates)):
         table = Table(title=f"sched sim: alpha {alpha}, {rate:g} req/s, arrival CV {cv:g}, {workers} workers x "

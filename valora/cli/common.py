@@ -50,6 +50,18 @@ def refuse(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def server_code(name: str, extra: str = "server"):
+    """Entry point `name` of the server's distribution (valora/server_code.py), loaded; when it is
+    not installed, or its code lacks `extra`'s packages here: one red line naming the install, exit 1."""
+    from valora import server_code as code
+
+    try:
+        return code.load(name, extra)
+    except code.ServerCodeMissing as e:
+        console.print(f"error: {e}", style="red", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
 def iso_time(ts) -> str:
     """A protobuf Timestamp as UTC ISO time ("-" when unset)."""
     import datetime as dt

@@ -14,15 +14,15 @@ import typer
 from rich.table import Table
 
 from valora import cluster as cluster_mod
-from valora.cli.common import ADDRESS, ADMIN_KEY, API_KEY, HOME, app, console, gateway_address
+from valora.cli.common import ADDRESS, ADMIN_KEY, API_KEY, HOME, app, console, gateway_address, server_code
 from valora.client import ValoraClient
 
 
 def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path, address: str | None,
                 api_key: str | None, admin_key: str | None, report: Path | None) -> None:
     """The quick demo: three random adapters on the tiny random base, synthetic images, latency only."""
-    from services.common.adapter_format import BaseModelShapes, make_random_bundle
-    from services.generator.demo_workload import latency_row, percentile, synthetic_images
+    adapter_format = server_code("adapter-format")
+    workload = server_code("demo-workload", extra="generator")
 
     started = None
     if address is None and cluster_mod.Cluster.load(home) is None:
@@ -31,16 +31,16 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
     try:
         gateway = gateway_address(home, address)
         model_path = Path(os.environ.get("VALORA_MODEL_PATH", cluster_mod.default_model_path(home)))
-        shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
+        shapes = adapter_format.BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
         with ValoraClient(gateway, api_key=api_key, admin_key=admin_key) as client:
             targets: dict[str, dict] = {"base": {}}
             for i, rank in enumerate((8, 16, 4)):
-                bundle, cfg = make_random_bundle(shapes, rank=rank, seed=100 + i, lora_alpha=2 * rank)
+                bundle, cfg = adapter_format.make_random_bundle(shapes, rank=rank, seed=100 + i, lora_alpha=2 * rank)
                 v = client.upload_adapter_version(f"demo-{i}", bundle, cfg, request_id=f"demo-{i}-r{rank}")
                 client.set_alias(f"adapters/demo-{i}", "prod", v.name)
                 targets[f"adapters/demo-{i}@prod"] = {"adapter": f"adapters/demo-{i}@prod"}
                 console.print(f"registered {v.name} (rank {rank}, sha256 {v.sha256[:12]})")
-            images = synthetic_images(4, seed=0)
+            images = workload.synthetic_images(4, seed=0)
             names = list(targets)
             # (target, picture) pairs repeat, so determinism under batching can be checked.
             work = [(names[i % len(names)], i % len(images)) for i in range(requests)]
@@ -64,7 +64,7 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
             table.add_column(col, justify="right" if col not in ("target", "mode") else "left")
         rows = []
         for target in names:
-            row = latency_row(target, [(ms, r) for (t, _), ms, r in results if t == target])
+            row = workload.latency_row(target, [(ms, r) for (t, _), ms, r in results if t == target])
             rows.append(row)
             table.add_row(target, str(row["n"]), ",".join(row["modes"]), f"{row['mean_ms']:.0f}",
                           f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['ttft_ms']:.0f}",
@@ -72,8 +72,8 @@ def _quick_demo(requests: int, concurrency: int, max_new_tokens: int, home: Path
         console.print(table)
         all_lat = [ms for _, ms, _ in results]
         summary = {"demo": "quick", "requests": requests, "concurrency": concurrency, "wall_s": wall_s,
-                   "throughput_rps": requests / wall_s, "p50_ms": percentile(all_lat, 50),
-                   "p99_ms": percentile(all_lat, 99), "workers": sorted({r.worker for _, _, r in results}),
+                   "throughput_rps": requests / wall_s, "p50_ms": workload.percentile(all_lat, 50),
+                   "p99_ms": workload.percentile(all_lat, 99), "workers": sorted({r.worker for _, _, r in results}),
                    "deterministic": consistent, "rows": rows,
                    "sample": {t: next(r.text for (tt, _), _, r in results if tt == t) for t in names}}
         console.print(f"throughput {summary['throughput_rps']:.2f} req/s, p50 {summary['p50_ms']:.0f} ms, "
@@ -136,12 +136,9 @@ def demo(quick: bool = typer.Option(False, "--quick", help="The old quick demo i
     tiny = cluster_mod.default_model_path(home)
     with console.status("building the tiny Qwen2-VL (first run only)…"):
         cluster_mod.ensure_model(tiny)
-    import torch
-
-    from services.generator import demo as gdemo
-    from services.generator import demo_workload as workload
-
-    torch.set_num_threads(threads)
+    # ensure_base and ensure_adapters run torch on `threads` CPU threads when they train
+    gdemo = server_code("demo", extra="generator")
+    workload = server_code("demo-workload", extra="generator")
     with console.status("pretraining the demo base…") as st:
         base, provenance, base_cached = gdemo.ensure_base(
             tiny, home, steps=pretrain_steps, seed=seed, log=console.print, threads=threads,

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from valora import cluster as cluster_mod
-from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, app, console, gateway_address, refuse
+from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, app, console, gateway_address, refuse, server_code
 from valora.cli.jobs import job_result_table, job_state
 from valora.client import ValoraClient
 
@@ -50,11 +50,10 @@ def generate(source: list[str] = typer.Option([], "--source", "-s", help="task[:
     sources = _parse_sources(source)
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         if dataset is not None:
-            from services.generator.user_datasets import DatasetError, upload_for_job
-
+            datasets = server_code("user-datasets", extra="generator")
             try:
-                sources = upload_for_job(client, dataset, sources, threshold)
-            except DatasetError as exc:
+                sources = datasets.upload_for_job(client, dataset, sources, threshold)
+            except datasets.DatasetError as exc:
                 refuse(str(exc))
         job = client.create_generation_job(model, sources, rank=rank, epochs=epochs,
                                            adapter_prefix=prefix, split_limit=limit, job_id=job_id)
