@@ -183,10 +183,14 @@ def _error_body(exc: errors.ValoraError, body: Any = None, chat: bool = True
     request with this JSON `body` (http_param: its first field violation as `param`)."""
     status, type_ = _HTTP_STATUS.get(exc.code, (500, "server_error"))
     param = http_param(exc.field_violations[0].field, body, chat) if exc.field_violations else None
+    message = exc.message
+    for v in exc.field_violations:  # the message names the body's parameters too, not gRPC paths
+        if v.field.startswith(("input.", "item.")) and v.field in message:
+            message = message.replace(v.field, http_param(v.field, body, chat) or "the request")
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    out = {"error": {"message": exc.message, "type": type_, "param": param, "code": exc.reason.lower()}}
+    out = {"error": {"message": message, "type": type_, "param": param, "code": exc.reason.lower()}}
     return status, out, headers
 
 

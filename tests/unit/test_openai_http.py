@@ -405,7 +405,8 @@ async def test_errors_are_openai_shaped_with_the_right_status():
 async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
     """A field violation's `param` is the HTTP body's parameter, never a gRPC field path: the
     gateway validation's (`input.params.…`) and the worker's (`item.…`), chat and text completions,
-    plain and streamed; a field the body does not have (`item.params`, `request_id`) gives no param."""
+    plain and streamed; a field the body does not have (`item.params`, `request_id`) gives no param.
+    The message names the same parameter."""
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and?"}]
     async with http_stack() as (worker, client, _):
@@ -414,7 +415,8 @@ async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
                 got = await call(**kwargs)
                 if kwargs.get("stream"):
                     [c async for c in got]
-            assert "item." not in str(exc.value.body["param"]) and "input." not in str(exc.value.body["param"])
+            for text in (str(exc.value.body["param"]), exc.value.body["message"]):
+                assert "item." not in text and "input." not in text, exc.value.body
             return exc.value.body["param"]
 
         chats = client.chat.completions.create
