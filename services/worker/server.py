@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import contextlib
 import time
@@ -47,6 +46,7 @@ from services.worker.store_client import AdapterFetcher
 from services.worker.tensor_parallel import free_loopback_port
 from services.worker.tiny_model import ensure_tiny_model
 from services.worker.tp_ranks import Followers, build_rank_engine, init_rank
+from services.worker import worker_metrics
 from valora_protos.internal.v1 import worker_service_pb2 as pb
 from valora_protos.internal.v1 import worker_service_pb2_grpc as pb_grpc
 from valora_protos.v1 import admin_service_pb2, inference_service_pb2, types_pb2
@@ -198,7 +198,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     yield pb.GenerateResponse(text_delta=ev.text, logprobs=logprobs_to_pb(ev.logprobs, self.token_text))
                 elif isinstance(ev, Finished):
                     done = True
-                    self._observe(ev.result)
+                    worker_metrics.observe_result(self.worker_name, ev.result)
                     yield pb.GenerateResponse(result=result_to_pb(ev.result, self.worker_name, self.token_text))
                     return
                 elif isinstance(ev, Failed):
@@ -207,26 +207,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         finally:
             if not done:
                 handle.cancel()  # client cancelled / deadline: free the sequence at the next step
-
-    def _observe(self, r) -> None:
-        metrics.PROMPT_TOKENS.labels(self.worker_name).inc(r.prompt_tokens)
-        metrics.GENERATION_TOKENS.labels(self.worker_name).inc(r.output_tokens)
-        reason = "length" if r.finish_reason == FinishReason.LENGTH else "stop"  # vLLM's finished_reason values
-        metrics.REQUEST_SUCCESS.labels(self.worker_name, reason).inc()
-        metrics.REQUEST_PROMPT_TOKENS.labels(self.worker_name).observe(r.prompt_tokens)
-        metrics.REQUEST_GENERATION_TOKENS.labels(self.worker_name).observe(r.output_tokens)
-        if r.released_after_tokens:
-            metrics.ADAPTER_RELEASES.labels(self.worker_name).inc()
-            metrics.RELEASED_TOKENS.labels(self.worker_name).inc(r.output_tokens - r.released_after_tokens)
-        prefill_s = max(0.0, r.first_token_ms - r.queue_ms) / 1e3  # queue_ms: arrival to prefill start
-        metrics.REQUEST_PREFILL_TIME.labels(self.worker_name).observe(prefill_s)
-        metrics.REQUEST_DECODE_TIME.labels(self.worker_name).observe(max(0.0, r.total_ms - r.first_token_ms) / 1e3)
-        metrics.REQUEST_INFERENCE_TIME.labels(self.worker_name).observe(max(0.0, r.total_ms - r.queue_ms) / 1e3)
-        label = metrics.adapter_label(r.adapter)
-        metrics.TIME_TO_FIRST_TOKEN.labels(label).observe(r.first_token_ms / 1e3)
-        metrics.E2E_LATENCY.labels(label, "OK").observe(r.total_ms / 1e3)
-        for a, b in itertools.pairwise(r.token_times):  # every gap: a stall shows, not a request's mean
-            metrics.INTER_TOKEN_LATENCY.observe(b - a)
 
     async def LoadAdapter(self, request, context):
         already = await self.ensure_adapter(request.adapter.version, request.adapter.sha256, request.to_device)
@@ -263,11 +243,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         result = await loop.run_in_executor(None, fn, *args)
         switch_ms = (time.perf_counter() - t0) * 1e3
         s = engine.stats()
-        if before != s.merged_adapter:
-            kind = "merge" if not before else "unmerge" if not s.merged_adapter else "switch"
-            metrics.MODE_SWITCHES.labels(self.worker_name, kind).inc()
-        for m in (Mode.MERGED, Mode.UNMERGED, Mode.MIXTURE):
-            metrics.MODE.labels(self.worker_name, m.value).set(1 if m == s.mode else 0)
+        worker_metrics.observe_mode_change(self.worker_name, before, s)
         log.info("mode_set", mode=s.mode.value, merged=s.merged_adapter, switch_ms=round(switch_ms, 3))
         self._notify_watchers()
         return switch_ms, result
@@ -534,41 +510,6 @@ async def create_server(settings: WorkerSettings) -> Service:
     return service
 
 
-def _lora_requests_info(engine: Engine, name: str, last: tuple | None) -> tuple:
-    """Sets valora:lora_requests_info to the adapters of the engine's running and waiting requests
-    (the previous label set removed: one series a worker); returns the labels set. The queues are
-    copied in one step each (no lock: a snapshot, the engine thread goes on)."""
-    sched = engine.sched
-
-    def names(seqs) -> str:
-        return ",".join(sorted({s.req.adapter for s in seqs if s.req.adapter}))
-
-    labels = (name, str(engine.config.device_slots), names([*sched.running, *sched.prefill]),
-              names([*sched.waiting, *sched.incoming]))
-    if last is not None and last != labels:
-        metrics.LORA_REQUESTS_INFO.remove(*last)
-    metrics.LORA_REQUESTS_INFO.labels(*labels).set(time.time())
-    return labels
-
-
-def _engine_step_metrics(engine: Engine, name: str, seen: tuple[int, int]) -> tuple[int, int]:
-    """valora:engine_step_seconds and iteration_tokens_total get the engine's steps logged since
-    `seen` (steps, preemptions: what the last call returned; (0, 0) at first) and
-    num_preemptions_total the sequences its step scheduler preempted since; returns the new `seen`.
-    Each count is read once (the engine thread goes on logging); a step log that wrapped between
-    two calls loses its oldest entries."""
-    steps, preempted = engine.steps, engine.sched.preemptions
-    new = max(0, min(steps - seen[0], engine.step_log.maxlen))
-    if new:
-        for prefill_rows, _, ms in list(engine.step_log)[-new:]:
-            metrics.ENGINE_STEP.labels(name, "prefill" if prefill_rows else "decode").observe(ms / 1e3)
-        for tokens in list(engine.step_tokens)[-new:]:
-            metrics.ITERATION_TOKENS.labels(name).observe(tokens)
-    if preempted > seen[1]:
-        metrics.NUM_PREEMPTIONS.labels(name).inc(preempted - seen[1])
-    return steps, preempted
-
-
 async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, period_s: float = 0.5) -> None:
     """Health follows the engine thread (and a tensor-parallel worker's follower processes):
     as soon as one dies, NOT_SERVING and the process fails (it drains and exits non-zero, so its
@@ -579,16 +520,9 @@ async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, per
         await asyncio.sleep(period_s)
         if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
             engine, name = servicer.engine, servicer.worker_name
-            lora_info = _lora_requests_info(engine, name, lora_info)
-            metrics.REQUESTS_RUNNING.labels(name).set(engine.running_count)
-            metrics.KV_CACHE_USAGE.labels(name).set(engine.kv_usage)
-            resident, host = engine.pool.counts()
-            metrics.LORA_ADAPTERS.labels(name, "resident").set(resident)
-            metrics.LORA_ADAPTERS.labels(name, "host").set(host)
-            steps_seen = _engine_step_metrics(engine, name, steps_seen)
-            mode = engine.adapters.mode
-            for m in Mode:  # valora:mode is the engine's, from start-up on (not only after SetMode)
-                metrics.MODE.labels(servicer.worker_name, m.value).set(1 if m == mode else 0)
+            lora_info = worker_metrics.lora_requests_info(engine, name, lora_info)
+            worker_metrics.engine_gauges(engine, name)
+            steps_seen = worker_metrics.engine_step_metrics(engine, name, steps_seen)
         if servicer.engine is not None and not servicer.engine.alive:
             await service.set_serving(False)
             service.fail("the engine thread died")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from prometheus_client import REGISTRY
 
-from services.worker.server import _lora_requests_info
+from services.worker.worker_metrics import lora_requests_info
 
 
 def seq(adapter: str | None):
@@ -25,11 +25,11 @@ def test_lora_requests_info_names_running_and_waiting_adapters_in_one_series():
                             prefill=deque([seq("adapters/a/versions/2")]),
                             waiting=deque([seq("adapters/c/versions/1")]), incoming=deque())
     engine = SimpleNamespace(sched=sched, config=SimpleNamespace(device_slots=4))
-    labels = _lora_requests_info(engine, "w-test", None)
+    labels = lora_requests_info(engine, "w-test", None)
     assert series("w-test") == [{"worker": "w-test", "max_lora": "4",
                                  "running_lora_adapters": "adapters/a/versions/2,adapters/b/versions/1",
                                  "waiting_lora_adapters": "adapters/c/versions/1"}]
     sched.running, sched.prefill, sched.waiting = [], deque(), deque()  # everyone finished
-    _lora_requests_info(engine, "w-test", labels)
+    lora_requests_info(engine, "w-test", labels)
     assert series("w-test") == [{"worker": "w-test", "max_lora": "4", "running_lora_adapters": "",
                                  "waiting_lora_adapters": ""}]  # the old series is gone
