@@ -1,7 +1,7 @@
 """The worker's gRPC face: `valora.internal.v1.WorkerService` over one Engine.
 
-Protobuf stops here: handlers convert WorkItems into `WorkRequest`s and engine results into
-`InferResult`s. Torch work (model load, image processing, adapter parsing) runs in executors;
+Protobuf stops here: handlers convert WorkItems into `WorkRequest`s (preprocess.py) and engine
+results into `InferResult`s (convert.py). Torch work (model load, image processing, adapter parsing) runs in executors;
 the engine's own thread runs the model. Health is NOT_SERVING until the model is loaded and
 again as soon as the engine thread dies. With VALORA_TP_SIZE > 1 this process is rank 0 of a
 tensor-parallel group: it spawns the other ranks (tp_ranks.py), serves, and its engine's stop
@@ -28,19 +28,14 @@ from services.common import metrics
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
 from services.worker.architectures import architecture_of
+from services.worker import convert
 from services.worker.config import WorkerSettings, check_tp_size, engine_config, prepare_kernels
 from services.worker.detokenizer import TokenText
 from services.worker.engine import Engine
 from services.worker.preprocess import Preprocessor, work_request_from_pb
 from services.worker.registration import SchedulerRegistration
 from services.worker.relay import EventRelay
-from services.worker.requests import (
-    Failed,
-    Finished,
-    FinishReason,
-    TextDelta,
-    step_times,
-)
+from services.worker.requests import Failed, Finished, TextDelta
 from services.common.modes import Mode
 from services.worker.store_client import AdapterFetcher
 from services.worker.tensor_parallel import free_loopback_port
@@ -49,42 +44,11 @@ from services.worker.tp_ranks import Followers, build_rank_engine, init_rank
 from services.worker import worker_metrics
 from valora_protos.internal.v1 import worker_service_pb2 as pb
 from valora_protos.internal.v1 import worker_service_pb2_grpc as pb_grpc
-from valora_protos.v1 import admin_service_pb2, inference_service_pb2, types_pb2
+from valora_protos.v1 import admin_service_pb2
 
 log = structlog.get_logger()
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-
-
-_FINISH_PB = {
-    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
-    FinishReason.EOS: types_pb2.FINISH_REASON_EOS,
-    FinishReason.STOP_SEQUENCE: types_pb2.FINISH_REASON_STOP_SEQUENCE,
-    FinishReason.LABEL: types_pb2.FINISH_REASON_LABEL,
-}
-
-
-def logprobs_to_pb(entries, token_text: TokenText) -> list[types_pb2.TokenLogprob]:
-    """The engine's TokenLogprob entries as the API's, each token named (text and bytes)."""
-    def one(token_id: int, logprob: float, top=()) -> types_pb2.TokenLogprob:
-        text, raw = token_text(token_id)
-        return types_pb2.TokenLogprob(token_id=token_id, token=text, logprob=logprob, bytes=raw,
-                                      top_logprobs=[one(i, v) for i, v in top])
-    return [one(e.token_id, e.logprob, e.top) for e in entries]
-
-
-def result_to_pb(r, worker: str, token_text: TokenText | None = None) -> inference_service_pb2.InferResult:
-    """`token_text`: names the tokens of r.logprobs (needed when it has any)."""
-    return inference_service_pb2.InferResult(
-        request_id=r.request_id, text=r.text, label=r.label,
-        scores=[types_pb2.LabelScore(label=lbl, score=s) for lbl, s in r.scores],
-        finish_reason=_FINISH_PB[r.finish_reason],
-        usage=types_pb2.Usage(image_tokens=r.image_tokens, prompt_tokens=r.prompt_tokens,
-                              output_tokens=r.output_tokens),
-        timing=types_pb2.Timing(queue_ms=r.queue_ms, first_token_ms=r.first_token_ms, total_ms=r.total_ms),
-        mode=r.mode.to_pb(), adapter_version=r.adapter, worker=worker,
-        logprobs=logprobs_to_pb(r.logprobs, token_text),
-    )
 
 
 # WatchWorkerStatus: how often a stream samples the status for changes, and the bounds of the
@@ -195,11 +159,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     raise DeadlineExceeded(f"request {item.request_id} ran past its deadline",
                                            reason="DEADLINE_EXCEEDED") from None
                 if isinstance(ev, TextDelta):
-                    yield pb.GenerateResponse(text_delta=ev.text, logprobs=logprobs_to_pb(ev.logprobs, self.token_text))
+                    yield pb.GenerateResponse(text_delta=ev.text,
+                                              logprobs=convert.logprobs_to_pb(ev.logprobs, self.token_text))
                 elif isinstance(ev, Finished):
                     done = True
                     worker_metrics.observe_result(self.worker_name, ev.result)
-                    yield pb.GenerateResponse(result=result_to_pb(ev.result, self.worker_name, self.token_text))
+                    yield pb.GenerateResponse(result=convert.result_to_pb(ev.result, self.worker_name, self.token_text))
                     return
                 elif isinstance(ev, Failed):
                     done = True
@@ -281,43 +246,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                                  mode=engine.stats().mode.to_pb())
 
     async def GetWorkerStatus(self, request, context):
-        return pb.GetWorkerStatusResponse(status=self._status(), step_times=self._step_times(),
-                                          decode_graphs=self._graph_counters(self.engine and self.engine.graphs),
-                                          prefill_graphs=self._graph_counters(
-                                              self.engine and self.engine.runner.prefill_graphs))
+        engine = self.engine
+        return pb.GetWorkerStatusResponse(
+            status=self._status(), step_times=convert.step_times_to_pb(engine),
+            decode_graphs=convert.graph_counters_to_pb(engine and engine.graphs),
+            prefill_graphs=convert.graph_counters_to_pb(engine and engine.runner.prefill_graphs))
 
     def _status(self) -> admin_service_pb2.WorkerStatus:
-        if self.engine is None:
-            return admin_service_pb2.WorkerStatus(
-                address=self.address, healthy=False, device=self.settings.device,
-                max_batch_size=self.settings.max_batch_size)
-        s = self.engine.stats()
-        cache = s.image_cache
-        return admin_service_pb2.WorkerStatus(
-            address=self.address, healthy=s.alive and self.is_serving(), mode=s.mode.to_pb(),
-            merged_adapter=s.merged_adapter,
-            resident_adapters=s.resident_adapters, host_adapters=s.host_adapters, running_requests=s.running,
-            max_batch_size=s.max_batch_size, device=s.device, kv_cache_bytes=s.kv_cache_bytes,
-            waiting_requests=s.waiting, last_step_ms=s.last_step_ms,
-            image_cache_hits=cache.hits if cache else 0, image_cache_misses=cache.misses if cache else 0)
-
-    def _step_times(self) -> pb.WorkerStepTimes:
-        if self.engine is None:
-            return pb.WorkerStepTimes()
-        t = step_times(self.engine.step_log)
-        return pb.WorkerStepTimes(
-            steps=t.steps, decode_steps=t.decode_steps, prefill_steps=t.prefill_steps,
-            decode_step_ms_p50=t.decode_ms_p50, decode_step_ms_p90=t.decode_ms_p90,
-            prefill_step_ms_p50=t.prefill_ms_p50, prefill_step_ms_p90=t.prefill_ms_p90)
-
-    @staticmethod
-    def _graph_counters(g) -> pb.WorkerDecodeGraphs:
-        """A GraphSet's counters (step_graphs.py); all 0 without an engine."""
-        if not g:
-            return pb.WorkerDecodeGraphs()
-        return pb.WorkerDecodeGraphs(static_steps=g.static_steps, replays=g.replays, captures=g.captures,
-                                     new_keys=g.new_keys, eager_steps=g.eager_steps,
-                                     capture_failures=g.capture_failures, reference_steps=g.reference_steps)
+        return convert.worker_status_to_pb(self.engine, self.address, self.settings, self.is_serving)
 
     def _notify_watchers(self) -> None:
         for wake in self._watchers:
@@ -348,7 +284,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 status = self._status()
                 key, now = _status_key(status), loop.time()
                 if key != last_key or now - last_sent >= interval_s:
-                    yield pb.WatchWorkerStatusResponse(status=status, step_times=self._step_times())
+                    yield pb.WatchWorkerStatusResponse(status=status, step_times=convert.step_times_to_pb(self.engine))
                     last_key, last_sent = key, loop.time()
                 if self._watch_over():
                     return  # OK: the last message said healthy=false (or the worker is closing)
