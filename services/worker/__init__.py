@@ -3,6 +3,7 @@
     server.py        gRPC servicer and create_server
     __main__.py      `python -m services.worker`: settings, kernels, the engine, serve
     config.py        WorkerSettings (VALORA_*), EngineConfig and the engine's config from them
+    watchdog.py      health follows the engine thread, TP followers and heartbeat; samples gauges
     convert.py       engine results, log-probabilities, status, step times as protobuf
     worker_metrics.py the Prometheus series from the engine: requests, mode changes, sampled gauges
     registration.py  joining the scheduler's pool (RegisterWorker, heartbeats, deregistration)

@@ -41,6 +41,7 @@ from services.worker.store_client import AdapterFetcher
 from services.worker.tensor_parallel import free_loopback_port
 from services.worker.tiny_model import ensure_tiny_model
 from services.worker.tp_ranks import Followers, build_rank_engine, init_rank
+from services.worker.watchdog import watch_engine
 from services.worker import worker_metrics
 from valora_protos.internal.v1 import worker_service_pb2 as pb
 from valora_protos.internal.v1 import worker_service_pb2_grpc as pb_grpc
@@ -413,7 +414,7 @@ async def create_server(settings: WorkerSettings) -> Service:
             await servicer.preprocessor.start()
         log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
                  tp_size=settings.tp_size)
-        watchdog.append(asyncio.create_task(_watch(service, servicer, settings.engine_stall_s)))
+        watchdog.append(asyncio.create_task(watch_engine(service, servicer, settings.engine_stall_s)))
 
     async def shutdown() -> None:
         servicer.close_watches()
@@ -444,39 +445,3 @@ async def create_server(settings: WorkerSettings) -> Service:
         service.on_start.append(registration.start)
         service.on_stop.append(registration.stop)
     return service
-
-
-async def _watch(service: Service, servicer: WorkerServicer, stall_s: float, period_s: float = 0.5) -> None:
-    """Health follows the engine thread (and a tensor-parallel worker's follower processes):
-    as soon as one dies, NOT_SERVING and the process fails (it drains and exits non-zero, so its
-    supervisor starts it again). An engine loop that began no step for `stall_s` seconds (a hung
-    device, a deadlock) is NOT_SERVING until it beats again (0: not watched)."""
-    stalled, steps_seen, lora_info = False, (0, 0), None
-    while True:
-        await asyncio.sleep(period_s)
-        if servicer.engine is not None:  # nothing here takes the engine's lock: a stuck engine may hold it
-            engine, name = servicer.engine, servicer.worker_name
-            lora_info = worker_metrics.lora_requests_info(engine, name, lora_info)
-            worker_metrics.engine_gauges(engine, name)
-            steps_seen = worker_metrics.engine_step_metrics(engine, name, steps_seen)
-        if servicer.engine is not None and not servicer.engine.alive:
-            await service.set_serving(False)
-            service.fail("the engine thread died")
-            return
-        dead = servicer.followers.dead() if servicer.followers is not None else []
-        if dead:  # rank 0's engine fails at its next collective with the lost rank, or at the group timeout
-            log.error("tp_follower_died", followers=dead)
-            await service.set_serving(False)
-            service.fail(f"tensor-parallel followers died: {dead}")
-            return
-        if servicer.engine is not None and stall_s > 0:
-            idle = time.monotonic() - servicer.engine.beat
-            if idle > stall_s and not stalled and service.serving:
-                stalled = True
-                log.error("engine_stalled", seconds=round(idle, 1))
-                await service.set_serving(False)
-            elif idle <= stall_s and stalled:
-                stalled = False
-                log.warning("engine_resumed")
-                if not service.stopping:
-                    await service.set_serving(True)
