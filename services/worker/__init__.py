@@ -1,11 +1,12 @@
 """The worker: one GPU's engine behind valora.internal.v1.WorkerService.
 
     server.py        gRPC servicer and create_server
-    __main__.py      `python -m services.worker`: settings, kernels, the engine, serve
-    config.py        WorkerSettings (VALORA_*), EngineConfig and the engine's config from them
-    watchdog.py      health follows the engine thread, TP followers and heartbeat; samples gauges
     convert.py       engine results, log-probabilities, status, step times as protobuf
+    startup.py       start-up and shutdown: tile table, the engine (or TP leader + followers), registration
+    watchdog.py      health follows the engine thread, TP followers and heartbeat; samples gauges
     worker_metrics.py the Prometheus series from the engine: requests, mode changes, sampled gauges
+    __main__.py      `python -m services.worker`: settings, then serve create_server's service
+    config.py        WorkerSettings (VALORA_*), EngineConfig and the engine's config from them
     registration.py  joining the scheduler's pool (RegisterWorker, heartbeats, deregistration)
     engine.py        the iteration-level loop over the collaborators below
     inbox.py         what other threads send the loop (requests, commands, stops); TP lockstep

@@ -1,48 +1,39 @@
-"""The worker's gRPC face: `valora.internal.v1.WorkerService` over one Engine.
+"""The worker's gRPC face: `valora.internal.v1.WorkerService` over one Engine, and create_server.
 
 Protobuf stops here: handlers convert WorkItems into `WorkRequest`s (preprocess.py) and engine
-results into `InferResult`s (convert.py). Torch work (model load, image processing, adapter parsing) runs in executors;
-the engine's own thread runs the model. Health is NOT_SERVING until the model is loaded and
-again as soon as the engine thread dies. With VALORA_TP_SIZE > 1 this process is rank 0 of a
-tensor-parallel group: it spawns the other ranks (tp_ranks.py), serves, and its engine's stop
-ends theirs; a follower process that dies takes health to NOT_SERVING too.
+results into `InferResult`s (convert.py). Torch work (image processing, adapter parsing) runs in
+executors; the engine's own thread runs the model. The model loads when the service starts
+(startup.py: the engine, with VALORA_TP_SIZE > 1 as rank 0 of a tensor-parallel group whose other
+ranks it spawns; the scheduler registration). Health is NOT_SERVING until then, and again as
+soon as the engine thread or a follower process dies (watchdog.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import contextlib
+import functools
 import time
-from pathlib import Path
 
 import structlog
-import torch.distributed as dist
 
+from services.common import metrics
 from services.common.channels import client_credentials
 from services.common.errors import DeadlineExceeded, FailedPrecondition, WorkerUnavailable, invalid_field
 from services.common.internal_auth import internal_token
+from services.common.modes import Mode
 from services.common.names import parse_version_name
-from services.common import metrics
 from services.common.server import Service, build_service, channel_options
 from services.common.tracing import tracer_provider
-from services.worker.architectures import architecture_of
-from services.worker import convert
-from services.worker.config import WorkerSettings, check_tp_size, engine_config, prepare_kernels
+from services.worker import convert, startup, worker_metrics
+from services.worker.config import WorkerSettings
 from services.worker.detokenizer import TokenText
 from services.worker.engine import Engine
 from services.worker.preprocess import Preprocessor, work_request_from_pb
-from services.worker.registration import SchedulerRegistration
 from services.worker.relay import EventRelay
 from services.worker.requests import Failed, Finished, TextDelta
-from services.common.modes import Mode
 from services.worker.store_client import AdapterFetcher
-from services.worker.tensor_parallel import free_loopback_port
-from services.worker.tiny_model import ensure_tiny_model
-from services.worker.tp_ranks import Followers, build_rank_engine, init_rank
-from services.worker.watchdog import watch_engine
-from services.worker import worker_metrics
+from services.worker.tp_ranks import Followers
 from valora_protos.internal.v1 import worker_service_pb2 as pb
 from valora_protos.internal.v1 import worker_service_pb2_grpc as pb_grpc
 from valora_protos.v1 import admin_service_pb2
@@ -297,49 +288,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             self._watchers.discard(wake)
 
 
-async def install_tile_table(settings: WorkerSettings, fetcher: AdapterFetcher, timeout_s: float = 10.0) -> str | None:
-    """CUDA bf16/fp16 workers ask the adapter store for the ATMM tile table of their GPU name/arch
-    and dtype (the key `kernels.tile_search` writes) and install it for `kernels.atmm`. Without
-    one (none stored, no store configured, the store unreachable or the table invalid) the
-    committed JSON or the heuristics stay; a store problem is a warning, never fatal. Returns
-    where the table in use comes from ("store", "committed", "heuristics"); None on CPU/fp32
-    (nothing CUDA is imported)."""
-    if not settings.device.startswith("cuda") or settings.dtype not in ("bfloat16", "float16"):
-        return None
-    import torch  # noqa: PLC0415 - CUDA workers only
-
-    from kernels import atmm  # noqa: PLC0415
-    from kernels.tile_table import TABLE_DIR, TileTable, table_filename  # noqa: PLC0415
-
-    loop = asyncio.get_running_loop()
-    gpu, arch = await loop.run_in_executor(None, atmm.gpu_key, settings.device)
-    dtype = getattr(torch, settings.dtype)
-    key = {"gpu": gpu, "arch": arch, "dtype": settings.dtype}
-    if fetcher.store_address:
-        try:
-            stored = await fetcher.get_tile_table(gpu, arch, settings.dtype, timeout_s=timeout_s)
-            if stored is not None:
-                table = TileTable.from_json(json.loads(stored.table_json))
-                atmm.use_table(settings.device, dtype, table)
-                log.info("tile_table", source="store", sha256=stored.sha256, buckets=len(table.entries), **key)
-                return "store"
-        except Exception as exc:  # noqa: BLE001 - start-up goes on with the committed table
-            log.warning("tile_table_fetch_failed", error=f"{type(exc).__name__}: {exc}", **key)
-    committed = (TABLE_DIR / table_filename(gpu, arch, settings.dtype)).is_file()
-    source = "committed" if committed else "heuristics"
-    log.info("tile_table", source=source, file=table_filename(gpu, arch, settings.dtype) if committed else "", **key)
-    return source
-
-
-def store_table_json(settings: WorkerSettings) -> dict:
-    """The tile table `install_tile_table` installed from the store, as JSON (for the TP followers)."""
-    import torch  # noqa: PLC0415
-
-    from kernels import atmm  # noqa: PLC0415
-
-    return atmm.default_table(torch.device(settings.device), getattr(torch, settings.dtype)).to_json()
-
-
 async def create_server(settings: WorkerSettings) -> Service:
     """Builds the worker's server; the model loads when the service starts (health NOT_SERVING
     until then, and again if the engine dies)."""
@@ -361,87 +309,5 @@ async def create_server(settings: WorkerSettings) -> Service:
     service.servicer = servicer  # tests and tools reach the engine through it
     servicer.is_serving = lambda: service.serving  # draining: the scheduler stops placing requests here
     await service.set_serving(False)
-    watchdog: list[asyncio.Task] = []
-
-    async def load_engine() -> None:
-        loop = asyncio.get_running_loop()
-        table_source = None
-        try:
-            table_source = await install_tile_table(settings, fetcher)
-        except Exception as exc:  # noqa: BLE001 - e.g. no CUDA device: the engine reports that itself
-            log.warning("tile_table_failed", error=f"{type(exc).__name__}: {exc}")
-
-        def build() -> Engine:
-            path = Path(settings.model_path).expanduser()
-            if not (path / "config.json").exists():
-                if not settings.build_tiny_model:
-                    raise FileNotFoundError(f"no model at {path} (VALORA_MODEL_PATH)")
-                ensure_tiny_model(path)
-            architecture_of(path)  # an unsupported family is refused before any rank starts
-            check_tp_size(settings, path)
-            if settings.tp_size == 1:
-                prepare_kernels(settings)
-                engine = Engine(engine_config(settings, servicer.worker_name))
-            else:
-                engine = build_tp_leader()
-            engine.start()
-            return engine
-
-        def build_tp_leader() -> Engine:
-            """Spawns the followers, joins the group as rank 0, builds this rank's engine and
-            waits for theirs (an engine loop must not start before every rank runs one)."""
-            tp_settings = settings.model_copy(update={"tp_port": settings.tp_port or free_loopback_port()})
-            servicer.followers = Followers(tp_settings, store_table_json(settings) if table_source == "store" else None)
-            try:
-                tp = init_rank(tp_settings, 0)
-                try:
-                    engine = build_rank_engine(tp_settings, 0, tp, servicer.worker_name)
-                    servicer.followers.wait_ready(tp_settings.tp_timeout_s)
-                except BaseException:
-                    dist.destroy_process_group()
-                    raise
-            except BaseException:
-                servicer.followers.terminate()
-                raise
-            log.info("tp_ranks_ready", tp_size=settings.tp_size, tp_port=tp_settings.tp_port,
-                     followers=[p.pid for p in servicer.followers.procs])
-            return engine
-
-        servicer.engine = await loop.run_in_executor(None, build)
-        if settings.preprocess_processes:
-            servicer.preprocessor = Preprocessor(Path(settings.model_path).expanduser(), settings.preprocess_processes,
-                                                 servicer.engine.intake.pixel_dtype)
-            await servicer.preprocessor.start()
-        log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
-                 tp_size=settings.tp_size)
-        watchdog.append(asyncio.create_task(watch_engine(service, servicer, settings.engine_stall_s)))
-
-    async def shutdown() -> None:
-        servicer.close_watches()
-        for t in watchdog:
-            t.cancel()
-        loop = asyncio.get_running_loop()
-        if servicer.engine is not None:
-            # Tensor parallel: rank 0's stop reaches the followers at its loop's last step.
-            await loop.run_in_executor(None, servicer.engine.stop)
-        if servicer.followers is not None:
-            await loop.run_in_executor(None, servicer.followers.join, 30.0)
-            if dist.is_initialized():  # not when start-up failed (left already)
-                dist.destroy_process_group()
-        if servicer.preprocessor is not None:
-            servicer.preprocessor.close()
-        await fetcher.close()
-
-    service.on_start.append(load_engine)
-    service.on_stop.append(shutdown)
-    if settings.scheduler_address:
-        # Registers once the engine is loaded; on_stop runs in reverse, so it leaves the pool first.
-        registration = SchedulerRegistration(
-            settings.scheduler_address, address=servicer.address, name=servicer.worker_name, device=settings.device,
-            max_batch_size=settings.max_batch_size, heartbeat_s=settings.heartbeat_s,
-            channel_options=channel_options(settings), tracer_provider=tracing,
-            credentials=client_credentials(settings), token=internal_token(settings))
-        service.registration = registration
-        service.on_start.append(registration.start)
-        service.on_stop.append(registration.stop)
+    startup.attach(service, settings, servicer, fetcher, tracing)
     return service

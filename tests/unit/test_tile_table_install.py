@@ -17,7 +17,7 @@ from kernels import atmm
 from kernels.tile_table import TileConfig, TileTable, find_table
 from services.common.errors import WorkerUnavailable
 from services.worker.config import WorkerSettings
-from services.worker.server import install_tile_table
+from services.worker.startup import install_tile_table
 
 H200 = ("NVIDIA H200", "sm90")
 SHAPE = (3584, 3584, 16, 16, 16)  # h_in, h_out, rank stride, tokens, segments: a committed bucket
@@ -118,7 +118,7 @@ def test_cpu_and_fp32_workers_do_nothing(monkeypatch, device, dtype):
 
 def test_tensor_parallel_followers_install_the_table_rank_0_got_from_the_store():
     """Rank 0 fetches once; each follower installs that table for its own device (cuda:N + rank)."""
-    from services.worker.server import store_table_json
+    from services.worker.startup import store_table_json
     from services.worker.tp_ranks import install_leader_table
 
     settings = WorkerSettings(device="cuda:2", dtype="bfloat16")

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 import kernels.atmm
 import kernels.build
-from services.worker import server
+from services.worker import startup
 from services.worker.engine import EngineConfig
 from services.worker.model import ensure_tiny_model
 from services.worker.config import NOT_SETTINGS, WorkerSettings, engine_config, prepare_kernels
@@ -157,8 +157,8 @@ def anyio_backend():
 async def test_cpu_worker_start_up_never_touches_the_extension(tmp_path, clean_env, extension_calls, monkeypatch):
     calls, _ = extension_calls
     prepared = []
-    real = server.prepare_kernels
-    monkeypatch.setattr(server, "prepare_kernels", lambda s: prepared.append(real(s)))
+    real = startup.prepare_kernels
+    monkeypatch.setattr(startup, "prepare_kernels", lambda s: prepared.append(real(s)))
     model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
     worker = await create_server(WorkerSettings(model_path=str(model), port=0, build_tiny_model=False,
                                                 adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0))
