@@ -36,7 +36,8 @@ from services.common.errors import (
     WorkerUnavailable,
     invalid_field,
 )
-from services.worker.adapters import AdapterPool, AdapterWeights
+from services.worker.adapter_weights import AdapterWeights
+from services.worker.adapters import AdapterPool
 from services.worker.architectures import architecture_of
 from services.worker.config import EngineConfig
 from services.worker.decoder import Decoder

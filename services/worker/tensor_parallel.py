@@ -84,7 +84,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, module_parent
-from services.worker.adapters import AdapterWeights
+from services.worker.adapter_weights import AdapterWeights
 from services.worker.architectures import language_model
 from services.worker.lora import LayerModule, LoraLinear, LoraRuntime
 

@@ -13,11 +13,8 @@ import threading
 import pytest
 import torch
 
-from services.worker.adapters import (
-    AdapterPool,
-    AdapterWeights,
-    PinnedCopyStreamStaging,
-)
+from services.worker.adapter_weights import AdapterWeights
+from services.worker.adapters import AdapterPool, PinnedCopyStreamStaging
 
 pytestmark = pytest.mark.gpu
 

@@ -541,7 +541,8 @@ def test_switcher_kernel_path_on_cuda():
     lands within one ulp of its torch path; ranks the kernel cannot take use the torch op."""
     from types import SimpleNamespace
 
-    from services.worker.adapters import AdapterWeights, DeviceAdapter
+    from services.worker.adapter_weights import AdapterWeights
+    from services.worker.adapters import DeviceAdapter
     from services.worker.switcher import Switcher
 
     g = torch.Generator(device="cuda").manual_seed(9)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.common.errors import AdapterNotFound
+from services.worker.adapter_weights import AdapterWeights
 from services.worker.adapters import (
     ALIGN_BYTES,
     AdapterPool,
-    AdapterWeights,
     DeviceAdapter,
     SameMemoryStaging,
     pack_tensors,

@@ -177,7 +177,7 @@ def test_a_prompt_prefilled_in_chunks_gets_hf_tokens(engine, reference):
 
 
 def test_a_label_request_takes_the_heads_argmax_of_hf_peft(engine, reference, bundles):
-    from services.worker.adapters import parse_bundle
+    from services.worker.adapter_weights import parse_bundle
     from services.worker.requests import FinishReason, OutputKind
 
     img = random_image(9)

@@ -101,7 +101,7 @@ def test_the_store_checks_with_the_workers_code_path_in_the_familys_layouts(tmp_
 
     from services.adapter_store.testing import safetensors_bytes
     from services.common.adapter_format import LM_PREFIX, BaseModelShapes
-    from services.worker.adapters import parse_bundle
+    from services.worker.adapter_weights import parse_bundle
 
     llava = {**TINY_CONFIG, "model_type": "llava"}
     settings = StoreSettings(model_path=str(write_tiny_model(tmp_path / "llava", llava)), max_rank=16,

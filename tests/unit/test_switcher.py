@@ -15,7 +15,8 @@ import services.worker.switcher as switcher_mod
 from kernels import switch as sw
 from kernels.build import CSRC, nvcc_path
 from kernels.switch import LoraTerm, SwitchPlan, config_max_rank, config_tiles, pack_descriptors
-from services.worker.adapters import AdapterWeights, DeviceAdapter
+from services.worker.adapter_weights import AdapterWeights
+from services.worker.adapters import DeviceAdapter
 from services.worker.switcher import Switcher, kernel_can_take
 
 BF = torch.bfloat16

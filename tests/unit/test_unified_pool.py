@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.adapters import AdapterPool, parse_bundle
+from services.worker.adapter_weights import parse_bundle
+from services.worker.adapters import AdapterPool
 from services.worker.kv_cache import BlockManager, KVPool, PoolMemory
 from services.worker.testing import random_adapter_bundle
 
