@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.reference import switch_reference_
-from services.worker.adapters import DeviceAdapter
+from services.worker.adapter_staging import DeviceAdapter
 from services.worker.lora import LayerModule, LoraLinear
 
 SwitchOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

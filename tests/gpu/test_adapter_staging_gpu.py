@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.worker.adapter_weights import AdapterWeights
-from services.worker.adapters import AdapterPool, PinnedCopyStreamStaging
+from services.worker.adapter_staging import PinnedCopyStreamStaging
+from services.worker.adapters import AdapterPool
 
 pytestmark = pytest.mark.gpu
 

@@ -542,7 +542,7 @@ def test_switcher_kernel_path_on_cuda():
     from types import SimpleNamespace
 
     from services.worker.adapter_weights import AdapterWeights
-    from services.worker.adapters import DeviceAdapter
+    from services.worker.adapter_staging import DeviceAdapter
     from services.worker.switcher import Switcher
 
     g = torch.Generator(device="cuda").manual_seed(9)

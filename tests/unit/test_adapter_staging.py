@@ -9,15 +9,15 @@ import torch
 
 from services.common.errors import AdapterNotFound
 from services.worker.adapter_weights import AdapterWeights
-from services.worker.adapters import (
+from services.worker.adapter_staging import (
     ALIGN_BYTES,
-    AdapterPool,
     DeviceAdapter,
     SameMemoryStaging,
     pack_tensors,
     staging_for,
     views_into,
 )
+from services.worker.adapters import AdapterPool
 
 MIXED = {
     "fp32 matrix": (torch.float32, (3, 5)),

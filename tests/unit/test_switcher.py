@@ -16,7 +16,7 @@ from kernels import switch as sw
 from kernels.build import CSRC, nvcc_path
 from kernels.switch import LoraTerm, SwitchPlan, config_max_rank, config_tiles, pack_descriptors
 from services.worker.adapter_weights import AdapterWeights
-from services.worker.adapters import DeviceAdapter
+from services.worker.adapter_staging import DeviceAdapter
 from services.worker.switcher import Switcher, kernel_can_take
 
 BF = torch.bfloat16

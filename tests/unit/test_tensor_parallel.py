@@ -77,7 +77,7 @@ def _tp_checks(tp: tpm.TPGroup, out_dir: Path) -> None:
 
     from services.common.adapter_format import BaseModelShapes
     from services.worker.adapter_weights import parse_bundle
-    from services.worker.adapters import DeviceAdapter
+    from services.worker.adapter_staging import DeviceAdapter
     from services.worker.lora import AdapterEntry, LoraRuntime, MixtureEntry, StepLora, install_lora
     from services.worker.switcher import Switcher
     from services.worker.testing import random_adapter_bundle
