@@ -2,7 +2,7 @@
 valid adapter bundle (byte flips anywhere, in the header's JSON or in the tensors' bytes,
 truncations, trailing bytes, a wrong header length, a mutated adapter_config_json) go through the
 store's check (services/common/adapter_format.validate_bundle, what UploadAdapterVersion runs);
-each it accepts is loaded by the worker's loader (services/worker/adapters.parse_bundle) into a
+each it accepts is loaded by the worker's loader (services/worker/adapter_weights.parse_bundle) into a
 real engine and answers a request. Nothing raises anything but InvalidAdapter on the way in.
 
 Figure: mutations, accepted, accepted that served, crashes (any other exception)."""
