@@ -36,7 +36,7 @@
     switcher.py      merge / unmerge / switch in place, drift-free
     adapter_weights.py an adapter version's weights (multi-LoRA layout), parsed from a PEFT bundle
     adapter_staging.py an adapter's host and device copies: aligned packing, pinned buffers, copy stream
-    adapters.py      the host/device adapter pool (LRU device slots)
+    adapter_pool.py  the host/device adapter pool (LRU device slots)
     store_client.py  FetchAdapter from the adapter store + disk cache by sha256
     detokenizer.py   incremental detokenization and stop sequences
     sampling.py      greedy / temperature, top-k, top-p, min-p, seeded

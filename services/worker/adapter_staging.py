@@ -1,4 +1,4 @@
-"""An adapter's host and device copies, as the pool (adapters.py) holds them: tensors packed into
+"""An adapter's host and device copies, as the pool (adapter_pool.py) holds them: tensors packed into
 one aligned buffer, and how the copies are made, chosen once from the pool's device (`Staging`):
 - CPU: the host and device copies are the same tensors (a cast where the dtypes differ).
 - CUDA: `add` packs an adapter's A and B factors, cast to the pool's dtype, into one pinned host

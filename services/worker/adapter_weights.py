@@ -2,7 +2,7 @@
 
 A bundle (services/common/adapter_format.py) stores lora_A (r, in) and lora_B (out, r); we
 transpose once at load into A (in, r), B (r, out), the multi-LoRA op's layout, at exact rank.
-The host and device copies of them are the adapter pool's (adapters.py).
+The host and device copies of them are the adapter pool's (adapter_pool.py).
 """
 
 from __future__ import annotations

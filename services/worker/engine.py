@@ -37,7 +37,7 @@ from services.common.errors import (
     invalid_field,
 )
 from services.worker.adapter_weights import AdapterWeights
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.architectures import architecture_of
 from services.worker.config import EngineConfig
 from services.worker.decoder import Decoder

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from services.common.adapter_format import BaseModelShapes
 from services.common.errors import FailedPrecondition, invalid_field
 from services.worker.adapter_weights import AdapterWeights, parse_bundle
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.lora_plans import LoraPlanner
 from services.common.modes import Mode
 from services.worker.switcher import Switcher

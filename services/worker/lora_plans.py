@@ -11,7 +11,7 @@ while the rows and entries do not change).
 from __future__ import annotations
 
 from services.common.errors import FailedPrecondition
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.lora import AdapterEntry, LoraEntry, LoraRuntime, MixtureEntry, StepLora
 from services.common.modes import Mode
 from services.worker.sequence import Sequence

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from services.common.errors import ValoraError
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.requests import Event, Failed, Finished, FinishReason, GenerationResult, TextDelta, TokenLogprob
 from services.worker.sampling import unpack_logprobs
 from services.worker.sequence import Sequence

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import structlog
 
 from services.common.errors import ValoraError
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.kv_cache import BlockManager, OutOfBlocks
 from services.worker.sequence import Sequence
 

@@ -15,7 +15,7 @@ import torch
 
 from services.worker.adapter_weights import AdapterWeights
 from services.worker.adapter_staging import PinnedCopyStreamStaging
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 
 pytestmark = pytest.mark.gpu
 

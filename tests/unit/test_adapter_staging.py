@@ -17,7 +17,7 @@ from services.worker.adapter_staging import (
     staging_for,
     views_into,
 )
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 
 MIXED = {
     "fp32 matrix": (torch.float32, (3, 5)),

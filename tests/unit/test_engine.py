@@ -13,7 +13,7 @@ import torch
 
 from services.common.errors import AdapterNotFound, CapacityExceeded, FailedPrecondition, InvalidArgument
 from services.worker.adapter_weights import parse_bundle
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.engine import Engine, EngineConfig
 from services.worker.lora import LoraRuntime, install_lora

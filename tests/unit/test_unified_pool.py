@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from services.worker.adapter_weights import parse_bundle
-from services.worker.adapters import AdapterPool
+from services.worker.adapter_pool import AdapterPool
 from services.worker.kv_cache import BlockManager, KVPool, PoolMemory
 from services.worker.testing import random_adapter_bundle
 
