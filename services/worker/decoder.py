@@ -20,10 +20,11 @@ choice of tokens raises, the step is undone, the tokens launched before it are t
 and every row still running decodes that step alone, from its host token (`_isolate`); only a row
 whose own step raises fails (INTERNAL, ENGINE_STEP_FAILED), the others take the tokens they would
 have had (sampled rows too: a token depends on the seed and its position alone), and the next step
-starts from host tokens. Under tensor parallelism every rank does the same when the failure is the
-inputs' (every rank raises in the same forward, so the same rows run alone, the same collectives
-in the same order); a rank whose step fails alone desynchronises the group, isolated or not
-(tensor_parallel.py).
+starts from host tokens. Under tensor parallelism every rank does the same, whether the failure
+is the inputs' (every rank raises in the same forward) or one rank's alone: a rank that raised in
+the forward still runs its remaining all-reduces (ModelRunner.lockstep) and the ranks agree on the
+step's outcome after it (`_launch`: OutputProcessor.agree), so every rank undoes the same step,
+runs the same rows alone, in the same collectives, and fails the same ones (tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -98,12 +99,19 @@ class Decoder:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the step's forward (from `ids` on the device, else the rows' last tokens) and
         chooses its tokens on the device, with their log-probabilities when a row asks (None
-        otherwise); every row has then cached one more token."""
-        greedy, logits = self.runner.decode(rows, step, bucket_rows(len(rows)), ids=ids)
-        for s in rows:
-            s.length += 1
-        tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
-        return tokens, self.runner.logprobs(rows, logits, tokens)
+        otherwise); every row has then cached one more token. Tensor parallel: raises on every
+        rank when it raised on any (OutputProcessor.agree)."""
+        error = out = None
+        try:
+            greedy, logits = self.runner.decode(rows, step, bucket_rows(len(rows)), ids=ids)
+            for s in rows:
+                s.length += 1
+            tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
+            out = tokens, self.runner.logprobs(rows, logits, tokens)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank when tensor parallel
+            error = exc
+        self.outputs.agree(error)
+        return out
 
     def _pipelined(self, rows: list[Sequence]) -> bool:
         """Launches the next step from the pending device tokens, then takes them. False (nothing

@@ -119,7 +119,7 @@ class Engine:
         self._loads = threading.Lock()  # adapter loads, one at a time (load_adapter_bytes)
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake, padded=self.runner.prefill_tokens)
         self.inbox = Inbox(self.sched, self._wake, self.tp)
-        self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids)
+        self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids, self.tp)
         self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
         self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.decoder, self.tokenizer)
         self.mixed = MixedStep(self.sched, self.lora, self.runner, self.outputs, self.decoder,

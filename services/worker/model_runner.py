@@ -8,6 +8,7 @@ sequences into device work and hands back tensors (`PrefillOutput`, tokens).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from services.worker.requests import OutputKind
 from services.worker.sampling import RowSampling, sample, token_logprobs
 from services.worker.sequence import Sequence
 from services.worker.step_trace import StepTrace
-from services.worker.tensor_parallel import TPGroup
+from services.worker.tensor_parallel import RowParallelLoraLinear, TPGroup
 from services.worker.vision import VisionEncoder
 
 log = structlog.get_logger()
@@ -68,7 +69,10 @@ class ModelRunner:
         self.model, self.runtime, self.vision = model, runtime, vision
         self.rope_inputs = for_model(model).rope_inputs  # what the family's get_rope_index takes
         self.text_config = model.config.text_config
-        self.device = device
+        self.device, self.dtype, self.tp = device, dtype, tp
+        # tensor parallel: the all-reduces of one language-model forward (one per row-parallel layer)
+        self.forward_collectives = sum(isinstance(m, RowParallelLoraLinear) for m in model.modules())
+        self.forward_ran = False  # inside `lockstep`: whether its language-model forward returned
         self.pool, self.blocks = self._make_pool(config, self.text_config, dtype, tp)
         # The Triton attention kernels, each checked once against its reference on this device;
         # one that fails there is replaced by its reference (correct, slow; decode without graphs).
@@ -162,6 +166,53 @@ class ModelRunner:
         token as a piece of one (embedded from its last token, at its next position and slot) and
         takes a token chosen with the first tokens, in one sampling call."""
         ride = {s: j for j, s in enumerate(riders.rows)} if riders is not None else {}
+        ride_embeds = self.agreed(self._embed_inputs, rows, riders, ride, settle=self.vision.settle)
+        if self.trace is not None:
+            self.trace.mark("inputs")
+        tokens = self.prefill_tokens(sum(1 if s in ride else s.prefill_to - s.prefilled for s in rows))
+        return self.agreed(self._prefill_forward, rows, step, riders, ride, ride_embeds, tokens=tokens)
+
+    def agreed(self, fn, *args, tokens: int = 0, settle=None):
+        """fn(*args) as a unit of work every tensor-parallel rank runs, in step whatever raises on
+        one rank only: a forward of `tokens` tokens inside it (0: none) that raised on this rank
+        still runs this rank's remaining all-reduces (`lockstep`), and then the ranks agree: when
+        fn raised on any rank, it raises on every rank (TPStepFailed, or the rank's own error when
+        every rank raised). `settle(ok)`: told, before that, whether every rank's fn ran. One
+        process: fn(*args)."""
+        if self.tp is None:
+            return fn(*args)
+        error, out = None, None
+        try:
+            with self.lockstep(tokens):
+                out = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+            error = exc
+        verdict = self.tp.agree(error)
+        if settle is not None:
+            settle(not verdict.failed)
+        verdict.check(self.tp.world_size, error)
+        return out
+
+    @contextlib.contextmanager
+    def lockstep(self, tokens: int):
+        """Around one language-model forward of `tokens` tokens (0: none) and the host work around
+        it: when it raises on this tensor-parallel rank, the all-reduces the rank still owes its
+        peers for it are run over zeros (TPGroup.drain) before the error goes on."""
+        if self.tp is None or not tokens:
+            yield
+            return
+        before, self.forward_ran = self.tp.ledger.all_reduces, False
+        try:
+            yield
+        except Exception:
+            # a forward replayed from a CUDA graph ran all of them (the ledger counts eager ones)
+            owed = 0 if self.forward_ran else self.forward_collectives - (self.tp.ledger.all_reduces - before)
+            self.tp.drain(owed, tokens * self.text_config.hidden_size, self.dtype, self.device)
+            raise
+
+    def _embed_inputs(self, rows: list[Sequence], riders: Riders | None, ride: dict) -> torch.Tensor | None:
+        """A prefill's inputs: the riders' embeddings (returned) and each fresh row's whole context
+        (its chunk_inputs: embeddings, the vision tower over its images included, positions)."""
         ride_embeds = None
         if ride:
             ids = riders.ids
@@ -172,8 +223,11 @@ class ModelRunner:
         if fresh:
             for s, e, pos, delta in zip(fresh, *self._inputs(fresh)):
                 s.chunk_inputs = (e, pos, delta)
-        if self.trace is not None:
-            self.trace.mark("inputs")
+        return ride_embeds
+
+    def _prefill_forward(self, rows: list[Sequence], step: StepLora, riders: Riders | None, ride: dict,
+                         ride_embeds: torch.Tensor | None) -> tuple[list[Sequence], PrefillOutput]:
+        """The prefill's packed forward over the rows' inputs and the completed rows' first tokens."""
         parts, positions, slots, lens = [], [], [], []
         wanted, at, end = [], {}, 0  # each completed row's last token; each rider's token
         for s in rows:
@@ -202,6 +256,7 @@ class ModelRunner:
         try:
             hidden = self.prefill_graphs.forward(parts, positions, slots, [self.blocks.row(s.id) for s in rows],
                                                  lens, wanted, step)
+            self.forward_ran = True
         finally:
             self.runtime.step = None
         for s in rows:
@@ -303,7 +358,10 @@ class ModelRunner:
         logits) of the batch's rows, owned by the step's graph entry."""
         self.runtime.step = step
         try:
-            return self.graphs.step(self.decode_rows(rows), step, bucket, ids=ids)
+            with self.lockstep(max(bucket, len(rows))):
+                out = self.graphs.step(self.decode_rows(rows), step, bucket, ids=ids)
+                self.forward_ran = True
+                return out
         finally:
             self.runtime.step = None
 

@@ -5,6 +5,9 @@ EOS, stop sequences and max_new_tokens, releases the adapter early where the req
 (LoRazor), and finishes the sequence (through the step scheduler) with its GenerationResult.
 Events go to the request's sink on the engine thread; a tensor-parallel follower's copy of a
 request has no sink and emits nothing.
+
+Tensor parallel, every rank fails the same requests: a unit of work that raised on one rank only
+raises on every rank (`agree`, tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ from services.worker.requests import Event, Failed, Finished, FinishReason, Gene
 from services.worker.sampling import unpack_logprobs
 from services.worker.sequence import Sequence
 from services.worker.step_scheduler import StepScheduler
+from services.worker.tensor_parallel import TPGroup
 
 log = structlog.get_logger()
 
 
 class OutputProcessor:
-    def __init__(self, sched: StepScheduler, pool: AdapterPool, device: torch.device, eos_ids: set[int]) -> None:
+    def __init__(self, sched: StepScheduler, pool: AdapterPool, device: torch.device, eos_ids: set[int],
+                 tp: TPGroup | None = None) -> None:
         self.sched, self.pool, self.device = sched, pool, device
         self.eos_ids = eos_ids
+        self.tp = tp  # more than one rank, or None
 
     def emit(self, s: Sequence, event: Event) -> None:
         if s.sink is None:  # a tensor-parallel follower's copy of a request
@@ -51,6 +57,16 @@ class OutputProcessor:
                 self.sched.finish(s)
                 self.emit(s, Failed(error))
             return False
+
+    def agree(self, error: BaseException | None = None) -> None:
+        """Tensor parallel: every rank calls it at the same points, after the same unit of device
+        work (`error`: what it raised here, or None); raises when the unit failed on any rank
+        (Verdict.check). One process: raises `error`, if any."""
+        if self.tp is None:
+            if error is not None:
+                raise error
+            return
+        self.tp.agree(error).check(self.tp.world_size, error)
 
     def accept(self, s: Sequence, token: int, logprobs: list[float] | None = None) -> None:
         """A new token for `s` (`logprobs`: its packed log-probabilities, sampling.token_logprobs,

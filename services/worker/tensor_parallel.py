@@ -60,11 +60,19 @@ The gRPC worker starts the ranks (VALORA_TP_SIZE, services/worker/tp_ranks.py): 
 rank 0 and serves; it spawns one process per other rank, each calling `init_tp_group` and running
 its Engine until rank 0's stop (CPU-tested: tests/unit/test_worker_tp.py).
 
+A failure on one rank only (an out-of-memory, a shard's bad input) stays a failure of the
+requests involved, as on one device: the rank that raised inside a forward still runs the rest of
+its all-reduces, over zeros (`drain`), so no rank waits in a collective its peer left; and after
+every unit of device work the ranks compare their outcomes (`agree`, on the gloo event group): when
+any rank failed, every rank raises (`TPStepFailed`, naming the rank and its error), so all of them
+retry the same rows alone and fail the same ones. A rank that cannot go on in step with the others
+(a collective failed: a rank died) raises `GroupBroken`, which ends its engine loop: the worker goes
+NOT_SERVING and exits non-zero (server.py's watchdog), as for any dead engine. docs/engine.md
+("Tensor parallelism") lists what the ranks agree on, and where.
+
 Not done: any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA
 graphs, the ATMM backend on sharded tables, the gloo event group's per-step cost are untested
-here (no GPU); a rank whose step fails alone (e.g. out of memory)
-desynchronises the group (the others wait in the next collective until its timeout); the stats
-report the rank's own KV memory (its KV heads only). The followers install the ATMM tile table
+here (no GPU); the stats report the rank's own KV memory (its KV heads only). The followers install the ATMM tile table
 rank 0 got from the adapter store (tp_ranks.install_leader_table); none stored: the committed one.
 A rank loads only its shard of a checkpoint (`model.load_sharded_model`: meta build, shard, fill
 tensor by tensor); load_format "dummy" still builds the whole random model on every rank first.
@@ -84,6 +92,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.common.adapter_format import TARGET_MODULES, BaseModelShapes, module_parent
+from services.common.errors import ValoraError
 from services.worker.adapter_weights import AdapterWeights
 from services.worker.architectures import language_model
 from services.worker.lora import LayerModule, LoraLinear, LoraRuntime
@@ -91,6 +100,53 @@ from services.worker.lora import LayerModule, LoraLinear, LoraRuntime
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_MODULES = ("o_proj", "down_proj")
 assert set(COLUMN_MODULES) | set(ROW_MODULES) == set(TARGET_MODULES)
+
+
+class GroupBroken(BaseException):
+    """The tensor-parallel group cannot go on in lockstep: a collective failed (a rank died, the
+    group timed out) or the ranks' states diverged. A BaseException: nothing that fails requests
+    catches it; it ends the engine loop (the worker then goes NOT_SERVING and exits non-zero)."""
+
+
+class TPStepFailed(ValoraError):
+    """A unit of engine work (a forward, its tokens' choice) failed on another tensor-parallel
+    rank, or on some ranks only: every rank raises this one, so all of them fail or retry the
+    same requests (INTERNAL, ENGINE_STEP_FAILED, naming the rank and its error)."""
+
+
+@dataclasses.dataclass
+class Ledger:
+    """A rank's count of the all-reduces it ran (eager; not those captured in a CUDA graph):
+    how a forward that raised knows how many it still owes its peers (`TPGroup.drain`)."""
+
+    all_reduces: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed on after a unit of work (`TPGroup.agree`): the ranks whose unit
+    raised (rank -> its error, as text) and the rows other ranks failed since the last
+    agreement (sequence id -> why, naming the rank)."""
+
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)
+    rows: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def check(self, world_size: int, error: BaseException | None) -> None:
+        """Raises unless every rank's unit ran: this rank's own error when every rank raised (the
+        inputs' failure, the same everywhere), else TPStepFailed on every rank."""
+        if not self.failed:
+            return
+        if error is not None and len(self.failed) == world_size:
+            raise error
+        where = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failed.items()))
+        raise TPStepFailed(f"engine step failed on tensor-parallel rank{'s' if len(self.failed) > 1 else ''} "
+                           f"{', '.join(map(str, sorted(self.failed)))} of {world_size} ({where})",
+                           reason="ENGINE_STEP_FAILED") from error
+
+
+def describe(error: BaseException, limit: int = 400) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +161,7 @@ class TPGroup:
     # device and reads their size on the host, which would wait for the decode step in flight at
     # every engine step (no pipelined decode).
     object_group: object = None
+    ledger: Ledger = dataclasses.field(default_factory=Ledger, compare=False, repr=False)
 
     @classmethod
     def from_dist(cls, group=None) -> "TPGroup":
@@ -113,7 +170,61 @@ class TPGroup:
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)
+            if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):  # a replay runs it, not this call
+                self.ledger.all_reduces += 1
         return t
+
+    def drain(self, remaining: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """After this rank raised inside a forward: its `remaining` all-reduces of that forward
+        (each of `numel` elements), over zeros, so the other ranks' forward completes instead of
+        waiting in a collective this rank left (their result is garbage: the agreement after the
+        forward fails it everywhere). GroupBroken when even that fails (the group is gone)."""
+        if self.world_size == 1 or remaining <= 0:
+            return
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # an out-of-memory: room for the zeros
+            zeros = torch.zeros(numel, dtype=dtype, device=device)
+            for _ in range(remaining):
+                dist.all_reduce(zeros, group=self.group)
+                zeros.zero_()
+        except Exception as exc:  # noqa: BLE001 - the ranks cannot get back in step
+            raise GroupBroken(f"tensor-parallel rank {self.rank} could not finish a failed forward's "
+                              f"collectives: {describe(exc)}") from exc
+
+    def _events(self):
+        """The group of the host-side collectives (the step events, the agreements)."""
+        return self.group if self.object_group is None else self.object_group
+
+    def agree(self, error: BaseException | None = None, rows: Mapping[int, str] | None = None) -> Verdict:
+        """Every rank calls it at the same point, after the same unit of work (`error`: what this
+        rank's raised, or None; `rows`: the sequences this rank failed since the last agreement,
+        id -> why): one small all-reduce over the event group, and only when some rank failed
+        something, the reasons. Verdict.check raises when any rank's unit failed. GroupBroken
+        when the collective itself fails (a rank is gone)."""
+        if self.world_size == 1:
+            return Verdict({0: describe(error)} if error is not None else {})
+        group = self._events()
+        try:
+            flags = torch.tensor([int(error is not None), int(bool(rows))], dtype=torch.long)
+            if dist.get_backend(group) == "nccl":
+                flags = flags.cuda()
+            dist.all_reduce(flags, group=group)
+            if not int(flags.sum()):
+                return Verdict()
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, (None if error is None else describe(error), dict(rows or {})),
+                                   group=group)
+        except Exception as exc:  # noqa: BLE001 - the group is gone
+            raise GroupBroken(f"tensor-parallel rank {self.rank}: the ranks' agreement failed: {describe(exc)}") \
+                from exc
+        failed = {r: why for r, (why, _) in enumerate(everyone) if why is not None}
+        others: dict[int, str] = {}
+        for r, (_, theirs) in enumerate(everyone):
+            if r != self.rank:
+                for sid, why in theirs.items():
+                    others.setdefault(sid, f"failed on tensor-parallel rank {r}: {why}")
+        return Verdict(failed, others)
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
@@ -125,17 +236,21 @@ class TPGroup:
         pickled bytes travel through the current CUDA device."""
         if self.world_size == 1:
             return obj
-        group = self.group if self.object_group is None else self.object_group
+        group = self._events()
         box = [obj if self.rank == 0 else None]
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(box, src=src, group=group)
+        try:
+            dist.broadcast_object_list(box, src=src, group=group)
+        except Exception as exc:  # noqa: BLE001 - a rank is gone: the engine cannot go on
+            raise GroupBroken(f"tensor-parallel rank {self.rank}: the step's broadcast failed: {describe(exc)}") \
+                from exc
         return box[0]
 
     def min_int(self, n: int) -> int:
         """The smallest rank's `n`."""
         if self.world_size == 1:
             return n
-        group = self.group if self.object_group is None else self.object_group  # gloo when there is one
+        group = self._events()  # gloo when there is one
         t = torch.tensor([n], dtype=torch.long)
         if dist.get_backend(group) == "nccl":
             t = t.cuda()
@@ -391,7 +506,8 @@ def local_features(shapes: BaseModelShapes, tp: TPGroup) -> dict[str, tuple[int,
 
 
 __all__ = [
-    "COLUMN_MODULES", "ROW_MODULES", "ColumnParallelLoraLinear", "RowParallelLoraLinear", "TPGroup",
-    "check_divisible", "free_loopback_port", "init_tp_group", "load_full_state_dict_", "local_features",
-    "shard_adapter", "shard_lora", "shard_lora_dicts", "shard_model_", "shard_state_dict",
+    "COLUMN_MODULES", "ROW_MODULES", "ColumnParallelLoraLinear", "GroupBroken", "Ledger", "RowParallelLoraLinear",
+    "TPGroup", "TPStepFailed", "Verdict", "check_divisible", "describe", "free_loopback_port", "init_tp_group",
+    "load_full_state_dict_", "local_features", "shard_adapter", "shard_lora", "shard_lora_dicts", "shard_model_",
+    "shard_state_dict",
 ]

@@ -28,6 +28,7 @@ import torch
 from services.worker.architectures import for_model
 from services.worker.llava import LlavaVisionTower
 from services.worker.vision_tower import HFVisionTower, VisionTower
+from services.worker.tensor_parallel import GroupBroken, describe
 
 log = structlog.get_logger()
 
@@ -194,21 +195,55 @@ class VisionEncoder:
         self.device = device
         self.dtype = dtype
         self.tp = tp  # TPGroup of more than one rank (Engine.tp), or None
+        # Tensor parallel: the features encoded by the prefill in progress, cached once every rank
+        # encoded its own (`settle`), so that the ranks' caches, whose hits decide which pixels
+        # are broadcast, stay the same when the tower raised on one rank only.
+        self._unsettled: list[tuple[str, torch.Tensor]] = []
+
+    def settle(self, ok: bool) -> None:
+        """Tensor parallel, after every rank's embedding step: its features cached (`ok`: it ran on
+        every rank) or dropped."""
+        unsettled, self._unsettled = self._unsettled, []
+        if ok:
+            for key, feats in unsettled:
+                self.cache.put(key, feats)
+
+    def _pixels(self, kind: str, todo: list[tuple[dict, VisionItem]], failed: bool = False) -> torch.Tensor:
+        """The items' pixel rows on the device: tensor parallel, rank 0's, broadcast to every rank.
+        `failed` (an earlier kind's tower raised on this rank): only this rank's part in the
+        broadcast, so the other ranks' completes; so too when rank 0 cannot have its pixels: it
+        sends zeros and raises after (every rank then fails the prefill)."""
+        pix_key, _ = _INPUT_KEYS[kind]
+
+        def staged() -> torch.Tensor:  # staged (pinned) pixels copy asynchronously; one cat on the device
+            return torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True)
+                              for inputs, it in todo])
+
+        if self.tp is None:
+            return staged()
+        like = todo[0][0][pix_key]  # a follower's is a meta tensor (without_pixels): rank 0's pixels come next
+        rows, error = None, None
+        if self.tp.rank == 0 and not failed:
+            try:
+                rows = staged()
+            except Exception as exc:  # noqa: BLE001 - raised once the broadcast the followers wait in ran
+                error = exc
+        if rows is None:
+            try:
+                rows = torch.zeros((sum(it.end - it.start for _, it in todo), *like.shape[1:]), dtype=like.dtype,
+                                   device=self.device)
+            except Exception as exc:  # noqa: BLE001 - no buffer for the broadcast: this rank cannot keep up
+                raise GroupBroken(f"tensor-parallel rank {self.tp.rank}: no room for the pixels' broadcast: "
+                                  f"{describe(exc)}") from exc
+        self.tp.broadcast_(rows)  # every rank encodes the same misses (same cache state), in the same order
+        if error is not None:
+            raise error
+        return rows
 
     def _encode(self, kind: str, todo: list[tuple[dict, VisionItem]]) -> list[torch.Tensor]:
         """Runs the vision tower over the given (request inputs, item) pairs of one kind, items of
         one grid together (VisionTower.encode_items: a CUDA graph per grid and count)."""
-        pix_key, _ = _INPUT_KEYS[kind]
-        if self.tp is None or self.tp.rank == 0:
-            # staged (pinned) pixels copy asynchronously; one cat on the device
-            rows = torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True)
-                              for inputs, it in todo])
-        else:  # a follower's pixels are meta tensors (without_pixels): rank 0's come next
-            like = todo[0][0][pix_key]
-            rows = torch.empty((sum(it.end - it.start for _, it in todo), *like.shape[1:]), dtype=like.dtype,
-                               device=self.device)
-        if self.tp is not None:  # every rank encodes the same misses (same cache state), in the same order
-            self.tp.broadcast_(rows)
+        rows = self._pixels(kind, todo)
         items, start = [], 0
         for _, it in todo:
             n = it.end - it.start
@@ -230,12 +265,27 @@ class VisionEncoder:
                     missing[it.kind][it.key] = (inputs, it)
                 else:
                     found[it.key] = t
+        error = None  # tensor parallel: a kind's tower raised here; the later kinds' broadcasts still run
         for kind, todo in missing.items():
             if not todo:
                 continue
-            for key, feats in zip(todo, self._encode(kind, list(todo.values()))):
-                found[key] = feats
-                self.cache.put(key, feats)
+            pairs = list(todo.values())
+            if error is not None:  # this rank's features are lost anyway: its part in the broadcast only
+                self._pixels(kind, pairs, failed=True)
+                continue
+            try:
+                for key, feats in zip(todo, self._encode(kind, pairs)):
+                    found[key] = feats
+                    if self.tp is None:
+                        self.cache.put(key, feats)
+                    else:
+                        self._unsettled.append((key, feats))
+            except Exception as exc:  # noqa: BLE001 - raised once every broadcast ran
+                if self.tp is None:
+                    raise
+                error = error or exc
+        if error is not None:
+            raise error
         return found
 
     def embed_batch(self, requests: list[tuple[torch.Tensor, dict, list[VisionItem]]]) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ decode step raises on every rank, batched and then alone (decoder.py: the step's
 by one in lockstep, that row failed) — while rank 1 runs its Engine as a follower. The same
 scenario on a single-process engine is the reference: the greedy tokens and finish reasons must
 agree. Followers have no sinks; what each would have emitted (recorded under its _emit) must equal
-rank 0's events, and both ranks must have run the same steps.
+rank 0's events, and both ranks must have run the same steps. Then, on the same group, forwards
+that raise on rank 1 only (`_local_failures`): their requests fail on both ranks, the others go on.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SAMPLED = "s0"  # seed 0: a random seed, so only the TP ranks agree with each ot
 CANCELLED = "long"
 EXPIRED = "late"
 POISONED = "p0"  # its decode steps raise from the third on, on every rank (CPU: hooks do not run in a replay)
+BAD_PREFILL, BAD_DECODE = "bad-prefill", "bad-decode"  # their forwards raise on rank 1 only
 
 
 def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
@@ -118,6 +120,76 @@ def _scenario(eng: Engine, model_path, device: str = "cpu") -> dict[str, list]:
     return out
 
 
+@contextlib.contextmanager
+def _failing_on_rank_1(eng: Engine, rank: int):
+    """Rank 1's forwards raise from a middle decoder layer (the layers before it ran their
+    all-reduces; rank 0 then waits in the next one): every prefill forward holding BAD_PREFILL,
+    every decode step holding BAD_DECODE. Rank 0's run as usual."""
+    if rank != 1:
+        yield
+        return
+    current: list[str] = []
+    runner = eng.runner
+    saved = {name: runner.__dict__.get(name) for name in ("prefill", "decode")}
+
+    def tracked(name):
+        inner = getattr(runner, name)
+
+        def run(rows, *args, **kwargs):
+            current[:] = [f"{name}:{s.req.request_id}" for s in rows]
+            try:
+                return inner(rows, *args, **kwargs)
+            finally:
+                current.clear()
+        return run
+
+    def boom(module, args):
+        for phase, rid in (("prefill", BAD_PREFILL), ("decode", BAD_DECODE)):
+            if f"{phase}:{rid}" in current:
+                raise RuntimeError(f"injected {phase} failure on rank 1 only")
+
+    layers = eng.model.model.language_model.layers
+    runner.prefill, runner.decode = tracked("prefill"), tracked("decode")
+    hook = layers[len(layers) // 2].register_forward_pre_hook(boom)
+    try:
+        yield
+    finally:
+        hook.remove()
+        for name, fn in saved.items():
+            if fn is None:
+                runner.__dict__.pop(name, None)
+            else:
+                setattr(runner, name, fn)
+
+
+LOCAL = {"ref-base": ("base", None, 0), "ref-lora": ("lora", A, 1), "base": ("base", None, 0),
+         "lora": ("lora", A, 1), BAD_PREFILL: (BAD_PREFILL, A, 2), BAD_DECODE: (BAD_DECODE, None, 3),
+         "after": ("lora", A, 1)}  # request id -> (prompt, adapter, image)
+
+
+def _local_failures(eng: Engine) -> dict[str, list]:
+    """Rank 0, after the scenario: two requests alone (the reference), the same two batched with
+    the bad ones, then one more; each request's outcome (a failure's with its error)."""
+    def together(ids: list[str]) -> dict[str, list]:
+        sinks = {}
+        with eng._wake:  # one step admits them all: they prefill and decode together
+            for rid in ids:
+                prompt, adapter, image = LOCAL[rid]
+                req = WorkRequest(request_id=rid, prompt=f"describe {prompt}", images=[random_image(image)],
+                                  adapter=adapter, max_new_tokens=5)
+                sinks[rid] = q = queue.Queue()
+                eng.submit(eng.prepare(req), q.put)
+        out = {}
+        for rid, q in sinks.items():
+            while not isinstance(ev := q.get(timeout=60), (Finished, Failed)):
+                pass
+            out[rid] = _outcome(ev) + ([str(ev.error)] if isinstance(ev, Failed) else [])
+        return out
+
+    return together(["ref-base", "ref-lora"]) | together(["base", "lora", BAD_PREFILL, BAD_DECODE]) | \
+        together(["after"])
+
+
 def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     if device == "cpu":
@@ -146,21 +218,30 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
 
             eng.outputs.emit = record
         eng.start()
-        with _poisoned(eng, device):
+        local = device == "cpu"  # rank-local failures: CPU (hooks do not run in a replay)
+        with _poisoned(eng, device), _failing_on_rank_1(eng, rank if local else 0):
             if rank == 0:
                 got = _scenario(eng, model_path, device)
+                if local:
+                    got_local = _local_failures(eng)
                 eng.stop()
             else:
                 with pytest.raises(FailedPrecondition, match="follower"):
                     eng.submit(None, print)
                 eng.stop(timeout=300)  # returns once rank 0's stop reached this rank's loop
-                got = would_emit
+                got = {rid: o for rid, o in would_emit.items() if rid not in LOCAL}
+                got_local = {rid: o for rid, o in would_emit.items() if rid in LOCAL}
         assert not eng._thread.is_alive() and eng._error is None
         s = eng.stats()
         summary = {"outcomes": got, "steps": [list(x[:2]) for x in eng.step_log],
                    "mode": s.mode.value, "merged": s.merged_adapter, "host": s.host_adapters,
                    "resident": s.resident_adapters, "pipelined": eng.decoder.pipelined_steps,
-                   "isolated": [eng.decoder.isolated_steps, eng.decoder.failed_rows]}
+                   "isolated": [eng.decoder.isolated_steps, eng.decoder.failed_rows],
+                   "prefill_isolated": [eng.prefiller.isolated_batches, eng.prefiller.failed_rows]}
+        if local:  # the follower's outcomes have no error text (Failed's reason only)
+            summary["local"] = {rid: o[:2] if o[0] == "failed" else o for rid, o in got_local.items()}
+            if rank == 0:
+                summary["local_errors"] = {rid: o[2] for rid, o in got_local.items() if o[0] == "failed"}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()
@@ -178,6 +259,7 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
              join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     lead, follower = ranks
+    errors = lead.pop("local_errors", {})
     # Lockstep: the same steps (prefill rows, decode rows), the same final state, and every event
     # the follower computed (but did not emit) equal to rank 0's, the sampled request's included.
     assert follower == lead
@@ -188,7 +270,22 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
     if device == "cpu":  # CUDA fp32: LoRA steps run eager (the torch reference is not capturable)
         assert lead["pipelined"] > 0
         # one step raised for the poisoned row: every rank decoded its rows alone, failed that row only
-        assert lead["outcomes"][POISONED] == ["failed", "ENGINE_STEP_FAILED"] and lead["isolated"] == [1, 1]
+        assert lead["outcomes"][POISONED] == ["failed", "ENGINE_STEP_FAILED"]
+        # Then forwards that raised on rank 1 only, in the middle of the model: rank 0 did not wait
+        # in the all-reduce rank 1 left (the run ended), each failed request failed on both ranks
+        # with rank 1's error, the requests batched with them got the tokens they get without them,
+        # the next request ran. Before, rank 0 waited there until the group's timeout while rank 1
+        # retried the rows alone in collectives that no longer matched.
+        local = lead["local"]
+        assert set(errors) == {BAD_PREFILL, BAD_DECODE}, local
+        for rid, phase in ((BAD_PREFILL, "prefill"), (BAD_DECODE, "decode")):
+            assert local[rid] == ["failed", "ENGINE_STEP_FAILED"]
+            assert "tensor-parallel rank 1 of 2" in errors[rid], errors[rid]
+            assert f"injected {phase} failure on rank 1 only" in errors[rid], errors[rid]
+        assert local["base"] == local["ref-base"] and local["lora"] == local["ref-lora"], local
+        assert local["after"] == local["ref-lora"] and local["base"][0] == "finished", local
+        # each raised batched, then alone: every rank ran the same rows alone, failed the same one
+        assert lead["isolated"] == [2, 2] and lead["prefill_isolated"] == [1, 1]
 
     single = Engine(_config(model_path, device=device))
     single.start()
