@@ -62,6 +62,7 @@ class Decoder:
             if self._pipelined(rows):
                 return
             self.flush()
+            self.outputs.agree()  # rows the flush failed on one rank leave every rank's batch
         self.sched.reserve_decode()
         rows = sorted(self.sched.running, key=self.lora.sort_key)
         if not rows:
@@ -167,6 +168,8 @@ class Decoder:
             s.length = n
         for p in taken:
             self.take(p)
+        if taken:
+            self.outputs.agree()  # rows those tokens failed on one rank are not retried on any
         alive = [s for s in rows if not s.finished]
         if len(rows) == 1:
             if alive:
@@ -177,7 +180,8 @@ class Decoder:
                     retry="each row alone")
         failed = 0
         for s in alive:
-            failed += not self.outputs.guard([s], self._alone, s)
+            if not s.finished:  # failed on another rank meanwhile (OutputProcessor.agree)
+                failed += not self.outputs.guard([s], self._alone, s)
         self.failed_rows += failed
         if self.runner.trace is not None:
             self.runner.trace.note(decode_retried_rows=len(alive), decode_failed_rows=failed)

@@ -319,6 +319,8 @@ class Engine:
             self.inbox.sync()
         # a command runs between fully processed steps, as without pipelining
         self.inbox.run_commands(self.adapters.run, before=self.decoder.flush)
+        if self.tp is not None:
+            self.outputs.agree()  # rows failed on one rank since the last step's agreements: on every rank
         now = time.monotonic()
         self.sched.admit(lambda s: self.inbox.halted(s, now), self._fail_waiting, take_incoming=self.tp is None)
         self._drop_cancelled()
@@ -339,6 +341,7 @@ class Engine:
         else:
             if batch:  # a pending decode step stays pending (overlapping this host work) until the decode below
                 self.outputs.guard(batch, self.prefiller.run, batch)
+                self.outputs.agree()  # tensor parallel: rows the hand-off failed on one rank decode on none
             self.trace.mark("prefill")
             decoded = list(self.sched.running)
             if decoded:

@@ -57,6 +57,7 @@ class MixedStep:
             taken, dec.pending = dec.pending, []
         else:
             dec.flush()
+            self.outputs.agree()  # tensor parallel: rows the flush failed on one rank leave every rank's batch
             self.sched.reserve_decode()  # may preempt (the youngest rows wait to be prefilled again)
             running = sorted(self.sched.running, key=self.lora.sort_key)
             if not running:

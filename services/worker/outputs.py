@@ -6,8 +6,9 @@ EOS, stop sequences and max_new_tokens, releases the adapter early where the req
 Events go to the request's sink on the engine thread; a tensor-parallel follower's copy of a
 request has no sink and emits nothing.
 
-Tensor parallel, every rank fails the same requests: a unit of work that raised on one rank only
-raises on every rank (`agree`, tensor_parallel.py).
+Tensor parallel, every rank fails the same requests (`agree`): a unit of work that raised on one
+rank only raises on every rank, and a row this rank's `guard` failed is failed on the others at the
+next agreement — before anything decides the next forward's rows (tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.worker.requests import Event, Failed, Finished, FinishReason, Gene
 from services.worker.sampling import unpack_logprobs
 from services.worker.sequence import Sequence
 from services.worker.step_scheduler import StepScheduler
-from services.worker.tensor_parallel import TPGroup
+from services.worker.tensor_parallel import TPGroup, TPStepFailed, describe
 
 log = structlog.get_logger()
 
@@ -34,6 +35,7 @@ class OutputProcessor:
         self.sched, self.pool, self.device = sched, pool, device
         self.eos_ids = eos_ids
         self.tp = tp  # more than one rank, or None
+        self.failed_here: dict[int, str] = {}  # tensor parallel: rows `guard` failed since the ranks last agreed
 
     def emit(self, s: Sequence, event: Event) -> None:
         if s.sink is None:  # a tensor-parallel follower's copy of a request
@@ -56,17 +58,30 @@ class OutputProcessor:
             for s in seqs:
                 self.sched.finish(s)
                 self.emit(s, Failed(error))
+                if self.tp is not None:
+                    self.failed_here[s.id] = describe(error)
             return False
 
     def agree(self, error: BaseException | None = None) -> None:
-        """Tensor parallel: every rank calls it at the same points, after the same unit of device
-        work (`error`: what it raised here, or None); raises when the unit failed on any rank
-        (Verdict.check). One process: raises `error`, if any."""
+        """Tensor parallel: every rank calls it at the same points (after a unit of device work, its
+        `error` or None; before what decides a forward's rows): the rows other ranks failed since
+        the last agreement are failed here too (INTERNAL, ENGINE_STEP_FAILED, naming the rank),
+        then it raises when the unit failed on any rank (Verdict.check). One process: raises
+        `error`, if any."""
         if self.tp is None:
             if error is not None:
                 raise error
             return
-        self.tp.agree(error).check(self.tp.world_size, error)
+        rows, self.failed_here = self.failed_here, {}
+        verdict = self.tp.agree(error, rows)
+        if verdict.rows:
+            for s in self.sched.active():
+                why = verdict.rows.get(s.id)
+                if why is not None and not s.finished:
+                    log.error("engine_row_failed_on_another_rank", request_id=s.req.request_id, error=why)
+                    self.sched.finish(s)
+                    self.emit(s, Failed(TPStepFailed(f"request {why}", reason="ENGINE_STEP_FAILED")))
+        verdict.check(self.tp.world_size, error)
 
     def accept(self, s: Sequence, token: int, logprobs: list[float] | None = None) -> None:
         """A new token for `s` (`logprobs`: its packed log-probabilities, sampling.token_logprobs,

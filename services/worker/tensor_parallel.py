@@ -65,10 +65,11 @@ requests involved, as on one device: the rank that raised inside a forward still
 its all-reduces, over zeros (`drain`), so no rank waits in a collective its peer left; and after
 every unit of device work the ranks compare their outcomes (`agree`, on the gloo event group): when
 any rank failed, every rank raises (`TPStepFailed`, naming the rank and its error), so all of them
-retry the same rows alone and fail the same ones. A rank that cannot go on in step with the others
-(a collective failed: a rank died) raises `GroupBroken`, which ends its engine loop: the worker goes
-NOT_SERVING and exits non-zero (server.py's watchdog), as for any dead engine. docs/engine.md
-("Tensor parallelism") lists what the ranks agree on, and where.
+retry the same rows alone and fail the same ones; rows the output code failed on one rank are
+failed on every rank at the next agreement (outputs.py). A rank that cannot go on in step with the
+others (a collective failed: a rank died) raises `GroupBroken`, which ends its engine loop: the
+worker goes NOT_SERVING and exits non-zero (server.py's watchdog), as for any dead engine.
+docs/engine.md ("Tensor parallelism") lists what the ranks agree on, and where.
 
 Not done: any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA
 graphs, the ATMM backend on sharded tables, the gloo event group's per-step cost are untested

@@ -46,6 +46,7 @@ CANCELLED = "long"
 EXPIRED = "late"
 POISONED = "p0"  # its decode steps raise from the third on, on every rank (CPU: hooks do not run in a replay)
 BAD_PREFILL, BAD_DECODE = "bad-prefill", "bad-decode"  # their forwards raise on rank 1 only
+BAD_ACCEPT = "bad-accept"  # taking its second token raises on rank 1 only
 
 
 def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
@@ -124,13 +125,20 @@ def _scenario(eng: Engine, model_path, device: str = "cpu") -> dict[str, list]:
 def _failing_on_rank_1(eng: Engine, rank: int):
     """Rank 1's forwards raise from a middle decoder layer (the layers before it ran their
     all-reduces; rank 0 then waits in the next one): every prefill forward holding BAD_PREFILL,
-    every decode step holding BAD_DECODE. Rank 0's run as usual."""
+    every decode step holding BAD_DECODE; and taking BAD_ACCEPT's second token raises (the
+    output code's guard fails that row, on rank 1). Rank 0's run as usual."""
     if rank != 1:
         yield
         return
     current: list[str] = []
     runner = eng.runner
     saved = {name: runner.__dict__.get(name) for name in ("prefill", "decode")}
+    accept = eng.outputs.accept
+
+    def accepting(s, token, logprobs=None):
+        if s.req.request_id == BAD_ACCEPT and len(s.tokens) == 1:
+            raise RuntimeError("injected accept failure on rank 1 only")
+        return accept(s, token, logprobs)
 
     def tracked(name):
         inner = getattr(runner, name)
@@ -150,11 +158,13 @@ def _failing_on_rank_1(eng: Engine, rank: int):
 
     layers = eng.model.model.language_model.layers
     runner.prefill, runner.decode = tracked("prefill"), tracked("decode")
+    eng.outputs.accept = accepting
     hook = layers[len(layers) // 2].register_forward_pre_hook(boom)
     try:
         yield
     finally:
         hook.remove()
+        del eng.outputs.accept
         for name, fn in saved.items():
             if fn is None:
                 runner.__dict__.pop(name, None)
@@ -164,7 +174,7 @@ def _failing_on_rank_1(eng: Engine, rank: int):
 
 LOCAL = {"ref-base": ("base", None, 0), "ref-lora": ("lora", A, 1), "base": ("base", None, 0),
          "lora": ("lora", A, 1), BAD_PREFILL: (BAD_PREFILL, A, 2), BAD_DECODE: (BAD_DECODE, None, 3),
-         "after": ("lora", A, 1)}  # request id -> (prompt, adapter, image)
+         BAD_ACCEPT: (BAD_ACCEPT, None, 4), "after": ("lora", A, 1)}  # request id -> (prompt, adapter, image)
 
 
 def _local_failures(eng: Engine) -> dict[str, list]:
@@ -186,7 +196,7 @@ def _local_failures(eng: Engine) -> dict[str, list]:
             out[rid] = _outcome(ev) + ([str(ev.error)] if isinstance(ev, Failed) else [])
         return out
 
-    return together(["ref-base", "ref-lora"]) | together(["base", "lora", BAD_PREFILL, BAD_DECODE]) | \
+    return together(["ref-base", "ref-lora"]) | together(["base", "lora", BAD_PREFILL, BAD_DECODE, BAD_ACCEPT]) | \
         together(["after"])
 
 
@@ -277,11 +287,16 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
         # the next request ran. Before, rank 0 waited there until the group's timeout while rank 1
         # retried the rows alone in collectives that no longer matched.
         local = lead["local"]
-        assert set(errors) == {BAD_PREFILL, BAD_DECODE}, local
+        assert set(errors) == {BAD_PREFILL, BAD_DECODE, BAD_ACCEPT}, local
         for rid, phase in ((BAD_PREFILL, "prefill"), (BAD_DECODE, "decode")):
             assert local[rid] == ["failed", "ENGINE_STEP_FAILED"]
             assert "tensor-parallel rank 1 of 2" in errors[rid], errors[rid]
             assert f"injected {phase} failure on rank 1 only" in errors[rid], errors[rid]
+        # a row the output code failed on rank 1 only is failed on rank 0 too, before the next
+        # step's rows are chosen (else the ranks' batches differ: the collectives mismatch)
+        assert local[BAD_ACCEPT] == ["failed", "ENGINE_STEP_FAILED"], local
+        assert "failed on tensor-parallel rank 1" in errors[BAD_ACCEPT], errors[BAD_ACCEPT]
+        assert "injected accept failure on rank 1 only" in errors[BAD_ACCEPT], errors[BAD_ACCEPT]
         assert local["base"] == local["ref-base"] and local["lora"] == local["ref-lora"], local
         assert local["after"] == local["ref-lora"] and local["base"][0] == "finished", local
         # each raised batched, then alone: every rank ran the same rows alone, failed the same one
