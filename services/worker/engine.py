@@ -68,6 +68,7 @@ from services.common.modes import Mode
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
 from services.worker.step_trace import StepTrace
+from services.worker.tensor_parallel import GroupBroken
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem
 
 log = structlog.get_logger()
@@ -318,7 +319,7 @@ class Engine:
         if self.tp is not None:
             self.inbox.sync()
         # a command runs between fully processed steps, as without pipelining
-        self.inbox.run_commands(self.adapters.run, before=self.decoder.flush)
+        self.inbox.run_commands(self._command, before=self.decoder.flush)
         if self.tp is not None:
             self.outputs.agree()  # rows failed on one rank since the last step's agreements: on every rank
         now = time.monotonic()
@@ -361,6 +362,25 @@ class Engine:
         self.step_tokens.append(tokens + len(decoded))
         self.steps += 1
         self._update_stats(step_ms=ms)
+
+    def _command(self, command: Command):
+        """Runs an adapter or mode command (LoraManager.run). Tensor parallel: the ranks agree on its
+        outcome; one that failed on some ranks only left their adapters or modes different, which
+        no later step can undo: GroupBroken (the engine stops; the worker goes NOT_SERVING)."""
+        if self.tp is None:
+            return self.adapters.run(command)
+        error = result = None
+        try:
+            result = self.adapters.run(command)
+        except Exception as exc:  # noqa: BLE001 - the ranks agree first
+            error = exc
+        verdict = self.tp.agree(error)
+        if verdict.failed and len(verdict.failed) < self.tp.world_size:
+            raise GroupBroken(f"command {command.name} failed on tensor-parallel rank(s) {sorted(verdict.failed)} "
+                              f"only, the ranks' adapters or modes now differ: {verdict.failed}") from error
+        if error is not None:
+            raise error
+        return result
 
     def _ride(self, batch: list[Sequence], decoded: list[Sequence]) -> bool:
         """Whether the step's prefill and decode ran as one forward (mixed_step.py). An error

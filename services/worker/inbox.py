@@ -63,8 +63,12 @@ class Inbox:
                 box["result"] = run(command)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 box["error"] = exc
-            if done is not None:  # None: a follower's copy of rank 0's command
-                done.set()
+            except BaseException:  # the engine stops (tensor parallel: GroupBroken): its caller hears now
+                box["error"] = WorkerUnavailable("the worker engine stopped", reason="ENGINE_DOWN")
+                raise
+            finally:
+                if done is not None:  # None: a follower's copy of rank 0's command
+                    done.set()
 
     def idle(self) -> None:
         """Nothing to run: waits up to 0.1 s for a request, a command or the stop."""

@@ -67,8 +67,9 @@ every unit of device work the ranks compare their outcomes (`agree`, on the gloo
 any rank failed, every rank raises (`TPStepFailed`, naming the rank and its error), so all of them
 retry the same rows alone and fail the same ones; rows the output code failed on one rank are
 failed on every rank at the next agreement (outputs.py). A rank that cannot go on in step with the
-others (a collective failed: a rank died) raises `GroupBroken`, which ends its engine loop: the
-worker goes NOT_SERVING and exits non-zero (server.py's watchdog), as for any dead engine.
+others (a collective failed: a rank died; a command failed on some ranks only, so their adapters
+or modes differ) raises `GroupBroken`, which ends its engine loop: the worker goes NOT_SERVING and
+exits non-zero (server.py's watchdog), as for any dead engine.
 docs/engine.md ("Tensor parallelism") lists what the ranks agree on, and where.
 
 Not done: any GPU run of the engine path: NCCL all-reduces inside the captured decode CUDA

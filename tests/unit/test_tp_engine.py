@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import exit_rank
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, WorkerUnavailable
 from services.worker import tensor_parallel as tpm
 from services.worker.engine import Engine, EngineConfig
 from services.worker.requests import Failed, Finished, TextDelta, WorkRequest
@@ -47,6 +47,8 @@ EXPIRED = "late"
 POISONED = "p0"  # its decode steps raise from the third on, on every rank (CPU: hooks do not run in a replay)
 BAD_PREFILL, BAD_DECODE = "bad-prefill", "bad-decode"  # their forwards raise on rank 1 only
 BAD_ACCEPT = "bad-accept"  # taking its second token raises on rank 1 only
+# the last command: making A resident (it is: nothing changes on rank 0) raises on rank 1 only
+FAILING_COMMAND = ("to_device", (A,))
 
 
 def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
@@ -125,8 +127,8 @@ def _scenario(eng: Engine, model_path, device: str = "cpu") -> dict[str, list]:
 def _failing_on_rank_1(eng: Engine, rank: int):
     """Rank 1's forwards raise from a middle decoder layer (the layers before it ran their
     all-reduces; rank 0 then waits in the next one): every prefill forward holding BAD_PREFILL,
-    every decode step holding BAD_DECODE; and taking BAD_ACCEPT's second token raises (the
-    output code's guard fails that row, on rank 1). Rank 0's run as usual."""
+    every decode step holding BAD_DECODE; taking BAD_ACCEPT's second token raises (the output
+    code's guard fails that row, on rank 1); and so does FAILING_COMMAND. Rank 0's run as usual."""
     if rank != 1:
         yield
         return
@@ -139,6 +141,13 @@ def _failing_on_rank_1(eng: Engine, rank: int):
         if s.req.request_id == BAD_ACCEPT and len(s.tokens) == 1:
             raise RuntimeError("injected accept failure on rank 1 only")
         return accept(s, token, logprobs)
+
+    run_command = eng.adapters.run
+
+    def commanding(command):
+        if (command.name, command.args) == FAILING_COMMAND:
+            raise RuntimeError("injected command failure on rank 1 only")
+        return run_command(command)
 
     def tracked(name):
         inner = getattr(runner, name)
@@ -159,12 +168,13 @@ def _failing_on_rank_1(eng: Engine, rank: int):
     layers = eng.model.model.language_model.layers
     runner.prefill, runner.decode = tracked("prefill"), tracked("decode")
     eng.outputs.accept = accepting
+    eng.adapters.run = commanding
     hook = layers[len(layers) // 2].register_forward_pre_hook(boom)
     try:
         yield
     finally:
         hook.remove()
-        del eng.outputs.accept
+        del eng.outputs.accept, eng.adapters.run
         for name, fn in saved.items():
             if fn is None:
                 runner.__dict__.pop(name, None)
@@ -234,6 +244,10 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
                 got = _scenario(eng, model_path, device)
                 if local:
                     got_local = _local_failures(eng)
+                    # a command that fails on rank 1 only: the ranks' adapters would differ from
+                    # then on (no step can undo it): both engines stop, its caller hears at once
+                    with pytest.raises(WorkerUnavailable, match="engine stopped"):
+                        eng.adapter_to_device(A)
                 eng.stop()
             else:
                 with pytest.raises(FailedPrecondition, match="follower"):
@@ -241,7 +255,12 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
                 eng.stop(timeout=300)  # returns once rank 0's stop reached this rank's loop
                 got = {rid: o for rid, o in would_emit.items() if rid not in LOCAL}
                 got_local = {rid: o for rid, o in would_emit.items() if rid in LOCAL}
-        assert not eng._thread.is_alive() and eng._error is None
+        assert not eng._thread.is_alive()
+        if local:  # the failed command ended both engines (the worker then goes NOT_SERVING)
+            assert isinstance(eng._error, tpm.GroupBroken), eng._error
+            assert "command to_device failed on tensor-parallel rank(s) [1] only" in str(eng._error)
+        else:
+            assert eng._error is None
         s = eng.stats()
         summary = {"outcomes": got, "steps": [list(x[:2]) for x in eng.step_log],
                    "mode": s.mode.value, "merged": s.merged_adapter, "host": s.host_adapters,
