@@ -47,6 +47,7 @@ EXPIRED = "late"
 POISONED = "p0"  # its decode steps raise from the third on, on every rank (CPU: hooks do not run in a replay)
 BAD_PREFILL, BAD_DECODE = "bad-prefill", "bad-decode"  # their forwards raise on rank 1 only
 BAD_ACCEPT = "bad-accept"  # taking its second token raises on rank 1 only
+BAD_VISION = "bad-vision"  # the vision tower raises on rank 1 only for its image's grid (84 px: 6x6 patches)
 # the last command: making A resident (it is: nothing changes on rank 0) raises on rank 1 only
 FAILING_COMMAND = ("to_device", (A,))
 
@@ -128,7 +129,8 @@ def _failing_on_rank_1(eng: Engine, rank: int):
     """Rank 1's forwards raise from a middle decoder layer (the layers before it ran their
     all-reduces; rank 0 then waits in the next one): every prefill forward holding BAD_PREFILL,
     every decode step holding BAD_DECODE; taking BAD_ACCEPT's second token raises (the output
-    code's guard fails that row, on rank 1); and so does FAILING_COMMAND. Rank 0's run as usual."""
+    code's guard fails that row, on rank 1); so does the vision tower over BAD_VISION's image, and
+    FAILING_COMMAND. Rank 0's run as usual."""
     if rank != 1:
         yield
         return
@@ -141,6 +143,13 @@ def _failing_on_rank_1(eng: Engine, rank: int):
         if s.req.request_id == BAD_ACCEPT and len(s.tokens) == 1:
             raise RuntimeError("injected accept failure on rank 1 only")
         return accept(s, token, logprobs)
+
+    encode_items = eng.vision.tower.encode_items
+
+    def encoding(items):
+        if any(tuple(grid) == (1, 6, 6) for _, grid in items):
+            raise RuntimeError("injected vision tower failure on rank 1 only")
+        return encode_items(items)
 
     run_command = eng.adapters.run
 
@@ -169,12 +178,13 @@ def _failing_on_rank_1(eng: Engine, rank: int):
     runner.prefill, runner.decode = tracked("prefill"), tracked("decode")
     eng.outputs.accept = accepting
     eng.adapters.run = commanding
+    eng.vision.tower.encode_items = encoding
     hook = layers[len(layers) // 2].register_forward_pre_hook(boom)
     try:
         yield
     finally:
         hook.remove()
-        del eng.outputs.accept, eng.adapters.run
+        del eng.outputs.accept, eng.adapters.run, eng.vision.tower.encode_items
         for name, fn in saved.items():
             if fn is None:
                 runner.__dict__.pop(name, None)
@@ -184,7 +194,9 @@ def _failing_on_rank_1(eng: Engine, rank: int):
 
 LOCAL = {"ref-base": ("base", None, 0), "ref-lora": ("lora", A, 1), "base": ("base", None, 0),
          "lora": ("lora", A, 1), BAD_PREFILL: (BAD_PREFILL, A, 2), BAD_DECODE: (BAD_DECODE, None, 3),
-         BAD_ACCEPT: (BAD_ACCEPT, None, 4), "after": ("lora", A, 1)}  # request id -> (prompt, adapter, image)
+         BAD_ACCEPT: (BAD_ACCEPT, None, 4), "after": ("lora", A, 1), "vision": ("vision", A, 5),
+         BAD_VISION: (BAD_VISION, None, (6, 84)), "vision-again": ("vision", A, 5)}
+# request id -> (prompt, adapter, image: random_image's seed, or (seed, size))
 
 
 def _local_failures(eng: Engine) -> dict[str, list]:
@@ -195,7 +207,8 @@ def _local_failures(eng: Engine) -> dict[str, list]:
         with eng._wake:  # one step admits them all: they prefill and decode together
             for rid in ids:
                 prompt, adapter, image = LOCAL[rid]
-                req = WorkRequest(request_id=rid, prompt=f"describe {prompt}", images=[random_image(image)],
+                image = random_image(*image) if isinstance(image, tuple) else random_image(image)
+                req = WorkRequest(request_id=rid, prompt=f"describe {prompt}", images=[image],
                                   adapter=adapter, max_new_tokens=5)
                 sinks[rid] = q = queue.Queue()
                 eng.submit(eng.prepare(req), q.put)
@@ -207,7 +220,7 @@ def _local_failures(eng: Engine) -> dict[str, list]:
         return out
 
     return together(["ref-base", "ref-lora"]) | together(["base", "lora", BAD_PREFILL, BAD_DECODE, BAD_ACCEPT]) | \
-        together(["after"])
+        together(["after"]) | together(["vision", BAD_VISION]) | together(["vision-again"])
 
 
 def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, device: str = "cpu") -> None:
@@ -306,7 +319,7 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
         # the next request ran. Before, rank 0 waited there until the group's timeout while rank 1
         # retried the rows alone in collectives that no longer matched.
         local = lead["local"]
-        assert set(errors) == {BAD_PREFILL, BAD_DECODE, BAD_ACCEPT}, local
+        assert set(errors) == {BAD_PREFILL, BAD_DECODE, BAD_ACCEPT, BAD_VISION}, local
         for rid, phase in ((BAD_PREFILL, "prefill"), (BAD_DECODE, "decode")):
             assert local[rid] == ["failed", "ENGINE_STEP_FAILED"]
             assert "tensor-parallel rank 1 of 2" in errors[rid], errors[rid]
@@ -318,8 +331,14 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
         assert "injected accept failure on rank 1 only" in errors[BAD_ACCEPT], errors[BAD_ACCEPT]
         assert local["base"] == local["ref-base"] and local["lora"] == local["ref-lora"], local
         assert local["after"] == local["ref-lora"] and local["base"][0] == "finished", local
+        # the tower raised on rank 1 for a batch of two fresh images: no rank cached that batch's
+        # features (else their hits, deciding what rank 0 broadcasts, would differ: the retries
+        # alone would hang); the good image's request ran, and its features were cached on both
+        assert local[BAD_VISION] == ["failed", "ENGINE_STEP_FAILED"], local
+        assert "injected vision tower failure on rank 1 only" in errors[BAD_VISION], errors[BAD_VISION]
+        assert local["vision"][0] == "finished" and local["vision-again"] == local["vision"], local
         # each raised batched, then alone: every rank ran the same rows alone, failed the same one
-        assert lead["isolated"] == [2, 2] and lead["prefill_isolated"] == [1, 1]
+        assert lead["isolated"] == [2, 2] and lead["prefill_isolated"] == [2, 2]
 
     single = Engine(_config(model_path, device=device))
     single.start()
