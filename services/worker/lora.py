@@ -22,9 +22,9 @@ from torch import nn
 
 from kernels.reference import SegmentPlan, multi_lora_reference_
 from services.common.adapter_format import TARGET_MODULES, module_parent
+from services.worker.adapter_weights import LayerModule
 from services.worker.architectures import language_model
 
-LayerModule = tuple[int, str]
 MultiLoraOp = Callable[..., torch.Tensor]
 
 
