@@ -68,8 +68,7 @@ class Decoder:
         if not rows:
             return
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
-        self.peak_rows = max(self.peak_rows, len(rows))
-        self.peak_entries = max(self.peak_entries, len(step.entries))
+        self.observe(len(rows), len(step.entries))
         lengths = [s.length for s in rows]
         try:
             tokens, logprobs = self._launch(rows, step)
@@ -81,6 +80,12 @@ class Decoder:
             return
         for s, token, lp in zip(rows, tokens.tolist(), _rows_of(logprobs, len(rows))):  # one copy for the batch
             self.outputs.guard([s], self.outputs.accept, s, token, lp)  # a row that fails here fails alone
+
+    def observe(self, rows: int, entries: int) -> None:
+        """A forward decoded `rows` rows of `entries` distinct LoRA entries (a decode step's, or a
+        mixed step's riders'): the peaks."""
+        self.peak_rows = max(self.peak_rows, rows)
+        self.peak_entries = max(self.peak_entries, entries)
 
     def hold_first(self, rows: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> bool:
         """Holds a prefill's first tokens of `rows` (now running) on the device for the next
@@ -121,8 +126,7 @@ class Decoder:
         if ids is None:
             return False
         step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
-        self.peak_rows = max(self.peak_rows, len(rows))
-        self.peak_entries = max(self.peak_entries, len(step.entries))
+        self.observe(len(rows), len(step.entries))
         taken, self.pending = self.pending, []
         lengths = [s.length for s in rows]
         try:

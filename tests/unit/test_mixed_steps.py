@@ -102,13 +102,36 @@ def apart(model_path):
     return out
 
 
+def watch_riders(eng: Engine, seen: list) -> None:
+    """Records what each mixed step reports to the decoder's peaks, and its riders' adapters."""
+    run_, observe = eng.mixed.run, eng.decoder.observe
+    inside = []
+
+    def mixed_run(batch):
+        inside.append(sorted(str(s.req.adapter) for s in eng.sched.running if s not in batch))
+        try:
+            return run_(batch)
+        finally:
+            inside.pop()
+
+    def observed(rows, entries):
+        if inside:
+            seen.append((rows, entries, len(set(inside[-1]) - {"None"})))
+        observe(rows, entries)
+    eng.mixed.run, eng.decoder.observe = mixed_run, observed
+
+
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
 def test_mixed_steps_give_every_request_its_tokens(model_path, apart, pipeline):
-    eng, out = run(model_path, mixed=True, pipeline=pipeline)
+    seen: list = []
+    eng, out = run(model_path, mixed=True, pipeline=pipeline, patch=lambda e: watch_riders(e, seen))
     assert out == apart
     assert len(out) == 11
     assert eng.mixed.steps >= 4 and eng.mixed.fallbacks == 0  # both joins (and the chunks) rode
     assert eng.kv.used_blocks == 0
+    # every mixed step counts in the decoder's peaks: its riders and their distinct LoRA entries
+    assert len(seen) >= eng.mixed.steps and any(entries >= 2 for _, entries, _ in seen), seen
+    assert all(entries == adapters for _, entries, adapters in seen), seen
 
 
 def test_a_mixed_forward_that_raises_runs_both_apart(model_path, apart):
