@@ -148,6 +148,17 @@ if triton is not None:
         return s - tl.log(-tl.log(u))
 
     @triton.jit
+    def _running_max(best, best_i, x, idx):
+        """Each lane's largest x so far and its index (the first on ties)."""
+        better = x > best
+        return tl.where(better, x, best), tl.where(better, idx, best_i)
+
+    @triton.jit
+    def _first_max(best, best_i):
+        """The smallest index holding the largest value over the lanes (torch's argmax)."""
+        return tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
+
+    @triton.jit
     def _sample_kernel(logits, stride, vocab, temperature, top_p, top_k, min_p, seed, counters, out,
                        MIN_T: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
                        TRIES: tl.constexpr):
@@ -161,11 +172,8 @@ if triton is not None:
             for off in range(0, vocab, BLOCK):
                 idx = off + offs
                 x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                better = x > best
-                best_i = tl.where(better, idx, best_i)
-                best = tl.where(better, x, best)
-            top = tl.max(best, 0)
-            tok = tl.min(tl.where(best == top, best_i, 2147483647), 0)
+                best, best_i = _running_max(best, best_i, x, idx)
+            tok = _first_max(best, best_i)
         else:
             m_vec = tl.full((BLOCK,), float("-inf"), tl.float32)
             for off in range(0, vocab, BLOCK):
@@ -195,11 +203,9 @@ if triton is not None:
                 z_vec += e
                 if TRIES > 0:
                     noisy = tl.where((e >= mp) & (idx < vocab), _noisy_tl(s, idx, rk), float("-inf"))
-                    better = noisy > best
-                    best_i = tl.where(better, idx, best_i)
-                    best = tl.where(better, noisy, best)
+                    best, best_i = _running_max(best, best_i, noisy, idx)
             z = tl.sum(z_vec, 0)
-            tok = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
+            tok = _first_max(best, best_i)
             done = (~(use_p | use_k)).to(tl.int32)
             if TRIES == 0:  # no candidate: the draw below, after the thresholds if any filter is on
                 done = done * 0
@@ -221,13 +227,11 @@ if triton is not None:
                         mass_vec += tl.where(above, e, 0.0)
                         cnt_vec += above.to(tl.int32)
                         noisy = tl.where(above & (e >= mp) & (idx < vocab), _noisy_tl(s, idx, rk), float("-inf"))
-                        better = noisy > best
-                        best_i = tl.where(better, idx, best_i)
-                        best = tl.where(better, noisy, best)
+                        best, best_i = _running_max(best, best_i, noisy, idx)
                     ok_p = (tl.sum(mass_vec, 0) <= p * z) | ~use_p
                     ok_k = (tl.sum(cnt_vec, 0) <= k - 1) | ~use_k
                     done = (ok_p & ok_k).to(tl.int32)
-                    nxt = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
+                    nxt = _first_max(best, best_i)
                     tok = tl.where(done != 0, tok, nxt)
             if done == 0:  # still outside after TRIES candidates: the thresholds by bisection
                 lo_p = neg_key
@@ -262,10 +266,8 @@ if triton is not None:
                     s = _scores_tl(base, idx, vocab, t)
                     keep = (_key_tl(s) >= tau) & (tl.exp(s - m) >= mp) & (idx < vocab)  # exp >= 0 >= min_p 0: off
                     noisy = tl.where(keep, _noisy_tl(s, idx, rk), float("-inf"))
-                    better = noisy > best
-                    best_i = tl.where(better, idx, best_i)
-                    best = tl.where(better, noisy, best)
-                tok = tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
+                    best, best_i = _running_max(best, best_i, noisy, idx)
+                tok = _first_max(best, best_i)
         tl.store(out + row, tok.to(tl.int64))
 
 
