@@ -16,10 +16,12 @@
 #    PYSPY=1 samples the worker, TRACE=1 writes and sums up the engine's step trace)
 #   SUF=<commit> SERVE_CONFIGS="a:<args>|b:<args>" bash bench/h200_session.sh serve-ab  # serve runs per worker setting
 #   SUF=<commit> bash bench/h200_session.sh long      # bench/long_context_bench.py (7B shape, one 16k request)
+#   SUF=<commit> STEP_CONFIGS="a:|walk:VALORA_SAMPLER_TRIES=6" bash bench/h200_session.sh steps
+#                                                     # bench.step_profile once per environment (STEP_ARGS: its options)
 #   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged decode/prefill attention benches, §3 engine bench
 #                                                     # (valora only) and its 32-adapter r8 batch-32 variant
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|paged}
+MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|steps|paged}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -170,6 +172,14 @@ elif [ "$MODE" = long ]; then  # issue "Engine v2": 31 streams beside one 16k-to
   timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-h200-$SUF" 2>&1 \
     | grep -v -E "Loading|Writing" | tail -120 | tee -a "$LOG"
   say long_context_bench
+elif [ "$MODE" = steps ]; then  # where a served step's device time goes, per worker environment
+  IFS='|' read -ra CFGS <<< "${STEP_CONFIGS:-default:}"
+  for c in "${CFGS[@]}"; do
+    env ${c#*:} timeout "${STEP_S:-240}" python3 -m bench.step_profile --graphs auto --rows 110 --top-p-every 2 \
+      --name "step-profile-$SUF-${c%%:*}" ${STEP_ARGS:-} 2>&1 | grep -v -E "Loading|Writing" | tail -40 | tee -a "$LOG"
+    say "step_profile ${c%%:*}"
+  done
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = paged ]; then  # issue "Engine v2", first slice: paged KV + graphs keyed by batch bucket
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention_gpu.py \
     tests/gpu/test_paged_prefill_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_prefill_gpu.py tests/unit/test_engine.py tests/unit/test_kv_cache.py \
