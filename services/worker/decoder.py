@@ -67,11 +67,9 @@ class Decoder:
         rows = sorted(self.sched.running, key=self.lora.sort_key)
         if not rows:
             return
-        step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
-        self.observe(len(rows), len(step.entries))
         lengths = [s.length for s in rows]
         try:
-            tokens, logprobs = self._launch(rows, step)
+            tokens, logprobs = self._launch(rows)
         except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
             self._isolate(rows, lengths, [], exc)
             return
@@ -101,15 +99,18 @@ class Decoder:
         for p in pending:
             self.outputs.guard([s for s in p.rows if not s.finished], self.take, p)
 
-    def _launch(self, rows: list[Sequence], step, ids: torch.Tensor | None = None
+    def _launch(self, rows: list[Sequence], ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs the step's forward (from `ids` on the device, else the rows' last tokens) and
-        chooses its tokens on the device, with their log-probabilities when a row asks (None
-        otherwise); every row has then cached one more token. Tensor parallel: raises on every
-        rank when it raised on any (OutputProcessor.agree)."""
+        """Plans the step's LoRA, runs its forward (from `ids` on the device, else the rows'
+        last tokens) and chooses its tokens on the device, with their log-probabilities when a
+        row asks (None otherwise); every row has then cached one more token. Tensor parallel:
+        raises on every rank when any part of that raised on any (OutputProcessor.agree) — the
+        plan too: one that raises on one rank only must not leave the others in a forward."""
         error = out = None
         try:
-            greedy, logits = self.runner.decode(rows, step, bucket_rows(len(rows)), ids=ids)
+            bucket = bucket_rows(len(rows))
+            greedy, logits = self.runner.decode(rows, lambda: self.lora.plan(rows, 1, bucket), bucket, ids=ids)
+            self.observe(len(rows), len(self.lora.last.entries))
             for s in rows:
                 s.length += 1
             tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
@@ -125,12 +126,10 @@ class Decoder:
         ids = self.pending_inputs(rows)
         if ids is None:
             return False
-        step = self.lora.plan(rows, 1, bucket_rows(len(rows)))
-        self.observe(len(rows), len(step.entries))
         taken, self.pending = self.pending, []
         lengths = [s.length for s in rows]
         try:
-            launched = self._launch(rows, step, ids=ids)
+            launched = self._launch(rows, ids=ids)
         except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
             self._isolate(rows, lengths, taken, exc)
             return True
@@ -192,7 +191,7 @@ class Decoder:
 
     def _alone(self, s: Sequence) -> None:
         """One decode step of `s` alone (its own bucket and LoRA plan), its token taken now."""
-        tokens, logprobs = self._launch([s], self.lora.plan([s], 1, 1))
+        tokens, logprobs = self._launch([s])
         self.outputs.accept(s, tokens.tolist()[0], _rows_of(logprobs, 1)[0])
 
     def gather(self, rows: list[Sequence], where: dict) -> torch.Tensor:

@@ -86,6 +86,11 @@ class LoraPlanner:
             entry = self.entries[spec] = MixtureEntry(x, m)
         return entry
 
+    @property
+    def last(self) -> StepLora | None:
+        """The plan `plan` made (or reused) last."""
+        return None if self._last is None else self._last[1]
+
     def plan(self, seqs: list[Sequence], tokens_per_row: int | list[int], pad_rows: int = 0) -> StepLora:
         """The step's LoRA plan; `tokens_per_row`: every row's token count, or each row's (rows
         packed without padding); `pad_rows`: that many rows in all, the ones past `seqs` (padding

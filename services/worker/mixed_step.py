@@ -72,8 +72,7 @@ class MixedStep:
         before = [(s.prefilled, s.chunk_inputs) for s in batch]
         self.prefiller.starting(batch)
         try:
-            plan = self.lora.plan(rows, counts)
-            done, out = self.runner.prefill(rows, plan, riders)
+            done, out = self.runner.prefill(rows, lambda: self.lora.plan(rows, counts), riders)
         except Exception as exc:  # noqa: BLE001 - the two forwards apart, each with its row isolation
             for s, n in zip(running, lengths):
                 s.length = n
@@ -86,6 +85,7 @@ class MixedStep:
             log.warning("mixed_step_failed", error=repr(exc)[:500], retry="prefill and decode apart")
             return False
         self.steps += 1
+        plan = self.lora.last
         dec.observe(len(running), len({plan.row_entries[i] for i, s in enumerate(rows) if s in ride} - {-1}))
         dec.pending.append(dec.hold(running, riders.tokens, riders.logprobs))
         for p in taken:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -143,11 +144,13 @@ class ModelRunner:
                         hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION")
         return pool, manager
 
-    def prefill(self, rows: list[Sequence], step: StepLora, riders: Riders | None = None
+    def prefill(self, rows: list[Sequence], plan: Callable[[], StepLora], riders: Riders | None = None
                 ) -> tuple[list[Sequence], PrefillOutput]:
         """Prefills each row's piece [s.prefilled, s.prefill_to) of its context in one forward of
-        the language model, `step` their LoRA plan (rows ordered by LoRA entry, each row's piece
-        length: one StepLora, no permutation, ATMM takes it). Returns the rows whose whole
+        the language model; `plan()` makes their LoRA plan (rows ordered by LoRA entry, each row's
+        piece length: one StepLora, no permutation, ATMM takes it), inside the forward's first
+        unit of work, so a plan that raises on one tensor-parallel rank only (an adapter missing
+        from that rank's slots) fails the forward on every rank. Returns the rows whose whole
         context is now cached, in order, and their PrefillOutput.
 
         The pieces are packed into one sequence of tokens (padded at its end to a bucket and
@@ -166,11 +169,18 @@ class ModelRunner:
         token as a piece of one (embedded from its last token, at its next position and slot) and
         takes a token chosen with the first tokens, in one sampling call."""
         ride = {s: j for j, s in enumerate(riders.rows)} if riders is not None else {}
-        ride_embeds = self.agreed(self._embed_inputs, rows, riders, ride, settle=self.vision.settle)
+        step, ride_embeds = self.agreed(self._plan_and_embed, plan, rows, riders, ride, settle=self.vision.settle)
         if self.trace is not None:
             self.trace.mark("inputs")
         tokens = self.prefill_tokens(sum(1 if s in ride else s.prefill_to - s.prefilled for s in rows))
         return self.agreed(self._prefill_forward, rows, step, riders, ride, ride_embeds, tokens=tokens)
+
+    def _plan_and_embed(self, plan: Callable[[], StepLora], rows: list[Sequence], riders: Riders | None,
+                        ride: dict) -> tuple[StepLora, torch.Tensor | None]:
+        # embeddings first: tensor parallel, they take part in rank 0's broadcast of the pixels,
+        # which a plan raising on this rank alone must not skip (the collectives would mismatch)
+        embeds = self._embed_inputs(rows, riders, ride)
+        return plan(), embeds
 
     def agreed(self, fn, *args, tokens: int = 0, settle=None):
         """fn(*args) as a unit of work every tensor-parallel rank runs, in step whatever raises on
@@ -351,14 +361,16 @@ class ModelRunner:
         so the host tensor may be dropped right after."""
         return t.to(self.device, non_blocking=True)
 
-    def decode(self, rows: list[Sequence], step: StepLora, bucket: int,
+    def decode(self, rows: list[Sequence], plan: Callable[[], StepLora], bucket: int,
                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launches one decode step of `rows` (`step`: their LoRA plan over `bucket` rows; `ids`:
-        their last tokens on the device, else the sequences' own) and returns (greedy tokens,
-        logits) of the batch's rows, owned by the step's graph entry."""
-        self.runtime.step = step
+        """Launches one decode step of `rows` (`plan()`: makes their LoRA plan over `bucket` rows,
+        inside the step's lockstep: a plan that raises on one tensor-parallel rank only still
+        runs that rank's part of the forward's all-reduces; `ids`: their last tokens on the
+        device, else the sequences' own) and returns (greedy tokens, logits) of the batch's
+        rows, owned by the step's graph entry."""
         try:
             with self.lockstep(max(bucket, len(rows))):
+                step = self.runtime.step = plan()
                 out = self.graphs.step(self.decode_rows(rows), step, bucket, ids=ids)
                 self.forward_ran = True
                 return out

@@ -68,7 +68,7 @@ class Prefiller:
         counts = [s.prefill_to - s.prefilled for s in rows]
         # the forward's padding tokens (prefill_graphs.py) extend the last row's LoRA segment
         counts[-1] += self.runner.prefill_tokens(sum(counts)) - sum(counts)
-        return self.runner.prefill(rows, self.lora.plan(rows, counts))
+        return self.runner.prefill(rows, lambda: self.lora.plan(rows, counts))
 
     def _isolate(self, rows: list[Sequence], before: list[tuple[int, tuple | None]], exc: Exception) -> None:
         """After a failed batched forward: every row back to where the step found it, then its

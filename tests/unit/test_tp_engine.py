@@ -48,6 +48,9 @@ POISONED = "p0"  # its decode steps raise from the third on, on every rank (CPU:
 BAD_PREFILL, BAD_DECODE = "bad-prefill", "bad-decode"  # their forwards raise on rank 1 only
 BAD_ACCEPT = "bad-accept"  # taking its second token raises on rank 1 only
 BAD_VISION = "bad-vision"  # the vision tower raises on rank 1 only for its image's grid (84 px: 6x6 patches)
+# making the LoRA plan of a forward holding it raises on rank 1 only: any forward (BAD_PLAN), its decode steps
+# (BAD_DECODE_PLAN) — host work before the forward, which every rank must still agree on
+BAD_PLAN, BAD_DECODE_PLAN = "bad-plan", "bad-decode-plan"
 # the last command: making A resident (it is: nothing changes on rank 0) raises on rank 1 only
 FAILING_COMMAND = ("to_device", (A,))
 
@@ -129,8 +132,9 @@ def _failing_on_rank_1(eng: Engine, rank: int):
     """Rank 1's forwards raise from a middle decoder layer (the layers before it ran their
     all-reduces; rank 0 then waits in the next one): every prefill forward holding BAD_PREFILL,
     every decode step holding BAD_DECODE; taking BAD_ACCEPT's second token raises (the output
-    code's guard fails that row, on rank 1); so does the vision tower over BAD_VISION's image, and
-    FAILING_COMMAND. Rank 0's run as usual."""
+    code's guard fails that row, on rank 1); so does the vision tower over BAD_VISION's image, the
+    LoRA plan of every forward holding BAD_PLAN and of every decode step holding BAD_DECODE_PLAN,
+    and FAILING_COMMAND. Rank 0's run as usual."""
     if rank != 1:
         yield
         return
@@ -150,6 +154,14 @@ def _failing_on_rank_1(eng: Engine, rank: int):
         if any(tuple(grid) == (1, 6, 6) for _, grid in items):
             raise RuntimeError("injected vision tower failure on rank 1 only")
         return encode_items(items)
+
+    plan = eng.lora.plan
+
+    def planning(seqs, tokens_per_row, pad_rows=0):
+        ids = {s.req.request_id for s in seqs}
+        if BAD_PLAN in ids or (BAD_DECODE_PLAN in ids and tokens_per_row == 1):
+            raise RuntimeError("injected LoRA plan failure on rank 1 only")
+        return plan(seqs, tokens_per_row, pad_rows)
 
     run_command = eng.adapters.run
 
@@ -179,12 +191,13 @@ def _failing_on_rank_1(eng: Engine, rank: int):
     eng.outputs.accept = accepting
     eng.adapters.run = commanding
     eng.vision.tower.encode_items = encoding
+    eng.lora.plan = planning
     hook = layers[len(layers) // 2].register_forward_pre_hook(boom)
     try:
         yield
     finally:
         hook.remove()
-        del eng.outputs.accept, eng.adapters.run, eng.vision.tower.encode_items
+        del eng.outputs.accept, eng.adapters.run, eng.vision.tower.encode_items, eng.lora.plan
         for name, fn in saved.items():
             if fn is None:
                 runner.__dict__.pop(name, None)
@@ -195,7 +208,8 @@ def _failing_on_rank_1(eng: Engine, rank: int):
 LOCAL = {"ref-base": ("base", None, 0), "ref-lora": ("lora", A, 1), "base": ("base", None, 0),
          "lora": ("lora", A, 1), BAD_PREFILL: (BAD_PREFILL, A, 2), BAD_DECODE: (BAD_DECODE, None, 3),
          BAD_ACCEPT: (BAD_ACCEPT, None, 4), "after": ("lora", A, 1), "vision": ("vision", A, 5),
-         BAD_VISION: (BAD_VISION, None, (6, 84)), "vision-again": ("vision", A, 5)}
+         BAD_VISION: (BAD_VISION, None, (6, 84)), "vision-again": ("vision", A, 5),
+         "plan-ok": ("lora", A, 1), BAD_PLAN: (BAD_PLAN, A, 7), BAD_DECODE_PLAN: (BAD_DECODE_PLAN, A, 8)}
 # request id -> (prompt, adapter, image: random_image's seed, or (seed, size))
 
 
@@ -220,7 +234,8 @@ def _local_failures(eng: Engine) -> dict[str, list]:
         return out
 
     return together(["ref-base", "ref-lora"]) | together(["base", "lora", BAD_PREFILL, BAD_DECODE, BAD_ACCEPT]) | \
-        together(["after"]) | together(["vision", BAD_VISION]) | together(["vision-again"])
+        together(["after"]) | together(["vision", BAD_VISION]) | together(["vision-again"]) | \
+        together(["plan-ok", BAD_PLAN, BAD_DECODE_PLAN])
 
 
 def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, device: str = "cpu") -> None:
@@ -319,7 +334,7 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
         # the next request ran. Before, rank 0 waited there until the group's timeout while rank 1
         # retried the rows alone in collectives that no longer matched.
         local = lead["local"]
-        assert set(errors) == {BAD_PREFILL, BAD_DECODE, BAD_ACCEPT, BAD_VISION}, local
+        assert set(errors) == {BAD_PREFILL, BAD_DECODE, BAD_ACCEPT, BAD_VISION, BAD_PLAN, BAD_DECODE_PLAN}, local
         for rid, phase in ((BAD_PREFILL, "prefill"), (BAD_DECODE, "decode")):
             assert local[rid] == ["failed", "ENGINE_STEP_FAILED"]
             assert "tensor-parallel rank 1 of 2" in errors[rid], errors[rid]
@@ -337,8 +352,15 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
         assert local[BAD_VISION] == ["failed", "ENGINE_STEP_FAILED"], local
         assert "injected vision tower failure on rank 1 only" in errors[BAD_VISION], errors[BAD_VISION]
         assert local["vision"][0] == "finished" and local["vision-again"] == local["vision"], local
+        # a LoRA plan that raised on rank 1 only, before any device work: rank 0 did not go on
+        # into the forward (it would wait in an all-reduce rank 1 never joins, or pair its
+        # collectives with the retries'); the plan's row failed on both ranks, the others ran
+        for rid in (BAD_PLAN, BAD_DECODE_PLAN):
+            assert local[rid] == ["failed", "ENGINE_STEP_FAILED"], local
+            assert "injected LoRA plan failure on rank 1 only" in errors[rid], errors[rid]
+        assert local["plan-ok"] == local["ref-lora"], local
         # each raised batched, then alone: every rank ran the same rows alone, failed the same one
-        assert lead["isolated"] == [2, 2] and lead["prefill_isolated"] == [2, 2]
+        assert lead["isolated"] == [3, 3] and lead["prefill_isolated"] == [3, 3]
 
     single = Engine(_config(model_path, device=device))
     single.start()
