@@ -111,7 +111,8 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
 # validation's `input.…`, the worker's `item.…`; here without that prefix and without [indices]):
 # one name, or (chat's, text completions') where the two APIs differ. A field not found here, nor
 # a parent of it, is answered with no `param` (never an internal path): `request_id` (a header),
-# `params` as a whole, `videos` (not on HTTP). http_param narrows "messages" to the message.
+# `params` as a whole, `videos` (not on HTTP). http_param narrows "messages" to the message (an
+# image to its content part).
 _HTTP_PARAMS: dict[str, str | tuple[str, str]] = {
     "": ("messages", "prompt"),  # the input as a whole (no prompt, no image)
     "prompt": ("messages", "prompt"),
@@ -174,7 +175,24 @@ def http_param(field: str, body: Any, chat: bool) -> str | None:
         return f"messages[{turns[-1]}].content"
     if rest == "system" and len(systems) == 1:
         return f"messages[{systems[0]}].content"
+    at = re.fullmatch(r"images\[(\d+)\](?:\..*)?", rest)
+    if at:
+        return _image_part(messages, int(at[1])) or "messages"
     return "messages"
+
+
+def _image_part(messages: list, k: int) -> str | None:
+    """`messages[i].content[j]`: the body's k-th image part, counted as _message_parts counts
+    them (every non-text part of every message, in order); None when there are fewer."""
+    n = 0
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") != "text":
+                if n == k:
+                    return f"messages[{i}].content[{j}]"
+                n += 1
+    return None
 
 
 def _error_body(exc: errors.ValoraError, body: Any = None, chat: bool = True

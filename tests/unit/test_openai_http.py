@@ -405,8 +405,8 @@ async def test_errors_are_openai_shaped_with_the_right_status():
 async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
     """A field violation's `param` is the HTTP body's parameter, never a gRPC field path: the
     gateway validation's (`input.params.…`) and the worker's (`item.…`), chat and text completions,
-    plain and streamed; a field the body does not have (`item.params`, `request_id`) gives no param.
-    The message names the same parameter."""
+    plain and streamed; a field the body does not have (`item.params`, `request_id`) gives no param;
+    an image's is its message's content part. The message names the same parameter."""
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and?"}]
     async with http_stack() as (worker, client, _):
@@ -450,6 +450,19 @@ async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
                             ("item.params.top_logprobs", "logprobs"), ("item.params.max_new_tokens", "max_tokens")):
             worker.fail_error = errors.invalid_field(field, "the worker says no")
             worked.append((field, await param(texts, model="valora-base", prompt=[5, 6]), want))
+        # an image's violation names its content part, counted over every message's images
+        url, _ = png_data_url()
+        image = {"type": "image_url", "image_url": {"url": url}}
+        shown = [{"role": "system", "content": "Be brief."},
+                 {"role": "user", "content": [{"type": "text", "text": "this"}, image]},
+                 {"role": "assistant", "content": "yes"},
+                 {"role": "user", "content": [image, {"type": "text", "text": "and these?"}, image]}]
+        for field, want in (("item.images[0].data", "messages[1].content[1]"),
+                            ("item.images[1]", "messages[3].content[0]"),
+                            ("item.images[2].data", "messages[3].content[2]"),
+                            ("item.images[3].data", "messages")):
+            worker.fail_error = errors.invalid_field(field, "the worker says no")
+            worked.append((field, await param(chats, model="valora-base", messages=shown), want))
         assert [(f, got) for f, got, _ in worked] == [(f, want) for f, _, want in worked]
 
 
