@@ -1,7 +1,11 @@
 """Summarises an engine step trace (VALORA_STEP_TRACE, services/worker/step_trace.py): for steps
 with a prefill and for decode-only steps, how many there were, what they held and each phase's
-mean host and device time; and what the queues held when steps began (an engine that often
-starts a step with nothing queued is waiting for work upstream).
+mean host and device time; what the queues held when steps began (an engine that often
+starts a step with nothing queued is waiting for work upstream); and a straight-line fit of the
+prefill forward's device time on its prompt tokens (`prefill_fit`): the slope is what a prompt
+token costs, the intercept what a step costs whatever it prefills — with mixed steps, mostly the
+running rows' decode riding in the forward. (Dividing a step's time by its prompt tokens instead
+charged the riders to the prompt: 35 µs a token at 219bdd4, where the fit says 22.)
 
     python -m bench.step_trace_summary trace.jsonl [--start EPOCH_S] [--duration S] [--json out.json]
 """
@@ -24,6 +28,23 @@ def _phases(steps: list[dict], key: str) -> dict[str, float]:
     return {n: _mean(s[key].get(n, 0.0) for s in steps if key in s) for n in names}
 
 
+def prefill_fit(records: list[dict]) -> dict | None:
+    """A line through the prefill phase's device ms against the step's prompt tokens, over the
+    steps that prefilled: {"us_per_token", "fixed_ms", "steps", "decode_rows"} (the riders' mean
+    count), or None without device times or with fewer than 3 such steps of distinct sizes.
+    Theil-Sen (the median of the pairwise slopes, then the median intercept): the few steps that
+    warm up or capture a graph take many times a replay's time and would tilt least squares."""
+    steps = [r for r in records if r["prefill_tokens"] and "prefill" in r.get("gpu_ms", {})]
+    if len(steps) < 3 or len({r["prefill_tokens"] for r in steps}) < 2:
+        return None
+    xy = [(r["prefill_tokens"], r["gpu_ms"]["prefill"]) for r in steps][-1500:]  # O(n^2) pairs
+    slope = statistics.median((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(xy) for x2, y2 in xy[i + 1:]
+                              if x2 != x1)
+    intercept = statistics.median(y - slope * x for x, y in xy)
+    return {"us_per_token": round(slope * 1e3, 2), "fixed_ms": round(intercept, 2), "steps": len(steps),
+            "decode_rows": _mean(r["decode_rows"] for r in steps)}
+
+
 def summarize(records: list[dict], start: float = 0.0, duration: float = float("inf")) -> dict:
     """The summary of trace `records` (one per step) that began in [start, start + duration)
     (epoch seconds, as the records' "t")."""
@@ -42,6 +63,9 @@ def summarize(records: list[dict], start: float = 0.0, duration: float = float("
             "host_ms": _phases(steps, "host_ms"),
             "gpu_ms": _phases(steps, "gpu_ms"),
         }
+    fit = prefill_fit(records)
+    if fit is not None:
+        out["prefill_fit"] = fit
     gpu = sum(sum(r.get("gpu_ms", {}).values()) for r in records[1:]) / 1e3
     out["gpu_span_share"] = round(gpu / wall_s, 3) if wall_s > 0 else 0.0  # device spans over wall time
     out["queues"] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.step_trace_summary import summarize
+from bench.step_trace_summary import prefill_fit, summarize
 from services.worker.engine import Engine, EngineConfig
 from services.worker.requests import WorkRequest
 from services.worker.testing import TEST_KV_BYTES, random_image
@@ -45,3 +45,19 @@ def test_every_step_is_traced_with_its_rows_and_phases(model_path, tmp_path):
     assert summary["prefill"]["steps"] == 2 and summary["prefill"]["prefill_rows"] == 1.5
     assert summary["decode_only"]["steps"] == len(records) - 2
     assert summarize(records, start=records[-1]["t"] + 1)["steps"] == 0
+
+
+def test_the_prefill_fit_splits_a_step_into_prompt_tokens_and_the_rest():
+    """Device times made of 14 ms a step plus 22 us a prompt token (riders beside each prefill)
+    give that fit back, whatever one warm-up step took; decode-only steps and CPU traces (no
+    device times) give none."""
+    records = [{"t": float(i), "queued": 1, "prefilling": 0, "running": 100, "prefill_rows": 2,
+                "prefill_tokens": n, "decode_rows": 100, "host_ms": {"prefill": 1.0},
+                "gpu_ms": {"prefill": 14.0 + 0.022 * n}} for i, n in enumerate((300, 900, 1800, 2600, 3100))]
+    records[0]["gpu_ms"]["prefill"] = 900.0  # a step that captured its graph
+    records.append({"t": 9.0, "queued": 0, "prefilling": 0, "running": 100, "prefill_rows": 0,
+                    "prefill_tokens": 0, "decode_rows": 100, "host_ms": {"decode": 1.0}, "gpu_ms": {"decode": 12.0}})
+    fit = summarize(records)["prefill_fit"]
+    assert fit["us_per_token"] == 22.0 and fit["fixed_ms"] == 14.0 and fit["steps"] == 5, fit
+    cpu = [{k: v for k, v in r.items() if k != "gpu_ms"} for r in records]
+    assert prefill_fit(cpu) is None and "prefill_fit" not in summarize(cpu)
