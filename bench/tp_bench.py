@@ -3,7 +3,7 @@
 
 The model is Qwen2-VL's text model (transformers' Qwen2VLTextModel + a replicated lm_head) with
 random weights (the same seed on every world size, so the logits can be compared across world
-sizes), sharded by services/worker/tensor_parallel.py; adapters are random rank-r LoRAs on all 7
+sizes), sharded by services/worker/tp_sharding.py; adapters are random rank-r LoRAs on all 7
 projections, sharded the same way. One "batch" is the engine's work for --batch requests: one
 prefill forward of --prefill tokens per row (rows sorted by adapter, one StepLora per forward,
 ATMM where it runs) then --new-tokens - 1 decode steps on the KV cache, rank 0's greedy token
@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace, tp, device: torch.device) -> list[dict]:
     from services.worker.attention import use_grouped_decode_attention
     from transformers import DynamicCache
     from services.worker.lora import AdapterEntry, LoraRuntime, StepLora
-    from services.worker.tensor_parallel import local_features, shard_lora_dicts, shard_model_
+    from services.worker.tp_sharding import local_features, shard_lora_dicts, shard_model_
 
     dtype = DTYPES[args.dtype]
     cfg = text_config(args)

@@ -30,7 +30,8 @@
     lora.py          LoRA-aware linears, the per-step plan (StepLora) and its entries
     lora_model.py    the model loaded (whole, dummy, or a TP shard) with its LoRA layers installed
     fused_layers.py  the decoder layers on the fused elementwise ops (kernels.layer_ops)
-    tensor_parallel.py the language model sharded over ranks, S-LoRA's LoRA partitioning
+    tensor_parallel.py the ranks' process group: collectives, lockstep, agreement on failures
+    tp_sharding.py   the language model sharded over ranks, S-LoRA's LoRA partitioning
     tp_ranks.py      starting a tensor-parallel worker's follower ranks
     atmm_backend.py  the step's multi-LoRA term on the ATMM CUDA kernel
     switcher.py      merge / unmerge / switch in place, drift-free

@@ -223,7 +223,8 @@ def check_tp_size(settings: WorkerSettings, model_path: Path) -> None:
     from transformers import AutoConfig  # noqa: PLC0415
 
     from services.worker.architectures import architecture_of, check_tensor_parallel  # noqa: PLC0415
-    from services.worker.tensor_parallel import TPGroup, check_divisible  # noqa: PLC0415 - torch
+    from services.worker.tensor_parallel import TPGroup  # noqa: PLC0415 - torch
+    from services.worker.tp_sharding import check_divisible  # noqa: PLC0415 - torch
 
     config = AutoConfig.from_pretrained(model_path)
     try:

@@ -19,7 +19,8 @@ from services.worker.adapter_pool import AdapterPool
 from services.worker.lora_plans import LoraPlanner
 from services.common.modes import Mode
 from services.worker.switcher import Switcher
-from services.worker.tensor_parallel import TPGroup, shard_adapter
+from services.worker.tensor_parallel import TPGroup
+from services.worker.tp_sharding import shard_adapter
 
 
 @dataclass(frozen=True)

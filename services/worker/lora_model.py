@@ -19,7 +19,8 @@ from services.worker.attention import use_grouped_decode_attention, use_shape_fr
 from services.worker.fused_layers import install_fused_layers
 from services.worker.lora import LoraRuntime, install_lora, install_lora_groups
 from services.worker.model import load_model, load_sharded_model
-from services.worker.tensor_parallel import TPGroup, local_features, shard_model_
+from services.worker.tensor_parallel import TPGroup
+from services.worker.tp_sharding import local_features, shard_model_
 
 log = structlog.get_logger()
 

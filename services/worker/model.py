@@ -83,10 +83,10 @@ class _Checkpoint(Mapping):
 
 def load_sharded_model(path: Path | str, device: str | torch.device, dtype: torch.dtype, tp, runtime=None):
     """A tensor-parallel rank's model from a checkpoint directory without ever holding the whole
-    model: built on the meta device, sharded (`tensor_parallel.shard_model_`), materialised on
+    model: built on the meta device, sharded (`tp_sharding.shard_model_`), materialised on
     `device`, then filled tensor by tensor from the safetensors files (one full tensor in host
     memory at a time, sliced to the rank's part). Returns (model, shard_model_'s LoRA layers)."""
-    from services.worker.tensor_parallel import load_full_state_dict_, shard_model_  # noqa: PLC0415
+    from services.worker.tp_sharding import load_full_state_dict_, shard_model_  # noqa: PLC0415
 
     path = Path(path).expanduser()
     config = AutoConfig.from_pretrained(str(path))

@@ -27,7 +27,8 @@ from services.worker.requests import OutputKind
 from services.worker.sampling import RowSampling, sample, token_logprobs
 from services.worker.sequence import Sequence
 from services.worker.step_trace import StepTrace
-from services.worker.tensor_parallel import RowParallelLoraLinear, TPGroup
+from services.worker.tensor_parallel import TPGroup
+from services.worker.tp_sharding import RowParallelLoraLinear
 from services.worker.vision import VisionEncoder
 
 log = structlog.get_logger()

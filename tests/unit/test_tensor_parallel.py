@@ -1,4 +1,4 @@
-"""Tensor parallelism (services/worker/tensor_parallel.py) on CPU: 2 processes, gloo on loopback.
+"""Tensor parallelism (services/worker/tensor_parallel.py, tp_sharding.py) on CPU: 2 processes, gloo on loopback.
 
 Each rank builds the tiny Qwen2-VL (same seed), keeps an unsharded copy with plain LoRA layers as
 the reference, shards the model (S-LoRA partitioning of base and LoRA weights) and runs the
@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from bench.common import exit_rank
 from services.worker import tensor_parallel as tpm
+from services.worker import tp_sharding as tps
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -99,14 +100,14 @@ def _tp_checks(tp: tpm.TPGroup, out_dir: Path) -> None:
     ref_layers = install_lora(ref, ref_rt)
     tp_rt = LoraRuntime()
     install_lora(model, tp_rt)  # a LoRA-installed model: shard_model_ reuses its runtime
-    tp_layers = tpm.shard_model_(model, tp)
+    tp_layers = tps.shard_model_(model, tp)
     assert all(lin.runtime is tp_rt for lin in tp_layers.values())
     heads = model.config.text_config.num_attention_heads
     assert tp_layers[(0, "q_proj")].weight.shape[0] == shapes.features["q_proj"][1] // tp.world_size
     assert tp_layers[(0, "o_proj")].weight.shape[1] == shapes.features["o_proj"][0] // tp.world_size
     assert model.model.language_model.layers[0].self_attn.num_heads == heads // tp.world_size
 
-    sharded = [tpm.shard_adapter(w, tp) for w in adapters]
+    sharded = [tps.shard_adapter(w, tp) for w in adapters]
     assert sharded[0].a[(0, "q_proj")].shape == adapters[0].a[(0, "q_proj")].shape  # column: A whole
     assert sharded[0].b[(0, "q_proj")].shape[1] == adapters[0].b[(0, "q_proj")].shape[1] // tp.world_size
     assert sharded[0].a[(0, "down_proj")].shape[0] == adapters[0].a[(0, "down_proj")].shape[0] // tp.world_size
@@ -140,11 +141,11 @@ def _tp_checks(tp: tpm.TPGroup, out_dir: Path) -> None:
         torch.manual_seed(99)
         other = Qwen2VLForConditionalGeneration(model.config).eval()
         other_rt = LoraRuntime()
-        tpm.shard_model_(other, tp, other_rt)
-        tpm.load_full_state_dict_(other, full_sd, tp)
+        tps.shard_model_(other, tp, other_rt)
+        tps.load_full_state_dict_(other, full_sd, tp)
         loaded = _run(other, other_rt, lambda t: None, ids, [])
         results["base/prefill_logits/loaded"] = loaded["prefill_logits"]
-        sliced = tpm.shard_state_dict(full_sd, tp)
+        sliced = tps.shard_state_dict(full_sd, tp)
         for name, t in other.state_dict().items():
             assert sliced[name.replace(".base.", ".")].shape == t.shape, name
 
@@ -194,18 +195,18 @@ def test_shard_helpers_single_rank_and_divisibility():
     r1 = tpm.TPGroup(rank=1, world_size=2)
     assert torch.equal(r1.narrow(t, 1), t[:, 3:])
     a, b = torch.randn(6, 2), torch.randn(2, 8)
-    ca, cb = tpm.shard_lora("q_proj", a, b, r1)
+    ca, cb = tps.shard_lora("q_proj", a, b, r1)
     assert ca is a and torch.equal(cb, b[:, 4:])
-    ra, rb = tpm.shard_lora("down_proj", a, b, r1)
+    ra, rb = tps.shard_lora("down_proj", a, b, r1)
     assert torch.equal(ra, a[3:]) and rb is b
     with pytest.raises(ValueError, match="KV heads"):
-        tpm.check_divisible(SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, intermediate_size=8),
+        tps.check_divisible(SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, intermediate_size=8),
                              tpm.TPGroup(0, 8))
-    assert tpm._shard_dim("model.language_model.layers.3.self_attn.o_proj.weight") == 1
-    assert tpm._shard_dim("model.language_model.layers.3.self_attn.o_proj.bias") is None
-    assert tpm._shard_dim("model.language_model.layers.3.mlp.up_proj.base.weight") == 0
-    assert tpm._shard_dim("model.visual.blocks.0.attn.qkv.weight") is None
-    assert tpm._shard_dim("lm_head.weight") is None
+    assert tps._shard_dim("model.language_model.layers.3.self_attn.o_proj.weight") == 1
+    assert tps._shard_dim("model.language_model.layers.3.self_attn.o_proj.bias") is None
+    assert tps._shard_dim("model.language_model.layers.3.mlp.up_proj.base.weight") == 0
+    assert tps._shard_dim("model.visual.blocks.0.attn.qkv.weight") is None
+    assert tps._shard_dim("lm_head.weight") is None
 
 
 def test_tp_bench_cpu_smoke(tmp_path):
@@ -235,7 +236,7 @@ def test_sharded_load_equals_full_load_then_shard(model_path, rank):
 
     tp = tpm.TPGroup(rank, 2)
     full = load_model(model_path, "cpu", torch.float32)
-    want_layers = tpm.shard_model_(full, tp, LoraRuntime())
+    want_layers = tps.shard_model_(full, tp, LoraRuntime())
     got, layers = load_sharded_model(model_path, "cpu", torch.float32, tp, LoraRuntime())
     assert layers.keys() == want_layers.keys()
     want = {**dict(full.named_parameters()), **dict(full.named_buffers())}
