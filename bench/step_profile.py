@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-s", type=float, default=2.0, help="seconds of decode profiled")
     ap.add_argument("--top-p-every", type=int, default=0,
                     help="every Nth decode row samples (temperature 1, top-p 0.9; mixed-vision has 2), 0: all greedy")
+    ap.add_argument("--sampler-tries", default="",
+                    help="also profile the decode phase with the sampler walking this many candidates, e.g. "
+                         "'6,0' (kernels/sampling.py CANDIDATE_TRIES; the same rows, one process): phases decode@N")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
@@ -193,6 +196,17 @@ def main(argv: list[str] | None = None) -> dict:
         time.sleep(args.decode_s)
     decode_steps = eng.graphs.static_steps - steps0
     dec = kernels(prof)
+    sampler_ab = {}  # the same decode rows under each sampler setting (its kernel is not in the graphs)
+    from kernels import sampling as sampling_kernel
+    default_tries = sampling_kernel.CANDIDATE_TRIES
+    for tries in [int(t) for t in args.sampler_tries.split(",") if t.strip()]:
+        sampling_kernel.CANDIDATE_TRIES = tries
+        time.sleep(0.2)  # steps launched under the old setting drain
+        steps0 = eng.graphs.static_steps
+        with profile(activities=acts) as prof:
+            time.sleep(args.decode_s)
+        sampler_ab[f"decode@{tries}"] = summarize(kernels(prof), eng.graphs.static_steps - steps0, args.top)
+    sampling_kernel.CANDIDATE_TRIES = default_tries
     # served-like: the same rows decoding while pairs of new images arrive (a step: a decode step
     # beside a prefill), to compare with the phases' sum
     steps0, prefills0 = eng.graphs.static_steps, eng.runner.prefill_graphs.static_steps
@@ -208,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm_scaled = {k: {"us": v["us"] / scale, "calls": v["calls"] / scale} for k, v in lm.items()} if scale else lm
     phases = {"decode": summarize(dec, decode_steps, args.top), "lm_prefill": summarize(lm, lm_steps, args.top),
               "vision": summarize(difference(both, lm_scaled), both_steps, args.top),
-              "mixed": {**summarize(mixed, mixed_steps, args.top), "decode_steps": mixed_decode_steps}}
+              "mixed": {**summarize(mixed, mixed_steps, args.top), "decode_steps": mixed_decode_steps}, **sampler_ab}
     out = {**run_info(), "bench": "step_profile", "arch": args.arch, "graphs": args.graphs, "rows": args.rows,
            "top_p_every": args.top_p_every, "adapters": args.adapters, "ranks": ranks, "sizes": sizes, "phases": phases}
     name = args.name or "step-profile"

@@ -278,9 +278,10 @@ def available(device) -> bool:
 
 def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                          top_k: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor, counters: torch.Tensor,
-                         out: torch.Tensor | None = None, tries: int = CANDIDATE_TRIES) -> torch.Tensor:
+                         out: torch.Tensor | None = None, tries: int | None = None) -> torch.Tensor:
     """The kernel (one program per row): (rows,) int64 tokens (`out` when given; `tries`: the
-    candidates tested before the bisection, module doc)."""
+    candidates tested before the bisection, module doc; None: CANDIDATE_TRIES as it is now)."""
+    tries = CANDIDATE_TRIES if tries is None else tries
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
