@@ -32,4 +32,3 @@ def exit_rank() -> None:
 
 
 __all__ = ["COPY_BW", "RESULTS", "exit_rank", "run_info", "save", "write_json"]
-

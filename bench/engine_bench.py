@@ -74,6 +74,7 @@ def adapters_for(run: str, batch: int, names: list[str]) -> list[str | None]:
 
 # -- valora -----------------------------------------------------------------------------------
 
+
 def freeze_heap(args) -> None:
     """As a serving process does once started (services.common.server.freeze_startup_heap): the
     loaded model's objects out of the cyclic GC's reach, so no full collection walks them inside a
@@ -87,12 +88,23 @@ def engine_config(args, model_dir: Path, load_format: str, adapters: int, rank: 
     from services.worker.engine import EngineConfig
     from services.worker.tp_ranks import rank_device
 
-    return EngineConfig(model_path=model_dir, device=rank_device(args.device, rank), dtype=args.dtype,
-                        max_batch_size=args.batch, max_prefills_per_step=args.batch, device_slots=adapters + 1,
-                        image_cache_bytes=0, load_format=load_format, max_new_tokens_limit=max(1024, args.new_tokens),
-                        decode_graphs=args.decode_graphs, fused_layers=not args.no_fused_layers,
-                        pipeline_decode=not args.no_pipeline, lora_fold_rows=0 if args.no_lora_fold else 512,
-                        kv_cache_bytes=int(args.kv_cache_gib * 2**30), tp=tp)
+    return EngineConfig(
+        model_path=model_dir,
+        device=rank_device(args.device, rank),
+        dtype=args.dtype,
+        max_batch_size=args.batch,
+        max_prefills_per_step=args.batch,
+        device_slots=adapters + 1,
+        image_cache_bytes=0,
+        load_format=load_format,
+        max_new_tokens_limit=max(1024, args.new_tokens),
+        decode_graphs=args.decode_graphs,
+        fused_layers=not args.no_fused_layers,
+        pipeline_decode=not args.no_pipeline,
+        lora_fold_rows=0 if args.no_lora_fold else 512,
+        kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+        tp=tp,
+    )
 
 
 def join_tp_group(args, rank: int, port: int):
@@ -127,8 +139,10 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
     eng = Engine(cfg)
     eng.eos_ids = set()  # benchmark: every request decodes exactly max_new_tokens (vLLM's ignore_eos)
     eng.start()
-    rows, detail = [], {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {},
-                        "first_logits": {}}
+    rows, detail = (
+        [],
+        {"op": "atmm" if eng.runtime.backend is not None else "torch_reference", "tokens": {}, "first_logits": {}},
+    )
     first_logits: dict[str, torch.Tensor] = {}
     hand_off = eng.prefiller.hand_off
 
@@ -145,9 +159,12 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
         freeze_heap(args)
 
         def batch_ms(run: str, new_tokens: int, rep: int) -> tuple[float, dict]:
-            reqs = [WorkRequest(f"{run}-{rep}-{i}", PROMPT, [img], adapter=a, max_new_tokens=new_tokens)
-                    for i, (img, a) in enumerate(zip(images(args.batch, args.image, rep),
-                                                    adapters_for(run, args.batch, names)))]
+            reqs = [
+                WorkRequest(f"{run}-{rep}-{i}", PROMPT, [img], adapter=a, max_new_tokens=new_tokens)
+                for i, (img, a) in enumerate(
+                    zip(images(args.batch, args.image, rep), adapters_for(run, args.batch, names))
+                )
+            ]
             preps = [eng.prepare(r) for r in reqs]  # image processing + tokenizing: not timed (peer alike)
             detail["prompt_tokens"] = {"image": preps[0].image_tokens, "total": preps[0].prompt_tokens}
             done, results, errors = threading.Event(), {}, []
@@ -160,6 +177,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
                         errors.append(ev.error)
                     if len(results) + len(errors) == len(preps):
                         done.set()
+
                 return put
 
             if args.device.startswith("cuda"):
@@ -185,6 +203,7 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
         runs = [run for run in RUNS if run == "base" or names]
         gen: dict[str, list] = {run: [] for run in runs}
         pre: dict[str, list] = {run: [] for run in runs}
+
         def enter(run: str) -> None:  # the engine mode the run needs
             if run in ("merged", "mixture"):
                 eng.set_mode(Mode.MERGED if run == "merged" else Mode.MIXTURE, names[0])
@@ -205,20 +224,35 @@ def run_valora(args, model_dir: Path, bundles: dict, load_format: str, tp=None) 
                     gen[run].append(ms_gen)
                     pre[run].append(ms_pre)
         for run in runs:
-            rows.append({"impl": "valora", "run": run, "generate_ms": statistics.median(gen[run]),
-                         "prefill_ms": statistics.median(pre[run])})
+            rows.append(
+                {
+                    "impl": "valora",
+                    "run": run,
+                    "generate_ms": statistics.median(gen[run]),
+                    "prefill_ms": statistics.median(pre[run]),
+                }
+            )
             pre_steps = [ms for p, d, ms in steps[run] if p and not d]
             dec_steps = [ms for p, d, ms in steps[run] if d and not p]
             detail.setdefault("step_ms", {})[run] = {
                 "prefill_median": statistics.median(pre_steps) if pre_steps else None,
-                "decode_median": statistics.median(dec_steps) if dec_steps else None, "decode_steps": len(dec_steps)}
+                "decode_median": statistics.median(dec_steps) if dec_steps else None,
+                "decode_steps": len(dec_steps),
+            }
             detail.setdefault("generate_ms_reps", {})[run] = gen[run]
-            print(f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  "
-                  f"prefill {rows[-1]['prefill_ms']:8.1f} ms", flush=True)
+            print(
+                f"valora  {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  "
+                f"prefill {rows[-1]['prefill_ms']:8.1f} ms",
+                flush=True,
+            )
         if args.profile:
             detail["profile"] = profile(eng, args, enter, batch_ms)
-        detail["decode_graphs"] = {"captures": eng.graphs.captures, "replays": eng.graphs.replays,
-                                   "static_steps": eng.graphs.static_steps, "eager_steps": eng.graphs.eager_steps}
+        detail["decode_graphs"] = {
+            "captures": eng.graphs.captures,
+            "replays": eng.graphs.replays,
+            "static_steps": eng.graphs.static_steps,
+            "eager_steps": eng.graphs.eager_steps,
+        }
         detail["peak_decode_rows"] = eng.decoder.peak_rows
         detail["fused_layers"] = cfg.fused_layers
         detail["pipeline_decode"] = cfg.pipeline_decode
@@ -272,6 +306,7 @@ def profile(eng, args, enter, batch_ms) -> dict:
 
 # -- HF transformers + PEFT -------------------------------------------------------------------
 
+
 def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Path) -> tuple[list[dict], dict]:
     from peft import PeftModel
 
@@ -300,7 +335,7 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
         ms = (time.perf_counter() - t0) * 1e3
         first = out.logits[0].float().cpu() if extra else None  # raw logits of the first new token
         seqs = out.sequences if extra else out
-        return ms, seqs[:, enc["input_ids"].shape[1]:], first
+        return ms, seqs[:, enc["input_ids"].shape[1] :], first
 
     def measure(run: str, fn) -> None:
         gen, pre = [], []
@@ -313,10 +348,13 @@ def run_hf_peft(args, model_dir: Path, bundles: dict, load_format: str, tmp: Pat
             if rep >= args.warmup:
                 gen.append(ms_gen)
                 pre.append(ms_pre)
-        rows.append({"impl": "hf_peft", "run": run, "generate_ms": statistics.median(gen),
-                     "prefill_ms": statistics.median(pre)})
-        print(f"hf_peft {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
-              flush=True)
+        rows.append(
+            {"impl": "hf_peft", "run": run, "generate_ms": statistics.median(gen), "prefill_ms": statistics.median(pre)}
+        )
+        print(
+            f"hf_peft {run:15s} generate {rows[-1]['generate_ms']:9.1f} ms  prefill {rows[-1]['prefill_ms']:8.1f} ms",
+            flush=True,
+        )
 
     freeze_heap(args)
     measure("base", model.generate)
@@ -353,8 +391,10 @@ def run_valora_tp(args, model_dir: Path, bundles: dict, load_format: str) -> tup
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent hosts; the ranks inherit it
     port = free_loopback_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=tp_follower, args=(r, args, port, model_dir, load_format, len(bundles)), daemon=True)
-             for r in range(1, args.tp)]
+    procs = [
+        ctx.Process(target=tp_follower, args=(r, args, port, model_dir, load_format, len(bundles)), daemon=True)
+        for r in range(1, args.tp)
+    ]
     for p in procs:
         p.start()
     try:
@@ -376,9 +416,13 @@ def run_valora_tp(args, model_dir: Path, bundles: dict, load_format: str) -> tup
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="qwen2-vl-7b", help="qwen2-vl-7b | qwen2-vl-2b | qwen2-vl-13b-like | "
-                    "qwen2.5-vl-7b | llava-1.5-7b (random weights) | tiny (Qwen2-VL's) | qwen2.5-vl | llava-1.5 "
-                    "(that family's tiny model)")
+    ap.add_argument(
+        "--arch",
+        default="qwen2-vl-7b",
+        help="qwen2-vl-7b | qwen2-vl-2b | qwen2-vl-13b-like | "
+        "qwen2.5-vl-7b | llava-1.5-7b (random weights) | tiny (Qwen2-VL's) | qwen2.5-vl | llava-1.5 "
+        "(that family's tiny model)",
+    )
     ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/valora/<arch>")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
@@ -392,17 +436,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--peer-reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engine (one process each; "
-                    "the peer is skipped): cuda:0..tp-1, or gloo on CPU")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of the engine (one process each; "
+        "the peer is skipped): cuda:0..tp-1, or gloo on CPU",
+    )
     ap.add_argument("--decode-graphs", default="auto", choices=("auto", "static", "off"))
     ap.add_argument("--no-fused-layers", action="store_true", help="HF's decoder layers (A/B of fused_layers.py)")
     ap.add_argument("--no-pipeline", action="store_true", help="serial decode steps (A/B of pipelined decode)")
-    ap.add_argument("--no-lora-fold", action="store_true",
-                    help="shrink kernels, no folded A rows (A/B of lora_fold_rows)")
-    ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="the engine's paged KV pool (the HF peer "
-                    "shares the device)")
-    ap.add_argument("--no-gc-freeze", action="store_true", help="leave the loaded models in the cyclic GC's "
-                    "generations (A/B of the served processes' gc.freeze)")
+    ap.add_argument(
+        "--no-lora-fold", action="store_true", help="shrink kernels, no folded A rows (A/B of lora_fold_rows)"
+    )
+    ap.add_argument(
+        "--kv-cache-gib", type=float, default=8.0, help="the engine's paged KV pool (the HF peer shares the device)"
+    )
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the loaded models in the cyclic GC's generations (A/B of the served processes' gc.freeze)",
+    )
     ap.add_argument("--profile", default="", help="also profile these runs (comma-separated, e.g. base,unmerged_mixed)")
     ap.add_argument("--name", default=None, help="results file stem (default engine-<date>)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -420,9 +474,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ensure_shape_model(model_dir, args.arch)
         load_format = "dummy"
     dtype = getattr(torch, args.dtype)
-    bundles = {f"adapters/bench{i}/versions/1": random_adapter_bundle(model_dir, rank=args.rank, lora_alpha=args.rank,
-                                                                      seed=i, std=args.adapter_std, dtype=dtype)
-               for i in range(args.adapters)}
+    bundles = {
+        f"adapters/bench{i}/versions/1": random_adapter_bundle(
+            model_dir, rank=args.rank, lora_alpha=args.rank, seed=i, std=args.adapter_std, dtype=dtype
+        )
+        for i in range(args.adapters)
+    }
     rows, detail = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_peer:
@@ -444,19 +501,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "relerr": float((got - want).norm() / want.norm()),
                     "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
                     # how far the adapters move the logits at all (what a wrong adapter would cost)
-                    "relerr_vs_peer_base": float((got - base).norm() / base.norm())}
+                    "relerr_vs_peer_base": float((got - base).norm() / base.norm()),
+                }
     for d in detail.values():
         if isinstance(d, dict):
             d.pop("first_logits", None)  # tensors; their comparison is in first_token_logits
             # rep 0's greedy tokens per run (checks across runs: --tp N against one process)
     name = args.name or f"engine-{time.strftime('%Y-%m-%d')}"
-    workload = {k: getattr(args, k) for k in ("arch", "device", "dtype", "batch", "image", "new_tokens", "adapters",
-                                              "rank", "adapter_std", "reps", "peer_reps", "warmup", "decode_graphs",
-                                              "tp")}
+    workload = {
+        k: getattr(args, k)
+        for k in (
+            "arch",
+            "device",
+            "dtype",
+            "batch",
+            "image",
+            "new_tokens",
+            "adapters",
+            "rank",
+            "adapter_std",
+            "reps",
+            "peer_reps",
+            "warmup",
+            "decode_graphs",
+            "tp",
+        )
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out_dir / f"{name}.detail.json").write_text(
-        json.dumps({"info": run_info(), "workload": workload, **detail}, indent=1, default=str) + "\n")
+        json.dumps({"info": run_info(), "workload": workload, **detail}, indent=1, default=str) + "\n"
+    )
     base = next((r for r in rows if r["impl"] == "valora" and r["run"] == "base"), None)
     peer_mixed = next((r for r in rows if r["impl"] == "hf_peft" and r["run"] == "unmerged_mixed"), None)
     for r in rows:

@@ -53,8 +53,11 @@ async def run(mode: str, steps: int, rows: int) -> dict:
     await asyncio.gather(*tasks)
     thread.join()
     assert received[0] == steps * rows
-    return {"method": mode, "emit_us_per_step": round(emit[0] * 1e6 / steps, 1),
-            "wall_s": round(time.perf_counter() - t0, 3)}
+    return {
+        "method": mode,
+        "emit_us_per_step": round(emit[0] * 1e6 / steps, 1),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
 
 
 def main() -> None:

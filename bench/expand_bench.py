@@ -32,7 +32,7 @@ def run_shape(name, h_in, h_out, rank, tokens, adapters, sets=4, ops=20, dtype=t
     cases = []
     for i in range(sets):  # rotating inputs: B and y do not stay in L2 between ops
         g = torch.Generator(device=dev).manual_seed(i)
-        b = [torch.randn(rank, h_out, device=dev, generator=g).to(dtype) / rank ** 0.5 for _ in range(adapters)]
+        b = [torch.randn(rank, h_out, device=dev, generator=g).to(dtype) / rank**0.5 for _ in range(adapters)]
         a = [torch.zeros(h_in, rank, device=dev, dtype=dtype) for _ in range(adapters)]  # unused (x·A given)
         w = lora_weights_from_lists(a, b, [0.5] * adapters)
         xa = torch.randn(tokens, adapters * rank, device=dev, generator=g).to(dtype)
@@ -45,35 +45,66 @@ def run_shape(name, h_in, h_out, rank, tokens, adapters, sets=4, ops=20, dtype=t
     y0 = y_set0.clone()  # the timed ops add into the sets' y: each check starts from this copy
     want = y0.float().clone()
     for t, k in enumerate(slots):
-        want[t] += 0.5 * xa0[t, k * rank:(k + 1) * rank].float() @ b0[k].float()
+        want[t] += 0.5 * xa0[t, k * rank : (k + 1) * rank].float() @ b0[k].float()
 
     def rel(got):
         return ((got.float() - want).norm() / want.norm()).item()
 
     rows = []
     for cfg in [c for c in ext.configs() if c["kind"] == "expand" and c["dtype"] == "bfloat16"]:
+
         def op(w, b, xa, y, cfg=cfg):
-            ext.atmm_expand_xa(y, xa, cols, plan.meta, plan.seg_cap, w.b_ptrs, w.rank_table, w.scale_table,
-                               plan.workspace, cfg["id"], plan.rank_stride, plan.tiles[cfg["bt"]], True)
+            ext.atmm_expand_xa(
+                y,
+                xa,
+                cols,
+                plan.meta,
+                plan.seg_cap,
+                w.b_ptrs,
+                w.rank_table,
+                w.scale_table,
+                plan.workspace,
+                cfg["id"],
+                plan.rank_stride,
+                plan.tiles[cfg["bt"]],
+                True,
+            )
+
         got = y0.clone()
         op(w0, b0, xa0, got)
         us = time_graph([lambda i=i: op(*cases[i % sets]) for i in range(ops)])
-        rows.append({"method": cfg["name"], "kernel": "cuda_core" if cfg["bn"] > 256 else "tensor_core",
-                     "us": round(us, 2), "rel_err": rel(got)})
+        rows.append(
+            {
+                "method": cfg["name"],
+                "kernel": "cuda_core" if cfg["bn"] > 256 else "tensor_core",
+                "us": round(us, 2),
+                "rel_err": rel(got),
+            }
+        )
     starts = [slots.index(k) for k in range(adapters)] + [tokens]
 
     def torch_op(w, b, xa, y):
         for k in range(adapters):
             r0, r1 = starts[k], starts[k + 1]
-            y[r0:r1].addmm_(xa[r0:r1, k * rank:(k + 1) * rank], b[k], alpha=0.5)
+            y[r0:r1].addmm_(xa[r0:r1, k * rank : (k + 1) * rank], b[k], alpha=0.5)
+
     got = y0.clone()
     torch_op(w0, b0, xa0, got)
     us = time_graph([lambda i=i: torch_op(*cases[i % sets]) for i in range(ops)])
     rows.append({"method": "torch_addmm_per_segment", "kernel": "cublas", "us": round(us, 2), "rel_err": rel(got)})
     floor = (2 * adapters * rank * h_out + 2 * 2 * tokens * h_out) / COPY_BW * 1e6
     best = min(r["us"] for r in rows if r["method"] != "torch_addmm_per_segment")
-    return {"shape": name, "h_in": h_in, "h_out": h_out, "rank": rank, "tokens": tokens, "adapters": adapters,
-            "floor_us": round(floor, 2), "best_us": best, "rows": rows}
+    return {
+        "shape": name,
+        "h_in": h_in,
+        "h_out": h_out,
+        "rank": rank,
+        "tokens": tokens,
+        "adapters": adapters,
+        "floor_us": round(floor, 2),
+        "best_us": best,
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -89,10 +120,14 @@ def main() -> None:
         print(f"{name:8s} {h_in}x{h_out} r{rank}: floor {res['floor_us']:.1f} us")
         for r in sorted(res["rows"], key=lambda r: r["us"]):
             print(f"    {r['method']:28s} {r['us']:8.2f} us  err {r['rel_err']:.1e}")
-    per_layer = {r["method"]: sum(next(x["us"] for x in s["rows"] if x["method"] == r["method"]) for s in out)
-                 for r in out[0]["rows"]}
-    print("per layer (sum of the 4 projections):",
-          {k: round(v, 1) for k, v in sorted(per_layer.items(), key=lambda kv: kv[1])})
+    per_layer = {
+        r["method"]: sum(next(x["us"] for x in s["rows"] if x["method"] == r["method"]) for s in out)
+        for r in out[0]["rows"]
+    }
+    print(
+        "per layer (sum of the 4 projections):",
+        {k: round(v, 1) for k, v in sorted(per_layer.items(), key=lambda kv: kv[1])},
+    )
     write_json(args.name or "expand", {"run": run_info(), "shapes": out, "per_layer_us": per_layer})
 
 

@@ -30,12 +30,23 @@ def atmm_rows(run: dict) -> list[dict]:
             m = case.get(impl)
             if not isinstance(m, dict) or "amortized_us" not in m:
                 continue
-            rows.append({
-                "op": "lora", "h_in": case["h_in"], "h_out": case["h_out"], "rank": case["rank"],
-                "n_adapters": case["N"], "tokens": case["T"], "mix": case["mix"], "impl": impl,
-                "graph_us": m["amortized_us"], "graph1_us": m["graph1_us"], "eager_us": m["eager_us"],
-                "floor_us": case["floor_us"], "relerr": m["rel_err_delta"],
-            })
+            rows.append(
+                {
+                    "op": "lora",
+                    "h_in": case["h_in"],
+                    "h_out": case["h_out"],
+                    "rank": case["rank"],
+                    "n_adapters": case["N"],
+                    "tokens": case["T"],
+                    "mix": case["mix"],
+                    "impl": impl,
+                    "graph_us": m["amortized_us"],
+                    "graph1_us": m["graph1_us"],
+                    "eager_us": m["eager_us"],
+                    "floor_us": case["floor_us"],
+                    "relerr": m["rel_err_delta"],
+                }
+            )
     return rows
 
 

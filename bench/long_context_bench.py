@@ -61,11 +61,20 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = args.arch == "tiny"
     ensure_tiny_model(model_dir) if tiny else ensure_shape_model(model_dir, args.arch)
     cuda = args.device.startswith("cuda")
-    eng = Engine(EngineConfig(
-        model_path=model_dir, device=args.device, dtype="bfloat16" if cuda else "float32",
-        load_format="auto" if tiny else "dummy", max_batch_size=args.batch, max_prefills_per_step=4,
-        max_prefill_tokens=args.max_prefill_tokens, mixed_steps=not args.no_mixed_steps,
-        max_new_tokens_limit=max(1024, args.short_tokens), decode_graphs="auto" if cuda else "static"))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_dir,
+            device=args.device,
+            dtype="bfloat16" if cuda else "float32",
+            load_format="auto" if tiny else "dummy",
+            max_batch_size=args.batch,
+            max_prefills_per_step=4,
+            max_prefill_tokens=args.max_prefill_tokens,
+            mixed_steps=not args.no_mixed_steps,
+            max_new_tokens_limit=max(1024, args.short_tokens),
+            decode_graphs="auto" if cuda else "static",
+        )
+    )
     eng.eos_ids = set()  # every stream runs its full length (random weights)
     eng.start()
     times: dict[str, list[float]] = {}
@@ -80,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
                 failures[r.request_id] = repr(ev.error)[:300]
             if isinstance(ev, (Finished, Failed)):
                 ended.put(r.request_id)
+
         eng.submit(eng.prepare(r), sink)
 
     peak = [0]
@@ -92,24 +102,30 @@ def main(argv: list[str] | None = None) -> dict:
             peak[0] = max(peak[0], st.kv_cache_bytes)
             if time.monotonic() - last > 5:  # a stalled run shows where it stands in the log
                 last = time.monotonic()
-                print(f"progress: steps {eng.steps}, running {st.running}, waiting {st.waiting}, "
-                      f"ended {ended.qsize()}, last step {st.last_step_ms:.1f} ms, alive {st.alive}", flush=True)
+                print(
+                    f"progress: steps {eng.steps}, running {st.running}, waiting {st.waiting}, "
+                    f"ended {ended.qsize()}, last step {st.last_step_ms:.1f} ms, alive {st.alive}",
+                    flush=True,
+                )
             time.sleep(0.002)
 
     threading.Thread(target=poll, daemon=True).start()
     try:
         text, prompt = long_prompt(eng, args.long_tokens)
         # warm-up: one short and one long-ish request, so graph captures stay out of the measured run
-        for r in (WorkRequest("warm-short", "Describe it.", [random_image(99)], max_new_tokens=4),
-                  WorkRequest("warm-long", text[: len(text) // 4], [], max_new_tokens=2)):
+        for r in (
+            WorkRequest("warm-short", "Describe it.", [random_image(99)], max_new_tokens=4),
+            WorkRequest("warm-long", text[: len(text) // 4], [], max_new_tokens=2),
+        ):
             submit(r)
             ended.get(timeout=args.timeout_s)
         failures.clear()
         peak[0] = 0
         t0 = time.monotonic()
         for i in range(args.short):
-            submit(WorkRequest(f"short-{i}", f"Describe image {i}.", [random_image(i)],
-                               max_new_tokens=args.short_tokens))
+            submit(
+                WorkRequest(f"short-{i}", f"Describe image {i}.", [random_image(i)], max_new_tokens=args.short_tokens)
+            )
         deadline = time.monotonic() + args.timeout_s
 
         def decoding() -> int:  # streams with a token (a read of the engine's list: a bench's peek)
@@ -135,14 +151,29 @@ def main(argv: list[str] | None = None) -> dict:
         gaps.append(max(inside, default=0.0) * 1e3)
     pool = eng.kv_pool.num_blocks * eng.kv_pool.block_bytes
     result = {
-        "workload": {k: getattr(args, k) for k in ("arch", "device", "short", "short_tokens", "long_tokens",
-                                                    "long_new", "batch", "max_prefill_tokens")},
-        "mixed_steps": not args.no_mixed_steps, "long_prompt_tokens": prompt,
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "arch",
+                "device",
+                "short",
+                "short_tokens",
+                "long_tokens",
+                "long_new",
+                "batch",
+                "max_prefill_tokens",
+            )
+        },
+        "mixed_steps": not args.no_mixed_steps,
+        "long_prompt_tokens": prompt,
         "finished": sum(1 for r in times if r.startswith(("short-", "long"))) - len(failures),
-        "failures": failures, "wall_s": round(wall, 3),
+        "failures": failures,
+        "wall_s": round(wall, 3),
         "long_ttft_ms": None if long_first is None else round((long_first - t_long) * 1e3, 1),
         "short_max_gap_ms": {"p50": round(sorted(gaps)[len(gaps) // 2], 1), "max": round(max(gaps), 1)},
-        "kv_peak_bytes": peak[0], "kv_pool_bytes": pool, "kv_peak_share": round(peak[0] / pool, 4),
+        "kv_peak_bytes": peak[0],
+        "kv_pool_bytes": pool,
+        "kv_peak_share": round(peak[0] / pool, 4),
         "kv_used_after": eng.kv.used_blocks,
     }
     save(args.name or f"long-context-{args.arch}", result, args.out_dir)

@@ -31,8 +31,12 @@ from kernels.timing import time_graph
 from services.worker.lora import AdapterEntry, group_tensors
 
 # name -> (h_in, part widths, bias)  (Qwen2-VL-7B)
-PROJECTIONS = {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),
-               "gate_up": (3584, (18944, 18944), False), "down": (18944, (3584,), False)}
+PROJECTIONS = {
+    "qkv": (3584, (3584, 512, 512), True),
+    "o": (3584, (3584,), False),
+    "gate_up": (3584, (18944, 18944), False),
+    "down": (18944, (3584,), False),
+}
 
 
 def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers: int, dev, dt) -> dict:
@@ -45,24 +49,38 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
     scale = 2.0
     mats = []
     for _ in range(layers):
-        w = torch.randn(h_out, h_in, device=dev, dtype=dt, generator=g) * h_in ** -0.5
+        w = torch.randn(h_out, h_in, device=dev, dtype=dt, generator=g) * h_in**-0.5
         bias = torch.randn(h_out, device=dev, dtype=dt, generator=g) if has_bias else None
         # per adapter, per part: A (h_in, r), B (r, width)
-        a = [[torch.randn(h_in, rank, device=dev, dtype=dt, generator=g) * h_in ** -0.5 for _ in widths]
-             for _ in range(n_adapters)]
-        b = [[torch.randn(rank, wd, device=dev, dtype=dt, generator=g) * rank ** -0.5 for wd in widths]
-             for _ in range(n_adapters)]
+        a = [
+            [torch.randn(h_in, rank, device=dev, dtype=dt, generator=g) * h_in**-0.5 for _ in widths]
+            for _ in range(n_adapters)
+        ]
+        b = [
+            [torch.randn(rank, wd, device=dev, dtype=dt, generator=g) * rank**-0.5 for wd in widths]
+            for _ in range(n_adapters)
+        ]
         parts_keys = tuple((0, f"p{p}") for p in range(len(widths)))  # the engine's group factors
-        grp = [group_tensors(AdapterEntry(dict(zip(parts_keys, a[k])), dict(zip(parts_keys, b[k])), scale),
-                             parts_keys, widths) for k in range(n_adapters)]
+        grp = [
+            group_tensors(
+                AdapterEntry(dict(zip(parts_keys, a[k])), dict(zip(parts_keys, b[k])), scale), parts_keys, widths
+            )
+            for k in range(n_adapters)
+        ]
         grp_a = [t[0] for t in grp]
         weights = lora_weights_from_lists(grp_a, [t[1] for t in grp], [1.0] * n_adapters)
-        parts = [lora_weights_from_lists([a[k][p] for k in range(n_adapters)], [b[k][p] for k in range(n_adapters)],
-                                         [scale] * n_adapters) for p in range(len(widths))]
+        parts = [
+            lora_weights_from_lists(
+                [a[k][p] for k in range(n_adapters)], [b[k][p] for k in range(n_adapters)], [scale] * n_adapters
+            )
+            for p in range(len(widths))
+        ]
         # dense: A_all (h_in, n*Σr) with each adapter's parts adjacent; per part B_all (n*r, width), s folded
         a_all = torch.cat(grp_a, 1).contiguous()
-        b_all = [torch.cat([(b[k][p].float() * scale).to(dt) for k in range(n_adapters)], 0).contiguous()
-                 for p in range(len(widths))]
+        b_all = [
+            torch.cat([(b[k][p].float() * scale).to(dt) for k in range(n_adapters)], 0).contiguous()
+            for p in range(len(widths))
+        ]
         mats.append(dict(w=w, bias=bias, a=a, b=b, weights=weights, parts=parts, a_all=a_all, b_all=b_all))
     x = torch.randn(tokens, h_in, device=dev, dtype=dt, generator=g)
     y = torch.empty(tokens, h_out, device=dev, dtype=dt)
@@ -70,22 +88,24 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
     # row mask of the dense path: token i keeps only its adapter's columns of t (n * Σr)
     mask = torch.zeros(tokens, n_adapters * gr, device=dev, dtype=dt)
     for i, k in enumerate(slots):
-        mask[i, k * gr:(k + 1) * gr] = 1
+        mask[i, k * gr : (k + 1) * gr] = 1
     t = torch.empty(tokens, n_adapters * gr, device=dev, dtype=dt)
     plan = AtmmPlan(64, max(tokens, 16), dev)
     plan.update(plan_host.seg_starts, plan_host.seg_slots, [gr] * n_adapters)
     part_plan = AtmmPlan(64, max(tokens, 16), dev)
     part_plan.update(plan_host.seg_starts, plan_host.seg_slots, [rank] * n_adapters)
-    cols = [slice(sum(widths[:p]), sum(widths[:p + 1])) for p in range(len(widths))]
+    cols = [slice(sum(widths[:p]), sum(widths[: p + 1])) for p in range(len(widths))]
 
     def base_only(m):
-        return lambda: (torch.matmul(x, m["w"].t(), out=y) if m["bias"] is None
-                        else torch.addmm(m["bias"], x, m["w"].t(), out=y))
+        return lambda: (
+            torch.matmul(x, m["w"].t(), out=y) if m["bias"] is None else torch.addmm(m["bias"], x, m["w"].t(), out=y)
+        )
 
     def atmm(m):
         def f():
             base_only(m)()
             atmm_(y, x, plan, m["weights"])
+
         return f
 
     def atmm_parts(m):
@@ -93,6 +113,7 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
             base_only(m)()
             for p, c in enumerate(cols):
                 atmm_(y[:, c], x, part_plan, m["parts"][p])
+
         return f
 
     def shrink(m):
@@ -108,6 +129,7 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
             shrink(m)
             for p, c in enumerate(cols):
                 y[:, c].addmm_(t_part(p), m["b_all"][p])
+
         return f
 
     def dense_pre(m):
@@ -118,6 +140,7 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
                 if m["bias"] is not None:
                     y[:, c].add_(m["bias"][c])
             y.addmm_(x, m["w"].t())
+
         return f
 
     def reference(m):
@@ -129,10 +152,14 @@ def bench_projection(name: str, tokens: int, n_adapters: int, rank: int, layers:
         return out
 
     ref = reference(mats[0])
-    row = {"projection": name, "tokens": tokens, "adapters": n_adapters, "rank": rank, "h_in": h_in,
-           "h_out": h_out}
-    for method, make in (("base", base_only), ("atmm", atmm), ("atmm_parts", atmm_parts), ("dense", dense),
-                         ("dense_pre", dense_pre)):
+    row = {"projection": name, "tokens": tokens, "adapters": n_adapters, "rank": rank, "h_in": h_in, "h_out": h_out}
+    for method, make in (
+        ("base", base_only),
+        ("atmm", atmm),
+        ("atmm_parts", atmm_parts),
+        ("dense", dense),
+        ("dense_pre", dense_pre),
+    ):
         try:
             make(mats[0])()
             torch.cuda.synchronize()
@@ -162,11 +189,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name in args.projections.split(","):
             row = bench_projection(name, tokens, args.adapters, args.rank, args.layers, dev, dt)
             rows.append(row)
-            print(f"T={tokens:5d} {name:8s} " + "  ".join(
-                f"{m} {row[m].get('us', float('nan')):8.1f}"
-                for m in ("base", "atmm", "atmm_parts", "dense", "dense_pre")), flush=True)
-        per_layer = {m: round(sum(r[m].get("lora_us", 0.0) for r in rows if r["tokens"] == tokens), 1)
-                     for m in ("atmm", "atmm_parts", "dense", "dense_pre")}
+            print(
+                f"T={tokens:5d} {name:8s} "
+                + "  ".join(
+                    f"{m} {row[m].get('us', float('nan')):8.1f}"
+                    for m in ("base", "atmm", "atmm_parts", "dense", "dense_pre")
+                ),
+                flush=True,
+            )
+        per_layer = {
+            m: round(sum(r[m].get("lora_us", 0.0) for r in rows if r["tokens"] == tokens), 1)
+            for m in ("atmm", "atmm_parts", "dense", "dense_pre")
+        }
         print(f"T={tokens:5d} LoRA µs per layer: {per_layer}  (x28 layers)", flush=True)
     save(args.name or f"lora_layer-{git_commit()[:7]}", {"rows": rows})
     return rows

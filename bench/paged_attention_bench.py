@@ -40,7 +40,7 @@ from kernels.results import git_commit
 
 HBM_BW = 4.8e12  # H200 HBM3e peak, bytes/s
 ARENA_MIN_CAPACITY = 256  # the smallest arena of the contiguous decode cache this replaced
-TOL = {"max_abs": 3e-2}   # bf16 vs the fp32-softmax reference
+TOL = {"max_abs": 3e-2}  # bf16 vs the fp32-softmax reference
 
 
 def add_common_args(ap: argparse.ArgumentParser, name: str) -> None:
@@ -53,9 +53,12 @@ def add_common_args(ap: argparse.ArgumentParser, name: str) -> None:
     ap.add_argument("--no-peers", action="store_true", help="time only ours")
     ap.add_argument("--name", default=None, help=f"results file name (default {name}-<commit>)")
     ap.add_argument("--out-dir", default=None, help="results directory (default bench/results)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU, no timing: builds every method's inputs and checks them against the reference "
-                         "(ours is then the reference itself; for the script's own test)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, no timing: builds every method's inputs and checks them against the reference "
+        "(ours is then the reference itself; for the script's own test)",
+    )
 
 
 def check_common_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -70,8 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-len", type=int, default=300)
     ap.add_argument("--max-len", type=int, default=1200)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64], help="the first is the headline")
-    ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16],
-                    help="forced num_splits timed at the first block size (1 = the no-split ablation)")
+    ap.add_argument(
+        "--splits",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4, 8, 16],
+        help="forced num_splits timed at the first block size (1 = the no-split ablation)",
+    )
     ap.add_argument("--layers", type=int, default=20, help="calls (layers) per captured graph")
     ap.add_argument("--reps", type=int, default=30, help="graph replays; the median is reported")
     args = ap.parse_args(argv)
@@ -99,7 +107,7 @@ def make_tables(lens: list[int], block_size: int, seed: int, spare: int = 0) -> 
     tables = torch.tensor([[rnd.randrange(num_blocks) for _ in range(max_blocks)] for _ in lens], dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(order[at:at + n], dtype=torch.int32)
+        tables[i, :n] = torch.tensor(order[at : at + n], dtype=torch.int32)
         at += n
     return tables, num_blocks
 
@@ -129,7 +137,7 @@ def to_arena(packed: torch.Tensor, lens: list[int], cap: int) -> torch.Tensor:
     arena = packed.new_zeros(len(lens), packed.shape[1], cap, packed.shape[2])
     at = 0
     for i, n in enumerate(lens):
-        arena[i, :, :n] = packed[at:at + n].transpose(0, 1)
+        arena[i, :, :n] = packed[at : at + n].transpose(0, 1)
         at += n
     return arena
 
@@ -146,19 +154,24 @@ def floor_us(nbytes: int, bw: float = HBM_BW) -> float:
 def format_table(cases: list[dict]) -> str:
     lines = [f"{'B':>3s}  {'method':22s} {'us':>8s} {'x floor':>8s} {'max err':>9s}  note"]
     for c in cases:
-        lines.append(f"{c['batch']:3d}  {'floor (KV bytes)':22s} {c['floor_us']:8.2f} {1.0:8.2f} {'':>9s}  "
-                     f"{c['kv_bytes'] / 1e6:.1f} MB; arena floor {c['arena_floor_us']:.2f} us (cap {c['arena_cap']})")
+        lines.append(
+            f"{c['batch']:3d}  {'floor (KV bytes)':22s} {c['floor_us']:8.2f} {1.0:8.2f} {'':>9s}  "
+            f"{c['kv_bytes'] / 1e6:.1f} MB; arena floor {c['arena_floor_us']:.2f} us (cap {c['arena_cap']})"
+        )
         for r in sorted(c["rows"], key=lambda r: (r.get("us") is None, r.get("us") or 0)):
             if r.get("us") is None:
                 lines.append(f"{c['batch']:3d}  {r['method']:22s} {'-':>8s} {'-':>8s} {'-':>9s}  {r.get('note', '')}")
                 continue
             err = r.get("max_abs_err")
-            lines.append(f"{c['batch']:3d}  {r['method']:22s} {r['us']:8.2f} {r['us'] / c['floor_us']:8.2f} "
-                         f"{'-' if err is None else f'{err:9.2e}':>9s}  {r.get('note', '')}")
+            lines.append(
+                f"{c['batch']:3d}  {r['method']:22s} {r['us']:8.2f} {r['us'] / c['floor_us']:8.2f} "
+                f"{'-' if err is None else f'{err:9.2e}':>9s}  {r.get('note', '')}"
+            )
     return "\n".join(lines)
 
 
 # ---- GPU part --------------------------------------------------------------------------------
+
 
 def _time(fns, reps: int) -> tuple[float, str]:
     """Median µs per call as a CUDA-graph replay; eager (per call, CUDA events) if capture fails."""
@@ -172,8 +185,9 @@ def _time(fns, reps: int) -> tuple[float, str]:
         return us, f"eager (capture failed: {type(e).__name__}: {str(e).splitlines()[0][:80]})"
 
 
-def measure(method: str, fns, got: torch.Tensor, ref: torch.Tensor, args: argparse.Namespace,
-            note: str = "") -> tuple[dict, float | None]:
+def measure(
+    method: str, fns, got: torch.Tensor, ref: torch.Tensor, args: argparse.Namespace, note: str = ""
+) -> tuple[dict, float | None]:
     """A method's row: its output `got` checked against `ref` (TOL, finite), then — when right and
     not a dry run — `fns` (one call a layer) timed; (row, µs or None)."""
     err = (got.float() - ref.float()).abs().max().item()
@@ -192,14 +206,18 @@ def measure(method: str, fns, got: torch.Tensor, ref: torch.Tensor, args: argpar
     return row, us
 
 
-def paged_pools(lens: list[int], ks: list[torch.Tensor], vs: list[torch.Tensor], block_size: int, seed: int,
-                dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+def paged_pools(
+    lens: list[int], ks: list[torch.Tensor], vs: list[torch.Tensor], block_size: int, seed: int, dev: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Each layer's packed keys and values (tokens, KVH, D) laid into a fragmented pool of
     `block_size` pages: (k pools, v pools, block tables on `dev`)."""
     tables, num_blocks = make_tables(lens, block_size, seed + 7 * block_size)
     slots = token_slots(lens, tables, block_size)
-    return ([to_pool(k, slots, num_blocks, block_size) for k in ks],
-            [to_pool(v, slots, num_blocks, block_size) for v in vs], tables.to(dev))
+    return (
+        [to_pool(k, slots, num_blocks, block_size) for k in ks],
+        [to_pool(v, slots, num_blocks, block_size) for v in vs],
+        tables.to(dev),
+    )
 
 
 def _sync(dev: torch.device) -> None:
@@ -226,7 +244,7 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
 
     dev, dtype = torch.device("cpu" if args.dry_run else "cuda"), torch.bfloat16
     h, kvh, d, n_layers = args.heads, args.kv_heads, args.head_dim, args.layers
-    group, scale = h // kvh, d ** -0.5
+    group, scale = h // kvh, d**-0.5
     lens = make_lengths(batch, args.min_len, args.max_len, args.seed + batch)
     total = sum(lens)
     g = torch.Generator(device=dev).manual_seed(args.seed)
@@ -242,8 +260,11 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
     def record(method, fns, got, note=""):
         row, _ = measure(method, fns, got, ref, args, note)
         rows.append(row)
-        print(f"  B={batch:3d} {method:22s} {row['us'] if row['us'] is not None else '-':>8} us  "
-              f"err {row['max_abs_err']:.2e} {row['note']}", flush=True)
+        print(
+            f"  B={batch:3d} {method:22s} {row['us'] if row['us'] is not None else '-':>8} us  "
+            f"err {row['max_abs_err']:.2e} {row['note']}",
+            flush=True,
+        )
 
     def pools(bs):
         return paged_pools(lens, ks, vs, bs, args.seed, dev)
@@ -257,11 +278,14 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
         s_default = default_num_splits(batch, kvh)
         variants = [(f"paged_bs{bs}", None, f"S={s_default}")]
         if bi == 0:
-            variants += [(f"paged_bs{bs}_s{s}", s, "no-split ablation" if s == 1 else "")
-                         for s in args.splits if s != s_default]
+            variants += [
+                (f"paged_bs{bs}_s{s}", s, "no-split ablation" if s == 1 else "") for s in args.splits if s != s_default
+            ]
         for method, splits, note in variants:
+
             def op(i, splits=splits):
                 paged_decode_attention(qs[i], kp[i], vp[i], bt, seq_lens, scale, out=outs[i], num_splits=splits)
+
             op(0)
             record(method, [lambda i=i, op=op: op(i) for i in range(n_layers)], outs[0].clone(), note)
 
@@ -277,18 +301,29 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
         extra = {"enable_gqa": True} if gqa else {}
 
         def paged_peer(i):
-            return varlen(qs[i], kp[i], vp[i], cu_q, cu_k, 1, max(lens), scale=scale,
-                          seqused_k=seq_lens, block_table=bt, **extra)
+            return varlen(
+                qs[i], kp[i], vp[i], cu_q, cu_k, 1, max(lens), scale=scale, seqused_k=seq_lens, block_table=bt, **extra
+            )
+
         try:
             got = paged_peer(0)
             _sync(dev)
         except Exception as e:  # noqa: BLE001 -- not every torch build / block size pages
             _sync(dev)
-            rows.append({"method": f"varlen_paged_bs{bs}", "us": None,
-                         "note": f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+            rows.append(
+                {
+                    "method": f"varlen_paged_bs{bs}",
+                    "us": None,
+                    "note": f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+                }
+            )
             return
-        record(f"varlen_paged_bs{bs}", [lambda i=i: paged_peer(i) for i in range(n_layers)], got,
-               "FA paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"))
+        record(
+            f"varlen_paged_bs{bs}",
+            [lambda i=i: paged_peer(i) for i in range(n_layers)],
+            got,
+            "FA paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"),
+        )
 
     for bi, bs in enumerate(args.block_sizes):
         time_ours(bi, bs)  # its pools are freed on return
@@ -308,8 +343,13 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
             q = qs[i].view(batch, kvh, group, d)
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             return o.reshape(batch, h, 1, d).transpose(1, 2).contiguous()
-        record("sdpa_arena", [lambda i=i: sdpa(i) for i in range(n_layers)], sdpa(0).view(batch, h, d),
-               f"cap {cap}, reads the whole arena")
+
+        record(
+            "sdpa_arena",
+            [lambda i=i: sdpa(i) for i in range(n_layers)],
+            sdpa(0).view(batch, h, d),
+            f"cap {cap}, reads the whole arena",
+        )
         del arenas
         torch.cuda.empty_cache()
         varlen, gqa = _varlen()
@@ -323,21 +363,42 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
 
             def packed(i):
                 return varlen(qs[i], kx[i], vx[i], cu_q, cu_k, 1, max(lens), scale=scale, **extra)
+
             try:
                 got = packed(0)
                 _sync(dev)
-                record("varlen_packed", [lambda i=i: packed(i) for i in range(n_layers)], got,
-                       "not paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"))
+                record(
+                    "varlen_packed",
+                    [lambda i=i: packed(i) for i in range(n_layers)],
+                    got,
+                    "not paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"),
+                )
             except Exception as e:  # noqa: BLE001
                 _sync(dev)
-                rows.append({"method": "varlen_packed", "us": None,
-                             "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+                rows.append(
+                    {
+                        "method": "varlen_packed",
+                        "us": None,
+                        "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+                    }
+                )
 
     nbytes = kv_bytes(lens, kvh, d)
-    return {"batch": batch, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": "bfloat16", "lens": lens,
-            "mean_len": total / batch, "kv_bytes": nbytes, "floor_us": round(floor_us(nbytes), 3),
-            "arena_cap": cap, "arena_floor_us": round(floor_us(2 * batch * kvh * cap * d * 2), 3),
-            "default_num_splits": default_num_splits(batch, kvh), "rows": rows}
+    return {
+        "batch": batch,
+        "heads": h,
+        "kv_heads": kvh,
+        "head_dim": d,
+        "dtype": "bfloat16",
+        "lens": lens,
+        "mean_len": total / batch,
+        "kv_bytes": nbytes,
+        "floor_us": round(floor_us(nbytes), 3),
+        "arena_cap": cap,
+        "arena_floor_us": round(floor_us(2 * batch * kvh * cap * d * 2), 3),
+        "default_num_splits": default_num_splits(batch, kvh),
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,11 +414,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     print(format_table(cases))
     name = args.name or f"paged-attention-{git_commit()[:7]}"
-    path = save(name, {"config": vars(args), "hbm_bw": HBM_BW, "cases": cases},
-                Path(args.out_dir) if args.out_dir else None)
+    path = save(
+        name, {"config": vars(args), "hbm_bw": HBM_BW, "cases": cases}, Path(args.out_dir) if args.out_dir else None
+    )
     print(f"wrote {path}")
-    wrong = [f"B={c['batch']} {r['method']}" for c in cases for r in c["rows"]
-             if r["method"].startswith("paged_") and r.get("ok") is False]
+    wrong = [
+        f"B={c['batch']} {r['method']}"
+        for c in cases
+        for r in c["rows"]
+        if r["method"].startswith("paged_") and r.get("ok") is False
+    ]
     if wrong:
         print("WRONG RESULTS:", ", ".join(wrong), file=sys.stderr)
         return 1

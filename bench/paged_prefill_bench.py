@@ -38,15 +38,14 @@ from pathlib import Path
 import torch
 
 from bench.common import save
-from bench.paged_attention_bench import (_sync, add_common_args, check_common_args, make_lengths, measure,
-                                         paged_pools)
+from bench.paged_attention_bench import _sync, add_common_args, check_common_args, make_lengths, measure, paged_pools
 from kernels.results import git_commit
 
 PEAK_TFLOPS = 989.0  # H200 dense bf16 tensor-core peak
 
 
 def parse_config(text: str) -> dict:
-    """"128x64x8x3" -> {block_m, tile_n, num_warps, num_stages}."""
+    """ "128x64x8x3" -> {block_m, tile_n, num_warps, num_stages}."""
     parts = [int(x) for x in text.lower().split("x")]
     if len(parts) != 4:
         raise argparse.ArgumentTypeError(f"config {text!r} is not BLOCK_MxTILE_NxWARPSxSTAGES")
@@ -68,10 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-min-len", type=int, default=300)
     ap.add_argument("--decode-max-len", type=int, default=1200)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64], help="the first is the headline")
-    ap.add_argument("--configs", type=parse_config, nargs="*",
-                    default=[parse_config(c) for c in ("64x64x4x2", "64x64x4x3", "128x32x8x3", "128x64x4x3",
-                                                       "128x64x8x2", "128x128x8x2", "256x32x8x2")],
-                    help="forced BLOCK_MxTILE_NxWARPSxSTAGES timed at the first block size")
+    ap.add_argument(
+        "--configs",
+        type=parse_config,
+        nargs="*",
+        default=[
+            parse_config(c)
+            for c in ("64x64x4x2", "64x64x4x3", "128x32x8x3", "128x64x4x3", "128x64x8x2", "128x128x8x2", "256x32x8x2")
+        ],
+        help="forced BLOCK_MxTILE_NxWARPSxSTAGES timed at the first block size",
+    )
     ap.add_argument("--layers", type=int, default=8, help="calls (layers) per captured graph")
     ap.add_argument("--reps", type=int, default=20, help="graph replays; the median is reported")
     args = ap.parse_args(argv)
@@ -86,8 +91,13 @@ def make_cases(args: argparse.Namespace) -> list[dict]:
     cases = [{"name": f"chunk{c}_prefix{p}", "n": [c], "prefix": [p]} for c in args.chunks for p in args.prefixes]
     if args.mixed_decode_rows > 0:
         lens = make_lengths(args.mixed_decode_rows, args.decode_min_len, args.decode_max_len, args.seed)
-        cases.append({"name": f"mixed{args.mixed_decode_rows}dec_chunk{args.mixed_chunk}_prefix{args.mixed_prefix}",
-                      "n": [1] * len(lens) + [args.mixed_chunk], "prefix": [n - 1 for n in lens] + [args.mixed_prefix]})
+        cases.append(
+            {
+                "name": f"mixed{args.mixed_decode_rows}dec_chunk{args.mixed_chunk}_prefix{args.mixed_prefix}",
+                "n": [1] * len(lens) + [args.mixed_chunk],
+                "prefix": [n - 1 for n in lens] + [args.mixed_prefix],
+            }
+        )
     return cases
 
 
@@ -115,13 +125,16 @@ def format_table(cases: list[dict]) -> str:
     for c in cases:
         for r in sorted(c["rows"], key=lambda r: (r.get("us") is None, r.get("us") or 0)):
             us, tf, err = r.get("us"), r.get("tflops"), r.get("max_abs_err")
-            lines.append(f"{c['name']:34s} {r['method']:30s} {'-' if us is None else f'{us:9.1f}':>9s} "
-                         f"{'-' if tf is None else f'{tf:8.1f}':>8s} {'-' if err is None else f'{err:9.2e}':>9s}  "
-                         f"{r.get('note', '')}")
+            lines.append(
+                f"{c['name']:34s} {r['method']:30s} {'-' if us is None else f'{us:9.1f}':>9s} "
+                f"{'-' if tf is None else f'{tf:8.1f}':>8s} {'-' if err is None else f'{err:9.2e}':>9s}  "
+                f"{r.get('note', '')}"
+            )
     return "\n".join(lines)
 
 
 # ---- GPU part --------------------------------------------------------------------------------
+
 
 def run_case(case: dict, args: argparse.Namespace) -> dict:
     from kernels.paged_attention import paged_decode_attention  # noqa: PLC0415
@@ -134,7 +147,7 @@ def run_case(case: dict, args: argparse.Namespace) -> dict:
 
     dev, dtype = torch.device("cpu" if args.dry_run else "cuda"), torch.bfloat16
     h, kvh, d, n_layers = args.heads, args.kv_heads, args.head_dim, args.layers
-    group, scale = h // kvh, d ** -0.5
+    group, scale = h // kvh, d**-0.5
     n, prefix = case["n"], case["prefix"]
     lens = [a + b for a, b in zip(n, prefix)]
     t, r = sum(n), len(n)
@@ -151,9 +164,12 @@ def run_case(case: dict, args: argparse.Namespace) -> dict:
         row, us = measure(method, fns, got, ref, args, note)
         row["tflops"] = tflops(flops, us)
         rows.append(row)
-        print(f"  {case['name']:34s} {method:30s} {row['us'] if row['us'] is not None else '-':>9} us "
-              f"{row['tflops'] if row['tflops'] is not None else '-':>7} TFLOP/s  err {row['max_abs_err']:.2e} "
-              f"{row['note']}", flush=True)
+        print(
+            f"  {case['name']:34s} {method:30s} {row['us'] if row['us'] is not None else '-':>9} us "
+            f"{row['tflops'] if row['tflops'] is not None else '-':>7} TFLOP/s  err {row['max_abs_err']:.2e} "
+            f"{row['note']}",
+            flush=True,
+        )
 
     def pools(bs):
         return paged_pools(lens, ks, vs, bs, args.seed, dev)
@@ -168,18 +184,26 @@ def run_case(case: dict, args: argparse.Namespace) -> dict:
         if bi == 0:
             variants += [(f"paged_bs{bs}_{config_name(c)}", c, "") for c in args.configs]
         for method, cfg, note in variants:
+
             def op(i, cfg=cfg):
                 if cfg is None or args.dry_run:  # dry run: the dispatcher (the reference on CPU)
                     paged_prefill_attention(qs[i], kp[i], vp[i], bt, cu_q, seq_lens, scale, out=outs[i])
                 else:
                     paged_prefill_attention_triton(qs[i], kp[i], vp[i], bt, cu_q, seq_lens, scale, out=outs[i], **cfg)
+
             try:
                 op(0)
                 _sync(dev)
             except Exception as e:  # noqa: BLE001 -- a forced config that does not build is reported
                 _sync(dev)
-                rows.append({"method": method, "us": None, "ok": False,
-                             "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+                rows.append(
+                    {
+                        "method": method,
+                        "us": None,
+                        "ok": False,
+                        "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+                    }
+                )
                 continue
             record(method, [lambda i=i, op=op: op(i) for i in range(n_layers)], outs[0].clone(), note)
         if bi == 0 and r > 1 and all(x == 1 for x in n[:-1]):  # mixed: decode kernel + ours on the chunk
@@ -187,14 +211,21 @@ def run_case(case: dict, args: argparse.Namespace) -> dict:
             cu_chunk = torch.tensor([0, n[-1]], dtype=torch.int32, device=dev)
 
             def split(i):
-                paged_decode_attention(qs[i][: r - 1], kp[i], vp[i], bt[: r - 1], seq_lens[: r - 1], scale,
-                                       out=outs_dec[i])
-                paged_prefill_attention(qs[i][r - 1:], kp[i], vp[i], bt[r - 1:], cu_chunk, seq_lens[r - 1:], scale,
-                                        out=outs[i][r - 1:])
+                paged_decode_attention(
+                    qs[i][: r - 1], kp[i], vp[i], bt[: r - 1], seq_lens[: r - 1], scale, out=outs_dec[i]
+                )
+                paged_prefill_attention(
+                    qs[i][r - 1 :], kp[i], vp[i], bt[r - 1 :], cu_chunk, seq_lens[r - 1 :], scale, out=outs[i][r - 1 :]
+                )
+
             split(0)
-            got = torch.cat([outs_dec[0], outs[0][r - 1:]])
-            record(f"paged_split_bs{bs}", [lambda i=i: split(i) for i in range(n_layers)], got,
-                   "split-KV decode kernel on the decode rows + ours on the chunk: two launches")
+            got = torch.cat([outs_dec[0], outs[0][r - 1 :]])
+            record(
+                f"paged_split_bs{bs}",
+                [lambda i=i: split(i) for i in range(n_layers)],
+                got,
+                "split-KV decode kernel on the decode rows + ours on the chunk: two launches",
+            )
 
     for bi, bs in enumerate(args.block_sizes):
         time_ours(bi, bs)  # its pools are freed on return
@@ -202,52 +233,98 @@ def run_case(case: dict, args: argparse.Namespace) -> dict:
 
     if not args.no_peers:
         starts = list(itertools.accumulate(lens, initial=0))
-        contig = [[(k[a:a + length].transpose(0, 1), v[a:a + length].transpose(0, 1))  # (KVH, L, D) views
-                   for a, length in zip(starts, lens)] for k, v in zip(ks, vs)]
+        contig = [
+            [
+                (k[a : a + length].transpose(0, 1), v[a : a + length].transpose(0, 1))  # (KVH, L, D) views
+                for a, length in zip(starts, lens)
+            ]
+            for k, v in zip(ks, vs)
+        ]
         masks = [offset_causal_mask(x, length, dev) for x, length in zip(n, lens)]
         q_starts = list(itertools.accumulate(n, initial=0))  # host ints: no device read inside a timed call
         q_rows = [[q[a:b].transpose(0, 1) for a, b in zip(q_starts, q_starts[1:])] for q in qs]  # (H, n, D) views
         outs = [torch.empty_like(q) for q in qs]
 
         def write(i, j, o):  # (H, n, D) -> the row's tokens of out
-            outs[i][q_starts[j]:q_starts[j + 1]] = o.transpose(0, 1)
+            outs[i][q_starts[j] : q_starts[j + 1]] = o.transpose(0, 1)
 
         if all(p == 0 for p in prefix) and r == 1:
+
             def causal(i):
                 k, v = contig[i][0]
-                o = torch.nn.functional.scaled_dot_product_attention(q_rows[i][0][None], k[None], v[None],
-                                                                     is_causal=True, scale=scale, enable_gqa=True)
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q_rows[i][0][None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+                )
                 write(i, 0, o[0])
+
             causal(0)
-            record("sdpa_causal", [lambda i=i: causal(i) for i in range(n_layers)], outs[0].clone(),
-                   "contiguous K/V, enable_gqa")
+            record(
+                "sdpa_causal",
+                [lambda i=i: causal(i) for i in range(n_layers)],
+                outs[0].clone(),
+                "contiguous K/V, enable_gqa",
+            )
 
         def masked(i, kvs):
             for j, (k, v) in enumerate(kvs):
                 o = torch.nn.functional.scaled_dot_product_attention(
-                    q_rows[i][j][None], k.repeat_interleave(group, dim=0)[None],
-                    v.repeat_interleave(group, dim=0)[None], attn_mask=masks[j], scale=scale)
+                    q_rows[i][j][None],
+                    k.repeat_interleave(group, dim=0)[None],
+                    v.repeat_interleave(group, dim=0)[None],
+                    attn_mask=masks[j],
+                    scale=scale,
+                )
                 write(i, j, o[0])
+
         masked(0, contig[0])
-        record("sdpa_mask", [lambda i=i: masked(i, contig[i]) for i in range(n_layers)], outs[0].clone(),
-               f"{r} SDPA call(s), K/V contiguous (untimed gather), repeat_kv timed")
+        record(
+            "sdpa_mask",
+            [lambda i=i: masked(i, contig[i]) for i in range(n_layers)],
+            outs[0].clone(),
+            f"{r} SDPA call(s), K/V contiguous (untimed gather), repeat_kv timed",
+        )
         del contig
         kp, vp, bt = pools(args.block_sizes[0])
         bs = args.block_sizes[0]
         pages = [bt[j, : -(-length // bs)].long() for j, length in enumerate(lens)]
 
         def gathered(i):
-            masked(i, [(kp[i][p].reshape(-1, kvh, d)[:length].transpose(0, 1),
-                        vp[i][p].reshape(-1, kvh, d)[:length].transpose(0, 1)) for p, length in zip(pages, lens)])
+            masked(
+                i,
+                [
+                    (
+                        kp[i][p].reshape(-1, kvh, d)[:length].transpose(0, 1),
+                        vp[i][p].reshape(-1, kvh, d)[:length].transpose(0, 1),
+                    )
+                    for p, length in zip(pages, lens)
+                ],
+            )
+
         gathered(0)
-        record("gather_sdpa_mask", [lambda i=i: gathered(i) for i in range(n_layers)], outs[0].clone(),
-               f"page gather (bs {bs}) + sdpa_mask, timed together")
+        record(
+            "gather_sdpa_mask",
+            [lambda i=i: gathered(i) for i in range(n_layers)],
+            outs[0].clone(),
+            f"page gather (bs {bs}) + sdpa_mask, timed together",
+        )
         del kp, vp
         torch.cuda.empty_cache()
 
-    return {"name": case["name"], "heads": h, "kv_heads": kvh, "head_dim": d, "dtype": "bfloat16", "n": n,
-            "prefix": prefix, "tokens": t, "rows_in_batch": r, "context_tokens": sum(lens),
-            "attended_pairs": attended_pairs(n, prefix), "flops": flops, "rows": rows}
+    return {
+        "name": case["name"],
+        "heads": h,
+        "kv_heads": kvh,
+        "head_dim": d,
+        "dtype": "bfloat16",
+        "n": n,
+        "prefix": prefix,
+        "tokens": t,
+        "rows_in_batch": r,
+        "context_tokens": sum(lens),
+        "attended_pairs": attended_pairs(n, prefix),
+        "flops": flops,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,11 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(cases))
     config = {**vars(args), "configs": [config_name(c) for c in args.configs]}
     name = args.name or f"paged-prefill-{git_commit()[:7]}"
-    path = save(name, {"config": config, "peak_tflops": PEAK_TFLOPS, "cases": cases},
-                Path(args.out_dir) if args.out_dir else None)
+    path = save(
+        name,
+        {"config": config, "peak_tflops": PEAK_TFLOPS, "cases": cases},
+        Path(args.out_dir) if args.out_dir else None,
+    )
     print(f"wrote {path}")
-    wrong = [f"{c['name']} {r['method']}" for c in cases for r in c["rows"]
-             if r["method"].startswith("paged_") and r.get("ok") is False and "failed" not in r.get("note", "")]
+    wrong = [
+        f"{c['name']} {r['method']}"
+        for c in cases
+        for r in c["rows"]
+        if r["method"].startswith("paged_") and r.get("ok") is False and "failed" not in r.get("note", "")
+    ]
     if wrong:
         print("WRONG RESULTS:", ", ".join(wrong), file=sys.stderr)
         return 1

@@ -14,10 +14,10 @@ import torch
 
 @dataclass
 class Case:
-    a: list[torch.Tensor]        # (h_in, r_k)
-    b: list[torch.Tensor]        # (r_k, h_out)
+    a: list[torch.Tensor]  # (h_in, r_k)
+    b: list[torch.Tensor]  # (r_k, h_out)
     scales: list[float]
-    token_slots: list[int]       # grouped, ascending, -1 last
+    token_slots: list[int]  # grouped, ascending, -1 last
     h_in: int
     h_out: int
 
@@ -47,6 +47,7 @@ def make_gather_bmm(c: Case):
     def fn(x, y):
         xa = torch.bmm(x.unsqueeze(1), A.index_select(0, idx))
         y += torch.bmm(xa, B.index_select(0, idx)).squeeze(1)
+
     return fn
 
 
@@ -80,6 +81,7 @@ def make_padded_bmm(c: Case):
         xs = xpad[rows]  # (S, Lmax, h_in)
         out = torch.bmm(torch.bmm(xs, Aseg), Bseg).flatten(0, 1).index_select(0, valid)
         y.index_add_(0, dst, out)
+
     return fn
 
 
@@ -101,6 +103,7 @@ def make_grouped_mm(c: Case):
     def fn(x, y):
         xa = torch._grouped_mm(x[:tl_], A3t, offs=offs)
         y[:tl_] += torch._grouped_mm(xa, B3t, offs=offs)
+
     return fn
 
 
@@ -110,6 +113,7 @@ def make_loop(c: Case):
     def fn(x, y):
         for s, lo, hi in segs:
             y[lo:hi].addmm_(x[lo:hi] @ c.a[s], c.b[s], alpha=c.scales[s])
+
     return fn
 
 
@@ -128,14 +132,16 @@ def make_triton_sgmv(c: Case):
         raise RuntimeError("triton is not installed")
     w = lora_weights_from_lists(c.a, c.b, c.scales)
     p = SegmentPlan.from_token_slots(c.token_slots)
-    plan = AtmmPlan(max_segments=max(64, len(p.seg_slots)), max_tokens=max(16, len(c.token_slots)),
-                    device=c.a[0].device).update(p.seg_starts, p.seg_slots, w.ranks)
+    plan = AtmmPlan(
+        max_segments=max(64, len(p.seg_slots)), max_tokens=max(16, len(c.token_slots)), device=c.a[0].device
+    ).update(p.seg_starts, p.seg_slots, w.ranks)
     bm, bk, stages, bme, bn, warps = triton_sgmv.DEFAULT_SHAPE
     split = triton_sgmv.default_split(c.h_in, plan.tiles[bm])
     cfg = TileConfig(bm, bk, stages, split, bme, bn, backend="triton", warps=warps)
 
     def fn(x, y):
         triton_sgmv.atmm_triton_(y, x, plan, w, cfg)
+
     fn.plan, fn.weights = plan, w  # keep alive
     return fn
 

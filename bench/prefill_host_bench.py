@@ -65,8 +65,15 @@ def _kernel(backend: str | None):
     if backend is None:
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
+
+    return sdpa_kernel(
+        {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[backend]
+    )
 
 
 class Step:
@@ -89,9 +96,9 @@ class Step:
         self.pv = torch.zeros_like(self.pk)
         for i, n in enumerate(lens):
             a = starts[i]
-            self.pq[i, :, :n] = self.q[a:a + n].transpose(0, 1)
-            self.pk[i, :, :n] = self.k[a:a + n].transpose(0, 1)
-            self.pv[i, :, :n] = self.v[a:a + n].transpose(0, 1)
+            self.pq[i, :, :n] = self.q[a : a + n].transpose(0, 1)
+            self.pk[i, :, :n] = self.k[a : a + n].transpose(0, 1)
+            self.pv[i, :, :n] = self.v[a : a + n].transpose(0, 1)
         self.rk, self.rv = (x.repeat_interleave(h // kvh, dim=1) for x in (self.pk, self.pv))
         need = [-(-n // bs) for n in lens]
         pages = list(range(sum(need)))
@@ -99,7 +106,7 @@ class Step:
         tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
         slots, at = [], 0
         for i, n in enumerate(lens):
-            tables[i, :need[i]] = torch.tensor(pages[at:at + need[i]])
+            tables[i, : need[i]] = torch.tensor(pages[at : at + need[i]])
             at += need[i]
             slots += [int(tables[i, t // bs]) * bs + t % bs for t in range(n)]
         self.tables = tables.to(dev)
@@ -120,6 +127,7 @@ def methods(args: argparse.Namespace) -> dict:
         def call(s: Step):
             with _kernel(backend):
                 return F.scaled_dot_product_attention(s.pq, s.pk, s.pv, is_causal=True, enable_gqa=True)
+
         return call
 
     def nocudnn(s: Step):
@@ -132,8 +140,7 @@ def methods(args: argparse.Namespace) -> dict:
 
     out = {"sdpa_gqa": sdpa(None), **{f"sdpa_gqa_{b}": sdpa(b) for b in BACKENDS}, "sdpa_gqa_nocudnn": nocudnn}
     out["sdpa_repeat_kv"] = lambda s: F.scaled_dot_product_attention(s.pq, s.rk, s.rv, is_causal=True)
-    out["paged_varlen"] = lambda s: paged_prefill_attention(s.q, s.k_pool, s.v_pool, s.tables, s.cu_q, s.seq_lens,
-                                                            None)
+    out["paged_varlen"] = lambda s: paged_prefill_attention(s.q, s.k_pool, s.v_pool, s.tables, s.cu_q, s.seq_lens, None)
     return out
 
 
@@ -144,8 +151,9 @@ def run(name: str, fn, steps: list[Step], layers: int) -> dict:
     except RuntimeError as exc:  # a forced backend that refuses the shape
         return {"method": name, "ok": False, "error": str(exc).splitlines()[0][:200]}
     got = got if got.dim() == 3 else first.unpad(got)
-    ref = paged_prefill_attention_reference(first.q, first.k_pool, first.v_pool, first.tables, first.cu_q,
-                                            first.seq_lens, None)
+    ref = paged_prefill_attention_reference(
+        first.q, first.k_pool, first.v_pool, first.tables, first.cu_q, first.seq_lens, None
+    )
     err = (got.float() - ref.float()).abs().max().item()
     row = {"method": name, "ok": err <= TOL, "max_abs_err": err}
     if not row["ok"]:
@@ -163,9 +171,12 @@ def run(name: str, fn, steps: list[Step], layers: int) -> dict:
     end.record()
     torch.cuda.synchronize()
     calls = layers * (len(steps) - 2)
-    row.update(host_us=round(sum(times) / calls * 1e6, 1), device_us=round(start.elapsed_time(end) / calls * 1e3, 1),
-               step_host_ms_median=round(statistics.median(times) * 1e3, 2),
-               step_host_ms_max=round(max(times) * 1e3, 2))
+    row.update(
+        host_us=round(sum(times) / calls * 1e6, 1),
+        device_us=round(start.elapsed_time(end) / calls * 1e3, 1),
+        step_host_ms_median=round(statistics.median(times) * 1e3, 2),
+        step_host_ms_max=round(max(times) * 1e3, 2),
+    )
     return row
 
 
@@ -188,14 +199,26 @@ def main(argv: list[str] | None = None) -> int:
         for case, steps in (("vary", vary), ("fixed", [vary[0]] * len(vary))):
             row = {"case": case, **run(name, fn, steps, args.layers)}
             rows.append(row)
-            print(f"{case:5} {name:20} host {row.get('host_us', '-'):>8} µs  device {row.get('device_us', '-'):>8} µs"
-                  f"  step ms median {row.get('step_host_ms_median', '-')} max {row.get('step_host_ms_max', '-')}"
-                  f"  {'' if row['ok'] else row.get('error', 'WRONG ' + str(row.get('max_abs_err')))}", flush=True)
+            print(
+                f"{case:5} {name:20} host {row.get('host_us', '-'):>8} µs  device {row.get('device_us', '-'):>8} µs"
+                f"  step ms median {row.get('step_host_ms_median', '-')} max {row.get('step_host_ms_max', '-')}"
+                f"  {'' if row['ok'] else row.get('error', 'WRONG ' + str(row.get('max_abs_err')))}",
+                flush=True,
+            )
         del vary
         torch.cuda.empty_cache()
     commit = git_commit()
-    save(args.name or f"prefill-host-{commit}", {"bench": "prefill_host", "commit": commit,
-         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "rows": rows})
+    save(
+        args.name or f"prefill-host-{commit}",
+        {
+            "bench": "prefill_host",
+            "commit": commit,
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "config": vars(args),
+            "rows": rows,
+        },
+    )
     return 0
 
 

@@ -41,8 +41,9 @@ def contexts(n: int) -> list[int]:
 def simulate(rows: int, budget: int, fill: bool, requests: int) -> dict:
     config = SimpleNamespace(max_prefills_per_step=rows, max_prefill_tokens=budget, prefill_fill_padding=fill)
     sched = StepScheduler(config, None, None, threading.Condition(), padded=bucket_tokens)
-    pending = collections.deque(SimpleNamespace(context=c, prefilled=0, prefill_to=0, steps=0)
-                                for c in contexts(requests))
+    pending = collections.deque(
+        SimpleNamespace(context=c, prefilled=0, prefill_to=0, steps=0) for c in contexts(requests)
+    )
     done, steps, tokens, run = [], 0, 0, 0
     while pending or sched.prefill:
         while pending and len(sched.prefill) < 4 * rows:  # a closed loop keeps the queue full
@@ -55,11 +56,17 @@ def simulate(rows: int, budget: int, fill: bool, requests: int) -> dict:
             if s.prefilled == s.context:
                 sched.prefill.remove(s)
                 done.append(s)
-    return {"max_prefills_per_step": rows, "max_prefill_tokens": budget, "prefill_fill_padding": fill,
-            "steps": steps, "tokens_per_step": round(tokens / steps, 1), "run_per_step": round(run / steps, 1),
-            "padding_share": round(1 - tokens / run, 4),
-            "chunked_requests": round(sum(s.steps > 1 for s in done) / len(done), 4),
-            "requests_per_step": round(len(done) / steps, 2)}
+    return {
+        "max_prefills_per_step": rows,
+        "max_prefill_tokens": budget,
+        "prefill_fill_padding": fill,
+        "steps": steps,
+        "tokens_per_step": round(tokens / steps, 1),
+        "run_per_step": round(run / steps, 1),
+        "padding_share": round(1 - tokens / run, 4),
+        "chunked_requests": round(sum(s.steps > 1 for s in done) / len(done), 4),
+        "requests_per_step": round(len(done) / steps, 2),
+    }
 
 
 def main() -> None:
@@ -67,8 +74,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=768)
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
-    settings = [(2, 8192, False), (4, 8192, False), (8, 8192, False), (4, 8192, True), (8, 2048, False),
-                (8, 2048, True), (8, 3072, True), (16, 2048, True), (16, 4096, True)]
+    settings = [
+        (2, 8192, False),
+        (4, 8192, False),
+        (8, 8192, False),
+        (4, 8192, True),
+        (8, 2048, False),
+        (8, 2048, True),
+        (8, 3072, True),
+        (16, 2048, True),
+        (16, 4096, True),
+    ]
     rows = [simulate(r, b, f, args.requests) for r, b, f in settings]
     for r in rows:
         print(r)

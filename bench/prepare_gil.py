@@ -40,9 +40,14 @@ def engine_like_loop(seconds: float) -> int:
 
 
 def png_items(n: int, size: int) -> list[work_pb2.WorkItem]:
-    return [work_pb2.WorkItem(request_id=f"r{i}", prompt="Describe the image.",
-                              images=[types_pb2.Image(data=random_png(np.random.default_rng(i), size))])
-            for i in range(n)]
+    return [
+        work_pb2.WorkItem(
+            request_id=f"r{i}",
+            prompt="Describe the image.",
+            images=[types_pb2.Image(data=random_png(np.random.default_rng(i), size))],
+        )
+        for i in range(n)
+    ]
 
 
 def main() -> None:
@@ -95,6 +100,7 @@ def main() -> None:
                 await pre.prepare(items[i % len(items)], None)
                 count[0] += 1
                 i += args.threads
+
         tasks = [asyncio.create_task(feed(k)) for k in range(args.threads)]
         await asyncio.sleep(0.3)
         c0 = count[0]
@@ -108,11 +114,16 @@ def main() -> None:
         asyncio.run(pooled())
     finally:
         pre.close()
-    out = {"image_size": args.image_size, "k": args.threads, "prepare_ms_per_image": round(prepare_ms, 2),
-           "loop_alone": alone, "loop_beside_threads": round(beside_threads / alone, 3),
-           "threads_images_per_s": round(thread_rate, 1),
-           "loop_beside_processes": round(result["loop"] / alone, 3),
-           "processes_images_per_s": round(result["rate"], 1)}
+    out = {
+        "image_size": args.image_size,
+        "k": args.threads,
+        "prepare_ms_per_image": round(prepare_ms, 2),
+        "loop_alone": alone,
+        "loop_beside_threads": round(beside_threads / alone, 3),
+        "threads_images_per_s": round(thread_rate, 1),
+        "loop_beside_processes": round(result["loop"] / alone, 3),
+        "processes_images_per_s": round(result["rate"], 1),
+    }
     print(out)
     save(args.name or "prepare-gil", out)
 

@@ -50,15 +50,24 @@ def main() -> None:
     }
     shapes = [(o, i) for _ in range(4) for o, i in [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]]
     ws = [torch.randn(o, i, device=dev).bfloat16() for o, i in shapes]
-    terms = [LoraTerm((torch.randn(i, 16, device=dev) * .02).bfloat16(),
-                      (torch.randn(16, o, device=dev) * .02).bfloat16(), 1.0) for o, i in shapes]
+    terms = [
+        LoraTerm(
+            (torch.randn(i, 16, device=dev) * 0.02).bfloat16(), (torch.randn(16, o, device=dev) * 0.02).bfloat16(), 1.0
+        )
+        for o, i in shapes
+    ]
     wbytes = sum(o * i * 2 for o, i in shapes)
     for cfg in ("switch_bf16_bm128_bn64", "switch_bf16_bm64_bn128"):
         sp = SwitchPlan(ws, terms, [LoraTerm(tt.a, tt.b, -1.0) for tt in terms], config=cfg)
         kernels[cfg] = sp.run
-    bytes_ = {"shrink_bt64_split4": t * h * 2, "shrink_bt32_bk128_split4": t * h * 2,
-              "expand_bt16_bn256": 2 * t * h * 2, "expand_bt64_bn128": 2 * t * h * 2,
-              "switch_bf16_bm128_bn64": 2 * wbytes, "switch_bf16_bm64_bn128": 2 * wbytes}
+    bytes_ = {
+        "shrink_bt64_split4": t * h * 2,
+        "shrink_bt32_bk128_split4": t * h * 2,
+        "expand_bt16_bn256": 2 * t * h * 2,
+        "expand_bt64_bn128": 2 * t * h * 2,
+        "switch_bf16_bm128_bn64": 2 * wbytes,
+        "switch_bf16_bm64_bn128": 2 * wbytes,
+    }
     if args.once:
         for k, f in kernels.items():
             f()
@@ -70,14 +79,19 @@ def main() -> None:
         for k, f in kernels.items():
             try:
                 us = graph_us(f, ops=4 if k.startswith("switch") else 10)
-                rows[f"{k}/policy{pol}"] = {"us": us, "TBps": bytes_[k] / us / 1e6,
-                                            "floor_us": bytes_[k] / COPY_BW * 1e6}
+                rows[f"{k}/policy{pol}"] = {
+                    "us": us,
+                    "TBps": bytes_[k] / us / 1e6,
+                    "floor_us": bytes_[k] / COPY_BW * 1e6,
+                }
             except RuntimeError as e:
                 rows[f"{k}/policy{pol}"] = {"error": str(e)[:200]}
     ext.set_grid_policy(0)
     for k, v in rows.items():
-        print(f"{k:40s} " + (f"{v['us']:9.2f} us {v['TBps']:.2f} TB/s (floor {v['floor_us']:.2f})" if "us" in v
-                             else v["error"]))
+        print(
+            f"{k:40s} "
+            + (f"{v['us']:9.2f} us {v['TBps']:.2f} TB/s (floor {v['floor_us']:.2f})" if "us" in v else v["error"])
+        )
     save("profile_kernels", {"tokens": t, "rows": rows})
 
 

@@ -38,7 +38,7 @@ def summary(threads: dict[str, list[tuple[list[str], int]]], n_threads: int, top
     ranked = sorted(totals, key=lambda t: -totals[t])
     lines = ["samples per thread:"] + [f"  {totals[t]:8d}  {t}" for t in ranked]
     chosen = [t for t in ranked if match and re.search(match, t)]
-    chosen += [t for t in ranked if t not in chosen][:max(0, n_threads - len(chosen))]
+    chosen += [t for t in ranked if t not in chosen][: max(0, n_threads - len(chosen))]
     for t in chosen:
         total = totals[t]
         incl: collections.Counter = collections.Counter()

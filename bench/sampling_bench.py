@@ -65,18 +65,21 @@ def main() -> None:
             seed = torch.arange(1, n + 1, device=dev)
             counters = torch.arange(n, device=dev)
             case = (logits, temperature, top_p, zeros_l, zeros_f, seed, counters)
-            row = {"rows": n, "vocab": args.vocab, "mix": mix,
-                   "kernel_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case), args.reps),
-                   # the candidate walk on (kernel_ms: the served default, CANDIDATE_TRIES), and off
-                   "walk_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case, tries=sampling.WALK_TRIES),
-                                       args.reps),
-                   "bisection_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case, tries=0), args.reps),
-                   "reference_ms": timed_ms(lambda: sampling.sample_tokens_reference(*case, filtered=True),
-                                            args.reps),
-                   "sorted_ms": timed_ms(lambda: sorted_sampler(*case), args.reps),
-                   "argmax_ms": timed_ms(lambda: logits.argmax(-1), args.reps)}
-            row["agree"] = bool(torch.equal(sampling.sample_tokens_triton(*case),
-                                            sampling.sample_tokens_reference(*case)))
+            row = {
+                "rows": n,
+                "vocab": args.vocab,
+                "mix": mix,
+                "kernel_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case), args.reps),
+                # the candidate walk on (kernel_ms: the served default, CANDIDATE_TRIES), and off
+                "walk_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case, tries=sampling.WALK_TRIES), args.reps),
+                "bisection_ms": timed_ms(lambda: sampling.sample_tokens_triton(*case, tries=0), args.reps),
+                "reference_ms": timed_ms(lambda: sampling.sample_tokens_reference(*case, filtered=True), args.reps),
+                "sorted_ms": timed_ms(lambda: sorted_sampler(*case), args.reps),
+                "argmax_ms": timed_ms(lambda: logits.argmax(-1), args.reps),
+            }
+            row["agree"] = bool(
+                torch.equal(sampling.sample_tokens_triton(*case), sampling.sample_tokens_reference(*case))
+            )
             out.append(row)
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     print(save(f"sampling-{args.name or run_info()['git_commit']}", {"config": vars(args), "rows": out}))

@@ -71,6 +71,7 @@ console = Console(width=None if sys.stdout.isatty() else 140)
 
 # -- options ------------------------------------------------------------------------------------
 
+
 def _ints(text: str) -> list[int]:
     out = [int(x) for x in text.split(",") if x.strip()]
     if not out or min(out) < 1:
@@ -90,20 +91,42 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     share (this one and serve_bench): the workers' device, dtype, model and kernels, service
     environment, deadlines, seed and state directory. check_cluster_options completes them."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="The workers' device.")
-    p.add_argument("--dtype", default="auto", help="Model dtype (float32, bfloat16, float16); auto: bfloat16 with "
-                   "--atmm, else float32. On CUDA, bf16/fp16 workers build the kernels extension on first use "
-                   "(ATMM at start, the switch kernel at the first merge) unless it is cached: build it first "
-                   "(python -m kernels.build) or use float32.")
-    p.add_argument("--model", type=Path, default=None,
-                   help="Local model directory (default: the tiny embedded model, built once if missing).")
-    p.add_argument("--arch", default="", help="A full-size architecture with random weights instead of --model "
-                   "(qwen2-vl-7b, qwen2-vl-2b): its weightless directory is written under ~/.cache/valora and the "
-                   "workers load it with VALORA_LOAD_FORMAT=dummy.")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="Model dtype (float32, bfloat16, float16); auto: bfloat16 with "
+        "--atmm, else float32. On CUDA, bf16/fp16 workers build the kernels extension on first use "
+        "(ATMM at start, the switch kernel at the first merge) unless it is cached: build it first "
+        "(python -m kernels.build) or use float32.",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="Local model directory (default: the tiny embedded model, built once if missing).",
+    )
+    p.add_argument(
+        "--arch",
+        default="",
+        help="A full-size architecture with random weights instead of --model "
+        "(qwen2-vl-7b, qwen2-vl-2b): its weightless directory is written under ~/.cache/valora and the "
+        "workers load it with VALORA_LOAD_FORMAT=dummy.",
+    )
     p.add_argument("--policy", default="", help="Scheduler policy (VALORA_POLICY; empty: default).")
-    p.add_argument("--atmm", action="store_true", help="CUDA: the workers run the multi-LoRA term on the ATMM "
-                   "extension (VALORA_USE_ATMM; bf16/fp16 only); default: the torch reference.")
-    p.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="Extra environment for every service (repeatable).")
+    p.add_argument(
+        "--atmm",
+        action="store_true",
+        help="CUDA: the workers run the multi-LoRA term on the ATMM "
+        "extension (VALORA_USE_ATMM; bf16/fp16 only); default: the torch reference.",
+    )
+    p.add_argument(
+        "--env",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Extra environment for every service (repeatable).",
+    )
     p.add_argument("--timeout-s", type=float, default=120.0, help="Deadline of one request.")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Per cluster start.")
     p.add_argument("--seed", type=int, default=0)
@@ -118,33 +141,62 @@ def check_cluster_options(p: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench") -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--workers", type=_ints, default=[1, 2, 4], help="Comma-separated worker counts, one cluster each.")
     add_cluster_options(p)
-    p.add_argument("--gpus", type=int, default=0,
-                   help="CUDA: spread workers over this many of the visible GPUs (0: all visible).")
-    p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size of every worker (VALORA_TP_SIZE): "
-                   "with --device cuda worker i gets the next block of --tp GPUs.")
+    p.add_argument(
+        "--gpus", type=int, default=0, help="CUDA: spread workers over this many of the visible GPUs (0: all visible)."
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="Tensor-parallel size of every worker (VALORA_TP_SIZE): "
+        "with --device cuda worker i gets the next block of --tp GPUs.",
+    )
     p.add_argument("--requests", type=int, default=200, help="Measured requests per worker count.")
     p.add_argument("--warmup", type=int, default=-1, help="Unmeasured requests first (-1: 2 x concurrency).")
     p.add_argument("--concurrency", type=int, default=16, help="Closed loop: requests in flight.")
-    p.add_argument("--rate", type=float, default=0.0, help="Open loop: Poisson arrivals at this rate (req/s), "
-                   "no cap on requests in flight; 0 = closed loop.")
-    p.add_argument("--load-per-worker", action="store_true", help="--concurrency/--rate, --requests and --warmup "
-                   "are per worker: N workers are offered N times them (capacity scaling at equal saturation).")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="Open loop: Poisson arrivals at this rate (req/s), no cap on requests in flight; 0 = closed loop.",
+    )
+    p.add_argument(
+        "--load-per-worker",
+        action="store_true",
+        help="--concurrency/--rate, --requests and --warmup "
+        "are per worker: N workers are offered N times them (capacity scaling at equal saturation).",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--adapters", type=int, default=4, help="Random adapters registered; requests round-robin.")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters.")
     p.add_argument("--image-size", type=int, default=56, help="Side of the square random image (pixels).")
     p.add_argument("--max-batch-size", type=int, default=0, help="Workers' VALORA_MAX_BATCH_SIZE (0: default).")
-    p.add_argument("--threads-per-worker", type=int, default=-1, help="CPU workers' torch threads (OMP_NUM_THREADS); "
-                   "-1: the cores divided among the workers (N processes of `cores` threads each thrash); 0: torch's "
-                   "default.")
-    p.add_argument("--home", type=Path, default=None, help="Cluster state + logs, one sub-directory per worker "
-                   "count (default: a temporary directory, removed unless a run fails).")
-    p.add_argument("--out", type=Path, default=None, help="Results JSON (default bench/results/scale-<device>-"
-                   "<commit>.json; a copy goes to $OUT when set).")
+    p.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=-1,
+        help="CPU workers' torch threads (OMP_NUM_THREADS); "
+        "-1: the cores divided among the workers (N processes of `cores` threads each thrash); 0: torch's "
+        "default.",
+    )
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="Cluster state + logs, one sub-directory per worker "
+        "count (default: a temporary directory, removed unless a run fails).",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Results JSON (default bench/results/scale-<device>-<commit>.json; a copy goes to $OUT when set).",
+    )
     args = p.parse_args(argv)
     check_cluster_options(p, args)
     if args.requests < 1 or args.concurrency < 1 or args.adapters < 0 or args.gpus < 0 or args.tp < 1:
@@ -156,8 +208,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.scale
 
 # -- placement ----------------------------------------------------------------------------------
 
-def gpu_plan(device: str, workers: int, gpu_ids: list[str], dtype: str, threads: int = 0, tp: int = 1
-             ) -> tuple[int, list[dict[str, str]]]:
+
+def gpu_plan(
+    device: str, workers: int, gpu_ids: list[str], dtype: str, threads: int = 0, tp: int = 1
+) -> tuple[int, list[dict[str, str]]]:
     """(distinct GPUs used, per-worker environment): cluster.worker_device_env's placement (worker
     i on gpu_ids[i % len], seen by it as its only GPU; with tp > 1 the next block of tp GPUs); CPU
     workers get `threads` torch threads each (OMP_NUM_THREADS; 0: torch's default)."""
@@ -172,6 +226,7 @@ def gpu_plan(device: str, workers: int, gpu_ids: list[str], dtype: str, threads:
 
 
 # -- workload -----------------------------------------------------------------------------------
+
 
 def random_png(rng: np.random.Generator, size: int) -> bytes:
     buf = io.BytesIO()
@@ -201,8 +256,9 @@ def random_bundles(model_path: Path, ranks: Sequence[int], seed: int) -> list[tu
         return list(pool.map(_random_bundle, itertools.repeat(shapes), ranks, seeds))
 
 
-def register_adapters(gateway: str, bundles: Sequence[tuple[bytes, str]], seed: int, prefix: str = "scale"
-                      ) -> list[str]:
+def register_adapters(
+    gateway: str, bundles: Sequence[tuple[bytes, str]], seed: int, prefix: str = "scale"
+) -> list[str]:
     """Registers (bundle, adapter_config_json) pairs (random_bundles) through the admin API as
     adapters/{prefix}-{i}, alias `bench`; returns their `adapters/{prefix}-{i}@bench` references."""
     refs = []
@@ -233,14 +289,21 @@ def random_pngs(n: int, size: int | Sequence[int], rng: np.random.Generator) -> 
         return list(pool.map(_seeded_png, seeds, sizes, chunksize=16))
 
 
-def make_requests(n: int, image_size: int, max_new_tokens: int, rng: np.random.Generator
-                  ) -> list[inf_pb.InferRequest]:
+def make_requests(n: int, image_size: int, max_new_tokens: int, rng: np.random.Generator) -> list[inf_pb.InferRequest]:
     """n requests, each with its own random image, made before the cluster starts (not while its
     GPUs idle); adapters come later (use_adapters)."""
-    return [inf_pb.InferRequest(request_id=uuid.uuid4().hex, input=inf_pb.InferenceInput(
-        prompt=f"Describe picture {i} in a few words.", images=[types_pb2.Image(data=png)],
-        output_kind=types_pb2.OUTPUT_KIND_TEXT, params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens)))
-        for i, png in enumerate(random_pngs(n, image_size, rng))]
+    return [
+        inf_pb.InferRequest(
+            request_id=uuid.uuid4().hex,
+            input=inf_pb.InferenceInput(
+                prompt=f"Describe picture {i} in a few words.",
+                images=[types_pb2.Image(data=png)],
+                output_kind=types_pb2.OUTPUT_KIND_TEXT,
+                params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens),
+            ),
+        )
+        for i, png in enumerate(random_pngs(n, image_size, rng))
+    ]
 
 
 def use_adapters(requests: list[inf_pb.InferRequest], adapters: list[str]) -> None:
@@ -263,8 +326,9 @@ class Outcome:
         return (self.done - self.sent) * 1000
 
 
-async def drive(gateway: str, requests: list[inf_pb.InferRequest], concurrency: int, rate: float,
-                timeout_s: float, seed: int) -> list[Outcome]:
+async def drive(
+    gateway: str, requests: list[inf_pb.InferRequest], concurrency: int, rate: float, timeout_s: float, seed: int
+) -> list[Outcome]:
     """Sends every request once through InferenceService.Infer (no retries: a failure is counted)."""
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(gateway, options=options) as channel:
@@ -314,29 +378,39 @@ def summarize(outcomes: list[Outcome], workers: int, gpus: int) -> dict:
     per_worker = collections.Counter(o.result.worker for o in ok)
     errors = collections.Counter(o.code for o in outcomes if o.result is None)
     return {
-        "gpus": gpus, "workers": workers,
+        "gpus": gpus,
+        "workers": workers,
         "throughput_rps": round(len(ok) / wall, 3) if wall > 0 else 0.0,
         "mean_ms": round(statistics.fmean(lat), 2) if lat else float("nan"),
         "p99_ms": round(percentile(lat, 99), 2),
         "p50_ms": round(percentile(lat, 50), 2),
-        "requests": len(outcomes), "ok": len(ok), "failed": len(outcomes) - len(ok),
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "failed": len(outcomes) - len(ok),
         "errors": dict(errors),
         "error_sample": next((f"{o.code}: {o.error}" for o in outcomes if o.result is None), ""),
         "wall_s": round(wall, 3),
-        "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
         "ttft_ms": round(statistics.fmean(o.result.first_token_ms for o in ok), 2) if ok else float("nan"),
         "queue_ms": round(statistics.fmean(o.result.queue_ms for o in ok), 2) if ok else float("nan"),
-        "per_worker": dict(sorted(per_worker.items())), "workers_used": len(per_worker),
+        "per_worker": dict(sorted(per_worker.items())),
+        "workers_used": len(per_worker),
         "modes": dict(sorted(collections.Counter(o.result.mode for o in ok).items())),
     }
 
 
 # -- one cluster per worker count ---------------------------------------------------------------
 
+
 def service_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
-    env = {"VALORA_DTYPE": args.dtype, "VALORA_DRAIN_DELAY_S": "0", "VALORA_LOG_LEVEL": "warning",
-           "VALORA_USE_ATMM": "true" if args.atmm else "false",
-           "VALORA_HOME": str(home)}  # VALORA_HOME: lets a test find every process of this run
+    env = {
+        "VALORA_DTYPE": args.dtype,
+        "VALORA_DRAIN_DELAY_S": "0",
+        "VALORA_LOG_LEVEL": "warning",
+        "VALORA_USE_ATMM": "true" if args.atmm else "false",
+        "VALORA_HOME": str(home),
+    }  # VALORA_HOME: lets a test find every process of this run
     if args.max_batch_size:
         env["VALORA_MAX_BATCH_SIZE"] = str(args.max_batch_size)
     if args.policy:
@@ -351,7 +425,8 @@ def worker_status(c: cluster_mod.Cluster, address: str) -> worker_service_pb2.Ge
     """One worker's GetWorkerStatus: its status, recent step times and decode-graph counters."""
     with c.channel(address) as channel:
         return worker_service_pb2_grpc.WorkerServiceStub(channel).GetWorkerStatus(
-            worker_service_pb2.GetWorkerStatusRequest(), timeout=10)
+            worker_service_pb2.GetWorkerStatusRequest(), timeout=10
+        )
 
 
 def message_fields(msg) -> dict:
@@ -388,13 +463,16 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int, wall_s: float
-                    ) -> tuple[dict[str, float], dict[str, float]]:
+def cpu_per_request(
+    before: dict[str, float], after: dict[str, float], requests: int, wall_s: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """(CPU ms per request, CPU cores busy) per process over the measured run: a front-end service
     near one core (its asyncio loop) caps the cluster however many GPUs serve behind it."""
     used = {k: after[k] - before[k] for k in after if k in before}
-    return ({k: round(v * 1e3 / max(1, requests), 3) for k, v in used.items()},
-            {k: round(v / wall_s, 3) if wall_s > 0 else 0.0 for k, v in used.items()})
+    return (
+        {k: round(v * 1e3 / max(1, requests), 3) for k, v in used.items()},
+        {k: round(v / wall_s, 3) if wall_s > 0 else 0.0 for k, v in used.items()},
+    )
 
 
 def log_tails(home: Path, chars: int = 1500) -> str:
@@ -415,16 +493,23 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
     threads = args.threads_per_worker
     if threads < 0:
         threads = max(1, (os.cpu_count() or 1) // workers)
-    gpus, worker_env = gpu_plan(args.device, workers, gpu_ids, args.dtype, threads if args.device == "cpu" else 0,
-                                args.tp)
+    gpus, worker_env = gpu_plan(
+        args.device, workers, gpu_ids, args.dtype, threads if args.device == "cpu" else 0, args.tp
+    )
     rng = np.random.default_rng(args.seed + workers)
     warm = make_requests(n_warmup, args.image_size, args.max_new_tokens, rng)
     measured = make_requests(n_requests, args.image_size, args.max_new_tokens, rng)
     bundles = random_bundles(model_path, [args.rank] * args.adapters, args.seed)
     t0 = time.perf_counter()
     try:
-        c = cluster_mod.start_cluster(home, workers=workers, model_path=model_path, env=service_env(args, home),
-                                      worker_env=worker_env, startup_timeout_s=args.startup_timeout_s)
+        c = cluster_mod.start_cluster(
+            home,
+            workers=workers,
+            model_path=model_path,
+            env=service_env(args, home),
+            worker_env=worker_env,
+            startup_timeout_s=args.startup_timeout_s,
+        )
         scheduler = c.by_service("scheduler")[0].address
         # healthy, not just up
         cluster_mod.wait_registered(scheduler, workers, args.startup_timeout_s, c.internal_token)
@@ -437,7 +522,8 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         pids = {p.name: p.pid for p in c.processes}
         if os.environ.get("SCALE_BENCH_MARK_DIR"):  # tells profilers (h200_session.sh's py-spy) when and whom
             Path(os.environ["SCALE_BENCH_MARK_DIR"], f"measuring-{workers}").write_text(
-                "\n".join(str(p.pid) for p in c.by_service("worker")) + "\n")
+                "\n".join(str(p.pid) for p in c.by_service("worker")) + "\n"
+            )
         cpu_before = cpu_seconds(pids)
         outcomes = asyncio.run(drive(c.gateway, measured, concurrency, rate, args.timeout_s, args.seed))
         cpu_after = cpu_seconds(pids)
@@ -446,12 +532,22 @@ def run_one(workers: int, args: argparse.Namespace, model_path: Path, home: Path
         cluster_mod.stop_cluster(home)
     row = summarize(outcomes, workers, gpus)
     row["service_cpu_ms_per_request"], row["service_cpu_cores"] = cpu_per_request(
-        cpu_before, cpu_after, len(outcomes), row["wall_s"])
-    row.update(tp=args.tp, device=args.device, dtype=args.dtype, concurrency=concurrency, rate=rate,
-               max_new_tokens=args.max_new_tokens, adapters=args.adapters, startup_s=round(startup_s, 2),
-               worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],
-               threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)), worker_steps=steps,
-               worker_decode_graphs=graphs)
+        cpu_before, cpu_after, len(outcomes), row["wall_s"]
+    )
+    row.update(
+        tp=args.tp,
+        device=args.device,
+        dtype=args.dtype,
+        concurrency=concurrency,
+        rate=rate,
+        max_new_tokens=args.max_new_tokens,
+        adapters=args.adapters,
+        startup_s=round(startup_s, 2),
+        worker_devices=[e.get("CUDA_VISIBLE_DEVICES", "cpu") for e in worker_env],
+        threads_per_worker=int(worker_env[0].get("OMP_NUM_THREADS", 0)),
+        worker_steps=steps,
+        worker_decode_graphs=graphs,
+    )
     return row
 
 
@@ -460,22 +556,46 @@ def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None
     if args.load_per_worker:
         load += " per worker"
     tp = f" tensor parallel {args.tp}," if args.tp > 1 else ""
-    table = Table(title=f"scale: {args.device} {args.dtype}, {model.name},{tp} {load}, {args.max_new_tokens} new "
-                        f"tokens, {args.adapters} adapters r{args.rank}")
-    for col in ("gpus", "workers", "ok/req", "req/s", "speedup", "tok/s", "mean ms", "p50 ms", "p99 ms",
-                "ttft ms", "per worker"):
+    table = Table(
+        title=f"scale: {args.device} {args.dtype}, {model.name},{tp} {load}, {args.max_new_tokens} new "
+        f"tokens, {args.adapters} adapters r{args.rank}"
+    )
+    for col in (
+        "gpus",
+        "workers",
+        "ok/req",
+        "req/s",
+        "speedup",
+        "tok/s",
+        "mean ms",
+        "p50 ms",
+        "p99 ms",
+        "ttft ms",
+        "per worker",
+    ):
         table.add_column(col, justify="left" if col == "per worker" else "right")
     fewest = min(r["workers"] for r in rows)
     for r in rows:
         ok = f"{r['ok']}/{r['requests']}" if r["failed"] == 0 else f"[red]{r['ok']}/{r['requests']}[/red]"
         ideal = r["workers"] / fewest
-        table.add_row(str(r["gpus"]), str(r["workers"]), ok, f"{r['throughput_rps']:.1f}",
-                      f"{r['speedup']:.2f}x / {ideal:g}x",
-                      f"{r['tokens_per_s']:.0f}", f"{r['mean_ms']:.0f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}",
-                      f"{r['ttft_ms']:.0f}", "/".join(str(v) for v in r["per_worker"].values()))
+        table.add_row(
+            str(r["gpus"]),
+            str(r["workers"]),
+            ok,
+            f"{r['throughput_rps']:.1f}",
+            f"{r['speedup']:.2f}x / {ideal:g}x",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['mean_ms']:.0f}",
+            f"{r['p50_ms']:.0f}",
+            f"{r['p99_ms']:.0f}",
+            f"{r['ttft_ms']:.0f}",
+            "/".join(str(v) for v in r["per_worker"].values()),
+        )
     console.print(table)
-    console.print("[dim]speedup: throughput / that of the fewest workers, against the ideal (worker ratio); "
-                  "per worker: successful requests each worker served (InferResult.worker)")
+    console.print(
+        "[dim]speedup: throughput / that of the fewest workers, against the ideal (worker ratio); "
+        "per worker: successful requests each worker served (InferResult.worker)"
+    )
 
 
 def default_out(device: str) -> Path:
@@ -484,18 +604,37 @@ def default_out(device: str) -> Path:
     return RESULTS / f"scale-{device}-{git_commit()[:7]}.json"
 
 
-def write_results(path: Path, rows: list[dict], args: argparse.Namespace, model: Path, wall_s: float,
-                  failures: list[dict]) -> list[Path]:
+def write_results(
+    path: Path, rows: list[dict], args: argparse.Namespace, model: Path, wall_s: float, failures: list[dict]
+) -> list[Path]:
     from bench.common import run_info  # torch: device/version metadata
 
-    info = {**run_info(), "bench": "scale", "device": args.device, "dtype": args.dtype, "model": str(model),
-            "requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency, "rate": args.rate,
-            "load_per_worker": args.load_per_worker,
-            "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "rank": args.rank,
-            "image_size": args.image_size, "max_batch_size": args.max_batch_size, "policy": args.policy,
-            "atmm": args.atmm, "arch": args.arch, "tp": args.tp, "env": dict(args.env),
-            "threads_per_worker": args.threads_per_worker,
-            "seed": args.seed, "cpu_count": os.cpu_count(), "wall_s": round(wall_s, 1)}
+    info = {
+        **run_info(),
+        "bench": "scale",
+        "device": args.device,
+        "dtype": args.dtype,
+        "model": str(model),
+        "requests": args.requests,
+        "warmup": args.warmup,
+        "concurrency": args.concurrency,
+        "rate": args.rate,
+        "load_per_worker": args.load_per_worker,
+        "max_new_tokens": args.max_new_tokens,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "image_size": args.image_size,
+        "max_batch_size": args.max_batch_size,
+        "policy": args.policy,
+        "atmm": args.atmm,
+        "arch": args.arch,
+        "tp": args.tp,
+        "env": dict(args.env),
+        "threads_per_worker": args.threads_per_worker,
+        "seed": args.seed,
+        "cpu_count": os.cpu_count(),
+        "wall_s": round(wall_s, 1),
+    }
     text = json.dumps({"info": info, "rows": rows, "failures": failures}, indent=1, default=str) + "\n"
     paths = [path.resolve()]
     if os.environ.get("OUT") and (Path(os.environ["OUT"]) / path.name).resolve() != paths[0]:
@@ -536,7 +675,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
     model = resolve_model(args)
     gpu_ids = cluster_mod.visible_gpus() if args.device == "cuda" else []
     if args.gpus:
-        gpu_ids = gpu_ids[:args.gpus]
+        gpu_ids = gpu_ids[: args.gpus]
     temp_home = args.home is None
     home = Path(tempfile.mkdtemp(prefix="valora-scale-")) if temp_home else args.home.resolve()
     rows: list[dict] = []
@@ -548,17 +687,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
             sub = home / f"w{n}"
             _, _, n_requests, n_warmup = offered_load(args, n)
             try:
-                with console.status(f"{n} worker{'s' if n > 1 else ''} on {args.device}: start, register, "
-                                    f"{n_warmup} warm-up + {n_requests} requests…"):
+                with console.status(
+                    f"{n} worker{'s' if n > 1 else ''} on {args.device}: start, register, "
+                    f"{n_warmup} warm-up + {n_requests} requests…"
+                ):
                     row = run_one(n, args, model, sub, gpu_ids)
             except Exception as err:  # noqa: BLE001 - reported, the other worker counts still run
                 console.print(f"[red]{n} workers failed: {err!r}; logs under {sub / 'logs'}:\n{log_tails(sub)}")
                 failures.append({"workers": n, "error": repr(err)[:2000]})
                 continue
             rows.append(row)
-            console.print(f"{n} workers: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, mean "
-                          f"{row['mean_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, started in {row['startup_s']:.1f} s"
-                          + (f" [red]errors {row['errors']}: {row['error_sample']}" if row["failed"] else ""))
+            console.print(
+                f"{n} workers: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, mean "
+                f"{row['mean_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms, started in {row['startup_s']:.1f} s"
+                + (f" [red]errors {row['errors']}: {row['error_sample']}" if row["failed"] else "")
+            )
     except (KeyboardInterrupt, SystemExit) as err:  # SIGINT/SIGTERM: run_one's finally stopped the cluster
         interrupted = err
         failures.append({"workers": None, "error": f"interrupted: {err!r}"})

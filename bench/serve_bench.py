@@ -68,6 +68,7 @@ TARGETS = {"closed_throughput_rps": 40.0, "gpu_busy": 0.85, "eager_decode_steps"
 
 # -- the workload -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request of the mix, before it has images and an adapter reference."""
@@ -95,9 +96,15 @@ def prompt_words(tokenizer) -> list[str]:
     return sorted(w for w in pieces if len(w) >= 3 and w[0] == " " and w[1:].isascii() and w[1:].isalpha())
 
 
-def request_mix(n: int, seed: int, words: Sequence[str], adapters: int = ADAPTERS, ranks: Sequence[int] = RANKS,
-                image_sizes: Sequence[int] = IMAGE_SIZES, max_new_tokens: Sequence[int] = MAX_NEW_TOKENS
-                ) -> list[RequestSpec]:
+def request_mix(
+    n: int,
+    seed: int,
+    words: Sequence[str],
+    adapters: int = ADAPTERS,
+    ranks: Sequence[int] = RANKS,
+    image_sizes: Sequence[int] = IMAGE_SIZES,
+    max_new_tokens: Sequence[int] = MAX_NEW_TOKENS,
+) -> list[RequestSpec]:
     """The first n requests of the mixed-vision mix (a pure function of its arguments). Request i,
     in block b = i // 16: adapter i % adapters (ranks round-robin over the adapters); image size
     image_sizes[(i + b) % 2]; three images when (i + b // 4) % 8 == 7, else one; greedy when
@@ -114,33 +121,45 @@ def request_mix(n: int, seed: int, words: Sequence[str], adapters: int = ADAPTER
         b = i // BLOCK
         rng = np.random.default_rng([seed, i])  # request i's own: a run's first requests are another's
         tokens = int(rng.integers(PROMPT_TOKENS[0], PROMPT_TOKENS[1] + 1))
-        specs.append(RequestSpec(
-            index=i, adapter=i % adapters if adapters else -1, rank=rank_of[i % adapters] if adapters else 0,
-            image_sizes=(image_sizes[(i + b) % len(image_sizes)],) * (MULTI_IMAGES if (i + b // 4) % 8 == 7 else 1),
-            prompt="".join(words[j] for j in rng.integers(0, len(words), size=tokens)), prompt_tokens=tokens,
-            max_new_tokens=max_new_tokens[i % len(max_new_tokens)], greedy=(i + b // 2) % 2 == 0,
-            seed=int(rng.integers(1, 2**63))))
+        specs.append(
+            RequestSpec(
+                index=i,
+                adapter=i % adapters if adapters else -1,
+                rank=rank_of[i % adapters] if adapters else 0,
+                image_sizes=(image_sizes[(i + b) % len(image_sizes)],) * (MULTI_IMAGES if (i + b // 4) % 8 == 7 else 1),
+                prompt="".join(words[j] for j in rng.integers(0, len(words), size=tokens)),
+                prompt_tokens=tokens,
+                max_new_tokens=max_new_tokens[i % len(max_new_tokens)],
+                greedy=(i + b // 2) % 2 == 0,
+                seed=int(rng.integers(1, 2**63)),
+            )
+        )
     return specs
 
 
 def mix_summary(specs: Sequence[RequestSpec]) -> dict:
     """How many requests of each kind (what a run sent: the results' `info.mix`)."""
+
     def count(values) -> dict[str, int]:
         return {str(k): v for k, v in sorted(collections.Counter(values).items())}
 
     return {
-        "requests": len(specs), "images": sum(len(s.image_sizes) for s in specs),
+        "requests": len(specs),
+        "images": sum(len(s.image_sizes) for s in specs),
         "images_per_request": count(len(s.image_sizes) for s in specs),
         "image_sizes": count(size for s in specs for size in s.image_sizes),
-        "ranks": count(s.rank for s in specs), "adapters": len({s.adapter for s in specs}),
+        "ranks": count(s.rank for s in specs),
+        "adapters": len({s.adapter for s in specs}),
         "max_new_tokens": count(s.max_new_tokens for s in specs),
-        "greedy": sum(s.greedy for s in specs), "top_p": sum(not s.greedy for s in specs),
+        "greedy": sum(s.greedy for s in specs),
+        "top_p": sum(not s.greedy for s in specs),
         "prompt_tokens_mean": round(statistics.fmean(s.prompt_tokens for s in specs), 2) if specs else 0.0,
     }
 
 
-def build_requests(specs: Sequence[RequestSpec], pngs: Sequence[bytes], adapters: Sequence[str]
-                   ) -> list[inf_pb.InferRequest]:
+def build_requests(
+    specs: Sequence[RequestSpec], pngs: Sequence[bytes], adapters: Sequence[str]
+) -> list[inf_pb.InferRequest]:
     """The InferRequests of `specs`, taking their images from `pngs` in order (one PNG per image
     size of every spec, in that order) and spec.adapter from `adapters` (none: the base model)."""
     images = iter(pngs)
@@ -149,9 +168,15 @@ def build_requests(specs: Sequence[RequestSpec], pngs: Sequence[bytes], adapters
         params = types_pb2.GenerationParams(max_new_tokens=s.max_new_tokens)
         if not s.greedy:
             params.temperature, params.top_p, params.seed = TEMPERATURE, TOP_P, s.seed
-        req = inf_pb.InferRequest(request_id=f"serve-{s.index}-{s.seed:x}", input=inf_pb.InferenceInput(
-            prompt=s.prompt, images=[types_pb2.Image(data=next(images)) for _ in s.image_sizes],
-            output_kind=types_pb2.OUTPUT_KIND_TEXT, params=params))
+        req = inf_pb.InferRequest(
+            request_id=f"serve-{s.index}-{s.seed:x}",
+            input=inf_pb.InferenceInput(
+                prompt=s.prompt,
+                images=[types_pb2.Image(data=next(images)) for _ in s.image_sizes],
+                output_kind=types_pb2.OUTPUT_KIND_TEXT,
+                params=params,
+            ),
+        )
         if adapters:
             req.input.adapter = adapters[s.adapter % len(adapters)]
         out.append(req)
@@ -159,6 +184,7 @@ def build_requests(specs: Sequence[RequestSpec], pngs: Sequence[bytes], adapters
 
 
 # -- loads and runs -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Load:
@@ -195,9 +221,19 @@ class GpuSampler:
         self.error = ""
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms",
-                 str(interval_ms), "-i", ",".join(gpu_ids)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                [
+                    "nvidia-smi",
+                    "--query-gpu=utilization.gpu",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    str(interval_ms),
+                    "-i",
+                    ",".join(gpu_ids),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError as exc:
             self.proc, self.error = None, repr(exc)
             return
@@ -243,8 +279,10 @@ def graph_counters(status: worker_service_pb2.GetWorkerStatusResponse | None) ->
     prefill_<counter> (None: no status)."""
     if status is None:
         return None
-    return {**{name: getattr(status.decode_graphs, name) for name in GRAPH_COUNTERS},
-            **{f"prefill_{name}": getattr(status.prefill_graphs, name) for name in GRAPH_COUNTERS}}
+    return {
+        **{name: getattr(status.decode_graphs, name) for name in GRAPH_COUNTERS},
+        **{f"prefill_{name}": getattr(status.prefill_graphs, name) for name in GRAPH_COUNTERS},
+    }
 
 
 def percentiles(values: list[float], prefix: str) -> dict[str, float]:
@@ -259,15 +297,31 @@ def summarize_run(outcomes: list[sb.Outcome], before: dict | None, after: dict |
     saw them, and the decode-graph counters' change over the run. TTFT: from sending the request
     to its first token, i.e. end to end less what the worker spent after the first token."""
     base = sb.summarize(outcomes, workers=1, gpus=0)
-    row = {k: base[k] for k in ("throughput_rps", "requests", "ok", "failed", "errors", "error_sample", "wall_s",
-                                "output_tokens", "tokens_per_s", "queue_ms", "modes")}
+    row = {
+        k: base[k]
+        for k in (
+            "throughput_rps",
+            "requests",
+            "ok",
+            "failed",
+            "errors",
+            "error_sample",
+            "wall_s",
+            "output_tokens",
+            "tokens_per_s",
+            "queue_ms",
+            "modes",
+        )
+    }
     ok = [o for o in outcomes if o.result is not None]
     row.update(percentiles([o.ms - (o.result.total_ms - o.result.first_token_ms) for o in ok], "ttft"))
     row.update(percentiles([o.ms for o in ok], "e2e"))
     row["worker_ttft_p50_ms"] = round(sb.percentile([o.result.first_token_ms for o in ok], 50), 2)
-    row.update(image_tokens=sum(o.result.image_tokens for o in ok),
-               prompt_tokens=sum(o.result.prompt_tokens for o in ok),
-               adapters_served=len({o.result.adapter_version for o in ok if o.result.adapter_version}))
+    row.update(
+        image_tokens=sum(o.result.image_tokens for o in ok),
+        prompt_tokens=sum(o.result.prompt_tokens for o in ok),
+        adapters_served=len({o.result.adapter_version for o in ok if o.result.adapter_version}),
+    )
     # a worker without decode graphs reports all counters 0 (every decode step is eager there): null
     for kind, prefix in (("decode_graphs", ""), ("prefill_graphs", "prefill_")):
         have = before is not None and after is not None and any(after[prefix + k] for k in GRAPH_COUNTERS)
@@ -276,8 +330,13 @@ def summarize_run(outcomes: list[sb.Outcome], before: dict | None, after: dict |
     return row
 
 
-def measure(c: cluster_mod.Cluster, load: Load, requests: list[inf_pb.InferRequest], args: argparse.Namespace,
-            sampler: GpuSampler | None) -> dict:
+def measure(
+    c: cluster_mod.Cluster,
+    load: Load,
+    requests: list[inf_pb.InferRequest],
+    args: argparse.Namespace,
+    sampler: GpuSampler | None,
+) -> dict:
     """One run of `requests` under `load`: its row (summarize_run), with the GPU's use over the run,
     the services' CPU per request and the worker's recent step times at its end."""
     worker = c.by_service("worker")[0].address
@@ -290,7 +349,8 @@ def measure(c: cluster_mod.Cluster, load: Load, requests: list[inf_pb.InferReque
     row["gpu_busy"] = sampler.mean(t0, t1) if sampler else None
     row["gpu_samples"] = sampler.count(t0, t1) if sampler else 0
     row["service_cpu_ms_per_request"], row["service_cpu_cores"] = sb.cpu_per_request(
-        cpu_before, cpu_after, len(outcomes), row["wall_s"])
+        cpu_before, cpu_after, len(outcomes), row["wall_s"]
+    )
     row["worker_steps"] = sb.message_fields(status.step_times) if status is not None else None
     return row
 
@@ -319,6 +379,7 @@ def spread(rows: list[dict]) -> list[dict]:
 
 # -- options and main ---------------------------------------------------------------------------
 
+
 def _floats(text: str) -> list[float]:
     out = [float(x) for x in text.split(",") if x.strip()]
     if not out or min(out) <= 0:
@@ -327,27 +388,51 @@ def _floats(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.serve_bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     sb.add_cluster_options(p)
     p.add_argument("--modes", default="closed,poisson", help="Loads to run: closed (--concurrency), poisson (--rate).")
     p.add_argument("--concurrency", type=sb._ints, default=[128], help="Closed loop: requests in flight (list).")
     p.add_argument("--rate", type=_floats, default=[30.0], help="Open loop: Poisson arrivals, req/s (list).")
     p.add_argument("--requests", type=int, default=1024, help="Measured requests of every run.")
     p.add_argument("--repeat", type=int, default=2, help="Runs of every load, back to back (two: their spread).")
-    p.add_argument("--warmup", type=int, default=-1, help="Unmeasured requests first, closed loop at the largest "
-                   "--concurrency (-1: twice that).")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=-1,
+        help="Unmeasured requests first, closed loop at the largest --concurrency (-1: twice that).",
+    )
     p.add_argument("--adapters", type=int, default=ADAPTERS, help="Random adapters registered; requests round-robin.")
     p.add_argument("--ranks", type=sb._ints, default=list(RANKS), help="LoRA ranks, round-robin over the adapters.")
-    p.add_argument("--image-sizes", type=sb._ints, default=list(IMAGE_SIZES),
-                   help="Image sides (pixels) alternating over the requests (smaller ones for CPU runs).")
+    p.add_argument(
+        "--image-sizes",
+        type=sb._ints,
+        default=list(IMAGE_SIZES),
+        help="Image sides (pixels) alternating over the requests (smaller ones for CPU runs).",
+    )
     p.add_argument("--max-new-tokens", type=sb._ints, default=list(MAX_NEW_TOKENS), help="Cycled over the requests.")
-    p.add_argument("--max-batch-size", type=int, default=-1, help="The worker's VALORA_MAX_BATCH_SIZE (-1: 64 on "
-                   "cuda, the worker's default on cpu; 0: the worker's default).")
-    p.add_argument("--home", type=Path, default=None, help="Cluster state + logs (default: a temporary directory, "
-                   "removed unless a run fails).")
-    p.add_argument("--out", type=Path, default=None, help="Results JSON (default bench/results/serve-<device>-"
-                   "<commit>.json; a copy goes to $OUT when set).")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=-1,
+        help="The worker's VALORA_MAX_BATCH_SIZE (-1: 64 on "
+        "cuda, the worker's default on cpu; 0: the worker's default).",
+    )
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="Cluster state + logs (default: a temporary directory, removed unless a run fails).",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Results JSON (default bench/results/serve-<device>-<commit>.json; a copy goes to $OUT when set).",
+    )
     args = p.parse_args(argv)
     sb.check_cluster_options(p, args)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -369,28 +454,55 @@ def default_out(device: str) -> Path:
 
 
 def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace, model: Path) -> None:
-    table = Table(title=f"serve {WORKLOAD}: {args.device} {args.dtype}, {model.name}, {args.adapters} adapters "
-                        f"r{'/'.join(map(str, args.ranks))}, {args.requests} requests a run")
-    for col in ("run", "ok/req", "req/s", "ttft p50", "ttft p99", "e2e p50", "e2e p99", "gpu busy", "eager",
-                "replays", "captures", "new keys", "failed caps", "ref lora", "prefill replays/steps"):
+    table = Table(
+        title=f"serve {WORKLOAD}: {args.device} {args.dtype}, {model.name}, {args.adapters} adapters "
+        f"r{'/'.join(map(str, args.ranks))}, {args.requests} requests a run"
+    )
+    for col in (
+        "run",
+        "ok/req",
+        "req/s",
+        "ttft p50",
+        "ttft p99",
+        "e2e p50",
+        "e2e p99",
+        "gpu busy",
+        "eager",
+        "replays",
+        "captures",
+        "new keys",
+        "failed caps",
+        "ref lora",
+        "prefill replays/steps",
+    ):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
         ok = f"{r['ok']}/{r['requests']}" if r["failed"] == 0 else f"[red]{r['ok']}/{r['requests']}[/red]"
         g = r["decode_graphs"] or {}
-        table.add_row(r["run"], ok, f"{r['throughput_rps']:.1f}", *(f"{r[k]:.0f}" for k in (
-            "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")),
+        table.add_row(
+            r["run"],
+            ok,
+            f"{r['throughput_rps']:.1f}",
+            *(f"{r[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")),
             "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.2f}",
-            *("-" if not g else str(g[k]) for k in ("eager_steps", "replays", "captures", "new_keys",
-                                                     "capture_failures", "reference_steps")),
-            "-" if not (p := r["prefill_graphs"]) else f"{p['replays']}/{p['static_steps']}")
+            *(
+                "-" if not g else str(g[k])
+                for k in ("eager_steps", "replays", "captures", "new_keys", "capture_failures", "reference_steps")
+            ),
+            "-" if not (p := r["prefill_graphs"]) else f"{p['replays']}/{p['static_steps']}",
+        )
     console.print(table)
-    console.print("[dim]ms; ttft: send to first token as the client saw it; gpu busy: nvidia-smi utilisation over "
-                  "the run; eager/replays/captures/new keys/failed caps/ref lora (steps on the torch LoRA reference): "
-                  "the worker's decode-graph counters over the run")
+    console.print(
+        "[dim]ms; ttft: send to first token as the client saw it; gpu busy: nvidia-smi utilisation over "
+        "the run; eager/replays/captures/new keys/failed caps/ref lora (steps on the torch LoRA reference): "
+        "the worker's decode-graph counters over the run"
+    )
     for s in spreads:
         colour = "green" if s["within_10pct"] else "red"
-        console.print(f"[{colour}]{s['load']}: {s['headline']} {s[s['headline']]}, spread "
-                      f"{100 * s[s['headline'] + '_spread']:.1f}%")
+        console.print(
+            f"[{colour}]{s['load']}: {s['headline']} {s[s['headline']]}, spread "
+            f"{100 * s[s['headline'] + '_spread']:.1f}%"
+        )
 
 
 @dataclass
@@ -409,8 +521,13 @@ def make_inputs(args: argparse.Namespace, model: Path, runs: int) -> Inputs:
     from transformers import AutoTokenizer
 
     words = prompt_words(AutoTokenizer.from_pretrained(model))
-    mix = dict(words=words, adapters=args.adapters, ranks=args.ranks, image_sizes=args.image_sizes,
-               max_new_tokens=args.max_new_tokens)
+    mix = dict(
+        words=words,
+        adapters=args.adapters,
+        ranks=args.ranks,
+        image_sizes=args.image_sizes,
+        max_new_tokens=args.max_new_tokens,
+    )
     warm_specs, specs = request_mix(args.warmup, args.seed + 1, **mix), request_mix(args.requests, args.seed, **mix)
     sizes = [[size for s in part for size in s.image_sizes] for part in [warm_specs, *[specs] * runs]]
     with console.status(f"{sum(map(len, sizes))} random images, {args.adapters} random adapters…"):
@@ -421,29 +538,51 @@ def make_inputs(args: argparse.Namespace, model: Path, runs: int) -> Inputs:
     return Inputs(warm_specs, specs, images[0], images[1:], bundles)
 
 
-def start(home: Path, model: Path, args: argparse.Namespace, inputs: Inputs, worker_env: list[dict[str, str]]
-          ) -> tuple[cluster_mod.Cluster, list[str], dict]:
+def start(
+    home: Path, model: Path, args: argparse.Namespace, inputs: Inputs, worker_env: list[dict[str, str]]
+) -> tuple[cluster_mod.Cluster, list[str], dict]:
     """Starts the cluster (one worker), registers the adapters (their bundles are then dropped) and
     runs the warm-up: (cluster, adapter references, times and warm-up failures)."""
     env = {"VALORA_DEVICE_SLOTS": str(max(1, args.adapters)), **sb.service_env(args, home)}  # all resident
-    with console.status(f"cluster on {args.device}: start, register {args.adapters} adapters, "
-                        f"{args.warmup} warm-up requests…"):
+    with console.status(
+        f"cluster on {args.device}: start, register {args.adapters} adapters, {args.warmup} warm-up requests…"
+    ):
         t0 = time.perf_counter()
-        c = cluster_mod.start_cluster(home, workers=1, model_path=model, env=env, worker_env=worker_env,
-                                      startup_timeout_s=args.startup_timeout_s)
-        cluster_mod.wait_registered(c.by_service("scheduler")[0].address, 1, args.startup_timeout_s,
-                                    c.internal_token)
+        c = cluster_mod.start_cluster(
+            home, workers=1, model_path=model, env=env, worker_env=worker_env, startup_timeout_s=args.startup_timeout_s
+        )
+        cluster_mod.wait_registered(c.by_service("scheduler")[0].address, 1, args.startup_timeout_s, c.internal_token)
         t1 = time.perf_counter()
         refs = sb.register_adapters(c.gateway, inputs.bundles, args.seed, prefix="serve")
         inputs.bundles = []
         t2 = time.perf_counter()
-        warm = asyncio.run(sb.drive(c.gateway, build_requests(inputs.warm_specs, inputs.warm_images, refs),
-                                    max(args.concurrency), 0.0, args.timeout_s, args.seed)) if inputs.warm_specs else []
+        warm = (
+            asyncio.run(
+                sb.drive(
+                    c.gateway,
+                    build_requests(inputs.warm_specs, inputs.warm_images, refs),
+                    max(args.concurrency),
+                    0.0,
+                    args.timeout_s,
+                    args.seed,
+                )
+            )
+            if inputs.warm_specs
+            else []
+        )
     failed = sum(o.result is None for o in warm)
     if failed:
         console.print(f"[yellow]warm-up: {failed} of {len(warm)} requests failed")
-    return c, refs, {"startup_s": round(t1 - t0, 2), "register_s": round(t2 - t1, 2),
-                     "warmup_s": round(time.perf_counter() - t2, 2), "warmup_failed": failed}
+    return (
+        c,
+        refs,
+        {
+            "startup_s": round(t1 - t0, 2),
+            "register_s": round(t2 - t1, 2),
+            "warmup_s": round(time.perf_counter() - t2, 2),
+            "warmup_failed": failed,
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,13 +612,24 @@ def main(argv: list[str] | None = None) -> int:
                 (Path(marks) / f"measuring-{i}").write_text(f"{worker_pid}\n")
             with console.status(f"{label}: {args.requests} requests…"):
                 row = measure(c, load, build_requests(inputs.specs, pngs, refs), args, sampler)
-            rows.append({"run": label, "load": load.name, "mode": load.mode, "repeat": k,
-                         "concurrency": load.concurrency, "rate": load.rate, **row})
-            console.print(f"{label}: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, TTFT "
-                          f"p50/p99 {row['ttft_p50_ms']:.0f}/{row['ttft_p99_ms']:.0f} ms, e2e p99 "
-                          f"{row['e2e_p99_ms']:.0f} ms, gpu busy {row['gpu_busy']}, eager decode steps "
-                          f"{row['eager_decode_steps']}"
-                          + (f" [red]errors {row['errors']}: {row['error_sample']}" if row["failed"] else ""))
+            rows.append(
+                {
+                    "run": label,
+                    "load": load.name,
+                    "mode": load.mode,
+                    "repeat": k,
+                    "concurrency": load.concurrency,
+                    "rate": load.rate,
+                    **row,
+                }
+            )
+            console.print(
+                f"{label}: {row['ok']}/{row['requests']} ok, {row['throughput_rps']:.1f} req/s, TTFT "
+                f"p50/p99 {row['ttft_p50_ms']:.0f}/{row['ttft_p99_ms']:.0f} ms, e2e p99 "
+                f"{row['e2e_p99_ms']:.0f} ms, gpu busy {row['gpu_busy']}, eager decode steps "
+                f"{row['eager_decode_steps']}"
+                + (f" [red]errors {row['errors']}: {row['error_sample']}" if row["failed"] else "")
+            )
             label = None
     except (KeyboardInterrupt, SystemExit) as err:  # SIGINT/SIGTERM: the finally below stops the cluster
         interrupted = err
@@ -499,25 +649,52 @@ def main(argv: list[str] | None = None) -> int:
     spreads = spread(rows)
     if rows:
         print_table(rows, spreads, args, model)
-    paths = write(args.out or default_out(args.device), rows, spreads, failures, args, model,
-                  {"gpus": gpus, "mix": mix_summary(inputs.specs), "warmup_mix": mix_summary(inputs.warm_specs),
-                   **times, "wall_s": round(time.perf_counter() - t_start, 1)})
+    paths = write(
+        args.out or default_out(args.device),
+        rows,
+        spreads,
+        failures,
+        args,
+        model,
+        {
+            "gpus": gpus,
+            "mix": mix_summary(inputs.specs),
+            "warmup_mix": mix_summary(inputs.warm_specs),
+            **times,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        },
+    )
     console.print(f"results: {', '.join(map(str, paths))}")
     if interrupted is not None:
         raise interrupted
     return 1 if failed else 0
 
 
-def write(path: Path, rows: list[dict], spreads: list[dict], failures: list[dict], args: argparse.Namespace,
-          model: Path, extra: dict) -> list[Path]:
+def write(
+    path: Path,
+    rows: list[dict],
+    spreads: list[dict],
+    failures: list[dict],
+    args: argparse.Namespace,
+    model: Path,
+    extra: dict,
+) -> list[Path]:
     from kernels.results import run_info, write_json  # torch: device/version metadata
 
-    info = {**run_info(), "bench": "serve", "workload": WORKLOAD, "model": str(model),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())},
-            "targets": TARGETS, "cpu_count": os.cpu_count(), **extra}
+    info = {
+        **run_info(),
+        "bench": "serve",
+        "workload": WORKLOAD,
+        "model": str(model),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())},
+        "targets": TARGETS,
+        "cpu_count": os.cpu_count(),
+        **extra,
+    }
     info["args"]["env"] = dict(args.env)
-    return write_json(path.with_suffix("").name, {"info": info, "rows": rows, "spread": spreads,
-                                                  "failures": failures}, path.parent)
+    return write_json(
+        path.with_suffix("").name, {"info": info, "rows": rows, "spread": spreads, "failures": failures}, path.parent
+    )
 
 
 if __name__ == "__main__":

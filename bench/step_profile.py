@@ -74,10 +74,20 @@ def summarize(k: dict[str, dict], steps: int, top: int) -> dict:
     for name, v in k.items():
         cats[category(name)] = cats.get(category(name), 0.0) + v["us"]
     ranked = sorted(k.items(), key=lambda kv: -kv[1]["us"])[:top]
-    return {"steps": steps, "device_ms_per_step": round(total / 1e3 / max(1, steps), 3),
-            "categories_ms_per_step": {c: round(us / 1e3 / max(1, steps), 3) for c, us in sorted(cats.items())},
-            "top": [{"kernel": n[:160], "category": category(n), "ms_per_step": round(v["us"] / 1e3 / max(1, steps), 3),
-                     "calls_per_step": round(v["calls"] / max(1, steps), 1)} for n, v in ranked]}
+    return {
+        "steps": steps,
+        "device_ms_per_step": round(total / 1e3 / max(1, steps), 3),
+        "categories_ms_per_step": {c: round(us / 1e3 / max(1, steps), 3) for c, us in sorted(cats.items())},
+        "top": [
+            {
+                "kernel": n[:160],
+                "category": category(n),
+                "ms_per_step": round(v["us"] / 1e3 / max(1, steps), 3),
+                "calls_per_step": round(v["calls"] / max(1, steps), 1),
+            }
+            for n, v in ranked
+        ],
+    }
 
 
 def difference(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
@@ -111,11 +121,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sizes", default="448,644", help="the two images of a pair (px)")
     ap.add_argument("--graphs", default="static", choices=("static", "auto"))
     ap.add_argument("--decode-s", type=float, default=2.0, help="seconds of decode profiled")
-    ap.add_argument("--top-p-every", type=int, default=0,
-                    help="every Nth decode row samples (temperature 1, top-p 0.9; mixed-vision has 2), 0: all greedy")
-    ap.add_argument("--sampler-tries", default="",
-                    help="also profile the decode phase with the sampler walking this many candidates, e.g. "
-                         "'6,0' (kernels/sampling.py CANDIDATE_TRIES; the same rows, one process): phases decode@N")
+    ap.add_argument(
+        "--top-p-every",
+        type=int,
+        default=0,
+        help="every Nth decode row samples (temperature 1, top-p 0.9; mixed-vision has 2), 0: all greedy",
+    )
+    ap.add_argument(
+        "--sampler-tries",
+        default="",
+        help="also profile the decode phase with the sampler walking this many candidates, e.g. "
+        "'6,0' (kernels/sampling.py CANDIDATE_TRIES; the same rows, one process): phases decode@N",
+    )
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
@@ -131,18 +148,33 @@ def main(argv: list[str] | None = None) -> dict:
         ensure_shape_model(model_dir, args.arch)
     ranks = [int(r) for r in args.ranks.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
-    eng = Engine(EngineConfig(
-        model_path=model_dir, device=args.device, dtype="bfloat16" if on_cuda else "float32",
-        load_format="dummy" if args.arch != "tiny" else "auto", max_batch_size=args.rows + 4,
-        max_prefills_per_step=2, device_slots=args.adapters + 1, decode_graphs=args.graphs,
-        prefill_graphs=args.graphs, kv_cache_bytes=(16 << 30) if on_cuda else (256 << 20),
-        max_new_tokens_limit=4096))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_dir,
+            device=args.device,
+            dtype="bfloat16" if on_cuda else "float32",
+            load_format="dummy" if args.arch != "tiny" else "auto",
+            max_batch_size=args.rows + 4,
+            max_prefills_per_step=2,
+            device_slots=args.adapters + 1,
+            decode_graphs=args.graphs,
+            prefill_graphs=args.graphs,
+            kv_cache_bytes=(16 << 30) if on_cuda else (256 << 20),
+            max_new_tokens_limit=4096,
+        )
+    )
     eng.eos_ids = set()
     eng.start()
     names = []
     for i in range(args.adapters):
-        b = random_adapter_bundle(model_dir, rank=ranks[i % len(ranks)], lora_alpha=2 * ranks[i % len(ranks)],
-                                  seed=i + 1, std=0.01, dtype=torch.bfloat16 if on_cuda else torch.float32)
+        b = random_adapter_bundle(
+            model_dir,
+            rank=ranks[i % len(ranks)],
+            lora_alpha=2 * ranks[i % len(ranks)],
+            seed=i + 1,
+            std=0.01,
+            dtype=torch.bfloat16 if on_cuda else torch.float32,
+        )
         name = f"adapters/a{i}/versions/1"
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
         names.append(name)
@@ -155,10 +187,15 @@ def main(argv: list[str] | None = None) -> dict:
                 for j, size in enumerate(sizes):
                     rid = f"p{seed}-{p}-{j}"
                     sinks[rid] = queue.Queue()
-                    req = WorkRequest(rid, "Describe the image in detail.", [image(seed * 1000 + 2 * p + j, size)],
-                                      adapter=names[(2 * p + j) % len(names)], max_new_tokens=1)
+                    req = WorkRequest(
+                        rid,
+                        "Describe the image in detail.",
+                        [image(seed * 1000 + 2 * p + j, size)],
+                        adapter=names[(2 * p + j) % len(names)],
+                        max_new_tokens=1,
+                    )
                     eng.submit(eng.prepare(req), sinks[rid].put)
-            wait({k: sinks[k] for k in list(sinks)[-len(sizes):]})
+            wait({k: sinks[k] for k in list(sinks)[-len(sizes) :]})
         return sinks
 
     pairs(1, 2)  # warm-up: kernels compiled, graphs captured, the pair's images cached for `lm`
@@ -174,15 +211,28 @@ def main(argv: list[str] | None = None) -> dict:
         pairs(3, 2)  # new images: vision + LM prefill
     both_steps = eng.runner.prefill_graphs.static_steps - steps0
     both = kernels(prof)
+
     # decode: `rows` long requests, nothing else arriving
     def sampling(i: int) -> SamplingParams:
         top_p = args.top_p_every and i % args.top_p_every == args.top_p_every - 1
         return SamplingParams(temperature=1.0, top_p=0.9, seed=i + 1) if top_p else SamplingParams()
 
-    handles = [eng.submit(eng.prepare(WorkRequest(f"d{i}", f"Tell a long story, number {i}.", [],
-                                                  adapter=names[i % len(names)], max_new_tokens=4000,
-                                                  sampling=sampling(i))),
-                          lambda ev: None) for i in range(args.rows)]
+    handles = [
+        eng.submit(
+            eng.prepare(
+                WorkRequest(
+                    f"d{i}",
+                    f"Tell a long story, number {i}.",
+                    [],
+                    adapter=names[i % len(names)],
+                    max_new_tokens=4000,
+                    sampling=sampling(i),
+                )
+            ),
+            lambda ev: None,
+        )
+        for i in range(args.rows)
+    ]
     while eng.running_count < args.rows:
         time.sleep(0.05)
     time.sleep(1.0)  # every row past its prefill, decode graphs warm
@@ -198,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     dec = kernels(prof)
     sampler_ab = {}  # the same decode rows under each sampler setting (its kernel is not in the graphs)
     from kernels import sampling as sampling_kernel
+
     default_tries = sampling_kernel.CANDIDATE_TRIES
     for tries in [int(t) for t in args.sampler_tries.split(",") if t.strip()]:
         sampling_kernel.CANDIDATE_TRIES = tries
@@ -220,11 +271,25 @@ def main(argv: list[str] | None = None) -> dict:
     eng.stop()
     scale = lm_steps / max(1, both_steps)  # per-step tables: vision = both - lm (same step counts here)
     lm_scaled = {k: {"us": v["us"] / scale, "calls": v["calls"] / scale} for k, v in lm.items()} if scale else lm
-    phases = {"decode": summarize(dec, decode_steps, args.top), "lm_prefill": summarize(lm, lm_steps, args.top),
-              "vision": summarize(difference(both, lm_scaled), both_steps, args.top),
-              "mixed": {**summarize(mixed, mixed_steps, args.top), "decode_steps": mixed_decode_steps}, **sampler_ab}
-    out = {**run_info(), "bench": "step_profile", "arch": args.arch, "graphs": args.graphs, "rows": args.rows,
-           "top_p_every": args.top_p_every, "adapters": args.adapters, "ranks": ranks, "sizes": sizes, "phases": phases}
+    phases = {
+        "decode": summarize(dec, decode_steps, args.top),
+        "lm_prefill": summarize(lm, lm_steps, args.top),
+        "vision": summarize(difference(both, lm_scaled), both_steps, args.top),
+        "mixed": {**summarize(mixed, mixed_steps, args.top), "decode_steps": mixed_decode_steps},
+        **sampler_ab,
+    }
+    out = {
+        **run_info(),
+        "bench": "step_profile",
+        "arch": args.arch,
+        "graphs": args.graphs,
+        "rows": args.rows,
+        "top_p_every": args.top_p_every,
+        "adapters": args.adapters,
+        "ranks": ranks,
+        "sizes": sizes,
+        "phases": phases,
+    }
     name = args.name or "step-profile"
     write_json(name, out, RESULTS)
     for phase, s in phases.items():

@@ -38,11 +38,16 @@ def prefill_fit(records: list[dict]) -> dict | None:
     if len(steps) < 3 or len({r["prefill_tokens"] for r in steps}) < 2:
         return None
     xy = [(r["prefill_tokens"], r["gpu_ms"]["prefill"]) for r in steps][-1500:]  # O(n^2) pairs
-    slope = statistics.median((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(xy) for x2, y2 in xy[i + 1:]
-                              if x2 != x1)
+    slope = statistics.median(
+        (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(xy) for x2, y2 in xy[i + 1 :] if x2 != x1
+    )
     intercept = statistics.median(y - slope * x for x, y in xy)
-    return {"us_per_token": round(slope * 1e3, 2), "fixed_ms": round(intercept, 2), "steps": len(steps),
-            "decode_rows": _mean(r["decode_rows"] for r in steps)}
+    return {
+        "us_per_token": round(slope * 1e3, 2),
+        "fixed_ms": round(intercept, 2),
+        "steps": len(steps),
+        "decode_rows": _mean(r["decode_rows"] for r in steps),
+    }
 
 
 def summarize(records: list[dict], start: float = 0.0, duration: float = float("inf")) -> dict:
@@ -53,8 +58,10 @@ def summarize(records: list[dict], start: float = 0.0, duration: float = float("
         return {"steps": 0}
     wall_s = records[-1]["t"] - records[0]["t"]
     out: dict = {"steps": len(records), "wall_s": round(wall_s, 3)}
-    for kind, steps in (("prefill", [r for r in records if r["prefill_rows"]]),
-                        ("decode_only", [r for r in records if not r["prefill_rows"]])):
+    for kind, steps in (
+        ("prefill", [r for r in records if r["prefill_rows"]]),
+        ("decode_only", [r for r in records if not r["prefill_rows"]]),
+    ):
         out[kind] = {
             "steps": len(steps),
             "prefill_rows": _mean(r["prefill_rows"] for r in steps),
@@ -79,8 +86,12 @@ def summarize(records: list[dict], start: float = 0.0, duration: float = float("
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
-    p.add_argument("--start", type=float, default=0.0, help="Steps from this time on (epoch seconds), e.g. when a "
-                   "measured run began.")
+    p.add_argument(
+        "--start",
+        type=float,
+        default=0.0,
+        help="Steps from this time on (epoch seconds), e.g. when a measured run began.",
+    )
     p.add_argument("--duration", type=float, default=float("inf"), help="Seconds of steps from --start.")
     p.add_argument("--json", type=Path, default=None, help="Also write the summary here.")
     args = p.parse_args(argv)

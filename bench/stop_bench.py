@@ -64,11 +64,14 @@ def main() -> None:
     rnd = random.Random(0)
     words = ["the", "cat", "sat", "on", "a", "mat", "image", "shows", "blue", "red", "and", "of"]
     # stops that share the text's words, so partial matches (the hold-back) really occur
-    stops = [" ".join(rnd.choice(words) for _ in range(args.stop_chars))[:args.stop_chars] + "#"
-             for _ in range(args.stops)]
+    stops = [
+        " ".join(rnd.choice(words) for _ in range(args.stop_chars))[: args.stop_chars] + "#" for _ in range(args.stops)
+    ]
     pieces = [" " + rnd.choice(words) for _ in range(args.tokens)]
-    rows = [{"method": name, "us_per_token": round(per_token_us(cls, stops, pieces, args.reps), 2)}
-            for name, cls in (("kmp_matchers", IncrementalDetokenizer), ("suffix_search", SuffixSearch))]
+    rows = [
+        {"method": name, "us_per_token": round(per_token_us(cls, stops, pieces, args.reps), 2)}
+        for name, cls in (("kmp_matchers", IncrementalDetokenizer), ("suffix_search", SuffixSearch))
+    ]
     for r in rows:
         print(f"{r['method']:14s} {r['us_per_token']:9.2f} µs a token")
     save(args.name, {"stops": args.stops, "stop_chars": args.stop_chars, "tokens": args.tokens, "rows": rows})

@@ -33,8 +33,15 @@ from kernels.switch import DEFAULT_CONFIG, LoraTerm, SwitchPlan, config_max_rank
 from kernels.timing import time_eager
 
 # (out, in) of the 7 projections of one Qwen/LLaMA-7B layer
-LAYER = [("q", 4096, 4096), ("k", 4096, 4096), ("v", 4096, 4096), ("o", 4096, 4096),
-         ("gate", 11008, 4096), ("up", 11008, 4096), ("down", 4096, 11008)]
+LAYER = [
+    ("q", 4096, 4096),
+    ("k", 4096, 4096),
+    ("v", 4096, 4096),
+    ("o", 4096, 4096),
+    ("gate", 11008, 4096),
+    ("up", 11008, 4096),
+    ("down", 4096, 11008),
+]
 
 
 def timed(fn, reps: int) -> float:
@@ -43,22 +50,28 @@ def timed(fn, reps: int) -> float:
 
 
 def make_adapter(shapes, r, g, dev):
-    return [LoraTerm((torch.randn(i, r, device=dev, generator=g) * 0.02).bfloat16(),
-                     (torch.randn(r, o, device=dev, generator=g) * 0.02).bfloat16(), 2.0) for o, i in shapes]
+    return [
+        LoraTerm(
+            (torch.randn(i, r, device=dev, generator=g) * 0.02).bfloat16(),
+            (torch.randn(r, o, device=dev, generator=g) * 0.02).bfloat16(),
+            2.0,
+        )
+        for o, i in shapes
+    ]
 
 
 def fill_buffer(total: int, g: torch.Generator, dev) -> torch.Tensor:
     buf = torch.empty(total, dtype=torch.bfloat16, device=dev)
     for off in range(0, total, 1 << 28):  # fill in chunks (randn on 6.5e9 elements at once needs fp32 temp)
         n = min(1 << 28, total - off)
-        buf[off:off + n].normal_(generator=g)
+        buf[off : off + n].normal_(generator=g)
     return buf
 
 
 def views(buf: torch.Tensor, shapes) -> list[torch.Tensor]:
     out, off = [], 0
     for o, i in shapes:
-        out.append(buf[off:off + o * i].view(o, i))
+        out.append(buf[off : off + o * i].view(o, i))
         off += o * i
     return out
 
@@ -67,8 +80,14 @@ def default_suffix() -> str:
     if os.environ.get("VALORA_GIT_COMMIT"):
         return os.environ["VALORA_GIT_COMMIT"][:7]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent.parent,
-                             capture_output=True, text=True, check=False, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         out = ""
     return out or "run"
@@ -142,8 +161,14 @@ def main() -> None:
     n_ad = make_adapter(shapes, args.rank, g, dev)
     neg_m = [LoraTerm(t.a, t.b, -t.scale) for t in m_ad]
     configs = [c for c in args.configs.split(",") if c] or switch_configs(torch.bfloat16)
-    res = {"layers": args.layers, "rank": args.rank, "weight_bytes": nbytes, "floor_ms": floor_ms,
-           "default_config": DEFAULT_CONFIG[torch.bfloat16], "ours": {}}
+    res = {
+        "layers": args.layers,
+        "rank": args.rank,
+        "weight_bytes": nbytes,
+        "floor_ms": floor_ms,
+        "default_config": DEFAULT_CONFIG[torch.bfloat16],
+        "ours": {},
+    }
     print(f"W: {nbytes / 1e9:.2f} GB, floor {floor_ms:.2f} ms; configs: {', '.join(configs)}", flush=True)
 
     for cfg in configs:
@@ -154,8 +179,13 @@ def main() -> None:
         sw = SwitchPlan(ws, n_ad, neg_m, config=cfg)
         tm = timed(merge.run, args.reps)
         ts = timed(sw.run, args.reps)
-        row = {"merge_ms": tm, "switch_ms": ts, "switch_over_floor": ts / floor_ms,
-               "switch_TBps": 2 * nbytes / ts / 1e9, "merge_TBps": 2 * nbytes / tm / 1e9}
+        row = {
+            "merge_ms": tm,
+            "switch_ms": ts,
+            "switch_over_floor": ts / floor_ms,
+            "switch_TBps": 2 * nbytes / ts / 1e9,
+            "merge_TBps": 2 * nbytes / tm / 1e9,
+        }
         msg = f"ours {cfg}: merge {tm:.2f} ms, one-pass switch {ts:.2f} ms ({row['switch_TBps']:.2f} TB/s)"
         if w0s is not None:
             pristine = SwitchPlan(ws, n_ad, config=cfg, sources=w0s)
@@ -197,9 +227,12 @@ def main() -> None:
     res["torch_one_pass_ms"] = timed(torch_one_pass, args.reps)
     if w0s is not None:
         res["torch_copy_addmm_ms"] = timed(torch_copy_addmm, max(3, args.reps // 2))
-    print(f"torch addmm_ merge {res['torch_addmm_merge_ms']:.2f} ms, two-pass {res['torch_two_pass_ms']:.2f} ms, "
-          f"one-pass {res['torch_one_pass_ms']:.2f} ms"
-          + (f", copy+addmm {res['torch_copy_addmm_ms']:.2f} ms" if w0s is not None else ""), flush=True)
+    print(
+        f"torch addmm_ merge {res['torch_addmm_merge_ms']:.2f} ms, two-pass {res['torch_two_pass_ms']:.2f} ms, "
+        f"one-pass {res['torch_one_pass_ms']:.2f} ms"
+        + (f", copy+addmm {res['torch_copy_addmm_ms']:.2f} ms" if w0s is not None else ""),
+        flush=True,
+    )
     if not args.no_peft:
         p = peft_merge_ms(ws, n_ad, max(3, args.reps // 2))
         res["peft_merge_ms" if isinstance(p, float) else "peft_merge_error"] = p
@@ -235,6 +268,7 @@ def main() -> None:
             def step_m():
                 for w, b, a in zip(cur, cb_m, ca_m):
                     w.addmm_(b, a)
+
         for _ in range(args.cycles):
             step_n()
             step_m()
@@ -243,8 +277,13 @@ def main() -> None:
         rel = max(((c.float() - r).norm() / r.norm()).item() for c, r in zip(cur, ref32))
         rel_fresh = max(((f.float() - r).norm() / r.norm()).item() for f, r in zip(fresh, ref32))
         changed = sum(int((c != f).sum().item()) for c, f in zip(cur, fresh)) / sum(f.numel() for f in fresh)
-        drift[impl] = {"cycles": args.cycles, "max_abs_vs_fresh_merge": diff, "rel_err_vs_fp32": rel,
-                       "fresh_merge_rel_err_vs_fp32": rel_fresh, "fraction_elements_changed": changed}
+        drift[impl] = {
+            "cycles": args.cycles,
+            "max_abs_vs_fresh_merge": diff,
+            "rel_err_vs_fp32": rel,
+            "fresh_merge_rel_err_vs_fp32": rel_fresh,
+            "fraction_elements_changed": changed,
+        }
         if impl == "ours":
             drift[impl]["config"] = best
         print(f"drift {impl}: {drift[impl]}", flush=True)
@@ -263,8 +302,10 @@ def main() -> None:
     print(f"wrote {path} and {rows_path}")
     if best is not None:
         b = res["ours"][best]
-        print(f"best: {best} switch {b['switch_ms']:.2f} ms = {b['switch_over_floor']:.2f}x floor "
-              f"(DEFAULT_CONFIG is {res['default_config']})")
+        print(
+            f"best: {best} switch {b['switch_ms']:.2f} ms = {b['switch_over_floor']:.2f}x floor "
+            f"(DEFAULT_CONFIG is {res['default_config']})"
+        )
 
 
 def flat_rows(res: dict) -> list[dict]:
@@ -274,10 +315,12 @@ def flat_rows(res: dict) -> list[dict]:
     for cfg, r in res["ours"].items():
         rows.append({"op": "switch", "impl": cfg, "ms": r["switch_ms"], "floor_ms": floor})
         rows.append({"op": "merge", "impl": cfg, "ms": r["merge_ms"], "floor_ms": floor})
-    for op, impl, key in (("switch", "torch_one_pass", "torch_one_pass_ms"),
-                          ("switch", "torch_two_pass", "torch_two_pass_ms"),
-                          ("merge", "torch_addmm_merge", "torch_addmm_merge_ms"),
-                          ("merge", "peft_merge", "peft_merge_ms")):
+    for op, impl, key in (
+        ("switch", "torch_one_pass", "torch_one_pass_ms"),
+        ("switch", "torch_two_pass", "torch_two_pass_ms"),
+        ("merge", "torch_addmm_merge", "torch_addmm_merge_ms"),
+        ("merge", "peft_merge", "peft_merge_ms"),
+    ):
         if isinstance(res.get(key), float):
             rows.append({"op": op, "impl": impl, "ms": res[key], "floor_ms": floor})
     return rows

@@ -46,15 +46,25 @@ from services.worker.tiny_model import SHAPES  # noqa: E402
 # The 13B-like shape of the issue (Llama-2-13B's decoder dimensions, Qwen2-VL's vocab and M-RoPE): the
 # language model of services.worker.tiny_model's "qwen2-vl-13b-like" architecture.
 SHAPE_13B = {k: v for k, v in SHAPES["qwen2-vl-13b-like"]["text"].items() if k != "max_position_embeddings"}
-SHAPE_TINY = dict(vocab_size=640, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, mrope_section=[4, 6, 6])
+SHAPE_TINY = dict(
+    vocab_size=640,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mrope_section=[4, 6, 6],
+)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ENV = {"NCCL_NVLS_ENABLE": "0"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.tp_bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.tp_bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--gpus", type=int, default=2, help="Largest TP world size; measures 1, 2, 4, ... up to it.")
     p.add_argument("--tp", default="", help="Comma-separated world sizes instead (e.g. 1,2).")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -93,9 +103,15 @@ def text_config(args: argparse.Namespace):
     mrope = shape.pop("mrope_section")
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    return Qwen2VLTextConfig(**shape, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
-                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return Qwen2VLTextConfig(
+        **shape,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -177,8 +193,9 @@ def measure(args: argparse.Namespace, tp, device: torch.device) -> list[dict]:
                 runtime.step = plan(rows, 1)
                 for d in range(steps):
                     p = torch.full((3, B, 1), P + d, dtype=torch.long, device=device)
-                    h = lm(input_ids=tok.view(B, 1), position_ids=p, past_key_values=cache,
-                           use_cache=True).last_hidden_state
+                    h = lm(
+                        input_ids=tok.view(B, 1), position_ids=p, past_key_values=cache, use_cache=True
+                    ).last_hidden_state
                     logits = lm_head(h[:, -1])
                     tok = tp.broadcast_(logits.argmax(-1))
                 _sync(device)
@@ -189,8 +206,11 @@ def measure(args: argparse.Namespace, tp, device: torch.device) -> list[dict]:
                     lat.append(t2 - t0)
                     pre.append(t1 - t0)
                     dec.append((t2 - t1) / max(1, steps))
-        out.append(dict(adapters=n_adapters, latencies=lat, prefill=pre, decode=dec, atmm=atmm,
-                        first_logits=first.float().cpu()))
+        out.append(
+            dict(
+                adapters=n_adapters, latencies=lat, prefill=pre, decode=dec, atmm=atmm, first_logits=first.float().cpu()
+            )
+        )
     return out
 
 
@@ -268,8 +288,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not torch.cuda.is_available():
             raise SystemExit("CUDA is not available (use --device cpu --tiny for the CPU path)")
         if max(args.world_sizes) > torch.cuda.device_count():
-            raise SystemExit(f"TP {max(args.world_sizes)} needs {max(args.world_sizes)} GPUs, "
-                             f"{torch.cuda.device_count()} visible")
+            raise SystemExit(
+                f"TP {max(args.world_sizes)} needs {max(args.world_sizes)} GPUs, {torch.cuda.device_count()} visible"
+            )
     t0 = time.monotonic()
     results = {w: run_world(args, w) for w in args.world_sizes}
     first = min(results)
@@ -280,22 +301,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ref = base[m["adapters"]]
             rows.append(_row(args, w, m, ref["first_logits"], float(np.mean(ref["latencies"]))))
     cfg = text_config(args)
-    info = {**run_info(), "bench": "scale-tp", "shape": "tiny" if args.tiny else "13b-like",
-            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-            "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
-            "world_sizes": args.world_sizes, "embeddings": "replicated", "lm_head": "replicated",
-            "lora_partition": "S-LoRA: column layers A replicated, B sharded; row layers A sharded, B replicated, "
-                              "LoRA partial sums ride on the base all-reduce",
-            "decode": "eager (no CUDA graphs), rank 0's token broadcast every step",
-            "seed": args.seed, "env": dict(ENV), "wall_s": round(time.monotonic() - t0, 1),
-            "args": {k: v for k, v in vars(args).items() if k not in ("out_dir",)}}
+    info = {
+        **run_info(),
+        "bench": "scale-tp",
+        "shape": "tiny" if args.tiny else "13b-like",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "world_sizes": args.world_sizes,
+        "embeddings": "replicated",
+        "lm_head": "replicated",
+        "lora_partition": "S-LoRA: column layers A replicated, B sharded; row layers A sharded, B replicated, "
+        "LoRA partial sums ride on the base all-reduce",
+        "decode": "eager (no CUDA graphs), rank 0's token broadcast every step",
+        "seed": args.seed,
+        "env": dict(ENV),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "args": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
+    }
     name = args.name or f"scale-tp-{args.device}-{git_commit()[:7]}"
     write_json(name, {"info": info, "rows": rows}, Path(args.out_dir))
     for r in rows:
-        print(f"tp={r['tp']} adapters={r['adapters']}: {r['throughput_rps']} req/s, mean {r['mean_ms']} ms, "
-              f"p99 {r['p99_ms']} ms, prefill {r['prefill_ms']} ms, decode step {r['decode_step_ms']} ms, "
-              f"speedup {r['speedup']}, first-token logits vs TP1 {r['first_logits_relerr_vs_tp1']}")
+        print(
+            f"tp={r['tp']} adapters={r['adapters']}: {r['throughput_rps']} req/s, mean {r['mean_ms']} ms, "
+            f"p99 {r['p99_ms']} ms, prefill {r['prefill_ms']} ms, decode step {r['decode_step_ms']} ms, "
+            f"speedup {r['speedup']}, first-token logits vs TP1 {r['first_logits_relerr_vs_tp1']}"
+        )
     return rows
 
 

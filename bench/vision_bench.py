@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             grid = grid_of(size)
             n = grid[0] * grid[1] * grid[2]
-            pixels = torch.randn(n, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, device=dev,
-                                 dtype=torch.bfloat16)
+            pixels = torch.randn(
+                n, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2, device=dev, dtype=torch.bfloat16
+            )
             grid_t = torch.tensor([grid], device=dev)
             want = visual(pixels, grid_thw=grid_t).pooler_output
             entry = tower._entry(grid, 1)
@@ -88,15 +89,25 @@ def main(argv: list[str] | None = None) -> int:
             err = (graphed.float() - want.float()).abs().max().item()
             err_eager = (eager.float() - want.float()).abs().max().item()
             flops = flops_per_image(vc, n)
-            for method, fn in (("hf", lambda: visual(pixels, grid_thw=grid_t)),
-                               ("tower_eager", lambda: tower._forward(pixels, grid, 1, entry)),
-                               ("tower_graph", lambda: tower.encode(pixels, grid))):
+            for method, fn in (
+                ("hf", lambda: visual(pixels, grid_thw=grid_t)),
+                ("tower_eager", lambda: tower._forward(pixels, grid, 1, entry)),
+                ("tower_graph", lambda: tower.encode(pixels, grid)),
+            ):
                 for _ in range(2):
                     fn()
                 host_ms, dev_ms = timed(fn, args.reps)
-                rows.append({"size": size, "patches": n, "method": method, "host_ms": round(host_ms, 3),
-                             "device_ms": round(dev_ms, 3), "tflops": round(flops / dev_ms / 1e9, 1),
-                             "max_abs_err_vs_hf": round(err if method == "tower_graph" else err_eager, 4)})
+                rows.append(
+                    {
+                        "size": size,
+                        "patches": n,
+                        "method": method,
+                        "host_ms": round(host_ms, 3),
+                        "device_ms": round(dev_ms, 3),
+                        "tflops": round(flops / dev_ms / 1e9, 1),
+                        "max_abs_err_vs_hf": round(err if method == "tower_graph" else err_eager, 4),
+                    }
+                )
                 if method == "tower_graph":  # the attention its capture measured fastest, and each one's time
                     rows[-1].update(attention=entry.attention, replay_ms_by_attention=entry.replay_ms)
                 print(rows[-1])
@@ -106,22 +117,39 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(3):
                     tower.encode(many, grid, count)
                 host_ms, dev_ms = timed(lambda: tower.encode(many, grid, count), args.reps)
-                rows.append({"size": size, "patches": n, "method": f"tower_graph_x{count}", "images": count,
-                             "host_ms": round(host_ms / count, 3), "device_ms": round(dev_ms / count, 3),
-                             "tflops": round(flops * count / dev_ms / 1e9, 1),
-                             "attention": tower.entries[(grid, count)].attention})
+                rows.append(
+                    {
+                        "size": size,
+                        "patches": n,
+                        "method": f"tower_graph_x{count}",
+                        "images": count,
+                        "host_ms": round(host_ms / count, 3),
+                        "device_ms": round(dev_ms / count, 3),
+                        "tflops": round(flops * count / dev_ms / 1e9, 1),
+                        "attention": tower.entries[(grid, count)].attention,
+                    }
+                )
                 print(rows[-1])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 tower._forward(pixels, grid, 1, entry)
                 torch.cuda.synchronize()
-            table = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()),
-                           key=lambda r: -r[1])[:15]
+            table = sorted(
+                ((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()), key=lambda r: -r[1]
+            )[:15]
             kernels[str(size)] = [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in table]
             for k in kernels[str(size)]:
                 print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {k['kernel']}")
     name = f"vision-{args.name or run_info()['git_commit']}"
-    print(write_results(name, {"config": {**vars(args), "workload": "qwen2-vl-7b vision tower, bf16, one image"},
-                               "rows": rows, "kernels": kernels}))
+    print(
+        write_results(
+            name,
+            {
+                "config": {**vars(args), "workload": "qwen2-vl-7b vision tower, bf16, one image"},
+                "rows": rows,
+                "kernels": kernels,
+            },
+        )
+    )
     return 0
 
 

@@ -13,12 +13,19 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "AtmmPlan": "kernels.atmm", "LoraWeights": "kernels.atmm", "atmm_": "kernels.atmm",
-    "SegmentPlan": "kernels.reference", "multi_lora_reference_": "kernels.reference",
+    "AtmmPlan": "kernels.atmm",
+    "LoraWeights": "kernels.atmm",
+    "atmm_": "kernels.atmm",
+    "SegmentPlan": "kernels.reference",
+    "multi_lora_reference_": "kernels.reference",
     "switch_reference_": "kernels.reference",
-    "LoraTerm": "kernels.switch", "SwitchPlan": "kernels.switch", "merge_": "kernels.switch",
-    "switch_": "kernels.switch", "unmerge_": "kernels.switch",
-    "TileConfig": "kernels.tile_table", "TileTable": "kernels.tile_table",
+    "LoraTerm": "kernels.switch",
+    "SwitchPlan": "kernels.switch",
+    "merge_": "kernels.switch",
+    "switch_": "kernels.switch",
+    "unmerge_": "kernels.switch",
+    "TileConfig": "kernels.tile_table",
+    "TileTable": "kernels.tile_table",
 }
 
 __all__ = sorted(_EXPORTS)

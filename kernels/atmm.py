@@ -34,8 +34,15 @@ import torch
 
 from kernels.build import BUILT_FOR, load_extension, unsupported_gpu
 from kernels.reference import SegmentPlan, lora_expand_reference_, multi_lora_reference_
-from kernels.tile_table import (FUSED_MAX_RANK_BLOCK, TileConfig, TileTable, find_table, fused_groups,
-                                heuristic_config, rank_block)
+from kernels.tile_table import (
+    FUSED_MAX_RANK_BLOCK,
+    TileConfig,
+    TileTable,
+    find_table,
+    fused_groups,
+    heuristic_config,
+    rank_block,
+)
 
 BT_MENU = (16, 32, 64, 128)
 MAX_RANK = 128
@@ -58,9 +65,11 @@ def extension():
         import structlog  # noqa: PLC0415
 
         structlog.get_logger().warning(
-            "kernels_extension_unsupported_gpu", capability=f"sm_{capability[0]}{capability[1]}",
+            "kernels_extension_unsupported_gpu",
+            capability=f"sm_{capability[0]}{capability[1]}",
             built_for=f"sm_{BUILT_FOR[0]}{BUILT_FOR[1]}",
-            using="torch reference LoRA, layer ops and switch; Triton paged attention where it runs")
+            using="torch reference LoRA, layer ops and switch; Triton paged attention where it runs",
+        )
         return None
     try:
         return load_extension()
@@ -81,8 +90,13 @@ class AtmmPlan:
     the reference fallback. `workspace` holds the fp32 split-K partials of x·A.
     """
 
-    def __init__(self, max_segments: int, max_tokens: int, device: torch.device | str = "cpu",
-                 workspace_floats: int | None = None):
+    def __init__(
+        self,
+        max_segments: int,
+        max_tokens: int,
+        device: torch.device | str = "cpu",
+        workspace_floats: int | None = None,
+    ):
         if max_segments < 1 or max_tokens < 1:
             raise ValueError("max_segments and max_tokens must be >= 1")
         self.device = torch.device(device)
@@ -141,8 +155,8 @@ class AtmmPlan:
         cap = self.seg_cap
         host = [0] * self.meta.numel()
         host[0] = s
-        host[1:1 + s + 1] = starts
-        host[2 + cap:2 + cap + s] = slots
+        host[1 : 1 + s + 1] = starts
+        host[2 + cap : 2 + cap + s] = slots
         tiles = {}
         for i, bt in enumerate(BT_MENU):
             base = 2 + 2 * cap + i * (cap + 1)
@@ -180,8 +194,14 @@ class LoraWeights:
     CUDA kernels' 16-byte copies and the Triton kernels' alignment hints rely on.
     """
 
-    def __init__(self, num_slots: int, h_in: int, h_out: int, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        h_in: int,
+        h_out: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ):
         if dtype not in _DTYPES and dtype != torch.float32:  # float32: the torch reference only (CPU tests)
             raise ValueError(f"dtype must be bfloat16 or float16 (float32 for the reference), got {dtype}")
         self.num_slots, self.h_in, self.h_out, self.dtype = num_slots, h_in, h_out, dtype
@@ -196,9 +216,9 @@ class LoraWeights:
         self._table = torch.zeros(num_slots * 24, dtype=torch.uint8, device=self.device)
         n8 = num_slots * 8
         self.a_ptrs = self._table[:n8].view(torch.int64)
-        self.b_ptrs = self._table[n8:2 * n8].view(torch.int64)
-        self.rank_table = self._table[2 * n8:2 * n8 + num_slots * 4].view(torch.int32)
-        self.scale_table = self._table[2 * n8 + num_slots * 4:].view(torch.float32)
+        self.b_ptrs = self._table[n8 : 2 * n8].view(torch.int64)
+        self.rank_table = self._table[2 * n8 : 2 * n8 + num_slots * 4].view(torch.int32)
+        self.scale_table = self._table[2 * n8 + num_slots * 4 :].view(torch.float32)
         self._dirty = False
         self._misaligned: set[int] = set()  # slots whose A or B does not start on 16 bytes
 
@@ -251,9 +271,9 @@ class LoraWeights:
         host = torch.empty(n * 24, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         n8 = n * 8
         host[:n8].view(torch.int64).copy_(torch.tensor([t.data_ptr() if t is not None else 0 for t in self.a]))
-        host[n8:2 * n8].view(torch.int64).copy_(torch.tensor([t.data_ptr() if t is not None else 0 for t in self.b]))
-        host[2 * n8:2 * n8 + n * 4].view(torch.int32).copy_(torch.tensor(self.ranks, dtype=torch.int32))
-        host[2 * n8 + n * 4:].view(torch.float32).copy_(torch.tensor(self.scales, dtype=torch.float32))
+        host[n8 : 2 * n8].view(torch.int64).copy_(torch.tensor([t.data_ptr() if t is not None else 0 for t in self.b]))
+        host[2 * n8 : 2 * n8 + n * 4].view(torch.int32).copy_(torch.tensor(self.ranks, dtype=torch.int32))
+        host[2 * n8 + n * 4 :].view(torch.float32).copy_(torch.tensor(self.scales, dtype=torch.float32))
         self._table.copy_(host, non_blocking=True)
         self._dirty = False
 
@@ -319,8 +339,11 @@ def _resolve(cfg: TileConfig, dtype: str, rank_stride: int, plan: AtmmPlan, toke
     key = (cfg, dtype, rank_stride)
     ids = _resolved.get(key)
     if ids is None:
-        ids = (config_id(cfg.shrink_name(dtype, rank_block(rank_stride))), config_id(cfg.expand_name(dtype)),
-               cfg.split_k)
+        ids = (
+            config_id(cfg.shrink_name(dtype, rank_block(rank_stride))),
+            config_id(cfg.expand_name(dtype)),
+            cfg.split_k,
+        )
         _resolved[key] = ids
     split_k = ids[2]
     cap = plan.workspace.numel() // max(1, tokens * rank_stride)
@@ -335,6 +358,7 @@ def triton_available() -> bool:
     if _triton_ok is None:
         try:
             from kernels import triton_sgmv  # noqa: PLC0415  (lazy: triton is optional)
+
             _triton_ok = triton_sgmv.available()
         except Exception:  # noqa: BLE001 - a broken triton install must not take the CUDA path down
             _triton_ok = False
@@ -349,17 +373,47 @@ _UNALIGNED_TRITON = TileConfig(16, 64, 3, 1, 16, 128, backend="triton")
 def _run_cuda(ext, y, x, plan, weights, config, dtype, pdl):
     rs = plan.rank_stride
     shrink_id, expand_id, split_k = _resolve(config, dtype, rs, plan, plan.num_tokens)
-    ext.atmm(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
-             weights.scale_table, plan.workspace, shrink_id, expand_id, split_k, rs,
-             plan.tiles[config.shrink_bt], plan.tiles[config.expand_bt], pdl)
+    ext.atmm(
+        y,
+        x,
+        plan.meta,
+        plan.seg_cap,
+        weights.a_ptrs,
+        weights.b_ptrs,
+        weights.rank_table,
+        weights.scale_table,
+        plan.workspace,
+        shrink_id,
+        expand_id,
+        split_k,
+        rs,
+        plan.tiles[config.shrink_bt],
+        plan.tiles[config.expand_bt],
+        pdl,
+    )
 
 
 def _run_grouped(ext, y, x, plan, weights, config, dtype, pdl):  # CUDA shrink, CUTLASS grouped-GEMM expand
     rs = plan.rank_stride
     shrink_id, _, split_k = _resolve(config, dtype, rs, plan, plan.num_tokens)
-    ext.atmm_grouped(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
-                     weights.scale_table, plan.workspace, plan.aux, shrink_id, config_id(config.grouped), split_k,
-                     rs, plan.tiles[config.shrink_bt], pdl)
+    ext.atmm_grouped(
+        y,
+        x,
+        plan.meta,
+        plan.seg_cap,
+        weights.a_ptrs,
+        weights.b_ptrs,
+        weights.rank_table,
+        weights.scale_table,
+        plan.workspace,
+        plan.aux,
+        shrink_id,
+        config_id(config.grouped),
+        split_k,
+        rs,
+        plan.tiles[config.shrink_bt],
+        pdl,
+    )
 
 
 def _run_triton(ext, y, x, plan, weights, config, dtype, pdl):
@@ -389,8 +443,22 @@ def _run_fused(ext, y, x, plan, weights, config, dtype, pdl):  # one launch: shr
     if fid is None:
         fid = _fused_ids[key] = config_id(config.fused_name(dtype, rank_block(rs)))
     groups, tiles = fused_launch_args(config, weights.h_out, plan)
-    ext.atmm_shrink(y, x, plan.meta, plan.seg_cap, weights.a_ptrs, weights.b_ptrs, weights.rank_table,
-                    weights.scale_table, plan.workspace, fid, groups, rs, tiles, pdl)
+    ext.atmm_shrink(
+        y,
+        x,
+        plan.meta,
+        plan.seg_cap,
+        weights.a_ptrs,
+        weights.b_ptrs,
+        weights.rank_table,
+        weights.scale_table,
+        plan.workspace,
+        fid,
+        groups,
+        rs,
+        tiles,
+        pdl,
+    )
 
 
 # backend name (TileConfig.backend) -> runner(ext, y, x, plan, weights, config, dtype, pdl)
@@ -402,18 +470,28 @@ def _kernel_ext(y: torch.Tensor):
     return extension() if y.is_cuda else None
 
 
-def choose_config(config: TileConfig, h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
-                  dtype: str = "bfloat16") -> TileConfig:
+def choose_config(
+    config: TileConfig, h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int, dtype: str = "bfloat16"
+) -> TileConfig:
     """`config`, or the heuristic CUDA config when it names a backend this machine (or this
     batch: the fused kernels take ranks <= 64) cannot run."""
-    if (config.backend == "triton" and not triton_available()) or \
-            (config.backend == "fused" and rank_block(rank_stride) > FUSED_MAX_RANK_BLOCK):
+    if (config.backend == "triton" and not triton_available()) or (
+        config.backend == "fused" and rank_block(rank_stride) > FUSED_MAX_RANK_BLOCK
+    ):
         return heuristic_config(h_in, h_out, rank_stride, tokens, segments, dtype=dtype)
     return config
 
 
-def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights, *,
-          config: TileConfig | None = None, table: TileTable | None = None, pdl: bool = True) -> torch.Tensor:
+def atmm_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    plan: AtmmPlan,
+    weights: LoraWeights,
+    *,
+    config: TileConfig | None = None,
+    table: TileTable | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
     """In place: y[seg] += s_k (x[seg] A_k) B_k for every segment of `plan` (see module doc).
 
     x: (T, h_in), y: (T, h_out), T = plan.num_tokens; CUDA tensors use the kernels (tile config
@@ -429,8 +507,9 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     if x.dim() != 2 or y.dim() != 2:
         raise ValueError("x and y must be 2-D (tokens, features)")
     if x.shape[1] != weights.h_in or y.shape[1] != weights.h_out:
-        raise ValueError(f"x/y features ({x.shape[1]}, {y.shape[1]}) do not match the weights "
-                         f"({weights.h_in}, {weights.h_out})")
+        raise ValueError(
+            f"x/y features ({x.shape[1]}, {y.shape[1]}) do not match the weights ({weights.h_in}, {weights.h_out})"
+        )
     tokens = plan.num_tokens
     if x.shape[0] != tokens or y.shape[0] != tokens:
         raise ValueError(f"plan covers {tokens} tokens, x has {x.shape[0]}, y has {y.shape[0]}")
@@ -447,7 +526,8 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     rs = plan.rank_stride
     if config is None:
         config = (table or default_table(x.device, x.dtype)).lookup(
-            weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
+            weights.h_in, weights.h_out, rs, tokens, plan.active_segments
+        )
     config = choose_config(config, weights.h_in, weights.h_out, rs, tokens, plan.active_segments, dtype)
     if not weights.aligned16 and config.backend != "triton":
         config = _UNALIGNED_TRITON
@@ -455,9 +535,18 @@ def atmm_(y: torch.Tensor, x: torch.Tensor, plan: AtmmPlan, weights: LoraWeights
     return y
 
 
-def atmm_expand_xa_(y: torch.Tensor, xa: torch.Tensor, cols: torch.Tensor, plan: AtmmPlan, weights: LoraWeights,
-                    *, host_cols: Sequence[int] | None = None, config: TileConfig | None = None,
-                    table: TileTable | None = None, pdl: bool = True) -> torch.Tensor:
+def atmm_expand_xa_(
+    y: torch.Tensor,
+    xa: torch.Tensor,
+    cols: torch.Tensor,
+    plan: AtmmPlan,
+    weights: LoraWeights,
+    *,
+    host_cols: Sequence[int] | None = None,
+    config: TileConfig | None = None,
+    table: TileTable | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
     """In place: y[seg] += s_k xa[seg, cols[k]:cols[k] + r_k] B_k — ATMM's expand alone, on x·A
     that something else computed: e.g. the extra output columns of a base GEMM whose weight
     carries the slots' A^T as extra rows (services/worker/atmm_backend.py "folded" projections),
@@ -485,16 +574,31 @@ def atmm_expand_xa_(y: torch.Tensor, xa: torch.Tensor, cols: torch.Tensor, plan:
     rs = plan.rank_stride
     if config is None:
         config = (table or default_table(y.device, y.dtype)).lookup(
-            weights.h_in, weights.h_out, rs, tokens, plan.active_segments)
+            weights.h_in, weights.h_out, rs, tokens, plan.active_segments
+        )
     if config.backend not in ("", "cuda", "cutlass_grouped"):  # those record the best own expand
         config = heuristic_config(weights.h_in, weights.h_out, rs, tokens, plan.active_segments, dtype=dtype)
-    ext.atmm_expand_xa(y, xa, cols, plan.meta, plan.seg_cap, weights.b_ptrs, weights.rank_table, weights.scale_table,
-                       plan.workspace, config_id(config.expand_name(dtype)), rs, plan.tiles[config.expand_bt], pdl)
+    ext.atmm_expand_xa(
+        y,
+        xa,
+        cols,
+        plan.meta,
+        plan.seg_cap,
+        weights.b_ptrs,
+        weights.rank_table,
+        weights.scale_table,
+        plan.workspace,
+        config_id(config.expand_name(dtype)),
+        rs,
+        plan.tiles[config.expand_bt],
+        pdl,
+    )
     return y
 
 
-def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scales: Sequence[float],
-                            num_slots: int | None = None) -> LoraWeights:
+def lora_weights_from_lists(
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scales: Sequence[float], num_slots: int | None = None
+) -> LoraWeights:
     """LoraWeights holding adapters k = 0..n-1 (convenience for tests and benchmarks)."""
     n = num_slots or len(a)
     w = LoraWeights(n, a[0].shape[0], b[0].shape[1], a[0].dtype, a[0].device)
@@ -503,5 +607,16 @@ def lora_weights_from_lists(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
     return w
 
 
-__all__ = ["AtmmPlan", "LoraWeights", "atmm_", "atmm_expand_xa_", "choose_config", "default_table", "extension",
-           "gpu_key", "lora_weights_from_lists", "triton_available", "use_table"]
+__all__ = [
+    "AtmmPlan",
+    "LoraWeights",
+    "atmm_",
+    "atmm_expand_xa_",
+    "choose_config",
+    "default_table",
+    "extension",
+    "gpu_key",
+    "lora_weights_from_lists",
+    "triton_available",
+    "use_table",
+]

@@ -39,6 +39,8 @@ def unsupported_gpu() -> tuple[int, int] | None:
         return None
     capability = tuple(torch.cuda.get_device_capability())
     return None if capability == BUILT_FOR else capability
+
+
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
 
 

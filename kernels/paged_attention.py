@@ -59,10 +59,10 @@ except ImportError:  # CPU machines
 
 TARGET_PROGRAMS = 2 * 132  # ~2 programs per H200 SM
 MAX_SPLITS = 16
-TILE = 64                   # tokens per inner iteration (several pages)
+TILE = 64  # tokens per inner iteration (several pages)
 BLOCK_SIZES = tuple(1 << i for i in range(3, 9))  # 8..256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 256          # padded to a power of two >= 16 inside the kernel
+MAX_HEAD_DIM = 256  # padded to a power of two >= 16 inside the kernel
 
 
 def available(device) -> bool:
@@ -87,8 +87,10 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out, rows: int | None = 
     if q.dim() != 3:
         raise ValueError(f"q must be (tokens, H, D), got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be (num_blocks, block_size, KVH, D), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, block_size, KVH, D), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     _, h, d = q.shape
     b = q.shape[0] if rows is None else rows
     _, bs, kvh, dk = k_cache.shape
@@ -99,11 +101,13 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out, rows: int | None = 
     if bs not in BLOCK_SIZES:
         raise ValueError(f"block_size must be a power of two in 8..256, got {bs}")
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share one dtype of {DTYPES}, got "
-                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise TypeError(
+            f"q, k_cache, v_cache must share one dtype of {DTYPES}, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables must be (rows={b}, max_blocks) int32, got {tuple(block_tables.shape)} "
-                         f"{block_tables.dtype}")
+        raise ValueError(
+            f"block_tables must be (rows={b}, max_blocks) int32, got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
     if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (b,):
         raise ValueError(f"seq_lens must be (rows={b},) int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
@@ -131,7 +135,7 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     group = h // kvh
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     out = torch.zeros(b, h, d, dtype=q.dtype, device=q.device)
     for i, n in enumerate(seq_lens.tolist()):
         if n <= 0:
@@ -145,6 +149,7 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
 
 
 if triton is not None:
+
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
         """a @ b with fp32 accumulation; IEEE: full fp32 products (no TF32) for fp32 inputs."""
@@ -166,12 +171,37 @@ if triton is not None:
         return acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE), l_i, m_new
 
     @triton.jit
-    def _paged_decode_split(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, po_ptr, lse_ptr, out_ptr,
-                            stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-                            stride_bt, stride_ob, stride_oh, qk_scale, H, D,
-                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr,
-                            IEEE: tl.constexpr):
+    def _paged_decode_split(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        lens_ptr,
+        po_ptr,
+        lse_ptr,
+        out_ptr,
+        stride_qb,
+        stride_qh,
+        stride_kn,
+        stride_kt,
+        stride_kh,
+        stride_vn,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        stride_ob,
+        stride_oh,
+        qk_scale,
+        H,
+        D,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr,
+        DIRECT: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -187,8 +217,11 @@ if triton is not None:
         gmask = g < GROUP
         dmask = d < D
         b64 = b.to(tl.int64)
-        q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -201,10 +234,16 @@ if triton is not None:
             page = tl.load(row_bt + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
             slot = t % BLOCK_SIZE
             lmask = tmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + page[:, None] * stride_kn + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                        mask=lmask, other=0.0)
-            v = tl.load(v_ptr + page[:, None] * stride_vn + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                        mask=lmask, other=0.0)
+            k = tl.load(
+                k_ptr + page[:, None] * stride_kn + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                mask=lmask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + page[:, None] * stride_vn + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=lmask,
+                other=0.0,
+            )
             qk = tl.where(tmask[None, :], _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))  # log2 domain
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, IEEE)  # finite max: token t0 is in range
 
@@ -212,17 +251,24 @@ if triton is not None:
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         omask = gmask[:, None] & dmask[None, :]
         if DIRECT:  # one split: the result itself
-            tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(
+                out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )
         else:
             row = (b64 * H + heads) * n_split + s  # (B, H, S) index
             tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=omask)
-            tl.store(lse_ptr + row, tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf")),
-                     mask=gmask)
+            tl.store(
+                lse_ptr + row,
+                tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf")),
+                mask=gmask,
+            )
 
     @triton.jit
-    def _paged_decode_reduce(po_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, H, S, D,
-                             S_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    def _paged_decode_reduce(
+        po_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, H, S, D, S_PAD: tl.constexpr, D_PAD: tl.constexpr
+    ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, S_PAD)
@@ -238,8 +284,9 @@ if triton is not None:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None,
-                                  tile=TILE, num_warps=4):
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, tile=TILE, num_warps=4
+):
     """The Triton path of `paged_decode_attention` on any tensors triton accepts (CUDA; CPU tensors
     under TRITON_INTERPRET=1). `tile`: tokens per inner iteration (power of two >= 16)."""
     if triton is None:
@@ -265,29 +312,58 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     else:
         po = torch.empty(b, h, s, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    qk_scale = (d ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
+    qk_scale = (d**-0.5 if scale is None else float(scale)) * math.log2(math.e)
     _paged_decode_split[(b, kvh, s)](
-        q, k_cache, v_cache, block_tables, seq_lens, po, lse, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), qk_scale, h, d,
-        GROUP=group, GROUP_PAD=group_pad, D_PAD=d_pad, BLOCK_SIZE=bs, TILE=tile, DIRECT=direct,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=2)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        po,
+        lse,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        h,
+        d,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        D_PAD=d_pad,
+        BLOCK_SIZE=bs,
+        TILE=tile,
+        DIRECT=direct,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=2,
+    )
     if not direct:
-        _paged_decode_reduce[(b, h)](po, lse, out, out.stride(0), out.stride(1), h, s, d,
-                                     S_PAD=_pow2(s), D_PAD=d_pad, num_warps=4)
+        _paged_decode_reduce[(b, h)](
+            po, lse, out, out.stride(0), out.stride(1), h, s, d, S_PAD=_pow2(s), D_PAD=d_pad, num_warps=4
+        )
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                           num_splits=None) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None
+) -> torch.Tensor:
     """Decode attention of one query token per row against a paged KV pool (module doc: semantics,
     shapes, graph safety). Triton kernels on CUDA when triton imports, else the torch reference
     (`num_splits` is then ignored). `num_splits` None: `default_num_splits(B, KVH)`. Returns out
     (B, H, D) in q's dtype (`out` when given)."""
     if available(q.device):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                             num_splits=num_splits)
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits
+        )
     ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if out is None:
         return ref
@@ -310,13 +386,17 @@ def self_check(device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
         k, v = random_pool(g, blocks, block_size, kv_heads, head_dim, device, dtype)
         tables = torch.randperm(blocks, generator=g).view(b, blocks // b).to(device, torch.int32)
         lens = torch.tensor([1, block_size + 3, blocks // b * block_size], dtype=torch.int32, device=device)
-        return (paged_decode_attention_triton(q, k, v, tables, lens, None),
-                paged_decode_attention_reference(q, k, v, tables, lens, None))
+        return (
+            paged_decode_attention_triton(q, k, v, tables, lens, None),
+            paged_decode_attention_reference(q, k, v, tables, lens, None),
+        )
+
     return compare_with_reference(run, dtype)
 
 
-def random_pool(g: torch.Generator, blocks: int, block_size: int, kv_heads: int, head_dim: int, device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def random_pool(
+    g: torch.Generator, blocks: int, block_size: int, kv_heads: int, head_dim: int, device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random keys and values (blocks, block_size, kv_heads, head_dim) from the CPU generator `g`,
     strided as one layer of the engine's block-major pool (services/worker/kv_cache.KVPool: a block
     holds every layer's keys and values), so a self check meets the strides the engine passes."""
@@ -337,5 +417,11 @@ def compare_with_reference(run, dtype: torch.dtype) -> str | None:
     return None if err <= tol else f"max error {err:.3g} over {tol}"
 
 
-__all__ = ["available", "default_num_splits", "paged_decode_attention", "paged_decode_attention_reference",
-           "paged_decode_attention_triton", "self_check"]
+__all__ = [
+    "available",
+    "default_num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_decode_attention_triton",
+    "self_check",
+]

@@ -96,19 +96,24 @@ def default_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
     block_m at least the group (one token's heads)."""
     wide = dtype == torch.float32 or head_dim > 128
     block_m = max(64 if wide else 128, _pow2(group))
-    return {"block_m": block_m, "tile_n": 32 if wide else 64,
-            "num_warps": 8 if block_m >= 128 and head_dim >= 128 else 4, "num_stages": 2 if wide else 3}
+    return {
+        "block_m": block_m,
+        "tile_n": 32 if wide else 64,
+        "num_warps": 8 if block_m >= 128 and head_dim >= 128 else 4,
+        "num_stages": 2 if wide else 3,
+    }
 
 
-def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale,
-                                      out=None) -> torch.Tensor:
+def paged_prefill_attention_reference(
+    q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, out=None
+) -> torch.Tensor:
     """The semantics in pure torch (any device; reads cu_q and seq_lens on the host): per row,
     gather its context from its pages, scores of its query tokens against it with the
     offset-causal mask, fp32 softmax, GQA by viewing the query heads as (KVH, group). Writes the
     rows' tokens of `out` (zeros elsewhere when out is None) and returns it."""
     r, h, kvh, d, bs = _check_prefill(q, k_cache, v_cache, block_tables, cu_q, seq_lens, out)
     group = h // kvh
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     if out is None:
         out = torch.zeros_like(q)
     starts, lens = cu_q.tolist(), seq_lens.tolist()
@@ -126,20 +131,41 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_q, s
         keys = torch.arange(length, device=q.device)
         for j0 in range(0, n, REFERENCE_QUERY_CHUNK):
             j1 = min(n, j0 + REFERENCE_QUERY_CHUNK)
-            qi = q[a + j0:a + j1].float().view(j1 - j0, kvh, group, d)
+            qi = q[a + j0 : a + j1].float().view(j1 - j0, kvh, group, d)
             s = torch.einsum("nkgd,lkd->kgnl", qi, k) * scale
             pos = length - n + torch.arange(j0, j1, device=q.device)
             s = s.masked_fill(keys[None, :] > pos[:, None], float("-inf"))
             o = torch.einsum("kgnl,lkd->nkgd", torch.softmax(s, dim=-1), v)
-            out[a + j0:a + j1] = o.reshape(j1 - j0, h, d).to(q.dtype)
+            out[a + j0 : a + j1] = o.reshape(j1 - j0, h, d).to(q.dtype)
     return out
 
 
 if triton is not None:
+
     @triton.jit
-    def _attend_keys(acc, l_i, m_i, q, k_ptr, v_ptr, row_bt, t0, kv_end, q_pos, qk_scale, stride_kn, stride_kt,
-                     stride_vn, stride_vt, D, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    def _attend_keys(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptr,
+        v_ptr,
+        row_bt,
+        t0,
+        kv_end,
+        q_pos,
+        qk_scale,
+        stride_kn,
+        stride_kt,
+        stride_vn,
+        stride_vt,
+        D,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """One TILE_N step of the online softmax over keys t0.. of the row (k_ptr, v_ptr already at
         the KV head). CAUSAL: mask keys past each M row's position (and the loads past kv_end)."""
         t = t0 + tl.arange(0, TILE_N)
@@ -160,11 +186,36 @@ if triton is not None:
         return _softmax_step(acc, l_i, m_i, qk, v, IEEE)  # finite max: every M row sees a key by its first tile
 
     @triton.jit
-    def _paged_prefill(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
-                       stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-                       stride_bt, stride_ot, stride_oh, qk_scale, R, D,
-                       GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr):
+    def _paged_prefill(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        cu_ptr,
+        lens_ptr,
+        out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kn,
+        stride_kt,
+        stride_kh,
+        stride_vn,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        R,
+        D,
+        GROUP: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles (the longest walks) start first
         kvh = tl.program_id(1)
         # the row of tile number pid: the last i with cu_q[i] // BLOCK_Q + i <= pid (row 0 starts at 0)
@@ -202,20 +253,75 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         for t0 in range(0, full_end, TILE_N):
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_head, v_head, row_bt, t0, kv_end, q_pos, qk_scale,
-                                         stride_kn, stride_kt, stride_vn, stride_vt, D, D_PAD, BLOCK_SIZE, TILE_N,
-                                         False, IEEE)
+            acc, l_i, m_i = _attend_keys(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_head,
+                v_head,
+                row_bt,
+                t0,
+                kv_end,
+                q_pos,
+                qk_scale,
+                stride_kn,
+                stride_kt,
+                stride_vn,
+                stride_vt,
+                D,
+                D_PAD,
+                BLOCK_SIZE,
+                TILE_N,
+                False,
+                IEEE,
+            )
         for t0 in range(full_end, kv_end, TILE_N):
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_head, v_head, row_bt, t0, kv_end, q_pos, qk_scale,
-                                         stride_kn, stride_kt, stride_vn, stride_vt, D, D_PAD, BLOCK_SIZE, TILE_N,
-                                         True, IEEE)
+            acc, l_i, m_i = _attend_keys(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_head,
+                v_head,
+                row_bt,
+                t0,
+                kv_end,
+                q_pos,
+                qk_scale,
+                stride_kn,
+                stride_kt,
+                stride_vn,
+                stride_vt,
+                D,
+                D_PAD,
+                BLOCK_SIZE,
+                TILE_N,
+                True,
+                IEEE,
+            )
         o = acc / l_i[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qmask)
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=qmask,
+        )
 
 
-def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_q, seq_lens, scale, out=None, block_m=None,
-                                   tile_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
+def paged_prefill_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_q,
+    seq_lens,
+    scale,
+    out=None,
+    block_m=None,
+    tile_n=None,
+    num_warps=None,
+    num_stages=None,
+) -> torch.Tensor:
     """The Triton path of `paged_prefill_attention` on any tensors triton accepts (CUDA; CPU tensors
     under TRITON_INTERPRET=1). block_m (stacked (token, head) rows a program, a power of two >=
     max(16, group)), tile_n (keys a step, a power of two >= 16), num_warps, num_stages: None takes
@@ -227,8 +333,13 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_q, seq_
         raise ValueError(f"head dim {d} > {MAX_HEAD_DIM} (the kernel keeps a (BLOCK_M, D) accumulator in registers)")
     group = h // kvh
     cfg = default_config(q.dtype, d, group)
-    cfg.update({k: v for k, v in {"block_m": block_m, "tile_n": tile_n, "num_warps": num_warps,
-                                  "num_stages": num_stages}.items() if v is not None})
+    cfg.update(
+        {
+            k: v
+            for k, v in {"block_m": block_m, "tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages}.items()
+            if v is not None
+        }
+    )
     bm, tn = cfg["block_m"], cfg["tile_n"]
     if bm < max(16, group) or bm & (bm - 1):
         raise ValueError(f"block_m must be a power of two >= max(16, group {group}), got {bm}")
@@ -240,14 +351,39 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_q, seq_
     if t == 0 or r == 0 or h == 0:
         return out
     block_q = bm // group
-    qk_scale = (d ** -0.5 if scale is None else float(scale)) * math.log2(math.e)
+    qk_scale = (d**-0.5 if scale is None else float(scale)) * math.log2(math.e)
     _paged_prefill[(t // block_q + r, kvh)](
-        q, k_cache, v_cache, block_tables, cu_q, seq_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), qk_scale, r, d,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=bm, D_PAD=_pow2(max(d, 16)), BLOCK_SIZE=bs, TILE_N=tn,
-        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_q,
+        seq_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        r,
+        d,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=bm,
+        D_PAD=_pow2(max(d, 16)),
+        BLOCK_SIZE=bs,
+        TILE_N=tn,
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     return out
 
 
@@ -279,10 +415,19 @@ def self_check(device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
         tables = torch.randperm(blocks, generator=g).view(3, blocks // 3).to(device, torch.int32)
         cu_q = torch.tensor([0, n[0], n[0] + n[1], sum(n)], dtype=torch.int32, device=device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        return (paged_prefill_attention_triton(q, k, v, tables, cu_q, seq_lens, None),
-                paged_prefill_attention_reference(q, k, v, tables, cu_q, seq_lens, None))
+        return (
+            paged_prefill_attention_triton(q, k, v, tables, cu_q, seq_lens, None),
+            paged_prefill_attention_reference(q, k, v, tables, cu_q, seq_lens, None),
+        )
+
     return compare_with_reference(run, dtype)
 
 
-__all__ = ["available", "default_config", "paged_prefill_attention", "paged_prefill_attention_reference",
-           "paged_prefill_attention_triton", "self_check"]
+__all__ = [
+    "available",
+    "default_config",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "paged_prefill_attention_triton",
+    "self_check",
+]

@@ -86,13 +86,14 @@ def lora_expand_reference_(
         if k < 0 or hi == lo:
             continue
         r = b[k].shape[0]
-        delta = xa[lo:hi, cols[k]:cols[k] + r].float() @ b[k].float()
+        delta = xa[lo:hi, cols[k] : cols[k] + r].float() @ b[k].float()
         y[lo:hi] = (y[lo:hi].float() + scales[k] * delta).to(y.dtype)
     return y
 
 
-def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor,
-                      src: torch.Tensor | None = None) -> torch.Tensor:
+def switch_reference_(
+    w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor, src: torch.Tensor | None = None
+) -> torch.Tensor:
     """W = src + B_cat @ A_cat (src defaults to W: in place), fp32 accumulate, one rounding (the
     switcher's one-pass merge/unmerge/switch; with src = a pristine copy W0, the one-pass merge).
 
@@ -106,6 +107,7 @@ def switch_reference_(w: torch.Tensor, b_cat: torch.Tensor, a_cat: torch.Tensor,
 
 # -- decoder-layer elementwise ops (kernels/csrc/layer_ops.cu): HF Qwen2/Qwen2-VL's own expressions,
 # so a layer built on these equals the HF layer exactly on CPU; the CUDA kernels round where these do.
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen2RMSNorm: w * (x / rms(x)) computed in fp32, normalised value rounded to x's dtype."""

@@ -26,8 +26,9 @@ def git_commit() -> str:
     if os.environ.get("VALORA_GIT_COMMIT"):
         return os.environ["VALORA_GIT_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=False).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         out = ""
     return out or "unknown"
@@ -35,8 +36,13 @@ def git_commit() -> str:
 
 def _driver_version() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=20,
+        )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -46,8 +52,13 @@ def run_info() -> dict:
     """Date, GPU, torch/CUDA/triton versions, git commit."""
     import torch  # noqa: PLC0415
 
-    info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version(), "git_commit": git_commit()}
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+    }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm=f"{p.major}{p.minor}", sms=p.multi_processor_count, driver=_driver_version())

@@ -82,8 +82,9 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.T
     return (h.to(torch.float32) + 0.5) / float(1 << 31)
 
 
-def _kept_reference(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
-                    ) -> torch.Tensor:
+def _kept_reference(
+    scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """(rows, vocab) bool: the tokens the filters keep (module doc), from fp32 scores."""
     rows, vocab = scores.shape
     m = scores.max(-1, keepdim=True).values
@@ -103,9 +104,16 @@ def _kept_reference(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tens
     return (scores >= tau[:, None]) & (e >= min_p[:, None])  # exp >= 0 >= a min_p of 0: off
 
 
-def sample_tokens_reference(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                            top_k: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor,
-                            counters: torch.Tensor, filtered: bool | None = None) -> torch.Tensor:
+def sample_tokens_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor,
+    seed: torch.Tensor,
+    counters: torch.Tensor,
+    filtered: bool | None = None,
+) -> torch.Tensor:
     """The semantics (module doc) in torch: (rows,) int64 tokens. `filtered`: whether any row
     filters (None: read from the tensors, a device sync on CUDA)."""
     greedy = logits.argmax(-1)
@@ -120,6 +128,7 @@ def sample_tokens_reference(logits: torch.Tensor, temperature: torch.Tensor, top
 
 
 if triton is not None:
+
     @triton.jit
     def _mix_tl(h):
         h = h ^ (h >> 16)
@@ -159,9 +168,22 @@ if triton is not None:
         return tl.min(tl.where(best == tl.max(best, 0), best_i, 2147483647), 0)
 
     @triton.jit
-    def _sample_kernel(logits, stride, vocab, temperature, top_p, top_k, min_p, seed, counters, out,
-                       MIN_T: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
-                       TRIES: tl.constexpr):
+    def _sample_kernel(
+        logits,
+        stride,
+        vocab,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        seed,
+        counters,
+        out,
+        MIN_T: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STEPS: tl.constexpr,
+        TRIES: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * stride
         offs = tl.arange(0, BLOCK)
@@ -276,9 +298,17 @@ def available(device) -> bool:
     return triton is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                         top_k: torch.Tensor, min_p: torch.Tensor, seed: torch.Tensor, counters: torch.Tensor,
-                         out: torch.Tensor | None = None, tries: int | None = None) -> torch.Tensor:
+def sample_tokens_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor,
+    seed: torch.Tensor,
+    counters: torch.Tensor,
+    out: torch.Tensor | None = None,
+    tries: int | None = None,
+) -> torch.Tensor:
     """The kernel (one program per row): (rows,) int64 tokens (`out` when given; `tries`: the
     candidates tested before the bisection, module doc; None: CANDIDATE_TRIES as it is now)."""
     tries = CANDIDATE_TRIES if tries is None else tries
@@ -288,17 +318,37 @@ def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, top_p:
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, logits.stride(0), vocab, temperature.float().contiguous(),
-                                top_p.float().contiguous(), top_k.long().contiguous(),
-                                min_p.float().contiguous(), seed.long().contiguous(),
-                                counters.long().contiguous(), out, MIN_T=MIN_TEMPERATURE, BLOCK=BLOCK,
-                                STEPS=SEARCH_STEPS, TRIES=tries, num_warps=8)
+        _sample_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            vocab,
+            temperature.float().contiguous(),
+            top_p.float().contiguous(),
+            top_k.long().contiguous(),
+            min_p.float().contiguous(),
+            seed.long().contiguous(),
+            counters.long().contiguous(),
+            out,
+            MIN_T=MIN_TEMPERATURE,
+            BLOCK=BLOCK,
+            STEPS=SEARCH_STEPS,
+            TRIES=tries,
+            num_warps=8,
+        )
     return out
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                  min_p: torch.Tensor, seed: torch.Tensor, counters: torch.Tensor, kernel: bool = True,
-                  filtered: bool | None = None) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor,
+    seed: torch.Tensor,
+    counters: torch.Tensor,
+    kernel: bool = True,
+    filtered: bool | None = None,
+) -> torch.Tensor:
     """(rows,) int64 tokens (module doc): the Triton kernel when `kernel` and it can run here,
     else the torch reference (`filtered` as there)."""
     if kernel and available(logits.device):
@@ -306,14 +356,23 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     return sample_tokens_reference(logits, temperature, top_p, top_k, min_p, seed, counters, filtered)
 
 
-def random_case(g: torch.Generator, rows: int, vocab: int, device, dtype: torch.dtype = torch.float32,
-                scale: float = 3.0) -> tuple[torch.Tensor, ...]:
+def random_case(
+    g: torch.Generator, rows: int, vocab: int, device, dtype: torch.dtype = torch.float32, scale: float = 3.0
+) -> tuple[torch.Tensor, ...]:
     """Logits and per-row parameters cycling greedy / temperature / top-p / top-k / min-p /
     everything at once, from the CPU generator `g` (self_check and the tests' inputs)."""
     logits = (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
     logits[:, ::7] = logits[:, 3:4]  # ties, as bf16 logits have them
-    kinds = [(0.0, 1.0, 0, 0.0), (0.8, 1.0, 0, 0.0), (1.0, 0.9, 0, 0.0), (1.3, 1.0, 40, 0.0),
-             (0.7, 1.0, 0, 0.05), (1.1, 0.5, 200, 0.01), (1.0, 1e-3, 0, 0.0), (1.0, 1.0, vocab + 5, 0.0)]
+    kinds = [
+        (0.0, 1.0, 0, 0.0),
+        (0.8, 1.0, 0, 0.0),
+        (1.0, 0.9, 0, 0.0),
+        (1.3, 1.0, 40, 0.0),
+        (0.7, 1.0, 0, 0.05),
+        (1.1, 0.5, 200, 0.01),
+        (1.0, 1e-3, 0, 0.0),
+        (1.0, 1.0, vocab + 5, 0.0),
+    ]
     cols = list(zip(*(kinds[i % len(kinds)] for i in range(rows))))
     temperature = torch.tensor(cols[0], dtype=torch.float32)
     top_p = torch.tensor(cols[1], dtype=torch.float32)
@@ -341,5 +400,14 @@ def self_check(device) -> str | None:
     return None if bad <= 1 else f"{bad} of {got.numel()} tokens differ from the reference"
 
 
-__all__ = ["MIN_TEMPERATURE", "available", "random_case", "row_keys", "sample_tokens", "sample_tokens_reference",
-           "sample_tokens_triton", "self_check", "uniforms"]
+__all__ = [
+    "MIN_TEMPERATURE",
+    "available",
+    "random_case",
+    "row_keys",
+    "sample_tokens",
+    "sample_tokens_reference",
+    "sample_tokens_triton",
+    "self_check",
+    "uniforms",
+]

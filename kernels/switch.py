@@ -28,14 +28,30 @@ from kernels.atmm import extension
 from kernels.reference import switch_reference_
 
 # SwitchDesc in kernels/csrc/atmm_api.h (80 bytes)
-_DESC = np.dtype([("w", "<i8"), ("a1", "<i8"), ("b1", "<i8"), ("a2", "<i8"), ("b2", "<i8"), ("M", "<i4"),
-                  ("N", "<i4"), ("r1", "<i4"), ("r2", "<i4"), ("s1", "<f4"), ("s2", "<f4"), ("tile_begin", "<i8"),
-                  ("src", "<i8")])
+_DESC = np.dtype(
+    [
+        ("w", "<i8"),
+        ("a1", "<i8"),
+        ("b1", "<i8"),
+        ("a2", "<i8"),
+        ("b2", "<i8"),
+        ("M", "<i4"),
+        ("N", "<i4"),
+        ("r1", "<i4"),
+        ("r2", "<i4"),
+        ("s1", "<f4"),
+        ("s2", "<f4"),
+        ("tile_begin", "<i8"),
+        ("src", "<i8"),
+    ]
+)
 assert _DESC.itemsize == 80
 # Fastest on the H200 (bench/results/switch-9fae01b.json: 8.67 ms one-pass switch of the 7B shape vs
 # 10.99 for the first kernel); bench/switch_bench.py times every compiled config.
-DEFAULT_CONFIG = {torch.bfloat16: "switch_bf16_pipe_bm128_bn64_s4_t256",
-                  torch.float16: "switch_fp16_pipe_bm128_bn64_s4_t256"}
+DEFAULT_CONFIG = {
+    torch.bfloat16: "switch_bf16_pipe_bm128_bn64_s4_t256",
+    torch.float16: "switch_fp16_pipe_bm128_bn64_s4_t256",
+}
 # Handles every rank the API accepts (two terms of rank 128): used when DEFAULT_CONFIG cannot.
 FALLBACK_CONFIG = {torch.bfloat16: "switch_bf16_bm64_bn128", torch.float16: "switch_fp16_bm64_bn128"}
 _DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -93,8 +109,10 @@ def _term_info(w_shape, w_dtype, w_dev: int, t: LoraTerm, i: int) -> tuple[int, 
     out, inp = w_shape
     r = ash[1] if len(ash) == 2 else -1
     if r < 0 or ash[0] != inp or len(bsh) != 2 or bsh[0] != r or bsh[1] != out:
-        raise ValueError(f"matrix {i}: W is {tuple(w_shape)}, A must be ({inp}, r) and B (r, {out}); "
-                         f"got {tuple(ash)} and {tuple(bsh)}")
+        raise ValueError(
+            f"matrix {i}: W is {tuple(w_shape)}, A must be ({inp}, r) and B (r, {out}); "
+            f"got {tuple(ash)} and {tuple(bsh)}"
+        )
     if r % 8 or r > 128:
         raise ValueError(f"matrix {i}: rank must be a multiple of 8, at most 128; got {r}")
     for name, x in (("A", a), ("B", b)):
@@ -103,8 +121,12 @@ def _term_info(w_shape, w_dtype, w_dev: int, t: LoraTerm, i: int) -> tuple[int, 
     return a.data_ptr(), b.data_ptr(), r
 
 
-def _collect(weights: Sequence[torch.Tensor], first: Sequence[LoraTerm | None],
-             second: Sequence[LoraTerm | None], sources: Sequence[torch.Tensor]) -> dict[str, list]:
+def _collect(
+    weights: Sequence[torch.Tensor],
+    first: Sequence[LoraTerm | None],
+    second: Sequence[LoraTerm | None],
+    sources: Sequence[torch.Tensor],
+) -> dict[str, list]:
     """Checked descriptor columns (all but tile_begin), one pass over the inputs."""
     n = len(weights)
     cols: dict[str, list] = {k: [0] * n for k in _DESC.names}
@@ -121,8 +143,9 @@ def _collect(weights: Sequence[torch.Tensor], first: Sequence[LoraTerm | None],
             cols["src"][i] = cols["w"][i]
         else:
             if src.shape != shape or src.dtype != dtype or src.get_device() != dev or not src.is_contiguous():
-                raise ValueError(f"matrix {i}: the source must be a contiguous {dtype} {tuple(shape)} tensor "
-                                 f"on {w.device}")
+                raise ValueError(
+                    f"matrix {i}: the source must be a contiguous {dtype} {tuple(shape)} tensor on {w.device}"
+                )
             cols["src"][i] = src.data_ptr()
         for tag, t in (("1", t1), ("2", t2)):
             if t is not None:
@@ -145,9 +168,14 @@ def _finish(cols: dict[str, list], bm: int, bn: int) -> tuple[np.ndarray, int, i
     return descs, tiles, rmax
 
 
-def pack_descriptors(weights: Sequence[torch.Tensor], first: Sequence[LoraTerm | None],
-                     second: Sequence[LoraTerm | None], sources: Sequence[torch.Tensor], bm: int,
-                     bn: int) -> tuple[np.ndarray, int, int]:
+def pack_descriptors(
+    weights: Sequence[torch.Tensor],
+    first: Sequence[LoraTerm | None],
+    second: Sequence[LoraTerm | None],
+    sources: Sequence[torch.Tensor],
+    bm: int,
+    bn: int,
+) -> tuple[np.ndarray, int, int]:
     """SwitchDesc rows (numpy, `_DESC`), total BM x BN tiles, max padded total rank (>= 16).
 
     A missing term packs as rank 0 (null pointers); the source pointer is packed for every matrix
@@ -165,11 +193,19 @@ class SwitchPlan:
     pointers (80 bytes per matrix) and copies them to the device once.
     """
 
-    def __init__(self, weights: Sequence[torch.Tensor], first: Sequence[LoraTerm | None],
-                 second: Sequence[LoraTerm | None] | None = None, config: str | None = None,
-                 sources: Sequence[torch.Tensor] | None = None):
-        if len(first) != len(weights) or (second is not None and len(second) != len(weights)) or (
-                sources is not None and len(sources) != len(weights)):
+    def __init__(
+        self,
+        weights: Sequence[torch.Tensor],
+        first: Sequence[LoraTerm | None],
+        second: Sequence[LoraTerm | None] | None = None,
+        config: str | None = None,
+        sources: Sequence[torch.Tensor] | None = None,
+    ):
+        if (
+            len(first) != len(weights)
+            or (second is not None and len(second) != len(weights))
+            or (sources is not None and len(sources) != len(weights))
+        ):
             raise ValueError("one term per weight matrix (and one source per matrix when given)")
         if not weights:
             raise ValueError("no weights")
@@ -188,8 +224,10 @@ class SwitchPlan:
         self.descs, self.total_tiles, self.rmax = _finish(cols, *config_tiles(self.config))
         if self.rmax > config_max_rank(self.config):
             if config is not None:
-                raise ValueError(f"{config} handles padded total ranks up to {config_max_rank(config)}, "
-                                 f"this switch needs {self.rmax}")
+                raise ValueError(
+                    f"{config} handles padded total ranks up to {config_max_rank(config)}, "
+                    f"this switch needs {self.rmax}"
+                )
             self.config = FALLBACK_CONFIG[dtype]
             self.descs, self.total_tiles, self.rmax = _finish(cols, *config_tiles(self.config))
         if self.ext is not None:
@@ -224,8 +262,9 @@ class SwitchPlan:
         self.ext.switch_packed(self.work, len(self.weights), self.total_tiles, self.rmax, self.config_id, pdl)
 
 
-def merge_(weights: Sequence[torch.Tensor], terms: Sequence[LoraTerm],
-           sources: Sequence[torch.Tensor] | None = None) -> None:
+def merge_(
+    weights: Sequence[torch.Tensor], terms: Sequence[LoraTerm], sources: Sequence[torch.Tensor] | None = None
+) -> None:
     """W_i = S_i + s·(A_i·B_i)^T for each matrix (S = W: in place), one launch."""
     SwitchPlan(weights, terms, sources=sources).run()
 

@@ -33,18 +33,37 @@ from pathlib import Path
 import torch
 
 from kernels import triton_sgmv
-from kernels.atmm import (AtmmPlan, atmm_, config_id, extension, fused_launch_args, lora_weights_from_lists,
-                          triton_available)
+from kernels.atmm import (
+    AtmmPlan,
+    atmm_,
+    config_id,
+    extension,
+    fused_launch_args,
+    lora_weights_from_lists,
+    triton_available,
+)
 from kernels.results import write_results
 from kernels.timing import time_graph
-from kernels.tile_table import (FMA_EXPAND_MAX_TOKENS, FMA_EXPAND_MIN_BN, FUSED_MAX_RANK_BLOCK, SPLIT_K_MENU,
-                                TABLE_DIR, TileConfig, TileTable, default_fused_groups, find_table,
-                                fused_group_options, heuristic_config, rank_block, segment_bucket, shape_key,
-                                table_filename)
+from kernels.tile_table import (
+    FMA_EXPAND_MAX_TOKENS,
+    FMA_EXPAND_MIN_BN,
+    FUSED_MAX_RANK_BLOCK,
+    SPLIT_K_MENU,
+    TABLE_DIR,
+    TileConfig,
+    TileTable,
+    default_fused_groups,
+    find_table,
+    fused_group_options,
+    heuristic_config,
+    rank_block,
+    segment_bucket,
+    shape_key,
+    table_filename,
+)
 
 # Qwen2-VL-7B (q/o, k/v, gate/up, down) and LLaMA-7B projections
-MODEL_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (3584, 3584), (3584, 512), (3584, 18944),
-                (18944, 3584)]
+MODEL_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (3584, 3584), (3584, 512), (3584, 18944), (18944, 3584)]
 
 
 class Bench:
@@ -62,15 +81,19 @@ class Bench:
         g = torch.Generator(device=dev).manual_seed(seed)
         self.sets = []
         for _ in range(self.nsets):
-            a = [(torch.randn(h_in, rank, device=dev, generator=g) / h_in ** 0.5).to(dtype) for _ in range(segments)]
+            a = [(torch.randn(h_in, rank, device=dev, generator=g) / h_in**0.5).to(dtype) for _ in range(segments)]
             b = [torch.randn(rank, h_out, device=dev, generator=g).to(dtype) for _ in range(segments)]
             w = lora_weights_from_lists(a, b, [1.0] * segments)
-            self.sets.append((w, torch.randn(tokens, h_in, device=dev, dtype=dtype, generator=None),
-                              torch.randn(tokens, h_out, device=dev, dtype=dtype)))
+            self.sets.append(
+                (
+                    w,
+                    torch.randn(tokens, h_in, device=dev, dtype=dtype, generator=None),
+                    torch.randn(tokens, h_out, device=dev, dtype=dtype),
+                )
+            )
         # x·A as the folded projections get it (extra columns of the base GEMM's output, slot k at k * rank)
         self.xa = [torch.randn(tokens, segments * rank, device=dev, dtype=dtype) for _ in range(self.nsets)]
-        self.xa_cols = torch.tensor([k * rank for k in range(self.sets[0][0].num_slots)], dtype=torch.int32,
-                                    device=dev)
+        self.xa_cols = torch.tensor([k * rank for k in range(self.sets[0][0].num_slots)], dtype=torch.int32, device=dev)
         self.plan = AtmmPlan(max_segments=max(64, segments), max_tokens=tokens, device=dev)
         self.plan.update_from_token_slots(slots, self.sets[0][0].ranks)
         self.h_in, self.tokens = h_in, tokens
@@ -90,33 +113,58 @@ class Bench:
 
     def time_shrink(self, cfg: dict, split_k: int) -> float:
         p = self.plan
-        return self._time(lambda w, x, y: self.ext.atmm_shrink(
-            *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True))
+        return self._time(
+            lambda w, x, y: self.ext.atmm_shrink(
+                *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True
+            )
+        )
 
     def time_expand(self, cfg: dict, split_k: int) -> float:
         p = self.plan
-        return self._time(lambda w, x, y: self.ext.atmm_expand(
-            *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True))
+        return self._time(
+            lambda w, x, y: self.ext.atmm_expand(
+                *self._args(w, x, y, split_k), cfg["id"], split_k, p.rank_stride, p.tiles[cfg["bt"]], True
+            )
+        )
 
     def time_expand_xa(self, cfg: dict) -> float:
         """The expand alone on given x·A (atmm_expand_xa): what the engine's folded projections run."""
         p = self.plan
-        return self._time_sets(lambda i: self.ext.atmm_expand_xa(
-            self.sets[i][2], self.xa[i], self.xa_cols, p.meta, p.seg_cap, self.sets[i][0].b_ptrs,
-            self.sets[i][0].rank_table, self.sets[i][0].scale_table, p.workspace, cfg["id"], p.rank_stride,
-            p.tiles[cfg["bt"]], True))
+        return self._time_sets(
+            lambda i: self.ext.atmm_expand_xa(
+                self.sets[i][2],
+                self.xa[i],
+                self.xa_cols,
+                p.meta,
+                p.seg_cap,
+                self.sets[i][0].b_ptrs,
+                self.sets[i][0].rank_table,
+                self.sets[i][0].scale_table,
+                p.workspace,
+                cfg["id"],
+                p.rank_stride,
+                p.tiles[cfg["bt"]],
+                True,
+            )
+        )
 
     def time_grouped(self, cfg: dict, split_k: int) -> float:
         p = self.plan
-        return self._time(lambda w, x, y: self.ext.atmm_grouped_expand(
-            *self._args(w, x, y, split_k), p.aux, cfg["id"], split_k, p.rank_stride))
+        return self._time(
+            lambda w, x, y: self.ext.atmm_grouped_expand(
+                *self._args(w, x, y, split_k), p.aux, cfg["id"], split_k, p.rank_stride
+            )
+        )
 
     def time_fused(self, tc: TileConfig, cfg_id: int, h_out: int) -> float:
         """One fused launch (shrink + expand) per op, as kernels.atmm launches it."""
         p = self.plan
         groups, tiles = fused_launch_args(tc, h_out, p)
-        return self._time(lambda w, x, y: self.ext.atmm_shrink(
-            *self._args(w, x, y, groups), cfg_id, groups, p.rank_stride, tiles, True))
+        return self._time(
+            lambda w, x, y: self.ext.atmm_shrink(
+                *self._args(w, x, y, groups), cfg_id, groups, p.rank_stride, tiles, True
+            )
+        )
 
     def time_pair(self, tc: TileConfig, dtype: str) -> float:
         p = self.plan
@@ -129,11 +177,23 @@ class Bench:
             split_k //= 2  # as kernels.atmm does: the workspace bounds split-K
         if tc.grouped:
             gid = config_id(tc.grouped)
-            return self._time(lambda w, x, y: self.ext.atmm_grouped(
-                *self._args(w, x, y, split_k), p.aux, sid, gid, split_k, p.rank_stride, p.tiles[tc.shrink_bt], True))
-        return self._time(lambda w, x, y: self.ext.atmm(
-            *self._args(w, x, y, split_k), sid, eid, split_k, p.rank_stride, p.tiles[tc.shrink_bt],
-            p.tiles[tc.expand_bt], True))
+            return self._time(
+                lambda w, x, y: self.ext.atmm_grouped(
+                    *self._args(w, x, y, split_k), p.aux, sid, gid, split_k, p.rank_stride, p.tiles[tc.shrink_bt], True
+                )
+            )
+        return self._time(
+            lambda w, x, y: self.ext.atmm(
+                *self._args(w, x, y, split_k),
+                sid,
+                eid,
+                split_k,
+                p.rank_stride,
+                p.tiles[tc.shrink_bt],
+                p.tiles[tc.expand_bt],
+                True,
+            )
+        )
 
 
 def seg_cache_bytes(cap: int) -> int:
@@ -144,17 +204,32 @@ def seg_cache_bytes(cap: int) -> int:
 def candidates(ext, dtype: str, rank_stride: int, h_in: int, tokens: int, ws_floats: int, smem_limit: int):
     cfgs = ext.configs()
     rb = rank_block(rank_stride)
-    shr = [c for c in cfgs if c["kind"] == "shrink" and c["name"].startswith("shrink_") and c["dtype"] == dtype
-           and c["rb"] == rb and c["smem_r16"] <= smem_limit and c["bt"] <= max(16, 2 * tokens)]
-    exp = [c for c in cfgs if c["kind"] == "expand" and c["dtype"] == dtype and c["bt"] <= max(16, 2 * tokens)
-           and (c["bn"] < FMA_EXPAND_MIN_BN or tokens <= FMA_EXPAND_MAX_TOKENS)]
+    shr = [
+        c
+        for c in cfgs
+        if c["kind"] == "shrink"
+        and c["name"].startswith("shrink_")
+        and c["dtype"] == dtype
+        and c["rb"] == rb
+        and c["smem_r16"] <= smem_limit
+        and c["bt"] <= max(16, 2 * tokens)
+    ]
+    exp = [
+        c
+        for c in cfgs
+        if c["kind"] == "expand"
+        and c["dtype"] == dtype
+        and c["bt"] <= max(16, 2 * tokens)
+        and (c["bn"] < FMA_EXPAND_MIN_BN or tokens <= FMA_EXPAND_MAX_TOKENS)
+    ]
     exp += [c for c in cfgs if c["kind"] == "grouped_expand" and c["dtype"] == dtype and tokens >= 256]
     splits = [s for s in SPLIT_K_MENU if h_in // s >= 64 and s * tokens * rank_stride <= ws_floats]
     return shr, exp, splits
 
 
-def fused_candidates(ext, dtype: str, rank_stride: int, tokens: int, segments: int, seg_cap: int,
-                     smem_limit: int) -> list[dict]:
+def fused_candidates(
+    ext, dtype: str, rank_stride: int, tokens: int, segments: int, seg_cap: int, smem_limit: int
+) -> list[dict]:
     """Fused menu entries worth timing for one bucket: this rank block, shared memory (body + the
     plan's segment cache for `seg_cap`) within the GPU's per-block limit, token tile no larger than
     twice the average segment (a 64-token tile over 2-token segments computes zeros)."""
@@ -162,8 +237,15 @@ def fused_candidates(ext, dtype: str, rank_stride: int, tokens: int, segments: i
     if rb > FUSED_MAX_RANK_BLOCK:
         return []
     avg = tokens / max(1, segments)
-    return [c for c in ext.configs() if c["name"].startswith("fused_") and c["dtype"] == dtype and c["rb"] == rb
-            and c["smem_r16"] + seg_cache_bytes(seg_cap) <= smem_limit and c["bt"] <= max(16, 2 * avg)]
+    return [
+        c
+        for c in ext.configs()
+        if c["name"].startswith("fused_")
+        and c["dtype"] == dtype
+        and c["rb"] == rb
+        and c["smem_r16"] + seg_cache_bytes(seg_cap) <= smem_limit
+        and c["bt"] <= max(16, 2 * avg)
+    ]
 
 
 def search_fused(b: Bench, h_out: int, tokens: int, segments: int, dname: str, smem_limit: int):
@@ -189,8 +271,17 @@ def search_fused(b: Bench, h_out: int, tokens: int, segments: int, dname: str, s
     return [(tc, us) for tc, us, _ in out], errors
 
 
-def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_limit: int,
-                  backends: tuple[str, ...] = ("cuda", "triton", "fused"), fused_max_tokens: int = 256):
+def search_bucket(
+    h_in,
+    h_out,
+    rank,
+    tokens,
+    segments,
+    dtype: torch.dtype,
+    smem_limit: int,
+    backends: tuple[str, ...] = ("cuda", "triton", "fused"),
+    fused_max_tokens: int = 256,
+):
     """Best config over every backend's candidates for one bucket: our CUDA shrink with our own or
     the CUTLASS grouped expand (searched stage by stage, then the pair timed), the Triton SGMV
     menu and, up to `fused_max_tokens` tokens, the fused single-launch kernels; the fastest op
@@ -228,10 +319,18 @@ def search_bucket(h_in, h_out, rank, tokens, segments, dtype: torch.dtype, smem_
     grouped = ec["name"] if ec["kind"] == "grouped_expand" else ""
     best = TileConfig(sc["bt"], sc["bk"], sc["stages"], ss, oc["bt"], oc["bn"], grouped)
     pair = b.time_pair(best, dname)
-    stats = {"shrink_us": st, "expand_us": et, "expand_xa_us": xt, "expand_xa_config": oc["name"],
-             "cuda_pair_us": pair, "cuda_backend": best.backend,
-             "candidates": len(shrink_times) + len(expand_times), "tokens": tokens, "segments": segments,
-             "rank": rank}
+    stats = {
+        "shrink_us": st,
+        "expand_us": et,
+        "expand_xa_us": xt,
+        "expand_xa_config": oc["name"],
+        "cuda_pair_us": pair,
+        "cuda_backend": best.backend,
+        "candidates": len(shrink_times) + len(expand_times),
+        "tokens": tokens,
+        "segments": segments,
+        "rank": rank,
+    }
     if "triton" in backends and triton_available():
         tri, errors = search_triton(b, h_in, h_out, tokens, segments, dname)
         stats["triton_candidates"] = len(tri)
@@ -298,10 +397,17 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="results file name (bench/results/<name>.json)")
     ap.add_argument("--validate", type=int, default=12, help="off-bucket shapes to check exhaustively")
     ap.add_argument("--backends", default="cuda,triton,fused", help="backends whose candidates are timed (cuda always)")
-    ap.add_argument("--fused-max-tokens", type=int, default=256,
-                    help="time the fused single-launch kernels for token buckets up to this many tokens")
-    ap.add_argument("--merge", action="store_true",
-                    help="start from the committed table: buckets not searched (budget spent) keep their entry")
+    ap.add_argument(
+        "--fused-max-tokens",
+        type=int,
+        default=256,
+        help="time the fused single-launch kernels for token buckets up to this many tokens",
+    )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="start from the committed table: buckets not searched (budget spent) keep their entry",
+    )
     ap.add_argument("--out", default=None, help="table path (default kernels/tile_tables/<gpu>-<arch>-<dtype>.json)")
     args = ap.parse_args()
     if extension() is None:
@@ -345,14 +451,27 @@ def main() -> None:
     for v in stats.values():
         won[v["backend"]] = won.get(v["backend"], 0) + 1
     print(f"backends won: {won}")
-    table = TileTable(props.name, arch, args.dtype, entries,
-                      {"searched_buckets": len(stats), "backends_won": won, "backends_searched": list(backends),
-                       "seconds": round(time.time() - t_start, 1),
-                       "torch": torch.__version__, "cuda": torch.version.cuda, "bucket_stats": stats})
+    table = TileTable(
+        props.name,
+        arch,
+        args.dtype,
+        entries,
+        {
+            "searched_buckets": len(stats),
+            "backends_won": won,
+            "backends_searched": list(backends),
+            "seconds": round(time.time() - t_start, 1),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "bucket_stats": stats,
+        },
+    )
     path = Path(args.out) if args.out else TABLE_DIR / table_filename(props.name, arch, args.dtype)
     table.save(path)
-    print(f"table: {len(entries)} buckets -> {path} (into the adapter store: python -m valora.tile_tables push "
-          f"{path} --store HOST:PORT)")
+    print(
+        f"table: {len(entries)} buckets -> {path} (into the adapter store: python -m valora.tile_tables push "
+        f"{path} --store HOST:PORT)"
+    )
 
     # validation: shapes between buckets, exhaustive best vs the table's pick and the heuristic
     rng = random.Random(1)
@@ -366,27 +485,53 @@ def main() -> None:
         pick = table.lookup(hi, ho, b.plan.rank_stride, t, b.plan.active_segments)
         heur = heuristic_config(hi, ho, b.plan.rank_stride, t, b.plan.active_segments, dtype=args.dtype)
         dname = args.dtype
-        row = {"h_in": hi, "h_out": ho, "rank": r, "tokens": t, "segments": segs, "best": best.__dict__,
-               "best_us": st["pair_us"], "table_pick": pick.__dict__, "table_us": b.time_pair(pick, dname),
-               "heuristic_us": b.time_pair(heur, dname)}
+        row = {
+            "h_in": hi,
+            "h_out": ho,
+            "rank": r,
+            "tokens": t,
+            "segments": segs,
+            "best": best.__dict__,
+            "best_us": st["pair_us"],
+            "table_pick": pick.__dict__,
+            "table_us": b.time_pair(pick, dname),
+            "heuristic_us": b.time_pair(heur, dname),
+        }
         row["table_gap"] = row["table_us"] / row["best_us"]
         row["heuristic_gap"] = row["heuristic_us"] / row["best_us"]
         val.append(row)
-        print(f"validate {hi}x{ho} r{r} T{t} S{segs}: best {row['best_us']:.2f} us, table {row['table_us']:.2f} "
-              f"({row['table_gap']:.2f}x), heuristic {row['heuristic_us']:.2f} ({row['heuristic_gap']:.2f}x)",
-              flush=True)
+        print(
+            f"validate {hi}x{ho} r{r} T{t} S{segs}: best {row['best_us']:.2f} us, table {row['table_us']:.2f} "
+            f"({row['table_gap']:.2f}x), heuristic {row['heuristic_us']:.2f} ({row['heuristic_gap']:.2f}x)",
+            flush=True,
+        )
         torch.cuda.empty_cache()
     summary = {}
     if val:
         gaps = [v["table_gap"] for v in val]
         hg = [v["heuristic_gap"] for v in val]
-        summary = {"table_gap_median": statistics.median(gaps), "table_gap_max": max(gaps),
-                   "heuristic_gap_median": statistics.median(hg), "heuristic_gap_max": max(hg)}
-        print(f"table pick vs true best: median {summary['table_gap_median']:.3f}x, "
-              f"max {summary['table_gap_max']:.3f}x;"
-              f" heuristic: median {summary['heuristic_gap_median']:.3f}x, max {summary['heuristic_gap_max']:.3f}x")
-    write_results(args.name or "tile_search", {"table_path": str(path), "buckets": len(entries), "backends_won": won,
-                                               "validation": val, "summary": summary, "bucket_stats": stats})
+        summary = {
+            "table_gap_median": statistics.median(gaps),
+            "table_gap_max": max(gaps),
+            "heuristic_gap_median": statistics.median(hg),
+            "heuristic_gap_max": max(hg),
+        }
+        print(
+            f"table pick vs true best: median {summary['table_gap_median']:.3f}x, "
+            f"max {summary['table_gap_max']:.3f}x;"
+            f" heuristic: median {summary['heuristic_gap_median']:.3f}x, max {summary['heuristic_gap_max']:.3f}x"
+        )
+    write_results(
+        args.name or "tile_search",
+        {
+            "table_path": str(path),
+            "buckets": len(entries),
+            "backends_won": won,
+            "validation": val,
+            "summary": summary,
+            "bucket_stats": stats,
+        },
+    )
     print(json.dumps({"buckets": len(entries)}))
 
 

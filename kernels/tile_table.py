@@ -18,7 +18,7 @@ from pathlib import Path
 TABLE_DIR = Path(__file__).resolve().parent / "tile_tables"
 SPLIT_K_MENU = (1, 2, 4, 8, 16, 32)
 BACKENDS = ("cuda", "cutlass_grouped", "triton", "fused")
-FUSED_MAX_RANK_BLOCK = 4    # the fused kernels are compiled for rank blocks 1, 2, 4 (r <= 64)
+FUSED_MAX_RANK_BLOCK = 4  # the fused kernels are compiled for rank blocks 1, 2, 4 (r <= 64)
 FUSED_CLUSTERS = (1, 2, 4, 8)
 # expand tiles at least this wide are the CUDA-core kernel (csrc/atmm.cuh atmm_expand_fma_kernel: few rows
 # per segment, e.g. decode); the search times them up to this many tokens
@@ -62,8 +62,9 @@ class TileConfig:
             if self.grouped:
                 raise ValueError(f"backend {self.backend!r} with a grouped configuration {self.grouped!r}")
             if self.backend == "fused" and (self.cluster not in FUSED_CLUSTERS or self.shrink_bt != self.expand_bt):
-                raise ValueError(f"fused: cluster must be one of {FUSED_CLUSTERS} and shrink_bt == expand_bt, "
-                                 f"got {self}")
+                raise ValueError(
+                    f"fused: cluster must be one of {FUSED_CLUSTERS} and shrink_bt == expand_bt, got {self}"
+                )
         else:  # our CUDA shrink: `grouped` decides the expand (so dataclasses.replace(grouped=...) works)
             object.__setattr__(self, "backend", "cutlass_grouped" if self.grouped else "cuda")
 
@@ -116,8 +117,9 @@ def default_fused_groups(h_out: int, bn: int, cluster: int, tiles: int, num_sms:
     return min(opts, key=lambda g: abs(math.log2(max(1, tiles) * g * cluster / num_sms)))
 
 
-def fused_heuristic_config(h_out: int, rank_stride: int, tokens: int, segments: int,
-                           num_sms: int = NUM_SMS_DEFAULT) -> TileConfig | None:
+def fused_heuristic_config(
+    h_out: int, rank_stride: int, tokens: int, segments: int, num_sms: int = NUM_SMS_DEFAULT
+) -> TileConfig | None:
     """A fused config without measurements (None for ranks > 64): 16-token tiles unless segments
     average more than 16 tokens, 128-column chunks, clusters of 8, about one CTA per SM."""
     if rank_block(rank_stride) > FUSED_MAX_RANK_BLOCK:
@@ -147,8 +149,15 @@ def shape_key(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: in
     return f"{h_in}x{h_out}/r{rank_stride}/t{token_bucket(tokens)}/s{segment_bucket(segments)}"
 
 
-def heuristic_config(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int,
-                     num_sms: int = NUM_SMS_DEFAULT, dtype: str = "bfloat16") -> TileConfig:
+def heuristic_config(
+    h_in: int,
+    h_out: int,
+    rank_stride: int,
+    tokens: int,
+    segments: int,
+    num_sms: int = NUM_SMS_DEFAULT,
+    dtype: str = "bfloat16",
+) -> TileConfig:
     """A reasonable config without measurements (used for shapes the table lacks).
 
     Fitted to the H200 searches: shrink tiles grow with T, split-K until the shrink has about
@@ -206,13 +215,19 @@ class TileTable:
         return heuristic_config(h_in, h_out, rank_stride, tokens, segments, dtype=self.dtype)
 
     def to_json(self) -> dict:
-        return {"gpu": self.gpu, "arch": self.arch, "dtype": self.dtype, "meta": self.meta,
-                "entries": {k: asdict(v) for k, v in sorted(self.entries.items())}}
+        return {
+            "gpu": self.gpu,
+            "arch": self.arch,
+            "dtype": self.dtype,
+            "meta": self.meta,
+            "entries": {k: asdict(v) for k, v in sorted(self.entries.items())},
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "TileTable":
-        return cls(d["gpu"], d["arch"], d["dtype"], {k: TileConfig(**v) for k, v in d["entries"].items()},
-                   d.get("meta", {}))
+        return cls(
+            d["gpu"], d["arch"], d["dtype"], {k: TileConfig(**v) for k, v in d["entries"].items()}, d.get("meta", {})
+        )
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,4 +249,3 @@ def find_table(gpu: str, arch: str, dtype: str, directory: Path = TABLE_DIR) -> 
     if path.is_file():
         return TileTable.load(path)
     return TileTable(gpu, arch, dtype, {}, {"source": "empty: heuristic_config only"})
-

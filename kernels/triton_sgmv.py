@@ -39,8 +39,8 @@ except ImportError:  # CPU machines
     triton = None
     tl = None
 
-BT_MENU = (16, 32, 64, 128)   # token tiles the AtmmPlan counts (kernels.atmm.BT_MENU)
-MAX_PROGRAMS = 132 * 16       # grid cap; the kernels loop over the remaining items
+BT_MENU = (16, 32, 64, 128)  # token tiles the AtmmPlan counts (kernels.atmm.BT_MENU)
+MAX_PROGRAMS = 132 * 16  # grid cap; the kernels loop over the remaining items
 NUM_SMS = 132
 
 
@@ -68,7 +68,7 @@ def default_split(h_in: int, tiles: int) -> int:
 
 # (shrink BM, BK, stages, expand BM, BN, warps): the candidates the tile search times
 TRITON_MENU = (
-    (16, 64, 3, 16, 128, 4),    # the fixed default (vLLM/Punica-like), bench peer "triton_sgmv"
+    (16, 64, 3, 16, 128, 4),  # the fixed default (vLLM/Punica-like), bench peer "triton_sgmv"
     (16, 128, 3, 16, 256, 4),
     (32, 64, 3, 32, 128, 4),
     (64, 64, 3, 64, 128, 4),
@@ -80,8 +80,11 @@ DEFAULT_SHAPE = TRITON_MENU[0]
 def candidates(h_in: int, h_out: int, rank_stride: int, tokens: int, segments: int) -> list[tuple]:
     """Menu entries worth timing for one bucket (big token tiles only where segments are long)."""
     avg = tokens / max(1, segments)
-    return [m for m in TRITON_MENU if m[0] <= max(16, 2 * avg) and m[3] <= max(16, 2 * avg)
-            and m[4] <= max(64, h_out) and m[1] <= h_in]
+    return [
+        m
+        for m in TRITON_MENU
+        if m[0] <= max(16, 2 * avg) and m[3] <= max(16, 2 * avg) and m[4] <= max(64, h_out) and m[1] <= h_in
+    ]
 
 
 def split_candidates(h_in: int, block_k: int, tiles: int) -> list[int]:
@@ -94,6 +97,7 @@ def split_candidates(h_in: int, block_k: int, tiles: int) -> list[int]:
 
 
 if triton is not None:
+
     @triton.jit
     def _segment_of(meta_ptr, ends, t, seg_cap, pref_off, BM: tl.constexpr):
         # the segment j with prefix[j] <= t < prefix[j+1]: count segment ends (prefix[j+1]) <= t
@@ -106,9 +110,23 @@ if triton is not None:
         return slot, row0, end - row0
 
     @triton.jit
-    def _atmm_shrink(x_ptr, meta_ptr, a_ptrs, rank_tab, xa_ptr, h_in, k_per_split, seg_cap, pref_off,
-                     R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SEG_P2: tl.constexpr,
-                     ATOMIC: tl.constexpr, ALIGNED: tl.constexpr):
+    def _atmm_shrink(
+        x_ptr,
+        meta_ptr,
+        a_ptrs,
+        rank_tab,
+        xa_ptr,
+        h_in,
+        k_per_split,
+        seg_cap,
+        pref_off,
+        R: tl.constexpr,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+        SEG_P2: tl.constexpr,
+        ATOMIC: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         npg = tl.num_programs(0)
         ks = tl.program_id(1)
@@ -131,10 +149,14 @@ if triton is not None:
             acc = tl.zeros((BM, R), dtype=tl.float32)
             for k0 in range(k_lo, k_lo + k_per_split, BK):
                 kk = k0 + rk
-                xb = tl.load(x_ptr + rows[:, None] * h_in + kk[None, :],
-                             mask=(rm[:, None] < nrows) & (kk[None, :] < h_in), other=0.0)
-                ab = tl.load(a_base + kk[:, None] * r_k + rr[None, :],
-                             mask=(kk[:, None] < h_in) & (rr[None, :] < r_k), other=0.0)
+                xb = tl.load(
+                    x_ptr + rows[:, None] * h_in + kk[None, :],
+                    mask=(rm[:, None] < nrows) & (kk[None, :] < h_in),
+                    other=0.0,
+                )
+                ab = tl.load(
+                    a_base + kk[:, None] * r_k + rr[None, :], mask=(kk[:, None] < h_in) & (rr[None, :] < r_k), other=0.0
+                )
                 acc += tl.dot(xb, ab)
             out = xa_ptr + rows[:, None] * R + rr[None, :]
             if ATOMIC:
@@ -143,9 +165,22 @@ if triton is not None:
                 tl.store(out, acc, mask=rm[:, None] < nrows)
 
     @triton.jit
-    def _atmm_expand(xa_ptr, meta_ptr, b_ptrs, rank_tab, scale_tab, y_ptr, h_out, seg_cap, pref_off,
-                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SEG_P2: tl.constexpr,
-                     ALIGNED: tl.constexpr):
+    def _atmm_expand(
+        xa_ptr,
+        meta_ptr,
+        b_ptrs,
+        rank_tab,
+        scale_tab,
+        y_ptr,
+        h_out,
+        seg_cap,
+        pref_off,
+        R: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        SEG_P2: tl.constexpr,
+        ALIGNED: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         npg = tl.num_programs(0)
         nseg = tl.load(meta_ptr)
@@ -168,8 +203,9 @@ if triton is not None:
             rows = (row0 + rm).to(tl.int64)
             rn = tn * BN + tl.arange(0, BN)
             xa = tl.load(xa_ptr + rows[:, None] * R + rr[None, :], mask=rm[:, None] < nrows, other=0.0)
-            bb = tl.load(b_base + rr[:, None] * h_out + rn[None, :],
-                         mask=(rr[:, None] < r_k) & (rn[None, :] < h_out), other=0.0)
+            bb = tl.load(
+                b_base + rr[:, None] * h_out + rn[None, :], mask=(rr[:, None] < r_k) & (rn[None, :] < h_out), other=0.0
+            )
             d = tl.dot(xa.to(bb.dtype), bb) * s_k
             m = (rm[:, None] < nrows) & (rn[None, :] < h_out)
             yp = y_ptr + rows[:, None] * h_out + rn[None, :]
@@ -185,8 +221,12 @@ def aligned_launch(y, x, weights, workspace) -> bool:
     """Whether the alignment hints hold for this call (host-side only, no device sync): every A/B
     pointer 16-byte aligned (tracked by LoraWeights when adapters are set), x/y/workspace 16-byte
     aligned, h_in and h_out multiples of 8 (row strides of x, B and y)."""
-    return (weights.aligned16 and weights.h_in % 8 == 0 and weights.h_out % 8 == 0
-            and all(t.data_ptr() % 16 == 0 for t in (x, y, workspace)))
+    return (
+        weights.aligned16
+        and weights.h_in % 8 == 0
+        and weights.h_out % 8 == 0
+        and all(t.data_ptr() % 16 == 0 for t in (x, y, workspace))
+    )
 
 
 def atmm_triton_(y, x, plan, weights, config):
@@ -211,17 +251,56 @@ def atmm_triton_(y, x, plan, weights, config):
         xa.zero_()
     warps = config.warps
     grid_s = (max(1, min(plan.tiles[config.shrink_bt], MAX_PROGRAMS)), splits)
-    _atmm_shrink[grid_s](x, plan.meta, weights.a_ptrs, weights.rank_table, xa, h_in, k_per, cap,
-                         _pref_off(cap, config.shrink_bt), R=R, BM=config.shrink_bt, BK=config.shrink_bk,
-                         SEG_P2=seg_p2, ATOMIC=atomic, ALIGNED=aligned, num_warps=warps,
-                         num_stages=config.shrink_stages)
+    _atmm_shrink[grid_s](
+        x,
+        plan.meta,
+        weights.a_ptrs,
+        weights.rank_table,
+        xa,
+        h_in,
+        k_per,
+        cap,
+        _pref_off(cap, config.shrink_bt),
+        R=R,
+        BM=config.shrink_bt,
+        BK=config.shrink_bk,
+        SEG_P2=seg_p2,
+        ATOMIC=atomic,
+        ALIGNED=aligned,
+        num_warps=warps,
+        num_stages=config.shrink_stages,
+    )
     ntn = math.ceil(h_out / config.expand_bn)
     grid_e = (max(1, min(plan.tiles[config.expand_bt] * ntn, MAX_PROGRAMS)),)
-    _atmm_expand[grid_e](xa, plan.meta, weights.b_ptrs, weights.rank_table, weights.scale_table, y, h_out, cap,
-                         _pref_off(cap, config.expand_bt), R=R, BM=config.expand_bt, BN=config.expand_bn,
-                         SEG_P2=seg_p2, ALIGNED=aligned, num_warps=warps, num_stages=2)
+    _atmm_expand[grid_e](
+        xa,
+        plan.meta,
+        weights.b_ptrs,
+        weights.rank_table,
+        weights.scale_table,
+        y,
+        h_out,
+        cap,
+        _pref_off(cap, config.expand_bt),
+        R=R,
+        BM=config.expand_bt,
+        BN=config.expand_bn,
+        SEG_P2=seg_p2,
+        ALIGNED=aligned,
+        num_warps=warps,
+        num_stages=2,
+    )
     return y
 
 
-__all__ = ["TRITON_MENU", "aligned_launch", "atmm_triton_", "available", "candidates", "default_split", "rank_pad",
-           "split_candidates", "split_plan"]
+__all__ = [
+    "TRITON_MENU",
+    "aligned_launch",
+    "atmm_triton_",
+    "available",
+    "candidates",
+    "default_split",
+    "rank_pad",
+    "split_candidates",
+    "split_plan",
+]

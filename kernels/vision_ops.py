@@ -57,8 +57,21 @@ def quick_gelu_reference(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _rotary_vision(x_ptr, cos_ptr, sin_ptr, n, period, stride_t, stride_w, stride_h, stride_c,
-                       HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _rotary_vision(
+        x_ptr,
+        cos_ptr,
+        sin_ptr,
+        n,
+        period,
+        stride_t,
+        stride_w,
+        stride_h,
+        stride_c,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         j = tl.arange(0, HALF_PAD)
         mask = (t < n)[:, None] & (j < HALF)[None, :]
@@ -98,16 +111,36 @@ def rotary_vision_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
     reference."""
     n, three, heads, d = qkv.shape
     if three != 3 or d % 2 or cos.shape != sin.shape or cos.shape[1] != d or n % cos.shape[0]:
-        raise ValueError(f"qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: want "
-                         "(n, 3, heads, d) and (p, d) for both, p dividing n")
-    if not available(qkv.device) or qkv.stride(-1) != 1 or cos.dtype != torch.float32 or not cos.is_contiguous() \
-            or not sin.is_contiguous():
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: want "
+            "(n, 3, heads, d) and (p, d) for both, p dividing n"
+        )
+    if (
+        not available(qkv.device)
+        or qkv.stride(-1) != 1
+        or cos.dtype != torch.float32
+        or not cos.is_contiguous()
+        or not sin.is_contiguous()
+    ):
         rotary_vision_reference_(qkv, cos, sin)
         return
     half = d // 2
     _rotary_vision[(triton.cdiv(n, ROPE_TOKENS),)](
-        qkv, cos, sin, n, cos.shape[0], qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
-        HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_T=ROPE_TOKENS, num_warps=4)
+        qkv,
+        cos,
+        sin,
+        n,
+        cos.shape[0],
+        qkv.stride(0),
+        qkv.stride(1),
+        qkv.stride(2),
+        cos.stride(0),
+        HEADS=heads,
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        BLOCK_T=ROPE_TOKENS,
+        num_warps=4,
+    )
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

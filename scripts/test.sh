@@ -10,6 +10,7 @@ if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
 fi
 python scripts/gen_protos.py --check
 ruff check .  # pyflakes and line length (pyproject.toml [tool.ruff])
+ruff format --check .  # one layout; `ruff format .` writes it
 if [ -d examples/node ]; then (cd examples/node && npm ci --silent --no-audit --no-fund); fi
 if ! command -v buf >/dev/null; then npm install -g --silent @bufbuild/buf@1; fi
 # Debian's gRPC for the C++ client test; its skip reason says why when apt cannot install.

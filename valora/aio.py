@@ -42,10 +42,20 @@ __all__ = ["AsyncValoraClient"]
 
 
 class AsyncValoraClient:
-    def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20,
-                 internal_token: str = "", tls: bool = False, tls_ca: str | Path | None = None,
-                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None):
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        max_message_bytes: int = 64 << 20,
+        internal_token: str = "",
+        tls: bool = False,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+    ):
         """The options of ValoraClient (which see). Make it inside the event loop that uses it
         (a grpc.aio channel belongs to one loop)."""
         options = _channel_options(max_message_bytes)
@@ -84,37 +94,113 @@ class AsyncValoraClient:
 
     # -- inference -----------------------------------------------------------------------------
 
-    async def infer(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
-                    adapter: str | None = None, task: str | None = None, label: bool = False,
-                    max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
-                    seed: int = 0, stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
-                    raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-                    prompt_token_ids: Iterable[int] = (), adapter_release_fraction: float = 0.0) -> InferResult:
+    async def infer(
+        self,
+        prompt: str = "",
+        images: Iterable[bytes | str | Path] = (),
+        *,
+        adapter: str | None = None,
+        task: str | None = None,
+        label: bool = False,
+        max_new_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Iterable[str] = (),
+        request_id: str = "",
+        min_p: float = 0.0,
+        raw_prompt: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        prompt_token_ids: Iterable[int] = (),
+        adapter_release_fraction: float = 0.0,
+    ) -> InferResult:
         """One request's result; the parameters of ValoraClient.infer."""
-        req = _request(inf_pb.InferRequest, _input(
-            prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
-            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
+        req = _request(
+            inf_pb.InferRequest,
+            _input(
+                prompt,
+                images,
+                adapter,
+                task,
+                label,
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                stop,
+                min_p,
+                raw_prompt,
+                logprobs,
+                top_logprobs,
+                (presence_penalty, frequency_penalty, repetition_penalty),
+                logit_bias,
+                prompt_token_ids,
+                adapter_release_fraction,
+            ),
+            request_id,
+        )
         return InferResult.from_pb((await self._call(self._inference.Infer, req, self._api_key)).result)
 
-    async def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
-                           adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
-                           temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
-                           stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
-                           raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                           repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-                           prompt_token_ids: Iterable[int] = (), adapter_release_fraction: float = 0.0
-                           ) -> AsyncIterator[str | InferResult]:
+    async def infer_stream(
+        self,
+        prompt: str = "",
+        images: Iterable[bytes | str | Path] = (),
+        *,
+        adapter: str | None = None,
+        task: str | None = None,
+        max_new_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Iterable[str] = (),
+        request_id: str = "",
+        min_p: float = 0.0,
+        raw_prompt: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        prompt_token_ids: Iterable[int] = (),
+        adapter_release_fraction: float = 0.0,
+    ) -> AsyncIterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen). Leaving the loop
         early cancels the call."""
-        req = _request(inf_pb.InferStreamRequest, _input(
-            prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
-            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
+        req = _request(
+            inf_pb.InferStreamRequest,
+            _input(
+                prompt,
+                images,
+                adapter,
+                task,
+                False,
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                stop,
+                min_p,
+                raw_prompt,
+                logprobs,
+                top_logprobs,
+                (presence_penalty, frequency_penalty, repetition_penalty),
+                logit_bias,
+                prompt_token_ids,
+                adapter_release_fraction,
+            ),
+            request_id,
+        )
         for attempt in range(self.retries + 1):
             started = False
             call = self._inference.InferStream(req, timeout=self.timeout_s, metadata=_metadata(self._api_key))
@@ -136,8 +222,11 @@ class AsyncValoraClient:
         """Every adapter (all pages)."""
         out, token = [], ""
         while True:
-            r = await self._call(self._admin.ListAdapters,
-                                 admin_pb.ListAdaptersRequest(page_size=page_size, page_token=token), self._admin_key)
+            r = await self._call(
+                self._admin.ListAdapters,
+                admin_pb.ListAdaptersRequest(page_size=page_size, page_token=token),
+                self._admin_key,
+            )
             out.extend(r.adapters)
             token = r.next_page_token
             if not token:
@@ -145,15 +234,21 @@ class AsyncValoraClient:
 
     async def get_adapter(self, name: str) -> resources_pb2.Adapter:
         """`name` is "adapters/{adapter}" or just "{adapter}"."""
-        return (await self._call(self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=_adapter_name(name)),
-                                 self._admin_key)).adapter
+        return (
+            await self._call(
+                self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=_adapter_name(name)), self._admin_key
+            )
+        ).adapter
 
     async def list_versions(self, adapter: str, page_size: int = 100) -> list[AdapterVersion]:
         """Every version of the adapter (all pages)."""
         out, token, parent = [], "", _adapter_name(adapter)
         while True:
-            r = await self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
-                parent=parent, page_size=page_size, page_token=token), self._admin_key)
+            r = await self._call(
+                self._admin.ListAdapterVersions,
+                admin_pb.ListAdapterVersionsRequest(parent=parent, page_size=page_size, page_token=token),
+                self._admin_key,
+            )
             out.extend(AdapterVersion.from_pb(v) for v in r.versions)
             token = r.next_page_token
             if not token:

@@ -74,14 +74,20 @@ class InferResult:
     @classmethod
     def from_pb(cls, r: inf_pb.InferResult) -> "InferResult":
         return cls(
-            request_id=r.request_id, text=r.text, label=r.label,
+            request_id=r.request_id,
+            text=r.text,
+            label=r.label,
             scores={s.label: s.score for s in r.scores},
             finish_reason=types_pb2.FinishReason.Name(r.finish_reason).removeprefix("FINISH_REASON_").lower(),
             mode=types_pb2.InferenceMode.Name(r.mode).removeprefix("INFERENCE_MODE_").lower(),
-            adapter_version=r.adapter_version, worker=r.worker,
-            image_tokens=r.usage.image_tokens, prompt_tokens=r.usage.prompt_tokens,
-            output_tokens=r.usage.output_tokens, queue_ms=r.timing.queue_ms,
-            first_token_ms=r.timing.first_token_ms, total_ms=r.timing.total_ms,
+            adapter_version=r.adapter_version,
+            worker=r.worker,
+            image_tokens=r.usage.image_tokens,
+            prompt_tokens=r.usage.prompt_tokens,
+            output_tokens=r.usage.output_tokens,
+            queue_ms=r.timing.queue_ms,
+            first_token_ms=r.timing.first_token_ms,
+            total_ms=r.timing.total_ms,
             logprobs=[TokenLogprob.from_pb(t) for t in r.logprobs],
         )
 
@@ -97,35 +103,73 @@ class AdapterVersion:
 
     @classmethod
     def from_pb(cls, v: resources_pb2.AdapterVersion) -> "AdapterVersion":
-        return cls(v.name, v.sha256, v.rank,
-                   resources_pb2.AdapterVersionState.Name(v.state).removeprefix("ADAPTER_VERSION_STATE_").lower(),
-                   v.size_bytes, {h.name: list(h.labels) for h in v.heads})
+        return cls(
+            v.name,
+            v.sha256,
+            v.rank,
+            resources_pb2.AdapterVersionState.Name(v.state).removeprefix("ADAPTER_VERSION_STATE_").lower(),
+            v.size_bytes,
+            {h.name: list(h.labels) for h in v.heads},
+        )
 
 
 def _image_pb(image: bytes | str | Path) -> types_pb2.Image:
     if isinstance(image, (str, Path)):
         path = Path(image)
-        mime = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
-                ".bmp": "image/bmp"}.get(path.suffix.lower(), "")
+        mime = {
+            ".png": "image/png",
+            ".jpg": "image/jpeg",
+            ".jpeg": "image/jpeg",
+            ".webp": "image/webp",
+            ".bmp": "image/bmp",
+        }.get(path.suffix.lower(), "")
         return types_pb2.Image(data=path.read_bytes(), mime_type=mime)
     return types_pb2.Image(data=image)
 
 
-def _input(prompt: str, images: Iterable[bytes | str | Path], adapter: str | None, task: str | None,
-           label: bool, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
-           stop: Iterable[str], min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
-           top_logprobs: int = 0, penalties: tuple[float, float, float] = (0.0, 0.0, 0.0),
-           logit_bias: Mapping[int, float] | None = None, prompt_token_ids: Iterable[int] = (),
-           adapter_release_fraction: float = 0.0) -> inf_pb.InferenceInput:
+def _input(
+    prompt: str,
+    images: Iterable[bytes | str | Path],
+    adapter: str | None,
+    task: str | None,
+    label: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    stop: Iterable[str],
+    min_p: float = 0.0,
+    raw_prompt: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    penalties: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    logit_bias: Mapping[int, float] | None = None,
+    prompt_token_ids: Iterable[int] = (),
+    adapter_release_fraction: float = 0.0,
+) -> inf_pb.InferenceInput:
     inp = inf_pb.InferenceInput(
-        prompt=prompt, images=[_image_pb(i) for i in images], raw_prompt=raw_prompt,
+        prompt=prompt,
+        images=[_image_pb(i) for i in images],
+        raw_prompt=raw_prompt,
         output_kind=types_pb2.OUTPUT_KIND_LABEL if label else types_pb2.OUTPUT_KIND_TEXT,
-        params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_p=top_p, top_k=top_k, seed=seed, stop=list(stop),
-                                          min_p=min_p, logprobs=logprobs, top_logprobs=top_logprobs,
-                                          presence_penalty=penalties[0], frequency_penalty=penalties[1],
-                                          repetition_penalty=penalties[2], logit_bias=logit_bias or {},
-                                          adapter_release_fraction=adapter_release_fraction))
+        params=types_pb2.GenerationParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=list(stop),
+            min_p=min_p,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            presence_penalty=penalties[0],
+            frequency_penalty=penalties[1],
+            repetition_penalty=penalties[2],
+            logit_bias=logit_bias or {},
+            adapter_release_fraction=adapter_release_fraction,
+        ),
+    )
     inp.prompt_token_ids.extend(prompt_token_ids)
     inp.raw_prompt = raw_prompt or bool(inp.prompt_token_ids)  # token ids are a raw prompt
     if adapter:
@@ -160,12 +204,12 @@ def _metadata(key: str | None, request_id: str = "") -> list[tuple[str, str]]:
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)]
+    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
 
 
-def _channel_credentials(tls: bool, tls_ca: str | Path | None, tls_cert: str | Path | None,
-                         tls_key: str | Path | None) -> grpc.ChannelCredentials | None:
+def _channel_credentials(
+    tls: bool, tls_ca: str | Path | None, tls_cert: str | Path | None, tls_key: str | Path | None
+) -> grpc.ChannelCredentials | None:
     """TLS credentials when `tls` or any tls_* is set (see ValoraClient); None: plaintext."""
     if not (tls or tls_ca or tls_cert or tls_key):
         return None
@@ -174,18 +218,20 @@ def _channel_credentials(tls: bool, tls_ca: str | Path | None, tls_cert: str | P
 
     def read(path):
         return Path(path).expanduser().read_bytes() if path else None
+
     return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
 
 
 def _retryable(err: errors.ValoraRpcError) -> bool:
-    return isinstance(err, errors.Unavailable) or (isinstance(err, errors.ResourceExhausted)
-                                                    and err.retry_after_s is not None)
+    return isinstance(err, errors.Unavailable) or (
+        isinstance(err, errors.ResourceExhausted) and err.retry_after_s is not None
+    )
 
 
 def _backoff(err: errors.ValoraRpcError, attempt: int) -> float:
     if err.retry_after_s is not None:
         return min(err.retry_after_s, MAX_RETRY_DELAY_S)
-    return random.uniform(0, min(0.2 * 2 ** attempt, 2.0))  # full jitter: retrying clients spread out
+    return random.uniform(0, min(0.2 * 2**attempt, 2.0))  # full jitter: retrying clients spread out
 
 
 def _retry_delay(raw: grpc.RpcError, attempt: int, retries: int, started: bool = False) -> float:
@@ -198,10 +244,20 @@ def _retry_delay(raw: grpc.RpcError, attempt: int, retries: int, started: bool =
 
 
 class ValoraClient:
-    def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, max_message_bytes: int = 64 << 20,
-                 internal_token: str = "", tls: bool = False, tls_ca: str | Path | None = None,
-                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None):
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        max_message_bytes: int = 64 << 20,
+        internal_token: str = "",
+        tls: bool = False,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+    ):
         """`tls` (implied by any tls_*): TLS, the server verified against `tls_ca` (PEM file;
         default: the system roots); `tls_cert` + `tls_key`: this client's certificate (mutual
         TLS). `internal_token`: the cluster's internal token, for an adapter store's AdminService
@@ -250,13 +306,32 @@ class ValoraClient:
 
     # -- inference -----------------------------------------------------------------------------
 
-    def infer(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *, adapter: str | None = None,
-              task: str | None = None, label: bool = False, max_new_tokens: int = 0, temperature: float = 0.0,
-              top_p: float = 0.0, top_k: int = 0, seed: int = 0, stop: Iterable[str] = (),
-              request_id: str = "", min_p: float = 0.0, raw_prompt: bool = False, logprobs: bool = False,
-              top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-              repetition_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-              prompt_token_ids: Iterable[int] = (), adapter_release_fraction: float = 0.0) -> InferResult:
+    def infer(
+        self,
+        prompt: str = "",
+        images: Iterable[bytes | str | Path] = (),
+        *,
+        adapter: str | None = None,
+        task: str | None = None,
+        label: bool = False,
+        max_new_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Iterable[str] = (),
+        request_id: str = "",
+        min_p: float = 0.0,
+        raw_prompt: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        prompt_token_ids: Iterable[int] = (),
+        adapter_release_fraction: float = 0.0,
+    ) -> InferResult:
         """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
         template; then no images); `prompt_token_ids`: that input as token ids instead (no
         `prompt`; raw_prompt implied). `logprobs`: each generated token's log-probability in the
@@ -265,31 +340,89 @@ class ValoraClient:
         (token id -> a bias in [-100, 100] added to its logit). `adapter_release_fraction`: early
         adapter release after that share of max_new_tokens, in [0, 1] (0: the task's policy, if
         any, else never)."""
-        req = _request(inf_pb.InferRequest, _input(
-            prompt, images, adapter, task, label, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
-            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
+        req = _request(
+            inf_pb.InferRequest,
+            _input(
+                prompt,
+                images,
+                adapter,
+                task,
+                label,
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                stop,
+                min_p,
+                raw_prompt,
+                logprobs,
+                top_logprobs,
+                (presence_penalty, frequency_penalty, repetition_penalty),
+                logit_bias,
+                prompt_token_ids,
+                adapter_release_fraction,
+            ),
+            request_id,
+        )
         return InferResult.from_pb(self._call(self._inference.Infer, req, self._api_key).result)
 
-    def infer_stream(self, prompt: str = "", images: Iterable[bytes | str | Path] = (), *,
-                     adapter: str | None = None, task: str | None = None, max_new_tokens: int = 0,
-                     temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int = 0,
-                     stop: Iterable[str] = (), request_id: str = "", min_p: float = 0.0,
-                     raw_prompt: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
-                     logit_bias: Mapping[int, float] | None = None, prompt_token_ids: Iterable[int] = (),
-                     adapter_release_fraction: float = 0.0) -> Iterator[str | InferResult]:
+    def infer_stream(
+        self,
+        prompt: str = "",
+        images: Iterable[bytes | str | Path] = (),
+        *,
+        adapter: str | None = None,
+        task: str | None = None,
+        max_new_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Iterable[str] = (),
+        request_id: str = "",
+        min_p: float = 0.0,
+        raw_prompt: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        prompt_token_ids: Iterable[int] = (),
+        adapter_release_fraction: float = 0.0,
+    ) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
-        req = _request(inf_pb.InferStreamRequest, _input(
-            prompt, images, adapter, task, False, max_new_tokens, temperature, top_p, top_k, seed, stop, min_p,
-            raw_prompt, logprobs, top_logprobs, (presence_penalty, frequency_penalty, repetition_penalty),
-            logit_bias, prompt_token_ids, adapter_release_fraction), request_id)
+        req = _request(
+            inf_pb.InferStreamRequest,
+            _input(
+                prompt,
+                images,
+                adapter,
+                task,
+                False,
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                stop,
+                min_p,
+                raw_prompt,
+                logprobs,
+                top_logprobs,
+                (presence_penalty, frequency_penalty, repetition_penalty),
+                logit_bias,
+                prompt_token_ids,
+                adapter_release_fraction,
+            ),
+            request_id,
+        )
         for attempt in range(self.retries + 1):
             started = False
             try:
-                for msg in self._inference.InferStream(req, timeout=self.timeout_s,
-                                                       metadata=_metadata(self._api_key)):
+                for msg in self._inference.InferStream(req, timeout=self.timeout_s, metadata=_metadata(self._api_key)):
                     started = True
                     yield from _stream_out(msg)
                 return
@@ -299,15 +432,21 @@ class ValoraClient:
     # -- admin ---------------------------------------------------------------------------------
 
     def create_adapter(self, adapter_id: str, description: str = "", request_id: str = "") -> str:
-        r = self._call(self._admin.CreateAdapter, admin_pb.CreateAdapterRequest(
-            adapter_id=adapter_id, description=description, request_id=request_id), self._admin_key)
+        r = self._call(
+            self._admin.CreateAdapter,
+            admin_pb.CreateAdapterRequest(adapter_id=adapter_id, description=description, request_id=request_id),
+            self._admin_key,
+        )
         return r.adapter.name
 
     def list_adapters(self, page_size: int = 100) -> list[resources_pb2.Adapter]:
         out, token = [], ""
         while True:
-            r = self._call(self._admin.ListAdapters,
-                           admin_pb.ListAdaptersRequest(page_size=page_size, page_token=token), self._admin_key)
+            r = self._call(
+                self._admin.ListAdapters,
+                admin_pb.ListAdaptersRequest(page_size=page_size, page_token=token),
+                self._admin_key,
+            )
             out.extend(r.adapters)
             token = r.next_page_token
             if not token:
@@ -315,35 +454,50 @@ class ValoraClient:
 
     def get_adapter(self, name: str) -> resources_pb2.Adapter:
         """`name` is "adapters/{adapter}" or just "{adapter}"."""
-        return self._call(self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=_adapter_name(name)),
-                          self._admin_key).adapter
+        return self._call(
+            self._admin.GetAdapter, admin_pb.GetAdapterRequest(name=_adapter_name(name)), self._admin_key
+        ).adapter
 
     def delete_adapter(self, name: str, etag: str = "") -> None:
         """Retires every version and removes the adapter's aliases and name; FAILED_PRECONDITION
         while a task uses it. `etag` (get_adapter(...).etag): only if it has not changed since,
         else ABORTED (reason ETAG_MISMATCH)."""
-        self._call(self._admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name=_adapter_name(name), etag=etag),
-                   self._admin_key)
+        self._call(
+            self._admin.DeleteAdapter,
+            admin_pb.DeleteAdapterRequest(name=_adapter_name(name), etag=etag),
+            self._admin_key,
+        )
 
-    def upload_adapter_version(self, adapter: str, bundle: bytes, adapter_config_json: str,
-                               heads: dict[str, list[str]] | None = None, request_id: str = "") -> AdapterVersion:
+    def upload_adapter_version(
+        self,
+        adapter: str,
+        bundle: bytes,
+        adapter_config_json: str,
+        heads: dict[str, list[str]] | None = None,
+        request_id: str = "",
+    ) -> AdapterVersion:
         """Registers a safetensors bundle under `adapters/{adapter}`; idempotent per request_id."""
         request_id = request_id or uuid.uuid4().hex
         import hashlib
 
         meta = admin_pb.UploadAdapterVersionMetadata(
             parent=adapter if adapter.startswith("adapters/") else f"adapters/{adapter}",
-            adapter_config_json=adapter_config_json, sha256=hashlib.sha256(bundle).hexdigest(),
+            adapter_config_json=adapter_config_json,
+            sha256=hashlib.sha256(bundle).hexdigest(),
             request_id=request_id,
-            heads=[resources_pb2.TaskHead(name=n, labels=labels) for n, labels in (heads or {}).items()])
+            heads=[resources_pb2.TaskHead(name=n, labels=labels) for n, labels in (heads or {}).items()],
+        )
 
         def parts():
             yield admin_pb.UploadAdapterVersionRequest(metadata=meta)
             for i in range(0, len(bundle), UPLOAD_CHUNK):
-                yield admin_pb.UploadAdapterVersionRequest(chunk=bundle[i:i + UPLOAD_CHUNK])
+                yield admin_pb.UploadAdapterVersionRequest(chunk=bundle[i : i + UPLOAD_CHUNK])
 
-        r = self._retrying(lambda: self._admin.UploadAdapterVersion(parts(), timeout=self.timeout_s,
-                                                                    metadata=_metadata(self._admin_key)))
+        r = self._retrying(
+            lambda: self._admin.UploadAdapterVersion(
+                parts(), timeout=self.timeout_s, metadata=_metadata(self._admin_key)
+            )
+        )
         return AdapterVersion.from_pb(r.version)
 
     def list_versions(self, adapter: str, page_size: int = 100) -> list[AdapterVersion]:
@@ -351,8 +505,11 @@ class ValoraClient:
         out, token = [], ""
         parent = _adapter_name(adapter)
         while True:
-            r = self._call(self._admin.ListAdapterVersions, admin_pb.ListAdapterVersionsRequest(
-                parent=parent, page_size=page_size, page_token=token), self._admin_key)
+            r = self._call(
+                self._admin.ListAdapterVersions,
+                admin_pb.ListAdapterVersionsRequest(parent=parent, page_size=page_size, page_token=token),
+                self._admin_key,
+            )
             out.extend(AdapterVersion.from_pb(v) for v in r.versions)
             token = r.next_page_token
             if not token:
@@ -360,34 +517,69 @@ class ValoraClient:
 
     def get_version(self, name: str) -> AdapterVersion:
         """`name` is "adapters/{adapter}/versions/{version}" (or without "adapters/")."""
-        return AdapterVersion.from_pb(self._call(self._admin.GetAdapterVersion, admin_pb.GetAdapterVersionRequest(
-            name=_adapter_name(name)), self._admin_key).version)
+        return AdapterVersion.from_pb(
+            self._call(
+                self._admin.GetAdapterVersion,
+                admin_pb.GetAdapterVersionRequest(name=_adapter_name(name)),
+                self._admin_key,
+            ).version
+        )
 
     def delete_version(self, name: str) -> None:
         """Marks the version RETIRED; FAILED_PRECONDITION while an alias or task points at it."""
-        self._call(self._admin.DeleteAdapterVersion, admin_pb.DeleteAdapterVersionRequest(
-            name=_adapter_name(name)), self._admin_key)
+        self._call(
+            self._admin.DeleteAdapterVersion,
+            admin_pb.DeleteAdapterVersionRequest(name=_adapter_name(name)),
+            self._admin_key,
+        )
 
     def set_alias(self, adapter: str, alias: str, version: str, etag: str = "") -> str:
-        r = self._call(self._admin.SetAlias, admin_pb.SetAliasRequest(
-            adapter=adapter, alias=alias, version=version, etag=etag), self._admin_key)
+        r = self._call(
+            self._admin.SetAlias,
+            admin_pb.SetAliasRequest(adapter=adapter, alias=alias, version=version, etag=etag),
+            self._admin_key,
+        )
         return r.etag
 
     def delete_alias(self, adapter: str, alias: str) -> None:
-        self._call(self._admin.DeleteAlias, admin_pb.DeleteAliasRequest(
-            adapter=_adapter_name(adapter), alias=alias), self._admin_key)
+        self._call(
+            self._admin.DeleteAlias,
+            admin_pb.DeleteAliasRequest(adapter=_adapter_name(adapter), alias=alias),
+            self._admin_key,
+        )
 
-    def create_task(self, task_id: str, adapter: str, head: str = "", description: str = "",
-                    accuracy_threshold: float = 0.0, measured_accuracy: float = 0.0, slo_ms: float = 0.0,
-                    slo_class: str = "", adapter_release_fraction: float = 0.0) -> resources_pb2.Task:
+    def create_task(
+        self,
+        task_id: str,
+        adapter: str,
+        head: str = "",
+        description: str = "",
+        accuracy_threshold: float = 0.0,
+        measured_accuracy: float = 0.0,
+        slo_ms: float = 0.0,
+        slo_class: str = "",
+        adapter_release_fraction: float = 0.0,
+    ) -> resources_pb2.Task:
         """`slo_ms`: the latency objective of the task's requests (0: none); `slo_class`: the
         application it counts under (empty: the task's id); `adapter_release_fraction`: the early
         adapter release of its requests that set none of their own (0: off)."""
-        r = self._call(self._admin.CreateTask, admin_pb.CreateTaskRequest(task_id=task_id, task=resources_pb2.Task(
-            adapter=adapter, head=head, description=description, accuracy_threshold=accuracy_threshold,
-            measured_accuracy=measured_accuracy, slo_ms=slo_ms, slo_class=slo_class,
-            adapter_release_fraction=adapter_release_fraction)),
-            self._admin_key)
+        r = self._call(
+            self._admin.CreateTask,
+            admin_pb.CreateTaskRequest(
+                task_id=task_id,
+                task=resources_pb2.Task(
+                    adapter=adapter,
+                    head=head,
+                    description=description,
+                    accuracy_threshold=accuracy_threshold,
+                    measured_accuracy=measured_accuracy,
+                    slo_ms=slo_ms,
+                    slo_class=slo_class,
+                    adapter_release_fraction=adapter_release_fraction,
+                ),
+            ),
+            self._admin_key,
+        )
         return r.task
 
     def get_task(self, name: str) -> resources_pb2.Task:
@@ -395,9 +587,16 @@ class ValoraClient:
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         return self._call(self._admin.GetTask, admin_pb.GetTaskRequest(name=name), self._admin_key).task
 
-    def update_task(self, name: str, *, description: str | None = None, slo_ms: float | None = None,
-                    slo_class: str | None = None, adapter_release_fraction: float | None = None,
-                    etag: str = "") -> resources_pb2.Task:
+    def update_task(
+        self,
+        name: str,
+        *,
+        description: str | None = None,
+        slo_ms: float | None = None,
+        slo_class: str | None = None,
+        adapter_release_fraction: float | None = None,
+        etag: str = "",
+    ) -> resources_pb2.Task:
         """Changes the fields given (the others stay as they are); returns the task as it is now.
         `slo_ms=0` alone clears the class too. `etag` (get_task(...).etag): only if the task has
         not changed since, else ABORTED (reason ETAG_MISMATCH). INVALID_ARGUMENT for bad values
@@ -405,21 +604,29 @@ class ValoraClient:
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         task = resources_pb2.Task(name=name)
         paths = []
-        for path, value in (("description", description), ("slo_ms", slo_ms), ("slo_class", slo_class),
-                            ("adapter_release_fraction", adapter_release_fraction)):
+        for path, value in (
+            ("description", description),
+            ("slo_ms", slo_ms),
+            ("slo_class", slo_class),
+            ("adapter_release_fraction", adapter_release_fraction),
+        ):
             if value is not None:
                 setattr(task, path, value)
                 paths.append(path)
-        r = self._call(self._admin.UpdateTask, admin_pb.UpdateTaskRequest(
-            task=task, update_mask=field_mask_pb2.FieldMask(paths=paths), etag=etag), self._admin_key)
+        r = self._call(
+            self._admin.UpdateTask,
+            admin_pb.UpdateTaskRequest(task=task, update_mask=field_mask_pb2.FieldMask(paths=paths), etag=etag),
+            self._admin_key,
+        )
         return r.task
 
     def list_tasks(self, page_size: int = 100) -> list[resources_pb2.Task]:
         """Every task (all pages)."""
         out, token = [], ""
         while True:
-            r = self._call(self._admin.ListTasks, admin_pb.ListTasksRequest(page_size=page_size, page_token=token),
-                           self._admin_key)
+            r = self._call(
+                self._admin.ListTasks, admin_pb.ListTasksRequest(page_size=page_size, page_token=token), self._admin_key
+            )
             out.extend(r.tasks)
             token = r.next_page_token
             if not token:
@@ -431,20 +638,40 @@ class ValoraClient:
 
     # -- generation jobs -----------------------------------------------------------------------
 
-    def create_generation_job(self, base_model: str,
-                              sources: dict[str, float] | Iterable[tuple[str, float] | tuple[str, float, str]], *,
-                              rank: int = 0, epochs: int = 0, adapter_prefix: str = "", split_limit: int = 0,
-                              job_id: str = "", request_id: str = "") -> resources_pb2.GenerationJob:
+    def create_generation_job(
+        self,
+        base_model: str,
+        sources: dict[str, float] | Iterable[tuple[str, float] | tuple[str, float, str]],
+        *,
+        rank: int = 0,
+        epochs: int = 0,
+        adapter_prefix: str = "",
+        split_limit: int = 0,
+        job_id: str = "",
+        request_id: str = "",
+    ) -> resources_pb2.GenerationJob:
         """Queues accuracy-aware adapter generation: `sources` maps task -> accuracy threshold, in
         fusion order; a (task, threshold, "datasets/{sha256}") item names a task of a dataset
         uploaded with `upload_dataset`. Idempotent per request_id (one is made up when not given)."""
         items = sources.items() if isinstance(sources, dict) else sources
         job = resources_pb2.GenerationJob(
-            base_model=base_model, rank=rank, epochs=epochs, adapter_prefix=adapter_prefix, split_limit=split_limit,
-            sources=[resources_pb2.GenerationSource(task=item[0], accuracy_threshold=item[1],
-                                                    dataset=item[2] if len(item) > 2 else "") for item in items])
-        r = self._call(self._admin.CreateGenerationJob, admin_pb.CreateGenerationJobRequest(
-            job_id=job_id, job=job, request_id=request_id or uuid.uuid4().hex), self._admin_key)
+            base_model=base_model,
+            rank=rank,
+            epochs=epochs,
+            adapter_prefix=adapter_prefix,
+            split_limit=split_limit,
+            sources=[
+                resources_pb2.GenerationSource(
+                    task=item[0], accuracy_threshold=item[1], dataset=item[2] if len(item) > 2 else ""
+                )
+                for item in items
+            ],
+        )
+        r = self._call(
+            self._admin.CreateGenerationJob,
+            admin_pb.CreateGenerationJobRequest(job_id=job_id, job=job, request_id=request_id or uuid.uuid4().hex),
+            self._admin_key,
+        )
         return r.job
 
     def upload_dataset(self, archive: bytes) -> resources_pb2.Dataset:
@@ -457,10 +684,11 @@ class ValoraClient:
         def parts():
             yield admin_pb.UploadDatasetRequest(metadata=meta)
             for i in range(0, len(archive), UPLOAD_CHUNK):
-                yield admin_pb.UploadDatasetRequest(chunk=archive[i:i + UPLOAD_CHUNK])
+                yield admin_pb.UploadDatasetRequest(chunk=archive[i : i + UPLOAD_CHUNK])
 
-        r = self._retrying(lambda: self._admin.UploadDataset(parts(), timeout=self.timeout_s,
-                                                             metadata=_metadata(self._admin_key)))
+        r = self._retrying(
+            lambda: self._admin.UploadDataset(parts(), timeout=self.timeout_s, metadata=_metadata(self._admin_key))
+        )
         return r.dataset
 
     @staticmethod
@@ -469,22 +697,29 @@ class ValoraClient:
 
     def get_generation_job(self, name: str) -> resources_pb2.GenerationJob:
         """`name` is "generationJobs/{job}" or just "{job}"."""
-        return self._call(self._admin.GetGenerationJob, admin_pb.GetGenerationJobRequest(
-            name=self._job_name(name)), self._admin_key).job
+        return self._call(
+            self._admin.GetGenerationJob, admin_pb.GetGenerationJobRequest(name=self._job_name(name)), self._admin_key
+        ).job
 
     def list_generation_jobs(self, page_size: int = 100) -> list[resources_pb2.GenerationJob]:
         out, token = [], ""
         while True:
-            r = self._call(self._admin.ListGenerationJobs, admin_pb.ListGenerationJobsRequest(
-                page_size=page_size, page_token=token), self._admin_key)
+            r = self._call(
+                self._admin.ListGenerationJobs,
+                admin_pb.ListGenerationJobsRequest(page_size=page_size, page_token=token),
+                self._admin_key,
+            )
             out.extend(r.jobs)
             token = r.next_page_token
             if not token:
                 return out
 
     def cancel_generation_job(self, name: str) -> resources_pb2.GenerationJob:
-        return self._call(self._admin.CancelGenerationJob, admin_pb.CancelGenerationJobRequest(
-            name=self._job_name(name)), self._admin_key).job
+        return self._call(
+            self._admin.CancelGenerationJob,
+            admin_pb.CancelGenerationJobRequest(name=self._job_name(name)),
+            self._admin_key,
+        ).job
 
     def cluster_status(self) -> admin_pb.GetClusterStatusResponse:
         return self._call(self._admin.GetClusterStatus, admin_pb.GetClusterStatusRequest(), self._admin_key)

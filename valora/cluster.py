@@ -95,8 +95,11 @@ class Cluster:
         if not path.exists():
             return None
         data = json.loads(path.read_text())
-        return cls(home=data["home"], processes=[ProcessInfo(**p) for p in data["processes"]],
-                   internal_token=data.get("internal_token", ""))
+        return cls(
+            home=data["home"],
+            processes=[ProcessInfo(**p) for p in data["processes"]],
+            internal_token=data.get("internal_token", ""),
+        )
 
 
 class StartupError(RuntimeError):
@@ -136,8 +139,10 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
                 tail = Path(log).read_text()[-3000:] if log else ""
                 raise RuntimeError(f"{address}: process exited with {proc.returncode}\n{tail}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -206,8 +211,9 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def worker_device_env(workers: int, device: str = "cpu", dtype: str = "float32",
-                      gpu_ids: Sequence[str] = (), tp: int = 1) -> list[dict[str, str]]:
+def worker_device_env(
+    workers: int, device: str = "cpu", dtype: str = "float32", gpu_ids: Sequence[str] = (), tp: int = 1
+) -> list[dict[str, str]]:
     """Per-worker environment (start_cluster's `worker_env`) for `workers` workers on `device`.
     CUDA: worker i runs on gpu_ids[i % len(gpu_ids)] through its own CUDA_VISIBLE_DEVICES (it sees
     that GPU alone, as cuda:0), so several GPUs get one worker each in turn and with one GPU every
@@ -252,15 +258,23 @@ _WIRED = "it wires the services together"
 # a flag of `valora up` sets: refused in --set and --config, with what to use instead. The gateway's
 # port and http_port are --port and --http-port (the config may give them; the flags given win).
 MANAGED_SETTINGS: dict[str, dict[str, str]] = {
-    svc: {"metrics_port": "each process gets a free port", "internal_token": _ONE_TOKEN,
-          "internal_token_file": _ONE_TOKEN,
-          **({} if svc == "gateway" else {"port": "each process gets a free port; the gateway's is --port"})}
+    svc: {
+        "metrics_port": "each process gets a free port",
+        "internal_token": _ONE_TOKEN,
+        "internal_token_file": _ONE_TOKEN,
+        **({} if svc == "gateway" else {"port": "each process gets a free port; the gateway's is --port"}),
+    }
     for svc in SERVICES
 }
 MANAGED_SETTINGS["adapter_store"] |= {"model_path": "use --model-path"}
-MANAGED_SETTINGS["worker"] |= {"model_path": "use --model-path", "worker_name": _WIRED, "adapter_cache_dir": _WIRED,
-                               "adapter_store_address": _WIRED, "scheduler_address": _WIRED,
-                               "advertise_address": _WIRED}
+MANAGED_SETTINGS["worker"] |= {
+    "model_path": "use --model-path",
+    "worker_name": _WIRED,
+    "adapter_cache_dir": _WIRED,
+    "adapter_store_address": _WIRED,
+    "scheduler_address": _WIRED,
+    "advertise_address": _WIRED,
+}
 MANAGED_SETTINGS["scheduler"] |= {"worker_addresses": _WIRED}
 MANAGED_SETTINGS["gateway"] |= {"scheduler_address": _WIRED, "adapter_store_address": _WIRED}
 
@@ -329,8 +343,10 @@ def load_settings_file(path: Path) -> Layer:
     layer: Layer = {}
     for table, values in data.items():
         if table not in SERVICES or not isinstance(values, dict):
-            raise SettingsError(f"--config {path}: {table!r} is not a table of settings; the tables are "
-                                f"{', '.join(f'[{s}]' for s in SERVICES)}")
+            raise SettingsError(
+                f"--config {path}: {table!r} is not a table of settings; the tables are "
+                f"{', '.join(f'[{s}]' for s in SERVICES)}"
+            )
         for name, value in values.items():
             try:
                 layer.setdefault(table, {})[_key(name)] = env_text(value)
@@ -374,16 +390,22 @@ def check_settings(sets: Layer, config: Layer, environ: Mapping[str, str], confi
         for key in keys:
             where = _source(service, key, sets, config, config_path)
             if key in MANAGED_SETTINGS[service]:
-                raise SettingsError(f"{where}: {service} setting {key} is set by valora up "
-                                    f"({MANAGED_SETTINGS[service][key]})")
+                raise SettingsError(
+                    f"{where}: {service} setting {key} is set by valora up ({MANAGED_SETTINGS[service][key]})"
+                )
             if key not in cls.model_fields:
                 near = difflib.get_close_matches(key, list(cls.model_fields), n=1)
-                raise SettingsError(f"{where}: {service} has no setting {key!r}"
-                                    + (f" (did you mean {near[0]}?)" if near else ""))
-        managed = {env_name(k) for k in MANAGED_SETTINGS[service]} | ({"VALORA_PORT", "VALORA_HTTP_PORT"}
-                                                                        if service == "gateway" else set())
-        env = {k: v for k, v in merge_settings(sets, config, environ)[service].items()
-               if k not in managed or k.lower().removeprefix("valora_") in keys}
+                raise SettingsError(
+                    f"{where}: {service} has no setting {key!r}" + (f" (did you mean {near[0]}?)" if near else "")
+                )
+        managed = {env_name(k) for k in MANAGED_SETTINGS[service]} | (
+            {"VALORA_PORT", "VALORA_HTTP_PORT"} if service == "gateway" else set()
+        )
+        env = {
+            k: v
+            for k, v in merge_settings(sets, config, environ)[service].items()
+            if k not in managed or k.lower().removeprefix("valora_") in keys
+        }
         checked[service] = _validate(service, cls, env, sets, config, config_path)
     return checked
 
@@ -402,12 +424,15 @@ def _validate(service: str, cls: type, env: dict[str, str], sets: Layer, config:
         err = exc.errors()[0]
         msg = str(err["msg"]).removeprefix("Value error, ")
         if not err["loc"]:  # a check across fields: name the ones given
-            given = "; ".join(_source(service, k, sets, config, config_path)
-                              for k in {**config.get(service, {}), **sets.get(service, {})})
+            given = "; ".join(
+                _source(service, k, sets, config, config_path)
+                for k in {**config.get(service, {}), **sets.get(service, {})}
+            )
             raise SettingsError(f"{given}: {service} settings: {msg}") from None
         key = str(err["loc"][0])
-        raise SettingsError(f"{_source(service, key, sets, config, config_path)}: {service} setting {key}: "
-                            f"{msg}") from None
+        raise SettingsError(
+            f"{_source(service, key, sets, config, config_path)}: {service} setting {key}: {msg}"
+        ) from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -425,8 +450,9 @@ def http_enabled(env: Mapping[str, str]) -> bool:
         return True
 
 
-def check_http_port(flag: str | None, sets: Layer, config: Layer, environ: Mapping[str, str],
-                    config_path: object = "") -> None:
+def check_http_port(
+    flag: str | None, sets: Layer, config: Layer, environ: Mapping[str, str], config_path: object = ""
+) -> None:
     """A port for the OpenAI-compatible HTTP API (`flag`, the `--http-port N` given on the command
     line, else a gateway http_port of --set or --config) while the gateway's settings turn that API
     off (http_enabled false by --set, --config or VALORA_HTTP_ENABLED): a SettingsError naming
@@ -439,15 +465,21 @@ def check_http_port(flag: str | None, sets: Layer, config: Layer, environ: Mappi
     off = _source("gateway", "http_enabled", sets, config, config_path)
     if off.endswith("in the environment"):
         off = f"VALORA_HTTP_ENABLED={environ.get('VALORA_HTTP_ENABLED', '')} in the environment"
-    raise SettingsError(f"{port} is a port of the OpenAI-compatible HTTP API, which {off} turns off: "
-                        "drop one of them")
+    raise SettingsError(f"{port} is a port of the OpenAI-compatible HTTP API, which {off} turns off: drop one of them")
 
 
-def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int = 0,
-                  model_path: Path | None = None, http_port: int = 0, env: dict[str, str] | None = None,
-                  startup_timeout_s: float = STARTUP_TIMEOUT_S, register: bool = False,
-                  worker_env: Sequence[Mapping[str, str]] | None = None,
-                  service_env: Mapping[str, Mapping[str, str]] | None = None) -> Cluster:
+def start_cluster(
+    home: Path = DEFAULT_HOME,
+    workers: int = 1,
+    gateway_port: int = 0,
+    model_path: Path | None = None,
+    http_port: int = 0,
+    env: dict[str, str] | None = None,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    register: bool = False,
+    worker_env: Sequence[Mapping[str, str]] | None = None,
+    service_env: Mapping[str, Mapping[str, str]] | None = None,
+) -> Cluster:
     """Starts adapter_store, `workers` workers, scheduler and gateway; returns once all are SERVING.
     The workers start together (each loads the model) and are waited for as a group.
     Every process gets a free Prometheus port; the gateway's HTTP API gets `http_port` (0: a free one)
@@ -485,27 +517,58 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
     worker_ports = [next(spare) for _ in range(workers)]
     scheduler_port = next(spare)
     plan: list[tuple[str, str, int, dict[str, str]]] = [  # service, name, port, wiring
-        ("adapter_store", "adapter_store", store_port, {
-            "VALORA_DATABASE_URL": settings_env["adapter_store"].get(
-                "VALORA_DATABASE_URL", base_env.get("VALORA_DATABASE_URL", f"sqlite:///{home / 'registry.db'}")),
-            "VALORA_BLOB_DIR": settings_env["adapter_store"].get(
-                "VALORA_BLOB_DIR", base_env.get("VALORA_BLOB_DIR", str(home / "blobs"))),
-        }),
-        *[("worker", f"worker-{i}", port, {
-            "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
-            "VALORA_WORKER_NAME": f"worker-{i}",
-            "VALORA_ADAPTER_CACHE_DIR": str(home / f"adapter-cache-{i}"),
-            **({"VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
-                "VALORA_ADVERTISE_ADDRESS": f"127.0.0.1:{port}"} if register else {}),
-            **(worker_env[i] if worker_env is not None else {}),
-        }) for i, port in enumerate(worker_ports)],
-        ("scheduler", "scheduler", scheduler_port, {
-            "VALORA_WORKER_ADDRESSES": "" if register else ",".join(f"127.0.0.1:{p}" for p in worker_ports),
-        }),
-        ("gateway", "gateway", gateway_port or next(spare), {
-            "VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
-            "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
-        }),
+        (
+            "adapter_store",
+            "adapter_store",
+            store_port,
+            {
+                "VALORA_DATABASE_URL": settings_env["adapter_store"].get(
+                    "VALORA_DATABASE_URL", base_env.get("VALORA_DATABASE_URL", f"sqlite:///{home / 'registry.db'}")
+                ),
+                "VALORA_BLOB_DIR": settings_env["adapter_store"].get(
+                    "VALORA_BLOB_DIR", base_env.get("VALORA_BLOB_DIR", str(home / "blobs"))
+                ),
+            },
+        ),
+        *[
+            (
+                "worker",
+                f"worker-{i}",
+                port,
+                {
+                    "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
+                    "VALORA_WORKER_NAME": f"worker-{i}",
+                    "VALORA_ADAPTER_CACHE_DIR": str(home / f"adapter-cache-{i}"),
+                    **(
+                        {
+                            "VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
+                            "VALORA_ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
+                        }
+                        if register
+                        else {}
+                    ),
+                    **(worker_env[i] if worker_env is not None else {}),
+                },
+            )
+            for i, port in enumerate(worker_ports)
+        ],
+        (
+            "scheduler",
+            "scheduler",
+            scheduler_port,
+            {
+                "VALORA_WORKER_ADDRESSES": "" if register else ",".join(f"127.0.0.1:{p}" for p in worker_ports),
+            },
+        ),
+        (
+            "gateway",
+            "gateway",
+            gateway_port or next(spare),
+            {
+                "VALORA_SCHEDULER_ADDRESS": f"127.0.0.1:{scheduler_port}",
+                "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store_port}",
+            },
+        ),
     ]
     try:
         # Consecutive entries of one service (the workers) are started together, then waited for.
@@ -520,29 +583,49 @@ def start_cluster(home: Path = DEFAULT_HOME, workers: int = 1, gateway_port: int
                     proc = subprocess.Popen(
                         [sys.executable, "-m", f"services.{service}"],
                         env={**base_env, **settings_env[service], **entry_env, **ports},
-                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
                     )
-                cluster.processes.append(ProcessInfo(service, name, proc.pid, port, log,
-                                                     metrics_port=int(ports["VALORA_METRICS_PORT"]),
-                                                     http_port=int(ports.get("VALORA_HTTP_PORT", 0))))
+                cluster.processes.append(
+                    ProcessInfo(
+                        service,
+                        name,
+                        proc.pid,
+                        port,
+                        log,
+                        metrics_port=int(ports["VALORA_METRICS_PORT"]),
+                        http_port=int(ports.get("VALORA_HTTP_PORT", 0)),
+                    )
+                )
                 cluster.save()
                 started.append((name, port, proc, log))
             for name, port, proc, log in started:
                 try:
                     wait_healthy(f"127.0.0.1:{port}", startup_timeout_s, proc, log)
                 except TimeoutError:
-                    raise StartupError(service, name, log, f"{name} did not become healthy within "
-                                       f"{startup_timeout_s:g} s (log: {log})") from None
+                    raise StartupError(
+                        service, name, log, f"{name} did not become healthy within {startup_timeout_s:g} s (log: {log})"
+                    ) from None
                 except RuntimeError as exc:
-                    raise StartupError(service, name, log, f"{name} exited with {proc.returncode} before it "
-                                       f"became healthy (log: {log})") from exc
+                    raise StartupError(
+                        service,
+                        name,
+                        log,
+                        f"{name} exited with {proc.returncode} before it became healthy (log: {log})",
+                    ) from exc
             if service == "scheduler" and register:
                 try:
                     wait_registered(f"127.0.0.1:{port}", workers, startup_timeout_s, cluster.internal_token)
                 except TimeoutError:
                     logs = str(home / "logs" / "worker-*.log")
-                    raise StartupError("worker", "worker", logs, f"the workers did not all register with the "
-                                       f"scheduler within {startup_timeout_s:g} s (logs: {logs})") from None
+                    raise StartupError(
+                        "worker",
+                        "worker",
+                        logs,
+                        f"the workers did not all register with the "
+                        f"scheduler within {startup_timeout_s:g} s (logs: {logs})",
+                    ) from None
     except BaseException:
         stop_cluster(home)
         raise

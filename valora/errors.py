@@ -24,9 +24,15 @@ class ValoraRpcError(grpc.RpcError):
     """An RPC that failed with `code`; `reason` (ErrorInfo), `field_violations` (BadRequest:
     (field, description) pairs), `retry_after_s` (RetryInfo; None when the server gave none)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "",
-                 field_violations: list[tuple[str, str]] | None = None, retry_after_s: float | None = None,
-                 trailing_metadata=()) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str = "",
+        field_violations: list[tuple[str, str]] | None = None,
+        retry_after_s: float | None = None,
+        trailing_metadata=(),
+    ) -> None:
         super().__init__(f"{code.name}: {message}" + (f" ({reason})" if reason else ""))
         self._code, self.message, self.reason = code, message, reason
         self.field_violations = list(field_violations or [])
@@ -44,27 +50,66 @@ class ValoraRpcError(grpc.RpcError):
         return self._trailing
 
 
-class InvalidArgument(ValoraRpcError): pass  # noqa: E701
-class NotFound(ValoraRpcError): pass  # noqa: E701
-class AlreadyExists(ValoraRpcError): pass  # noqa: E701
-class FailedPrecondition(ValoraRpcError): pass  # noqa: E701
-class Aborted(ValoraRpcError): pass  # noqa: E701 - a concurrent change won (e.g. a stale etag): read again
-class Unauthenticated(ValoraRpcError): pass  # noqa: E701
-class PermissionDenied(ValoraRpcError): pass  # noqa: E701
-class ResourceExhausted(ValoraRpcError): pass  # noqa: E701
-class Unavailable(ValoraRpcError): pass  # noqa: E701
-class DeadlineExceeded(ValoraRpcError): pass  # noqa: E701
-class Cancelled(ValoraRpcError): pass  # noqa: E701
-class Internal(ValoraRpcError): pass  # noqa: E701
+class InvalidArgument(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class NotFound(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class AlreadyExists(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class FailedPrecondition(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class Aborted(ValoraRpcError):
+    pass  # noqa: E701 - a concurrent change won (e.g. a stale etag): read again
+
+
+class Unauthenticated(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class PermissionDenied(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class ResourceExhausted(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class Unavailable(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class DeadlineExceeded(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class Cancelled(ValoraRpcError):
+    pass  # noqa: E701
+
+
+class Internal(ValoraRpcError):
+    pass  # noqa: E701
 
 
 _BY_CODE = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists, grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.ABORTED: Aborted,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated, grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded, grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
 }
 
 

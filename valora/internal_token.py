@@ -51,15 +51,24 @@ def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     return [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if token else []
 
 
-class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _SyncToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str) -> None:
         self._token = token
 
     def _details(self, details):
-        return _Details(details.method, details.timeout, _with_token(details.metadata, self._token),
-                        details.credentials, getattr(details, "wait_for_ready", None),
-                        getattr(details, "compression", None))
+        return _Details(
+            details.method,
+            details.timeout,
+            _with_token(details.metadata, self._token),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)

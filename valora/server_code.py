@@ -23,10 +23,12 @@ def load(name: str, extra: str = "server"):
         raise ServerCodeMissing(
             f"no {GROUP} entry point {name!r}: this command runs server code; install it with "
             f"pip install 'valora[{extra}]' (an editable install older than the entry point: rerun "
-            "scripts/install.sh)")
+            "scripts/install.sh)"
+        )
     entry = next(iter(found))
     try:
         return entry.load()
     except ImportError as e:
-        raise ServerCodeMissing(f"{entry.value} (entry point {name!r}) does not import: {e}; it needs "
-                                f"pip install 'valora[{extra}]'") from e
+        raise ServerCodeMissing(
+            f"{entry.value} (entry point {name!r}) does not import: {e}; it needs pip install 'valora[{extra}]'"
+        ) from e

@@ -23,8 +23,13 @@ def _stub(address: str):
     import grpc  # noqa: PLC0415
     from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc  # noqa: PLC0415
 
-    channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    channel = grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
     return channel, store_grpc.AdapterStoreServiceStub(channel)
 
 
@@ -36,17 +41,19 @@ def push_table_json(address: str, table_json: str, timeout_s: float = 30.0):
     d = json.loads(table_json)
     channel, stub = _stub(address)
     try:
-        return stub.PutTileTable(store_pb.PutTileTableRequest(
-            gpu_name=d.get("gpu", ""), gpu_arch=d.get("arch", ""), dtype=d.get("dtype", ""), table_json=table_json),
-            timeout=timeout_s).table
+        return stub.PutTileTable(
+            store_pb.PutTileTableRequest(
+                gpu_name=d.get("gpu", ""), gpu_arch=d.get("arch", ""), dtype=d.get("dtype", ""), table_json=table_json
+            ),
+            timeout=timeout_s,
+        ).table
     finally:
         channel.close()
 
 
 def push_table(address: str, table: TileTable | str | Path, timeout_s: float = 30.0):
     """Uploads `table` (a TileTable or a JSON file's path); the stored table message."""
-    text = (json.dumps(table.to_json(), indent=1) + "\n" if isinstance(table, TileTable)
-            else Path(table).read_text())
+    text = json.dumps(table.to_json(), indent=1) + "\n" if isinstance(table, TileTable) else Path(table).read_text()
     return push_table_json(address, text, timeout_s)
 
 

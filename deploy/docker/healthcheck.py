@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
     try:
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
     except grpc.RpcError as err:
         print(f"{address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

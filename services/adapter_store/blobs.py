@@ -117,7 +117,8 @@ class LocalBlobStore(BlobStore):
                 os.fsync(f.fileno())
             if written != size or digest.hexdigest() != sha256:
                 raise BlobIntegrityError(
-                    f"blob {sha256}: got {written} bytes hashing to {digest.hexdigest()}, expected {size}")
+                    f"blob {sha256}: got {written} bytes hashing to {digest.hexdigest()}, expected {size}"
+                )
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -168,19 +169,31 @@ class S3BlobStore(BlobStore):
     x-amz-checksum-sha256 so the server rejects corrupted bytes; multipart uploads (bundles
     over `part_size`) are signed per part and record the hex sha256 as object metadata."""
 
-    def __init__(self, endpoint: str, bucket: str, access_key: str, secret_key: str, secure: bool = False,
-                 region: str = "us-east-1", part_size: int = 16 * 1024 * 1024, connect_timeout_s: float = 5.0,
-                 read_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        access_key: str,
+        secret_key: str,
+        secure: bool = False,
+        region: str = "us-east-1",
+        part_size: int = 16 * 1024 * 1024,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
+    ) -> None:
         """Timeouts: a black-holed S3 endpoint fails a call after them (UNAVAILABLE) instead of
         holding it; urllib3 retries a failed request twice."""
         import urllib3
         from minio import Minio
 
-        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
-                                   maxsize=16, retries=urllib3.Retry(total=2, backoff_factor=0.2,
-                                                                     status_forcelist=(500, 502, 503, 504)))
-        self.client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region,
-                            http_client=http)
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
+            maxsize=16,
+            retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
+        )
+        self.client = Minio(
+            endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region, http_client=http
+        )
         self.bucket = bucket
         self.part_size = max(part_size, 5 * 1024 * 1024)
         if not self.client.bucket_exists(bucket):
@@ -208,8 +221,9 @@ class S3BlobStore(BlobStore):
             self.client.put_object(self.bucket, key, io.BytesIO(body), size, metadata=metadata)
             return
         stream = _HashingReader(_as_stream(data))
-        self.client.put_object(self.bucket, key, stream, size, metadata=metadata, part_size=self.part_size,
-                               num_parallel_uploads=1)
+        self.client.put_object(
+            self.bucket, key, stream, size, metadata=metadata, part_size=self.part_size, num_parallel_uploads=1
+        )
         if stream.read_bytes != size or stream.hexdigest() != sha256:
             self.delete(sha256)
             raise BlobIntegrityError(f"blob {sha256}: bytes do not match their size/hash")
@@ -283,7 +297,15 @@ def _naive_utc(value: datetime | None) -> datetime:
 def make_blob_store(settings) -> BlobStore:
     """S3 when `settings.s3_endpoint` is set, else a local directory `settings.blob_dir`."""
     if settings.s3_endpoint:
-        return S3BlobStore(settings.s3_endpoint, settings.s3_bucket, settings.s3_access_key,
-                           settings.s3_secret_key, settings.s3_secure, settings.s3_region, settings.s3_part_size,
-                           settings.s3_connect_timeout_s, settings.s3_read_timeout_s)
+        return S3BlobStore(
+            settings.s3_endpoint,
+            settings.s3_bucket,
+            settings.s3_access_key,
+            settings.s3_secret_key,
+            settings.s3_secure,
+            settings.s3_region,
+            settings.s3_part_size,
+            settings.s3_connect_timeout_s,
+            settings.s3_read_timeout_s,
+        )
     return LocalBlobStore(settings.blob_dir)

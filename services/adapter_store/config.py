@@ -33,9 +33,7 @@ class StoreSettings(ServiceSettings):
     )
     max_rank: int = Field(128, description="Largest LoRA rank accepted.")
     max_header_bytes: int = Field(1 << 20, description="Largest safetensors header accepted, in bytes.")
-    max_bundle_bytes: int = Field(
-        1 << 30, description="Largest bundle accepted, in bytes (enforced while receiving)."
-    )
+    max_bundle_bytes: int = Field(1 << 30, description="Largest bundle accepted, in bytes (enforced while receiving).")
     max_dataset_bytes: int = Field(
         1 << 30, description="Largest dataset archive accepted (AdminService.UploadDataset), in bytes."
     )
@@ -46,27 +44,41 @@ class StoreSettings(ServiceSettings):
     pending_grace_s: float = Field(
         3600.0, description="GC removes PENDING versions and unreferenced blobs older than this many seconds."
     )
-    db_connect_timeout_s: float = Field(5.0, gt=0, description="PostgreSQL connect timeout (and the longest wait "
-                                        "for a pooled connection), seconds.")
+    db_connect_timeout_s: float = Field(
+        5.0, gt=0, description="PostgreSQL connect timeout (and the longest wait for a pooled connection), seconds."
+    )
     db_statement_timeout_s: float = Field(30.0, gt=0, description="PostgreSQL statement_timeout, seconds.")
     s3_connect_timeout_s: float = Field(5.0, gt=0, description="S3 connect timeout, seconds.")
     s3_read_timeout_s: float = Field(60.0, gt=0, description="S3 read timeout (between bytes), seconds.")
-    backend_timeout_s: float = Field(60.0, gt=0, description="The longest an RPC waits for the database or the "
-                                     "blob store before it fails UNAVAILABLE (uploads included: keep it above the "
-                                     "largest bundle's write time).")
-    health_check_s: float = Field(5.0, ge=0, description="Seconds between checks of the database and the blob "
-                                  "store; health is NOT_SERVING while either fails. 0: not checked.")
-    health_check_timeout_s: float = Field(5.0, gt=0, description="A backend check slower than this fails.")
-    gc_interval_s: float = Field(
-        600.0, description="Seconds between background GC runs; 0 disables the background GC."
+    backend_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="The longest an RPC waits for the database or the "
+        "blob store before it fails UNAVAILABLE (uploads included: keep it above the "
+        "largest bundle's write time).",
     )
+    health_check_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds between checks of the database and the blob "
+        "store; health is NOT_SERVING while either fails. 0: not checked.",
+    )
+    health_check_timeout_s: float = Field(5.0, gt=0, description="A backend check slower than this fails.")
+    gc_interval_s: float = Field(600.0, description="Seconds between background GC runs; 0 disables the background GC.")
     job_lease_s: float = Field(
-        60.0, gt=0, description="Generation jobs: how long a runner's claim holds without an update (runners "
-        "heartbeat at a third of it); a job whose lease lapses is requeued.")
+        60.0,
+        gt=0,
+        description="Generation jobs: how long a runner's claim holds without an update (runners "
+        "heartbeat at a third of it); a job whose lease lapses is requeued.",
+    )
     job_max_attempts: int = Field(
-        3, ge=1, description="Generation jobs: claims a job may lose (lease lapsed) before it ends FAILED.")
+        3, ge=1, description="Generation jobs: claims a job may lose (lease lapsed) before it ends FAILED."
+    )
     job_sweep_interval_s: float = Field(
-        10.0, ge=0, description="Seconds between requeue sweeps of RUNNING jobs whose lease lapsed (claims "
-        "also sweep); 0 disables the timer.")
+        10.0,
+        ge=0,
+        description="Seconds between requeue sweeps of RUNNING jobs whose lease lapsed (claims "
+        "also sweep); 0 disables the timer.",
+    )
     db_workers: int = Field(8, description="Threads running blocking database and blob work.")
     run_migrations: bool = Field(True, description="Run `alembic upgrade head` when the server starts.")

@@ -51,26 +51,42 @@ def timestamp(value: datetime | None) -> timestamp_pb2.Timestamp:
 
 def adapter_to_pb(a: Adapter) -> res_pb.Adapter:
     return res_pb.Adapter(
-        name=a.name, description=a.description, create_time=timestamp(a.create_time),
+        name=a.name,
+        description=a.description,
+        create_time=timestamp(a.create_time),
         aliases={k: names.version_name(a.id, v) for k, v in a.aliases.items()},
-        latest_version=a.latest_version, etag=a.etag,
+        latest_version=a.latest_version,
+        etag=a.etag,
     )
 
 
 def version_to_pb(v: Version) -> res_pb.AdapterVersion:
     return res_pb.AdapterVersion(
-        name=v.name, sha256=v.sha256, rank=v.rank, lora_alpha=v.lora_alpha,
-        target_modules=list(v.target_modules), base_model=v.base_model, size_bytes=v.size_bytes,
-        state=_STATES[v.state], create_time=timestamp(v.create_time),
+        name=v.name,
+        sha256=v.sha256,
+        rank=v.rank,
+        lora_alpha=v.lora_alpha,
+        target_modules=list(v.target_modules),
+        base_model=v.base_model,
+        size_bytes=v.size_bytes,
+        state=_STATES[v.state],
+        create_time=timestamp(v.create_time),
         heads=[res_pb.TaskHead(name=h.name, labels=list(h.labels)) for h in v.heads],
     )
 
 
 def task_to_pb(t: Task) -> res_pb.Task:
     return res_pb.Task(
-        name=t.name, adapter=t.adapter_ref, head=t.head, description=t.description,
-        accuracy_threshold=t.accuracy_threshold, measured_accuracy=t.measured_accuracy,
-        create_time=timestamp(t.create_time), slo_ms=t.slo_ms, slo_class=t.slo_class, etag=t.etag,
+        name=t.name,
+        adapter=t.adapter_ref,
+        head=t.head,
+        description=t.description,
+        accuracy_threshold=t.accuracy_threshold,
+        measured_accuracy=t.measured_accuracy,
+        create_time=timestamp(t.create_time),
+        slo_ms=t.slo_ms,
+        slo_class=t.slo_class,
+        etag=t.etag,
         adapter_release_fraction=t.adapter_release_fraction,
     )
 
@@ -87,9 +103,17 @@ def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
         if not 0.0 <= value <= 1.0:
             raise invalid_field(f"task.{field_name}", "must be within [0, 1]")
     slo_class = check_slo(task_id, t.slo_ms, t.slo_class)
-    return Task(task_id, t.adapter, t.head, t.description, t.accuracy_threshold, t.measured_accuracy,
-                slo_ms=t.slo_ms, slo_class=slo_class,
-                adapter_release_fraction=check_release_fraction(t.adapter_release_fraction))
+    return Task(
+        task_id,
+        t.adapter,
+        t.head,
+        t.description,
+        t.accuracy_threshold,
+        t.measured_accuracy,
+        slo_ms=t.slo_ms,
+        slo_class=slo_class,
+        adapter_release_fraction=check_release_fraction(t.adapter_release_fraction),
+    )
 
 
 def task_update_from_pb(r: admin_pb.UpdateTaskRequest) -> tuple[str, dict[str, object]]:
@@ -116,8 +140,9 @@ def upload_from_pb(m: admin_pb.UploadAdapterVersionMetadata) -> UploadRequest:
         if not h.labels:
             raise invalid_field(f"metadata.heads[{i}].labels", "a head needs its labels")
         heads.append(Head(h.name, tuple(h.labels)))
-    return UploadRequest(adapter_id, m.adapter_config_json, normalize_sha256(m.sha256), m.request_id or None,
-                         tuple(heads))
+    return UploadRequest(
+        adapter_id, m.adapter_config_json, normalize_sha256(m.sha256), m.request_id or None, tuple(heads)
+    )
 
 
 # ---------------------------------------------------------------------------------- generation jobs
@@ -139,26 +164,46 @@ def dataset_to_pb(d: Dataset) -> res_pb.Dataset:
 
 def job_to_pb(j: Job) -> res_pb.GenerationJob:
     return res_pb.GenerationJob(
-        name=j.name, base_model=j.spec.base_model,
-        sources=[res_pb.GenerationSource(task=s.task, accuracy_threshold=s.accuracy_threshold, dataset=s.dataset)
-                 for s in j.spec.sources],
-        rank=j.spec.rank, epochs=j.spec.epochs, adapter_prefix=j.spec.adapter_prefix,
-        split_limit=j.spec.split_limit, state=_JOB_STATES[j.state], progress=j.progress, message=j.message,
-        result=job_result_to_pb(j.result), error=j.error, create_time=timestamp(j.create_time),
+        name=j.name,
+        base_model=j.spec.base_model,
+        sources=[
+            res_pb.GenerationSource(task=s.task, accuracy_threshold=s.accuracy_threshold, dataset=s.dataset)
+            for s in j.spec.sources
+        ],
+        rank=j.spec.rank,
+        epochs=j.spec.epochs,
+        adapter_prefix=j.spec.adapter_prefix,
+        split_limit=j.spec.split_limit,
+        state=_JOB_STATES[j.state],
+        progress=j.progress,
+        message=j.message,
+        result=job_result_to_pb(j.result),
+        error=j.error,
+        create_time=timestamp(j.create_time),
         update_time=timestamp(j.update_time),
     )
 
 
 def job_result_to_pb(r: JobResult) -> res_pb.GenerationJobResult:
-    return res_pb.GenerationJobResult(adapter_versions=list(r.adapter_versions), tasks=[
-        res_pb.GenerationTaskResult(task=t.task, adapter_version=t.adapter_version,
-                                    accuracy_threshold=t.accuracy_threshold, measured_accuracy=t.measured_accuracy)
-        for t in r.tasks])
+    return res_pb.GenerationJobResult(
+        adapter_versions=list(r.adapter_versions),
+        tasks=[
+            res_pb.GenerationTaskResult(
+                task=t.task,
+                adapter_version=t.adapter_version,
+                accuracy_threshold=t.accuracy_threshold,
+                measured_accuracy=t.measured_accuracy,
+            )
+            for t in r.tasks
+        ],
+    )
 
 
 def job_result_from_pb(r: res_pb.GenerationJobResult) -> JobResult:
-    return JobResult(tuple(r.adapter_versions), tuple(
-        TaskOutcome(t.task, t.adapter_version, t.accuracy_threshold, t.measured_accuracy) for t in r.tasks))
+    return JobResult(
+        tuple(r.adapter_versions),
+        tuple(TaskOutcome(t.task, t.adapter_version, t.accuracy_threshold, t.measured_accuracy) for t in r.tasks),
+    )
 
 
 def job_state_from_pb(state: int) -> str:
@@ -192,11 +237,23 @@ def job_spec_from_pb(job_id: str, j: res_pb.GenerationJob) -> JobSpec:
         raise invalid_field("job.epochs" if j.epochs < 0 else "job.split_limit", "must not be negative")
     if j.adapter_prefix:
         names.check_id(j.adapter_prefix, "job.adapter_prefix")
-    return JobSpec(j.base_model, tuple(JobSource(s.task, s.accuracy_threshold, s.dataset) for s in j.sources),
-                   j.rank or 8, j.epochs or 4, j.adapter_prefix, j.split_limit)
+    return JobSpec(
+        j.base_model,
+        tuple(JobSource(s.task, s.accuracy_threshold, s.dataset) for s in j.sources),
+        j.rank or 8,
+        j.epochs or 4,
+        j.adapter_prefix,
+        j.split_limit,
+    )
 
 
 def tile_table_to_pb(t: StoredTileTable) -> store_pb.TileTable:
-    return store_pb.TileTable(gpu_name=t.gpu_name, gpu_arch=t.gpu_arch, dtype=t.dtype, table_json=t.table_json,
-                              sha256=t.sha256, create_time=timestamp(t.created_at),
-                              update_time=timestamp(t.updated_at))
+    return store_pb.TileTable(
+        gpu_name=t.gpu_name,
+        gpu_arch=t.gpu_arch,
+        dtype=t.dtype,
+        table_json=t.table_json,
+        sha256=t.sha256,
+        create_time=timestamp(t.created_at),
+        update_time=timestamp(t.updated_at),
+    )

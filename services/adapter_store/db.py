@@ -41,10 +41,17 @@ def make_engine(url: str, connect_timeout_s: float = 5.0, statement_timeout_s: f
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8,
-                         pool_timeout=max(1.0, connect_timeout_s),
-                         connect_args={"connect_timeout": max(1, math.ceil(connect_timeout_s)),
-                                       "options": f"-c statement_timeout={int(statement_timeout_s * 1000)}"})
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=8,
+        max_overflow=8,
+        pool_timeout=max(1.0, connect_timeout_s),
+        connect_args={
+            "connect_timeout": max(1, math.ceil(connect_timeout_s)),
+            "options": f"-c statement_timeout={int(statement_timeout_s * 1000)}",
+        },
+    )
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
@@ -72,5 +79,9 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         command.upgrade(cfg, revision)
         after = MigrationContext.configure(conn).get_current_revision()
     if before != after:
-        log.info("migrated", database=engine.url.render_as_string(hide_password=True), from_revision=before,
-                 to_revision=after)
+        log.info(
+            "migrated",
+            database=engine.url.render_as_string(hide_password=True),
+            from_revision=before,
+            to_revision=after,
+        )

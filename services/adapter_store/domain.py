@@ -41,8 +41,13 @@ class Adapter:
     def etag(self) -> str:
         """A digest of every field the Adapter resource shows: it changes exactly when one does,
         with nothing stored (versions and aliases already change the fields)."""
-        content = [self.id, self.description, self.create_time.isoformat(), self.latest_version,
-                   sorted(self.aliases.items())]
+        content = [
+            self.id,
+            self.description,
+            self.create_time.isoformat(),
+            self.latest_version,
+            sorted(self.aliases.items()),
+        ]
         return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
 
 
@@ -97,9 +102,18 @@ class Task:
     def etag(self) -> str:
         """A digest of every field the Task resource shows (as Adapter.etag): UpdateTask's
         precondition, with nothing stored."""
-        content = [self.id, self.adapter_ref, self.head, self.description, self.accuracy_threshold,
-                   self.measured_accuracy, self.create_time.isoformat() if self.create_time else "",
-                   self.slo_ms, self.slo_class, self.adapter_release_fraction]
+        content = [
+            self.id,
+            self.adapter_ref,
+            self.head,
+            self.description,
+            self.accuracy_threshold,
+            self.measured_accuracy,
+            self.create_time.isoformat() if self.create_time else "",
+            self.slo_ms,
+            self.slo_class,
+            self.adapter_release_fraction,
+        ]
         return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
 
 

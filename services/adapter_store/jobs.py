@@ -82,8 +82,11 @@ def parse_dataset_name(value: str, field_path: str = "name") -> str:
 
 def datasets_of(spec_json: str) -> set[str]:
     """The sha256 of every dataset a stored job spec names."""
-    return {s["dataset"].removeprefix("datasets/") for s in json.loads(spec_json or "{}").get("sources", [])
-            if s.get("dataset")}
+    return {
+        s["dataset"].removeprefix("datasets/")
+        for s in json.loads(spec_json or "{}").get("sources", [])
+        if s.get("dataset")
+    }
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,14 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> "JobSpec":
         d = json.loads(text or "{}")
-        return cls(d.get("base_model", ""), tuple(JobSource(**s) for s in d.get("sources", [])),
-                   d.get("rank", 8), d.get("epochs", 4), d.get("adapter_prefix", ""), d.get("split_limit", 0))
+        return cls(
+            d.get("base_model", ""),
+            tuple(JobSource(**s) for s in d.get("sources", [])),
+            d.get("rank", 8),
+            d.get("epochs", 4),
+            d.get("adapter_prefix", ""),
+            d.get("split_limit", 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -161,9 +170,20 @@ class Claim:
 
 
 def _job(row: GenerationJobRow) -> Job:
-    return Job(row.id, JobSpec.from_json(row.spec_json), GenerationJobState(row.state).value, row.progress,
-               row.message, JobResult.from_json(row.result_json), row.error, row.created_at, row.updated_at,
-               row.runner, row.attempts, row.lease_expires_at)
+    return Job(
+        row.id,
+        JobSpec.from_json(row.spec_json),
+        GenerationJobState(row.state).value,
+        row.progress,
+        row.message,
+        JobResult.from_json(row.result_json),
+        row.error,
+        row.created_at,
+        row.updated_at,
+        row.runner,
+        row.attempts,
+        row.lease_expires_at,
+    )
 
 
 def _stamp(t: datetime) -> str:
@@ -171,8 +191,13 @@ def _stamp(t: datetime) -> str:
 
 
 class GenerationJobs:
-    def __init__(self, sessions: sessionmaker[Session], lease_s: float = 60.0, max_attempts: int = 3,
-                 clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        lease_s: float = 60.0,
+        max_attempts: int = 3,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
         if lease_s <= 0 or max_attempts < 1:
             raise ValueError("lease_s must be positive and max_attempts at least 1")
         self._sessions = sessions
@@ -197,20 +222,35 @@ class GenerationJobs:
             try:
                 with self._sessions.begin() as s:
                     if request_id:
-                        prior = s.scalars(select(GenerationJobRow)
-                                          .where(GenerationJobRow.request_id == request_id)).one_or_none()
+                        prior = s.scalars(
+                            select(GenerationJobRow).where(GenerationJobRow.request_id == request_id)
+                        ).one_or_none()
                         if prior is not None:
                             if given and prior.id != job_id:
-                                raise FailedPrecondition(f"request_id {request_id!r} already created "
-                                                         f"{job_name(prior.id)}", reason="REQUEST_ID_REUSED")
+                                raise FailedPrecondition(
+                                    f"request_id {request_id!r} already created {job_name(prior.id)}",
+                                    reason="REQUEST_ID_REUSED",
+                                )
                             return _job(prior)
                     if s.get(GenerationJobRow, job_id) is not None:
                         raise AlreadyExists(f"{job_name(job_id)} already exists", reason="JOB_EXISTS")
                     now = utcnow()
-                    row = GenerationJobRow(id=job_id, state=GenerationJobState.PENDING, spec_json=spec.to_json(),
-                                           result_json="{}", error="", request_id=request_id, created_at=now,
-                                           updated_at=now, progress=0.0, message="queued", runner="",
-                                           lease_id="", lease_expires_at=None, attempts=0)
+                    row = GenerationJobRow(
+                        id=job_id,
+                        state=GenerationJobState.PENDING,
+                        spec_json=spec.to_json(),
+                        result_json="{}",
+                        error="",
+                        request_id=request_id,
+                        created_at=now,
+                        updated_at=now,
+                        progress=0.0,
+                        message="queued",
+                        runner="",
+                        lease_id="",
+                        lease_expires_at=None,
+                        attempts=0,
+                    )
                     s.add(row)
                     s.flush()
                     return _job(row)
@@ -232,11 +272,13 @@ class GenerationJobs:
                     raise invalid_field("page_token", "not a token returned by ListGenerationJobs")
                 at, _, after_id = page.after.partition("|")
                 after_time = datetime.fromisoformat(at)
-                stmt = stmt.where((GenerationJobRow.created_at < after_time)
-                                  | ((GenerationJobRow.created_at == after_time) & (GenerationJobRow.id < after_id)))
+                stmt = stmt.where(
+                    (GenerationJobRow.created_at < after_time)
+                    | ((GenerationJobRow.created_at == after_time) & (GenerationJobRow.id < after_id))
+                )
             rows = list(s.scalars(stmt.limit(page.size + 1)))
             more = len(rows) > page.size
-            rows = rows[:page.size]
+            rows = rows[: page.size]
             token = page_token(f"{rows[-1].created_at.isoformat()}|{rows[-1].id}") if more else ""
             return Page([_job(r) for r in rows], token)
 
@@ -246,8 +288,9 @@ class GenerationJobs:
             if row.state == GenerationJobState.CANCELLED:
                 return _job(row)
             if row.state in FINISHED:
-                raise FailedPrecondition(f"{job_name(job_id)} already {GenerationJobState(row.state).value}",
-                                         reason="JOB_FINISHED")
+                raise FailedPrecondition(
+                    f"{job_name(job_id)} already {GenerationJobState(row.state).value}", reason="JOB_FINISHED"
+                )
             row.state, row.message, row.updated_at = GenerationJobState.CANCELLED, "cancelled", self._clock()
             row.lease_expires_at = None
             s.flush()
@@ -259,29 +302,46 @@ class GenerationJobs:
         without a lease (claimed before leases existed) counts as lapsed. Each change is a
         compare-and-set on the lease it saw, so a runner renewing meanwhile keeps its job."""
         now = self._clock()
-        lapsed = ((GenerationJobRow.state == GenerationJobState.RUNNING)
-                  & or_(GenerationJobRow.lease_expires_at.is_(None), GenerationJobRow.lease_expires_at < now))
+        lapsed = (GenerationJobRow.state == GenerationJobState.RUNNING) & or_(
+            GenerationJobRow.lease_expires_at.is_(None), GenerationJobRow.lease_expires_at < now
+        )
         with self._sessions.begin() as s:
-            seen = s.execute(select(GenerationJobRow.id, GenerationJobRow.lease_id, GenerationJobRow.attempts,
-                                    GenerationJobRow.runner, GenerationJobRow.lease_expires_at,
-                                    GenerationJobRow.message)
-                             .where(lapsed).order_by(GenerationJobRow.created_at, GenerationJobRow.id)).all()
+            seen = s.execute(
+                select(
+                    GenerationJobRow.id,
+                    GenerationJobRow.lease_id,
+                    GenerationJobRow.attempts,
+                    GenerationJobRow.runner,
+                    GenerationJobRow.lease_expires_at,
+                    GenerationJobRow.message,
+                )
+                .where(lapsed)
+                .order_by(GenerationJobRow.created_at, GenerationJobRow.id)
+            ).all()
         changed = []
         for job_id, lease_id, attempts, runner, expired_at, last in seen:
             expired = f"lease expired {_stamp(expired_at)}" if expired_at else "claimed before leases existed"
             lost = f"runner {runner or '?'} stopped reporting ({expired})"
             if attempts >= self.max_attempts:
-                values = dict(state=GenerationJobState.FAILED, message=f"failed: {lost}",
-                              error=f"gave up after {attempts} attempts: each runner that claimed the job "
-                                    f"stopped reporting before its lease ran out; the last, {lost}, "
-                                    f"had reported {last!r}")
+                values = dict(
+                    state=GenerationJobState.FAILED,
+                    message=f"failed: {lost}",
+                    error=f"gave up after {attempts} attempts: each runner that claimed the job "
+                    f"stopped reporting before its lease ran out; the last, {lost}, "
+                    f"had reported {last!r}",
+                )
             else:
-                values = dict(state=GenerationJobState.PENDING, progress=0.0,
-                              message=f"requeued: {lost} in attempt {attempts} of {self.max_attempts}")
+                values = dict(
+                    state=GenerationJobState.PENDING,
+                    progress=0.0,
+                    message=f"requeued: {lost} in attempt {attempts} of {self.max_attempts}",
+                )
             with self._sessions.begin() as s:
-                took = s.execute(update(GenerationJobRow)
-                                 .where(GenerationJobRow.id == job_id, GenerationJobRow.lease_id == lease_id, lapsed)
-                                 .values(lease_id="", lease_expires_at=None, updated_at=now, **values))
+                took = s.execute(
+                    update(GenerationJobRow)
+                    .where(GenerationJobRow.id == job_id, GenerationJobRow.lease_id == lease_id, lapsed)
+                    .values(lease_id="", lease_expires_at=None, updated_at=now, **values)
+                )
                 if took.rowcount == 1:
                     changed.append(_job(self._row(s, job_id)))
         return changed
@@ -293,9 +353,12 @@ class GenerationJobs:
         self.requeue_expired()
         for _ in range(5):
             with self._sessions.begin() as s:
-                found = s.execute(select(GenerationJobRow.id, GenerationJobRow.attempts)
-                                  .where(GenerationJobRow.state == GenerationJobState.PENDING)
-                                  .order_by(GenerationJobRow.created_at, GenerationJobRow.id).limit(1)).first()
+                found = s.execute(
+                    select(GenerationJobRow.id, GenerationJobRow.attempts)
+                    .where(GenerationJobRow.state == GenerationJobState.PENDING)
+                    .order_by(GenerationJobRow.created_at, GenerationJobRow.id)
+                    .limit(1)
+                ).first()
                 if found is None:
                     return None
                 job_id, attempts = found
@@ -303,19 +366,37 @@ class GenerationJobs:
                 message = f"claimed by {runner}"
                 if attempt > 1:
                     message += f" (attempt {attempt} of {self.max_attempts})"
-                took = s.execute(update(GenerationJobRow)
-                                 .where(GenerationJobRow.id == job_id,
-                                        GenerationJobRow.state == GenerationJobState.PENDING,
-                                        GenerationJobRow.attempts == attempts)
-                                 .values(state=GenerationJobState.RUNNING, runner=runner, message=message,
-                                         lease_id=lease_id, lease_expires_at=self._lease_end(now),
-                                         attempts=attempt, updated_at=now))
+                took = s.execute(
+                    update(GenerationJobRow)
+                    .where(
+                        GenerationJobRow.id == job_id,
+                        GenerationJobRow.state == GenerationJobState.PENDING,
+                        GenerationJobRow.attempts == attempts,
+                    )
+                    .values(
+                        state=GenerationJobState.RUNNING,
+                        runner=runner,
+                        message=message,
+                        lease_id=lease_id,
+                        lease_expires_at=self._lease_end(now),
+                        attempts=attempt,
+                        updated_at=now,
+                    )
+                )
                 if took.rowcount == 1:
                     return Claim(_job(self._row(s, job_id)), lease_id, self.lease_s, attempt, self.max_attempts)
         return None
 
-    def update(self, job_id: str, lease_id: str, state: str, progress: float, message: str,
-               result: JobResult | None = None, error: str = "") -> Job:
+    def update(
+        self,
+        job_id: str,
+        lease_id: str,
+        state: str,
+        progress: float,
+        message: str,
+        result: JobResult | None = None,
+        error: str = "",
+    ) -> Job:
         """A runner's report on the RUNNING job it holds the lease `lease_id` on: progress (state
         RUNNING, which renews the lease), the outcome (SUCCEEDED with `result`, FAILED with
         `error`), or PENDING: the runner hands the job back unfinished (it is shutting down), so
@@ -331,10 +412,15 @@ class GenerationJobs:
             row = self._row(s, job_id, lock=True)
             current = GenerationJobState(row.state).value
             if row.lease_id != lease_id:
-                now_held = (f"claimed again by {row.runner} (attempt {row.attempts})"
-                            if row.state == GenerationJobState.RUNNING else f"{current}: {row.message}")
-                raise FailedPrecondition(f"{job_name(job_id)}: lease {lease_id} is no longer held; the job was "
-                                         f"{now_held}", reason="LEASE_LOST")
+                now_held = (
+                    f"claimed again by {row.runner} (attempt {row.attempts})"
+                    if row.state == GenerationJobState.RUNNING
+                    else f"{current}: {row.message}"
+                )
+                raise FailedPrecondition(
+                    f"{job_name(job_id)}: lease {lease_id} is no longer held; the job was {now_held}",
+                    reason="LEASE_LOST",
+                )
             if row.state != GenerationJobState.RUNNING:
                 raise FailedPrecondition(f"{job_name(job_id)} is {current}, not RUNNING", reason="JOB_NOT_RUNNING")
             now = self._clock()

@@ -91,9 +91,7 @@ class VersionRow(Base):
     target_modules: Mapped[list[str]] = mapped_column(JSON)
     base_model: Mapped[str] = mapped_column(String(256))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
-    state: Mapped[VersionState] = mapped_column(
-        Enum(VersionState, name="version_state", native_enum=False, length=16)
-    )
+    state: Mapped[VersionState] = mapped_column(Enum(VersionState, name="version_state", native_enum=False, length=16))
     # [{"name": str, "labels": [str, ...]}, ...]
     heads: Mapped[list[dict]] = mapped_column(JSON)
     adapter_config_json: Mapped[str] = mapped_column(Text)

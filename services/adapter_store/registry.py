@@ -66,17 +66,34 @@ FaultHook = Callable[[str], None]
 
 def _version(row: VersionRow) -> Version:
     return Version(
-        adapter_id=row.adapter_id, version=row.version, sha256=row.sha256, rank=row.rank,
-        lora_alpha=row.lora_alpha, target_modules=tuple(row.target_modules), base_model=row.base_model,
-        size_bytes=row.size_bytes, state=VersionState(row.state).value, create_time=row.created_at,
+        adapter_id=row.adapter_id,
+        version=row.version,
+        sha256=row.sha256,
+        rank=row.rank,
+        lora_alpha=row.lora_alpha,
+        target_modules=tuple(row.target_modules),
+        base_model=row.base_model,
+        size_bytes=row.size_bytes,
+        state=VersionState(row.state).value,
+        create_time=row.created_at,
         heads=tuple(Head(h["name"], tuple(h["labels"])) for h in row.heads),
         adapter_config_json=row.adapter_config_json,
     )
 
 
 def _task(row: TaskRow) -> Task:
-    return Task(row.id, row.adapter_ref, row.head, row.description, row.accuracy_threshold,
-                row.measured_accuracy, row.created_at, row.slo_ms, row.slo_class, row.adapter_release_fraction)
+    return Task(
+        row.id,
+        row.adapter_ref,
+        row.head,
+        row.description,
+        row.accuracy_threshold,
+        row.measured_accuracy,
+        row.created_at,
+        row.slo_ms,
+        row.slo_class,
+        row.adapter_release_fraction,
+    )
 
 
 class Registry:
@@ -108,8 +125,9 @@ class Registry:
         row = s.get(AdapterRow, adapter_id)
         if row is None or row.deleted_at is not None:
             raise AdapterNotFound(f"{names.adapter_name(adapter_id)} not found", reason="ADAPTER_NOT_FOUND")
-        aliases = dict(s.execute(select(AliasRow.alias, AliasRow.version)
-                                 .where(AliasRow.adapter_id == adapter_id)).all())
+        aliases = dict(
+            s.execute(select(AliasRow.alias, AliasRow.version).where(AliasRow.adapter_id == adapter_id)).all()
+        )
         return Adapter(row.id, row.description, row.created_at, row.latest_version, aliases)
 
     def _live_adapter_row(self, s: Session, adapter_id: str, lock: bool = False) -> AdapterRow:
@@ -131,15 +149,22 @@ class Registry:
                             if prior.id != adapter_id:
                                 raise FailedPrecondition(
                                     f"request_id {request_id!r} already created {names.adapter_name(prior.id)}",
-                                    reason="REQUEST_ID_REUSED")
+                                    reason="REQUEST_ID_REUSED",
+                                )
                             return self._adapter(s, adapter_id)
                     row = s.get(AdapterRow, adapter_id, with_for_update=True)
                     if row is not None and row.deleted_at is None:
-                        raise AlreadyExists(f"{names.adapter_name(adapter_id)} already exists",
-                                            reason="ADAPTER_EXISTS")
+                        raise AlreadyExists(f"{names.adapter_name(adapter_id)} already exists", reason="ADAPTER_EXISTS")
                     if row is None:
-                        s.add(AdapterRow(id=adapter_id, description=description, latest_version=0,
-                                         request_id=request_id, created_at=utcnow()))
+                        s.add(
+                            AdapterRow(
+                                id=adapter_id,
+                                description=description,
+                                latest_version=0,
+                                request_id=request_id,
+                                created_at=utcnow(),
+                            )
+                        )
                     else:  # re-created after a delete: version numbers continue, never repeat
                         row.description, row.request_id = description, request_id
                         row.deleted_at, row.created_at = None, utcnow()
@@ -159,10 +184,13 @@ class Registry:
             stmt = select(AdapterRow.id).where(AdapterRow.deleted_at.is_(None)).order_by(AdapterRow.id)
             if page.after is not None:
                 stmt = stmt.where(AdapterRow.id > str(page.after))
-            rows = list(s.scalars(select(AdapterRow).where(AdapterRow.id.in_(stmt.limit(page.size + 1)))
-                                  .order_by(AdapterRow.id)))
+            rows = list(
+                s.scalars(
+                    select(AdapterRow).where(AdapterRow.id.in_(stmt.limit(page.size + 1))).order_by(AdapterRow.id)
+                )
+            )
             more = len(rows) > page.size
-            rows = rows[:page.size]
+            rows = rows[: page.size]
             aliases: dict[str, dict[str, int]] = {r.id: {} for r in rows}
             for a in s.scalars(select(AliasRow).where(AliasRow.adapter_id.in_(list(aliases)))):
                 aliases[a.adapter_id][a.alias] = a.version
@@ -175,16 +203,21 @@ class Registry:
         with self._sessions.begin() as s:
             self._live_adapter_row(s, adapter_id, lock=True)
             if etag and self._adapter(s, adapter_id).etag != etag:
-                raise Aborted(f"{names.adapter_name(adapter_id)} changed (etag {etag!r} is stale); read it again",
-                              reason="ETAG_MISMATCH")
+                raise Aborted(
+                    f"{names.adapter_name(adapter_id)} changed (etag {etag!r} is stale); read it again",
+                    reason="ETAG_MISMATCH",
+                )
             users = [t.id for t in s.scalars(select(TaskRow)) if _ref_adapter(t.adapter_ref) == adapter_id]
             if users:
-                raise FailedPrecondition(f"tasks {users[:5]} still use {names.adapter_name(adapter_id)}",
-                                         reason="ADAPTER_IN_USE")
+                raise FailedPrecondition(
+                    f"tasks {users[:5]} still use {names.adapter_name(adapter_id)}", reason="ADAPTER_IN_USE"
+                )
             s.execute(delete(AliasRow).where(AliasRow.adapter_id == adapter_id))
-            s.execute(update(VersionRow)
-                      .where(VersionRow.adapter_id == adapter_id, VersionRow.state != VersionState.RETIRED)
-                      .values(state=VersionState.RETIRED, updated_at=utcnow()))
+            s.execute(
+                update(VersionRow)
+                .where(VersionRow.adapter_id == adapter_id, VersionRow.state != VersionState.RETIRED)
+                .values(state=VersionState.RETIRED, updated_at=utcnow())
+            )
             s.execute(update(AdapterRow).where(AdapterRow.id == adapter_id).values(deleted_at=utcnow()))
 
     # ------------------------------------------------------------------ registration
@@ -197,8 +230,9 @@ class Registry:
                 return None
             return _version(row)
 
-    def register(self, req: UploadRequest, bundle: CheckedBundle, base_model: str,
-                 data: bytes | bytearray | BinaryIO) -> Version:
+    def register(
+        self, req: UploadRequest, bundle: CheckedBundle, base_model: str, data: bytes | bytearray | BinaryIO
+    ) -> Version:
         """PENDING row -> blob PUT -> verify -> READY (see the module docstring). `data` is the
         checked bundle's bytes or a stream positioned at its start."""
         row_id, finished = self._begin_version(req, bundle, base_model)
@@ -212,38 +246,44 @@ class Registry:
             raise Aborted(f"blob {bundle.sha256} did not verify after upload; retry", reason="BLOB_VERIFY_FAILED")
         self._fault("verified")
         with self._sessions.begin() as s:
-            done = s.execute(update(VersionRow)
-                             .where(VersionRow.id == row_id, VersionRow.state == VersionState.PENDING)
-                             .values(state=VersionState.READY, updated_at=utcnow()))
+            done = s.execute(
+                update(VersionRow)
+                .where(VersionRow.id == row_id, VersionRow.state == VersionState.PENDING)
+                .values(state=VersionState.READY, updated_at=utcnow())
+            )
             row = s.get(VersionRow, row_id)
             if row is None or (done.rowcount != 1 and row.state != VersionState.READY):
-                raise Aborted("the pending version was garbage-collected or retired before it finished; retry",
-                              reason="PENDING_EXPIRED")
+                raise Aborted(
+                    "the pending version was garbage-collected or retired before it finished; retry",
+                    reason="PENDING_EXPIRED",
+                )
             version = _version(row)
         self._fault("ready_committed")
         return version
 
-    def _begin_version(self, req: UploadRequest, bundle: CheckedBundle,
-                       base_model: str) -> tuple[int, Version | None]:
+    def _begin_version(self, req: UploadRequest, bundle: CheckedBundle, base_model: str) -> tuple[int, Version | None]:
         """Commit the PENDING row, or find the row a retried request_id left: returns its id and,
         when that upload already finished, its version."""
         for attempt in range(3):
             try:
                 with self._sessions.begin() as s:
                     if req.request_id:
-                        prior = s.scalars(select(VersionRow)
-                                          .where(VersionRow.request_id == req.request_id)).one_or_none()
+                        prior = s.scalars(
+                            select(VersionRow).where(VersionRow.request_id == req.request_id)
+                        ).one_or_none()
                         if prior is not None:
                             if prior.adapter_id != req.adapter_id or prior.sha256 != bundle.sha256:
                                 raise FailedPrecondition(
                                     f"request_id {req.request_id!r} already registered a different bundle "
                                     f"({names.version_name(prior.adapter_id, prior.version)})",
-                                    reason="REQUEST_ID_REUSED")
+                                    reason="REQUEST_ID_REUSED",
+                                )
                             return prior.id, None if prior.state == VersionState.PENDING else _version(prior)
                     adapter = s.get(AdapterRow, req.adapter_id, with_for_update=True)
                     if adapter is None:
-                        adapter = AdapterRow(id=req.adapter_id, description="", latest_version=0,
-                                             request_id=None, created_at=utcnow())
+                        adapter = AdapterRow(
+                            id=req.adapter_id, description="", latest_version=0, request_id=None, created_at=utcnow()
+                        )
                         s.add(adapter)
                         s.flush()
                     elif adapter.deleted_at is not None:
@@ -251,13 +291,20 @@ class Registry:
                     adapter.latest_version += 1
                     now = utcnow()
                     row = VersionRow(
-                        adapter_id=req.adapter_id, version=adapter.latest_version, sha256=bundle.sha256,
-                        rank=bundle.info.rank, lora_alpha=bundle.info.lora_alpha,
-                        target_modules=list(bundle.info.target_modules), base_model=base_model,
-                        size_bytes=bundle.size, state=VersionState.PENDING,
+                        adapter_id=req.adapter_id,
+                        version=adapter.latest_version,
+                        sha256=bundle.sha256,
+                        rank=bundle.info.rank,
+                        lora_alpha=bundle.info.lora_alpha,
+                        target_modules=list(bundle.info.target_modules),
+                        base_model=base_model,
+                        size_bytes=bundle.size,
+                        state=VersionState.PENDING,
                         heads=[{"name": h.name, "labels": list(h.labels)} for h in bundle.heads],
-                        adapter_config_json=req.adapter_config_json, request_id=req.request_id,
-                        created_at=now, updated_at=now,
+                        adapter_config_json=req.adapter_config_json,
+                        request_id=req.request_id,
+                        created_at=now,
+                        updated_at=now,
                     )
                     s.add(row)
                     s.flush()
@@ -270,8 +317,9 @@ class Registry:
     # ------------------------------------------------------------------ versions
 
     def _version_row(self, s: Session, adapter_id: str, version: int) -> VersionRow:
-        row = s.scalars(select(VersionRow).where(VersionRow.adapter_id == adapter_id,
-                                                 VersionRow.version == version)).one_or_none()
+        row = s.scalars(
+            select(VersionRow).where(VersionRow.adapter_id == adapter_id, VersionRow.version == version)
+        ).one_or_none()
         if row is None:
             raise NotFound(f"{names.version_name(adapter_id, version)} not found", reason="VERSION_NOT_FOUND")
         return row
@@ -290,7 +338,7 @@ class Registry:
                 stmt = stmt.where(VersionRow.version > page.after)
             rows = list(s.scalars(stmt.limit(page.size + 1)))
             more = len(rows) > page.size
-            rows = rows[:page.size]
+            rows = rows[: page.size]
             return Page([_version(r) for r in rows], page_token(rows[-1].version) if more else "")
 
     def delete_version(self, adapter_id: str, version: int) -> None:
@@ -299,11 +347,13 @@ class Registry:
             row = self._version_row(s, adapter_id, version)
             if row.state == VersionState.RETIRED:
                 return
-            aliases = list(s.scalars(select(AliasRow.alias).where(AliasRow.adapter_id == adapter_id,
-                                                                  AliasRow.version == version)))
+            aliases = list(
+                s.scalars(select(AliasRow.alias).where(AliasRow.adapter_id == adapter_id, AliasRow.version == version))
+            )
             if aliases:
-                raise FailedPrecondition(f"aliases {aliases} point at {names.version_name(adapter_id, version)}",
-                                         reason="VERSION_IN_USE")
+                raise FailedPrecondition(
+                    f"aliases {aliases} point at {names.version_name(adapter_id, version)}", reason="VERSION_IN_USE"
+                )
             users = []
             for t in s.scalars(select(TaskRow)):
                 if _ref_adapter(t.adapter_ref) != adapter_id:
@@ -314,8 +364,9 @@ class Registry:
                 except (NotFound, FailedPrecondition):
                     pass
             if users:
-                raise FailedPrecondition(f"tasks {users[:5]} resolve to {names.version_name(adapter_id, version)}",
-                                         reason="VERSION_IN_USE")
+                raise FailedPrecondition(
+                    f"tasks {users[:5]} resolve to {names.version_name(adapter_id, version)}", reason="VERSION_IN_USE"
+                )
             row.state, row.updated_at = VersionState.RETIRED, utcnow()
 
     # ------------------------------------------------------------------ aliases
@@ -331,20 +382,28 @@ class Registry:
                     if row.state != VersionState.READY:
                         raise FailedPrecondition(
                             f"{names.version_name(adapter_id, version)} is {VersionState(row.state).value}, not READY",
-                            reason="VERSION_NOT_READY")
+                            reason="VERSION_NOT_READY",
+                        )
                     new_etag = uuid.uuid4().hex
                     where = [AliasRow.adapter_id == adapter_id, AliasRow.alias == alias]
                     if etag:
                         where.append(AliasRow.etag == etag)
-                    moved = s.execute(update(AliasRow).where(*where)
-                                      .values(version=version, etag=new_etag, updated_at=utcnow()))
+                    moved = s.execute(
+                        update(AliasRow).where(*where).values(version=version, etag=new_etag, updated_at=utcnow())
+                    )
                     if moved.rowcount == 1:
                         return Alias(adapter_id, alias, version, new_etag)
                     if etag:
-                        raise Aborted(f"alias {alias!r} of {names.adapter_name(adapter_id)} changed "
-                                      f"(etag {etag!r} is stale); read it again", reason="ETAG_MISMATCH")
-                    s.add(AliasRow(adapter_id=adapter_id, alias=alias, version=version, etag=new_etag,
-                                   updated_at=utcnow()))
+                        raise Aborted(
+                            f"alias {alias!r} of {names.adapter_name(adapter_id)} changed "
+                            f"(etag {etag!r} is stale); read it again",
+                            reason="ETAG_MISMATCH",
+                        )
+                    s.add(
+                        AliasRow(
+                            adapter_id=adapter_id, alias=alias, version=version, etag=new_etag, updated_at=utcnow()
+                        )
+                    )
                     s.flush()
                     return Alias(adapter_id, alias, version, new_etag)
             except IntegrityError:  # created concurrently; the next attempt updates it
@@ -355,8 +414,12 @@ class Registry:
     def delete_alias(self, adapter_id: str, alias: str) -> None:
         with self._sessions.begin() as s:
             self._live_adapter_row(s, adapter_id, lock=True)
-            users = [t.id for t in s.scalars(select(TaskRow).where(
-                TaskRow.adapter_ref == f"{names.adapter_name(adapter_id)}@{alias}"))]
+            users = [
+                t.id
+                for t in s.scalars(
+                    select(TaskRow).where(TaskRow.adapter_ref == f"{names.adapter_name(adapter_id)}@{alias}")
+                )
+            ]
             if users:
                 raise FailedPrecondition(f"tasks {users[:5]} use alias {alias!r}", reason="ALIAS_IN_USE")
             gone = s.execute(delete(AliasRow).where(AliasRow.adapter_id == adapter_id, AliasRow.alias == alias))
@@ -376,14 +439,19 @@ class Registry:
                 raise NotFound(f"{reference} not found: no such alias", reason="ALIAS_NOT_FOUND")
             row = self._version_row(s, ref.adapter, alias.version)
         else:
-            row = s.scalars(select(VersionRow)
-                            .where(VersionRow.adapter_id == ref.adapter, VersionRow.state == VersionState.READY)
-                            .order_by(VersionRow.version.desc()).limit(1)).one_or_none()
+            row = s.scalars(
+                select(VersionRow)
+                .where(VersionRow.adapter_id == ref.adapter, VersionRow.state == VersionState.READY)
+                .order_by(VersionRow.version.desc())
+                .limit(1)
+            ).one_or_none()
             if row is None:
                 raise NotFound(f"{reference} has no READY version", reason="VERSION_NOT_FOUND")
         if row.state != VersionState.READY:
-            raise FailedPrecondition(f"{names.version_name(row.adapter_id, row.version)} is "
-                                     f"{VersionState(row.state).value}, not READY", reason="VERSION_NOT_READY")
+            raise FailedPrecondition(
+                f"{names.version_name(row.adapter_id, row.version)} is {VersionState(row.state).value}, not READY",
+                reason="VERSION_NOT_READY",
+            )
         return row
 
     def resolve(self, reference: str) -> Resolution:
@@ -401,14 +469,17 @@ class Registry:
         with self._sessions.begin() as s:
             row = self._version_row(s, adapter_id, version)
             if row.state != VersionState.READY:
-                raise FailedPrecondition(f"{names.version_name(adapter_id, version)} is "
-                                         f"{VersionState(row.state).value}, not READY", reason="VERSION_NOT_READY")
+                raise FailedPrecondition(
+                    f"{names.version_name(adapter_id, version)} is {VersionState(row.state).value}, not READY",
+                    reason="VERSION_NOT_READY",
+                )
             v = _version(row)
         try:
             return v, self.blobs.open(v.sha256)
         except FileNotFoundError as exc:
-            raise FailedPrecondition(f"the bundle of {v.name} is missing from the blob store",
-                                     reason="BLOB_MISSING") from exc
+            raise FailedPrecondition(
+                f"the bundle of {v.name} is missing from the blob store", reason="BLOB_MISSING"
+            ) from exc
 
     # ------------------------------------------------------------------ tasks
 
@@ -420,13 +491,22 @@ class Registry:
             self._live_adapter_row(s, names.parse_adapter_ref(task.adapter_ref, "task.adapter").adapter, lock=True)
             row = self._resolve_adapter_ref(s, task.adapter_ref, "task.adapter")
             if task.head and task.head not in {h["name"] for h in row.heads}:
-                raise invalid_field("task.head", f"{names.version_name(row.adapter_id, row.version)} has no head "
-                                    f"{task.head!r}")
+                raise invalid_field(
+                    "task.head", f"{names.version_name(row.adapter_id, row.version)} has no head {task.head!r}"
+                )
             self._check_slo_class(s, task)
-            new = TaskRow(id=task.id, adapter_ref=task.adapter_ref, head=task.head, description=task.description,
-                          accuracy_threshold=task.accuracy_threshold, measured_accuracy=task.measured_accuracy,
-                          created_at=utcnow(), slo_ms=task.slo_ms, slo_class=task.slo_class,
-                          adapter_release_fraction=task.adapter_release_fraction)
+            new = TaskRow(
+                id=task.id,
+                adapter_ref=task.adapter_ref,
+                head=task.head,
+                description=task.description,
+                accuracy_threshold=task.accuracy_threshold,
+                measured_accuracy=task.measured_accuracy,
+                created_at=utcnow(),
+                slo_ms=task.slo_ms,
+                slo_class=task.slo_class,
+                adapter_release_fraction=task.adapter_release_fraction,
+            )
             s.add(new)
             s.flush()
             return _task(new)
@@ -436,13 +516,17 @@ class Registry:
         """One class, one objective: its attainment count would mean nothing otherwise."""
         if not task.slo_class:
             return
-        other = s.scalars(select(TaskRow).where(TaskRow.slo_class == task.slo_class, TaskRow.id != task.id,
-                                                TaskRow.slo_ms != task.slo_ms).limit(1)).first()
+        other = s.scalars(
+            select(TaskRow)
+            .where(TaskRow.slo_class == task.slo_class, TaskRow.id != task.id, TaskRow.slo_ms != task.slo_ms)
+            .limit(1)
+        ).first()
         if other is not None:
             raise FailedPrecondition(
                 f"SLO class {task.slo_class!r} has objective {other.slo_ms:g} ms ({names.task_name(other.id)}), "
                 f"not {task.slo_ms:g} ms; to change a shared objective, move its tasks to a new class",
-                reason="SLO_CLASS_OBJECTIVE_MISMATCH")
+                reason="SLO_CLASS_OBJECTIVE_MISMATCH",
+            )
 
     def update_task(self, task_id: str, changes: dict[str, object], etag: str = "") -> Task:
         """Sets the task's mutable fields named in `changes` (domain.MUTABLE_TASK_FIELDS), the
@@ -457,17 +541,20 @@ class Registry:
                 raise NotFound(f"{names.task_name(task_id)} not found", reason="TASK_NOT_FOUND")
             current = _task(row)
             if etag and current.etag != etag:
-                raise Aborted(f"{current.name} changed (etag {etag!r} is stale); read it again",
-                              reason="ETAG_MISMATCH")
+                raise Aborted(f"{current.name} changed (etag {etag!r} is stale); read it again", reason="ETAG_MISMATCH")
             slo_ms = float(changes.get("slo_ms", current.slo_ms))
             if "slo_class" in changes:
                 slo_class = str(changes["slo_class"])
             else:  # the class follows the objective: none without one, the task's own id by default
                 slo_class = current.slo_class if slo_ms > 0 else ""
             fraction = float(changes.get("adapter_release_fraction", current.adapter_release_fraction))
-            updated = replace(current, description=str(changes.get("description", current.description)),
-                              slo_ms=slo_ms, slo_class=check_slo(task_id, slo_ms, slo_class),
-                              adapter_release_fraction=check_release_fraction(fraction))
+            updated = replace(
+                current,
+                description=str(changes.get("description", current.description)),
+                slo_ms=slo_ms,
+                slo_class=check_slo(task_id, slo_ms, slo_class),
+                adapter_release_fraction=check_release_fraction(fraction),
+            )
             self._check_slo_class(s, updated)
             row.description, row.slo_ms, row.slo_class = updated.description, updated.slo_ms, updated.slo_class
             row.adapter_release_fraction = updated.adapter_release_fraction
@@ -488,7 +575,7 @@ class Registry:
                 stmt = stmt.where(TaskRow.id > str(page.after))
             rows = list(s.scalars(stmt.limit(page.size + 1)))
             more = len(rows) > page.size
-            rows = rows[:page.size]
+            rows = rows[: page.size]
             return Page([_task(r) for r in rows], page_token(rows[-1].id) if more else "")
 
     def delete_task(self, task_id: str) -> None:
@@ -506,8 +593,11 @@ class Registry:
         upload whose row is being written)."""
         cutoff = (now or utcnow()) - timedelta(seconds=grace_s)
         with self._sessions.begin() as s:
-            stale = list(s.scalars(select(VersionRow).where(VersionRow.state == VersionState.PENDING,
-                                                            VersionRow.updated_at < cutoff)))
+            stale = list(
+                s.scalars(
+                    select(VersionRow).where(VersionRow.state == VersionState.PENDING, VersionRow.updated_at < cutoff)
+                )
+            )
             pending_removed = [names.version_name(r.adapter_id, r.version) for r in stale]
             for r in stale:
                 s.delete(r)
@@ -525,21 +615,33 @@ class Registry:
 
     def _live_shas(self) -> set[str]:
         with self._sessions.begin() as s:
-            return set(s.scalars(select(VersionRow.sha256).where(
-                VersionRow.state.in_([VersionState.PENDING, VersionState.READY])))) | self._job_datasets(s)
+            return set(
+                s.scalars(
+                    select(VersionRow.sha256).where(VersionRow.state.in_([VersionState.PENDING, VersionState.READY]))
+                )
+            ) | self._job_datasets(s)
 
     def _is_live(self, sha256: str) -> bool:
         with self._sessions.begin() as s:
-            return bool(s.scalar(select(func.count()).select_from(VersionRow).where(
-                VersionRow.sha256 == sha256, VersionRow.state.in_([VersionState.PENDING, VersionState.READY])))) \
-                or sha256 in self._job_datasets(s)
+            return bool(
+                s.scalar(
+                    select(func.count())
+                    .select_from(VersionRow)
+                    .where(
+                        VersionRow.sha256 == sha256, VersionRow.state.in_([VersionState.PENDING, VersionState.READY])
+                    )
+                )
+            ) or sha256 in self._job_datasets(s)
 
     @staticmethod
     def _job_datasets(s: Session) -> set[str]:
         """Datasets a PENDING or RUNNING generation job names: kept until the job ends."""
         out: set[str] = set()
-        for spec in s.scalars(select(GenerationJobRow.spec_json).where(
-                GenerationJobRow.state.in_([GenerationJobState.PENDING, GenerationJobState.RUNNING]))):
+        for spec in s.scalars(
+            select(GenerationJobRow.spec_json).where(
+                GenerationJobRow.state.in_([GenerationJobState.PENDING, GenerationJobState.RUNNING])
+            )
+        ):
             out |= datasets_of(spec)
         return out
 
@@ -555,8 +657,10 @@ class Registry:
     def get_dataset(self, sha256: str) -> Dataset:
         info = self.blobs.stat(sha256)
         if info is None:
-            raise NotFound(f"{dataset_name(sha256)} was not uploaded, or was collected after its jobs ended; "
-                           "upload it again", reason="DATASET_NOT_FOUND")
+            raise NotFound(
+                f"{dataset_name(sha256)} was not uploaded, or was collected after its jobs ended; upload it again",
+                reason="DATASET_NOT_FOUND",
+            )
         return Dataset(sha256, info.size)
 
     def open_dataset(self, sha256: str) -> Iterator[bytes]:

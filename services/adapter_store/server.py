@@ -43,10 +43,18 @@ async def create_server(settings: StoreSettings) -> Service:
     registry = await loop.run_in_executor(executor, build_registry, settings)
     checker = await loop.run_in_executor(executor, BundleChecker.from_settings, settings)
     jobs = GenerationJobs(registry.sessions, settings.job_lease_s, settings.job_max_attempts)
-    admin = AdminServicer(registry, checker, executor, settings.upload_spool_dir, jobs,
-                          timeout_s=settings.backend_timeout_s, max_dataset_bytes=settings.max_dataset_bytes)
-    store = AdapterStoreServicer(registry, executor, settings.fetch_chunk_bytes, jobs,
-                                 timeout_s=settings.backend_timeout_s)
+    admin = AdminServicer(
+        registry,
+        checker,
+        executor,
+        settings.upload_spool_dir,
+        jobs,
+        timeout_s=settings.backend_timeout_s,
+        max_dataset_bytes=settings.max_dataset_bytes,
+    )
+    store = AdapterStoreServicer(
+        registry, executor, settings.fetch_chunk_bytes, jobs, timeout_s=settings.backend_timeout_s
+    )
 
     def register(server):
         admin_grpc.add_AdminServiceServicer_to_server(admin, server)
@@ -73,8 +81,13 @@ async def create_server(settings: StoreSettings) -> Service:
             await asyncio.sleep(settings.job_sweep_interval_s)
             try:
                 for job in await loop.run_in_executor(executor, jobs.requeue_expired):
-                    log.warning("generation_job_lease_expired", job=job.name, state=job.state, attempts=job.attempts,
-                                message=job.message)
+                    log.warning(
+                        "generation_job_lease_expired",
+                        job=job.name,
+                        state=job.state,
+                        attempts=job.attempts,
+                        message=job.message,
+                    )
             except Exception as exc:  # noqa: BLE001 - the next round (or the next claim) retries
                 log.warning("job_sweep_failed", error=repr(exc))
 

@@ -54,15 +54,22 @@ class _Blocking:
     async def run(self, fn: Callable[..., R], *args, **kwargs) -> R:
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs)),
-                                          self._timeout_s)
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs)), self._timeout_s
+            )
         except TimeoutError:
-            raise WorkerUnavailable(f"storage backend did not answer within {self._timeout_s:g} s; retry",
-                                    reason="BACKEND_TIMEOUT", retry_after_s=1.0) from None
+            raise WorkerUnavailable(
+                f"storage backend did not answer within {self._timeout_s:g} s; retry",
+                reason="BACKEND_TIMEOUT",
+                retry_after_s=1.0,
+            ) from None
         except Exception as exc:
             if _backend_down(exc):  # an outage of Postgres or S3 is UNAVAILABLE, not a bug (INTERNAL)
-                raise WorkerUnavailable(f"storage backend unavailable ({type(exc).__name__}); retry",
-                                        reason="BACKEND_UNAVAILABLE", retry_after_s=1.0) from exc
+                raise WorkerUnavailable(
+                    f"storage backend unavailable ({type(exc).__name__}); retry",
+                    reason="BACKEND_UNAVAILABLE",
+                    retry_after_s=1.0,
+                ) from exc
             raise
 
 
@@ -95,9 +102,16 @@ def _lost_connection_underneath(error: BaseException | None) -> bool:
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
-    def __init__(self, registry: Registry, checker: BundleChecker, executor: Executor, spool_dir: str = "",
-                 jobs: GenerationJobs | None = None, timeout_s: float = 60.0,
-                 max_dataset_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        checker: BundleChecker,
+        executor: Executor,
+        spool_dir: str = "",
+        jobs: GenerationJobs | None = None,
+        timeout_s: float = 60.0,
+        max_dataset_bytes: int = 1 << 30,
+    ) -> None:
         _Blocking.__init__(self, executor, timeout_s)
         self.registry = registry
         self.jobs = jobs or GenerationJobs(registry.sessions)
@@ -117,8 +131,9 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
     async def ListAdapters(self, request, context):
         page = await self.run(self.registry.list_adapters, PageRequest.parse(request.page_size, request.page_token))
-        return admin_pb.ListAdaptersResponse(adapters=[convert.adapter_to_pb(a) for a in page.items],
-                                             next_page_token=page.next_page_token)
+        return admin_pb.ListAdaptersResponse(
+            adapters=[convert.adapter_to_pb(a) for a in page.items], next_page_token=page.next_page_token
+        )
 
     async def DeleteAdapter(self, request, context):
         await self.run(self.registry.delete_adapter, names.parse_adapter_name(request.name), request.etag)
@@ -139,8 +154,7 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
                     return None
             return req
 
-        req, spool, size = await self._spooled(request_iterator, metadata, self.checker.check_size,
-                                               "valora-upload-")
+        req, spool, size = await self._spooled(request_iterator, metadata, self.checker.check_size, "valora-upload-")
         if spool is None:
             return admin_pb.UploadAdapterVersionResponse(version=convert.version_to_pb(done[0]))
         try:
@@ -202,10 +216,12 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
     async def ListAdapterVersions(self, request, context):
         adapter_id = names.parse_adapter_name(request.parent, "parent")
-        page = await self.run(self.registry.list_versions, adapter_id,
-                              PageRequest.parse(request.page_size, request.page_token))
-        return admin_pb.ListAdapterVersionsResponse(versions=[convert.version_to_pb(v) for v in page.items],
-                                                    next_page_token=page.next_page_token)
+        page = await self.run(
+            self.registry.list_versions, adapter_id, PageRequest.parse(request.page_size, request.page_token)
+        )
+        return admin_pb.ListAdapterVersionsResponse(
+            versions=[convert.version_to_pb(v) for v in page.items], next_page_token=page.next_page_token
+        )
 
     async def DeleteAdapterVersion(self, request, context):
         await self.run(self.registry.delete_version, *names.parse_version_name(request.name))
@@ -219,8 +235,9 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
         if target_adapter != adapter_id:
             raise invalid_field("version", f"{request.version!r} is not a version of {request.adapter!r}")
         a = await self.run(self.registry.set_alias, adapter_id, alias, version, request.etag)
-        return admin_pb.SetAliasResponse(alias=a.alias, version=names.version_name(a.adapter_id, a.version),
-                                         etag=a.etag)
+        return admin_pb.SetAliasResponse(
+            alias=a.alias, version=names.version_name(a.adapter_id, a.version), etag=a.etag
+        )
 
     async def DeleteAlias(self, request, context):
         adapter_id = names.parse_adapter_name(request.adapter, "adapter")
@@ -238,8 +255,9 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
     async def ListTasks(self, request, context):
         page = await self.run(self.registry.list_tasks, PageRequest.parse(request.page_size, request.page_token))
-        return admin_pb.ListTasksResponse(tasks=[convert.task_to_pb(t) for t in page.items],
-                                          next_page_token=page.next_page_token)
+        return admin_pb.ListTasksResponse(
+            tasks=[convert.task_to_pb(t) for t in page.items], next_page_token=page.next_page_token
+        )
 
     async def UpdateTask(self, request, context):
         task_id, changes = convert.task_update_from_pb(request)
@@ -263,9 +281,11 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
                 try:
                     await self.run(self.registry.get_dataset, parse_dataset_name(src.dataset))
                 except NotFound as exc:
-                    raise FailedPrecondition(f"job.sources[{i}].dataset: {exc.message}", reason=exc.reason,
-                                             field_violations=[FieldViolation(f"job.sources[{i}].dataset",
-                                                                              exc.message)]) from None
+                    raise FailedPrecondition(
+                        f"job.sources[{i}].dataset: {exc.message}",
+                        reason=exc.reason,
+                        field_violations=[FieldViolation(f"job.sources[{i}].dataset", exc.message)],
+                    ) from None
         j = await self.run(self.jobs.create, request.job_id, spec, request.request_id or None)
         return admin_pb.CreateGenerationJobResponse(job=convert.job_to_pb(j))
 
@@ -275,17 +295,18 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
     async def ListGenerationJobs(self, request, context):
         page = await self.run(self.jobs.list, PageRequest.parse(request.page_size, request.page_token))
-        return admin_pb.ListGenerationJobsResponse(jobs=[convert.job_to_pb(j) for j in page.items],
-                                                   next_page_token=page.next_page_token)
+        return admin_pb.ListGenerationJobsResponse(
+            jobs=[convert.job_to_pb(j) for j in page.items], next_page_token=page.next_page_token
+        )
 
     async def CancelGenerationJob(self, request, context):
         j = await self.run(self.jobs.cancel, parse_job_name(request.name))
         return admin_pb.CancelGenerationJobResponse(job=convert.job_to_pb(j))
 
-
     async def UploadDataset(self, request_iterator, context):
         """Metadata (the sha256) first, then chunks spooled to a temp file under max_dataset_bytes;
         the archive must be a .tar[.gz] or .zip (what is inside is the runner's to validate)."""
+
         async def metadata(msg):
             if not re.fullmatch(r"[0-9a-f]{64}", msg.sha256):
                 raise invalid_field("metadata.sha256", "must be the archive's hex sha256 (lowercase)")
@@ -293,8 +314,11 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
         def check_size(size: int) -> None:
             if size > self.max_dataset_bytes:
-                raise invalid_field("chunk", f"the dataset is larger than {self.max_dataset_bytes} "
-                                    "bytes (the store's max_dataset_bytes)", reason="DATASET_TOO_LARGE")
+                raise invalid_field(
+                    "chunk",
+                    f"the dataset is larger than {self.max_dataset_bytes} bytes (the store's max_dataset_bytes)",
+                    reason="DATASET_TOO_LARGE",
+                )
 
         sha256, spool, size = await self._spooled(request_iterator, metadata, check_size, "valora-dataset-")
         try:
@@ -313,8 +337,9 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
                 with tarfile.open(fileobj=spool, mode="r:*") as tar:
                     tar.next()
             except (tarfile.TarError, EOFError, OSError):
-                raise invalid_field("chunk", "the dataset must be a .tar, .tar.gz or .zip archive",
-                                    reason="DATASET_NOT_AN_ARCHIVE") from None
+                raise invalid_field(
+                    "chunk", "the dataset must be a .tar, .tar.gz or .zip archive", reason="DATASET_NOT_AN_ARCHIVE"
+                ) from None
         spool.seek(0)
         try:
             return self.registry.put_dataset(sha256, spool, size)
@@ -323,9 +348,15 @@ class AdminServicer(admin_grpc.AdminServiceServicer, _Blocking):
 
 
 class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
-    def __init__(self, registry: Registry, executor: Executor, chunk_bytes: int,
-                 jobs: GenerationJobs | None = None, tile_tables: TileTables | None = None,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        executor: Executor,
+        chunk_bytes: int,
+        jobs: GenerationJobs | None = None,
+        tile_tables: TileTables | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
         _Blocking.__init__(self, executor, timeout_s)
         self.registry = registry
         self.chunk_bytes = chunk_bytes
@@ -333,8 +364,7 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
         self.tile_tables = tile_tables or TileTables(registry.sessions)
 
     async def PutTileTable(self, request, context):
-        t = await self.run(self.tile_tables.put, request.gpu_name, request.gpu_arch, request.dtype,
-                           request.table_json)
+        t = await self.run(self.tile_tables.put, request.gpu_name, request.gpu_arch, request.dtype, request.table_json)
         return store_pb.PutTileTableResponse(table=convert.tile_table_to_pb(t))
 
     async def GetTileTable(self, request, context):
@@ -347,16 +377,24 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
         c = await self.run(self.jobs.claim, request.runner or "runner")
         if c is None:
             return store_pb.ClaimGenerationJobResponse()
-        out = store_pb.ClaimGenerationJobResponse(job=convert.job_to_pb(c.job), lease_id=c.lease_id,
-                                                  attempt=c.attempt, max_attempts=c.max_attempts)
+        out = store_pb.ClaimGenerationJobResponse(
+            job=convert.job_to_pb(c.job), lease_id=c.lease_id, attempt=c.attempt, max_attempts=c.max_attempts
+        )
         out.lease_duration.FromTimedelta(timedelta(seconds=c.lease_s))
         return out
 
     async def UpdateGenerationJob(self, request, context):
         result = convert.job_result_from_pb(request.result) if request.HasField("result") else None
-        j = await self.run(self.jobs.update, parse_job_name(request.name), request.lease_id,
-                           convert.job_state_from_pb(request.state), request.progress, request.message, result,
-                           request.error)
+        j = await self.run(
+            self.jobs.update,
+            parse_job_name(request.name),
+            request.lease_id,
+            convert.job_state_from_pb(request.state),
+            request.progress,
+            request.message,
+            result,
+            request.error,
+        )
         return store_pb.UpdateGenerationJobResponse(job=convert.job_to_pb(j))
 
     async def FetchDataset(self, request, context):
@@ -367,13 +405,17 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
     async def ResolveReference(self, request, context):
         r = await self.run(self.registry.resolve, request.reference)
         return store_pb.ResolveReferenceResponse(
-            version=convert.version_to_pb(r.version), task=convert.task_to_pb(r.task) if r.task else None)
+            version=convert.version_to_pb(r.version), task=convert.task_to_pb(r.task) if r.task else None
+        )
 
     async def FetchAdapter(self, request, context):
         adapter_id, version = names.parse_version_name(request.version, "version")
         v, chunks = await self.run(self.registry.open_ready, adapter_id, version)
-        yield store_pb.FetchAdapterResponse(metadata=store_pb.FetchAdapterMetadata(
-            version=convert.version_to_pb(v), adapter_config_json=v.adapter_config_json))
+        yield store_pb.FetchAdapterResponse(
+            metadata=store_pb.FetchAdapterMetadata(
+                version=convert.version_to_pb(v), adapter_config_json=v.adapter_config_json
+            )
+        )
         async for chunk in self._rechunked(chunks):
             yield store_pb.FetchAdapterResponse(chunk=chunk)
 
@@ -389,8 +431,8 @@ class AdapterStoreServicer(store_grpc.AdapterStoreServiceServicer, _Blocking):
                     break
                 buf += piece
                 while len(buf) >= self.chunk_bytes:
-                    yield bytes(buf[:self.chunk_bytes])
-                    del buf[:self.chunk_bytes]
+                    yield bytes(buf[: self.chunk_bytes])
+                    del buf[: self.chunk_bytes]
             if buf:
                 yield bytes(buf)
         finally:

@@ -71,8 +71,15 @@ def _random_values(rng: random.Random, dtype: str, count: int) -> bytes:
     return values.tobytes()
 
 
-def make_bundle(rank: int = 4, modules: tuple[str, ...] = ("q_proj", "v_proj"), heads: dict[str, int] | None = None,
-                dtype: str = "F32", config: dict | None = None, seed: int = 0, header_pad: int = 0) -> bytes:
+def make_bundle(
+    rank: int = 4,
+    modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    heads: dict[str, int] | None = None,
+    dtype: str = "F32",
+    config: dict | None = None,
+    seed: int = 0,
+    header_pad: int = 0,
+) -> bytes:
     """A valid PEFT-layout LoRA bundle for the base model `config` (default TINY_CONFIG)."""
     shapes = BaseModelShapes.from_config(config or TINY_CONFIG)
     tensors: dict[str, tuple[str, list[int]]] = {}
@@ -91,15 +98,27 @@ def adapter_config(rank: int = 4, alpha: float = 8.0, modules: tuple[str, ...] =
     return json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)})
 
 
-def upload_messages(parent: str, data: bytes, config_json: str | None = None, sha256: str = "",
-                    request_id: str = "", heads: dict[str, list[str]] | None = None, chunk: int = 64 * 1024):
+def upload_messages(
+    parent: str,
+    data: bytes,
+    config_json: str | None = None,
+    sha256: str = "",
+    request_id: str = "",
+    heads: dict[str, list[str]] | None = None,
+    chunk: int = 64 * 1024,
+):
     """The UploadAdapterVersion request stream for `data`."""
-    yield admin_pb.UploadAdapterVersionRequest(metadata=admin_pb.UploadAdapterVersionMetadata(
-        parent=parent, adapter_config_json=config_json if config_json is not None else adapter_config(),
-        sha256=sha256, request_id=request_id,
-        heads=[res_pb.TaskHead(name=k, labels=v) for k, v in (heads or {}).items()]))
+    yield admin_pb.UploadAdapterVersionRequest(
+        metadata=admin_pb.UploadAdapterVersionMetadata(
+            parent=parent,
+            adapter_config_json=config_json if config_json is not None else adapter_config(),
+            sha256=sha256,
+            request_id=request_id,
+            heads=[res_pb.TaskHead(name=k, labels=v) for k, v in (heads or {}).items()],
+        )
+    )
     for i in range(0, len(data), chunk):
-        yield admin_pb.UploadAdapterVersionRequest(chunk=data[i:i + chunk])
+        yield admin_pb.UploadAdapterVersionRequest(chunk=data[i : i + chunk])
 
 
 class RunningStore(ServiceThread):

@@ -34,8 +34,9 @@ class StoredTileTable:
 
 
 def _stored(row: TileTableRow) -> StoredTileTable:
-    return StoredTileTable(row.gpu_name, row.gpu_arch, row.dtype, row.table_json, row.sha256, row.created_at,
-                           row.updated_at)
+    return StoredTileTable(
+        row.gpu_name, row.gpu_arch, row.dtype, row.table_json, row.sha256, row.created_at, row.updated_at
+    )
 
 
 def check_key(gpu_name: str, gpu_arch: str, dtype: str) -> None:
@@ -76,8 +77,15 @@ class TileTables:
                     row = s.get(TileTableRow, (gpu_name, gpu_arch, dtype))
                     now = utcnow()
                     if row is None:
-                        row = TileTableRow(gpu_name=gpu_name, gpu_arch=gpu_arch, dtype=dtype, table_json=table_json,
-                                           sha256=sha, created_at=now, updated_at=now)
+                        row = TileTableRow(
+                            gpu_name=gpu_name,
+                            gpu_arch=gpu_arch,
+                            dtype=dtype,
+                            table_json=table_json,
+                            sha256=sha,
+                            created_at=now,
+                            updated_at=now,
+                        )
                         s.add(row)
                     else:
                         row.table_json, row.sha256, row.updated_at = table_json, sha, now

@@ -54,8 +54,14 @@ class BundleChecker:
     """Holds the base model's shapes and the limits; `check()` is pure CPU work (run it in an
     executor)."""
 
-    def __init__(self, shapes: BaseModelShapes | None, base_model: str, max_rank: int,
-                 max_header_bytes: int, max_bundle_bytes: int) -> None:
+    def __init__(
+        self,
+        shapes: BaseModelShapes | None,
+        base_model: str,
+        max_rank: int,
+        max_header_bytes: int,
+        max_bundle_bytes: int,
+    ) -> None:
         self.shapes = shapes
         self.base_model = base_model
         self.max_rank = max_rank
@@ -72,32 +78,41 @@ class BundleChecker:
             try:
                 shapes = BaseModelShapes.from_config(json.loads(config_path.read_text()))
             except (OSError, ValueError, KeyError) as exc:
-                raise RuntimeError(f"VALORA_MODEL_PATH={settings.model_path}: cannot read the base model's "
-                                   f"shapes from {config_path}: {exc!r}") from exc
+                raise RuntimeError(
+                    f"VALORA_MODEL_PATH={settings.model_path}: cannot read the base model's "
+                    f"shapes from {config_path}: {exc!r}"
+                ) from exc
             base_model = base_model or (path.name if path.is_dir() else path.parent.name)
         return cls(shapes, base_model, settings.max_rank, settings.max_header_bytes, settings.max_bundle_bytes)
 
     def check_size(self, size: int) -> None:
         if size > self.max_bundle_bytes:
-            raise InvalidAdapter(f"bundle is over the {self.max_bundle_bytes}-byte size limit",
-                                 reason="BUNDLE_TOO_LARGE")
+            raise InvalidAdapter(
+                f"bundle is over the {self.max_bundle_bytes}-byte size limit", reason="BUNDLE_TOO_LARGE"
+            )
 
     def check(self, req: UploadRequest, data: bytes | bytearray) -> CheckedBundle:
         if self.shapes is None:
-            raise FailedPrecondition("the store has no base model to check uploads against (set VALORA_MODEL_PATH)",
-                                     reason="NO_BASE_MODEL")
+            raise FailedPrecondition(
+                "the store has no base model to check uploads against (set VALORA_MODEL_PATH)", reason="NO_BASE_MODEL"
+            )
         self.check_size(len(data))
         if not data:
             raise InvalidAdapter("bundle is empty", reason="NOT_SAFETENSORS")
         _reject_non_safetensors(data)
         info = validate_bundle(data, req.adapter_config_json, self.shapes, self.max_rank, self.max_header_bytes)
         if info.ignored:  # the worker's parse_bundle leaves them out the same way, saying so again
-            log.warning("adapter_vision_lora_ignored", adapter=req.adapter_id, modules=list(info.ignored),
-                        why="valora applies LoRA to the language model only")
+            log.warning(
+                "adapter_vision_lora_ignored",
+                adapter=req.adapter_id,
+                modules=list(info.ignored),
+                why="valora applies LoRA to the language model only",
+            )
         digest = hashlib.sha256(data).hexdigest()
         if req.sha256 and req.sha256 != digest:
-            raise InvalidAdapter(f"sha256 mismatch: metadata says {req.sha256}, the bytes hash to {digest}",
-                                 reason="CHECKSUM_MISMATCH")
+            raise InvalidAdapter(
+                f"sha256 mismatch: metadata says {req.sha256}, the bytes hash to {digest}", reason="CHECKSUM_MISMATCH"
+            )
         return CheckedBundle(digest, len(data), info, _merge_heads(req.heads, info.heads))
 
 
@@ -110,10 +125,13 @@ def _reject_non_safetensors(data: bytes | bytearray) -> None:
         if 8 + n <= len(data) and data[8:9] == b"{":
             return
     if data[:1] == _PICKLE_PROTO or data[:4] == _ZIP_MAGIC:
-        raise InvalidAdapter("bundle is a pickle / PyTorch checkpoint, not safetensors; pickles are never loaded",
-                             reason="NOT_SAFETENSORS")
-    raise InvalidAdapter("bundle is not a safetensors file (no JSON header after the length prefix)",
-                         reason="NOT_SAFETENSORS")
+        raise InvalidAdapter(
+            "bundle is a pickle / PyTorch checkpoint, not safetensors; pickles are never loaded",
+            reason="NOT_SAFETENSORS",
+        )
+    raise InvalidAdapter(
+        "bundle is not a safetensors file (no JSON header after the length prefix)", reason="NOT_SAFETENSORS"
+    )
 
 
 def _merge_heads(declared: tuple[Head, ...], in_bundle: dict[str, int]) -> tuple[Head, ...]:
@@ -126,13 +144,17 @@ def _merge_heads(declared: tuple[Head, ...], in_bundle: dict[str, int]) -> tuple
             raise invalid_field(f"metadata.heads[{i}].name", f"head {head.name!r} declared twice")
         seen.add(head.name)
         if head.name not in in_bundle:
-            raise InvalidAdapter(f"head {head.name!r} is declared but the bundle has no heads.{head.name}.weight",
-                                 reason="HEAD_MISSING",
-                                 field_violations=[])
+            raise InvalidAdapter(
+                f"head {head.name!r} is declared but the bundle has no heads.{head.name}.weight",
+                reason="HEAD_MISSING",
+                field_violations=[],
+            )
         if len(head.labels) != in_bundle[head.name]:
             raise InvalidAdapter(
                 f"head {head.name!r}: {len(head.labels)} labels declared, the bundle's head has "
-                f"{in_bundle[head.name]} outputs", reason="HEAD_LABELS_MISMATCH")
+                f"{in_bundle[head.name]} outputs",
+                reason="HEAD_LABELS_MISMATCH",
+            )
         out.append(head)
     for name in sorted(in_bundle.keys() - seen):
         out.append(Head(name, tuple(str(i) for i in range(in_bundle[name]))))

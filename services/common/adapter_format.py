@@ -39,7 +39,8 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
 # A decoder layer's LoRA weight, after its layout's prefix ("...layers.").
 _LORA_KEY = re.compile(
-    r"^(?P<layer>[0-9]+)\.(?P<parent>[a-z_]+)\.(?P<module>[a-z_0-9]+)\.lora_(?P<which>[AB])\.weight$")
+    r"^(?P<layer>[0-9]+)\.(?P<parent>[a-z_]+)\.(?P<module>[a-z_0-9]+)\.lora_(?P<which>[AB])\.weight$"
+)
 # What PEFT appends to a wrapped module's name in a saved tensor's (lora_A/B, DoRA's magnitude,
 # embeddings' lora_embedding_A/B, a lora_B bias).
 _PEFT_SUFFIX = re.compile(r"\.(?:lora_[A-Za-z_]+)(?:\.[A-Za-z_]+)?$")
@@ -67,16 +68,35 @@ KEY_LAYOUTS: dict[str, KeyLayout] = {
     # .vision_tower (CLIPVisionModel: .vision_model) and .multi_modal_projector its own attributes
     "llava": KeyLayout(
         language_model=(LM_PREFIX, "base_model.model.language_model.model.layers."),
-        vision=("base_model.model.model.vision_tower.", "base_model.model.vision_tower.",
-                "base_model.model.model.multi_modal_projector.", "base_model.model.multi_modal_projector."),
+        vision=(
+            "base_model.model.model.vision_tower.",
+            "base_model.model.vision_tower.",
+            "base_model.model.model.multi_modal_projector.",
+            "base_model.model.multi_modal_projector.",
+        ),
     ),
 }
 DEFAULT_KEY_LAYOUT = KeyLayout(language_model=(LM_PREFIX,))
 _HEAD_KEY = re.compile(r"^heads\.(?P<name>[a-z][a-z0-9_-]{0,62})\.(?P<part>weight|bias)$")
 SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 # Bytes per element of every dtype the safetensors format defines (to check data_offsets).
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def _is_int(v: object) -> bool:
@@ -148,19 +168,22 @@ class BundleInfo:
 def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dict:
     """Parse a safetensors header without loading tensors; rejects anything that is not one."""
     if len(data) < 8:
-        raise InvalidAdapter("bundle is not a safetensors file: shorter than its 8-byte header length",
-                             reason="NOT_SAFETENSORS")
+        raise InvalidAdapter(
+            "bundle is not a safetensors file: shorter than its 8-byte header length", reason="NOT_SAFETENSORS"
+        )
     (n,) = struct.unpack("<Q", data[:8])
     if n > max_header_bytes:
-        raise InvalidAdapter(f"safetensors header is {n} bytes, over the {max_header_bytes}-byte limit",
-                             reason="HEADER_TOO_LARGE")
+        raise InvalidAdapter(
+            f"safetensors header is {n} bytes, over the {max_header_bytes}-byte limit", reason="HEADER_TOO_LARGE"
+        )
     if 8 + n > len(data):
         raise InvalidAdapter("bundle is truncated: header runs past the end", reason="TRUNCATED")
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidAdapter(f"bundle is not a safetensors file: header is not JSON ({exc})",
-                             reason="NOT_SAFETENSORS") from exc
+        raise InvalidAdapter(
+            f"bundle is not a safetensors file: header is not JSON ({exc})", reason="NOT_SAFETENSORS"
+        ) from exc
     if not isinstance(header, dict):
         raise InvalidAdapter("bundle is not a safetensors file: header is not an object", reason="NOT_SAFETENSORS")
     body = len(data) - 8 - n
@@ -171,8 +194,9 @@ def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dic
             raise InvalidAdapter(f"tensor {name!r}: malformed header entry", reason="NOT_SAFETENSORS")
         shape, offsets, dtype = meta["shape"], meta["data_offsets"], meta.get("dtype")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise InvalidAdapter(f"tensor {name!r}: shape must be a list of non-negative integers",
-                                 reason="NOT_SAFETENSORS")
+            raise InvalidAdapter(
+                f"tensor {name!r}: shape must be a list of non-negative integers", reason="NOT_SAFETENSORS"
+            )
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
             raise InvalidAdapter(f"tensor {name!r}: data_offsets must be two integers", reason="NOT_SAFETENSORS")
         if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
@@ -184,14 +208,17 @@ def read_safetensors_header(data: bytes, max_header_bytes: int = 1 << 20) -> dic
         for d in shape:
             count *= d
         if end - start != count * _DTYPE_BYTES[dtype]:
-            raise InvalidAdapter(f"tensor {name!r}: {end - start} data bytes for shape {shape} of {dtype}",
-                                 reason="NOT_SAFETENSORS")
+            raise InvalidAdapter(
+                f"tensor {name!r}: {end - start} data bytes for shape {shape} of {dtype}", reason="NOT_SAFETENSORS"
+            )
     # The tensors' bytes tile the body exactly (the format's rule): no overlaps, holes or trailing bytes.
     at = 0
     for start, end in sorted(tuple(m["data_offsets"]) for k, m in header.items() if k != "__metadata__"):
         if start != at:
-            raise InvalidAdapter(f"tensor data {'overlaps' if start < at else 'leaves a gap'} at byte {min(start, at)}",
-                                 reason="NOT_SAFETENSORS")
+            raise InvalidAdapter(
+                f"tensor data {'overlaps' if start < at else 'leaves a gap'} at byte {min(start, at)}",
+                reason="NOT_SAFETENSORS",
+            )
         at = end
     if at != body:
         raise InvalidAdapter(f"{body - at} bytes after the last tensor", reason="NOT_SAFETENSORS")
@@ -210,8 +237,9 @@ def _all_finite(data: bytes, start: int, end: int, dtype: str) -> bool:
     return not bool(np.any((bits & mask) == mask))
 
 
-def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_rank: int,
-                    max_header_bytes: int = 1 << 20) -> BundleInfo:
+def validate_bundle(
+    data: bytes, config_json: str, shapes: BaseModelShapes, max_rank: int, max_header_bytes: int = 1 << 20
+) -> BundleInfo:
     """Check a bundle against the base model; raises InvalidAdapter naming what is wrong."""
     try:
         config = json.loads(config_json or "{}")
@@ -221,8 +249,9 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         raise InvalidAdapter("adapter_config_json must be a JSON object", reason="BAD_CONFIG")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if key in config and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 < value < 1e9):  # null too: "lora_alpha": null once raised TypeError
+        if key in config and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9
+        ):  # null too: "lora_alpha": null once raised TypeError
             raise InvalidAdapter(f"adapter_config_json: {key} must be a positive number", reason="BAD_CONFIG")
     header = read_safetensors_header(data, max_header_bytes)
     body = 8 + struct.unpack("<Q", data[:8])[0]  # where the tensors' bytes start
@@ -251,11 +280,14 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
             ignored.add(_module_name(name))
             continue
         prefix = next((p for p in layout.language_model if name.startswith(p)), None)
-        m = _LORA_KEY.fullmatch(name[len(prefix):]) if prefix is not None else None
+        m = _LORA_KEY.fullmatch(name[len(prefix) :]) if prefix is not None else None
         if not m:
-            if prefix is not None and _LORA_KEY.fullmatch(_PEFT_SUFFIX.sub(".lora_A.weight", name[len(prefix):])):
-                raise InvalidAdapter(f"tensor {name!r}: only LoRA's lora_A and lora_B weights are supported "
-                                     "(not DoRA's magnitude vectors nor LoRA biases)", reason="UNKNOWN_TENSOR")
+            if prefix is not None and _LORA_KEY.fullmatch(_PEFT_SUFFIX.sub(".lora_A.weight", name[len(prefix) :])):
+                raise InvalidAdapter(
+                    f"tensor {name!r}: only LoRA's lora_A and lora_B weights are supported "
+                    "(not DoRA's magnitude vectors nor LoRA biases)",
+                    reason="UNKNOWN_TENSOR",
+                )
             unknown.add(_module_name(name))
             continue
         layer, module, which = int(m["layer"]), m["module"], m["which"]
@@ -263,11 +295,16 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
             unknown.add(_module_name(name))
             continue
         if layer >= shapes.num_layers:
-            raise InvalidAdapter(f"tensor {name!r}: layer {layer} does not exist, the base model's language "
-                                 f"model has {shapes.num_layers} layers", reason="UNKNOWN_TENSOR")
+            raise InvalidAdapter(
+                f"tensor {name!r}: layer {layer} does not exist, the base model's language "
+                f"model has {shapes.num_layers} layers",
+                reason="UNKNOWN_TENSOR",
+            )
         if (layer, module, which) in keys:
-            raise InvalidAdapter(f"tensors {keys[(layer, module, which)]!r} and {name!r} are the same weight "
-                                 "in two key layouts", reason="UNKNOWN_TENSOR")
+            raise InvalidAdapter(
+                f"tensors {keys[(layer, module, which)]!r} and {name!r} are the same weight in two key layouts",
+                reason="UNKNOWN_TENSOR",
+            )
         keys[(layer, module, which)] = name
         fin, fout = shapes.features[module]
         if len(shape) != 2:
@@ -286,11 +323,14 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         raise InvalidAdapter(
             f"target modules {names[:8]}{more} do not exist in the language model of the base model "
             f"({shapes.family or 'unknown family'}, {shapes.num_layers} layers): LoRA applies to "
-            f"layers.N.self_attn.{{q,k,v,o}}_proj and layers.N.mlp.{{gate,up,down}}_proj", reason="UNKNOWN_TENSOR")
+            f"layers.N.self_attn.{{q,k,v,o}}_proj and layers.N.mlp.{{gate,up,down}}_proj",
+            reason="UNKNOWN_TENSOR",
+        )
     bad_dtypes = dtypes - SAFETENSORS_DTYPES
     if bad_dtypes:
-        raise InvalidAdapter(f"dtypes {sorted(bad_dtypes)} not allowed; use one of {sorted(SAFETENSORS_DTYPES)}",
-                             reason="BAD_DTYPE")
+        raise InvalidAdapter(
+            f"dtypes {sorted(bad_dtypes)} not allowed; use one of {sorted(SAFETENSORS_DTYPES)}", reason="BAD_DTYPE"
+        )
     if not pairs:
         also = f" (those of the vision tower, ignored: {sorted(ignored)[:4]})" if ignored else ""
         raise InvalidAdapter(f"bundle holds no LoRA weights of the language model{also}", reason="EMPTY_ADAPTER")
@@ -307,18 +347,23 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         raise InvalidAdapter(f"adapter_config r={cfg_rank} but tensors have rank {rank}", reason="BAD_CONFIG")
     lora_alpha = float(config.get("lora_alpha", rank))
     if config.get("use_dora"):
-        raise InvalidAdapter("adapter_config_json: use_dora is not supported (DoRA rescales each weight; "
-                             "valora adds LoRA's B·A only)", reason="BAD_CONFIG")
+        raise InvalidAdapter(
+            "adapter_config_json: use_dora is not supported (DoRA rescales each weight; valora adds LoRA's B·A only)",
+            reason="BAD_CONFIG",
+        )
     alphas = config.get("alpha_pattern") or {}
     if not isinstance(alphas, dict) or any(v != lora_alpha for v in alphas.values()):
-        raise InvalidAdapter(f"adapter_config_json: alpha_pattern {alphas!r} is not supported: one lora_alpha "
-                             "for every module", reason="BAD_CONFIG")
+        raise InvalidAdapter(
+            f"adapter_config_json: alpha_pattern {alphas!r} is not supported: one lora_alpha for every module",
+            reason="BAD_CONFIG",
+        )
     head_labels: dict[str, int] = {}
     for head, parts in heads.items():
         w = parts.get("weight")
         if w is None or len(w) != 2 or w[1] != shapes.hidden_size:
-            raise InvalidAdapter(f"head {head!r}: weight must be (num_labels, {shapes.hidden_size})",
-                                 reason="BAD_SHAPE")
+            raise InvalidAdapter(
+                f"head {head!r}: weight must be (num_labels, {shapes.hidden_size})", reason="BAD_SHAPE"
+            )
         b = parts.get("bias")
         if b is not None and b != [w[0]]:
             raise InvalidAdapter(f"head {head!r}: bias must be ({w[0]},)", reason="BAD_SHAPE")
@@ -327,7 +372,7 @@ def validate_bundle(data: bytes, config_json: str, shapes: BaseModelShapes, max_
         rank=rank,
         lora_alpha=lora_alpha,
         # PEFT's: lora_alpha / r, or rsLoRA's lora_alpha / sqrt(r)
-        scale=lora_alpha / (rank ** 0.5 if config.get("use_rslora") else rank),
+        scale=lora_alpha / (rank**0.5 if config.get("use_rslora") else rank),
         target_modules=tuple(m for m in TARGET_MODULES if m in modules),
         layers=tuple(sorted(layers)),
         heads=head_labels,
@@ -365,8 +410,9 @@ def make_random_bundle(
         for module in target_modules:
             fin, fout = shapes.features[module]
             tensors[lora_key(layer, module, "A")] = (rng.standard_normal((rank, fin)) / np.sqrt(fin)).astype(np.float32)
-            tensors[lora_key(layer, module, "B")] = (gain * rng.standard_normal((fout, rank))
-                                                     / np.sqrt(rank)).astype(np.float32)
+            tensors[lora_key(layer, module, "B")] = (gain * rng.standard_normal((fout, rank)) / np.sqrt(rank)).astype(
+                np.float32
+            )
     for name, num_labels in (heads or {}).items():
         tensors[f"heads.{name}.weight"] = rng.standard_normal((num_labels, shapes.hidden_size)).astype(np.float32)
         tensors[f"heads.{name}.bias"] = np.zeros(num_labels, dtype=np.float32)

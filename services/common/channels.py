@@ -14,9 +14,13 @@ from valora.internal_token import token_interceptors
 from services.common.tracing import tracing_client_interceptors
 
 
-def open_channel(address: str, options: Sequence[tuple[str, int | str]] = (),
-                 tracer_provider: trace.TracerProvider | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, token: str = "") -> grpc.aio.Channel:
+def open_channel(
+    address: str,
+    options: Sequence[tuple[str, int | str]] = (),
+    tracer_provider: trace.TracerProvider | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str = "",
+) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` (`host:port`) with tracing client interceptors; TLS when
     `credentials` (see `client_credentials(settings)`), else plaintext; `token` (see
     `internal_auth.internal_token(settings)`) sent on every call when set.
@@ -36,5 +40,8 @@ def client_credentials(settings) -> grpc.ChannelCredentials | None:
     def read(path: str) -> bytes | None:
         return Path(path).expanduser().read_bytes() if path else None
 
-    return grpc.ssl_channel_credentials(root_certificates=read(settings.tls_ca), private_key=read(settings.tls_key),
-                                        certificate_chain=read(settings.tls_cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(settings.tls_ca),
+        private_key=read(settings.tls_key),
+        certificate_chain=read(settings.tls_cert),
+    )

@@ -22,7 +22,7 @@ MAX_FIELD_VIOLATIONS = 8
 
 
 def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 15] + f"...[{len(text)} chars]"
+    return text if len(text) <= limit else text[: limit - 15] + f"...[{len(text)} chars]"
 
 
 @dataclass
@@ -53,8 +53,9 @@ class ValoraError(Exception):
             details.append(
                 error_details_pb2.BadRequest(
                     field_violations=[
-                        error_details_pb2.BadRequest.FieldViolation(field=_cut(v.field, MAX_DETAIL_CHARS),
-                                                                    description=_cut(v.description, MAX_DETAIL_CHARS))
+                        error_details_pb2.BadRequest.FieldViolation(
+                            field=_cut(v.field, MAX_DETAIL_CHARS), description=_cut(v.description, MAX_DETAIL_CHARS)
+                        )
                         for v in self.field_violations[:MAX_FIELD_VIOLATIONS]
                     ]
                 )
@@ -68,8 +69,7 @@ class ValoraError(Exception):
             a = any_pb2.Any()
             a.Pack(d)
             packed.append(a)
-        return status_pb2.Status(code=self.code.value[0], message=_cut(self.message, MAX_MESSAGE_CHARS),
-                                 details=packed)
+        return status_pb2.Status(code=self.code.value[0], message=_cut(self.message, MAX_MESSAGE_CHARS), details=packed)
 
 
 class InvalidArgument(ValoraError):
@@ -78,8 +78,9 @@ class InvalidArgument(ValoraError):
 
 def invalid_field(field_path: str, description: str, reason: str = "INVALID_ARGUMENT") -> InvalidArgument:
     """An INVALID_ARGUMENT naming one offending field."""
-    return InvalidArgument(f"{field_path}: {description}", reason=reason,
-                           field_violations=[FieldViolation(field_path, description)])
+    return InvalidArgument(
+        f"{field_path}: {description}", reason=reason, field_violations=[FieldViolation(field_path, description)]
+    )
 
 
 class InvalidAdapter(InvalidArgument):

@@ -50,8 +50,11 @@ class InternalAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service: str, token: str) -> None:
         self._token = token.encode()
         if not token:
-            log.warning("internal_auth_disabled", service=service,
-                        detail="no internal token configured; any caller may use this service's internal API")
+            log.warning(
+                "internal_auth_disabled",
+                service=service,
+                detail="no internal token configured; any caller may use this service's internal API",
+            )
 
     def check(self, method: str, metadata) -> ValoraError | None:
         if not self._token or method.startswith(OPEN_PREFIXES):
@@ -80,12 +83,16 @@ def refusing_handler(handler: grpc.RpcMethodHandler, error: ValoraError) -> grpc
         await context.abort_with_status(status)
 
     if handler.unary_unary:
+
         async def uu(request, context):
             await refuse(context)
+
         return grpc.unary_unary_rpc_method_handler(uu, handler.request_deserializer, handler.response_serializer)
     if handler.stream_unary:
+
         async def su(request_iterator, context):
             await refuse(context)
+
         return grpc.stream_unary_rpc_method_handler(su, handler.request_deserializer, handler.response_serializer)
 
     async def stream(request, context):

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from services.common.errors import invalid_field
 
 ID_RE = r"[a-z][a-z0-9-]{0,62}"
-_ADAPTER = re.compile(rf"^adapters/(?P<adapter>{ID_RE})"
-                      rf"(?:/versions/(?P<version>[1-9][0-9]{{0,9}})|@(?P<alias>{ID_RE}))?$")
+_ADAPTER = re.compile(
+    rf"^adapters/(?P<adapter>{ID_RE})"
+    rf"(?:/versions/(?P<version>[1-9][0-9]{{0,9}})|@(?P<alias>{ID_RE}))?$"
+)
 _TASK = re.compile(rf"^tasks/(?P<task>{ID_RE})$")
 
 

@@ -59,6 +59,7 @@ def _tolerant(deserializer):
             return deserializer(data)
         except Exception:  # noqa: BLE001 - any parse failure is the caller's
             return _UNDECODABLE
+
     return decode
 
 
@@ -173,14 +174,19 @@ def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
     the same port and silently take half the connections); keepalive pings; and a maximum
     connection age, after which clients reconnect, so they spread over gateway replicas added
     since (0: connections live on)."""
-    out = [*channel_options(settings), ("grpc.so_reuseport", 0),
-           ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
-           ("grpc.keepalive_timeout_ms", 20_000),
-           ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-           ("grpc.keepalive_permit_without_calls", 1)]
+    out = [
+        *channel_options(settings),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
     if settings.max_connection_age_s > 0:
-        out += [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(max(settings.grace_s, 30.0) * 1000))]
+        out += [
+            ("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(max(settings.grace_s, 30.0) * 1000)),
+        ]
     return out
 
 
@@ -250,8 +256,9 @@ def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | No
     if not settings.tls_key:
         raise ValueError("tls_cert is set but tls_key is not")
     ca = _read(settings.tls_ca)
-    return grpc.ssl_server_credentials([(_read(settings.tls_key), _read(settings.tls_cert))],
-                                       root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(settings.tls_key), _read(settings.tls_cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def build_service(
@@ -270,20 +277,24 @@ def build_service(
     tracer_provider = tracer_provider or make_tracer_provider(settings, name)
     if internal:
         interceptors = [InternalAuthInterceptor(name, internal_token(settings)), *interceptors]
-    server = grpc.aio.server(interceptors=[TracingServerInterceptor(tracer_provider), *interceptors,
-                                           ErrorInterceptor()], options=server_options(settings))
+    server = grpc.aio.server(
+        interceptors=[TracingServerInterceptor(tracer_provider), *interceptors, ErrorInterceptor()],
+        options=server_options(settings),
+    )
     names = list(register(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
     credentials = server_credentials(settings)
     address = f"{settings.host}:{settings.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"{name}: could not bind {settings.host}:{settings.port}")
-    return Service(name=name, server=server, port=port, health=health, service_names=names,
-                   tracer_provider=tracer_provider)
+    return Service(
+        name=name, server=server, port=port, health=health, service_names=names, tracer_provider=tracer_provider
+    )
 
 
 def freeze_startup_heap() -> int:

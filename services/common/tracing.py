@@ -45,10 +45,16 @@ PUBLIC_PREFIX = "/valora.v1."
 UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 # Server spans: per OpenTelemetry's RPC conventions only these codes mark the span as an error
 # (NOT_FOUND, INVALID_ARGUMENT … are the client's doing). Client spans: every non-OK code.
-SERVER_ERROR_CODES = frozenset({
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
-})
+SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 def tracer_provider(settings: ServiceSettings, service_name: str) -> TracerProvider:
@@ -62,11 +68,13 @@ def tracer_provider(settings: ServiceSettings, service_name: str) -> TracerProvi
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError as exc:  # pragma: no cover - the package is a pinned dependency
-            raise RuntimeError("otlp_endpoint is set but opentelemetry-exporter-otlp-proto-grpc is not "
-                               "installed") from exc
+            raise RuntimeError(
+                "otlp_endpoint is set but opentelemetry-exporter-otlp-proto-grpc is not installed"
+            ) from exc
         endpoint = settings.otlp_endpoint
-        provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://"))))
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://")))
+        )
     if settings.trace_console:
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     return provider
@@ -89,6 +97,7 @@ def _set_code(span: trace.Span, code: grpc.StatusCode, details: str | None, serv
 
 
 # -- server ---------------------------------------------------------------------------------------
+
 
 class TracingServerInterceptor(grpc.aio.ServerInterceptor):
     """One SERVER span per traced RPC, child of the caller's context from the metadata."""
@@ -146,6 +155,7 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     close_span(span, token, context, exc)
+
             return behavior
 
         def wrap_stream(inner):
@@ -176,22 +186,28 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     await items.aclose()
                     end_span(span, context, exc)
+
             return behavior
 
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary),
-                                                       handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream),
-                                                        handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream),
-                                                     handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+        )
 
 
 # -- client ---------------------------------------------------------------------------------------
+
 
 class _ClientTracing:
     def __init__(self, provider: trace.TracerProvider | None) -> None:
@@ -201,8 +217,7 @@ class _ClientTracing:
         if not trace.get_current_span().get_span_context().is_valid:
             return await continuation(details, request)  # no trace to continue: background call
         method = _method(details.method)
-        span = self._tracer.start_span(method.lstrip("/"), kind=SpanKind.CLIENT,
-                                       attributes=_rpc_attributes(method))
+        span = self._tracer.start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method))
         metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
@@ -260,4 +275,3 @@ def tracing_client_interceptors(provider: trace.TracerProvider | None = None) ->
     """Interceptors for a grpc.aio channel: a CLIENT span per call made inside a trace, with the
     context injected into the call's metadata."""
     return [_UnaryUnary(provider), _UnaryStream(provider), _StreamUnary(provider), _StreamStream(provider)]
-

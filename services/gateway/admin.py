@@ -19,16 +19,38 @@ from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 # Registry RPCs that change what a reference resolves to: after one succeeds, this gateway's
 # cached resolutions are dropped (InferenceServicer.resolved).
-CHANGING = {"CreateAdapter", "DeleteAdapter", "DeleteAdapterVersion", "SetAlias", "DeleteAlias", "CreateTask",
-            "UpdateTask", "DeleteTask", "UploadAdapterVersion"}
+CHANGING = {
+    "CreateAdapter",
+    "DeleteAdapter",
+    "DeleteAdapterVersion",
+    "SetAlias",
+    "DeleteAlias",
+    "CreateTask",
+    "UpdateTask",
+    "DeleteTask",
+    "UploadAdapterVersion",
+}
 
 # Unary registry RPCs forwarded as they are.
 FORWARDED_UNARY = (
-    "CreateAdapter", "GetAdapter", "ListAdapters", "DeleteAdapter",
-    "GetAdapterVersion", "ListAdapterVersions", "DeleteAdapterVersion",
-    "SetAlias", "DeleteAlias",
-    "CreateTask", "GetTask", "ListTasks", "UpdateTask", "DeleteTask",
-    "CreateGenerationJob", "GetGenerationJob", "ListGenerationJobs", "CancelGenerationJob",
+    "CreateAdapter",
+    "GetAdapter",
+    "ListAdapters",
+    "DeleteAdapter",
+    "GetAdapterVersion",
+    "ListAdapterVersions",
+    "DeleteAdapterVersion",
+    "SetAlias",
+    "DeleteAlias",
+    "CreateTask",
+    "GetTask",
+    "ListTasks",
+    "UpdateTask",
+    "DeleteTask",
+    "CreateGenerationJob",
+    "GetGenerationJob",
+    "ListGenerationJobs",
+    "CancelGenerationJob",
 )
 _NOT_FORWARDED = {AUTHORIZATION_KEY, "user-agent", "content-type", "te"}
 
@@ -61,9 +83,13 @@ def _forward_unary(method: str):
 
 
 class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
-    def __init__(self, settings: GatewaySettings, store: admin_service_pb2_grpc.AdminServiceStub,
-                 scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub,
-                 on_registry_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        store: admin_service_pb2_grpc.AdminServiceStub,
+        scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub,
+        on_registry_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.scheduler = scheduler
@@ -109,11 +135,14 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         try:
             status = await self.scheduler.GetSchedulerStatus(
                 scheduler_service_pb2.GetSchedulerStatusRequest(),
-                timeout=self.settings.deadline_s(context.time_remaining()), metadata=forwarded_metadata(context))
+                timeout=self.settings.deadline_s(context.time_remaining()),
+                metadata=forwarded_metadata(context),
+            )
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
-        return admin_service_pb2.GetClusterStatusResponse(workers=status.workers,
-                                                          queued_requests=status.queued_requests)
+        return admin_service_pb2.GetClusterStatusResponse(
+            workers=status.workers, queued_requests=status.queued_requests
+        )
 
 
 for _method in FORWARDED_UNARY:

@@ -66,8 +66,9 @@ class ApiKeyAuthInterceptor(grpc.aio.ServerInterceptor):
             return None  # health, reflection
         token = bearer_token(metadata)
         if token is None:
-            return Unauthenticated("missing credentials: send 'authorization: Bearer <key>' metadata",
-                                   reason="MISSING_API_KEY")
+            return Unauthenticated(
+                "missing credentials: send 'authorization: Bearer <key>' metadata", reason="MISSING_API_KEY"
+            )
         if _matches(token, allowed):
             return None
         if allowed is self._admin and _matches(token, self._inference):

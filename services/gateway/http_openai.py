@@ -46,6 +46,7 @@ model's default system prompt, the last message, a user's, is the prompt, and th
 travel as `history`, which the worker renders with the model's chat template. Images keep their
 order across messages; each turn shows its own.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -101,8 +102,14 @@ _LIST_PAGE = 1000
 _BODY = web.RequestKey("valora.body", tuple)  # a completion request's (JSON body, whether chat)
 
 
-def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
@@ -195,8 +202,9 @@ def _image_part(messages: list, k: int) -> str | None:
     return None
 
 
-def _error_body(exc: errors.ValoraError, body: Any = None, chat: bool = True
-                ) -> tuple[int, dict[str, Any], dict[str, str]]:
+def _error_body(
+    exc: errors.ValoraError, body: Any = None, chat: bool = True
+) -> tuple[int, dict[str, Any], dict[str, str]]:
     """The HTTP status, OpenAI-style error JSON and headers of a domain error answering a
     request with this JSON `body` (http_param: its first field violation as `param`)."""
     status, type_ = _HTTP_STATUS.get(exc.code, (500, "server_error"))
@@ -219,10 +227,15 @@ def _from_valora_error(exc: errors.ValoraError, body: Any = None, chat: bool = T
 
 # -- request parsing ------------------------------------------------------------------------------
 
+
 def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
     if not url.startswith("data:"):
-        raise RequestError("only data: URLs are accepted for images (data:image/png;base64,...); this gateway "
-                           "fetches no remote URLs (VALORA_IMAGE_URL_HOSTS)", param, code="unsupported_image_url")
+        raise RequestError(
+            "only data: URLs are accepted for images (data:image/png;base64,...); this gateway "
+            "fetches no remote URLs (VALORA_IMAGE_URL_HOSTS)",
+            param,
+            code="unsupported_image_url",
+        )
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise RequestError("image data URL must be base64: data:<mime>;base64,<data>", param)
@@ -233,8 +246,9 @@ def _image_from_data_url(url: str, param: str) -> types_pb2.Image:
     return types_pb2.Image(data=data, mime_type=header[: -len(";base64")])
 
 
-def _message_parts(messages: list[Message] | None, remote: list | None = None
-                   ) -> tuple[list[tuple[str, str, int]], list[types_pb2.Image]]:
+def _message_parts(
+    messages: list[Message] | None, remote: list | None = None
+) -> tuple[list[tuple[str, str, int]], list[types_pb2.Image]]:
     """(role, text, images it shows) per message, and every image in order. `remote`: where the
     remote image URLs go, (index, url, param) each, their images left empty to fetch (None: a
     remote URL is a 400)."""
@@ -273,8 +287,9 @@ def conversation(inp: inference_service_pb2.InferenceInput, turns: list[tuple[st
     rest = [t for t in turns if t[0] not in ("system", "developer")]
     for i, (role, text, n) in enumerate(rest):
         if role not in ("user", "assistant"):
-            raise RequestError(f"role {role!r} is not supported (system, developer, user, assistant)",
-                               f"messages[{i}].role")
+            raise RequestError(
+                f"role {role!r} is not supported (system, developer, user, assistant)", f"messages[{i}].role"
+            )
         if n and role != "user":
             raise RequestError("only user messages may carry images", f"messages[{i}].content")
     if not rest or rest[-1][0] != "user":
@@ -295,17 +310,33 @@ def _assign(message: Any, field: str, value: Any, param: str) -> None:
 # Parameters OpenAI defines that the engine does not implement, with the values that mean "not
 # used" (openai_models.parse: a 400 naming the parameter for any other value).
 UNSUPPORTED = {
-    "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (),
-    "modalities": (["text"],), "prediction": (), "best_of": (1,), "echo": (False,), "suffix": (),
-    "parallel_tool_calls": (), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
-    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
-    "prompt_cache_options": (), "prompt_cache_retention": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": (),
+    "parallel_tool_calls": (),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "moderation": (),
+    "prompt_cache_options": (),
+    "prompt_cache_retention": (),
 }
 
 
-def build_input(body: Any, base_model: str, remote: list | None = None
-                ) -> tuple[inference_service_pb2.InferenceInput, bool]:
+def build_input(
+    body: Any, base_model: str, remote: list | None = None
+) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a chat completion request, and whether to stream. `remote`:
     collects the remote image URLs to fetch (_message_parts)."""
     req = parse(ChatCompletionRequest, body, UNSUPPORTED)
@@ -322,8 +353,9 @@ def build_input(body: Any, base_model: str, remote: list | None = None
     return inp, stream
 
 
-def build_completion_input(body: Any, base_model: str, remote: list | None = None
-                           ) -> tuple[inference_service_pb2.InferenceInput, bool]:
+def build_completion_input(
+    body: Any, base_model: str, remote: list | None = None
+) -> tuple[inference_service_pb2.InferenceInput, bool]:
     """The gRPC InferenceInput of a (legacy) completion request, and whether to stream: the
     prompt, text or token ids, is the model's whole input, without the chat template (`raw_prompt`)."""
     req = parse(CompletionRequest, body, UNSUPPORTED)
@@ -331,8 +363,11 @@ def build_completion_input(body: Any, base_model: str, remote: list | None = Non
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
-                           "prompt", code="unsupported_parameter")
+        raise RequestError(
+            f"a batch of {len(prompt)} prompts is not supported: send one request per prompt",
+            "prompt",
+            code="unsupported_parameter",
+        )
     inp = inference_service_pb2.InferenceInput(raw_prompt=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         try:  # token ids, sent on as they are (their bounds: the validation's and the worker's)
@@ -342,8 +377,9 @@ def build_completion_input(body: Any, base_model: str, remote: list | None = Non
     elif isinstance(prompt, str) and prompt:
         inp.prompt = prompt
     else:
-        raise RequestError("prompt must be a non-empty string or list of token ids (or a list of one of them)",
-                           "prompt")
+        raise RequestError(
+            "prompt must be a non-empty string or list of token ids (or a list of one of them)", "prompt"
+        )
     stream = _request_options(req, base_model, inp)
     if req.logprobs is not None:  # the legacy API's logprobs: how many alternatives
         inp.params.logprobs = True
@@ -364,21 +400,24 @@ def _logit_bias(bias: dict[str, float] | None, p: types_pb2.GenerationParams) ->
             raise RequestError(f"logit_bias key {key} is not a token id (out of range)", "logit_bias") from None
 
 
-def _request_options(req: ChatCompletionRequest | CompletionRequest, base_model: str,
-                     inp: inference_service_pb2.InferenceInput) -> bool:
+def _request_options(
+    req: ChatCompletionRequest | CompletionRequest, base_model: str, inp: inference_service_pb2.InferenceInput
+) -> bool:
     """What chat and text completions share, set on `inp`: the model (target), output kind, n,
     the generation parameters, stop; returns whether to stream."""
     model = req.model
     if not model:
-        raise RequestError("model is required: an adapter (adapters/...), a task (tasks/...) or "
-                           f"{base_model!r}", "model")
+        raise RequestError(
+            f"model is required: an adapter (adapters/...), a task (tasks/...) or {base_model!r}", "model"
+        )
     if model.startswith("adapters/"):
         inp.adapter = model
     elif model.startswith("tasks/"):
         inp.task = model
     elif model != base_model:
-        raise errors.NotFound(f"model {model!r} does not exist: use adapters/..., tasks/... or {base_model!r}",
-                              reason="MODEL_NOT_FOUND")
+        raise errors.NotFound(
+            f"model {model!r} does not exist: use adapters/..., tasks/... or {base_model!r}", reason="MODEL_NOT_FOUND"
+        )
     inp.output_kind = types_pb2.OUTPUT_KIND_LABEL if req.output_kind == "label" else types_pb2.OUTPUT_KIND_TEXT
     if req.n not in (None, 1):
         raise RequestError("only n=1 is supported", "n")
@@ -392,8 +431,17 @@ def _request_options(req: ChatCompletionRequest | CompletionRequest, base_model:
         if max_tokens <= 0:
             raise RequestError(f"{key} must be positive", key)
         _assign(p, "max_new_tokens", max_tokens, key)
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "adapter_release_fraction"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "adapter_release_fraction",
+    ):
         value = getattr(req, name)
         if value is not None:
             _assign(p, name, value, name)
@@ -407,12 +455,19 @@ def _request_options(req: ChatCompletionRequest | CompletionRequest, base_model:
 
 # -- the server -----------------------------------------------------------------------------------
 
+
 class OpenAIHttpServer:
     """aiohttp app bound at construction (so the port is known, as with gRPC's port 0)."""
 
-    def __init__(self, settings: GatewaySettings, grpc_target: str, auth: ApiKeyAuthInterceptor,
-                 store_admin: admin_service_pb2_grpc.AdminServiceStub, grpc_channel: grpc.aio.Channel,
-                 tracer_provider: trace.TracerProvider | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        grpc_target: str,
+        auth: ApiKeyAuthInterceptor,
+        store_admin: admin_service_pb2_grpc.AdminServiceStub,
+        grpc_channel: grpc.aio.Channel,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
         self.settings = settings
         self.auth = auth
         self.store_admin = store_admin
@@ -422,8 +477,7 @@ class OpenAIHttpServer:
         self._tracer = trace.get_tracer("valora.http", tracer_provider=tracer_provider)
         self.sock = socket.create_server((settings.host, settings.http_port), reuse_port=False)
         self.port = self.sock.getsockname()[1]
-        self.app = web.Application(client_max_size=settings.max_message_bytes,
-                                   middlewares=[self._middleware])
+        self.app = web.Application(client_max_size=settings.max_message_bytes, middlewares=[self._middleware])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -433,8 +487,13 @@ class OpenAIHttpServer:
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
         self.refused_connections = 0  # new connections answered 503 at the cap
-        self.images = ImageFetcher(settings.image_url_hosts, settings.max_image_bytes, settings.image_url_timeout_s,
-                                   settings.image_url_allow_http, settings.image_url_allow_private)
+        self.images = ImageFetcher(
+            settings.image_url_hosts,
+            settings.max_image_bytes,
+            settings.image_url_timeout_s,
+            settings.image_url_allow_http,
+            settings.image_url_allow_private,
+        )
         self._refused_logged = float("-inf")
 
     async def start(self) -> None:
@@ -445,8 +504,14 @@ class OpenAIHttpServer:
         # answer (aiohttp's default drains it for up to 10 s: 20 keyless 64 MiB uploads held an
         # authorized request for 1.6 s, tests/reliability/test_http_keyless_bodies.py); the
         # connection closes instead.
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
-                                     keepalive_timeout=self.settings.http_keepalive_s, lingering_time=0)
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            keepalive_timeout=self.settings.http_keepalive_s,
+            lingering_time=0,
+        )
         await self._runner.setup()
         self._sweeper = asyncio.create_task(self._sweep(min(1.0, self.settings.http_header_timeout_s / 2)))
         await _CappedSite(self._runner, self.sock, self.settings.http_max_connections, self._refused).start()
@@ -457,8 +522,11 @@ class OpenAIHttpServer:
         now = time.monotonic()
         if now - self._refused_logged >= 10.0:  # at most one line every 10 s under a flood
             self._refused_logged = now
-            log.warning("http_connections_full", max_connections=self.settings.http_max_connections,
-                        refused_total=self.refused_connections)
+            log.warning(
+                "http_connections_full",
+                max_connections=self.settings.http_max_connections,
+                refused_total=self.refused_connections,
+            )
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -497,8 +565,11 @@ class OpenAIHttpServer:
         request errors as OpenAI-style JSON."""
         parent = propagate.extract(dict(request.headers))
         with self._tracer.start_as_current_span(
-                f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER,
-                attributes={"http.request.method": request.method, "url.path": request.path}) as span:
+            f"{request.method} {request.path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": request.method, "url.path": request.path},
+        ) as span:
             try:
                 response = await handler(request)
             except RequestError as exc:
@@ -541,8 +612,9 @@ class OpenAIHttpServer:
         except RecursionError:
             raise RequestError("the body's JSON is nested too deeply") from None
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"the body is larger than {self.settings.max_message_bytes} bytes",
-                               code="request_too_large") from None
+            raise RequestError(
+                f"the body is larger than {self.settings.max_message_bytes} bytes", code="request_too_large"
+            ) from None
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, build_input, chat=True)
@@ -566,21 +638,29 @@ class OpenAIHttpServer:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, inp, rid, shape, metadata, include_usage)
         try:
-            resp = await self.inference.Infer(inference_service_pb2.InferRequest(input=inp, request_id=rid),
-                                              metadata=metadata)
+            resp = await self.inference.Infer(
+                inference_service_pb2.InferRequest(input=inp, request_id=rid), metadata=metadata
+            )
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         r = resp.result
         content = r.label if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL else r.text
-        out = {**shape.head(), "choices": [shape.choice(content, _FINISH.get(r.finish_reason, "stop"),
-                                                        r.logprobs if inp.params.logprobs else None)],
-               "usage": _usage(r), "valora": _extension(r)}
+        out = {
+            **shape.head(),
+            "choices": [
+                shape.choice(content, _FINISH.get(r.finish_reason, "stop"), r.logprobs if inp.params.logprobs else None)
+            ],
+            "usage": _usage(r),
+            "valora": _extension(r),
+        }
         return web.json_response(out, headers={"X-Request-Id": rid})
 
-    async def _stream(self, request: web.Request, inp, rid: str, shape: "_Shape", metadata,
-                      include_usage: bool) -> web.StreamResponse:
-        call = self.inference.InferStream(inference_service_pb2.InferStreamRequest(input=inp, request_id=rid),
-                                          metadata=metadata)
+    async def _stream(
+        self, request: web.Request, inp, rid: str, shape: "_Shape", metadata, include_usage: bool
+    ) -> web.StreamResponse:
+        call = self.inference.InferStream(
+            inference_service_pb2.InferStreamRequest(input=inp, request_id=rid), metadata=metadata
+        )
 
         def event(data: dict) -> bytes:
             return b"data: " + json.dumps(data).encode() + b"\n\n"
@@ -603,8 +683,9 @@ class OpenAIHttpServer:
                 raise errors.WorkerUnavailable("the stream ended without a result", reason="NO_RESULT") from None
             except grpc.RpcError as err:
                 raise errors.from_rpc_error(err) from None
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Request-Id": rid})
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+            )
             await response.prepare(request)
             if shape.chat:
                 await response.write(chunk(""))  # the role, first
@@ -616,8 +697,9 @@ class OpenAIHttpServer:
                         r = msg.result
                         if inp.output_kind == types_pb2.OUTPUT_KIND_LABEL and r.label:
                             await response.write(chunk(r.label))
-                        await response.write(chunk(None, _FINISH.get(r.finish_reason, "stop"), r.logprobs[sent:],
-                                                   valora=_extension(r)))
+                        await response.write(
+                            chunk(None, _FINISH.get(r.finish_reason, "stop"), r.logprobs[sent:], valora=_extension(r))
+                        )
                         if include_usage:
                             await response.write(event({**shape.head(chunk=True), "choices": [], "usage": _usage(r)}))
             except grpc.RpcError as err:  # after the first byte: an error event, then the end
@@ -665,30 +747,64 @@ class OpenAIHttpServer:
         metadata = ((REQUEST_ID_KEY, request.headers.get("X-Request-Id") or new_request_id()),)
         timeout = self.settings.admin_deadline_s
         created = int(time.time())
-        data = [{"id": self.settings.served_model_name, "object": "model", "created": created,
-                 "owned_by": "valora"}]
+        data = [{"id": self.settings.served_model_name, "object": "model", "created": created, "owned_by": "valora"}]
         try:
-            async for a in _pages(lambda token: self.store_admin.ListAdapters(
+            async for a in _pages(
+                lambda token: self.store_admin.ListAdapters(
                     admin_service_pb2.ListAdaptersRequest(page_size=_LIST_PAGE, page_token=token),
-                    timeout=timeout, metadata=metadata), "adapters"):
+                    timeout=timeout,
+                    metadata=metadata,
+                ),
+                "adapters",
+            ):
                 ts = a.create_time.seconds or created
                 data.append({"id": a.name, "object": "model", "created": ts, "owned_by": "valora"})
-                data.extend({"id": f"{a.name}@{alias}", "object": "model", "created": ts, "owned_by": "valora",
-                             "parent": a.name} for alias in sorted(a.aliases))
-            async for t in _pages(lambda token: self.store_admin.ListTasks(
+                data.extend(
+                    {
+                        "id": f"{a.name}@{alias}",
+                        "object": "model",
+                        "created": ts,
+                        "owned_by": "valora",
+                        "parent": a.name,
+                    }
+                    for alias in sorted(a.aliases)
+                )
+            async for t in _pages(
+                lambda token: self.store_admin.ListTasks(
                     admin_service_pb2.ListTasksRequest(page_size=_LIST_PAGE, page_token=token),
-                    timeout=timeout, metadata=metadata), "tasks"):
-                data.append({"id": t.name, "object": "model", "created": t.create_time.seconds or created,
-                             "owned_by": "valora", "parent": t.adapter})
+                    timeout=timeout,
+                    metadata=metadata,
+                ),
+                "tasks",
+            ):
+                data.append(
+                    {
+                        "id": t.name,
+                        "object": "model",
+                        "created": t.create_time.seconds or created,
+                        "owned_by": "valora",
+                        "parent": t.adapter,
+                    }
+                )
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
         return data
 
 
-_FULL_BODY = json.dumps({"error": {"message": "too many open connections; retry", "type": "service_unavailable",
-                                   "param": None, "code": "too_many_connections"}}).encode()
-_FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-         b"Connection: close\r\nContent-Length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY)
+_FULL_BODY = json.dumps(
+    {
+        "error": {
+            "message": "too many open connections; retry",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "too_many_connections",
+        }
+    }
+).encode()
+_FULL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY
+)
 
 
 class _Refused(asyncio.Protocol):
@@ -719,8 +835,7 @@ class _CappedSite(web.SockSite):
                 return _Refused()
             return server()
 
-        self._server = await asyncio.get_running_loop().create_server(protocol, sock=self._sock,
-                                                                      backlog=self._backlog)
+        self._server = await asyncio.get_running_loop().create_server(protocol, sock=self._sock, backlog=self._backlog)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -734,15 +849,23 @@ class _Shape:
 
     def head(self, chunk: bool = False) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}", "object": kind, "created": self.created,
-                "model": self.model}
+        return {
+            "id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}",
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+        }
 
     def choice(self, content: str, finish: str, logprobs=None) -> dict[str, Any]:
         """The answer's choice; `logprobs`: its tokens' (TokenLogprob), None when not asked."""
         lp = self.logprobs(logprobs)
         if self.chat:
-            return {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
-                    "logprobs": lp}
+            return {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": finish,
+                "logprobs": lp,
+            }
         return {"index": 0, "text": content, "finish_reason": finish, "logprobs": lp}
 
     def delta(self, text: str | None, finish: str | None, logprobs=None) -> dict[str, Any]:
@@ -760,14 +883,21 @@ class _Shape:
         if entries is None:
             return None
         if self.chat:
+
             def one(e) -> dict[str, Any]:
                 return {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes)}
-            return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top_logprobs]} for e in entries],
-                    "refusal": None}
+
+            return {
+                "content": [{**one(e), "top_logprobs": [one(t) for t in e.top_logprobs]} for e in entries],
+                "refusal": None,
+            }
         offsets = list(itertools.accumulate((len(e.token) for e in entries), initial=0))[:-1]
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
 
 
 async def _pages(call_page, field: str) -> AsyncIterator[Any]:
@@ -789,14 +919,20 @@ async def _chain(first, rest) -> AsyncIterator[Any]:
 
 def _usage(r: inference_service_pb2.InferResult) -> dict[str, int]:
     prompt = r.usage.prompt_tokens + r.usage.image_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": r.usage.output_tokens,
-            "total_tokens": prompt + r.usage.output_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": r.usage.output_tokens,
+        "total_tokens": prompt + r.usage.output_tokens,
+    }
 
 
 def _extension(r: inference_service_pb2.InferResult) -> dict[str, Any]:
     """valora's own fields: what served the request (ignored by OpenAI clients)."""
-    out: dict[str, Any] = {"adapter_version": r.adapter_version, "worker": r.worker,
-                           "mode": types_pb2.InferenceMode.Name(r.mode)}
+    out: dict[str, Any] = {
+        "adapter_version": r.adapter_version,
+        "worker": r.worker,
+        "mode": types_pb2.InferenceMode.Name(r.mode),
+    }
     if r.label:
         out["label"] = r.label
         out["scores"] = [{"label": s.label, "score": s.score} for s in r.scores]

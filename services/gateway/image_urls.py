@@ -56,8 +56,9 @@ def _public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
-                or ip.is_unspecified)
+    return not (
+        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved or ip.is_unspecified
+    )
 
 
 class _CheckedResolver(AbstractResolver):
@@ -78,8 +79,9 @@ class _CheckedResolver(AbstractResolver):
 
 
 class ImageFetcher:
-    def __init__(self, hosts: list[str], max_bytes: int, timeout_s: float, allow_http: bool = False,
-                 allow_private: bool = False) -> None:
+    def __init__(
+        self, hosts: list[str], max_bytes: int, timeout_s: float, allow_http: bool = False, allow_private: bool = False
+    ) -> None:
         self.hosts, self.max_bytes, self.timeout_s = hosts, max_bytes, timeout_s
         self.allow_http, self.allow_private = allow_http, allow_private
         self._session: aiohttp.ClientSession | None = None
@@ -97,8 +99,10 @@ class ImageFetcher:
         if parts.username or parts.password or not parts.hostname:
             raise ImageUrlError("an image URL needs a host and no credentials", "image_url_refused")
         if not host_allowed(parts.hostname, self.hosts):
-            raise ImageUrlError(f"{parts.hostname} is not one of the hosts images may come from "
-                                "(VALORA_IMAGE_URL_HOSTS)", "image_url_refused")
+            raise ImageUrlError(
+                f"{parts.hostname} is not one of the hosts images may come from (VALORA_IMAGE_URL_HOSTS)",
+                "image_url_refused",
+            )
         if not self.allow_private and _is_ip(parts.hostname) and not _public(parts.hostname):
             # an address literal is connected to as is (no lookup for the resolver to check)
             raise ImageUrlError(f"{parts.hostname} is a private or local address", "image_url_refused")
@@ -113,11 +117,14 @@ class ImageFetcher:
             async with asyncio.timeout(self.timeout_s):
                 async with self._session.get(url, allow_redirects=False) as resp:
                     if resp.status != 200:
-                        raise ImageUrlError(f"fetching the image answered HTTP {resp.status} (redirects are not "
-                                            "followed)", "image_url_fetch_failed")
+                        raise ImageUrlError(
+                            f"fetching the image answered HTTP {resp.status} (redirects are not followed)",
+                            "image_url_fetch_failed",
+                        )
                     if resp.content_length is not None and resp.content_length > self.max_bytes:
-                        raise ImageUrlError(f"the image is {resp.content_length} bytes, over {self.max_bytes}",
-                                            "image_url_too_large")
+                        raise ImageUrlError(
+                            f"the image is {resp.content_length} bytes, over {self.max_bytes}", "image_url_too_large"
+                        )
                     body = bytearray()
                     async for piece in resp.content.iter_chunked(1 << 16):
                         body += piece
@@ -132,8 +139,9 @@ class ImageFetcher:
             cause = exc.__cause__ or exc.__context__
             if isinstance(cause, ImageUrlError):
                 raise cause from None
-            raise ImageUrlError(f"cannot reach the image's host: {exc.strerror or exc}",
-                                "image_url_fetch_failed") from None
+            raise ImageUrlError(
+                f"cannot reach the image's host: {exc.strerror or exc}", "image_url_fetch_failed"
+            ) from None
         except aiohttp.ClientError as exc:
             raise ImageUrlError(f"fetching the image failed: {type(exc).__name__}", "image_url_fetch_failed") from None
 
@@ -141,4 +149,3 @@ class ImageFetcher:
         if self._session is not None:
             await self._session.close()
             self._session = None
-

@@ -59,8 +59,9 @@ class ResolutionCache:
         self.stale_s = stale_s
         self.size = size
         self.generation = 0  # clear() count: an answer asked for before a clear is not kept
-        self._entries: OrderedDict[
-            str, tuple[float, adapter_store_service_pb2.ResolveReferenceResponse]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[float, adapter_store_service_pb2.ResolveReferenceResponse]] = (
+            OrderedDict()
+        )
 
     def get(self, reference: str) -> adapter_store_service_pb2.ResolveReferenceResponse | None:
         hit = self._entries.get(reference)
@@ -81,8 +82,7 @@ class ResolutionCache:
             return None
         return hit[1]
 
-    def put(self, reference: str, resp: adapter_store_service_pb2.ResolveReferenceResponse, generation: int
-            ) -> None:
+    def put(self, reference: str, resp: adapter_store_service_pb2.ResolveReferenceResponse, generation: int) -> None:
         """Keeps `resp`, asked for when `generation` was current (a registry change since: dropped)."""
         if self.ttl_s <= 0 or resp.version.state != resources_pb2.ADAPTER_VERSION_STATE_READY:
             return  # a version on its way to READY must be seen as soon as it gets there
@@ -99,8 +99,12 @@ class ResolutionCache:
 
 
 class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, settings: GatewaySettings, scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub,
-                 store: adapter_store_service_pb2_grpc.AdapterStoreServiceStub) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        scheduler: scheduler_service_pb2_grpc.SchedulerServiceStub,
+        store: adapter_store_service_pb2_grpc.AdapterStoreServiceStub,
+    ) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.store = store
@@ -139,8 +143,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         """`_submit`, counted in valora:requests_total{service="gateway", code}."""
         return metrics.counted("gateway", self._submit(inp, request_id, context))
 
-    async def _submit(self, inp: inference_service_pb2.InferenceInput, request_id: str,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_service_pb2.SubmitResponse]:
+    async def _submit(
+        self, inp: inference_service_pb2.InferenceInput, request_id: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_service_pb2.SubmitResponse]:
         await validate(inp, request_id, self.limits)
         rid = request_id or new_request_id()
         structlog.contextvars.bind_contextvars(request_id=rid)
@@ -148,13 +153,18 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         metadata = ((REQUEST_ID_KEY, rid),)
         target = await self._resolve(inp, deadline, metadata)
         item = self._work_item(inp, rid, target)
-        log.info("infer", adapter=item.adapter.version or None, head=item.head or None,
-                 images=len(item.images), prompt_chars=len(item.prompt), prompt_token_ids=len(item.prompt_token_ids))
+        log.info(
+            "infer",
+            adapter=item.adapter.version or None,
+            head=item.head or None,
+            images=len(item.images),
+            prompt_chars=len(item.prompt),
+            prompt_token_ids=len(item.prompt_token_ids),
+        )
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise errors.DeadlineExceeded("deadline expired while resolving the adapter", reason="DEADLINE")
-        call = self.scheduler.Submit(scheduler_service_pb2.SubmitRequest(item=item), timeout=timeout,
-                                     metadata=metadata)
+        call = self.scheduler.Submit(scheduler_service_pb2.SubmitRequest(item=item), timeout=timeout, metadata=metadata)
         try:
             async for resp in call:
                 if resp.HasField("result"):
@@ -183,7 +193,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             try:
                 resp = await self.store.ResolveReference(
                     adapter_store_service_pb2.ResolveReferenceRequest(reference=reference),
-                    timeout=timeout, metadata=metadata)
+                    timeout=timeout,
+                    metadata=metadata,
+                )
             except grpc.RpcError as err:
                 if stale is None or err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise errors.from_rpc_error(err) from None
@@ -192,8 +204,10 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             else:
                 self.resolved.put(reference, resp, generation)
         version = resp.version
-        if version.state not in (resources_pb2.ADAPTER_VERSION_STATE_READY,
-                                 resources_pb2.ADAPTER_VERSION_STATE_UNSPECIFIED):
+        if version.state not in (
+            resources_pb2.ADAPTER_VERSION_STATE_READY,
+            resources_pb2.ADAPTER_VERSION_STATE_UNSPECIFIED,
+        ):
             raise errors.FailedPrecondition(f"{version.name} is not READY", reason="ADAPTER_VERSION_NOT_READY")
         adapter = work_pb2.AdapterRef(version=version.name, sha256=version.sha256)
         head = ""
@@ -203,18 +217,31 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
                 raise errors.invalid_field("input.task", f"{reference} has no task head; use OUTPUT_KIND_TEXT")
             heads = {h.name for h in version.heads}
             if heads and head not in heads:
-                raise errors.FailedPrecondition(f"{version.name} carries no head {head!r}",
-                                                reason="HEAD_NOT_IN_VERSION")
+                raise errors.FailedPrecondition(
+                    f"{version.name} carries no head {head!r}", reason="HEAD_NOT_IN_VERSION"
+                )
         task = resp.task if resp.HasField("task") else None
         if task is None:
             return Target(adapter=adapter, head=head)
-        return Target(adapter=adapter, head=head, slo_ms=task.slo_ms, slo_class=task.slo_class,
-                      adapter_release_fraction=task.adapter_release_fraction)
+        return Target(
+            adapter=adapter,
+            head=head,
+            slo_ms=task.slo_ms,
+            slo_class=task.slo_class,
+            adapter_release_fraction=task.adapter_release_fraction,
+        )
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
-        item = work_pb2.WorkItem(request_id=rid, prompt=inp.prompt, head=target.head, system=inp.system,
-                                 raw_prompt=inp.raw_prompt, prompt_token_ids=inp.prompt_token_ids,
-                                 slo_ms=target.slo_ms, slo_class=target.slo_class)
+        item = work_pb2.WorkItem(
+            request_id=rid,
+            prompt=inp.prompt,
+            head=target.head,
+            system=inp.system,
+            raw_prompt=inp.raw_prompt,
+            prompt_token_ids=inp.prompt_token_ids,
+            slo_ms=target.slo_ms,
+            slo_class=target.slo_class,
+        )
         item.history.extend(inp.history)
         item.images.extend(inp.images)
         item.videos.extend(inp.videos)

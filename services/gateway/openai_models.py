@@ -18,6 +18,7 @@ identifiers or hints that change no output: accepted, not used. Ranges are the g
 validation's business (validation.py), after the request becomes gRPC; custom checks that keep
 their own messages (model, messages, prompt, n, logit_bias keys) are http_openai.py's.
 """
+
 from __future__ import annotations
 
 import re
@@ -52,8 +53,11 @@ class ContentPart(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _kind(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("type") not in ("text", "image_url") or \
-                (data["type"] == "text" and not isinstance(data.get("text"), str)):
+        if (
+            not isinstance(data, dict)
+            or data.get("type") not in ("text", "image_url")
+            or (data["type"] == "text" and not isinstance(data.get("text"), str))
+        ):
             raise ValueError("content parts must be {type: text} or {type: image_url}")
         return data
 
@@ -166,8 +170,11 @@ def _refuse_unsupported(body: dict, unsupported: dict[str, tuple]) -> None:
 
 def _unrecognized(names: list[str]) -> RequestError:
     many = len(names) > 1
-    return RequestError(f"Unrecognized request argument{'s' if many else ''} supplied: {', '.join(names)}",
-                        names[0], code="unrecognized_argument")
+    return RequestError(
+        f"Unrecognized request argument{'s' if many else ''} supplied: {', '.join(names)}",
+        names[0],
+        code="unrecognized_argument",
+    )
 
 
 def parse(model: type[_Common], body: Any, unsupported: dict[str, tuple]) -> _Common:

@@ -28,28 +28,36 @@ async def create_server(settings: GatewaySettings) -> Service:
     scheduler_channel = open_channel(settings.scheduler_address, options, tracing, credentials=credentials, token=token)
     store_channel = open_channel(settings.adapter_store_address, options, tracing, credentials=credentials, token=token)
     scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(scheduler_channel)
-    inference = InferenceServicer(settings, scheduler,
-                                  adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel))
+    inference = InferenceServicer(
+        settings, scheduler, adapter_store_service_pb2_grpc.AdapterStoreServiceStub(store_channel)
+    )
     store_admin = admin_service_pb2_grpc.AdminServiceStub(store_channel)
     admin = AdminServicer(settings, store_admin, scheduler, on_registry_change=inference.resolved.clear)
-    auth = ApiKeyAuthInterceptor([k.get_secret_value() for k in settings.api_keys],
-                                 [k.get_secret_value() for k in settings.admin_keys])
+    auth = ApiKeyAuthInterceptor(
+        [k.get_secret_value() for k in settings.api_keys], [k.get_secret_value() for k in settings.admin_keys]
+    )
 
     def register(server):
         inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
         admin_service_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
-        return [inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-                admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name]
+        return [
+            inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+            admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+        ]
 
-    service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing,
-                            internal=False)
+    service = build_service("gateway", settings, register, interceptors=[auth], tracer_provider=tracing, internal=False)
     metrics.init_service("gateway")  # its requests_total series at zero from start-up
     service.http = None
     if settings.http_enabled:
         target = loopback_target(settings.host, service.port)
-        http = OpenAIHttpServer(settings, target, auth, store_admin,
-                                open_channel(target, options, tracing, credentials=credentials),
-                                tracer_provider=tracing)
+        http = OpenAIHttpServer(
+            settings,
+            target,
+            auth,
+            store_admin,
+            open_channel(target, options, tracing, credentials=credentials),
+            tracer_provider=tracing,
+        )
         service.http = http
         http.is_serving = lambda: service.serving
         service.on_start.append(http.start)

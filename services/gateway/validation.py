@@ -72,8 +72,7 @@ def _name_violation(fn, value: str, field_path: str) -> list[FieldViolation]:
     return []
 
 
-def _check_token_prompt(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str
-                        ) -> list[FieldViolation]:
+def _check_token_prompt(inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str) -> list[FieldViolation]:
     """A prompt of token ids: a raw prompt's other form (then no text), as long as a text prompt
     may be in characters; the vocabulary's bound is the worker's (the model's)."""
     ids = inp.prompt_token_ids
@@ -93,16 +92,21 @@ def _check_token_prompt(inp: inference_service_pb2.InferenceInput, limits: Limit
     return out
 
 
-def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
-                prefix: str = "input") -> list[FieldViolation]:
+def check_input(
+    inp: inference_service_pb2.InferenceInput, limits: Limits, prefix: str = "input"
+) -> list[FieldViolation]:
     """Every violation that needs no decoding and no registry lookup."""
     out: list[FieldViolation] = []
     if not inp.prompt and not inp.prompt_token_ids and not inp.images and not inp.videos:
         out.append(FieldViolation(prefix, "a prompt, an image or a video is required"))
     chars = len(inp.prompt) + len(inp.system) + sum(len(t.text) for t in inp.history)
     if chars > limits.max_prompt_chars:
-        out.append(FieldViolation(f"{prefix}.prompt", f"{chars} characters with the system prompt and history; "
-                                                      f"at most {limits.max_prompt_chars}"))
+        out.append(
+            FieldViolation(
+                f"{prefix}.prompt",
+                f"{chars} characters with the system prompt and history; at most {limits.max_prompt_chars}",
+            )
+        )
     out += _check_token_prompt(inp, limits, prefix)
     if len(inp.history) > MAX_HISTORY_TURNS:
         out.append(FieldViolation(f"{prefix}.history", f"{len(inp.history)} turns; at most {MAX_HISTORY_TURNS}"))
@@ -123,16 +127,19 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
         if not image.data:
             out.append(FieldViolation(f"{path}.data", "empty"))
         elif len(image.data) > limits.max_image_bytes:
-            out.append(FieldViolation(f"{path}.data",
-                                      f"{len(image.data)} bytes; at most {limits.max_image_bytes}"))
+            out.append(FieldViolation(f"{path}.data", f"{len(image.data)} bytes; at most {limits.max_image_bytes}"))
         mime = MIME_ALIASES.get(image.mime_type.lower(), image.mime_type.lower())
         if mime and mime not in FORMATS.values():
-            out.append(FieldViolation(f"{path}.mime_type",
-                                      f"{image.mime_type!r} is not one of {sorted(FORMATS.values())}"))
+            out.append(
+                FieldViolation(f"{path}.mime_type", f"{image.mime_type!r} is not one of {sorted(FORMATS.values())}")
+            )
     for i, video in enumerate(inp.videos):
         if not 0 < len(video.frames) <= limits.max_video_frames:
-            out.append(FieldViolation(f"{prefix}.videos[{i}].frames",
-                                      f"{len(video.frames)} frames; 1 to {limits.max_video_frames}"))
+            out.append(
+                FieldViolation(
+                    f"{prefix}.videos[{i}].frames", f"{len(video.frames)} frames; 1 to {limits.max_video_frames}"
+                )
+            )
 
     target = inp.WhichOneof("target")
     if target == "adapter":
@@ -147,8 +154,12 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
     p = inp.params
     pp = f"{prefix}.params"
     if p.max_new_tokens < 0 or p.max_new_tokens > limits.max_new_tokens_limit:
-        out.append(FieldViolation(f"{pp}.max_new_tokens",
-                                  f"{p.max_new_tokens} not in [0, {limits.max_new_tokens_limit}] (0 = server default)"))
+        out.append(
+            FieldViolation(
+                f"{pp}.max_new_tokens",
+                f"{p.max_new_tokens} not in [0, {limits.max_new_tokens_limit}] (0 = server default)",
+            )
+        )
     if not math.isfinite(p.temperature) or not 0.0 <= p.temperature <= MAX_TEMPERATURE:
         out.append(FieldViolation(f"{pp}.temperature", f"{p.temperature} not in [0, {MAX_TEMPERATURE}]"))
     if not math.isfinite(p.top_p) or not 0.0 <= p.top_p <= 1.0:
@@ -177,8 +188,11 @@ def check_input(inp: inference_service_pb2.InferenceInput, limits: Limits,
             if token < 0:
                 out.append(FieldViolation(f"{pp}.logit_bias[{token}]", "a token id is not negative"))
             if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
-                out.append(FieldViolation(f"{pp}.logit_bias[{token}]",
-                                          f"{bias} not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"))
+                out.append(
+                    FieldViolation(
+                        f"{pp}.logit_bias[{token}]", f"{bias} not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                    )
+                )
     if len(p.stop) > limits.max_stop_sequences:
         out.append(FieldViolation(f"{pp}.stop", f"{len(p.stop)} stop sequences; at most {limits.max_stop_sequences}"))
     for i, s in enumerate(p.stop):
@@ -229,10 +243,17 @@ async def check_images(inp: inference_service_pb2.InferenceInput, limits: Limits
     images = list(_all_images(inp, prefix))
     total = sum(await loop.run_in_executor(None, lambda: [header_pixels(image.data) for _, image in images]))
     if total > limits.max_request_pixels:
-        raise _bad([FieldViolation(prefix, f"its images and video frames hold {total} pixels; at most "
-                                           f"{limits.max_request_pixels} per request")])
-    problems = await asyncio.gather(*(
-        loop.run_in_executor(None, inspect_image, image.data, limits.max_image_pixels) for _, image in images))
+        raise _bad(
+            [
+                FieldViolation(
+                    prefix,
+                    f"its images and video frames hold {total} pixels; at most {limits.max_request_pixels} per request",
+                )
+            ]
+        )
+    problems = await asyncio.gather(
+        *(loop.run_in_executor(None, inspect_image, image.data, limits.max_image_pixels) for _, image in images)
+    )
     violations = [FieldViolation(f"{path}.data", why) for (path, _), why in zip(images, problems) if why]
     if violations:
         raise _bad(violations)

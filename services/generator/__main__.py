@@ -45,8 +45,14 @@ def list_tasks() -> None:
 
     table = Table("task", "kind", "labels / answers", "prompt", "default", "description")
     for name, spec in TASKS.items():
-        table.add_row(name, spec.kind, ",".join(spec.labels), spec.prompt, "yes" if name in DEFAULT_TASKS else "",
-                      spec.description)
+        table.add_row(
+            name,
+            spec.kind,
+            ",".join(spec.labels),
+            spec.prompt,
+            "yes" if name in DEFAULT_TASKS else "",
+            spec.description,
+        )
     console.print(table)
 
 
@@ -65,11 +71,23 @@ def pretrain_cmd(
     from services.generator.pretrain import pretrain
 
     torch.set_num_threads(threads)
-    with Progress(TextColumn("[bold]pretrain"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) as progress:
+    with Progress(
+        TextColumn("[bold]pretrain"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         bar = progress.add_task("pretrain", total=steps, loss="-")
-        result = pretrain(model_path, out, steps=steps, lr=lr, seed=seed,
-                          progress=lambda s, n, loss: progress.update(bar, completed=s, loss=f"{loss:.3f}"))
+        result = pretrain(
+            model_path,
+            out,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            progress=lambda s, n, loss: progress.update(bar, completed=s, loss=f"{loss:.3f}"),
+        )
     console.print(f"{out}: text-answer accuracy on the digit val split {result['val_accuracy']:.3f}")
 
 
@@ -88,11 +106,15 @@ def generate(
     model_path: Path = typer.Option(..., help="Local Qwen2-VL model directory (config.json, weights, tokenizer)."),
     out: Path = typer.Option(..., help="Directory for the bundles and manifest.json."),
     gateway: Optional[str] = typer.Option(None, help="host:port of a valora gateway to register the adapters with."),
-    order: str = typer.Option("", help="Comma-separated tasks in fusion order (default: the datasets' tasks, "
-                                       "else the built-in order)."),
-    dataset: list[Path] = typer.Option([], help="A dataset of yours: an image folder (one sub-folder per label) "
-                                               "or a JSONL file (image, question, label or answer text); "
-                                               "repeatable."),
+    order: str = typer.Option(
+        "", help="Comma-separated tasks in fusion order (default: the datasets' tasks, else the built-in order)."
+    ),
+    dataset: list[Path] = typer.Option(
+        [],
+        help="A dataset of yours: an image folder (one sub-folder per label) "
+        "or a JSONL file (image, question, label or answer text); "
+        "repeatable.",
+    ),
     rank: int = typer.Option(8, min=1, help="LoRA rank r."),
     lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha (scale = alpha / r); default 2r."),
     epochs: int = typer.Option(4, min=1, help="Epochs over the (union of the) tasks' train splits per fusion."),
@@ -101,8 +123,9 @@ def generate(
     margin: float = typer.Option(0.03, help="Measured thresholds = single-task val accuracy minus this."),
     threshold: list[str] = typer.Option([], help="task=accuracy; overrides the measured threshold (repeatable)."),
     prefix: str = typer.Option("fused", help="Adapter id prefix: adapters are {prefix}-0, {prefix}-1, ..."),
-    compare: bool = typer.Option(False, help="Also measure the no-adapter and all-in-one baselines and write "
-                                             "the results file."),
+    compare: bool = typer.Option(
+        False, help="Also measure the no-adapter and all-in-one baselines and write the results file."
+    ),
     results: Optional[Path] = typer.Option(None, help="Results file (default bench/results/generation-<date>.json)."),
     append: bool = typer.Option(False, help="Append to the results file instead of replacing it."),
     limit: Optional[int] = typer.Option(None, help="Cap each split's size (quick runs)."),
@@ -137,8 +160,14 @@ def generate(
     base = BaseModel.load(model_path, rank=rank, lora_alpha=alpha)
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr=head_lr, seed=seed)
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
         bar = progress.add_task("loading", total=1)
 
         def on_progress(what: str, done: int, total: int) -> None:
@@ -157,8 +186,10 @@ def generate(
 
         def on_step(step) -> None:
             acc = ", ".join(f"{k} {v:.3f}" for k, v in step.accuracy.items())
-            progress.console.print(f"  {step.source}: {step.decision} (adapter {prefix}-{step.adapter_index}; "
-                                   f"val {acc})" + (f" failing {list(step.failing)}" if step.failing else ""))
+            progress.console.print(
+                f"  {step.source}: {step.decision} (adapter {prefix}-{step.adapter_index}; "
+                f"val {acc})" + (f" failing {list(step.failing)}" if step.failing else "")
+            )
 
         greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step)
         strategies = [greedy_result]
@@ -178,12 +209,32 @@ def generate(
     for b in bundles:
         b.write(out)
     budgets = pipeline.text_budgets(trainer, names)
-    manifest = pipeline.manifest(str(model_path), tasks, names, thresholds, margin, rank, alpha, cfg, limit, bundles,
-                                 greedy_result, datasets=datasets, max_new_tokens=budgets)
+    manifest = pipeline.manifest(
+        str(model_path),
+        tasks,
+        names,
+        thresholds,
+        margin,
+        rank,
+        alpha,
+        cfg,
+        limit,
+        bundles,
+        greedy_result,
+        datasets=datasets,
+        max_new_tokens=budgets,
+    )
     if gateway:
-        manifest["registered"] = pipeline.register(gateway, bundles, greedy_result,
-                                                   {t: tasks[t].prompt for t in names}, api_key=api_key,
-                                                   admin_key=admin_key, log=console.print, max_new_tokens=budgets)
+        manifest["registered"] = pipeline.register(
+            gateway,
+            bundles,
+            greedy_result,
+            {t: tasks[t].prompt for t in names},
+            api_key=api_key,
+            admin_key=admin_key,
+            log=console.print,
+            max_new_tokens=budgets,
+        )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     table = Table("strategy", "adapters", *names, title="test accuracy (threshold)")
@@ -198,13 +249,23 @@ def generate(
     console.print(table)
     if compare:
         provenance = Path(model_path).expanduser() / "valora_pretrain.json"
-        meta = {"base_model": os.path.basename(str(model_path).rstrip("/")),
-                "base_pretraining": json.loads(provenance.read_text()) if provenance.exists() else None,
-                "rank": rank, "lora_alpha": alpha,
-                "epochs": epochs, "batch_size": batch_size, "lr": lr, "lr_rule": "lr / sqrt(tasks in the run)",
-                "clip_norm": cfg.clip_norm, "head_lr": head_lr, "margin": margin, "seed": seed,
-                "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
-                "wall_s": round(time.time() - started, 1), "torch_threads": threads}
+        meta = {
+            "base_model": os.path.basename(str(model_path).rstrip("/")),
+            "base_pretraining": json.loads(provenance.read_text()) if provenance.exists() else None,
+            "rank": rank,
+            "lora_alpha": alpha,
+            "epochs": epochs,
+            "batch_size": batch_size,
+            "lr": lr,
+            "lr_rule": "lr / sqrt(tasks in the run)",
+            "clip_norm": cfg.clip_norm,
+            "head_lr": head_lr,
+            "margin": margin,
+            "seed": seed,
+            "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
+            "wall_s": round(time.time() - started, 1),
+            "torch_threads": threads,
+        }
         path = pipeline.write_results(strategies, results, meta, append=append)
         console.print(f"results -> {path}")
     console.print(f"bundles -> {out} ({len(bundles)} adapters for {len(names)} tasks) in {time.time() - started:.0f}s")
@@ -216,16 +277,27 @@ def register(
     gateway: str = typer.Option(..., help="host:port of a valora gateway."),
     api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
     admin_key: Optional[str] = typer.Option(None, envvar="VALORA_ADMIN_KEY", help="Admin key for the gateway."),
-    check: int = typer.Option(0, min=0, help="Then send this many test images per task through the gateway "
-                                             "(task + label output) and compare with the measured accuracy."),
+    check: int = typer.Option(
+        0,
+        min=0,
+        help="Then send this many test images per task through the gateway "
+        "(task + label output) and compare with the measured accuracy.",
+    ),
 ) -> None:
     """Register adapters generated earlier (bundles + one task per head), optionally check them served."""
     from services.generator import pipeline
 
     manifest, bundles, result = pipeline.load_generated(out)
-    manifest["registered"] = pipeline.register(gateway, bundles, result, manifest["prompts"], api_key=api_key,
-                                               admin_key=admin_key, log=console.print,
-                                               max_new_tokens=manifest.get("max_new_tokens"))
+    manifest["registered"] = pipeline.register(
+        gateway,
+        bundles,
+        result,
+        manifest["prompts"],
+        api_key=api_key,
+        admin_key=admin_key,
+        log=console.print,
+        max_new_tokens=manifest.get("max_new_tokens"),
+    )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if check:
         _check(out, gateway, check, api_key)
@@ -248,14 +320,22 @@ def _check(out: Path, gateway: str, n: int, api_key: str | None) -> None:
 
     manifest, _, result = pipeline.load_generated(out)
     served = pipeline.served_accuracy(gateway, manifest, n or None, api_key=api_key)
-    table = Table("task", "adapter", "n", "served", "95% interval", "generator (same images)", "agree",
-                  "generator (test split)")
+    table = Table(
+        "task", "adapter", "n", "served", "95% interval", "generator (same images)", "agree", "generator (test split)"
+    )
     for task, row in served.items():
         agree = "?" if row["agree"] is None else f"{row['agree']}/{row['n']}"
         offline = "?" if row["offline_accuracy"] is None else f"{row['offline_accuracy']:.3f}"
-        table.add_row(task, (manifest.get("registered") or {}).get(task, "?"), str(row["n"]),
-                      f"{row['served_accuracy']:.3f}", "{:.3f}-{:.3f}".format(*row["interval_95"]), offline, agree,
-                      f"{result.tasks[task]['accuracy']:.3f}")
+        table.add_row(
+            task,
+            (manifest.get("registered") or {}).get(task, "?"),
+            str(row["n"]),
+            f"{row['served_accuracy']:.3f}",
+            "{:.3f}-{:.3f}".format(*row["interval_95"]),
+            offline,
+            agree,
+            f"{result.tasks[task]['accuracy']:.3f}",
+        )
     console.print(table)
 
 

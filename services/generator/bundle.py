@@ -46,8 +46,14 @@ class Bundle:
         return d
 
 
-def export_bundle(name: str, state: AdapterState, labels: dict[str, tuple[str, ...]], rank: int,
-                  lora_alpha: float, base_model: str = "") -> Bundle:
+def export_bundle(
+    name: str,
+    state: AdapterState,
+    labels: dict[str, tuple[str, ...]],
+    rank: int,
+    lora_alpha: float,
+    base_model: str = "",
+) -> Bundle:
     tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
     for (layer, module), (a, b) in sorted(state.lora.items()):
@@ -72,5 +78,6 @@ def export_bundle(name: str, state: AdapterState, labels: dict[str, tuple[str, .
         "target_modules": modules,
         "base_model_name_or_path": base_model,
     }
-    return Bundle(name, save(tensors, metadata={"format": "valora-adapter"}), json.dumps(config), heads,
-                  tuple(state.tasks))
+    return Bundle(
+        name, save(tensors, metadata={"format": "valora-adapter"}), json.dumps(config), heads, tuple(state.tasks)
+    )

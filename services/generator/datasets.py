@@ -151,25 +151,46 @@ def _square_colour(seed: int, n: int = 1000, grid: int = 8):
     x = np.zeros((n, grid, grid, 3), dtype=np.float32)
     rows, cols = rng.integers(0, grid - 1, size=n), rng.integers(0, grid - 1, size=n)
     for i in range(n):
-        x[i, rows[i]:rows[i] + 2, cols[i]:cols[i] + 2] = _COLOURS[y[i]]
+        x[i, rows[i] : rows[i] + 2, cols[i] : cols[i] + 2] = _COLOURS[y[i]]
     return _to_u8(x), y
 
 
 _DIGITS = tuple(str(i) for i in range(10))
-TASKS: dict[str, TaskSpec] = {s.name: s for s in (
-    TaskSpec("digit", "Which digit is this?", _DIGITS, _digit_identity, "handwritten digit identity (sklearn digits)"),
-    TaskSpec("parity", "Is the digit even or odd?", ("even", "odd"), _parity, "parity of a handwritten digit"),
-    TaskSpec("ge5", "Is the digit at least five?", ("no", "yes"), _ge5, "is the handwritten digit >= 5"),
-    TaskSpec("digit-rot90", "Which digit is this?", _DIGITS, _rot90, "digit identity, images rotated 90 degrees"),
-    TaskSpec("digit-inverted", "Which digit is this?", _DIGITS, _inverted, "digit identity, inverted intensities"),
-    TaskSpec("digit-noisy", "Which digit is this?", _DIGITS, _noisy, "digit identity under Gaussian pixel noise"),
-    TaskSpec("count", "How many squares are there?", ("1", "2", "3", "4", "5"), _count,
-             "count 1..5 lit squares (synthetic)"),
-    TaskSpec("colour", "What colour is the digit?", ("red", "green", "blue", "yellow"), _colour,
-             "ink colour of a handwritten digit"),
-    TaskSpec("square-colour", "What colour is the square?", ("red", "green", "blue", "yellow"), _square_colour,
-             "colour of one square, answered in text (a text task: no head)", kind=TEXT),
-)}
+TASKS: dict[str, TaskSpec] = {
+    s.name: s
+    for s in (
+        TaskSpec(
+            "digit", "Which digit is this?", _DIGITS, _digit_identity, "handwritten digit identity (sklearn digits)"
+        ),
+        TaskSpec("parity", "Is the digit even or odd?", ("even", "odd"), _parity, "parity of a handwritten digit"),
+        TaskSpec("ge5", "Is the digit at least five?", ("no", "yes"), _ge5, "is the handwritten digit >= 5"),
+        TaskSpec("digit-rot90", "Which digit is this?", _DIGITS, _rot90, "digit identity, images rotated 90 degrees"),
+        TaskSpec("digit-inverted", "Which digit is this?", _DIGITS, _inverted, "digit identity, inverted intensities"),
+        TaskSpec("digit-noisy", "Which digit is this?", _DIGITS, _noisy, "digit identity under Gaussian pixel noise"),
+        TaskSpec(
+            "count",
+            "How many squares are there?",
+            ("1", "2", "3", "4", "5"),
+            _count,
+            "count 1..5 lit squares (synthetic)",
+        ),
+        TaskSpec(
+            "colour",
+            "What colour is the digit?",
+            ("red", "green", "blue", "yellow"),
+            _colour,
+            "ink colour of a handwritten digit",
+        ),
+        TaskSpec(
+            "square-colour",
+            "What colour is the square?",
+            ("red", "green", "blue", "yellow"),
+            _square_colour,
+            "colour of one square, answered in text (a text task: no head)",
+            kind=TEXT,
+        ),
+    )
+}
 DEFAULT_TASKS = ("digit", "parity", "ge5", "digit-rot90", "digit-inverted", "count", "colour")
 
 
@@ -187,8 +208,9 @@ def render(pixels: np.ndarray, size: int = DEFAULT_IMAGE_SIZE) -> Image.Image:
     return img.convert("RGB").resize((size, size), Image.NEAREST)
 
 
-def build_task(name: str, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAGE_SIZE,
-               limit: int | None = None) -> TaskData:
+def build_task(
+    name: str, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAGE_SIZE, limit: int | None = None
+) -> TaskData:
     """The named task with its splits. `limit` caps each split's size (for quick tests)."""
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}")
@@ -204,8 +226,9 @@ def build_task(name: str, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAG
     return TaskData(name=name, prompt=spec.prompt, labels=spec.labels, images=images, targets=targets, kind=spec.kind)
 
 
-def shifted_copies(images: list[Image.Image], copies: int, seed: int,
-                   step: int | None = None) -> list[list[Image.Image]]:
+def shifted_copies(
+    images: list[Image.Image], copies: int, seed: int, step: int | None = None
+) -> list[list[Image.Image]]:
     """Label-preserving augmentation: `copies` versions of `images`, each image cyclically shifted
     by a random (dy, dx) in {-1, 0, 1}^2 source pixels (`step` image pixels each, default size/8).
     Cyclic, so a counted square never leaves the canvas; digits have empty borders."""
@@ -221,6 +244,7 @@ def shifted_copies(images: list[Image.Image], copies: int, seed: int,
     return out
 
 
-def build_tasks(names=DEFAULT_TASKS, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAGE_SIZE,
-                limit: int | None = None) -> dict[str, TaskData]:
+def build_tasks(
+    names=DEFAULT_TASKS, seed: int = SPLIT_SEED, image_size: int = DEFAULT_IMAGE_SIZE, limit: int | None = None
+) -> dict[str, TaskData]:
     return {n: build_task(n, seed, image_size, limit) for n in names}

@@ -76,9 +76,15 @@ def base_dir(home: Path, steps: int, seed: int, threads: int = 2) -> Path:
     return Path(home) / "models" / f"demo-base-s{steps}-seed{seed}-t{threads}"
 
 
-def ensure_base(tiny_model: Path, home: Path, steps: int = 300, seed: int = 0, log: Log = print,
-                progress: Callable[[int, int, float], None] | None = None,
-                threads: int = 2) -> tuple[Path, dict, bool]:
+def ensure_base(
+    tiny_model: Path,
+    home: Path,
+    steps: int = 300,
+    seed: int = 0,
+    log: Log = print,
+    progress: Callable[[int, int, float], None] | None = None,
+    threads: int = 2,
+) -> tuple[Path, dict, bool]:
     """The briefly pretrained base (pretrain.py) with `threads` torch CPU threads, built once per
     (steps, seed, threads). Returns (path, provenance, cached)."""
     from services.generator.pretrain import PROVENANCE_FILE, pretrain
@@ -95,8 +101,13 @@ def ensure_base(tiny_model: Path, home: Path, steps: int = 300, seed: int = 0, l
     return out, json.loads(record.read_text()), False
 
 
-def ensure_adapters(home: Path, base: Path, settings: DemoSettings = DemoSettings(), log: Log = print,
-                    progress: Callable[[str, int, int], None] | None = None) -> tuple[Path, dict, bool]:
+def ensure_adapters(
+    home: Path,
+    base: Path,
+    settings: DemoSettings = DemoSettings(),
+    log: Log = print,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[Path, dict, bool]:
     """Greedy-fused adapters for `settings.tasks` on `base`, generated once per settings key.
     Returns (directory, manifest, cached)."""
     out = Path(home) / "demo" / f"gen-{settings.key()}"
@@ -126,26 +137,44 @@ def ensure_adapters(home: Path, base: Path, settings: DemoSettings = DemoSetting
 
     def on_step(step) -> None:
         acc = ", ".join(f"{k} {v:.3f}" for k, v in step.accuracy.items())
-        log(f"  fuse {step.source}: {step.decision} (adapter {settings.prefix}-{step.adapter_index}; val {acc})"
-            + (f" failing {list(step.failing)}" if step.failing else ""))
+        log(
+            f"  fuse {step.source}: {step.decision} (adapter {settings.prefix}-{step.adapter_index}; val {acc})"
+            + (f" failing {list(step.failing)}" if step.failing else "")
+        )
 
     log("greedy fusion (accuracy-aware, with rollback)")
-    greedy_result, fusion = pipeline.greedy(_ReuseSingles(trainer, singles), names, thresholds, settings.prefix,
-                                            on_step=on_step)
-    bundles = pipeline.bundles_of(fusion, tasks, settings.rank, settings.lora_alpha, settings.prefix,
-                                  base_model=str(base))
+    greedy_result, fusion = pipeline.greedy(
+        _ReuseSingles(trainer, singles), names, thresholds, settings.prefix, on_step=on_step
+    )
+    bundles = pipeline.bundles_of(
+        fusion, tasks, settings.rank, settings.lora_alpha, settings.prefix, base_model=str(base)
+    )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for b in bundles:
         b.write(tmp)
     manifest = {
-        **pipeline.manifest(str(base), tasks, names, thresholds, settings.margin, settings.rank, settings.lora_alpha,
-                            cfg, settings.limit, bundles, greedy_result),
-        "demo": {"key": settings.key(), "settings": {**asdict(settings), "tasks": names},
-                 "single_task_accuracy": {t: {k: round(v, 4) for k, v in a.items()} for t, a in single.items()},
-                 "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
-                 "generate_s": round(time.time() - started, 1)},
+        **pipeline.manifest(
+            str(base),
+            tasks,
+            names,
+            thresholds,
+            settings.margin,
+            settings.rank,
+            settings.lora_alpha,
+            cfg,
+            settings.limit,
+            bundles,
+            greedy_result,
+        ),
+        "demo": {
+            "key": settings.key(),
+            "settings": {**asdict(settings), "tasks": names},
+            "single_task_accuracy": {t: {k: round(v, 4) for k, v in a.items()} for t, a in single.items()},
+            "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
+            "generate_s": round(time.time() - started, 1),
+        },
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)

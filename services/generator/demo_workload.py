@@ -49,12 +49,17 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency_row(target: str, mine: list[tuple[float, object]]) -> dict:
     lat = [ms for ms, _ in mine]
-    return {"target": target, "n": len(mine), "modes": sorted({r.mode for _, r in mine}),
-            "mean_ms": round(statistics.mean(lat), 1), "p50_ms": round(percentile(lat, 50), 1),
-            "p99_ms": round(percentile(lat, 99), 1),
-            "ttft_ms": round(statistics.mean(r.first_token_ms for _, r in mine), 1),
-            "queue_ms": round(statistics.mean(r.queue_ms for _, r in mine), 1),
-            "output_tokens": sum(r.output_tokens for _, r in mine)}
+    return {
+        "target": target,
+        "n": len(mine),
+        "modes": sorted({r.mode for _, r in mine}),
+        "mean_ms": round(statistics.mean(lat), 1),
+        "p50_ms": round(percentile(lat, 50), 1),
+        "p99_ms": round(percentile(lat, 99), 1),
+        "ttft_ms": round(statistics.mean(r.first_token_ms for _, r in mine), 1),
+        "queue_ms": round(statistics.mean(r.queue_ms for _, r in mine), 1),
+        "output_tokens": sum(r.output_tokens for _, r in mine),
+    }
 
 
 def register(client: ValoraClient, gen_dir: Path, log: Log = print) -> dict[str, dict]:
@@ -73,17 +78,21 @@ def register(client: ValoraClient, gen_dir: Path, log: Log = print) -> dict[str,
     out: dict[str, dict] = {}
     for b in bundles:
         sha = hashlib.sha256(b.data).hexdigest()
-        v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
-                                          request_id=f"valora-demo-{b.name}-{sha[:32]}")
+        v = client.upload_adapter_version(
+            b.name, b.data, b.config_json, heads=b.heads, request_id=f"valora-demo-{b.name}-{sha[:32]}"
+        )
         client.set_alias(f"adapters/{b.name}", DEMO_ALIAS, v.name)
-        log(f"adapter {v.name} (sha256 {v.sha256[:12]}, rank {v.rank}, heads {', '.join(b.heads)}) "
-            f"alias @{DEMO_ALIAS}")
+        log(f"adapter {v.name} (sha256 {v.sha256[:12]}, rank {v.rank}, heads {', '.join(b.heads)}) alias @{DEMO_ALIAS}")
         for head in b.heads:
             task_id = f"{DEMO_TASK_PREFIX}{head}"
             row = result.tasks[head]
-            kwargs = dict(adapter=v.name, head=head, accuracy_threshold=row["threshold"],
-                          measured_accuracy=row["accuracy"],
-                          description=f"prompt: {prompts[head]} (valora demo; greedy-fused adapter)")
+            kwargs = dict(
+                adapter=v.name,
+                head=head,
+                accuracy_threshold=row["threshold"],
+                measured_accuracy=row["accuracy"],
+                description=f"prompt: {prompts[head]} (valora demo; greedy-fused adapter)",
+            )
             try:
                 client.create_task(task_id, **kwargs)
                 what = "created"
@@ -99,13 +108,25 @@ def register(client: ValoraClient, gen_dir: Path, log: Log = print) -> dict[str,
                     client.create_task(task_id, **kwargs)
                     what = f"replaced (was {have.adapter} head {have.head})"
             log(f"  task tasks/{task_id} -> {v.name} head {head}: {what}")
-            out[head] = {"task": f"tasks/{task_id}", "adapter": f"adapters/{b.name}", "version": v.name,
-                         "threshold": row["threshold"], "accuracy": row["accuracy"]}
+            out[head] = {
+                "task": f"tasks/{task_id}",
+                "adapter": f"adapters/{b.name}",
+                "version": v.name,
+                "threshold": row["threshold"],
+                "accuracy": row["accuracy"],
+            }
     return out
 
 
-def mixed_workload(names: list[str], registered: dict[str, dict], manifest: dict, limit: int | None,
-                   per_task: int, text_requests: int, seed: int) -> tuple[list[dict], list[str]]:
+def mixed_workload(
+    names: list[str],
+    registered: dict[str, dict],
+    manifest: dict,
+    limit: int | None,
+    per_task: int,
+    text_requests: int,
+    seed: int,
+) -> tuple[list[dict], list[str]]:
     """The work items, shuffled by `seed`, and the text requests' targets (the base, then each
     adapter @demo): per task its held-out test images (the first `per_task`; 0: all) as label
     requests through tasks/demo-{task}, and `text_requests` "Which digit is this?" requests on
@@ -115,15 +136,32 @@ def mixed_workload(names: list[str], registered: dict[str, dict], manifest: dict
     work: list[dict] = []
     for t in names:
         pngs, truth = held_out_images(t, limit)
-        work += [{"kind": "label", "target": registered[t]["task"], "task": t, "prompt": manifest["prompts"][t],
-                  "image": png, "truth": y, "index": i}
-                 for i, (png, y) in enumerate(zip(pngs[:per_task or None], truth))]
+        work += [
+            {
+                "kind": "label",
+                "target": registered[t]["task"],
+                "task": t,
+                "prompt": manifest["prompts"][t],
+                "image": png,
+                "truth": y,
+                "index": i,
+            }
+            for i, (png, y) in enumerate(zip(pngs[: per_task or None], truth))
+        ]
     text_targets = ["base"] + [f"adapters/{a['name']}@{DEMO_ALIAS}" for a in manifest["adapters"]]
     if text_requests:
         pngs, truth = held_out_images("digit", text_requests)
-        work += [{"kind": "text", "target": text_targets[i % len(text_targets)], "task": "digit",
-                  "prompt": "Which digit is this?", "image": pngs[i], "truth": truth[i]}
-                 for i in range(len(pngs))]
+        work += [
+            {
+                "kind": "text",
+                "target": text_targets[i % len(text_targets)],
+                "task": "digit",
+                "prompt": "Which digit is this?",
+                "image": pngs[i],
+                "truth": truth[i],
+            }
+            for i in range(len(pngs))
+        ]
     random.Random(seed).shuffle(work)
     return work, text_targets
 
@@ -153,20 +191,41 @@ def task_rows(names: list[str], results: list[tuple], registered: dict[str, dict
 
     rows = []
     for t in names:
-        mine = sorted(((it["index"], ms, r, ans, it["truth"]) for it, ms, r, ans in results
-                       if it["kind"] == "label" and it["task"] == t), key=lambda row: row[0])
+        mine = sorted(
+            (
+                (it["index"], ms, r, ans, it["truth"])
+                for it, ms, r, ans in results
+                if it["kind"] == "label" and it["task"] == t
+            ),
+            key=lambda row: row[0],
+        )
         reg = registered[t]
-        check = agreement([ans for _, _, _, ans, _ in mine], [y for *_, y in mine],
-                          manifest["test_predictions"][t][:len(mine)])
-        rows.append({
-            "task": t, "target": reg["task"], "prompt": manifest["prompts"][t], "adapter": reg["version"],
-            "n": check["n"], "served_accuracy": check["served_accuracy"], "interval_95": check["interval_95"],
-            "generator_accuracy_same_images": check["offline_accuracy"], "agree": check["agree"],
-            "generator_test_accuracy": reg["accuracy"], "test_split": len(manifest["test_predictions"][t]),
-            "threshold": reg["threshold"], "meets_threshold": check["served_accuracy"] >= reg["threshold"],
-            "single_task_val_accuracy": manifest["demo"]["single_task_accuracy"][t]["val"],
-            **{k: v for k, v in latency_row(reg["task"], [(ms, r) for _, ms, r, _, _ in mine]).items()
-               if k.endswith("_ms")}})
+        check = agreement(
+            [ans for _, _, _, ans, _ in mine], [y for *_, y in mine], manifest["test_predictions"][t][: len(mine)]
+        )
+        rows.append(
+            {
+                "task": t,
+                "target": reg["task"],
+                "prompt": manifest["prompts"][t],
+                "adapter": reg["version"],
+                "n": check["n"],
+                "served_accuracy": check["served_accuracy"],
+                "interval_95": check["interval_95"],
+                "generator_accuracy_same_images": check["offline_accuracy"],
+                "agree": check["agree"],
+                "generator_test_accuracy": reg["accuracy"],
+                "test_split": len(manifest["test_predictions"][t]),
+                "threshold": reg["threshold"],
+                "meets_threshold": check["served_accuracy"] >= reg["threshold"],
+                "single_task_val_accuracy": manifest["demo"]["single_task_accuracy"][t]["val"],
+                **{
+                    k: v
+                    for k, v in latency_row(reg["task"], [(ms, r) for _, ms, r, _, _ in mine]).items()
+                    if k.endswith("_ms")
+                },
+            }
+        )
     return rows
 
 
@@ -176,8 +235,11 @@ def target_rows(targets: list[str], results: list[tuple]) -> list[dict]:
     rows = []
     for target in targets:
         mine = [(it, ms, r, ans) for it, ms, r, ans in results if it["target"] == target]
-        row = {**latency_row(target, [(ms, r) for _, ms, r, _ in mine]), "kind": mine[0][0]["kind"],
-               "correct": round(sum(ans == it["truth"] for it, _, _, ans in mine) / len(mine), 4)}
+        row = {
+            **latency_row(target, [(ms, r) for _, ms, r, _ in mine]),
+            "kind": mine[0][0]["kind"],
+            "correct": round(sum(ans == it["truth"] for it, _, _, ans in mine) / len(mine), 4),
+        }
         if row["kind"] == "text":
             row["sample"] = [{"truth": it["truth"], "text": r.text} for it, _, r, _ in mine[:3]]
         rows.append(row)

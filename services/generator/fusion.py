@@ -88,8 +88,12 @@ def _failing(accuracy: Mapping[str, float], thresholds: Mapping[str, float], tas
     return tuple(t for t in tasks if accuracy[t] < thresholds.get(t, 0.0))
 
 
-def greedy_fusion(sources: Sequence[Source], thresholds: Mapping[str, float], trainer: Trainer[StateT],
-                  on_step: Callable[[FusionStep], None] | None = None) -> FusionResult[StateT]:
+def greedy_fusion(
+    sources: Sequence[Source],
+    thresholds: Mapping[str, float],
+    trainer: Trainer[StateT],
+    on_step: Callable[[FusionStep], None] | None = None,
+) -> FusionResult[StateT]:
     """Pack `sources` (in order) into adapters so every task meets `thresholds[task]` (0 when
     absent) on the trainer's validation data; returns the sealed adapters and the decision log."""
     seen: set[str] = set()

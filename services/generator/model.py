@@ -79,8 +79,15 @@ class PromptTemplate:
 class BaseModel:
     """A frozen Qwen2-VL from a local path, with LoRA slots on the language model."""
 
-    def __init__(self, model, tokenizer, image_processor, rank: int, lora_alpha: float,
-                 target_modules: tuple[str, ...] = TARGET_MODULES):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        image_processor,
+        rank: int,
+        lora_alpha: float,
+        target_modules: tuple[str, ...] = TARGET_MODULES,
+    ):
         self.model = model.eval().float()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -100,8 +107,13 @@ class BaseModel:
         self._templates: dict[tuple[str, tuple[int, ...]], PromptTemplate] = {}
 
     @classmethod
-    def load(cls, path: Path | str, rank: int = 8, lora_alpha: float | None = None,
-             target_modules: tuple[str, ...] = TARGET_MODULES) -> "BaseModel":
+    def load(
+        cls,
+        path: Path | str,
+        rank: int = 8,
+        lora_alpha: float | None = None,
+        target_modules: tuple[str, ...] = TARGET_MODULES,
+    ) -> "BaseModel":
         from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -109,8 +121,14 @@ class BaseModel:
         model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
-        return cls(model, tokenizer, image_processor, rank, lora_alpha if lora_alpha is not None else 2.0 * rank,
-                   target_modules)
+        return cls(
+            model,
+            tokenizer,
+            image_processor,
+            rank,
+            lora_alpha if lora_alpha is not None else 2.0 * rank,
+            target_modules,
+        )
 
     @property
     def language_model(self):
@@ -156,7 +174,7 @@ class BaseModel:
         feats, grid = [], None
         images = list(images)
         for i in range(0, len(images), chunk):
-            pv, thw = self.pixel_inputs(images[i:i + chunk])
+            pv, thw = self.pixel_inputs(images[i : i + chunk])
             if grid is None:
                 grid = tuple(int(v) for v in thw[0])
             if not bool((thw == thw[0]).all()) or tuple(int(v) for v in thw[0]) != grid:
@@ -176,8 +194,9 @@ class BaseModel:
             mm = (ids == image_id).int()
             if int(mm.sum()) != n_tokens:
                 raise ValueError(f"prompt tokenised to {int(mm.sum())} image tokens, expected {n_tokens}")
-            pos, _ = self.model.model.get_rope_index(ids[None], mm_token_type_ids=mm[None],
-                                                     image_grid_thw=torch.tensor([grid]))
+            pos, _ = self.model.model.get_rope_index(
+                ids[None], mm_token_type_ids=mm[None], image_grid_thw=torch.tensor([grid])
+            )
             self._templates[key] = PromptTemplate(ids, torch.nonzero(mm).flatten(), pos, mm)
         return self._templates[key]
 
@@ -206,25 +225,28 @@ class BaseModel:
             pos = torch.cat([pos, more], dim=-1)
         return embeds, pos
 
-    def answer_logits(self, template: PromptTemplate, image_features: torch.Tensor,
-                      answer_ids: torch.Tensor) -> torch.Tensor:
+    def answer_logits(
+        self, template: PromptTemplate, image_features: torch.Tensor, answer_ids: torch.Tensor
+    ) -> torch.Tensor:
         """Teacher-forced LM logits (B, T, vocab) predicting each token of `answer_ids` (B, T):
         position k's logits are the model's next-token distribution after the prompt and the
         answer's first k tokens (the LM head over the final-norm hidden states)."""
         embeds, pos = self._embeds(template, image_features, answer_ids)
         h = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state
         n = len(template.input_ids)
-        return self.model.lm_head(h[:, n - 1:n - 1 + answer_ids.shape[1]])
+        return self.model.lm_head(h[:, n - 1 : n - 1 + answer_ids.shape[1]])
 
     def stop_ids(self) -> set[int]:
         """Tokens that end a generated answer: <|im_end|> and the tokenizer's eos / pad."""
-        ids = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id,
-               self.tokenizer.pad_token_id}
+        ids = {
+            self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+        }
         return {int(i) for i in ids if i is not None and i >= 0}
 
     @torch.no_grad()
-    def greedy_answers(self, template: PromptTemplate, image_features: torch.Tensor,
-                       max_new_tokens: int) -> list[str]:
+    def greedy_answers(self, template: PromptTemplate, image_features: torch.Tensor, max_new_tokens: int) -> list[str]:
         """Greedy decoding (argmax, no sampling) of up to `max_new_tokens` after the prompt, for
         each image; stops at a stop token (`stop_ids`); the decoded text without special tokens,
         what a worker answers a TEXT request with temperature 0."""
@@ -254,6 +276,10 @@ class BaseModel:
         grid = tuple(int(v) for v in thw[0])
         t = self.template(prompt, grid)
         b = len(thw)
-        out = self.model.model(input_ids=t.input_ids[None].expand(b, -1), pixel_values=pv, image_grid_thw=thw,
-                               mm_token_type_ids=t.mm_token_type_ids[None].expand(b, -1))
+        out = self.model.model(
+            input_ids=t.input_ids[None].expand(b, -1),
+            pixel_values=pv,
+            image_grid_thw=thw,
+            mm_token_type_ids=t.mm_token_type_ids[None].expand(b, -1),
+        )
         return out.last_hidden_state[:, -1]

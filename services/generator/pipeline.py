@@ -58,8 +58,12 @@ class StrategyResult:
 
 
 def _row(threshold: float, test: float, val: float, adapter: str | None) -> dict:
-    return {"threshold": round(threshold, 4), "accuracy": round(test, 4), "val_accuracy": round(val, 4),
-            "adapter": adapter}
+    return {
+        "threshold": round(threshold, 4),
+        "accuracy": round(test, 4),
+        "val_accuracy": round(val, 4),
+        "adapter": adapter,
+    }
 
 
 def head_only(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[str, float]) -> StrategyResult:
@@ -87,12 +91,18 @@ def measured_thresholds(single: Mapping[str, Mapping[str, float]], margin: float
 def all_in_one(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[str, float]) -> StrategyResult:
     s = trainer.fuse(trainer.empty(), list(order))
     val, test = trainer.validate(s, order), trainer.validate(s, order, "test")
-    return StrategyResult("all-in-one", [list(order)],
-                          {t: _row(thresholds[t], test[t], val[t], "all-in-one-0") for t in order})
+    return StrategyResult(
+        "all-in-one", [list(order)], {t: _row(thresholds[t], test[t], val[t], "all-in-one-0") for t in order}
+    )
 
 
-def greedy(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[str, float], prefix: str,
-           on_step: Callable[[FusionStep], None] | None = None) -> tuple[StrategyResult, FusionResult]:
+def greedy(
+    trainer: TorchTrainer,
+    order: Sequence[str],
+    thresholds: Mapping[str, float],
+    prefix: str,
+    on_step: Callable[[FusionStep], None] | None = None,
+) -> tuple[StrategyResult, FusionResult]:
     """The greedy fusion of `order`; its rows' test accuracies come from the same per-image test
     predictions the result keeps (`StrategyResult.predictions`, label names)."""
     res = greedy_fusion([Source.single(t) for t in order], thresholds, trainer, on_step=on_step)
@@ -107,13 +117,26 @@ def greedy(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[str,
         for t in a.tasks:
             if t not in head:  # a text task: its greedy-decoded answers, scored by exact match
                 predictions[t] = trainer.answers(a.state, t, "test")
-                rows[t] = _row(thresholds[t], trainer.score(t, predictions[t], "test"), a.accuracy[t],
-                               f"{prefix}-{a.index}")
-    steps = [{"source": s.source, "adapter": f"{prefix}-{s.adapter_index}", "decision": s.decision,
-              "val_accuracy": {k: round(v, 4) for k, v in s.accuracy.items()}, "failing": list(s.failing)}
-             for s in res.steps]
-    return StrategyResult("greedy-fusion", [a.tasks for a in res.adapters], {t: rows[t] for t in order},
-                          {"steps": steps}, {t: predictions[t] for t in order}), res
+                rows[t] = _row(
+                    thresholds[t], trainer.score(t, predictions[t], "test"), a.accuracy[t], f"{prefix}-{a.index}"
+                )
+    steps = [
+        {
+            "source": s.source,
+            "adapter": f"{prefix}-{s.adapter_index}",
+            "decision": s.decision,
+            "val_accuracy": {k: round(v, 4) for k, v in s.accuracy.items()},
+            "failing": list(s.failing),
+        }
+        for s in res.steps
+    ]
+    return StrategyResult(
+        "greedy-fusion",
+        [a.tasks for a in res.adapters],
+        {t: rows[t] for t in order},
+        {"steps": steps},
+        {t: predictions[t] for t in order},
+    ), res
 
 
 def text_budgets(trainer: TorchTrainer, order: Sequence[str]) -> dict[str, int]:
@@ -121,11 +144,11 @@ def text_budgets(trainer: TorchTrainer, order: Sequence[str]) -> dict[str, int]:
     return {t: trainer.max_new_tokens(t) for t in order if trainer.is_text(t)}
 
 
-def bundles_of(res: FusionResult, tasks: Mapping[str, TaskData], rank: int, lora_alpha: float, prefix: str,
-               base_model: str = "") -> list[Bundle]:
+def bundles_of(
+    res: FusionResult, tasks: Mapping[str, TaskData], rank: int, lora_alpha: float, prefix: str, base_model: str = ""
+) -> list[Bundle]:
     labels = {t: d.labels for t, d in tasks.items()}
-    return [export_bundle(f"{prefix}-{a.index}", a.state, labels, rank, lora_alpha, base_model)
-            for a in res.adapters]
+    return [export_bundle(f"{prefix}-{a.index}", a.state, labels, rank, lora_alpha, base_model) for a in res.adapters]
 
 
 def task_description(prompt: str, made_by: str, max_new_tokens: int | None = None) -> str:
@@ -136,9 +159,16 @@ def task_description(prompt: str, made_by: str, max_new_tokens: int | None = Non
     return f"prompt: {prompt} (text task: answer as TEXT, greedy, max_new_tokens {max_new_tokens}) {made_by}"
 
 
-def register(address: str, bundles: Sequence[Bundle], result: StrategyResult, prompts: Mapping[str, str],
-             api_key: str | None = None, admin_key: str | None = None, log: Log = print,
-             max_new_tokens: Mapping[str, int] | None = None) -> dict[str, str]:
+def register(
+    address: str,
+    bundles: Sequence[Bundle],
+    result: StrategyResult,
+    prompts: Mapping[str, str],
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    log: Log = print,
+    max_new_tokens: Mapping[str, int] | None = None,
+) -> dict[str, str]:
     """Uploads each bundle as a new version of `adapters/{bundle.name}` and creates one task per
     task it serves pointing at that version, with its threshold and measured test accuracy: a
     head task with its head, a text task (`max_new_tokens` names them) without one. The task's
@@ -153,10 +183,18 @@ def register(address: str, bundles: Sequence[Bundle], result: StrategyResult, pr
             log(f"registered {v.name} (sha256 {v.sha256[:12]}, heads {sorted(b.heads)})")
             for task in b.served_tasks:
                 row = result.tasks[task]
-                client.create_task(task, adapter=v.name, head=task if task in b.heads else "",
-                                   description=task_description(prompts[task], "(generated by valora generator)",
-                                                                text.get(task) if task not in b.heads else None),
-                                   accuracy_threshold=row["threshold"], measured_accuracy=row["accuracy"])
+                client.create_task(
+                    task,
+                    adapter=v.name,
+                    head=task if task in b.heads else "",
+                    description=task_description(
+                        prompts[task],
+                        "(generated by valora generator)",
+                        text.get(task) if task not in b.heads else None,
+                    ),
+                    accuracy_threshold=row["threshold"],
+                    measured_accuracy=row["accuracy"],
+                )
                 versions[task] = v.name
     return versions
 
@@ -164,10 +202,21 @@ def register(address: str, bundles: Sequence[Bundle], result: StrategyResult, pr
 HEAD_INPUT = "final-norm hidden state of the last prompt token (chat template, image then prompt)"
 
 
-def manifest(base_model: str, tasks: Mapping[str, TaskData], order: Sequence[str], thresholds: Mapping[str, float],
-             margin: float, rank: int, lora_alpha: float, config: TrainConfig, limit: int | None,
-             bundles: Sequence[Bundle], result: StrategyResult, datasets: Mapping[str, str] | None = None,
-             max_new_tokens: Mapping[str, int] | None = None) -> dict:
+def manifest(
+    base_model: str,
+    tasks: Mapping[str, TaskData],
+    order: Sequence[str],
+    thresholds: Mapping[str, float],
+    margin: float,
+    rank: int,
+    lora_alpha: float,
+    config: TrainConfig,
+    limit: int | None,
+    bundles: Sequence[Bundle],
+    result: StrategyResult,
+    datasets: Mapping[str, str] | None = None,
+    max_new_tokens: Mapping[str, int] | None = None,
+) -> dict:
     """A generated directory's manifest.json (`generate` and the demo write it, `load_generated`
     reads it): settings, adapters, prompts, the greedy result, the split cap `limit` the splits
     were built with (so the same test images can be rebuilt), every test image's prediction
@@ -175,11 +224,26 @@ def manifest(base_model: str, tasks: Mapping[str, TaskData], order: Sequence[str
     (`max_new_tokens`) and, for a task from a user's dataset, where the dataset was (`datasets`,
     task -> path)."""
     return {
-        "base_model": base_model, "rank": rank, "lora_alpha": lora_alpha, "epochs": config.epochs, "lr": config.lr,
-        "head_lr": config.head_lr, "seed": config.seed, "order": list(order), "thresholds": dict(thresholds),
-        "margin": margin, "limit": limit,
-        "adapters": [{"name": b.name, "tasks": list(b.served_tasks), "heads": b.heads,
-                      "sha256": hashlib.sha256(b.data).hexdigest()} for b in bundles],
+        "base_model": base_model,
+        "rank": rank,
+        "lora_alpha": lora_alpha,
+        "epochs": config.epochs,
+        "lr": config.lr,
+        "head_lr": config.head_lr,
+        "seed": config.seed,
+        "order": list(order),
+        "thresholds": dict(thresholds),
+        "margin": margin,
+        "limit": limit,
+        "adapters": [
+            {
+                "name": b.name,
+                "tasks": list(b.served_tasks),
+                "heads": b.heads,
+                "sha256": hashlib.sha256(b.data).hexdigest(),
+            }
+            for b in bundles
+        ],
         "prompts": {t: tasks[t].prompt for t in order},
         "kinds": {t: tasks[t].kind for t in order},
         "max_new_tokens": {t: n for t, n in (max_new_tokens or {}).items() if t in order},
@@ -197,17 +261,28 @@ def load_generated(out_dir: Path) -> tuple[dict, list[Bundle], StrategyResult]:
     bundles = []
     for a in manifest["adapters"]:
         d = out_dir / a["name"]
-        bundles.append(Bundle(a["name"], (d / "adapter_model.safetensors").read_bytes(),
-                              (d / "adapter_config.json").read_text(), json.loads((d / "heads.json").read_text()),
-                              tuple(a.get("tasks", ()))))
+        bundles.append(
+            Bundle(
+                a["name"],
+                (d / "adapter_model.safetensors").read_bytes(),
+                (d / "adapter_config.json").read_text(),
+                json.loads((d / "heads.json").read_text()),
+                tuple(a.get("tasks", ())),
+            )
+        )
     g = manifest["greedy"]
-    result = StrategyResult(g["strategy"], [a["tasks"] for a in manifest["adapters"]], g["tasks"],
-                            predictions=manifest.get("test_predictions", {}))
+    result = StrategyResult(
+        g["strategy"],
+        [a["tasks"] for a in manifest["adapters"]],
+        g["tasks"],
+        predictions=manifest.get("test_predictions", {}),
+    )
     return manifest, bundles, result
 
 
-def write_results(results: Sequence[StrategyResult], path: Path | None = None, meta: dict | None = None,
-                  append: bool = False) -> Path:
+def write_results(
+    results: Sequence[StrategyResult], path: Path | None = None, meta: dict | None = None, append: bool = False
+) -> Path:
     """bench/results/generation-<date>.json: a list of {"strategy", "n_adapters", "tasks", "setup"};
     `append` adds to the list already in the file (several setups, e.g. margins, in one file)."""
     if path is None:
@@ -232,8 +307,9 @@ def held_out_task(task: str, limit: int | None = None, dataset: str | None = Non
     return build_task(task, limit=limit)
 
 
-def held_out_images(task: str, limit: int | None = None, dataset: str | None = None,
-                    data: TaskData | None = None) -> tuple[list[bytes], list[str]]:
+def held_out_images(
+    task: str, limit: int | None = None, dataset: str | None = None, data: TaskData | None = None
+) -> tuple[list[bytes], list[str]]:
     """The generator's test split of `task` built with split cap `limit` (the manifest's), as PNG
     bytes (lossless: a worker decodes the very pixels) with the true labels (a text task's:
     reference answers), in the order of the manifest's test predictions. A smaller `limit` gives
@@ -271,13 +347,18 @@ def agreement(served: Sequence[str], truth: Sequence[str], offline: Sequence[str
     correct = sum(same(s, y) for s, y in zip(served, truth))
     lo, hi = binomial_interval(correct, n)
     offline_correct = sum(same(o, y) for o, y in zip(offline, truth))
-    return {"n": n, "served_accuracy": round(correct / n, 4) if n else 0.0, "interval_95": [round(lo, 4), round(hi, 4)],
-            "offline_accuracy": round(offline_correct / n, 4) if n and offline else None,
-            "agree": sum(same(s, o) for s, o in zip(served, offline)) if offline else None}
+    return {
+        "n": n,
+        "served_accuracy": round(correct / n, 4) if n else 0.0,
+        "interval_95": [round(lo, 4), round(hi, 4)],
+        "offline_accuracy": round(offline_correct / n, 4) if n and offline else None,
+        "agree": sum(same(s, o) for s, o in zip(served, offline)) if offline else None,
+    }
 
 
-def served_accuracy(address: str, manifest: dict, per_task: int | None = None,
-                    api_key: str | None = None) -> dict[str, dict]:
+def served_accuracy(
+    address: str, manifest: dict, per_task: int | None = None, api_key: str | None = None
+) -> dict[str, dict]:
     """Each served task on its test split (`per_task`: only the first that many images), through
     the gateway: a head task as task + LABEL output with the task's prompt; a text task as task +
     TEXT output (greedy, the manifest's max_new_tokens) with each image's own question.
@@ -290,14 +371,19 @@ def served_accuracy(address: str, manifest: dict, per_task: int | None = None,
         for task in manifest["order"]:
             data = held_out_task(task, manifest.get("limit"), (manifest.get("datasets") or {}).get(task))
             pngs, truth = held_out_images(task, data=data)
-            pngs, truth = pngs[:per_task or None], truth[:per_task or None]
+            pngs, truth = pngs[: per_task or None], truth[: per_task or None]
             if data.kind == TEXT:
                 budget = (manifest.get("max_new_tokens") or {}).get(task, 16)
-                served = [client.infer(data.question("test", i), [png], task=task_name(task),
-                                       max_new_tokens=budget).text for i, png in enumerate(pngs)]
+                served = [
+                    client.infer(data.question("test", i), [png], task=task_name(task), max_new_tokens=budget).text
+                    for i, png in enumerate(pngs)
+                ]
             else:
-                served = [client.infer(manifest["prompts"][task], [png], task=task_name(task), label=True).label
-                          for png in pngs]
-            out[task] = agreement(served, truth, manifest.get("test_predictions", {}).get(task, [])[:len(served)],
-                                  text=data.kind == TEXT)
+                served = [
+                    client.infer(manifest["prompts"][task], [png], task=task_name(task), label=True).label
+                    for png in pngs
+                ]
+            out[task] = agreement(
+                served, truth, manifest.get("test_predictions", {}).get(task, [])[: len(served)], text=data.kind == TEXT
+            )
     return out

@@ -24,13 +24,27 @@ from services.generator.datasets import build_task
 from services.generator.model import IMAGE_PAD, chat_text
 
 PROVENANCE_FILE = "valora_pretrain.json"  # how this base was made; the generator records it
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-                "processor_config.json", "preprocessor_config.json", "special_tokens_map.json")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "special_tokens_map.json",
+)
 
 
-def pretrain(model_path: Path | str, out: Path | str, steps: int = 300, batch_size: int = 32, lr: float = 1e-3,
-             seed: int = 0, task: str = "digit",
-             progress: Callable[[int, int, float], None] | None = None) -> dict[str, float]:
+def pretrain(
+    model_path: Path | str,
+    out: Path | str,
+    steps: int = 300,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    task: str = "digit",
+    progress: Callable[[int, int, float], None] | None = None,
+) -> dict[str, float]:
     """Trains a copy of the model at `model_path` and writes it to `out`; returns
     {"val_accuracy": first-token accuracy of the text answer on the task's val split}."""
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
@@ -59,9 +73,10 @@ def pretrain(model_path: Path | str, out: Path | str, steps: int = 300, batch_si
 
     pv_train, grid = pixels(data.images["train"])
     pv_val, _ = pixels(data.images["val"])
-    n_tokens = int(grid.prod()) // (improc.merge_size ** 2)
-    prompt_ids = torch.tensor(tok(chat_text(data.prompt).replace(IMAGE_PAD, IMAGE_PAD * n_tokens),
-                                  add_special_tokens=False)["input_ids"])
+    n_tokens = int(grid.prod()) // (improc.merge_size**2)
+    prompt_ids = torch.tensor(
+        tok(chat_text(data.prompt).replace(IMAGE_PAD, IMAGE_PAD * n_tokens), add_special_tokens=False)["input_ids"]
+    )
     y_train = torch.as_tensor(data.targets["train"])
     y_val = torch.as_tensor(data.targets["val"])
 
@@ -71,8 +86,12 @@ def pretrain(model_path: Path | str, out: Path | str, steps: int = 300, batch_si
         if y_or_none is not None:  # teacher forcing: prompt + answer token
             ids = torch.cat([ids, answer_ids[y_or_none][:, None]], dim=1)
         mm = (ids == model.config.image_token_id).int()
-        out = model(input_ids=ids, pixel_values=pv.reshape(-1, pv.shape[-1]), image_grid_thw=grid[None].repeat(b, 1),
-                    mm_token_type_ids=mm)
+        out = model(
+            input_ids=ids,
+            pixel_values=pv.reshape(-1, pv.shape[-1]),
+            image_grid_thw=grid[None].repeat(b, 1),
+            mm_token_type_ids=mm,
+        )
         return out.logits
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -93,7 +112,7 @@ def pretrain(model_path: Path | str, out: Path | str, steps: int = 300, batch_si
             progress(step + 1, steps, float(loss.detach()))
     model.eval()
     with torch.no_grad():
-        pred = torch.cat([forward(pv_val[i:i + 128], None)[:, -1].argmax(-1) for i in range(0, len(y_val), 128)])
+        pred = torch.cat([forward(pv_val[i : i + 128], None)[:, -1].argmax(-1) for i in range(0, len(y_val), 128)])
     acc = float((pred == answer_ids[y_val]).float().mean())
 
     tmp = out.with_name(out.name + ".tmp")
@@ -103,8 +122,15 @@ def pretrain(model_path: Path | str, out: Path | str, steps: int = 300, batch_si
     for name in COPIED_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, tmp / name)
-    record = {"source": src.name, "task": task, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
-              "val_accuracy": round(acc, 4)}
+    record = {
+        "source": src.name,
+        "task": task,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "val_accuracy": round(acc, 4),
+    }
     (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -50,23 +50,35 @@ from valora_protos.v1 import resources_pb2 as res
 
 log = structlog.get_logger()
 
-PENDING, RUNNING, SUCCEEDED, FAILED = (res.GENERATION_JOB_STATE_PENDING, res.GENERATION_JOB_STATE_RUNNING,
-                                       res.GENERATION_JOB_STATE_SUCCEEDED, res.GENERATION_JOB_STATE_FAILED)
+PENDING, RUNNING, SUCCEEDED, FAILED = (
+    res.GENERATION_JOB_STATE_PENDING,
+    res.GENERATION_JOB_STATE_RUNNING,
+    res.GENERATION_JOB_STATE_SUCCEEDED,
+    res.GENERATION_JOB_STATE_FAILED,
+)
 
 
 class RunnerSettings(ServiceSettings):
-    adapter_store_address: str = Field("127.0.0.1:50053", description="host:port of the adapter store "
-                                       "(jobs are claimed and reported there).")
-    admin_address: str = Field("", description="host:port where adapters and tasks are registered: a gateway "
-                               "(with admin_key) or the store; empty means adapter_store_address.")
+    adapter_store_address: str = Field(
+        "127.0.0.1:50053", description="host:port of the adapter store (jobs are claimed and reported there)."
+    )
+    admin_address: str = Field(
+        "",
+        description="host:port where adapters and tasks are registered: a gateway "
+        "(with admin_key) or the store; empty means adapter_store_address.",
+    )
     admin_key: str = Field("", description="Admin key for the gateway (unused against the store).")
     runner_name: str = Field("", description="Name recorded on claimed jobs; empty means <hostname>-<pid>.")
     poll_s: float = Field(2.0, gt=0, description="Seconds between claims while no job is pending.")
     threads: int = Field(1, ge=1, description="torch CPU threads.")
     batch_size: int = Field(16, ge=1, description="Training batch size (each batch holds one task).")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of each call to the store.")
-    heartbeat_s: float = Field(0.0, ge=0, description="Longest gap between reports on a running job (a heartbeat "
-                               "re-sends the last progress); 0 means a third of the store's lease.")
+    heartbeat_s: float = Field(
+        0.0,
+        ge=0,
+        description="Longest gap between reports on a running job (a heartbeat "
+        "re-sends the last progress); 0 means a third of the store's lease.",
+    )
 
 
 # Transient failures of the store: a progress report or heartbeat that meets one is retried later
@@ -121,8 +133,14 @@ class Reporter:
     def __post_init__(self) -> None:
         self._last = (0.0, self.message)
 
-    def __call__(self, progress: float, message: str, state: int = RUNNING,
-                 result: res.GenerationJobResult | None = None, error: str = "") -> res.GenerationJob | None:
+    def __call__(
+        self,
+        progress: float,
+        message: str,
+        state: int = RUNNING,
+        result: res.GenerationJobResult | None = None,
+        error: str = "",
+    ) -> res.GenerationJob | None:
         """Progress (RUNNING) returns the job, or None when the store could not be reached (the
         heartbeat retries); the final report (SUCCEEDED/FAILED) retries transient failures while
         the lease lasts, then raises."""
@@ -151,9 +169,18 @@ class Reporter:
         if self._stopped is not None:
             raise JobCancelled(str(self._stopped), self._stopped.reason)
         try:
-            job = self.stub.UpdateGenerationJob(store_pb.UpdateGenerationJobRequest(
-                name=self.name, lease_id=self.lease_id, progress=progress, message=message, state=state,
-                result=result, error=error), timeout=self.timeout_s).job
+            job = self.stub.UpdateGenerationJob(
+                store_pb.UpdateGenerationJobRequest(
+                    name=self.name,
+                    lease_id=self.lease_id,
+                    progress=progress,
+                    message=message,
+                    state=state,
+                    result=result,
+                    error=error,
+                ),
+                timeout=self.timeout_s,
+            ).job
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self._stopped = JobCancelled(err.details(), _reason(err))
@@ -212,8 +239,15 @@ class Reporter:
             self._beat.join(self.timeout_s + 1)
 
 
-def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_key: str | None = None,
-            threads: int = 1, batch_size: int = 16, internal_token: str = "") -> res.GenerationJobResult:
+def run_job(
+    job: res.GenerationJob,
+    report: Reporter,
+    admin_address: str,
+    admin_key: str | None = None,
+    threads: int = 1,
+    batch_size: int = 16,
+    internal_token: str = "",
+) -> res.GenerationJobResult:
     """Greedy fusion of the job's sources, registration, and the result (the caller reports it).
     `internal_token`: sent when `admin_address` is the adapter store itself."""
     import torch
@@ -234,8 +268,12 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
     tasks = job_tasks(job, report)
     base = BaseModel.load(job.base_model, rank=rank, lora_alpha=alpha)
     check = getattr(report, "check", None)  # stops training at the next step once the job must stop
-    trainer = TorchTrainer(base, tasks, TrainConfig(epochs=epochs, batch_size=batch_size),
-                           progress=(lambda *_: check()) if check is not None else None)
+    trainer = TorchTrainer(
+        base,
+        tasks,
+        TrainConfig(epochs=epochs, batch_size=batch_size),
+        progress=(lambda *_: check()) if check is not None else None,
+    )
     report(0.05, "fusing " + ", ".join(names))
 
     done = 0
@@ -244,17 +282,28 @@ def run_job(job: res.GenerationJob, report: Reporter, admin_address: str, admin_
         nonlocal done
         done += 1
         acc = ", ".join(f"{k} {v:.3f}" for k, v in step.accuracy.items())
-        report(0.05 + 0.8 * done / len(names),
-               f"{step.source}: {step.decision} (adapter {prefix}-{step.adapter_index}; val {acc})")
+        report(
+            0.05 + 0.8 * done / len(names),
+            f"{step.source}: {step.decision} (adapter {prefix}-{step.adapter_index}; val {acc})",
+        )
 
     greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step)
     bundles = pipeline.bundles_of(fusion, tasks, rank, alpha, prefix, base_model=job.base_model)
     report(0.9, f"registering {len(bundles)} adapters")
     if check is not None:
         check(stopping=False)  # cancelled or lost in the last step: register nothing; stopping: finish
-    return register(admin_address, job_id, prefix, bundles, greedy_result,
-                    {t: tasks[t].prompt for t in names}, admin_key, attempt=getattr(report, "attempt", 1),
-                    internal_token=internal_token, max_new_tokens=pipeline.text_budgets(trainer, names))
+    return register(
+        admin_address,
+        job_id,
+        prefix,
+        bundles,
+        greedy_result,
+        {t: tasks[t].prompt for t in names},
+        admin_key,
+        attempt=getattr(report, "attempt", 1),
+        internal_token=internal_token,
+        max_new_tokens=pipeline.text_budgets(trainer, names),
+    )
 
 
 def job_tasks(job: res.GenerationJob, report: Reporter) -> dict:
@@ -272,8 +321,10 @@ def job_tasks(job: res.GenerationJob, report: Reporter) -> dict:
     with tempfile.TemporaryDirectory(prefix="valora-job-") as tmp:
         paths: dict[str, Path] = {}
         for i, name in enumerate(datasets):
-            data = b"".join(part.chunk for part in report.stub.FetchDataset(
-                store_pb.FetchDatasetRequest(name=name), timeout=report.timeout_s))
+            data = b"".join(
+                part.chunk
+                for part in report.stub.FetchDataset(store_pb.FetchDatasetRequest(name=name), timeout=report.timeout_s)
+            )
             dest = Path(tmp) / str(i)
             dest.mkdir()
             try:
@@ -302,9 +353,18 @@ def attempt_request_id(job_id: str, bundle_name: str, attempt: int) -> str:
     return rid if len(rid) <= 128 else f"{job_id}/{hashlib.sha256(rid.encode()).hexdigest()[:48]}"
 
 
-def register(address: str, job_id: str, prefix: str, bundles, result, prompts: dict[str, str],
-             admin_key: str | None = None, attempt: int = 1, internal_token: str = "",
-             max_new_tokens: dict[str, int] | None = None) -> res.GenerationJobResult:
+def register(
+    address: str,
+    job_id: str,
+    prefix: str,
+    bundles,
+    result,
+    prompts: dict[str, str],
+    admin_key: str | None = None,
+    attempt: int = 1,
+    internal_token: str = "",
+    max_new_tokens: dict[str, int] | None = None,
+) -> res.GenerationJobResult:
     """Each bundle as a version of `adapters/{bundle.name}` (request id derived from the job, so a
     rerun of the same job registers nothing twice) and one task `tasks/{prefix}-{task}` per task
     it serves: a head task with its head, a text task (`max_new_tokens`: their decoding budgets)
@@ -323,21 +383,27 @@ def register(address: str, job_id: str, prefix: str, bundles, result, prompts: d
     with ValoraClient(address, admin_key=admin_key, internal_token=internal_token) as client:
         for b in bundles:
             try:
-                v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
-                                                  request_id=f"{job_id}/{b.name}")
+                v = client.upload_adapter_version(
+                    b.name, b.data, b.config_json, heads=b.heads, request_id=f"{job_id}/{b.name}"
+                )
             except grpc.RpcError as err:
                 if attempt <= 1 or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
-                v = client.upload_adapter_version(b.name, b.data, b.config_json, heads=b.heads,
-                                                  request_id=attempt_request_id(job_id, b.name, attempt))
+                v = client.upload_adapter_version(
+                    b.name, b.data, b.config_json, heads=b.heads, request_id=attempt_request_id(job_id, b.name, attempt)
+                )
             out.adapter_versions.append(v.name)
             for task in getattr(b, "served_tasks", b.heads):
                 row = result.tasks[task]
                 task_id = f"{prefix}-{task}"
                 head = task if task in b.heads else ""
-                kw = dict(adapter=v.name, head=head,
-                          description=task_description(prompts[task], made_by, None if head else budgets.get(task)),
-                          accuracy_threshold=row["threshold"], measured_accuracy=row["accuracy"])
+                kw = dict(
+                    adapter=v.name,
+                    head=head,
+                    description=task_description(prompts[task], made_by, None if head else budgets.get(task)),
+                    accuracy_threshold=row["threshold"],
+                    measured_accuracy=row["accuracy"],
+                )
                 try:
                     t = client.create_task(task_id, **kw)
                 except grpc.RpcError as err:
@@ -349,21 +415,32 @@ def register(address: str, job_id: str, prefix: str, bundles, result, prompts: d
                             raise  # someone else's task by that name
                         client.delete_task(task_id)  # a lost attempt's, for a bundle now replaced
                         t = client.create_task(task_id, **kw)
-                out.tasks.append(res.GenerationTaskResult(task=t.name, adapter_version=v.name,
-                                                          accuracy_threshold=row["threshold"],
-                                                          measured_accuracy=row["accuracy"]))
+                out.tasks.append(
+                    res.GenerationTaskResult(
+                        task=t.name,
+                        adapter_version=v.name,
+                        accuracy_threshold=row["threshold"],
+                        measured_accuracy=row["accuracy"],
+                    )
+                )
     return out
 
 
 class Runner:
-    def __init__(self, settings: RunnerSettings,
-                 run: Callable[..., res.GenerationJobResult] = run_job) -> None:
+    def __init__(self, settings: RunnerSettings, run: Callable[..., res.GenerationJobResult] = run_job) -> None:
         self.settings = settings
         self.name = settings.runner_name or f"{socket.gethostname()}-{os.getpid()}"
         self.token = internal_token(settings)  # the store's internal API (claims, reports, registration)
-        self._channel = with_token(grpc.insecure_channel(settings.adapter_store_address, options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes)]), self.token)
+        self._channel = with_token(
+            grpc.insecure_channel(
+                settings.adapter_store_address,
+                options=[
+                    ("grpc.max_receive_message_length", settings.max_message_bytes),
+                    ("grpc.max_send_message_length", settings.max_message_bytes),
+                ],
+            ),
+            self.token,
+        )
         self.stub = store_grpc.AdapterStoreServiceStub(self._channel)
         self._run = run
         self._health = None
@@ -402,27 +479,53 @@ class Runner:
         """Claims one PENDING job and runs it to its end; returns the job as last reported (None
         when nothing was pending, or when the job was cancelled or its lease lost meanwhile)."""
         s = self.settings
-        claimed = self.stub.ClaimGenerationJob(store_pb.ClaimGenerationJobRequest(runner=self.name),
-                                               timeout=s.rpc_timeout_s)
+        claimed = self.stub.ClaimGenerationJob(
+            store_pb.ClaimGenerationJobRequest(runner=self.name), timeout=s.rpc_timeout_s
+        )
         if not claimed.HasField("job"):
             return None
         job = claimed.job
         lease_s = claimed.lease_duration.ToTimedelta().total_seconds() or 60.0
-        report = Reporter(self.stub, job.name, s.rpc_timeout_s, lease_id=claimed.lease_id,
-                          attempt=claimed.attempt or 1, lease_s=lease_s, message=job.message,
-                          stopping=self.stopping)
-        log.info("job_claimed", job=job.name, sources=[x.task for x in job.sources], attempt=claimed.attempt,
-                 max_attempts=claimed.max_attempts, lease_s=lease_s)
+        report = Reporter(
+            self.stub,
+            job.name,
+            s.rpc_timeout_s,
+            lease_id=claimed.lease_id,
+            attempt=claimed.attempt or 1,
+            lease_s=lease_s,
+            message=job.message,
+            stopping=self.stopping,
+        )
+        log.info(
+            "job_claimed",
+            job=job.name,
+            sources=[x.task for x in job.sources],
+            attempt=claimed.attempt,
+            max_attempts=claimed.max_attempts,
+            lease_s=lease_s,
+        )
         report.start_heartbeat(s.heartbeat_s or lease_s / 3)
         started = time.monotonic()
         try:
             try:
-                result = self._run(job, report, s.admin_address or s.adapter_store_address, s.admin_key or None,
-                                   s.threads, s.batch_size, internal_token="" if s.admin_address else self.token)
+                result = self._run(
+                    job,
+                    report,
+                    s.admin_address or s.adapter_store_address,
+                    s.admin_key or None,
+                    s.threads,
+                    s.batch_size,
+                    internal_token="" if s.admin_address else self.token,
+                )
             finally:
                 report.stop_heartbeat()
-            final = report(1.0, f"done in {time.monotonic() - started:.0f}s: {len(result.adapter_versions)} "
-                                f"adapters for {len(result.tasks)} tasks", SUCCEEDED, result)
+            final = report(
+                1.0,
+                f"done in {time.monotonic() - started:.0f}s: {len(result.adapter_versions)} "
+                f"adapters for {len(result.tasks)} tasks",
+                SUCCEEDED,
+                result,
+            )
             log.info("job_succeeded", job=job.name, adapters=list(result.adapter_versions))
             return final
         except JobCancelled as exc:

@@ -76,8 +76,13 @@ def _task_seed(seed: int, tasks: Sequence[str]) -> int:
 class TorchTrainer:
     """The `fusion.Trainer` over a real base model; image features are encoded once per task."""
 
-    def __init__(self, base: BaseModel, tasks: dict[str, TaskData], config: TrainConfig = TrainConfig(),
-                 progress: Progress | None = None):
+    def __init__(
+        self,
+        base: BaseModel,
+        tasks: dict[str, TaskData],
+        config: TrainConfig = TrainConfig(),
+        progress: Progress | None = None,
+    ):
         self.base, self.tasks, self.config = base, tasks, config
         self.progress = progress
         self._features: dict[tuple[str, str], torch.Tensor] = {}
@@ -103,8 +108,11 @@ class TorchTrainer:
         key = (task, f"train+{self.config.augment}")
         if key not in self._features:
             feats = [self.features(task, "train")]
-            for copy in shifted_copies(self.tasks[task].images["train"], self.config.augment,
-                                       seed=_task_seed(self.config.seed, (task, "augment"))):
+            for copy in shifted_copies(
+                self.tasks[task].images["train"],
+                self.config.augment,
+                seed=_task_seed(self.config.seed, (task, "augment")),
+            ):
                 feats.append(self.base.encode_images(copy)[0])
             self._features[key] = torch.cat(feats)
         y = self.targets(task, "train")
@@ -123,8 +131,9 @@ class TorchTrainer:
         if task not in self._answer_ids:
             end = self.base.tokenizer.convert_tokens_to_ids("<|im_end|>")
             tok = self.base.tokenizer
-            self._answer_ids[task] = [tok(a, add_special_tokens=False)["input_ids"] + [end]
-                                      for a in self.tasks[task].labels]
+            self._answer_ids[task] = [
+                tok(a, add_special_tokens=False)["input_ids"] + [end] for a in self.tasks[task].labels
+            ]
         return self._answer_ids[task]
 
     def max_new_tokens(self, task: str) -> int:
@@ -151,8 +160,8 @@ class TorchTrainer:
         inputs = torch.full((len(seqs), width), pad, dtype=torch.long)
         labels = torch.full((len(seqs), width), -100, dtype=torch.long)
         for i, a in enumerate(seqs):
-            inputs[i, :len(a)] = torch.tensor(a)
-            labels[i, :len(a)] = torch.tensor(a)
+            inputs[i, : len(a)] = torch.tensor(a)
+            labels[i, : len(a)] = torch.tensor(a)
         logits = self.base.answer_logits(self.template(task, question), feats, inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
@@ -196,11 +205,11 @@ class TorchTrainer:
                 if t in text:  # a text task's batch asks one question (one prompt template)
                     for q, group in self.question_groups(t, "train").items():
                         perm = group[rng.permutation(len(group))]
-                        epoch.extend((t, perm[i:i + cfg.batch_size], q) for i in range(0, len(perm), cfg.batch_size))
+                        epoch.extend((t, perm[i : i + cfg.batch_size], q) for i in range(0, len(perm), cfg.batch_size))
                     continue
                 n = len(self.tasks[t].targets["train"]) * (1 + cfg.augment)
                 perm = rng.permutation(n)
-                epoch.extend((t, perm[i:i + cfg.batch_size], None) for i in range(0, n, cfg.batch_size))
+                epoch.extend((t, perm[i : i + cfg.batch_size], None) for i in range(0, n, cfg.batch_size))
             order = rng.permutation(len(epoch))
             plan.extend(epoch[i] for i in order)
         # Training on n tasks is n times longer; a fixed LoRA learning rate that suits one task
@@ -214,7 +223,8 @@ class TorchTrainer:
         warm = max(1, total // 20)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,
-            lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+            lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))),
+        )
         templates = {t: self.template(t) for t in tasks}
         train = {t: self.train_set(t) for t in tasks if t not in text}
         feats = {t: f for t, (f, _) in train.items()}
@@ -247,8 +257,12 @@ class TorchTrainer:
         """Accuracy of each task with the adapter applied, on `split`: a head task's label
         accuracy, a text task's normalised exact match of its greedy-decoded answers."""
         head = self.predict(state, [t for t in tasks if not self.is_text(t)], split)
-        return {t: float((head[t] == self.targets(t, split)).float().mean()) if t in head
-                else self.score(t, self.answers(state, t, split), split) for t in tasks}
+        return {
+            t: float((head[t] == self.targets(t, split)).float().mean())
+            if t in head
+            else self.score(t, self.answers(state, t, split), split)
+            for t in tasks
+        }
 
     def score(self, task: str, predictions: Sequence[str], split: str) -> float:
         """The accuracy of `predictions` (one per example of `split`, `predictions`' format)."""
@@ -276,9 +290,10 @@ class TorchTrainer:
             for q, group in self.question_groups(task, split).items():
                 tpl = self.template(task, q)
                 for i in range(0, len(group), batch):
-                    chunk = group[i:i + batch]
-                    for j, text in zip(chunk, self.base.greedy_answers(tpl, feats[torch.as_tensor(chunk)],
-                                                                       self.max_new_tokens(task))):
+                    chunk = group[i : i + batch]
+                    for j, text in zip(
+                        chunk, self.base.greedy_answers(tpl, feats[torch.as_tensor(chunk)], self.max_new_tokens(task))
+                    ):
                         out[int(j)] = text
             return out
         finally:
@@ -293,7 +308,7 @@ class TorchTrainer:
     @torch.no_grad()
     def _hidden_of(self, task: str, feats: torch.Tensor, batch: int = 256) -> torch.Tensor:
         tpl = self.template(task)
-        return torch.cat([self.base.head_features(tpl, feats[i:i + batch]) for i in range(0, len(feats), batch)])
+        return torch.cat([self.base.head_features(tpl, feats[i : i + batch]) for i in range(0, len(feats), batch)])
 
     @torch.no_grad()
     def _predict(self, task: str, split: str, head: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -72,8 +72,11 @@ class DatasetError(ValueError):
         self.source, self.problems = source, problems
         shown = problems[:MAX_PROBLEMS_SHOWN]
         more = len(problems) - len(shown)
-        super().__init__(f"dataset {source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}\n  "
-                         + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""))
+        super().__init__(
+            f"dataset {source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}\n  "
+            + "\n  ".join(shown)
+            + (f"\n  ... and {more} more" if more else "")
+        )
 
 
 @dataclass
@@ -109,8 +112,9 @@ def _read_image(path: Path, where: str, problems: list[str]) -> bytes | None:
     return data
 
 
-def _check_examples(examples: list[_Example], source: str, problems: list[str],
-                    label_where: dict[str, str]) -> dict[str, bytes]:
+def _check_examples(
+    examples: list[_Example], source: str, problems: list[str], label_where: dict[str, str]
+) -> dict[str, bytes]:
     """Reads every image (noting unreadable ones and repeated bytes) and checks the label counts.
     Returns {example id: image bytes} for the readable ones."""
     data: dict[str, bytes] = {}
@@ -131,13 +135,17 @@ def _check_examples(examples: list[_Example], source: str, problems: list[str],
     for ex in examples:
         counts[ex.label] = counts.get(ex.label, 0) + 1
     if len(counts) < 2:
-        problems.append(f"{source}: {len(counts)} label{'s' if len(counts) != 1 else ''} "
-                        f"({', '.join(map(repr, counts)) or 'none'}); a task needs at least 2")
+        problems.append(
+            f"{source}: {len(counts)} label{'s' if len(counts) != 1 else ''} "
+            f"({', '.join(map(repr, counts)) or 'none'}); a task needs at least 2"
+        )
     for label, n in sorted(counts.items()):
         if 0 < n < MIN_PER_LABEL:
             plural = "s" if n != 1 else ""
-            problems.append(f"{label_where.get(label, source)}: label {label!r} has {n} example{plural}; "
-                            f"each label needs at least {MIN_PER_LABEL} for the 60/20/20 train/val/test split")
+            problems.append(
+                f"{label_where.get(label, source)}: label {label!r} has {n} example{plural}; "
+                f"each label needs at least {MIN_PER_LABEL} for the 60/20/20 train/val/test split"
+            )
     return data
 
 
@@ -162,13 +170,16 @@ def _check_text_examples(examples: list[_Example], source: str, problems: list[s
         images.add(digest)
         data[ex.id] = raw
     if len(images) < MIN_TEXT_IMAGES and len(data) == len(examples):
-        problems.append(f"{source}: {len(images)} distinct image{'s' if len(images) != 1 else ''}; a text task "
-                        f"needs at least {MIN_TEXT_IMAGES} for the 60/20/20 train/val/test split (by image)")
+        problems.append(
+            f"{source}: {len(images)} distinct image{'s' if len(images) != 1 else ''}; a text task "
+            f"needs at least {MIN_TEXT_IMAGES} for the 60/20/20 train/val/test split (by image)"
+        )
     return data
 
 
-def _text_task_data(name: str, examples: list[_Example], data: dict[str, bytes], image_size: int, seed: int,
-                    limit: int | None) -> TaskData:
+def _text_task_data(
+    name: str, examples: list[_Example], data: dict[str, bytes], image_size: int, seed: int, limit: int | None
+) -> TaskData:
     """A text task split by image: every question about one image lands in the same split."""
     answers = tuple(sorted({ex.label for ex in examples}))
     index = {a: i for i, a in enumerate(answers)}
@@ -181,7 +192,7 @@ def _text_task_data(name: str, examples: list[_Example], data: dict[str, bytes],
     a = min(max(1, int(round(n * SPLIT_FRACTIONS[0]))), n - 2)
     b = min(max(1, int(round(n * SPLIT_FRACTIONS[1]))), n - a - 1)
     images, targets, questions = {}, {}, {}
-    for split, idx in zip(SPLITS, (perm[:a], perm[a:a + b], perm[a + b:])):
+    for split, idx in zip(SPLITS, (perm[:a], perm[a : a + b], perm[a + b :])):
         chosen = sorted((ex for i in idx for ex in ordered[i]), key=lambda e: e.id)[:limit]
         images[split] = [_render(data[ex.id], image_size) for ex in chosen]
         targets[split] = np.array([index[ex.label] for ex in chosen], dtype=np.int64)
@@ -190,12 +201,20 @@ def _text_task_data(name: str, examples: list[_Example], data: dict[str, bytes],
     for ex in examples:
         asked[ex.question] = asked.get(ex.question, 0) + 1
     prompt = max(sorted(asked), key=lambda q: asked[q])  # the most asked (the served default)
-    return TaskData(name=name, prompt=prompt, labels=answers, images=images, targets=targets, kind=TEXT,
-                    questions=questions)
+    return TaskData(
+        name=name, prompt=prompt, labels=answers, images=images, targets=targets, kind=TEXT, questions=questions
+    )
 
 
-def _task_data(name: str, prompt: str, examples: list[_Example], data: dict[str, bytes], image_size: int,
-               seed: int, limit: int | None) -> TaskData:
+def _task_data(
+    name: str,
+    prompt: str,
+    examples: list[_Example],
+    data: dict[str, bytes],
+    image_size: int,
+    seed: int,
+    limit: int | None,
+) -> TaskData:
     labels = tuple(sorted({ex.label for ex in examples}))
     index = {lab: i for i, lab in enumerate(labels)}
     by_label: dict[str, list[_Example]] = {lab: [] for lab in labels}
@@ -210,7 +229,7 @@ def _task_data(name: str, prompt: str, examples: list[_Example], data: dict[str,
         b = max(1, int(round(len(group) * SPLIT_FRACTIONS[1])))
         a = min(a, len(group) - 2)  # leave at least one for val and test (MIN_PER_LABEL >= 3)
         b = min(b, len(group) - a - 1)
-        for split, idx in zip(SPLITS, (perm[:a], perm[a:a + b], perm[a + b:])):
+        for split, idx in zip(SPLITS, (perm[:a], perm[a : a + b], perm[a + b :])):
             parts[split].extend(group[i] for i in idx)
     images, targets = {}, {}
     for split in SPLITS:
@@ -225,8 +244,13 @@ def _render(raw: bytes, size: int) -> Image.Image:
         return img.convert("RGB").resize((size, size), Image.BICUBIC)
 
 
-def load_image_folder(root: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED,
-                      limit: int | None = None, name: str | None = None) -> dict[str, TaskData]:
+def load_image_folder(
+    root: Path,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    seed: int = SPLIT_SEED,
+    limit: int | None = None,
+    name: str | None = None,
+) -> dict[str, TaskData]:
     """PATH/<label>/<image> as one task {name: TaskData}; raises DatasetError."""
     root = Path(root)
     problems: list[str] = []
@@ -241,8 +265,10 @@ def load_image_folder(root: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: in
         images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
         if not images:
             others = f" ({len(files)} other files)" if files else ""
-            problems.append(f"{d}: label {d.name!r} has no images{others}; remove the folder or add images "
-                            f"({' '.join(IMAGE_SUFFIXES)})")
+            problems.append(
+                f"{d}: label {d.name!r} has no images{others}; remove the folder or add images "
+                f"({' '.join(IMAGE_SUFFIXES)})"
+            )
         examples.extend(_Example(f"{d.name}/{p.name}", str(p), p, d.name) for p in images)
     if not subdirs:
         problems.append(f"{root}: no label sub-folders (expected {root}/<label>/<image>)")
@@ -264,8 +290,9 @@ def _resolve(base: Path, rel: str) -> Path | None:
     return path if path.is_relative_to(base.resolve()) else None
 
 
-def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED,
-               limit: int | None = None) -> dict[str, TaskData]:
+def load_jsonl(
+    path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED, limit: int | None = None
+) -> dict[str, TaskData]:
     """A JSONL file's tasks {task: TaskData}: label tasks and text (answer) tasks; raises DatasetError."""
     path = Path(path)
     if not path.is_file():
@@ -295,21 +322,25 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
             continue
         has_label, has_answer = "label" in rec, "answer" in rec
         if has_label == has_answer:
-            problems.append(f"{where}: give exactly one of \"label\" (a label task) and \"answer\" (a text task)")
+            problems.append(f'{where}: give exactly one of "label" (a label task) and "answer" (a text task)')
             continue
         kind = "answer" if has_answer else "label"
         value = rec[kind]
         if not isinstance(value, (str, int)) or isinstance(value, bool) or not str(value).strip():
-            problems.append(f"{where}: \"{kind}\" must be a non-empty string, got {value!r}")
+            problems.append(f'{where}: "{kind}" must be a non-empty string, got {value!r}')
             continue
         value = " ".join(str(value).split()) if has_answer else str(value).strip()
         if has_answer and not normalize_answer(value):
-            problems.append(f"{where}: answer {value!r} is empty once normalised (lowercase, no punctuation, "
-                            "no articles): exact match could never score it")
+            problems.append(
+                f"{where}: answer {value!r} is empty once normalised (lowercase, no punctuation, "
+                "no articles): exact match could never score it"
+            )
             continue
         if has_answer and len(value) > MAX_ANSWER_CHARS:
-            problems.append(f"{where}: answer of {len(value)} characters; a text task's answers are short "
-                            f"(at most {MAX_ANSWER_CHARS}), scored by exact match")
+            problems.append(
+                f"{where}: answer of {len(value)} characters; a text task's answers are short "
+                f"(at most {MAX_ANSWER_CHARS}), scored by exact match"
+            )
             continue
         task = rec.get("task", default_task)
         if not isinstance(task, str) or not TASK_ID.fullmatch(task):
@@ -317,12 +348,14 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
             continue
         first_kind = kinds.setdefault(task, (kind, n))
         if first_kind[0] != kind:
-            problems.append(f"{where}: task {task!r} mixes \"{kind}\" with line {first_kind[1]}'s "
-                            f"\"{first_kind[0]}\"; a task is a label task or a text task (split it with \"task\")")
+            problems.append(
+                f'{where}: task {task!r} mixes "{kind}" with line {first_kind[1]}\'s '
+                f'"{first_kind[0]}"; a task is a label task or a text task (split it with "task")'
+            )
             continue
         rid = rec.get("id", f"line-{n:08d}")
         if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-            problems.append(f"{where}: \"id\" must be a string or a number, got {rid!r}")
+            problems.append(f'{where}: "id" must be a string or a number, got {rid!r}')
             continue
         rid = str(rid)
         if rid in ids:
@@ -333,9 +366,11 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
         if not has_answer:
             first = prompts.setdefault(task, (question, n))
             if first[0] != question:
-                problems.append(f"{where}: question {question!r} differs from line {first[1]}'s {first[0]!r}; a "
-                                "label task is trained and served with one prompt (split it into tasks with "
-                                "\"task\", or give \"answer\"s: a text task may ask any question)")
+                problems.append(
+                    f"{where}: question {question!r} differs from line {first[1]}'s {first[0]!r}; a "
+                    "label task is trained and served with one prompt (split it into tasks with "
+                    '"task", or give "answer"s: a text task may ask any question)'
+                )
                 continue
         image = _resolve(path.parent, rec["image"])
         if image is None:
@@ -357,19 +392,25 @@ def load_jsonl(path: Path, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPL
             data[task] = _check_examples(examples, f"{path} (task {task!r})", problems, label_where[task])
     if problems:
         raise DatasetError(str(path), problems)
-    return {t: (_text_task_data(t, ex, data[t], image_size, seed, limit) if kinds[t][0] == "answer"
-                else _task_data(t, prompts[t][0], ex, data[t], image_size, seed, limit)) for t, ex in tasks.items()}
+    return {
+        t: (
+            _text_task_data(t, ex, data[t], image_size, seed, limit)
+            if kinds[t][0] == "answer"
+            else _task_data(t, prompts[t][0], ex, data[t], image_size, seed, limit)
+        )
+        for t, ex in tasks.items()
+    }
 
 
-def load_dataset(path: Path | str, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED,
-                 limit: int | None = None) -> dict[str, TaskData]:
+def load_dataset(
+    path: Path | str, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = SPLIT_SEED, limit: int | None = None
+) -> dict[str, TaskData]:
     """An image folder, a .jsonl file, or a .zip/.tar/.tar.gz archive of one (`pack_dataset`'s):
     {task: TaskData}. `limit` caps each split's size. Raises DatasetError."""
     path = Path(path).expanduser()
     if path.is_file() and _is_archive(path):
         with tempfile.TemporaryDirectory(prefix="valora-dataset-") as tmp:
-            return load_dataset(unpack_dataset(path.read_bytes(), Path(tmp), source=str(path)), image_size, seed,
-                                limit)
+            return load_dataset(unpack_dataset(path.read_bytes(), Path(tmp), source=str(path)), image_size, seed, limit)
     if path.suffix.lower() == ".jsonl" or path.is_file():
         return load_jsonl(path, image_size, seed, limit)
     return load_image_folder(path, image_size, seed, limit)
@@ -397,8 +438,9 @@ def pack_dataset(path: Path | str) -> bytes:
         if path.is_dir():
             for p in sorted(path.rglob("*")):
                 if p.is_file():
-                    tar.add(p, arcname=f"{path.name}/{p.relative_to(path).as_posix()}", recursive=False,
-                            filter=_normalised)
+                    tar.add(
+                        p, arcname=f"{path.name}/{p.relative_to(path).as_posix()}", recursive=False, filter=_normalised
+                    )
         elif path.is_file():
             tar.add(path, arcname=path.name, filter=_normalised)
             added: set[str] = set()
@@ -418,8 +460,13 @@ def pack_dataset(path: Path | str) -> bytes:
     return buf.getvalue()
 
 
-def unpack_dataset(data: bytes, dest: Path, source: str = "archive", max_bytes: int = MAX_UNPACKED_BYTES,
-                   max_files: int = MAX_UNPACKED_FILES) -> Path:
+def unpack_dataset(
+    data: bytes,
+    dest: Path,
+    source: str = "archive",
+    max_bytes: int = MAX_UNPACKED_BYTES,
+    max_files: int = MAX_UNPACKED_FILES,
+) -> Path:
     """Extracts an archive of a dataset into `dest` (plain files and folders only, nothing outside
     `dest`, at most `max_files` files and `max_bytes` bytes in all, checked on the sizes the
     archive declares before anything is written) and returns the dataset in it: the one .jsonl
@@ -430,8 +477,13 @@ def unpack_dataset(data: bytes, dest: Path, source: str = "archive", max_bytes: 
 
     def check_sizes(sizes: list[int]) -> None:
         if len(sizes) > max_files or sum(sizes) > max_bytes:
-            raise DatasetError(source, [f"{source}: the archive holds {len(sizes)} files, {sum(sizes)} bytes "
-                                        f"unpacked; at most {max_files} files and {max_bytes} bytes are unpacked"])
+            raise DatasetError(
+                source,
+                [
+                    f"{source}: the archive holds {len(sizes)} files, {sum(sizes)} bytes "
+                    f"unpacked; at most {max_files} files and {max_bytes} bytes are unpacked"
+                ],
+            )
 
     try:
         if zipfile.is_zipfile(raw):
@@ -471,8 +523,9 @@ def unpack_dataset(data: bytes, dest: Path, source: str = "archive", max_bytes: 
     return dirs[0] if len(dirs) == 1 and not [p for p in top if p.is_file()] else dest
 
 
-def tasks_for(order: list[str] | tuple[str, ...], datasets=(), limit: int | None = None,
-              image_size: int = DEFAULT_IMAGE_SIZE) -> tuple[list[str], dict[str, TaskData], dict[str, str]]:
+def tasks_for(
+    order: list[str] | tuple[str, ...], datasets=(), limit: int | None = None, image_size: int = DEFAULT_IMAGE_SIZE
+) -> tuple[list[str], dict[str, TaskData], dict[str, str]]:
     """The tasks of a generation run: every dataset's tasks (`load_dataset`) and the built-in
     tasks `order` names. Fusion order is `order` when given (it must name every dataset task it
     wants; a dataset task it leaves out is not generated), else the datasets' tasks in the order
@@ -485,8 +538,10 @@ def tasks_for(order: list[str] | tuple[str, ...], datasets=(), limit: int | None
     for ds in datasets:
         for name, data in load_dataset(ds, image_size=image_size, limit=limit).items():
             if name in TASKS:
-                raise ValueError(f"dataset {ds}: task {name!r} is a built-in task's name; rename it "
-                                 "(the folder, the file, or the records' \"task\")")
+                raise ValueError(
+                    f"dataset {ds}: task {name!r} is a built-in task's name; rename it "
+                    '(the folder, the file, or the records\' "task")'
+                )
             if name in loaded:
                 raise ValueError(f"dataset {ds}: task {name!r} is also in dataset {where[name]}")
             loaded[name], where[name] = data, str(ds)
@@ -500,8 +555,9 @@ def tasks_for(order: list[str] | tuple[str, ...], datasets=(), limit: int | None
     return names, tasks, {t: where[t] for t in names if t in where}
 
 
-def upload_for_job(client, path: Path | str, sources: list[tuple[str, float]],
-                   threshold: float) -> list[tuple[str, float, str]]:
+def upload_for_job(
+    client, path: Path | str, sources: list[tuple[str, float]], threshold: float
+) -> list[tuple[str, float, str]]:
     """What `valora generate --dataset PATH` sends: validates the dataset here (DatasetError,
     before any byte is sent), uploads it through the store (`client.upload_dataset`: a
     .tar.gz, `pack_dataset`; an archive is sent as it is) and returns the job's sources: the
@@ -512,5 +568,6 @@ def upload_for_job(client, path: Path | str, sources: list[tuple[str, float]],
     archive = path.read_bytes() if path.is_file() and _is_archive(path) else pack_dataset(path)
     name = client.upload_dataset(archive).name
     given = {t for t, _ in sources}
-    return ([(t, a, name if t in tasks else "") for t, a in sources]
-            + [(t, threshold, name) for t in tasks if t not in given])
+    return [(t, a, name if t in tasks else "") for t, a in sources] + [
+        (t, threshold, name) for t in tasks if t not in given
+    ]

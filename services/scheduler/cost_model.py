@@ -35,8 +35,16 @@ from pathlib import Path
 # (T tokens, N adapters) -> µs of one ATMM op (shrink + expand), H200, h=4096, r=16, bf16,
 # amortized over 20 ops in one CUDA graph: bench/results/atmm_headline_e9c7a28.json.
 H200_ATMM_US: dict[tuple[int, int], float] = {
-    (16, 8): 5.2, (64, 8): 6.3, (256, 8): 8.5, (1024, 8): 18.4, (4096, 8): 53.2,
-    (16, 64): 6.7, (64, 64): 10.4, (256, 64): 14.2, (1024, 64): 26.1, (4096, 64): 56.7,
+    (16, 8): 5.2,
+    (64, 8): 6.3,
+    (256, 8): 8.5,
+    (1024, 8): 18.4,
+    (4096, 8): 53.2,
+    (16, 64): 6.7,
+    (64, 64): 10.4,
+    (256, 64): 14.2,
+    (1024, 64): 26.1,
+    (4096, 64): 56.7,
 }
 
 
@@ -99,20 +107,33 @@ class CostModel:
         return ms * (self.mixture_factor if mixture else 1.0)
 
     # -- steps and requests -----------------------------------------------------------------------
-    def step_ms(self, rows: int, prefill_tokens: int, lora_tokens: int, lora_adapters: int,
-                mixture: bool = False) -> float:
+    def step_ms(
+        self, rows: int, prefill_tokens: int, lora_tokens: int, lora_adapters: int, mixture: bool = False
+    ) -> float:
         """One engine step: `rows` sequences, `prefill_tokens` new prompt tokens among them, and
         a LoRA term over `lora_tokens` tokens of `lora_adapters` adapters (0 when merged)."""
         if rows <= 0:
             return 0.0
-        return (self.decode_base_ms + self.decode_row_ms * rows + self.prefill_ms_per_token * prefill_tokens
-                + self.lora_ms(lora_tokens, lora_adapters, mixture=mixture))
+        return (
+            self.decode_base_ms
+            + self.decode_row_ms * rows
+            + self.prefill_ms_per_token * prefill_tokens
+            + self.lora_ms(lora_tokens, lora_adapters, mixture=mixture)
+        )
 
     def prompt_tokens(self, prompt_tokens: int, images: int) -> int:
         return (prompt_tokens or self.default_prompt_tokens) + images * self.image_tokens
 
-    def request_ms(self, prompt_tokens: int, images: int, new_tokens: int, *, label: bool = False,
-                   lora: bool = True, batch: int | None = None) -> float:
+    def request_ms(
+        self,
+        prompt_tokens: int,
+        images: int,
+        new_tokens: int,
+        *,
+        label: bool = False,
+        lora: bool = True,
+        batch: int | None = None,
+    ) -> float:
         """Estimated execution time of one request run in a batch of `batch` rows: a prefill
         step, then one decode step per generated token after the first (none for a task-head
         request, which answers from one forward)."""
@@ -165,9 +186,20 @@ class CostModel:
 # A CPU profile for the tiny embedded Qwen2-VL (2 layers, hidden 64): python-dominated steps,
 # LoRA through the torch reference. Rough defaults, measured by nothing yet.
 CPU_TINY = CostModel(
-    name="cpu-tiny", decode_base_ms=12.0, decode_row_ms=0.5, prefill_ms_per_token=0.05, lora_ops_per_step=14,
-    atmm_us={(16, 8): 60.0, (1024, 8): 400.0, (16, 64): 120.0, (1024, 64): 800.0}, mixture_factor=1.5,
-    merge_ms=2.0, unmerge_ms=2.0, switch_ms=2.5, load_ms=0.5, image_tokens=64, typical_batch=4)
+    name="cpu-tiny",
+    decode_base_ms=12.0,
+    decode_row_ms=0.5,
+    prefill_ms_per_token=0.05,
+    lora_ops_per_step=14,
+    atmm_us={(16, 8): 60.0, (1024, 8): 400.0, (16, 64): 120.0, (1024, 64): 800.0},
+    mixture_factor=1.5,
+    merge_ms=2.0,
+    unmerge_ms=2.0,
+    switch_ms=2.5,
+    load_ms=0.5,
+    image_tokens=64,
+    typical_batch=4,
+)
 
 PROFILES: dict[str, CostModel] = {"h200-7b": CostModel(), "cpu-tiny": CPU_TINY}
 
@@ -220,8 +252,12 @@ def _atmm_table(path: Path) -> dict[tuple[int, int], float]:
     table: dict[tuple[int, int], float] = {}
     for case in data.get("cases", []):
         try:
-            if (str(case.get("rank")) != "16" or int(case.get("h_in", 0)) != 4096
-                    or int(case.get("h_out", case.get("h_in", 0))) != 4096 or case.get("mix", "uniform") != "uniform"):
+            if (
+                str(case.get("rank")) != "16"
+                or int(case.get("h_in", 0)) != 4096
+                or int(case.get("h_out", case.get("h_in", 0))) != 4096
+                or case.get("mix", "uniform") != "uniform"
+            ):
                 continue
             table[(int(case["T"]), int(case["N"]))] = float(case["atmm"]["amortized_us"])
         except (KeyError, TypeError, ValueError):
@@ -238,8 +274,11 @@ def _apply_switch(model: CostModel, path: Path) -> CostModel:
         return model
     if best is None:
         return model
-    changes = {"switch_ms": float(best["switch_ms"]), "merge_ms": float(best["merge_ms"]),
-               "unmerge_ms": float(best["merge_ms"])}
+    changes = {
+        "switch_ms": float(best["switch_ms"]),
+        "merge_ms": float(best["merge_ms"]),
+        "unmerge_ms": float(best["merge_ms"]),
+    }
     h2d = data.get("h2d_adapter", {})
     if isinstance(h2d, dict) and "ms" in h2d:
         changes["load_ms"] = float(h2d["ms"])

@@ -45,16 +45,22 @@ def estimate_prompt_tokens(prompt: str) -> int:
     return math.ceil(len(prompt) / CHARS_PER_TOKEN) if prompt else 0
 
 
-def estimate_exec_s(cost: CostModel, *, prompt_tokens: int, images: int, max_new_tokens: int, label: bool,
-                    lora: bool = True) -> float:
+def estimate_exec_s(
+    cost: CostModel, *, prompt_tokens: int, images: int, max_new_tokens: int, label: bool, lora: bool = True
+) -> float:
     """The request's estimated run time in seconds (unmerged: the pessimistic mode)."""
     return cost.request_ms(prompt_tokens, images, max_new_tokens, label=label, lora=lora) / 1000.0
 
 
 def credit_of(req, now_s: float, cost: CostModel) -> Credit:
     """`req` is a policy `WaitingRequest` (duck-typed to keep this module free of the policy)."""
-    exec_s = estimate_exec_s(cost, prompt_tokens=getattr(req, "prompt_tokens", 0), images=req.images,
-                             max_new_tokens=req.max_new_tokens, label=req.label)
+    exec_s = estimate_exec_s(
+        cost,
+        prompt_tokens=getattr(req, "prompt_tokens", 0),
+        images=req.images,
+        max_new_tokens=req.max_new_tokens,
+        label=req.label,
+    )
     return Credit(req.request_id, max(0.0, now_s - req.arrival_s), exec_s)
 
 

@@ -58,9 +58,17 @@ class Pending:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, policy: SchedulingPolicy, *, max_queue: int, retry_after_s: float,
-                 tick_s: float, mode_switch_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: SchedulingPolicy,
+        *,
+        max_queue: int,
+        retry_after_s: float,
+        tick_s: float,
+        mode_switch_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.policy = policy
         self.max_queue = max_queue
@@ -84,8 +92,11 @@ class Dispatcher:
         if not self.pool.workers:
             raise WorkerUnavailable("no workers configured", reason="NO_WORKERS")
         if len(self.queue) >= self.max_queue:
-            raise CapacityExceeded(f"scheduler queue is full ({self.max_queue} waiting)", reason="QUEUE_FULL",
-                                   retry_after_s=self.retry_after_s)
+            raise CapacityExceeded(
+                f"scheduler queue is full ({self.max_queue} waiting)",
+                reason="QUEUE_FULL",
+                retry_after_s=self.retry_after_s,
+            )
         self._enqueue(pending)
 
     def requeue(self, pending: Pending) -> None:
@@ -114,8 +125,9 @@ class Dispatcher:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(fut.result(), pending)
             if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded(f"request {pending.request_id} expired in the queue",
-                                       reason="QUEUE_TIMEOUT") from None
+                raise DeadlineExceeded(
+                    f"request {pending.request_id} expired in the queue", reason="QUEUE_TIMEOUT"
+                ) from None
             raise
         finally:
             self.queue.pop(pending.key, None)
@@ -131,8 +143,9 @@ class Dispatcher:
                 async with asyncio.timeout(pending.remaining_s(self.clock())):
                     await asyncio.shield(task)
             except TimeoutError:
-                raise DeadlineExceeded(f"request {pending.request_id} expired waiting for a mode switch",
-                                       reason="QUEUE_TIMEOUT") from None
+                raise DeadlineExceeded(
+                    f"request {pending.request_id} expired waiting for a mode switch", reason="QUEUE_TIMEOUT"
+                ) from None
 
     def release(self, worker: str, pending: Pending) -> None:
         """`pending`'s run on `worker` ended (done, failed, or taken back to be placed again)."""
@@ -151,11 +164,24 @@ class Dispatcher:
                 del self.queue[key]
                 if not p.assigned.done():
                     p.assigned.set_exception(
-                        DeadlineExceeded(f"request {p.request_id} expired in the queue", reason="QUEUE_TIMEOUT"))
+                        DeadlineExceeded(f"request {p.request_id} expired in the queue", reason="QUEUE_TIMEOUT")
+                    )
         if not self.queue:
             return
-        waiting = [WaitingRequest(key, p.arrival_s, p.adapter, frozenset(p.excluded), p.max_new_tokens, p.images,
-                                  p.label, p.prompt_tokens, p.slo_s) for key, p in self.queue.items()]
+        waiting = [
+            WaitingRequest(
+                key,
+                p.arrival_s,
+                p.adapter,
+                frozenset(p.excluded),
+                p.max_new_tokens,
+                p.images,
+                p.label,
+                p.prompt_tokens,
+                p.slo_s,
+            )
+            for key, p in self.queue.items()
+        ]
         decision = self.policy.decide(now, waiting, self.pool.views())
         for cmd in decision.mode_commands:
             self._send_mode(cmd)
@@ -207,16 +233,14 @@ class Dispatcher:
             return
         if handle.status is not None and hint.adapter in handle.status.resident_adapters:
             return
-        req = worker_service_pb2.LoadAdapterRequest(adapter=work_pb2.AdapterRef(version=hint.adapter),
-                                                    to_device=True)
+        req = worker_service_pb2.LoadAdapterRequest(adapter=work_pb2.AdapterRef(version=hint.adapter), to_device=True)
 
         async def send() -> None:
             try:
                 await handle.stub.LoadAdapter(req, timeout=self.mode_switch_timeout_s)
                 log.info("adapter_prefetched", worker=hint.worker, adapter=hint.adapter)
             except grpc.RpcError as err:
-                log.warning("adapter_prefetch_failed", worker=hint.worker, adapter=hint.adapter,
-                            code=err.code().name)
+                log.warning("adapter_prefetch_failed", worker=hint.worker, adapter=hint.adapter, code=err.code().name)
             finally:
                 self._prefetch_tasks.pop(key, None)
 
@@ -239,8 +263,7 @@ class Dispatcher:
         self._task = asyncio.create_task(self._run(), name="dispatcher")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._mode_tasks.values(), *self._prefetch_tasks.values())
-                 if t is not None]
+        tasks = [t for t in (self._task, *self._mode_tasks.values(), *self._prefetch_tasks.values()) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -249,4 +272,3 @@ class Dispatcher:
             if not p.assigned.done():
                 p.assigned.set_exception(WorkerUnavailable("scheduler shutting down", reason="SHUTDOWN"))
         self.queue.clear()
-

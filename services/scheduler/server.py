@@ -25,21 +25,34 @@ async def create_server(settings: SchedulerSettings, policy: SchedulingPolicy | 
         if dispatcher is not None:
             dispatcher.wake()
 
-    pool = WorkerPool(settings.worker_addresses, poll_s=settings.status_poll_s,
-                      poll_timeout_s=settings.status_timeout_s,
-                      default_max_batch_size=settings.default_max_batch_size,
-                      channel_options=channel_options(settings), on_change=on_change, tracer_provider=tracing,
-                      credentials=client_credentials(settings), token=internal_token(settings),
-                      ttl_s=settings.worker_ttl_s,
-                      grace_s=settings.worker_grace_s, watch=settings.status_watch,
-                      watch_interval_s=settings.status_watch_interval_ms / 1e3)
+    pool = WorkerPool(
+        settings.worker_addresses,
+        poll_s=settings.status_poll_s,
+        poll_timeout_s=settings.status_timeout_s,
+        default_max_batch_size=settings.default_max_batch_size,
+        channel_options=channel_options(settings),
+        on_change=on_change,
+        tracer_provider=tracing,
+        credentials=client_credentials(settings),
+        token=internal_token(settings),
+        ttl_s=settings.worker_ttl_s,
+        grace_s=settings.worker_grace_s,
+        watch=settings.status_watch,
+        watch_interval_s=settings.status_watch_interval_ms / 1e3,
+    )
     if policy is None:
         cost = load_profile(settings.cost_profile, settings.cost_results_dir or None)
-        policy = make_policy(settings.policy, cost, theta_s=settings.starvation_theta_s,
-                             deadlines=settings.slo_deadlines)
-    dispatcher = Dispatcher(pool, policy, max_queue=settings.max_queue,
-                            retry_after_s=settings.retry_after_s, tick_s=settings.dispatch_tick_s,
-                            mode_switch_timeout_s=settings.mode_switch_timeout_s)
+        policy = make_policy(
+            settings.policy, cost, theta_s=settings.starvation_theta_s, deadlines=settings.slo_deadlines
+        )
+    dispatcher = Dispatcher(
+        pool,
+        policy,
+        max_queue=settings.max_queue,
+        retry_after_s=settings.retry_after_s,
+        tick_s=settings.dispatch_tick_s,
+        mode_switch_timeout_s=settings.mode_switch_timeout_s,
+    )
     servicer = SchedulerServicer(pool, dispatcher, max_attempts=settings.max_attempts)
 
     def register(server):

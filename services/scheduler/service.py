@@ -35,13 +35,15 @@ from valora_protos.v1 import types_pb2
 log = structlog.get_logger()
 
 # Statuses that say "this worker could not run it", as opposed to "this request is bad".
-WORKER_FAILURES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-})
+WORKER_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 # The worker's engine failed this request alone (services/worker/outputs.py, OutputProcessor.guard)
 # and goes on serving: after output started the client gets that error, not a worker failure.
 ROW_FAILED = "ENGINE_STEP_FAILED"
@@ -106,10 +108,14 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             timeout = pending.remaining_s(clock())
             if timeout is not None and timeout <= 0:
                 self.dispatcher.release(worker, pending)
-                raise errors.DeadlineExceeded(f"request {item.request_id} expired before dispatch",
-                                              reason="QUEUE_TIMEOUT")
-            call = handle.stub.Generate(worker_service_pb2.GenerateRequest(item=item), timeout=timeout,
-                                        metadata=((REQUEST_ID_KEY, item.request_id),))
+                raise errors.DeadlineExceeded(
+                    f"request {item.request_id} expired before dispatch", reason="QUEUE_TIMEOUT"
+                )
+            call = handle.stub.Generate(
+                worker_service_pb2.GenerateRequest(item=item),
+                timeout=timeout,
+                metadata=((REQUEST_ID_KEY, item.request_id),),
+            )
             started = False
             try:
                 resp = await _next_response(call, lost)
@@ -117,8 +123,9 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                     log.warning("worker_lost_before_first_token", worker=worker, attempt=attempt)
                     pending.excluded.add(worker)
                     if attempt >= self.max_attempts or set(self.pool.workers) <= pending.excluded:
-                        raise errors.WorkerUnavailable(f"worker {worker} was lost and no other worker is left",
-                                                       reason="WORKER_LOST")
+                        raise errors.WorkerUnavailable(
+                            f"worker {worker} was lost and no other worker is left", reason="WORKER_LOST"
+                        )
                     self.dispatcher.requeue(pending)
                     continue
                 while resp is not grpc.aio.EOF:
@@ -137,10 +144,13 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                     yield out
                     resp = await _next_response(call, lost)
                     if resp is _LOST:
-                        raise errors.WorkerUnavailable(f"worker {worker} was lost after output started; not replayed",
-                                                       reason="WORKER_LOST_MID_STREAM")
-                raise errors.WorkerUnavailable(f"worker {worker} ended the stream without a result",
-                                               reason="WORKER_NO_RESULT")
+                        raise errors.WorkerUnavailable(
+                            f"worker {worker} was lost after output started; not replayed",
+                            reason="WORKER_LOST_MID_STREAM",
+                        )
+                raise errors.WorkerUnavailable(
+                    f"worker {worker} ended the stream without a result", reason="WORKER_NO_RESULT"
+                )
             except grpc.RpcError as err:
                 code = err.code()
                 if code not in WORKER_FAILURES:
@@ -153,7 +163,8 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                         raise failed from None
                     raise errors.WorkerUnavailable(
                         f"worker {worker} failed after output started ({code.name}); not replayed",
-                        reason="WORKER_FAILED_MID_STREAM") from None
+                        reason="WORKER_FAILED_MID_STREAM",
+                    ) from None
                 log.warning("worker_failed_before_first_token", worker=worker, code=code.name, attempt=attempt)
                 pending.excluded.add(worker)
                 if attempt >= self.max_attempts or set(self.pool.workers) <= pending.excluded:
@@ -175,8 +186,9 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             raise errors.invalid_field("address", "must be the worker's host:port")
         if request.max_batch_size < 0:
             raise errors.invalid_field("max_batch_size", "must not be negative")
-        self.pool.register(request.address, name=request.name, device=request.device,
-                           max_batch_size=request.max_batch_size)
+        self.pool.register(
+            request.address, name=request.name, device=request.device, max_batch_size=request.max_batch_size
+        )
         ttl = duration_pb2.Duration()
         ttl.FromNanoseconds(int(self.pool.ttl_s * 1e9))
         return scheduler_service_pb2.RegisterWorkerResponse(ttl=ttl)

@@ -75,8 +75,9 @@ class _Worker:
         counts: dict[str | None, int] = {}
         for s in itertools.chain(self.running, self.admitted):
             counts[s.req.adapter] = counts.get(s.req.adapter, 0) + 1
-        return WorkerView(self.address, True, self.max_batch, self.load(), mode, merged,
-                          frozenset(self.resident), counts)
+        return WorkerView(
+            self.address, True, self.max_batch, self.load(), mode, merged, frozenset(self.resident), counts
+        )
 
     def make_resident(self, adapter: str, in_use: set) -> bool:
         """True when the adapter had to be copied in."""
@@ -138,8 +139,17 @@ def _pct(sorted_values: Sequence[float], q: float) -> float:
 
 
 class Simulator:
-    def __init__(self, policy: SchedulingPolicy, cost: CostModel, *, workers: int = 2, max_batch: int = 16,
-                 device_slots: int = 16, name: str = "", horizon_s: float | None = None) -> None:
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        cost: CostModel,
+        *,
+        workers: int = 2,
+        max_batch: int = 16,
+        device_slots: int = 16,
+        name: str = "",
+        horizon_s: float | None = None,
+    ) -> None:
         self.policy = policy
         self.cost = cost
         self.name = name or type(policy).__name__
@@ -178,10 +188,20 @@ class Simulator:
     def _schedule(self) -> None:
         if not self.waiting or not any(w.load() < w.max_batch for w in self.workers):
             return
-        waiting = [WaitingRequest(s.req.request_id, s.req.arrival_s, s.req.adapter, frozenset(),
-                                  0 if not s.req.label else 1, s.req.images, s.req.label, s.req.prompt_tokens,
-                                  s.req.slo_s)
-                   for s in self.waiting.values()]
+        waiting = [
+            WaitingRequest(
+                s.req.request_id,
+                s.req.arrival_s,
+                s.req.adapter,
+                frozenset(),
+                0 if not s.req.label else 1,
+                s.req.images,
+                s.req.label,
+                s.req.prompt_tokens,
+                s.req.slo_s,
+            )
+            for s in self.waiting.values()
+        ]
         decision = self.policy.decide(self.now, waiting, [w.view() for w in self.workers])
         self.decisions += 1
         by_addr = {w.address: w for w in self.workers}
@@ -281,10 +301,21 @@ class Simulator:
         for w in self.workers:
             for k, v in w.mode_time.items():
                 mode_time[k] = mode_time.get(k, 0.0) + v
-        return SimResult(self.name, len(done), lat, tok, ttft, queue, end - start,
-                         sum(w.switches for w in self.workers), sum(w.loads for w in self.workers), max_q,
-                         unfinished=submitted - len(done), mode_time_s=mode_time,
-                         classes=self._classes(end - start))
+        return SimResult(
+            self.name,
+            len(done),
+            lat,
+            tok,
+            ttft,
+            queue,
+            end - start,
+            sum(w.switches for w in self.workers),
+            sum(w.loads for w in self.workers),
+            max_q,
+            unfinished=submitted - len(done),
+            mode_time_s=mode_time,
+            classes=self._classes(end - start),
+        )
 
     def _classes(self, span_s: float) -> dict[str, dict]:
         unfinished = [s.req for s in self.waiting.values()]
@@ -293,17 +324,26 @@ class Simulator:
         for name in sorted(({s.req.slo_class for s in self.done} | {r.slo_class for r in unfinished}) - {""}):
             done = [s for s in self.done if s.req.slo_class == name]
             lat = sorted(s.done_s - s.req.arrival_s for s in done)
-            row = {"n": len(done), "unfinished": sum(r.slo_class == name for r in unfinished),
-                   "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
-                   "p50_ms": 1000 * _pct(lat, 0.50), "p99_ms": 1000 * _pct(lat, 0.99),
-                   "throughput_rps": len(done) / span_s if span_s > 0 else 0.0}
+            row = {
+                "n": len(done),
+                "unfinished": sum(r.slo_class == name for r in unfinished),
+                "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
+                "p50_ms": 1000 * _pct(lat, 0.50),
+                "p99_ms": 1000 * _pct(lat, 0.99),
+                "throughput_rps": len(done) / span_s if span_s > 0 else 0.0,
+            }
             objectives = {s.req.slo_s for s in done} | {r.slo_s for r in unfinished if r.slo_class == name}
             if max(objectives, default=0.0) > 0:
                 within = sum(s.done_s - s.req.arrival_s <= s.req.slo_s for s in done if s.req.slo_s > 0)
-                counted = sum(s.req.slo_s > 0 for s in done) + sum(r.slo_class == name and r.slo_s > 0
-                                                                    for r in unfinished)
-                row |= {"slo_ms": 1000 * max(objectives), "within": within, "over": counted - within,
-                        "attainment": within / counted if counted else float("nan")}
+                counted = sum(s.req.slo_s > 0 for s in done) + sum(
+                    r.slo_class == name and r.slo_s > 0 for r in unfinished
+                )
+                row |= {
+                    "slo_ms": 1000 * max(objectives),
+                    "within": within,
+                    "over": counted - within,
+                    "attainment": within / counted if counted else float("nan"),
+                }
             out[name] = row
         return out
 
@@ -312,10 +352,19 @@ def simulate(policy: SchedulingPolicy, trace: Sequence[TraceRequest], cost: Cost
     return Simulator(policy, cost, **kwargs).run(trace)
 
 
-def run_matrix(policies: Sequence[str], alphas: Sequence[float], rates: Sequence[float], *,
-               make: Callable[[str], SchedulingPolicy], cost: CostModel, trace_for: Callable[[float, float], list],
-               workers: int = 2, max_batch: int = 16, device_slots: int = 16,
-               on_row: Callable[[dict], None] | None = None) -> list[dict]:
+def run_matrix(
+    policies: Sequence[str],
+    alphas: Sequence[float],
+    rates: Sequence[float],
+    *,
+    make: Callable[[str], SchedulingPolicy],
+    cost: CostModel,
+    trace_for: Callable[[float, float], list],
+    workers: int = 2,
+    max_batch: int = 16,
+    device_slots: int = 16,
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """One simulation per (alpha, rate, policy) on the same trace per (alpha, rate); rows in the
     bench/results schema plus token latency, TTFT and counters."""
     rows = []
@@ -323,15 +372,27 @@ def run_matrix(policies: Sequence[str], alphas: Sequence[float], rates: Sequence
         for rate in rates:
             trace = trace_for(alpha, rate)
             for name in policies:
-                res = simulate(make(name), trace, cost, workers=workers, max_batch=max_batch,
-                               device_slots=device_slots, name=name)
+                res = simulate(
+                    make(name), trace, cost, workers=workers, max_batch=max_batch, device_slots=device_slots, name=name
+                )
                 s = res.summary()
-                row = {"policy": name, "alpha": alpha, "rate": rate, "mean_ms": s["mean_ms"], "p50_ms": s["p50_ms"],
-                       "p99_ms": s["p99_ms"], "throughput_rps": s["throughput_rps"],
-                       "switches_per_s": s["switches_per_s"], "source": "sim", "token_ms": s["token_ms"],
-                       "ttft_ms": s["ttft_ms"], "max_queue_ms": s["max_queue_ms"], "completed": s["completed"],
-                       "unfinished": s["unfinished"],
-                       "mode_time_s": {k: round(v, 3) for k, v in sorted(res.mode_time_s.items())}}
+                row = {
+                    "policy": name,
+                    "alpha": alpha,
+                    "rate": rate,
+                    "mean_ms": s["mean_ms"],
+                    "p50_ms": s["p50_ms"],
+                    "p99_ms": s["p99_ms"],
+                    "throughput_rps": s["throughput_rps"],
+                    "switches_per_s": s["switches_per_s"],
+                    "source": "sim",
+                    "token_ms": s["token_ms"],
+                    "ttft_ms": s["ttft_ms"],
+                    "max_queue_ms": s["max_queue_ms"],
+                    "completed": s["completed"],
+                    "unfinished": s["unfinished"],
+                    "mode_time_s": {k: round(v, 3) for k, v in sorted(res.mode_time_s.items())},
+                }
                 if res.classes:
                     row["classes"] = res.classes
                 rows.append(row)

@@ -16,12 +16,13 @@ from __future__ import annotations
 from services.common import metrics
 
 # Status codes (names, as metrics.counted reports them) of requests the service failed.
-SERVICE_FAILURES = frozenset({"DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL", "UNKNOWN",
-                              "ABORTED"})
+SERVICE_FAILURES = frozenset(
+    {"DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL", "UNKNOWN", "ABORTED"}
+)
 
 
 def outcome(code: str, latency_s: float, slo_ms: float) -> str | None:
-    """"within", "over", or None when the request does not count (no objective, or an end that
+    """ "within", "over", or None when the request does not count (no objective, or an end that
     says nothing about latency)."""
     if slo_ms <= 0:
         return None

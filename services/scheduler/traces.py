@@ -38,7 +38,7 @@ def adapter_names(n: int) -> list[str]:
 
 def zipf_weights(n: int, alpha: float) -> list[float]:
     """Popularity of ranks 1..n under Zipf(α): p_i ∝ i^-α (α = 0: uniform)."""
-    w = [1.0 / (i ** alpha) for i in range(1, n + 1)]
+    w = [1.0 / (i**alpha) for i in range(1, n + 1)]
     total = sum(w)
     return [x / total for x in w]
 
@@ -57,10 +57,20 @@ def arrivals(n: int, rate: float, *, burst_cv: float = 1.0, rng: random.Random) 
     return out
 
 
-def synthetic_trace(*, n: int, rate: float, alpha: float, adapters: int = 64, burst_cv: float = 1.0,
-                    task_head_fraction: float = 0.3, images: int = 1, prompt_tokens: tuple[int, int] = (16, 64),
-                    mean_output_tokens: float = 32.0, max_output_tokens: int = 256,
-                    seed: int = 0) -> list[TraceRequest]:
+def synthetic_trace(
+    *,
+    n: int,
+    rate: float,
+    alpha: float,
+    adapters: int = 64,
+    burst_cv: float = 1.0,
+    task_head_fraction: float = 0.3,
+    images: int = 1,
+    prompt_tokens: tuple[int, int] = (16, 64),
+    mean_output_tokens: float = 32.0,
+    max_output_tokens: int = 256,
+    seed: int = 0,
+) -> list[TraceRequest]:
     """`n` requests: gamma/Poisson arrivals at `rate`/s, adapters drawn by Zipf(`alpha`) over
     `adapters` names, a `task_head_fraction` of task-head requests (1 output token), the rest
     generation requests whose output length is geometric-like (exponential, mean
@@ -77,11 +87,22 @@ def synthetic_trace(*, n: int, rate: float, alpha: float, adapters: int = 64, bu
     return out
 
 
-def two_app_trace(*, seconds: float, streams: int, retrieval_rate: float, video_tasks: int = 4,
-                  frames: int = 4, video_slo_ms: float = 1000.0, retrieval_slo_ms: float = 0.0,
-                  retrieval_adapters: int = 64, alpha: float = 1.0, prompt_tokens: tuple[int, int] = (16, 64),
-                  mean_output_tokens: float = 32.0, max_output_tokens: int = 256,
-                  seed: int = 0) -> list[TraceRequest]:
+def two_app_trace(
+    *,
+    seconds: float,
+    streams: int,
+    retrieval_rate: float,
+    video_tasks: int = 4,
+    frames: int = 4,
+    video_slo_ms: float = 1000.0,
+    retrieval_slo_ms: float = 0.0,
+    retrieval_adapters: int = 64,
+    alpha: float = 1.0,
+    prompt_tokens: tuple[int, int] = (16, 64),
+    mean_output_tokens: float = 32.0,
+    max_output_tokens: int = 256,
+    seed: int = 0,
+) -> list[TraceRequest]:
     """Issue 23's two applications for `seconds`:
 
     - video analytics: `streams` cameras, each sending one chunk of `frames` frames per second
@@ -101,8 +122,19 @@ def two_app_trace(*, seconds: float, streams: int, retrieval_rate: float, video_
         t = rng.random()  # phase
         k = 0
         while t < seconds:
-            out.append(TraceRequest(f"v{s}-{k}", t, video_names[s % video_tasks], rng.randint(*prompt_tokens),
-                                    frames, 1, True, video_slo_ms / 1000.0, "video"))
+            out.append(
+                TraceRequest(
+                    f"v{s}-{k}",
+                    t,
+                    video_names[s % video_tasks],
+                    rng.randint(*prompt_tokens),
+                    frames,
+                    1,
+                    True,
+                    video_slo_ms / 1000.0,
+                    "video",
+                )
+            )
             t += 1.0 * (1.0 + rng.uniform(-0.05, 0.05))
             k += 1
     names = adapter_names(retrieval_adapters)
@@ -113,8 +145,19 @@ def two_app_trace(*, seconds: float, streams: int, retrieval_rate: float, video_
         if t >= seconds:
             break
         tokens = min(max_output_tokens, max(2, round(rng.expovariate(1.0 / mean_output_tokens))))
-        out.append(TraceRequest(f"q{i}", t, rng.choices(names, weights=weights, k=1)[0], rng.randint(*prompt_tokens),
-                                1, tokens, False, retrieval_slo_ms / 1000.0, "retrieval"))
+        out.append(
+            TraceRequest(
+                f"q{i}",
+                t,
+                rng.choices(names, weights=weights, k=1)[0],
+                rng.randint(*prompt_tokens),
+                1,
+                tokens,
+                False,
+                retrieval_slo_ms / 1000.0,
+                "retrieval",
+            )
+        )
         i += 1
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
@@ -130,7 +173,7 @@ def _parse_time(text: str) -> float:
     if "." in text:
         head, frac = text.split(".", 1)
         digits = "".join(ch for ch in frac if ch.isdigit())
-        tail = frac[len(digits):]
+        tail = frac[len(digits) :]
         text = f"{head}.{digits[:6].ljust(6, '0')}{tail}"
     stamp = dt.datetime.fromisoformat(text)
     if stamp.tzinfo is None:
@@ -138,9 +181,17 @@ def _parse_time(text: str) -> float:
     return stamp.timestamp()
 
 
-def load_azure_csv(path: str | Path, *, alpha: float = 1.0, adapters: int = 64, images: int = 1,
-                   task_head_fraction: float = 0.0, max_requests: int | None = None, time_scale: float = 1.0,
-                   seed: int = 0) -> list[TraceRequest]:
+def load_azure_csv(
+    path: str | Path,
+    *,
+    alpha: float = 1.0,
+    adapters: int = 64,
+    images: int = 1,
+    task_head_fraction: float = 0.0,
+    max_requests: int | None = None,
+    time_scale: float = 1.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
     """The Azure LLM inference trace format (columns TIMESTAMP, ContextTokens, GeneratedTokens):
     arrival times relative to the first row (divided by `time_scale` to replay faster), prompt and
     output lengths from the trace. The trace has no adapters: they are drawn by Zipf(`alpha`).
@@ -156,8 +207,13 @@ def load_azure_csv(path: str | Path, *, alpha: float = 1.0, adapters: int = 64, 
         if missing:
             raise ValueError(f"{path}: not an Azure LLM trace CSV (missing {sorted(missing)})")
         for row in reader:
-            rows.append((_parse_time(row[fields["timestamp"]]), int(float(row[fields["contexttokens"]])),
-                         int(float(row[fields["generatedtokens"]]))))
+            rows.append(
+                (
+                    _parse_time(row[fields["timestamp"]]),
+                    int(float(row[fields["contexttokens"]])),
+                    int(float(row[fields["generatedtokens"]])),
+                )
+            )
             if max_requests is not None and len(rows) >= max_requests:
                 break
     if not rows:
@@ -168,8 +224,9 @@ def load_azure_csv(path: str | Path, *, alpha: float = 1.0, adapters: int = 64, 
     for i, (t, ctx, gen) in enumerate(rows):
         label = gen <= 1 or rng.random() < task_head_fraction
         adapter = rng.choices(names, weights=weights, k=1)[0]
-        out.append(TraceRequest(f"az{i}", (t - t0) / time_scale, adapter, max(1, ctx), images,
-                                1 if label else gen, label))
+        out.append(
+            TraceRequest(f"az{i}", (t - t0) / time_scale, adapter, max(1, ctx), images, 1 if label else gen, label)
+        )
     return out
 
 
@@ -181,6 +238,10 @@ def trace_stats(trace: Sequence[TraceRequest]) -> dict:
     counts: dict[str | None, int] = {}
     for r in trace:
         counts[r.adapter] = counts.get(r.adapter, 0) + 1
-    return {"n": len(trace), "rate": (len(trace) - 1) / span if span > 0 else float("inf"),
-            "top_share": max(counts.values()) / len(trace), "adapters": len(counts),
-            "task_head_share": sum(r.label for r in trace) / len(trace)}
+    return {
+        "n": len(trace),
+        "rate": (len(trace) - 1) / span if span > 0 else float("inf"),
+        "top_share": max(counts.values()) / len(trace),
+        "adapters": len(counts),
+        "task_head_share": sum(r.label for r in trace) / len(trace),
+    }

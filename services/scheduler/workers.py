@@ -44,7 +44,6 @@ from valora_protos.v1 import admin_service_pb2
 log = structlog.get_logger()
 
 
-
 @dataclass
 class WorkerHandle:
     address: str
@@ -94,8 +93,14 @@ class WorkerHandle:
         running = max(self.inflight, 0)
         counts = {a: n for a, n in self.running_adapters.items() if n > 0}
         if st is None:
-            return WorkerView(self.address, healthy=False, max_batch_size=0, running=running,
-                              running_adapters=counts, device=self.registered_device)
+            return WorkerView(
+                self.address,
+                healthy=False,
+                max_batch_size=0,
+                running=running,
+                running_adapters=counts,
+                device=self.registered_device,
+            )
         return WorkerView(
             address=self.address,
             healthy=self.healthy and not self.lost,
@@ -151,12 +156,25 @@ class WorkerPool:
     """Channels to every member worker, a background status poller, and membership (static
     addresses, registration, heartbeats, loss and removal)."""
 
-    def __init__(self, addresses: list[str], *, poll_s: float, poll_timeout_s: float,
-                 default_max_batch_size: int, channel_options: list[tuple[str, int]],
-                 on_change: Callable[[], None], tracer_provider=None, credentials=None, token: str = "",
-                 ttl_s: float = 10.0, grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 watch: bool = True, watch_interval_s: float = 0.5,
-                 watch_backoff_s: tuple[float, float] = (0.2, 5.0)) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        poll_s: float,
+        poll_timeout_s: float,
+        default_max_batch_size: int,
+        channel_options: list[tuple[str, int]],
+        on_change: Callable[[], None],
+        tracer_provider=None,
+        credentials=None,
+        token: str = "",
+        ttl_s: float = 10.0,
+        grace_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        watch: bool = True,
+        watch_interval_s: float = 0.5,
+        watch_backoff_s: tuple[float, float] = (0.2, 5.0),
+    ) -> None:
         """`credentials`: grpc.ChannelCredentials for TLS to the workers (None: plaintext).
         `ttl_s`: heartbeat / down time after which a worker is lost; `grace_s`: further time a
         lost registered worker stays listed before it is removed. `watch`: follow each worker's
@@ -186,10 +204,16 @@ class WorkerPool:
         self._started = False
 
     def _new_handle(self, address: str, *, static: bool = True) -> WorkerHandle:
-        channel = open_channel(address, self._channel_options, self._tracer_provider, credentials=self._credentials,
-                               token=self._token)
-        return WorkerHandle(address, channel, worker_service_pb2_grpc.WorkerServiceStub(channel),
-                            self._default_max_batch_size, static=static)
+        channel = open_channel(
+            address, self._channel_options, self._tracer_provider, credentials=self._credentials, token=self._token
+        )
+        return WorkerHandle(
+            address,
+            channel,
+            worker_service_pb2_grpc.WorkerServiceStub(channel),
+            self._default_max_batch_size,
+            static=static,
+        )
 
     def __getitem__(self, address: str) -> WorkerHandle:
         return self.workers[address]
@@ -297,8 +321,12 @@ class WorkerPool:
                 handle.lost = True
                 handle.lost_since_s = now
                 handle.lost_event.set()
-                log.warning("worker_lost", worker=handle.address, heartbeat_expired=expired,
-                            down_s=round(now - handle.down_since_s, 3))
+                log.warning(
+                    "worker_lost",
+                    worker=handle.address,
+                    heartbeat_expired=expired,
+                    down_s=round(now - handle.down_since_s, 3),
+                )
             if handle.lost and not handle.static and now - (handle.lost_since_s or now) >= self.grace_s:
                 self._remove(handle)
 
@@ -320,8 +348,9 @@ class WorkerPool:
 
     async def _poll(self, worker: WorkerHandle) -> None:
         try:
-            resp = await worker.stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest(),
-                                                     timeout=self._poll_timeout_s)
+            resp = await worker.stub.GetWorkerStatus(
+                worker_service_pb2.GetWorkerStatusRequest(), timeout=self._poll_timeout_s
+            )
         except grpc.RpcError as err:
             worker.consecutive_failures += 1
             if worker.healthy or not worker._logged_down:
@@ -338,8 +367,9 @@ class WorkerPool:
         if healthy and not worker.healthy:
             log.info("worker_up", worker=worker.address)
         elif not healthy and (worker.healthy or not worker._logged_down):
-            log.warning("worker_reports_unhealthy", worker=worker.address,
-                        heartbeat_expired=status.healthy and not healthy)
+            log.warning(
+                "worker_reports_unhealthy", worker=worker.address, heartbeat_expired=status.healthy and not healthy
+            )
         if worker.pending_mode is not None:
             status.mode, status.merged_adapter = worker.pending_mode
         worker._logged_down = not healthy
@@ -362,7 +392,8 @@ class WorkerPool:
             return
         # A fresh context: the stream lives on, outside the trace of the call that added the worker.
         worker._watch_task = asyncio.get_running_loop().create_task(
-            self._follow(worker), name=f"watch-{worker.address}", context=contextvars.Context())
+            self._follow(worker), name=f"watch-{worker.address}", context=contextvars.Context()
+        )
 
     def _stop_watch(self, worker: WorkerHandle) -> None:
         if worker._watch_task is not None:

@@ -39,8 +39,14 @@ class AdapterPool:
     calls `slot(i).wait()` first (see DeviceAdapter.wait).
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, device_slots: int,
-                 on_swap: Callable[[str], None] | None = None, memory: DeviceMemory | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        device_slots: int,
+        on_swap: Callable[[str], None] | None = None,
+        memory: DeviceMemory | None = None,
+    ) -> None:
         """on_swap("in" | "out") is told about every host->device copy and eviction (metrics).
         `memory`: where resident adapters live (the engine's KV pool, kv_cache.PoolMemory): an
         upload takes a lease of it, evicting idle resident adapters while it has no room, and
@@ -115,8 +121,7 @@ class AdapterPool:
         try:
             return self._host[name]
         except KeyError:
-            raise AdapterNotFound(f"adapter {name} is not loaded on this worker",
-                                  reason="ADAPTER_NOT_LOADED") from None
+            raise AdapterNotFound(f"adapter {name} is not loaded on this worker", reason="ADAPTER_NOT_LOADED") from None
 
     def has(self, name: str) -> bool:
         with self._lock:
@@ -131,8 +136,9 @@ class AdapterPool:
         """Drops the adapter from device and host; FAILED_PRECONDITION while requests hold it."""
         with self._lock:
             if self._pins.get(name):
-                raise FailedPrecondition(f"adapter {name} is in use by {self._pins[name]} request(s)",
-                                         reason="ADAPTER_IN_USE")
+                raise FailedPrecondition(
+                    f"adapter {name} is in use by {self._pins[name]} request(s)", reason="ADAPTER_IN_USE"
+                )
             if name not in self._host:
                 raise AdapterNotFound(f"adapter {name} is not loaded on this worker", reason="ADAPTER_NOT_LOADED")
             slot = self._slot_of.pop(name, None)
@@ -184,8 +190,9 @@ class AdapterPool:
         if self.memory is None:
             return None, None
         w = host.weights  # on the CPU the lease only counts what a device copy would take
-        numel = host.packed.numel() if host.packed is not None else sum(
-            t.numel() for t in (*w.a.values(), *w.b.values()))
+        numel = (
+            host.packed.numel() if host.packed is not None else sum(t.numel() for t in (*w.a.values(), *w.b.values()))
+        )
         while True:
             got = self.memory.take(numel, self.dtype)
             if got is not None:
@@ -199,8 +206,10 @@ class AdapterPool:
         """Evicts the least recently used resident adapter no request holds whose memory is a
         lease of `memory` (so the KV cache can have it); False when there is none."""
         with self._lock:
-            victim = next((n for n in self._slot_of
-                           if not self._pins.get(n) and self._slots[self._slot_of[n]].lease is not None), None)
+            victim = next(
+                (n for n in self._slot_of if not self._pins.get(n) and self._slots[self._slot_of[n]].lease is not None),
+                None,
+            )
             if victim is None:
                 return False
             self._vacate(self._slot_of.pop(victim))

@@ -30,8 +30,9 @@ ALIGN_BYTES = 256
 
 
 # -- packing --------------------------------------------------------------------------------------
-def pack_tensors(tensors: Mapping[K, torch.Tensor], dtype: torch.dtype | None = None,
-                 pin: bool = False) -> tuple[torch.Tensor, dict[K, torch.Tensor]]:
+def pack_tensors(
+    tensors: Mapping[K, torch.Tensor], dtype: torch.dtype | None = None, pin: bool = False
+) -> tuple[torch.Tensor, dict[K, torch.Tensor]]:
     """Copies `tensors` into one new flat 1-D host buffer; returns it and, per key, a contiguous
     view into it with that tensor's shape and values (cast to `dtype`; default: the dtype all of
     them promote to). Each view starts ALIGN_BYTES-aligned from the buffer's start; views never
@@ -49,7 +50,7 @@ def pack_tensors(tensors: Mapping[K, torch.Tensor], dtype: torch.dtype | None = 
     flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
     views: dict[K, torch.Tensor] = {}
     for key, t in tensors.items():
-        view = flat[offsets[key]:offsets[key] + t.numel()].view(t.shape)
+        view = flat[offsets[key] : offsets[key] + t.numel()].view(t.shape)
         view.copy_(t)
         views[key] = view
     return flat, views
@@ -144,8 +145,9 @@ class SameMemoryStaging:
     def upload(self, host: HostCopy, buffer: torch.Tensor | None = None) -> DeviceAdapter:
         conv = {"device": self.device, "dtype": self.dtype, "non_blocking": True}  # the same memory: no buffer
         w = host.weights
-        return DeviceAdapter(weights=w, a={k: t.to(**conv) for k, t in w.a.items()},
-                             b={k: t.to(**conv) for k, t in w.b.items()})
+        return DeviceAdapter(
+            weights=w, a={k: t.to(**conv) for k, t in w.a.items()}, b={k: t.to(**conv) for k, t in w.b.items()}
+        )
 
     def stream(self) -> torch.cuda.Stream | None:
         return None
@@ -186,8 +188,13 @@ class PinnedCopyStreamStaging:
             event = torch.cuda.Event()
             event.record(stream)
         w = host.weights
-        return DeviceAdapter(weights=w, a=views_into(w.a, host.packed, buffer), b=views_into(w.b, host.packed, buffer),
-                             buffer=buffer, event=event)
+        return DeviceAdapter(
+            weights=w,
+            a=views_into(w.a, host.packed, buffer),
+            b=views_into(w.b, host.packed, buffer),
+            buffer=buffer,
+            event=event,
+        )
 
 
 def staging_for(device: torch.device, dtype: torch.dtype) -> Staging:

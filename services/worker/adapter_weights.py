@@ -61,8 +61,12 @@ def parse_bundle(
     adapter_format.KEY_LAYOUTS); LoRA weights of the vision tower are left out, with a warning."""
     info = validate_bundle(data, config_json, shapes, max_rank)
     if info.ignored:
-        log.warning("adapter_vision_lora_ignored", adapter=name, modules=list(info.ignored),
-                    why="valora applies LoRA to the language model only")
+        log.warning(
+            "adapter_vision_lora_ignored",
+            adapter=name,
+            modules=list(info.ignored),
+            why="valora applies LoRA to the language model only",
+        )
     tensors = load_safetensors(data)
     a: dict[LayerModule, torch.Tensor] = {}
     b: dict[LayerModule, torch.Tensor] = {}
@@ -75,6 +79,12 @@ def parse_bundle(
     for head in info.heads:
         heads[head] = (tensors[f"heads.{head}.weight"], tensors.get(f"heads.{head}.bias"))
     return AdapterWeights(
-        name=name, sha256=sha256, rank=info.rank, scale=info.scale, a=a, b=b,
-        heads=heads, labels=dict(head_labels or {}),
+        name=name,
+        sha256=sha256,
+        rank=info.rank,
+        scale=info.scale,
+        a=a,
+        b=b,
+        heads=heads,
+        labels=dict(head_labels or {}),
     )

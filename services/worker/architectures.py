@@ -88,8 +88,15 @@ QWEN2_VL = Architecture(
     graphed_tower=True,
     rope_inputs=("image_grid_thw", "video_grid_thw"),
     tiny=dict(
-        text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, mrope_section=[4, 6, 6]),
+        text=dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            mrope_section=[4, 6, 6],
+        ),
         vision=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2),
         pixels=(56 * 56, 112 * 112),
     ),
@@ -110,8 +117,17 @@ QWEN2_5_VL = Architecture(
     tiny=dict(
         text=QWEN2_VL.tiny["text"],
         # windows of 2x2 merged tokens (56 px): a 112 px image has 4, an 84 px one 4 of 3 sizes
-        vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-                    hidden_act="silu", window_size=56, fullatt_block_indexes=[1], tokens_per_second=2),
+        vision=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=128,
+            hidden_act="silu",
+            window_size=56,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        ),
         pixels=QWEN2_VL.tiny["pixels"],
     ),
 )
@@ -133,11 +149,24 @@ LLAVA_1_5 = Architecture(
     tower_grids=False,
     tensor_parallel=False,
     tiny=dict(
-        text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096),
+        text=dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        ),
         # 56 px images of 14 px patches: 16 image tokens (the CLS token dropped)
-        vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    image_size=56, patch_size=14, projection_dim=64),
+        vision=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=56,
+            patch_size=14,
+            projection_dim=64,
+        ),
     ),
 )
 
@@ -185,8 +214,10 @@ def for_model(model) -> Architecture:
 def check_tensor_parallel(arch: Architecture, world_size: int) -> None:
     """ValueError naming the family unless it may be served over `world_size` ranks."""
     if world_size > 1 and not arch.tensor_parallel:
-        raise ValueError(f"tensor parallelism ({world_size} ranks) is not supported for {arch.name} "
-                         f"({arch.hf_class}); serve it on one device (tp_size 1)")
+        raise ValueError(
+            f"tensor parallelism ({world_size} ranks) is not supported for {arch.name} "
+            f"({arch.hf_class}); serve it on one device (tp_size 1)"
+        )
 
 
 def language_model(model):
@@ -199,8 +230,9 @@ def rope_positions(model, input_ids, mm_token_type_ids, attention_mask, **rope_i
     1 on each row's tokens): HF's get_rope_index for an M-RoPE family; for a 1-D one each row's
     0..n-1 on all three axes (the graphs take one) and deltas 0."""
     if for_model(model).mrope:
-        return model.model.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
-                                          attention_mask=attention_mask, **rope_inputs)
+        return model.model.get_rope_index(
+            input_ids, mm_token_type_ids=mm_token_type_ids, attention_mask=attention_mask, **rope_inputs
+        )
     import torch  # noqa: PLC0415
 
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)

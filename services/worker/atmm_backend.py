@@ -39,9 +39,16 @@ _OWN_EXPAND = ("", "cuda")  # tile-table backends whose expand is our kernel (th
 
 
 class AtmmBackend:
-    def __init__(self, features: dict[LayerModule, tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                 max_entries: int = 32, max_segments: int = 64, max_tokens: int = 16384,
-                 groups: dict[LayerModule, tuple[LayerModule, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        features: dict[LayerModule, tuple[int, int]],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_entries: int = 32,
+        max_segments: int = 64,
+        max_tokens: int = 16384,
+        groups: dict[LayerModule, tuple[LayerModule, ...]] | None = None,
+    ) -> None:
         from kernels import atmm
 
         self._atmm = atmm
@@ -50,18 +57,21 @@ class AtmmBackend:
         # LoraGroups (group key -> part keys): one call over block-diagonal factors (lora.group_tensors),
         # on a plan per group name (same segments; the workspace strided by that group's summed ranks)
         self.groups = dict(groups or {})
-        self.group_plans = {name: atmm.AtmmPlan(max_segments, max_tokens, device)
-                            for name in sorted({g[1] for g in self.groups})}
+        self.group_plans = {
+            name: atmm.AtmmPlan(max_segments, max_tokens, device) for name in sorted({g[1] for g in self.groups})
+        }
         self.grouped: set[str] = set()  # group names run as one call this step (summed ranks fit the kernel)
         features = dict(features)
         for g, parts in self.groups.items():
             features[g] = (features[parts[0]][0], sum(features[k][1] for k in parts))
         self._sizes = {g: [features[k][1] for k in parts] for g, parts in self.groups.items()}
-        self.weights = {k: atmm.LoraWeights(max_entries, fin, fout, dtype, device)
-                        for k, (fin, fout) in features.items()}
-        self._zeros = {k: (torch.zeros(fin, 8, dtype=dtype, device=device),
-                           torch.zeros(8, fout, dtype=dtype, device=device))
-                       for k, (fin, fout) in features.items()}
+        self.weights = {
+            k: atmm.LoraWeights(max_entries, fin, fout, dtype, device) for k, (fin, fout) in features.items()
+        }
+        self._zeros = {
+            k: (torch.zeros(fin, 8, dtype=dtype, device=device), torch.zeros(8, fout, dtype=dtype, device=device))
+            for k, (fin, fout) in features.items()
+        }
         self._slots: OrderedDict[int, tuple[LoraEntry, int]] = OrderedDict()  # id(entry) -> (entry, slot); LRU
         self._slot_entries: dict[int, LoraEntry] = {}  # slot -> the entry whose tensors every table holds there
         self._entry_group_ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,7 +177,8 @@ class AtmmBackend:
             config = None
             if self.device.type == "cuda":
                 config = self._atmm.default_table(self.device, w0.dtype).lookup(
-                    w0.h_in, w0.h_out, plan.rank_stride, plan.num_tokens, plan.active_segments)
+                    w0.h_in, w0.h_out, plan.rank_stride, plan.num_tokens, plan.active_segments
+                )
                 if config.backend not in _OWN_EXPAND:
                     continue
             need = {s: self._fold_ranks(kind)[s] for s in slots}
@@ -190,7 +201,7 @@ class AtmmBackend:
                     a, col = w.a[s], cols[s]
                     prev = written.get(s)
                     if prev is None or prev[0] is not a or prev[1] != col:
-                        module.w_ext[base + col:base + col + a.shape[1]].copy_(a.t())
+                        module.w_ext[base + col : base + col + a.shape[1]].copy_(a.t())
                         written[s] = (a, col)
 
     def _fold_ranks(self, kind: str) -> list[int]:
@@ -243,8 +254,9 @@ class AtmmBackend:
             for s, c in cols.items():
                 host[s] = c
             staged = torch.tensor(host, dtype=torch.int32)
-            self._fold_cols[kind].copy_(staged.pin_memory() if self.device.type == "cuda" else staged,
-                                        non_blocking=True)
+            self._fold_cols[kind].copy_(
+                staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True
+            )
         return cols
 
     def folded_linear(self, key: LayerModule, x: torch.Tensor, module) -> torch.Tensor | None:
@@ -257,10 +269,17 @@ class AtmmBackend:
         rows, config, plan = got
         n = module.out_features
         xf = x.reshape(-1, x.shape[-1])
-        y_ext = F.linear(xf, module.w_ext[:n + rows], None if module.b_ext is None else module.b_ext[:n + rows])
+        y_ext = F.linear(xf, module.w_ext[: n + rows], None if module.b_ext is None else module.b_ext[: n + rows])
         y = y_ext[:, :n]
-        self._atmm.atmm_expand_xa_(y, y_ext[:, n:], self._fold_cols[key[1]], plan, self.weights[key],
-                                   host_cols=self._fold_host[key[1]], config=config)
+        self._atmm.atmm_expand_xa_(
+            y,
+            y_ext[:, n:],
+            self._fold_cols[key[1]],
+            plan,
+            self.weights[key],
+            host_cols=self._fold_host[key[1]],
+            config=config,
+        )
         self.folded_calls += 1
         return y.view(*x.shape[:-1], n)
 
@@ -270,9 +289,14 @@ class AtmmBackend:
         worker's engine thread when done at every step."""
         ranks = self._entry_group_ranks.get(entry)
         if ranks is None:
-            ranks = {name: max(sum(t[0].shape[1] for k in parts if (t := entry.tensors(k)) is not None)
-                               for g, parts in self.groups.items() if g[1] == name)
-                     for name in self.group_plans}
+            ranks = {
+                name: max(
+                    sum(t[0].shape[1] for k in parts if (t := entry.tensors(k)) is not None)
+                    for g, parts in self.groups.items()
+                    if g[1] == name
+                )
+                for name in self.group_plans
+            }
             self._entry_group_ranks[entry] = ranks
         return ranks
 
@@ -309,15 +333,21 @@ class AtmmBackend:
         (16-17 new keys per ~235 decode steps of a served 7B worker, scale-7b-h200x2-27fd175.json)."""
         p = self.plan
         # active > 0: without LoRA rows atmm_ launches nothing (and segment_bucket(0) == segment_bucket(1))
-        return (p.num_tokens, p.active_segments > 0, segment_bucket(p.active_segments), p.rank_stride,
-                tuple((name, self.group_plans[name].rank_stride) for name in sorted(self.grouped)),
-                tuple((kind, f[0], f[1]) for kind, f in sorted(self.folded.items())))
+        return (
+            p.num_tokens,
+            p.active_segments > 0,
+            segment_bucket(p.active_segments),
+            p.rank_stride,
+            tuple((name, self.group_plans[name].rank_stride) for name in sorted(self.grouped)),
+            tuple((kind, f[0], f[1]) for kind, f in sorted(self.folded.items())),
+        )
 
     def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
         self._atmm.atmm_(y, x if x.is_contiguous() else x.contiguous(), self.plan, self.weights[key])
 
-    def run_group(self, group: LayerModule, parts: tuple[LayerModule, ...], y: torch.Tensor, x: torch.Tensor,
-                  step: StepLora) -> None:
+    def run_group(
+        self, group: LayerModule, parts: tuple[LayerModule, ...], y: torch.Tensor, x: torch.Tensor, step: StepLora
+    ) -> None:
         """A LoraGroup's term into its concatenated output y: one call, or one per part (into
         column views of y) when some entry's summed rank is over the kernel's limit."""
         x = x if x.is_contiguous() else x.contiguous()

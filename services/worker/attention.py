@@ -37,24 +37,42 @@ NAME = "valora_sdpa"
 NAME_MASKLESS = "valora_sdpa_maskless"
 
 
-def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                             is_causal=None, paged_decode=None, paged_prefill=None, **kwargs):
+def grouped_decode_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    is_causal=None,
+    paged_decode=None,
+    paged_prefill=None,
+    **kwargs,
+):
     if paged_decode is not None:  # key, value: the layer's pool (PagedLayer.update)
         b, heads, _, d = query.shape
         attend = paged_decode_attention if paged_decode.kernel else paged_decode_attention_reference
-        out = attend(query.reshape(b, heads, d), key, value, paged_decode.block_tables, paged_decode.seq_lens,
-                     scaling)
+        out = attend(query.reshape(b, heads, d), key, value, paged_decode.block_tables, paged_decode.seq_lens, scaling)
         return out.view(b, 1, heads, d), None
     if paged_prefill is not None:  # a prefill chunk after cached tokens, packed as one row (1, H, T, d)
         _, heads, t, d = query.shape
         attend = paged_prefill_attention if paged_prefill.kernel else paged_prefill_attention_reference
-        out = attend(query[0].transpose(0, 1), key, value, paged_prefill.block_tables, paged_prefill.cu_q,
-                     paged_prefill.seq_lens, scaling)
+        out = attend(
+            query[0].transpose(0, 1),
+            key,
+            value,
+            paged_prefill.block_tables,
+            paged_prefill.cu_q,
+            paged_prefill.seq_lens,
+            scaling,
+        )
         return out.view(1, t, heads, d), None
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] != 1 or attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     b, heads, _, d = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(b, kv_heads, groups, d)  # head j reads KV head j // groups (repeat_kv's order)

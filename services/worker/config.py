@@ -82,95 +82,193 @@ class EngineConfig:
 class WorkerSettings(ServiceSettings):
     """Worker settings; every field is also VALORA_<FIELD> (e.g. VALORA_MODEL_PATH)."""
 
-    model_path: str = Field(str(DEFAULT_TINY_MODEL_PATH),
-                            description="Local model directory (an HF checkpoint of a family in "
-                            "services/worker/architectures.py; any other is refused). Never downloaded.")
+    model_path: str = Field(
+        str(DEFAULT_TINY_MODEL_PATH),
+        description="Local model directory (an HF checkpoint of a family in "
+        "services/worker/architectures.py; any other is refused). Never downloaded.",
+    )
     build_tiny_model: bool = Field(True, description="Build the tiny Qwen2-VL into model_path when it is missing.")
     adapter_store_address: str = Field("", description="host:port of the adapter store (FetchAdapter).")
     adapter_cache_dir: str = Field("~/.cache/valora/adapters", description="Disk cache of bundles by sha256.")
-    adapter_cache_bytes: int = Field(32 << 30, ge=0, description="Bytes the disk cache may hold; the least "
-                                     "recently used bundles are deleted past it (0: unbounded).")
-    host_adapter_bytes: int = Field(16 << 30, ge=0, description="Host memory of loaded adapters; a load drops "
-                                    "the least recently used idle ones past it (0: unbounded).")
+    adapter_cache_bytes: int = Field(
+        32 << 30,
+        ge=0,
+        description="Bytes the disk cache may hold; the least "
+        "recently used bundles are deleted past it (0: unbounded).",
+    )
+    host_adapter_bytes: int = Field(
+        16 << 30,
+        ge=0,
+        description="Host memory of loaded adapters; a load drops "
+        "the least recently used idle ones past it (0: unbounded).",
+    )
     device: str = Field("cpu", description="Torch device: cpu, cuda or cuda:N.")
-    dtype: str = Field("float32", description="Model dtype: float32, bfloat16 or float16 (aliases fp32, bf16, "
-                       "fp16). CUDA workers in bfloat16/float16 build the kernels extension at start-up.")
-    load_format: str = Field("auto", description="auto: the model directory's weights; dummy: random weights of "
-                             "its architecture (config.json only), for benchmarks at full-size shapes.")
+    dtype: str = Field(
+        "float32",
+        description="Model dtype: float32, bfloat16 or float16 (aliases fp32, bf16, "
+        "fp16). CUDA workers in bfloat16/float16 build the kernels extension at start-up.",
+    )
+    load_format: str = Field(
+        "auto",
+        description="auto: the model directory's weights; dummy: random weights of "
+        "its architecture (config.json only), for benchmarks at full-size shapes.",
+    )
     max_batch_size: int = Field(8, ge=1, description="Most sequences running (prefill + decode) at once.")
-    max_waiting: int = Field(256, ge=0, description="Most requests queued on this worker; past it "
-                             "RESOURCE_EXHAUSTED.")
-    max_prefills_per_step: int = Field(2, ge=1, description="Waiting requests prefilled together (one batched "
-                                       "forward) per engine step.")
-    max_prefill_tokens: int = Field(8192, ge=1, description="Tokens one step prefills (its pieces packed without "
-                                    "padding): whole prompts, then a chunk of the next one; a longer prompt takes "
-                                    "several steps, the running requests decoding between them.")
-    prefill_fill_padding: bool = Field(False, description="Fill the tokens a prefill forward pads to its graph "
-                                       "bucket with pieces of the next queued requests (chunks where they do not "
-                                       "fit; at most max_prefills_per_step rows): work the padding would waste.")
-    mixed_steps: bool = Field(True, description="A step that prefills runs the running requests' decode step "
-                              "in the same forward (one token each beside the prefill pieces) instead of a "
-                              "decode forward of its own: one pass over the weights per step.")
-    decode_graphs: str = Field("auto", description="Decode steps as CUDA graphs keyed by the padded batch "
-                               "size: auto (on CUDA) or off (static, the same step without capture).")
-    prefill_graphs: str = Field("auto", description="The packed prefill forward as CUDA graphs keyed by its "
-                                "token count padded to a bucket: auto (on CUDA), static (padded, no capture) "
-                                "or off (unpadded, eager).")
-    vision_graphs: bool = Field(True, description="On CUDA, the vision tower replayed from a CUDA graph per "
-                                "image grid (t, h, w) after its first two items (services/worker/vision_tower.py).")
-    kv_block_size: int = Field(16, ge=8, le=256, description="Tokens per block of the paged KV cache (a power "
-                               "of two).")
-    kv_cache_bytes: int = Field(0, ge=0, description="Bytes of the paged KV pool, allocated at start-up; 0: on "
-                                "CUDA what keeps the worker within gpu_memory_fraction of the device's memory "
-                                "(less kv_reserve_bytes), on the CPU 256 MiB.")
-    gpu_memory_fraction: float = Field(0.9, gt=0, le=1, description="Share of the device's memory this worker "
-                                       "may use (weights, KV pool, activations); workers sharing a GPU split it.")
-    kv_reserve_bytes: int = Field(4 << 30, ge=0, description="Device bytes left out of the KV pool for "
-                                  "activations, CUDA graphs and adapters loaded later.")
-    max_model_len: int = Field(0, ge=0, description="Longest context (prompt + new tokens) a request may reach; "
-                               "0: the model's max positions.")
-    pipeline_decode: bool = Field(True, description="Pipelined decode: launch a greedy decode step from the "
-                                  "previous step's tokens on the device, then process those on the host while it "
-                                  "runs (needs the static/graph decode step; false: strictly serial steps).")
+    max_waiting: int = Field(256, ge=0, description="Most requests queued on this worker; past it RESOURCE_EXHAUSTED.")
+    max_prefills_per_step: int = Field(
+        2, ge=1, description="Waiting requests prefilled together (one batched forward) per engine step."
+    )
+    max_prefill_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Tokens one step prefills (its pieces packed without "
+        "padding): whole prompts, then a chunk of the next one; a longer prompt takes "
+        "several steps, the running requests decoding between them.",
+    )
+    prefill_fill_padding: bool = Field(
+        False,
+        description="Fill the tokens a prefill forward pads to its graph "
+        "bucket with pieces of the next queued requests (chunks where they do not "
+        "fit; at most max_prefills_per_step rows): work the padding would waste.",
+    )
+    mixed_steps: bool = Field(
+        True,
+        description="A step that prefills runs the running requests' decode step "
+        "in the same forward (one token each beside the prefill pieces) instead of a "
+        "decode forward of its own: one pass over the weights per step.",
+    )
+    decode_graphs: str = Field(
+        "auto",
+        description="Decode steps as CUDA graphs keyed by the padded batch "
+        "size: auto (on CUDA) or off (static, the same step without capture).",
+    )
+    prefill_graphs: str = Field(
+        "auto",
+        description="The packed prefill forward as CUDA graphs keyed by its "
+        "token count padded to a bucket: auto (on CUDA), static (padded, no capture) "
+        "or off (unpadded, eager).",
+    )
+    vision_graphs: bool = Field(
+        True,
+        description="On CUDA, the vision tower replayed from a CUDA graph per "
+        "image grid (t, h, w) after its first two items (services/worker/vision_tower.py).",
+    )
+    kv_block_size: int = Field(16, ge=8, le=256, description="Tokens per block of the paged KV cache (a power of two).")
+    kv_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes of the paged KV pool, allocated at start-up; 0: on "
+        "CUDA what keeps the worker within gpu_memory_fraction of the device's memory "
+        "(less kv_reserve_bytes), on the CPU 256 MiB.",
+    )
+    gpu_memory_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Share of the device's memory this worker "
+        "may use (weights, KV pool, activations); workers sharing a GPU split it.",
+    )
+    kv_reserve_bytes: int = Field(
+        4 << 30,
+        ge=0,
+        description="Device bytes left out of the KV pool for activations, CUDA graphs and adapters loaded later.",
+    )
+    max_model_len: int = Field(
+        0, ge=0, description="Longest context (prompt + new tokens) a request may reach; 0: the model's max positions."
+    )
+    pipeline_decode: bool = Field(
+        True,
+        description="Pipelined decode: launch a greedy decode step from the "
+        "previous step's tokens on the device, then process those on the host while it "
+        "runs (needs the static/graph decode step; false: strictly serial steps).",
+    )
     default_max_new_tokens: int = Field(64, ge=1, description="max_new_tokens when a request leaves it 0.")
-    max_new_tokens_limit: int = Field(MAX_NEW_TOKENS_LIMIT, ge=1, description="Largest max_new_tokens accepted "
-                                      "(the gateway's limit has the same default).")
+    max_new_tokens_limit: int = Field(
+        MAX_NEW_TOKENS_LIMIT,
+        ge=1,
+        description="Largest max_new_tokens accepted (the gateway's limit has the same default).",
+    )
     device_slots: int = Field(4, ge=1, description="Adapters resident on the device at once (LRU).")
     max_rank: int = Field(256, ge=1, description="Largest LoRA rank accepted.")
-    switch_strategy: str = Field("pristine", description="Merge/switch strategy: pristine (exact, keeps a copy "
-                                 "of the targeted base weights) or delta (one-pass switch, periodic resync).")
+    switch_strategy: str = Field(
+        "pristine",
+        description="Merge/switch strategy: pristine (exact, keeps a copy "
+        "of the targeted base weights) or delta (one-pass switch, periodic resync).",
+    )
     use_atmm: bool = Field(True, description="Run the multi-LoRA term on the ATMM CUDA kernel where it can.")
-    fused_layers: bool = Field(True, description="Decoder layers on valora's fused ops (RMSNorm, rotary, SiLU·up "
-                               "kernels; q|k|v and gate|up as one linear each); false: HF's layers.")
-    lora_fold_rows: int = Field(512, ge=0, description="Spare weight rows per projection that hold the step's "
-                                "LoRA A^T, so one GEMM gives y and x·A (ATMM runs only its expand); 0 = off.")
-    image_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Device bytes of vision features kept "
-                                   "by image content hash (LRU); a repeated image skips the vision encoder. 0 = off.")
-    step_trace: str = Field("", description="A file the engine appends one JSON line per step to: its queues, "
-                            "rows and each phase's host and device time (services/worker/step_trace.py); for "
-                            "profiling. Empty: off.")
+    fused_layers: bool = Field(
+        True,
+        description="Decoder layers on valora's fused ops (RMSNorm, rotary, SiLU·up "
+        "kernels; q|k|v and gate|up as one linear each); false: HF's layers.",
+    )
+    lora_fold_rows: int = Field(
+        512,
+        ge=0,
+        description="Spare weight rows per projection that hold the step's "
+        "LoRA A^T, so one GEMM gives y and x·A (ATMM runs only its expand); 0 = off.",
+    )
+    image_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Device bytes of vision features kept "
+        "by image content hash (LRU); a repeated image skips the vision encoder. 0 = off.",
+    )
+    step_trace: str = Field(
+        "",
+        description="A file the engine appends one JSON line per step to: its queues, "
+        "rows and each phase's host and device time (services/worker/step_trace.py); for "
+        "profiling. Empty: off.",
+    )
     worker_name: str = Field("", description="Name reported in results and status (default host:port).")
-    engine_stall_s: float = Field(300.0, ge=0, description="Seconds without an engine step after which health "
-                                  "is NOT_SERVING until the engine steps again (a hung device); 0: not watched.")
-    drain_delay_s: float = Field(2.0, ge=0, description="On SIGTERM, seconds of NOT_SERVING (GetWorkerStatus "
-                                 "healthy=false) before new RPCs are refused: longer than the scheduler's status "
-                                 "poll, so it stops placing requests here before the server closes.")
+    engine_stall_s: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds without an engine step after which health "
+        "is NOT_SERVING until the engine steps again (a hung device); 0: not watched.",
+    )
+    drain_delay_s: float = Field(
+        2.0,
+        ge=0,
+        description="On SIGTERM, seconds of NOT_SERVING (GetWorkerStatus "
+        "healthy=false) before new RPCs are refused: longer than the scheduler's status "
+        "poll, so it stops placing requests here before the server closes.",
+    )
     advertise_address: str = Field("", description="Address reported in WorkerStatus (default host:port).")
-    scheduler_address: str = Field("", description="host:port of the scheduler to register with (under "
-                                   "advertise_address: set it when host is 0.0.0.0) and heartbeat; retried with "
-                                   "backoff until it answers. Empty: no registration (static worker_addresses).")
-    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats to the scheduler (at most a "
-                               "third of the scheduler's worker_ttl_s is used).")
-    preprocess_processes: int = Field(0, ge=0, description="Processes decoding images and running the processor "
-                                      "(services/worker/preprocess.py): on the worker's own threads that work holds "
-                                      "the GIL against the engine loop. 0: on the worker's threads.")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks (devices) of this worker: this process is "
-                         "rank 0 and serves; it spawns ranks 1..N-1 (device cuda → rank i on cuda:i, cpu → cpu). "
-                         "Must divide the model's attention heads, KV heads and intermediate size.")
-    tp_port: int = Field(0, ge=0, le=65535, description="Loopback port of the tensor-parallel group's rendezvous "
-                         "(0: a free one).")
-    tp_timeout_s: float = Field(300.0, gt=0, description="Tensor-parallel group timeout: the longest a rank waits "
-                                "in a collective (start-up, a step) for the others before failing.")
+    scheduler_address: str = Field(
+        "",
+        description="host:port of the scheduler to register with (under "
+        "advertise_address: set it when host is 0.0.0.0) and heartbeat; retried with "
+        "backoff until it answers. Empty: no registration (static worker_addresses).",
+    )
+    heartbeat_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between heartbeats to the scheduler (at most a "
+        "third of the scheduler's worker_ttl_s is used).",
+    )
+    preprocess_processes: int = Field(
+        0,
+        ge=0,
+        description="Processes decoding images and running the processor "
+        "(services/worker/preprocess.py): on the worker's own threads that work holds "
+        "the GIL against the engine loop. 0: on the worker's threads.",
+    )
+    tp_size: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel ranks (devices) of this worker: this process is "
+        "rank 0 and serves; it spawns ranks 1..N-1 (device cuda → rank i on cuda:i, cpu → cpu). "
+        "Must divide the model's attention heads, KV heads and intermediate size.",
+    )
+    tp_port: int = Field(
+        0, ge=0, le=65535, description="Loopback port of the tensor-parallel group's rendezvous (0: a free one)."
+    )
+    tp_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Tensor-parallel group timeout: the longest a rank waits "
+        "in a collective (start-up, a step) for the others before failing.",
+    )
 
     @field_validator("device")
     @classmethod
@@ -198,11 +296,23 @@ class WorkerSettings(ServiceSettings):
         return _choice(info.field_name, value, {c: c for c in _CHOICES[info.field_name]})
 
 
-_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
-_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "load_format": ("auto", "dummy"),
-            "decode_graphs": ("auto", "static", "off"),
-            "prefill_graphs": ("auto", "static", "off"), "switch_strategy": ("pristine", "delta")}
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+_CHOICES = {
+    "dtype": ("float32", "bfloat16", "float16"),
+    "load_format": ("auto", "dummy"),
+    "decode_graphs": ("auto", "static", "off"),
+    "prefill_graphs": ("auto", "static", "off"),
+    "switch_strategy": ("pristine", "delta"),
+}
 
 
 def _choice(name: str, value: object, accepted: dict[str, str]) -> object:
@@ -245,7 +355,9 @@ def engine_config(settings: WorkerSettings, worker_name: str = "") -> EngineConf
     knobs = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in NOT_SETTINGS}
     return EngineConfig(
         on_adapter_swap=lambda direction: metrics.ADAPTER_SWAPS.labels(worker_name, direction).inc(),
-        model_path=Path(settings.model_path).expanduser(), **knobs)
+        model_path=Path(settings.model_path).expanduser(),
+        **knobs,
+    )
 
 
 def prepare_kernels(settings: WorkerSettings) -> bool | None:

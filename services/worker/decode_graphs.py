@@ -49,8 +49,8 @@ class _Entry(GraphEntry):
     def __post_init__(self) -> None:
         r = self.inp.shape[0] // 5
         self.ids, self.host_part = self.inp[:r], self.inp[r:]  # what the host fills when ids are on the device
-        self.pos, self.slots = self.inp[r:2 * r], self.inp[2 * r:3 * r]
-        self.lens, self.rows = self.inp[3 * r:4 * r], self.inp[4 * r:]
+        self.pos, self.slots = self.inp[r : 2 * r], self.inp[2 * r : 3 * r]
+        self.lens, self.rows = self.inp[3 * r : 4 * r], self.inp[4 * r :]
 
 
 @dataclass
@@ -66,9 +66,18 @@ class DecodeRow:
 
 
 class DecodeGraphs(GraphSet):
-    def __init__(self, model, runtime: LoraRuntime, pool: KVPool, blocks: BlockManager, device: torch.device,
-                 capture: bool = True, max_graphs: int = 32, attention_kernel: bool = True,
-                 pool_handle=None) -> None:
+    def __init__(
+        self,
+        model,
+        runtime: LoraRuntime,
+        pool: KVPool,
+        blocks: BlockManager,
+        device: torch.device,
+        capture: bool = True,
+        max_graphs: int = 32,
+        attention_kernel: bool = True,
+        pool_handle=None,
+    ) -> None:
         # The reference attention reads lengths on the host: such steps run without graphs.
         super().__init__("decode", device, capture and attention_kernel, max_graphs, pool_handle)
         self.lm = language_model(model)
@@ -81,8 +90,9 @@ class DecodeGraphs(GraphSet):
         self.mask_kinds = sorted(set(getattr(self.lm.config, "layer_types", None) or ["full_attention"]))
         self.pin = device.type == "cuda"  # host inputs from pinned memory: their copy does not wait for the device
 
-    def step(self, batch: list[DecodeRow], step: StepLora | None, rows: int = 0,
-             ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, batch: list[DecodeRow], step: StepLora | None, rows: int = 0, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs one decode step of `batch` (each row's new token written into the pool) and
         returns (greedy tokens (b,), logits (b, vocab)) — tensors owned by the entry: read them
         (or queue their copy) before the next step. `rows`: run that many rows (bucket_rows;
@@ -91,20 +101,33 @@ class DecodeGraphs(GraphSet):
         b = len(batch)
         pad = max(rows, b) - b
         key = (b + pad, lora_launch_key(self.runtime, step))
-        e = self.entry(key, lambda: _Entry(inp=torch.zeros(5 * key[0], dtype=torch.long, device=self.device)),
-                       graphless=key[1] == REFERENCE)
+        e = self.entry(
+            key,
+            lambda: _Entry(inp=torch.zeros(5 * key[0], dtype=torch.long, device=self.device)),
+            graphless=key[1] == REFERENCE,
+        )
         self.reference_steps += key[1] == REFERENCE
         null = self.blocks.null_row
         # padding rows: position 0, the null block's first slot, context 1, the null table row
-        host = [*(r.position for r in batch), *[0] * pad, *(r.slot for r in batch), *[0] * pad,
-                *(r.length for r in batch), *[1] * pad, *(r.table_row for r in batch), *[null] * pad]
+        host = [
+            *(r.position for r in batch),
+            *[0] * pad,
+            *(r.slot for r in batch),
+            *[0] * pad,
+            *(r.length for r in batch),
+            *[1] * pad,
+            *(r.table_row for r in batch),
+            *[null] * pad,
+        ]
         self.blocks.sync()
         if ids is not None:
             e.host_part.copy_(torch.tensor(host, dtype=torch.long, pin_memory=self.pin), non_blocking=True)
             e.ids[:b].copy_(ids)  # padding rows keep earlier (valid) token ids
         else:
-            e.inp.copy_(torch.tensor([*(r.token for r in batch), *[0] * pad, *host], dtype=torch.long,
-                                     pin_memory=self.pin), non_blocking=True)
+            e.inp.copy_(
+                torch.tensor([*(r.token for r in batch), *[0] * pad, *host], dtype=torch.long, pin_memory=self.pin),
+                non_blocking=True,
+            )
         tokens, logits = self.run(e, self._forward)
         if pad:
             return tokens[:b], logits[:b]
@@ -112,11 +135,20 @@ class DecodeGraphs(GraphSet):
 
     def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
         rows = e.ids.shape[0]
-        paged = PagedDecode(block_tables=self.blocks.tables.index_select(0, e.rows),
-                            seq_lens=e.lens.to(torch.int32), kernel=self.attention_kernel)
+        paged = PagedDecode(
+            block_tables=self.blocks.tables.index_select(0, e.rows),
+            seq_lens=e.lens.to(torch.int32),
+            kernel=self.attention_kernel,
+        )
         cache = PagedCache(self.text_config, self.pool, e.slots, paged)
         pos = e.pos.view(1, rows, 1).expand(3, rows, 1) if self.mrope else e.pos.view(rows, 1)
-        out = self.lm(input_ids=e.ids.view(rows, 1), attention_mask={kind: None for kind in self.mask_kinds},
-                      position_ids=pos, past_key_values=cache, use_cache=True, paged_decode=paged)
+        out = self.lm(
+            input_ids=e.ids.view(rows, 1),
+            attention_mask={kind: None for kind in self.mask_kinds},
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            paged_decode=paged,
+        )
         logits = self.head(out.last_hidden_state[:, -1])
         return logits.argmax(-1), logits

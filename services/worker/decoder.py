@@ -43,8 +43,15 @@ log = structlog.get_logger()
 
 
 class Decoder:
-    def __init__(self, sched: StepScheduler, lora: LoraPlanner, runner: ModelRunner, outputs: OutputProcessor,
-                 device: torch.device, pipeline: bool) -> None:
+    def __init__(
+        self,
+        sched: StepScheduler,
+        lora: LoraPlanner,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        device: torch.device,
+        pipeline: bool,
+    ) -> None:
         self.sched, self.lora, self.runner, self.outputs = sched, lora, runner, outputs
         self.device, self.pipeline = device, pipeline
         self.pending: list[PendingStep] = []  # launched tokens the host has not taken, oldest first
@@ -99,8 +106,9 @@ class Decoder:
         for p in pending:
             self.outputs.guard([s for s in p.rows if not s.finished], self.take, p)
 
-    def _launch(self, rows: list[Sequence], ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _launch(
+        self, rows: list[Sequence], ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plans the step's LoRA, runs its forward (from `ids` on the device, else the rows'
         last tokens) and chooses its tokens on the device, with their log-probabilities when a
         row asks (None otherwise); every row has then cached one more token. Tensor parallel:
@@ -179,8 +187,12 @@ class Decoder:
                 raise exc
             return
         self.isolated_steps += 1
-        log.warning("decode_step_failed", error=repr(exc)[:500], requests=[s.req.request_id for s in rows],
-                    retry="each row alone")
+        log.warning(
+            "decode_step_failed",
+            error=repr(exc)[:500],
+            requests=[s.req.request_id for s in rows],
+            retry="each row alone",
+        )
         failed = 0
         for s in alive:
             if not s.finished:  # failed on another rank meanwhile (OutputProcessor.agree)

@@ -76,10 +76,10 @@ class IncrementalDetokenizer:
                 self._streamed += len(piece)
                 self._append(piece)
             return self._take(final=False)
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self._append(new_text[len(prefix_text):])
+            self._append(new_text[len(prefix_text) :])
             self._prefix, self._read = self._read, len(self._ids)
         return self._take(final=False)
 
@@ -89,12 +89,12 @@ class IncrementalDetokenizer:
             # bytes the stream still holds (an incomplete character): as a full decode ends
             full = self._decode(self._ids)
             if len(full) > self._streamed:
-                self._append(full[self._streamed:])
+                self._append(full[self._streamed :])
         elif not self.stopped:
-            prefix_text = self._decode(self._ids[self._prefix:self._read])
-            new_text = self._decode(self._ids[self._prefix:])
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            new_text = self._decode(self._ids[self._prefix :])
             if len(new_text) > len(prefix_text):
-                self._append(new_text[len(prefix_text):])
+                self._append(new_text[len(prefix_text) :])
             self._prefix = self._read = len(self._ids)
         return self._take(final=True)
 
@@ -106,7 +106,7 @@ class IncrementalDetokenizer:
         for i, c in enumerate(piece):
             done = [len(m.stop) for m in self._matchers if m.feed(c)]  # every matcher sees c
             if done:
-                self.text = self.text[:start + i + 1 - max(done)]
+                self.text = self.text[: start + i + 1 - max(done)]
                 self.stopped = True
                 return
 
@@ -120,7 +120,7 @@ class IncrementalDetokenizer:
         end = len(self.text) if final else len(self.text) - self._holdback()
         if end <= self._emitted:
             return ""
-        out = self.text[self._emitted:end]
+        out = self.text[self._emitted : end]
         self._emitted = end
         return out
 
@@ -157,8 +157,12 @@ class TokenText:
         if got is None:
             text = self.tokenizer.decode([token_id])
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if self._byte_level and piece is not None and all(c in self._alphabet for c in piece) \
-                    and token_id not in self.tokenizer.all_special_ids:
+            if (
+                self._byte_level
+                and piece is not None
+                and all(c in self._alphabet for c in piece)
+                and token_id not in self.tokenizer.all_special_ids
+            ):
                 raw = bytes(self._alphabet[c] for c in piece)
             else:
                 raw = text.encode()

@@ -102,20 +102,39 @@ class Engine:
         for knob in ("decode_graphs", "prefill_graphs"):
             if getattr(config, knob) not in ("auto", "static", "off"):
                 raise ValueError(f"{knob} {getattr(config, knob)!r} is not one of auto, static, off")
-        self.vision = VisionEncoder(self.model, FeatureCache(config.image_cache_bytes), self.device, self.dtype,
-                                    self.tp, graphs=config.vision_graphs)
+        self.vision = VisionEncoder(
+            self.model,
+            FeatureCache(config.image_cache_bytes),
+            self.device,
+            self.dtype,
+            self.tp,
+            graphs=config.vision_graphs,
+        )
         self.runner = ModelRunner(self.model, self.runtime, self.vision, config, self.dtype, self.device, self.tp)
         self.kv_pool, self.kv, self.graphs = self.runner.pool, self.runner.blocks, self.runner.graphs
         self.max_model_len = self.runner.max_model_len
-        self.intake = RequestIntake(self.processor, config, self.device, self.dtype, self.max_model_len, self.kv,
-                                    vision_token_ids(self.model.config),
-                                    self.text_config.vocab_size)
+        self.intake = RequestIntake(
+            self.processor,
+            config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.kv,
+            vision_token_ids(self.model.config),
+            self.text_config.vocab_size,
+        )
         # resident adapters live in the KV pool's blocks (S-LoRA's unified pool): KV and adapters trade memory
-        self.pool = AdapterPool(self.device, self.dtype, config.device_slots, on_swap=config.on_adapter_swap,
-                                memory=PoolMemory(self.kv_pool, self.kv))
+        self.pool = AdapterPool(
+            self.device,
+            self.dtype,
+            config.device_slots,
+            on_swap=config.on_adapter_swap,
+            memory=PoolMemory(self.kv_pool, self.kv),
+        )
         self.lora = LoraPlanner(self.pool, self.runtime)
-        self.adapters = LoraManager(self.pool, self.lora, self.lora_layers, self.shapes, config.max_rank,
-                                    config.switch_strategy, self.tp)
+        self.adapters = LoraManager(
+            self.pool, self.lora, self.lora_layers, self.shapes, config.max_rank, config.switch_strategy, self.tp
+        )
         self._wake = threading.Condition()
         self._loads = threading.Lock()  # adapter loads, one at a time (load_adapter_bytes)
         self.sched = StepScheduler(config, self.kv, self.pool, self._wake, padded=self.runner.prefill_tokens)
@@ -123,8 +142,11 @@ class Engine:
         self.outputs = OutputProcessor(self.sched, self.pool, self.device, eos_ids, self.tp)
         self.decoder = Decoder(self.sched, self.lora, self.runner, self.outputs, self.device, config.pipeline_decode)
         self.prefiller = Prefiller(self.sched, self.lora, self.runner, self.outputs, self.decoder, self.tokenizer)
-        self.mixed = MixedStep(self.sched, self.lora, self.runner, self.outputs, self.decoder,
-                               self.prefiller) if config.mixed_steps else None
+        self.mixed = (
+            MixedStep(self.sched, self.lora, self.runner, self.outputs, self.decoder, self.prefiller)
+            if config.mixed_steps
+            else None
+        )
         self.trace = self.runner.trace = StepTrace(config.step_trace, self.device)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -168,17 +190,24 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     # -- adapters and modes (lora_manager.py) -------------------------------------------------
-    def load_adapter_bytes(self, name: str, sha256: str, data: bytes, config_json: str,
-                           head_labels: dict[str, list[str]] | None = None, to_device: bool = False) -> bool:
+    def load_adapter_bytes(
+        self,
+        name: str,
+        sha256: str,
+        data: bytes,
+        config_json: str,
+        head_labels: dict[str, list[str]] | None = None,
+        to_device: bool = False,
+    ) -> bool:
         """Validates and adds an adapter bundle; False if that version was already loaded. The
         host pool stays within host_adapter_bytes: least recently used idle adapters leave it.
         Loads run one at a time: each makes room for itself in the pool the previous ones left
         (concurrent loads each chose victims for themselves only, together going over)."""
         with self._loads:
-            evict = tuple(self.pool.host_victims(len(data), self.config.host_adapter_bytes,
-                                                 keep={name, self.lora.merged or ""}))
-            return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device,
-                                                      evict)))
+            evict = tuple(
+                self.pool.host_victims(len(data), self.config.host_adapter_bytes, keep={name, self.lora.merged or ""})
+            )
+            return self._pool_change(Command("load", (name, sha256, data, config_json, head_labels, to_device, evict)))
 
     def add_adapter(self, weights: AdapterWeights) -> bool:
         """Adds full-shape adapter weights (tensor parallel: every rank its shard)."""
@@ -219,12 +248,12 @@ class Engine:
 
     def _check_leader(self) -> None:
         if not self.leader:
-            raise FailedPrecondition("a tensor-parallel follower takes no requests or commands; rank 0 does",
-                                     reason="TP_FOLLOWER")
+            raise FailedPrecondition(
+                "a tensor-parallel follower takes no requests or commands; rank 0 does", reason="TP_FOLLOWER"
+            )
 
     # -- requests ----------------------------------------------------------------------------
-    def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None
-                ) -> PreparedRequest:
+    def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None) -> PreparedRequest:
         """Validates and tokenizes a request (RequestIntake.prepare; any thread, CPU work)."""
         return self.intake.prepare(request, processed)
 
@@ -238,12 +267,18 @@ class Engine:
         if req.adapter:
             weights = self.pool.get(req.adapter)  # AdapterNotFound when not loaded
             if req.output_kind == OutputKind.LABEL and req.head not in weights.heads:
-                raise invalid_field("item.head", f"adapter {req.adapter} has no head {req.head!r} "
-                                    f"(heads: {sorted(weights.heads)})", reason="UNKNOWN_HEAD")
+                raise invalid_field(
+                    "item.head",
+                    f"adapter {req.adapter} has no head {req.head!r} (heads: {sorted(weights.heads)})",
+                    reason="UNKNOWN_HEAD",
+                )
         with self._wake:
             if len(self.sched.incoming) + len(self.sched.waiting) >= self.config.max_waiting:
-                raise CapacityExceeded(f"worker queue is full ({self.config.max_waiting} waiting)",
-                                       reason="WORKER_QUEUE_FULL", retry_after_s=0.5)
+                raise CapacityExceeded(
+                    f"worker queue is full ({self.config.max_waiting} waiting)",
+                    reason="WORKER_QUEUE_FULL",
+                    retry_after_s=0.5,
+                )
             handle = RequestHandle(req.request_id, self._wake, deadline)
             seq = Sequence(id=next(self._ids), prep=prep, sink=sink, handle=handle)
             self.sched.incoming.append(seq)
@@ -283,10 +318,17 @@ class Engine:
         with self._stats_lock:
             running, kv_bytes, last_step_ms = self._running_count, self._kv_bytes, self._last_step_ms
         return EngineStats(
-            running=running, waiting=waiting, kv_cache_bytes=kv_bytes,
-            max_batch_size=self.config.max_batch_size, mode=self.adapters.mode, merged_adapter=self.lora.merged or "",
-            resident_adapters=self.pool.resident_names(), host_adapters=self.pool.host_names(),
-            device=str(self.device), alive=self.alive, last_step_ms=last_step_ms,
+            running=running,
+            waiting=waiting,
+            kv_cache_bytes=kv_bytes,
+            max_batch_size=self.config.max_batch_size,
+            mode=self.adapters.mode,
+            merged_adapter=self.lora.merged or "",
+            resident_adapters=self.pool.resident_names(),
+            host_adapters=self.pool.host_names(),
+            device=str(self.device),
+            alive=self.alive,
+            last_step_ms=last_step_ms,
             image_cache=self.vision.cache.stats(),
         )
 
@@ -376,8 +418,10 @@ class Engine:
             error = exc
         verdict = self.tp.agree(error)
         if verdict.failed and len(verdict.failed) < self.tp.world_size:
-            raise GroupBroken(f"command {command.name} failed on tensor-parallel rank(s) {sorted(verdict.failed)} "
-                              f"only, the ranks' adapters or modes now differ: {verdict.failed}") from error
+            raise GroupBroken(
+                f"command {command.name} failed on tensor-parallel rank(s) {sorted(verdict.failed)} "
+                f"only, the ranks' adapters or modes now differ: {verdict.failed}"
+            ) from error
         if error is not None:
             raise error
         return result

@@ -31,8 +31,16 @@ from kernels import layer_ops
 from services.worker.lora import language_layers
 
 
-def fused_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
-                        past_key_values=None, use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+def fused_layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    use_cache=False,
+    position_embeddings=None,
+    **kwargs,
+) -> torch.Tensor:
     """Qwen2VLDecoderLayer.forward on the fused ops (same arguments, same result); LlamaDecoderLayer's
     is the same computation (its attention has no sliding window)."""
     attn, mlp = self.self_attn, self.mlp
@@ -49,8 +57,18 @@ def fused_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, 
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
-                       sliding_window=getattr(attn, "sliding_window", None), position_ids=position_ids, **kwargs)
+    out, _ = interface(
+        attn,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0,
+        scaling=attn.scaling,
+        sliding_window=getattr(attn, "sliding_window", None),
+        position_ids=position_ids,
+        **kwargs,
+    )
     out = attn.o_proj(out.reshape(b, s, -1).contiguous())
     norm = self.post_attention_layernorm
     residual, x = layer_ops.add_rms_norm(hidden_states, out, norm.weight, norm.variance_epsilon)

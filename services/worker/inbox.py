@@ -86,14 +86,29 @@ class Inbox:
                 self.sched.incoming.clear()
                 self._commands.clear()
             now = time.monotonic()
-            halts = {s.id: s.handle.cancelled for s in (*new, *self.sched.waiting, *self.sched.active())
-                     if s.handle.cancelled or s.handle.expired(now)}
+            halts = {
+                s.id: s.handle.cancelled
+                for s in (*new, *self.sched.waiting, *self.sched.active())
+                if s.handle.cancelled or s.handle.expired(now)
+            }
             # Followers need no raw images, no pixels (the vision encoder broadcasts those it
             # encodes) and no sinks.
-            msg = ([(s.id, dataclasses.replace(s.prep, request=dataclasses.replace(s.req, images=[], videos=[]),
-                                               inputs=without_pixels(s.prep.inputs)))
-                    for s in new],
-                   [command for command, _, _ in commands], halts, self.stop.is_set())
+            msg = (
+                [
+                    (
+                        s.id,
+                        dataclasses.replace(
+                            s.prep,
+                            request=dataclasses.replace(s.req, images=[], videos=[]),
+                            inputs=without_pixels(s.prep.inputs),
+                        ),
+                    )
+                    for s in new
+                ],
+                [command for command, _, _ in commands],
+                halts,
+                self.stop.is_set(),
+            )
         got = self.tp.broadcast_object(msg)
         if not self.leader:
             new = []

@@ -16,8 +16,7 @@ from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
 from services.worker.llava import IMAGE_TOKEN
-from services.worker.processor import (IMAGE_PAD, VIDEO_PAD, chat_skeleton,
-                                       placeholder_counts, special_tokens)
+from services.worker.processor import IMAGE_PAD, VIDEO_PAD, chat_skeleton, placeholder_counts, special_tokens
 from services.worker.requests import OutputKind, WorkRequest
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
 from services.worker.sequence import PreparedRequest
@@ -25,8 +24,17 @@ from services.worker.vision import VisionItem, stage_pixels
 
 
 class RequestIntake:
-    def __init__(self, processor, config, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 kv: BlockManager, vision_tokens: dict[str, int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        processor,
+        config,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        kv: BlockManager,
+        vision_tokens: dict[str, int],
+        vocab_size: int,
+    ) -> None:
         """`config`: the EngineConfig (default_max_new_tokens, max_new_tokens_limit);
         `vision_tokens`: the model's id of each of its family's vision tokens; `vocab_size`: the
         model's (its logits' width: the token ids a request may name)."""
@@ -45,30 +53,32 @@ class RequestIntake:
         """The dtype requests' pixels are prepared in (the tower's on CUDA; None: the processor's)."""
         return self.dtype if self.device.type == "cuda" else None
 
-    def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None
-                ) -> PreparedRequest:
+    def prepare(self, request: WorkRequest, processed: tuple[dict, list[VisionItem]] | None = None) -> PreparedRequest:
         """Validates and tokenizes (any thread). `processed`: the request's processor inputs and
         content keys from `preprocess.process_request` run elsewhere (a preprocessing process,
         with `pixel_dtype`); the request's images are not read then."""
         n = request.max_new_tokens or self.config.default_max_new_tokens
         if n < 0 or n > self.config.max_new_tokens_limit:
-            raise invalid_field("item.params.max_new_tokens",
-                                f"{n} is outside (0, {self.config.max_new_tokens_limit}]")
+            raise invalid_field("item.params.max_new_tokens", f"{n} is outside (0, {self.config.max_new_tokens_limit}]")
         if request.output_kind == OutputKind.LABEL and (not request.adapter or not request.head):
             raise invalid_field("item.head", "a LABEL request needs an adapter and a head name")
         sp = request.sampling
         if sp.temperature < 0 or not 0 <= sp.top_p <= 1 or sp.top_k < 0 or not 0 <= sp.min_p <= 1:
             raise invalid_field("item.params", "temperature >= 0, top_p in [0, 1], top_k >= 0, min_p in [0, 1]")
         if not (abs(sp.presence_penalty) <= 2 and abs(sp.frequency_penalty) <= 2 and 0 < sp.repetition_penalty <= 2):
-            raise invalid_field("item.params", "presence and frequency penalties in [-2, 2], repetition_penalty "
-                                "in (0, 2]")
+            raise invalid_field(
+                "item.params", "presence and frequency penalties in [-2, 2], repetition_penalty in (0, 2]"
+            )
         if not -1 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise invalid_field("item.params.top_logprobs", f"{request.logprobs} is not in [-1, {MAX_TOP_LOGPROBS}]")
         self._check_logit_bias(sp.logit_bias)
         bad = next((i for i, t in enumerate(request.prompt_token_ids) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise invalid_field(f"item.prompt_token_ids[{bad}]", f"token id {request.prompt_token_ids[bad]} is not "
-                                f"in the model's vocabulary [0, {self.vocab_size})", reason="TOKEN_NOT_IN_VOCABULARY")
+            raise invalid_field(
+                f"item.prompt_token_ids[{bad}]",
+                f"token id {request.prompt_token_ids[bad]} is not in the model's vocabulary [0, {self.vocab_size})",
+                reason="TOKEN_NOT_IN_VOCABULARY",
+            )
         fraction = request.adapter_release_fraction
         if not math.isfinite(fraction) or not 0 <= fraction <= 1:
             raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
@@ -80,18 +90,30 @@ class RequestIntake:
         stage_pixels(inputs, self.device, self.dtype)
         ids = inputs["input_ids"]
         if ids.shape[1] + n > self.max_model_len:
-            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
-                                f"worker's {self.max_model_len} positions", reason="PROMPT_TOO_LONG")
+            raise invalid_field(
+                "item.prompt",
+                f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the worker's {self.max_model_len} positions",
+                reason="PROMPT_TOO_LONG",
+            )
         if self.kv.blocks_for(ids.shape[1] + n) > self.kv.usable_blocks:
-            raise invalid_field("item.prompt", f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
-                                f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
-                                reason="EXCEEDS_KV_CACHE")
+            raise invalid_field(
+                "item.prompt",
+                f"{ids.shape[1]} prompt tokens + {n} new tokens exceed the "
+                f"worker's KV cache ({self.kv.usable_blocks * self.kv.block_size} tokens)",
+                reason="EXCEEDS_KV_CACHE",
+            )
         self._check_placeholders(request, inputs)
         self._check_special_tokens(request, ids)
         image_tokens = int(torch.isin(ids, torch.tensor(self.vision_token_ids)).sum())  # images' and videos'
-        return PreparedRequest(request=request, inputs=inputs, max_new_tokens=n,
-                               image_tokens=image_tokens, prompt_tokens=int(ids.shape[1]),
-                               vision=vision, release_after=release_after)
+        return PreparedRequest(
+            request=request,
+            inputs=inputs,
+            max_new_tokens=n,
+            image_tokens=image_tokens,
+            prompt_tokens=int(ids.shape[1]),
+            vision=vision,
+            release_after=release_after,
+        )
 
     def _check_placeholders(self, request: WorkRequest, inputs: dict) -> None:
         """The prompt's vision placeholder tokens against what its images and videos place
@@ -110,10 +132,16 @@ class RequestIntake:
             got = int((ids == self.vision_tokens[token]).sum())
             if got != n:
                 field = "item.prompt_token_ids" if request.prompt_token_ids else "item.prompt"
-                media = ("a raw prompt takes no images or videos" if request.raw_prompt else
-                         f"its {images} images and {videos} videos place {n}")
-                raise invalid_field(field, f"holds {got} {token} tokens (id {self.vision_tokens[token]}); {media}",
-                                    reason="VISION_TOKEN_IN_PROMPT")
+                media = (
+                    "a raw prompt takes no images or videos"
+                    if request.raw_prompt
+                    else f"its {images} images and {videos} videos place {n}"
+                )
+                raise invalid_field(
+                    field,
+                    f"holds {got} {token} tokens (id {self.vision_tokens[token]}); {media}",
+                    reason="VISION_TOKEN_IN_PROMPT",
+                )
 
     def _check_special_tokens(self, request: WorkRequest, ids: torch.Tensor) -> None:
         """A chat request's tokens against its template: each special token (processor.
@@ -134,8 +162,11 @@ class RequestIntake:
         for token, token_id in self.special_ids.items():
             want, got = wanted[token_id], found[token_id]
             if got != want:
-                raise invalid_field("item.prompt", f"its text makes {got} {token} tokens (id {token_id}) where the "
-                                    f"chat template places {want}", reason="SPECIAL_TOKEN_IN_PROMPT")
+                raise invalid_field(
+                    "item.prompt",
+                    f"its text makes {got} {token} tokens (id {token_id}) where the chat template places {want}",
+                    reason="SPECIAL_TOKEN_IN_PROMPT",
+                )
 
     def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
         """OpenAI's bounds (as the gateway's), and every token id in the model's vocabulary."""
@@ -143,9 +174,12 @@ class RequestIntake:
             raise invalid_field("item.params.logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS}")
         for token, value in bias:
             if not 0 <= token < self.vocab_size:
-                raise invalid_field(f"item.params.logit_bias[{token}]",
-                                    f"token id {token} is not in the model's vocabulary [0, {self.vocab_size})",
-                                    reason="TOKEN_NOT_IN_VOCABULARY")
+                raise invalid_field(
+                    f"item.params.logit_bias[{token}]",
+                    f"token id {token} is not in the model's vocabulary [0, {self.vocab_size})",
+                    reason="TOKEN_NOT_IN_VOCABULARY",
+                )
             if not math.isfinite(value) or abs(value) > MAX_LOGIT_BIAS:
-                raise invalid_field(f"item.params.logit_bias[{token}]",
-                                    f"{value} is not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                raise invalid_field(
+                    f"item.params.logit_bias[{token}]", f"{value} is not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )

@@ -63,8 +63,16 @@ class KVPool:
     (`memory`; S-LoRA's unified pool). A layer's keys (or values) are a strided view (num_blocks,
     block_size, kv_heads, head_dim)."""
 
-    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"kv block size {block_size} is not a power of two")
         self.storage = torch.empty((num_blocks, layers, 2, block_size, kv_heads, head_dim), dtype=dtype, device=device)
@@ -80,7 +88,7 @@ class KVPool:
 
     def memory(self, first: int, count: int) -> torch.Tensor:
         """Blocks [first, first + count) as one flat tensor of the pool's dtype."""
-        return self.storage[first:first + count].view(-1)
+        return self.storage[first : first + count].view(-1)
 
 
 class PoolMemory:
@@ -114,8 +122,7 @@ class BlockManager:
     """Free blocks, each sequence's blocks, and the device block table (one row per sequence
     holding blocks, `rows` of them, plus the null row)."""
 
-    def __init__(self, num_blocks: int, block_size: int, rows: int, max_blocks: int,
-                 device: torch.device) -> None:
+    def __init__(self, num_blocks: int, block_size: int, rows: int, max_blocks: int, device: torch.device) -> None:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.num_blocks = num_blocks
         # Sequences run on the engine thread; adapter runs (take_run) come from loading threads too.
@@ -219,7 +226,7 @@ class BlockManager:
             if not len(starts):
                 return None
             first = int(starts[-1])
-            self._is_free[first:first + count] = False
+            self._is_free[first : first + count] = False
             self._free = [b for b in self._free if not first <= b < first + count]
             self.run_blocks += count
             return first
@@ -227,7 +234,7 @@ class BlockManager:
     def give_run(self, first: int, count: int) -> None:
         """Blocks [first, first + count) back from a run (taken after the other free blocks)."""
         with self._lock:
-            self._is_free[first:first + count] = True
+            self._is_free[first : first + count] = True
             self._free[:0] = range(first + count - 1, first - 1, -1)
             self.run_blocks -= count
 
@@ -307,8 +314,9 @@ class PagedCache(DynamicCache):
     forward's (rows x tokens, flattened) keys and values go; `paged` set when attention reads
     the pool (a decode step, a prefill chunk with cached tokens before it)."""
 
-    def __init__(self, text_config, pool: KVPool, slots: torch.Tensor,
-                 paged: PagedDecode | PagedPrefill | None = None) -> None:
+    def __init__(
+        self, text_config, pool: KVPool, slots: torch.Tensor, paged: PagedDecode | PagedPrefill | None = None
+    ) -> None:
         super().__init__(config=text_config)
         self.slots, self.paged = slots, paged
         self.slot_blocks, self.slot_offsets = slots // pool.block_size, slots % pool.block_size

@@ -71,8 +71,15 @@ def image_tokens(processor, pixel_values: torch.Tensor) -> int:
     return n - (processor.vision_feature_select_strategy == "default")
 
 
-def build_inputs(processor, images, prompt: str, videos=None, system: str = "",
-                 history: Sequence[tuple[str, str, int]] = (), raw: bool = False):
+def build_inputs(
+    processor,
+    images,
+    prompt: str,
+    videos=None,
+    system: str = "",
+    history: Sequence[tuple[str, str, int]] = (),
+    raw: bool = False,
+):
     """processor.build_inputs for LLaVA-1.5 (token-id prompts are handled there): input_ids,
     attention_mask, mm_token_type_ids, with images pixel_values (images, 3, H, W)."""
     if videos:
@@ -116,9 +123,15 @@ def tiny_config(tokenizer, shape: dict, arch):
     vision = dict(shape["vision"])
     tokens = (vision["image_size"] // vision["patch_size"]) ** 2
     return arch.hf_config(
-        text_config=dict(model_type="llama", **text, rms_norm_eps=1e-5, bos_token_id=ids["<s>"],
-                         eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        text_config=dict(
+            model_type="llama",
+            **text,
+            rms_norm_eps=1e-5,
+            bos_token_id=ids["<s>"],
+            eos_token_id=ids["</s>"],
+            pad_token_id=ids["<pad>"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
         vision_config=dict(model_type="clip_vision_model", hidden_act="quick_gelu", **vision),
         image_token_index=ids[IMAGE_TOKEN],
         image_seq_length=tokens,
@@ -133,8 +146,9 @@ def tiny_generation_config(tokenizer):
     from transformers import GenerationConfig  # noqa: PLC0415
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    return GenerationConfig(eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"],
-                            do_sample=False)
+    return GenerationConfig(
+        eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"], do_sample=False
+    )
 
 
 def tiny_processor(tokenizer, image_size: int, patch_size: int):
@@ -143,9 +157,17 @@ def tiny_processor(tokenizer, image_size: int, patch_size: int):
     from transformers import LlavaProcessor  # noqa: PLC0415
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: PLC0415
 
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                            crop_size={"height": image_size, "width": image_size},
-                                            image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
-    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                          chat_template=CHAT_TEMPLATE)
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        image_mean=list(IMAGE_MEAN),
+        image_std=list(IMAGE_STD),
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )

@@ -110,8 +110,9 @@ class StepLora:
                 scales.append(0.0 if t is None else t[2])
             plan = self.plan
             if any(a_list[k] is None for k in plan.seg_slots if k >= 0):
-                plan = SegmentPlan(plan.seg_starts, [k if k >= 0 and a_list[k] is not None else -1
-                                                     for k in plan.seg_slots])
+                plan = SegmentPlan(
+                    plan.seg_starts, [k if k >= 0 and a_list[k] is not None else -1 for k in plan.seg_slots]
+                )
             got = (plan, a_list, b_list, scales)
             self._per_key[key] = got
         return got
@@ -154,8 +155,11 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.runtime.step
-        if (step is not None and step.kernel
-                and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None):
+        if (
+            step is not None
+            and step.kernel
+            and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None
+        ):
             return y
         y = self.base(x)
         if step is None or not step.active:
@@ -204,8 +208,15 @@ class LoraGroup(nn.Module):
         self._has_bias = [b.bias is not None for b in bases]
         self.bias = None
         if any(self._has_bias):
-            self.bias = nn.Parameter(torch.cat([b.bias.detach() if b.bias is not None else b.weight.new_zeros(n)
-                                                for b, n in zip(bases, self.sizes)]), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.cat(
+                    [
+                        b.bias.detach() if b.bias is not None else b.weight.new_zeros(n)
+                        for b, n in zip(bases, self.sizes)
+                    ]
+                ),
+                requires_grad=False,
+            )
         self._parts = list(parts)  # not submodules: they stay registered where HF put them
         self._point_parts()
 
@@ -217,9 +228,9 @@ class LoraGroup(nn.Module):
         """The parts' weights (and biases) become views of the group's: updates reach the group."""
         lo = 0
         for p, n, with_bias in zip(self._parts, self.sizes, self._has_bias):
-            p.base.weight = nn.Parameter(self.weight[lo:lo + n], requires_grad=False)
+            p.base.weight = nn.Parameter(self.weight[lo : lo + n], requires_grad=False)
             if with_bias:
-                p.base.bias = nn.Parameter(self.bias[lo:lo + n], requires_grad=False)
+                p.base.bias = nn.Parameter(self.bias[lo : lo + n], requires_grad=False)
             lo += n
 
     def reserve_lora_rows(self, rows: int) -> None:
@@ -233,8 +244,11 @@ class LoraGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         step = self.runtime.step
-        if (step is not None and step.kernel
-                and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None):
+        if (
+            step is not None
+            and step.kernel
+            and (y := self.runtime.backend.folded_linear(self.key, x, self)) is not None
+        ):
             return y.split(self.sizes, dim=-1)
         y = nn.functional.linear(x, self.weight, self.bias)
         if step is not None and step.active:
@@ -247,8 +261,9 @@ class LoraGroup(nn.Module):
         return y.split(self.sizes, dim=-1)
 
 
-def _with_spare_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _with_spare_rows(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out + rows, in) copy of weight with zero rows below it (and the bias with zeros)."""
     n = weight.shape[0]
     w_ext = weight.new_zeros((n + rows, weight.shape[1]))
@@ -263,8 +278,9 @@ def _with_spare_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
 _group_cache: "weakref.WeakKeyDictionary[LoraEntry, dict]" = weakref.WeakKeyDictionary()
 
 
-def group_tensors(entry: LoraEntry, parts: Sequence[LayerModule], sizes: Sequence[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+def group_tensors(
+    entry: LoraEntry, parts: Sequence[LayerModule], sizes: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """One entry's LoRA over a group's concatenated output: A = [A_1 | A_2 | ...] (in, Σr),
     B = block-diagonal (Σr, Σout) with each part's s·B in its own rows and columns, scale 1.
     Parts the entry does not target add nothing. Built once per (entry, group) and kept while the
@@ -282,7 +298,7 @@ def group_tensors(entry: LoraEntry, parts: Sequence[LayerModule], sizes: Sequenc
         for t, n in zip(got, sizes):
             if t is not None:
                 r = t[0].shape[1]
-                b[row:row + r, col:col + n] = (t[1].float() * t[2]).to(b.dtype)
+                b[row : row + r, col : col + n] = (t[1].float() * t[2]).to(b.dtype)
                 row += r
             col += n
         result = (a, b, 1.0)
@@ -314,8 +330,11 @@ class MixtureEntry(LoraEntry):
             parts.append((t[0], (t[1].float() * -t[2]).to(t[1].dtype)))
         got = None
         if parts:
-            got = (torch.cat([p[0] for p in parts], dim=1).contiguous(),
-                   torch.cat([p[1] for p in parts], dim=0).contiguous(), 1.0)
+            got = (
+                torch.cat([p[0] for p in parts], dim=1).contiguous(),
+                torch.cat([p[1] for p in parts], dim=0).contiguous(),
+                1.0,
+            )
         self._cache[key] = got
         return got
 
@@ -339,8 +358,9 @@ def install_lora(model: nn.Module, runtime: LoraRuntime) -> dict[LayerModule, Lo
     return wrapped
 
 
-def install_lora_groups(model: nn.Module, layers: dict[LayerModule, LoraLinear], runtime: LoraRuntime
-                        ) -> dict[LayerModule, LoraGroup]:
+def install_lora_groups(
+    model: nn.Module, layers: dict[LayerModule, LoraLinear], runtime: LoraRuntime
+) -> dict[LayerModule, LoraGroup]:
     """Puts a LoraGroup beside each decoder layer's q/k/v and gate/up LoraLinears (as
     `self_attn.qkv_proj` and `mlp.gate_up_proj`, which fused_layers' forward calls); returns them
     by (layer, group name)."""

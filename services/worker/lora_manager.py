@@ -36,8 +36,16 @@ COMMANDS = ("load", "add", "to_device", "offload", "apply_mode", "switch")
 
 
 class LoraManager:
-    def __init__(self, pool: AdapterPool, planner: LoraPlanner, lora_layers: dict, shapes: BaseModelShapes,
-                 max_rank: int, switch_strategy: str, tp: TPGroup | None) -> None:
+    def __init__(
+        self,
+        pool: AdapterPool,
+        planner: LoraPlanner,
+        lora_layers: dict,
+        shapes: BaseModelShapes,
+        max_rank: int,
+        switch_strategy: str,
+        tp: TPGroup | None,
+    ) -> None:
         self.pool, self.planner, self.lora_layers = pool, planner, lora_layers
         self.shapes, self.max_rank, self.switch_strategy, self.tp = shapes, max_rank, switch_strategy, tp
         self.mode = Mode.UNMERGED
@@ -53,8 +61,16 @@ class LoraManager:
         return getattr(self, command.name)(*command.args)
 
     # -- the pool ----------------------------------------------------------------------------
-    def load(self, name: str, sha256: str, data: bytes, config_json: str,
-             head_labels: dict[str, list[str]] | None, to_device: bool, evict: tuple[str, ...] = ()) -> bool:
+    def load(
+        self,
+        name: str,
+        sha256: str,
+        data: bytes,
+        config_json: str,
+        head_labels: dict[str, list[str]] | None,
+        to_device: bool,
+        evict: tuple[str, ...] = (),
+    ) -> bool:
         """Validates and adds an adapter bundle; False if that version was already loaded.
         `evict`: host adapters to drop first to keep the host pool in its budget (chosen where
         the load was asked, so that every tensor-parallel rank drops the same ones); one that a
@@ -81,8 +97,9 @@ class LoraManager:
 
     def offload(self, name: str) -> None:
         if name == self.merged:
-            raise FailedPrecondition(f"adapter {name} is merged into the base weights; change mode first",
-                                     reason="ADAPTER_MERGED")
+            raise FailedPrecondition(
+                f"adapter {name} is merged into the base weights; change mode first", reason="ADAPTER_MERGED"
+            )
         self.pool.remove(name)
 
     # -- modes -------------------------------------------------------------------------------
@@ -116,8 +133,11 @@ class LoraManager:
         if merged is not None:
             slot = self.pool.acquire(merged)
             if slot is None:
-                raise FailedPrecondition("every device slot is held by running requests; cannot merge",
-                                         reason="NO_DEVICE_SLOT", retry_after_s=0.5)
+                raise FailedPrecondition(
+                    "every device slot is held by running requests; cannot merge",
+                    reason="NO_DEVICE_SLOT",
+                    retry_after_s=0.5,
+                )
             target = self.pool.slot(slot)
             target.wait()  # the switch kernels read the slot after its upload
         try:

@@ -59,8 +59,9 @@ def load_lora_model(path: Path, config, device: torch.device, dtype: torch.dtype
         groups = install_lora_groups(model, lora_layers, runtime)
         install_fused_layers(model)
     if config.use_atmm and AtmmBackend.available(device, dtype):
-        runtime.backend = AtmmBackend({k: features[k[1]] for k in lora_layers}, device, dtype,
-                                      groups={k: g.part_keys for k, g in groups.items()})
+        runtime.backend = AtmmBackend(
+            {k: features[k[1]] for k in lora_layers}, device, dtype, groups={k: g.part_keys for k, g in groups.items()}
+        )
         if config.lora_fold_rows > 0 and tp is None:  # the projections the forward calls
             in_groups = {k for g in groups.values() for k in g.part_keys}
             folded = {**groups, **{k: m for k, m in lora_layers.items() if k not in in_groups}}

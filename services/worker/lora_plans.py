@@ -62,6 +62,7 @@ class LoraPlanner:
         """Keeps the cached LoRA entries across a mode switch (building one again means new
         concatenated and block-diagonal factors and kernel table writes on the next step), except
         those whose adapter left its device slot: they would keep its tensors alive."""
+
         def resident(name: str, entry: AdapterEntry | None) -> bool:
             slot = self.pool.slot_of(name)
             dev = self.pool.slot(slot) if slot is not None else None

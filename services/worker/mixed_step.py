@@ -37,8 +37,15 @@ log = structlog.get_logger()
 
 
 class MixedStep:
-    def __init__(self, sched: StepScheduler, lora: LoraPlanner, runner: ModelRunner, outputs: OutputProcessor,
-                 decoder: Decoder, prefiller: Prefiller) -> None:
+    def __init__(
+        self,
+        sched: StepScheduler,
+        lora: LoraPlanner,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        decoder: Decoder,
+        prefiller: Prefiller,
+    ) -> None:
         self.sched, self.lora, self.runner, self.outputs = sched, lora, runner, outputs
         self.decoder, self.prefiller = decoder, prefiller
         self.steps = 0  # forwards that prefilled and decoded

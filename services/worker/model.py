@@ -19,15 +19,30 @@ from services.worker.architectures import architecture_of
 from services.worker.processor import ImageQwen2VLProcessor, build_inputs, chat_text, load_processor
 from services.worker.tiny_model import DEFAULT_TINY_MODEL_PATH, ensure_shape_model, ensure_tiny_model
 
-__all__ = ["DEFAULT_TINY_MODEL_PATH", "LOAD_FORMATS", "ImageQwen2VLProcessor", "build_inputs", "chat_text",
-           "ensure_shape_model", "ensure_tiny_model", "load_model", "load_processor", "load_sharded_model"]
+__all__ = [
+    "DEFAULT_TINY_MODEL_PATH",
+    "LOAD_FORMATS",
+    "ImageQwen2VLProcessor",
+    "build_inputs",
+    "chat_text",
+    "ensure_shape_model",
+    "ensure_tiny_model",
+    "load_model",
+    "load_processor",
+    "load_sharded_model",
+]
 
 
 LOAD_FORMATS = ("auto", "dummy")
 
 
-def load_model(path: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               load_format: str = "auto", seed: int = 0) -> PreTrainedModel:
+def load_model(
+    path: Path | str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> PreTrainedModel:
     """The model of a local directory, of one of the served families (architectures.py; any
     other is refused). `load_format="dummy"` ignores any weight files and builds the directory's
     architecture with random weights (fixed seed) directly on `device` — for benchmarks and tests

@@ -65,8 +65,16 @@ class Riders:
 
 
 class ModelRunner:
-    def __init__(self, model, runtime: LoraRuntime, vision: VisionEncoder, config, dtype: torch.dtype,
-                 device: torch.device, tp: TPGroup | None) -> None:
+    def __init__(
+        self,
+        model,
+        runtime: LoraRuntime,
+        vision: VisionEncoder,
+        config,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None,
+    ) -> None:
         """`config`: the engine's EngineConfig (KV pool, graph and block settings)."""
         self.model, self.runtime, self.vision = model, runtime, vision
         self.rope_inputs = for_model(model).rope_inputs  # what the family's get_rope_index takes
@@ -86,15 +94,28 @@ class ModelRunner:
         self.trace: StepTrace | None = None  # the engine's (its "inputs" phase: embeddings, vision tower)
         # decode and prefill graphs capture into one memory pool: their forwards run one at a time
         handle = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs = DecodeGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
-                                   capture=config.decode_graphs == "auto", attention_kernel=attention_kernel,
-                                   pool_handle=handle)
-        self.prefill_graphs = PrefillGraphs(self.model, self.runtime, self.pool, self.blocks, self.device,
-                                            rows=max(config.max_prefills_per_step,
-                                                     config.max_batch_size if config.mixed_steps else 0),
-                                            capture=config.prefill_graphs == "auto",
-                                            pad=config.prefill_graphs != "off", kernel=self.prefill_kernel,
-                                            pool_handle=handle)
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.runtime,
+            self.pool,
+            self.blocks,
+            self.device,
+            capture=config.decode_graphs == "auto",
+            attention_kernel=attention_kernel,
+            pool_handle=handle,
+        )
+        self.prefill_graphs = PrefillGraphs(
+            self.model,
+            self.runtime,
+            self.pool,
+            self.blocks,
+            self.device,
+            rows=max(config.max_prefills_per_step, config.max_batch_size if config.mixed_steps else 0),
+            capture=config.prefill_graphs == "auto",
+            pad=config.prefill_graphs != "off",
+            kernel=self.prefill_kernel,
+            pool_handle=handle,
+        )
 
     def _kernel_usable(self, name: str, module, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> bool:
         """Whether `module`'s Triton kernel runs here (its self_check on CUDA; never on the CPU)."""
@@ -135,18 +156,33 @@ class ModelRunner:
             blocks = tp.min_int(blocks)
         self.max_model_len = min(cfg.max_model_len or tc.max_position_embeddings, tc.max_position_embeddings)
         pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, dtype, self.device)
-        manager = BlockManager(blocks, cfg.kv_block_size, cfg.max_batch_size,
-                               math.ceil(self.max_model_len / cfg.kv_block_size), self.device)
+        manager = BlockManager(
+            blocks,
+            cfg.kv_block_size,
+            cfg.max_batch_size,
+            math.ceil(self.max_model_len / cfg.kv_block_size),
+            self.device,
+        )
         tokens = (blocks - 1) * cfg.kv_block_size
-        log.info("kv_pool", blocks=blocks, block_size=cfg.kv_block_size, gib=round(blocks * block_bytes / 2**30, 2),
-                 tokens=tokens)
+        log.info(
+            "kv_pool",
+            blocks=blocks,
+            block_size=cfg.kv_block_size,
+            gib=round(blocks * block_bytes / 2**30, 2),
+            tokens=tokens,
+        )
         if tokens < self.max_model_len:  # requests longer than the pool fail at admission (INVALID_ARGUMENT)
-            log.warning("kv_pool_small", tokens=tokens, max_model_len=self.max_model_len,
-                        hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION")
+            log.warning(
+                "kv_pool_small",
+                tokens=tokens,
+                max_model_len=self.max_model_len,
+                hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION",
+            )
         return pool, manager
 
-    def prefill(self, rows: list[Sequence], plan: Callable[[], StepLora], riders: Riders | None = None
-                ) -> tuple[list[Sequence], PrefillOutput]:
+    def prefill(
+        self, rows: list[Sequence], plan: Callable[[], StepLora], riders: Riders | None = None
+    ) -> tuple[list[Sequence], PrefillOutput]:
         """Prefills each row's piece [s.prefilled, s.prefill_to) of its context in one forward of
         the language model; `plan()` makes their LoRA plan (rows ordered by LoRA entry, each row's
         piece length: one StepLora, no permutation, ATMM takes it), inside the forward's first
@@ -176,8 +212,9 @@ class ModelRunner:
         tokens = self.prefill_tokens(sum(1 if s in ride else s.prefill_to - s.prefilled for s in rows))
         return self.agreed(self._prefill_forward, rows, step, riders, ride, ride_embeds, tokens=tokens)
 
-    def _plan_and_embed(self, plan: Callable[[], StepLora], rows: list[Sequence], riders: Riders | None,
-                        ride: dict) -> tuple[StepLora, torch.Tensor | None]:
+    def _plan_and_embed(
+        self, plan: Callable[[], StepLora], rows: list[Sequence], riders: Riders | None, ride: dict
+    ) -> tuple[StepLora, torch.Tensor | None]:
         # embeddings first: tensor parallel, they take part in rank 0's broadcast of the pixels,
         # which a plan raising on this rank alone must not skip (the collectives would mismatch)
         embeds = self._embed_inputs(rows, riders, ride)
@@ -229,22 +266,23 @@ class ModelRunner:
             ids = riders.ids
             if ids is None:
                 ids = self.upload(torch.tensor([s.last_token for s in riders.rows]))
-            ride_embeds = self.model.get_input_embeddings()(ids.view(-1)[:len(ride)].long())
+            ride_embeds = self.model.get_input_embeddings()(ids.view(-1)[: len(ride)].long())
         fresh = [s for s in rows if s.prefilled == 0 and s not in ride]
         if fresh:
             for s, e, pos, delta in zip(fresh, *self._inputs(fresh)):
                 s.chunk_inputs = (e, pos, delta)
         return ride_embeds
 
-    def _prefill_forward(self, rows: list[Sequence], step: StepLora, riders: Riders | None, ride: dict,
-                         ride_embeds: torch.Tensor | None) -> tuple[list[Sequence], PrefillOutput]:
+    def _prefill_forward(
+        self, rows: list[Sequence], step: StepLora, riders: Riders | None, ride: dict, ride_embeds: torch.Tensor | None
+    ) -> tuple[list[Sequence], PrefillOutput]:
         """The prefill's packed forward over the rows' inputs and the completed rows' first tokens."""
         parts, positions, slots, lens = [], [], [], []
         wanted, at, end = [], {}, 0  # each completed row's last token; each rider's token
         for s in rows:
             j = ride.get(s)
             if j is not None:
-                parts.append(ride_embeds[j:j + 1])
+                parts.append(ride_embeds[j : j + 1])
                 positions.append(torch.full((3, 1), s.length + s.rope_delta, dtype=torch.long))
                 slots.append(self.blocks.slots(s.id, s.length, s.length + 1))
                 lens.append(s.length + 1)
@@ -265,8 +303,9 @@ class ModelRunner:
             wanted += [at[s] for s in riders.rows]
         self.runtime.step = step
         try:
-            hidden = self.prefill_graphs.forward(parts, positions, slots, [self.blocks.row(s.id) for s in rows],
-                                                 lens, wanted, step)
+            hidden = self.prefill_graphs.forward(
+                parts, positions, slots, [self.blocks.row(s.id) for s in rows], lens, wanted, step
+            )
             self.forward_ran = True
         finally:
             self.runtime.step = None
@@ -279,8 +318,9 @@ class ModelRunner:
         for s in completed:
             s.chunk_inputs = None
         k = len(completed)
-        return completed, self._first_tokens(completed, [s.context for s in completed], deltas, hidden[:k],
-                                             riders if ride else None, hidden[k:])
+        return completed, self._first_tokens(
+            completed, [s.context for s in completed], deltas, hidden[:k], riders if ride else None, hidden[k:]
+        )
 
     def prefill_tokens(self, n: int) -> int:
         """The tokens a prefill forward of `n` packed tokens runs (its LoRA plan covers them all)."""
@@ -315,21 +355,31 @@ class ModelRunner:
         # e.g. the vision tower, and the GPU then idles while the host prepares the next launch).
         # On the host: the rope index walks every row in Python (no device syncs per row).
         position_ids, deltas = rope_positions(
-            self.model, ids, mm_token_type_ids=types, attention_mask=mask,
-            **{key: torch.cat(got) if got else None for key, got in found.items()})
+            self.model,
+            ids,
+            mm_token_type_ids=types,
+            attention_mask=mask,
+            **{key: torch.cat(got) if got else None for key, got in found.items()},
+        )
         row_embeds = self.vision.embed_batch([(s.prep.inputs["input_ids"], s.prep.inputs, s.prep.vision) for s in rows])
         embeds = []
         for i, (e, s) in enumerate(zip(row_embeds, rows)):
             e = e[0]
             if s.tokens:  # recompute after a preemption: the generated tokens' embeddings
                 p = s.prep.prompt_tokens
-                e = torch.cat([e, self.model.get_input_embeddings()(self.upload(ids[i, p:p + len(s.tokens)]))])
+                e = torch.cat([e, self.model.get_input_embeddings()(self.upload(ids[i, p : p + len(s.tokens)]))])
             embeds.append(e)
         return embeds, [position_ids[:, i, :n] for i, n in enumerate(lengths)], [int(d) for d in deltas]
 
-    def _first_tokens(self, rows: list[Sequence], lengths: list[int], deltas: list[int],
-                      hidden: torch.Tensor, riders: Riders | None = None,
-                      ridden: torch.Tensor | None = None) -> PrefillOutput:
+    def _first_tokens(
+        self,
+        rows: list[Sequence],
+        lengths: list[int],
+        deltas: list[int],
+        hidden: torch.Tensor,
+        riders: Riders | None = None,
+        ridden: torch.Tensor | None = None,
+    ) -> PrefillOutput:
         """The text rows' first tokens from their last hidden states (rows, hidden), on the device;
         with `riders`, theirs too (from `ridden`, (riders, hidden)), in the same sampling call."""
         b = len(rows)
@@ -353,8 +403,9 @@ class ModelRunner:
             riders.logprobs = None if packed is None else packed[k:]
         if not text:
             return PrefillOutput(lengths, deltas, hidden)
-        return PrefillOutput(lengths, deltas, hidden, text, chosen[:k], head_out[:k],
-                             None if packed is None else packed[:k])
+        return PrefillOutput(
+            lengths, deltas, hidden, text, chosen[:k], head_out[:k], None if packed is None else packed[:k]
+        )
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device, without waiting for the stream's queued work (torch's
@@ -362,8 +413,9 @@ class ModelRunner:
         so the host tensor may be dropped right after."""
         return t.to(self.device, non_blocking=True)
 
-    def decode(self, rows: list[Sequence], plan: Callable[[], StepLora], bucket: int,
-               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, rows: list[Sequence], plan: Callable[[], StepLora], bucket: int, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Launches one decode step of `rows` (`plan()`: makes their LoRA plan over `bucket` rows,
         inside the step's lockstep: a plan that raises on one tensor-parallel rank only still
         runs that rank's part of the forward's all-reduces; `ids`: their last tokens on the
@@ -378,8 +430,14 @@ class ModelRunner:
         finally:
             self.runtime.step = None
 
-    def choose(self, rows: list[Sequence], greedy: torch.Tensor, logits: torch.Tensor,
-               counters: list[int], pending: torch.Tensor | None = None) -> torch.Tensor:
+    def choose(
+        self,
+        rows: list[Sequence],
+        greedy: torch.Tensor,
+        logits: torch.Tensor,
+        counters: list[int],
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy and
         none has penalties, else sampled in one batched call (sampling.py; `counters`: the
         positions the tokens take; `pending`: each row's last token when it is still only on the
@@ -389,10 +447,13 @@ class ModelRunner:
             return greedy
         rs = RowSampling.of(params, self.device)
         history = None if rs.penalties is None else self._history(rows, logits.shape[-1], pending)
-        return sample(logits[:len(rows)], rs, self.upload(torch.tensor(counters)), history, kernel=self.sampling_kernel)
+        return sample(
+            logits[: len(rows)], rs, self.upload(torch.tensor(counters)), history, kernel=self.sampling_kernel
+        )
 
-    def _history(self, rows: list[Sequence], vocab: int, pending: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _history(
+        self, rows: list[Sequence], vocab: int, pending: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The penalties' inputs on the device: each row's output token counts (rows, vocab) and
         which tokens its prompt or output holds (bool), from the tokens the host has and `pending`."""
         n = len(rows)
@@ -400,7 +461,7 @@ class ModelRunner:
         out = torch.full((n, width), vocab, dtype=torch.long)  # column `vocab`: padding, dropped below
         for i, s in enumerate(rows):
             if s.tokens:
-                out[i, :len(s.tokens)] = torch.tensor(s.tokens)
+                out[i, : len(s.tokens)] = torch.tensor(s.tokens)
         counts = torch.zeros(n, vocab + 1, device=self.device)
         counts.scatter_add_(1, self.upload(out), torch.ones(n, width, device=self.device))
         if pending is not None:
@@ -408,7 +469,7 @@ class ModelRunner:
         prompt_width = max(s.prep.prompt_tokens for s in rows)
         prompt = torch.full((n, prompt_width), vocab, dtype=torch.long)
         for i, s in enumerate(rows):
-            prompt[i, :s.prep.prompt_tokens] = s.prep.inputs["input_ids"][0]
+            prompt[i, : s.prep.prompt_tokens] = s.prep.inputs["input_ids"][0]
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=self.device)
         seen.scatter_(1, self.upload(prompt), True)
         counts = counts[:, :vocab]
@@ -418,10 +479,18 @@ class ModelRunner:
         """The rows' packed token log-probabilities (sampling.token_logprobs, as many alternatives
         as the row asking most wants) on the device, or None when no row asks."""
         top = max(s.req.logprobs for s in rows)
-        return None if top < 0 else token_logprobs(logits[:len(rows)], tokens[:len(rows)], top)
+        return None if top < 0 else token_logprobs(logits[: len(rows)], tokens[: len(rows)], top)
 
     def decode_rows(self, rows: list[Sequence]) -> list[DecodeRow]:
         """Each row's inputs to its next decode step."""
         kv = self.blocks
-        return [DecodeRow(token=s.last_token, position=s.length + s.rope_delta, slot=kv.slot(s.id, s.length),
-                          length=s.length + 1, table_row=kv.row(s.id)) for s in rows]
+        return [
+            DecodeRow(
+                token=s.last_token,
+                position=s.length + s.rope_delta,
+                slot=kv.slot(s.id, s.length),
+                length=s.length + 1,
+                table_row=kv.row(s.id),
+            )
+            for s in rows
+        ]

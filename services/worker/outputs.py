@@ -30,8 +30,14 @@ log = structlog.get_logger()
 
 
 class OutputProcessor:
-    def __init__(self, sched: StepScheduler, pool: AdapterPool, device: torch.device, eos_ids: set[int],
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        sched: StepScheduler,
+        pool: AdapterPool,
+        device: torch.device,
+        eos_ids: set[int],
+        tp: TPGroup | None = None,
+    ) -> None:
         self.sched, self.pool, self.device = sched, pool, device
         self.eos_ids = eos_ids
         self.tp = tp  # more than one rank, or None
@@ -53,8 +59,11 @@ class OutputProcessor:
             return True
         except Exception as exc:  # noqa: BLE001
             log.error("engine_step_failed", error=repr(exc), requests=[s.req.request_id for s in seqs])
-            error = exc if isinstance(exc, ValoraError) else ValoraError(
-                f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
+            error = (
+                exc
+                if isinstance(exc, ValoraError)
+                else ValoraError(f"engine step failed: {type(exc).__name__}: {exc}", reason="ENGINE_STEP_FAILED")
+            )
             for s in seqs:
                 self.sched.finish(s)
                 self.emit(s, Failed(error))
@@ -119,7 +128,7 @@ class OutputProcessor:
     def _new_logprobs(s: Sequence) -> tuple:
         """The log-probabilities of the tokens since the previous TextDelta (held-back tokens'
         go with the delta that shows their text)."""
-        new = tuple(s.logprobs[s.logprobs_sent:])
+        new = tuple(s.logprobs[s.logprobs_sent :])
         s.logprobs_sent = len(s.logprobs)
         return new
 
@@ -151,9 +160,18 @@ class OutputProcessor:
         now = time.monotonic()
         t0 = s.prep.arrived
         return GenerationResult(
-            request_id=s.req.request_id, token_ids=list(s.tokens), finish_reason=reason,
-            image_tokens=s.prep.image_tokens, prompt_tokens=s.prep.prompt_tokens, output_tokens=len(s.tokens),
-            queue_ms=(s.t_prefill - t0) * 1e3, first_token_ms=(s.t_first - t0) * 1e3, total_ms=(now - t0) * 1e3,
-            mode=s.mode, adapter=s.req.adapter or "", token_times=list(s.token_times),
-            released_after_tokens=s.prep.release_after if s.released else 0, **kw,
+            request_id=s.req.request_id,
+            token_ids=list(s.tokens),
+            finish_reason=reason,
+            image_tokens=s.prep.image_tokens,
+            prompt_tokens=s.prep.prompt_tokens,
+            output_tokens=len(s.tokens),
+            queue_ms=(s.t_prefill - t0) * 1e3,
+            first_token_ms=(s.t_first - t0) * 1e3,
+            total_ms=(now - t0) * 1e3,
+            mode=s.mode,
+            adapter=s.req.adapter or "",
+            token_times=list(s.token_times),
+            released_after_tokens=s.prep.release_after if s.released else 0,
+            **kw,
         )

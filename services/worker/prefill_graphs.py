@@ -58,16 +58,27 @@ class _Entry(GraphEntry):
     def __post_init__(self) -> None:
         t = self.embeds.shape[0]
         r = (self.inp.shape[0] - 4 * t - 1) // 4
-        self.pos, self.slots = self.inp[:3 * t].view(3, 1, t), self.inp[3 * t:4 * t]
-        rest = self.inp[4 * t:]
-        self.cu, self.lens = rest[:r + 1], rest[r + 1:2 * r + 1]
-        self.rows, self.last = rest[2 * r + 1:3 * r + 1], rest[3 * r + 1:]
+        self.pos, self.slots = self.inp[: 3 * t].view(3, 1, t), self.inp[3 * t : 4 * t]
+        rest = self.inp[4 * t :]
+        self.cu, self.lens = rest[: r + 1], rest[r + 1 : 2 * r + 1]
+        self.rows, self.last = rest[2 * r + 1 : 3 * r + 1], rest[3 * r + 1 :]
 
 
 class PrefillGraphs(GraphSet):
-    def __init__(self, model, runtime: LoraRuntime, pool: KVPool, blocks: BlockManager, device: torch.device,
-                 rows: int, capture: bool = True, pad: bool = True, kernel: bool = True, max_graphs: int = 128,
-                 pool_handle=None) -> None:
+    def __init__(
+        self,
+        model,
+        runtime: LoraRuntime,
+        pool: KVPool,
+        blocks: BlockManager,
+        device: torch.device,
+        rows: int,
+        capture: bool = True,
+        pad: bool = True,
+        kernel: bool = True,
+        max_graphs: int = 128,
+        pool_handle=None,
+    ) -> None:
         """`rows`: the most rows a step prefills; `kernel`: the Triton paged prefill attention
         (its reference reads lengths on the host: no graphs without it); `max_graphs`: ~20
         buckets x the LoRA mixes' launch keys (a key's graph holds no memory of its own but
@@ -87,8 +98,16 @@ class PrefillGraphs(GraphSet):
         """The tokens a forward of `n` packed tokens runs (its bucket when padding)."""
         return bucket_tokens(n) if self.pad else n
 
-    def forward(self, embeds: list[torch.Tensor], positions: list[torch.Tensor], slots: list[torch.Tensor],
-                table_rows: list[int], seq_lens: list[int], wanted: list[int], step: StepLora) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        slots: list[torch.Tensor],
+        table_rows: list[int],
+        seq_lens: list[int],
+        wanted: list[int],
+        step: StepLora,
+    ) -> torch.Tensor:
         """The language model over the rows' pieces packed (`embeds` (n_i, hidden) device,
         `positions` (3, n_i) and `slots` (n_i,) long host tensors a row; each row's block-table
         row and context length with its piece), `step` planned for `tokens(sum n_i)` tokens.
@@ -101,25 +120,34 @@ class PrefillGraphs(GraphSet):
             raise ValueError(f"the LoRA plan covers {step.plan.num_tokens} tokens, the forward {t}")
         rows = max(self.max_rows, r)
         lora = lora_launch_key(self.runtime, step)
-        e = self.entry((t, rows, lora), lambda: _Entry(**self._buffers(t, rows, embeds[0].dtype)),
-                       graphless=lora == REFERENCE)
+        e = self.entry(
+            (t, rows, lora), lambda: _Entry(**self._buffers(t, rows, embeds[0].dtype)), graphless=lora == REFERENCE
+        )
         host = torch.zeros(e.inp.shape[0], dtype=torch.long, pin_memory=self.pin)  # copied up without a wait
-        host[:3 * t].view(3, t)[:, :n] = torch.cat(positions, dim=1)
-        host[3 * t:3 * t + n] = torch.cat(slots)  # padding tokens: slot 0, the null block's
+        host[: 3 * t].view(3, t)[:, :n] = torch.cat(positions, dim=1)
+        host[3 * t : 3 * t + n] = torch.cat(slots)  # padding tokens: slot 0, the null block's
         cu = [0]
         for c in counts:
             cu.append(cu[-1] + c)
         null = self.blocks.null_row
-        tail = [*cu, *[n] * (rows - r), *seq_lens, *[0] * (rows - r), *table_rows, *[null] * (rows - r),
-                *wanted, *[0] * (rows - len(wanted))]
-        host[4 * t:] = torch.tensor(tail, dtype=torch.long)
+        tail = [
+            *cu,
+            *[n] * (rows - r),
+            *seq_lens,
+            *[0] * (rows - r),
+            *table_rows,
+            *[null] * (rows - r),
+            *wanted,
+            *[0] * (rows - len(wanted)),
+        ]
+        host[4 * t :] = torch.tensor(tail, dtype=torch.long)
         e.inp.copy_(host, non_blocking=True)
         torch.cat(embeds, out=e.embeds[:n])
         self.blocks.sync()
         (out,) = self.run(e, self._forward)  # raises: the entry and the counters as they were
         self.padding_tokens += t - n
         self.reference_steps += lora == REFERENCE
-        return out[:len(wanted)]
+        return out[: len(wanted)]
 
     def _buffers(self, t: int, rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The input buffers of every entry of `t` tokens and `rows` rows (the LoRA mixes of one
@@ -128,14 +156,24 @@ class PrefillGraphs(GraphSet):
         if got is None:
             got = self._inputs[(t, rows)] = dict(
                 embeds=torch.zeros(t, self.text_config.hidden_size, dtype=dtype, device=self.device),
-                inp=torch.zeros(4 * t + 4 * rows + 1, dtype=torch.long, device=self.device))
+                inp=torch.zeros(4 * t + 4 * rows + 1, dtype=torch.long, device=self.device),
+            )
         return got
 
     def _forward(self, e: _Entry) -> tuple[torch.Tensor]:
-        paged = PagedPrefill(block_tables=self.blocks.tables.index_select(0, e.rows),
-                             cu_q=e.cu.to(torch.int32), seq_lens=e.lens.to(torch.int32), kernel=self.kernel)
+        paged = PagedPrefill(
+            block_tables=self.blocks.tables.index_select(0, e.rows),
+            cu_q=e.cu.to(torch.int32),
+            seq_lens=e.lens.to(torch.int32),
+            kernel=self.kernel,
+        )
         cache = PagedCache(self.text_config, self.pool, e.slots, paged)
-        out = self.lm(inputs_embeds=e.embeds[None], attention_mask={kind: None for kind in self.mask_kinds},
-                      position_ids=e.pos if self.mrope else e.pos[0], past_key_values=cache, use_cache=True,
-                      paged_prefill=paged)
+        out = self.lm(
+            inputs_embeds=e.embeds[None],
+            attention_mask={kind: None for kind in self.mask_kinds},
+            position_ids=e.pos if self.mrope else e.pos[0],
+            past_key_values=cache,
+            use_cache=True,
+            paged_prefill=paged,
+        )
         return (out.last_hidden_state[0].index_select(0, e.last),)

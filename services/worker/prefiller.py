@@ -23,8 +23,15 @@ log = structlog.get_logger()
 
 
 class Prefiller:
-    def __init__(self, sched: StepScheduler, lora: LoraPlanner, runner: ModelRunner, outputs: OutputProcessor,
-                 decoder: Decoder, tokenizer) -> None:
+    def __init__(
+        self,
+        sched: StepScheduler,
+        lora: LoraPlanner,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        decoder: Decoder,
+        tokenizer,
+    ) -> None:
         self.sched, self.lora, self.runner, self.outputs = sched, lora, runner, outputs
         self.decoder, self.tokenizer = decoder, tokenizer
         self.peak_rows = 0  # largest prefill batch (requests in one forward)
@@ -86,8 +93,12 @@ class Prefiller:
         trace's phases stay one each (the retries' time is its prefill's) and say how many rows
         were retried and failed."""
         self.isolated_batches += 1
-        log.warning("prefill_batch_failed", error=repr(exc)[:500], requests=[s.req.request_id for s in rows],
-                    retry="each row alone")
+        log.warning(
+            "prefill_batch_failed",
+            error=repr(exc)[:500],
+            requests=[s.req.request_id for s in rows],
+            retry="each row alone",
+        )
         for s, (prefilled, inputs) in zip(rows, before):
             s.prefilled = prefilled
             s.chunk_inputs = inputs if prefilled else None

@@ -24,8 +24,7 @@ import structlog
 import torch
 
 from services.common.errors import ValoraError, invalid_field
-from services.worker.processor import (build_inputs, decode_image, typed_special_token, typed_vision_token,
-                                       vision_tokens)
+from services.worker.processor import build_inputs, decode_image, typed_special_token, typed_vision_token, vision_tokens
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
@@ -45,16 +44,25 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         request_id=item.request_id,
         prompt=item.prompt,
         images=[decode_image(img.data, f"item.images[{i}]") for i, img in enumerate(item.images)],
-        videos=[[decode_image(f.data, f"item.videos[{i}].frames[{j}]") for j, f in enumerate(v.frames)]
-                for i, v in enumerate(item.videos)],
+        videos=[
+            [decode_image(f.data, f"item.videos[{i}].frames[{j}]") for j, f in enumerate(v.frames)]
+            for i, v in enumerate(item.videos)
+        ],
         adapter=adapter,
         output_kind=kind,
         head=item.head,
         max_new_tokens=p.max_new_tokens,
-        sampling=SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed,
-                                min_p=p.min_p, presence_penalty=p.presence_penalty,
-                                frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty or 1.0,
-                                logit_bias=tuple(sorted(p.logit_bias.items()))),
+        sampling=SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p or 1.0,
+            top_k=p.top_k,
+            seed=p.seed,
+            min_p=p.min_p,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty or 1.0,
+            logit_bias=tuple(sorted(p.logit_bias.items())),
+        ),
         stop=list(p.stop),
         adapter_release_fraction=p.adapter_release_fraction,
         system=item.system,
@@ -65,8 +73,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
     )
 
 
-def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | None
-                    ) -> tuple[dict, list[VisionItem]]:
+def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | None) -> tuple[dict, list[VisionItem]]:
     """The processor's inputs for the request (pixels cast to `pixel_dtype` when given) and its
     images'/videos' content keys; INVALID_ARGUMENT for images it cannot take (BAD_IMAGE) and for
     text holding a vision placeholder token (VISION_TOKEN_IN_PROMPT: processor.typed_vision_token)
@@ -79,24 +86,44 @@ def process_request(processor, request: WorkRequest, pixel_dtype: torch.dtype | 
     for i, frames in enumerate(request.videos):
         if not frames:
             raise invalid_field(f"item.videos[{i}].frames", "a video needs at least one frame", reason="BAD_IMAGE")
-    texts = [("item.prompt", request.prompt), ("item.system", request.system),
-             *((f"item.history[{i}].text", turn[1]) for i, turn in enumerate(request.history))]
+    texts = [
+        ("item.prompt", request.prompt),
+        ("item.system", request.system),
+        *((f"item.history[{i}].text", turn[1]) for i, turn in enumerate(request.history)),
+    ]
     placeholders = vision_tokens(processor)
     for field, text in texts:  # before the processor: it expands every <|image_pad|> it finds
         if token := typed_vision_token(text, placeholders):
-            raise invalid_field(field, f"holds {token!r}, a vision placeholder token: the request's images and "
-                                f"videos place their own ({', '.join(placeholders)} are not taken as text)",
-                                reason="VISION_TOKEN_IN_PROMPT")
+            raise invalid_field(
+                field,
+                f"holds {token!r}, a vision placeholder token: the request's images and "
+                f"videos place their own ({', '.join(placeholders)} are not taken as text)",
+                reason="VISION_TOKEN_IN_PROMPT",
+            )
         if not request.raw_prompt and (token := typed_special_token(text, processor.tokenizer)):
-            raise invalid_field(field, f"holds {token!r}, a special token of the model's tokenizer: the chat "
-                                "template places the turns' control tokens, text may not",
-                                reason="SPECIAL_TOKEN_IN_PROMPT")
+            raise invalid_field(
+                field,
+                f"holds {token!r}, a special token of the model's tokenizer: the chat "
+                "template places the turns' control tokens, text may not",
+                reason="SPECIAL_TOKEN_IN_PROMPT",
+            )
     try:
-        inputs = dict(build_inputs(processor, request.images, request.prompt, request.videos, request.system,
-                                   request.history, raw=request.raw_prompt, token_ids=request.prompt_token_ids))
+        inputs = dict(
+            build_inputs(
+                processor,
+                request.images,
+                request.prompt,
+                request.videos,
+                request.system,
+                request.history,
+                raw=request.raw_prompt,
+                token_ids=request.prompt_token_ids,
+            )
+        )
     except (ValueError, TypeError) as exc:
-        raise invalid_field("item.images", f"cannot process the request's images or videos: {exc}",
-                            reason="BAD_IMAGE") from exc
+        raise invalid_field(
+            "item.images", f"cannot process the request's images or videos: {exc}", reason="BAD_IMAGE"
+        ) from exc
     if pixel_dtype is not None:
         cast_pixels(inputs, pixel_dtype)
     return inputs, vision_items(inputs)  # keys over the pixels the tower gets
@@ -144,8 +171,12 @@ class Preprocessor:
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=self._processes, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_child, initargs=self._initargs)
+        return ProcessPoolExecutor(
+            max_workers=self._processes,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_child,
+            initargs=self._initargs,
+        )
 
     async def start(self) -> None:
         """Starts every process (spawn, imports, processor load) before the first request."""
@@ -165,8 +196,9 @@ class Preprocessor:
                     log.warning("preprocess_pool_broken", request_id=item.request_id, attempt=attempt)
                     pool.shutdown(wait=False, cancel_futures=True)
                     self._pool = self._new_pool()
-        raise ValoraError(f"request {item.request_id}: its preprocessing process died twice",
-                          reason="PREPROCESS_FAILED")
+        raise ValoraError(
+            f"request {item.request_id}: its preprocessing process died twice", reason="PREPROCESS_FAILED"
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

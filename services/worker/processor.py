@@ -58,9 +58,11 @@ class ImageQwen2VLProcessor(Qwen2VLProcessor):
         self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
         self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
         self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(
-            self.image_token)
+            self.image_token
+        )
         self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(
-            self.video_token)
+            self.video_token
+        )
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
@@ -95,12 +97,20 @@ def load_processor(path: Path | str):
             raise
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
-        return processor_class(architecture_of(path))(image_processor=image_processor, tokenizer=tokenizer,
-                                                      chat_template=getattr(tokenizer, "chat_template", None))
+        return processor_class(architecture_of(path))(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            chat_template=getattr(tokenizer, "chat_template", None),
+        )
 
 
-def chat_text(prompt: str, num_images: int, video_tokens: list[int] | tuple[int, ...] = (), system: str = "",
-              history: Sequence[tuple[str, str, int]] = ()) -> str:
+def chat_text(
+    prompt: str,
+    num_images: int,
+    video_tokens: list[int] | tuple[int, ...] = (),
+    system: str = "",
+    history: Sequence[tuple[str, str, int]] = (),
+) -> str:
     """Qwen2-VL's chat format (its chat template's output): the system turn (`system`, else the
     default), the `history` turns (role, text, how many of the images they show, first), then the
     final user turn (the remaining images, then videos, then the prompt) + assistant start.
@@ -138,8 +148,12 @@ def vision_token_ids(model_config) -> dict[str, int]:
     c = model_config
     if getattr(c, "vision_start_token_id", None) is None:  # LLaVA: its image token alone
         return {llava.IMAGE_TOKEN: c.image_token_id}
-    return {VISION_START: c.vision_start_token_id, IMAGE_PAD: c.image_token_id, VIDEO_PAD: c.video_token_id,
-            VISION_END: c.vision_end_token_id}
+    return {
+        VISION_START: c.vision_start_token_id,
+        IMAGE_PAD: c.image_token_id,
+        VIDEO_PAD: c.video_token_id,
+        VISION_END: c.vision_end_token_id,
+    }
 
 
 def vision_tokens(processor) -> tuple[str, ...]:
@@ -153,7 +167,7 @@ def placeholder_counts(processor, inputs) -> dict[str, int]:
     merge² pads; for LLaVA each image's `<image>` tokens (llava.placeholder_counts)."""
     if isinstance(processor, LlavaProcessor):
         return llava.placeholder_counts(processor, inputs)
-    merge = processor.image_processor.merge_size ** 2
+    merge = processor.image_processor.merge_size**2
     grids = {kind: inputs.get(f"{kind}_grid_thw") for kind in ("image", "video")}
     grids = {kind: torch.zeros((0, 3), dtype=torch.long) if g is None else g for kind, g in grids.items()}
     pads = {kind: int(g.prod(dim=-1).sum()) // merge for kind, g in grids.items()}
@@ -227,9 +241,16 @@ def video_inputs(image_processor, frames: list[Image.Image]) -> tuple[torch.Tens
     return video.reshape(grid_t * gh * gw, -1).contiguous(), [grid_t, gh, gw]
 
 
-def build_inputs(processor, images: list[Image.Image], prompt: str,
-                 videos: list[list[Image.Image]] | None = None, system: str = "",
-                 history: Sequence[tuple[str, str, int]] = (), raw: bool = False, token_ids: Sequence[int] = ()):
+def build_inputs(
+    processor,
+    images: list[Image.Image],
+    prompt: str,
+    videos: list[list[Image.Image]] | None = None,
+    system: str = "",
+    history: Sequence[tuple[str, str, int]] = (),
+    raw: bool = False,
+    token_ids: Sequence[int] = (),
+):
     """Processor outputs for one request: input_ids, attention_mask, mm_token_type_ids, with
     images pixel_values and image_grid_thw, with videos (lists of frames) pixel_values_videos and
     video_grid_thw (torch tensors, batch of 1). `raw`: the prompt is the whole text (no chat
@@ -241,22 +262,27 @@ def build_inputs(processor, images: list[Image.Image], prompt: str,
         if not raw or prompt:
             raise ValueError("token ids are a raw prompt's, instead of its text")
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
-        return BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                             "mm_token_type_ids": torch.zeros_like(ids)})
+        return BatchFeature(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": torch.zeros_like(ids)}
+        )
     if isinstance(processor, LlavaProcessor):
         return llava.build_inputs(processor, images, prompt, videos, system, history, raw)
     chunks = [video_inputs(processor.image_processor, frames) for frames in videos or []]
-    merge = processor.image_processor.merge_size ** 2
+    merge = processor.image_processor.merge_size**2
     # Video pads expanded here (the processor expands image pads only: it has no video processor).
-    text = prompt if raw else chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks],
-                                        system, history)
+    text = (
+        prompt
+        if raw
+        else chat_text(prompt, len(images), [g[0] * g[1] * g[2] // merge for _, g in chunks], system, history)
+    )
     inputs = processor(images=list(images) or None, text=[text], return_tensors="pt")
     if chunks:
         inputs["pixel_values_videos"] = torch.cat([c[0] for c in chunks])
         inputs["video_grid_thw"] = torch.tensor([c[1] for c in chunks], dtype=torch.long)
         if "second_per_grid_ts" in processor.model_input_names:  # as HF's Qwen2.5-VL processor gives it
-            inputs["second_per_grid_ts"] = torch.full((len(chunks),),
-                                                      processor.image_processor.temporal_patch_size / VIDEO_FPS)
+            inputs["second_per_grid_ts"] = torch.full(
+                (len(chunks),), processor.image_processor.temporal_patch_size / VIDEO_FPS
+            )
     return inputs
 
 
@@ -267,8 +293,9 @@ def decode_image(data: bytes, field_path: str = "images") -> Image.Image:
     try:
         img = Image.open(io.BytesIO(data))
         if img.width * img.height > MAX_IMAGE_PIXELS:
-            raise invalid_field(field_path, f"image is {img.width}x{img.height}, over {MAX_IMAGE_PIXELS} pixels",
-                                reason="BAD_IMAGE")
+            raise invalid_field(
+                field_path, f"image is {img.width}x{img.height}, over {MAX_IMAGE_PIXELS} pixels", reason="BAD_IMAGE"
+            )
         img.load()
         return img.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as exc:

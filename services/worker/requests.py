@@ -170,9 +170,13 @@ def step_times(step_log, window: int = STEP_WINDOW) -> StepTimes:
     decode = sorted(ms for prefill, rows, ms in entries if not prefill and rows)
     prefill = sorted(ms for p, _, ms in entries if p)
     return StepTimes(
-        steps=len(entries), decode_steps=len(decode), prefill_steps=len(prefill),
-        decode_ms_p50=_percentile(decode, 0.5), decode_ms_p90=_percentile(decode, 0.9),
-        prefill_ms_p50=_percentile(prefill, 0.5), prefill_ms_p90=_percentile(prefill, 0.9),
+        steps=len(entries),
+        decode_steps=len(decode),
+        prefill_steps=len(prefill),
+        decode_ms_p50=_percentile(decode, 0.5),
+        decode_ms_p90=_percentile(decode, 0.9),
+        prefill_ms_p50=_percentile(prefill, 0.5),
+        prefill_ms_p90=_percentile(prefill, 0.9),
     )
 
 

@@ -87,26 +87,43 @@ class RowSampling:
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> "RowSampling":
         pin = device.type == "cuda"
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params]], dtype=torch.float32,
-                              pin_memory=pin).to(device, non_blocking=True)
-        longs = torch.tensor([[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64,
-                             pin_memory=pin).to(device, non_blocking=True)
+        floats = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            dtype=torch.float32,
+            pin_memory=pin,
+        ).to(device, non_blocking=True)
+        longs = torch.tensor(
+            [[p.top_k for p in params], [p.seed for p in params]], dtype=torch.int64, pin_memory=pin
+        ).to(device, non_blocking=True)
         penalties = None
         if any(p.penalized for p in params):
-            penalties = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                                      [p.presence_penalty for p in params]], dtype=torch.float32,
-                                     pin_memory=pin).to(device, non_blocking=True)
+            penalties = torch.tensor(
+                [
+                    [p.repetition_penalty for p in params],
+                    [p.frequency_penalty for p in params],
+                    [p.presence_penalty for p in params],
+                ],
+                dtype=torch.float32,
+                pin_memory=pin,
+            ).to(device, non_blocking=True)
         bias = None
         if any(p.logit_bias for p in params):
             width = max(len(p.logit_bias) for p in params)
             pad = [(0, 0.0)] * width
-            pairs = [list(p.logit_bias) + pad[len(p.logit_bias):] for p in params]
+            pairs = [list(p.logit_bias) + pad[len(p.logit_bias) :] for p in params]
             ids = torch.tensor([[t for t, _ in row] for row in pairs], dtype=torch.int64, pin_memory=pin)
             values = torch.tensor([[b for _, b in row] for row in pairs], dtype=torch.float32, pin_memory=pin)
             bias = ids.to(device, non_blocking=True), values.to(device, non_blocking=True)
-        return cls(floats[0], floats[1], longs[0], longs[1], any(p.filtered for p in params if not p.greedy),
-                   floats[2], penalties, bias)
+        return cls(
+            floats[0],
+            floats[1],
+            longs[0],
+            longs[1],
+            any(p.filtered for p in params if not p.greedy),
+            floats[2],
+            penalties,
+            bias,
+        )
 
 
 def add_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -115,8 +132,7 @@ def add_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> t
     return logits.float().scatter_add(1, ids, values)
 
 
-def penalize(logits: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor
-             ) -> torch.Tensor:
+def penalize(logits: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """fp32 logits after the penalties (3, rows) of RowSampling: a token of the prompt or the
     output (`seen`, rows x vocab bool) has its logit divided by the repetition penalty when
     positive, multiplied when negative (HF's and vLLM's repetition_penalty); then each token's
@@ -128,8 +144,13 @@ def penalize(logits: torch.Tensor, penalties: torch.Tensor, counts: torch.Tensor
     return out - freq * counts - pres * (counts > 0).float()
 
 
-def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor,
-           history: tuple[torch.Tensor, torch.Tensor] | None = None, kernel: bool = False) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    rows: RowSampling,
+    counters: torch.Tensor,
+    history: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: bool = False,
+) -> torch.Tensor:
     """(rows,) long tokens for (rows, vocab) logits. `counters` (rows,) long: the position each
     row's token will take (the noise's counter). `history`: (output counts, prompt-or-output
     seen) per row and vocabulary entry, when rows.penalties is set. The logit bias (`add_bias`),
@@ -140,8 +161,17 @@ def sample(logits: torch.Tensor, rows: RowSampling, counters: torch.Tensor,
         logits = add_bias(logits, *rows.bias)
     if rows.penalties is not None:
         logits = penalize(logits, rows.penalties, *history)
-    return sample_tokens(logits, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed, counters,
-                         kernel=kernel, filtered=rows.filtered)
+    return sample_tokens(
+        logits,
+        rows.temperature,
+        rows.top_p,
+        rows.top_k,
+        rows.min_p,
+        rows.seed,
+        counters,
+        kernel=kernel,
+        filtered=rows.filtered,
+    )
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:

@@ -51,8 +51,16 @@ WATCH_INTERVAL_MS = (500, 50, 60_000)  # default, min, max
 
 def _status_key(st: admin_service_pb2.WorkerStatus) -> tuple:
     """What a status change is, for WatchWorkerStatus (not step times nor cache counters)."""
-    return (st.healthy, st.mode, st.merged_adapter, frozenset(st.resident_adapters), frozenset(st.host_adapters),
-            st.running_requests, st.waiting_requests, st.kv_cache_bytes)
+    return (
+        st.healthy,
+        st.mode,
+        st.merged_adapter,
+        frozenset(st.resident_adapters),
+        frozenset(st.host_adapters),
+        st.running_requests,
+        st.waiting_requests,
+        st.kv_cache_bytes,
+    )
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -84,8 +92,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             raise WorkerUnavailable("the worker engine is not running", reason="ENGINE_DOWN")
         return self.engine
 
-    async def ensure_adapter(self, version: str, sha256: str, to_device: bool = False,
-                             field_path: str = "adapter.version") -> bool:
+    async def ensure_adapter(
+        self, version: str, sha256: str, to_device: bool = False, field_path: str = "adapter.version"
+    ) -> bool:
         """Loads the adapter version if needed; True when it was already loaded."""
         engine = self._engine()
         parse_version_name(version, field_path)
@@ -93,8 +102,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             engine.pool.touch(version)  # host LRU: what host_adapter_bytes evicts last
             held = engine.pool.get(version)
             if sha256 and held.sha256 and sha256 != held.sha256:
-                raise FailedPrecondition(f"{version} is loaded with sha256 {held.sha256}, not {sha256}",
-                                         reason="SHA256_MISMATCH")
+                raise FailedPrecondition(
+                    f"{version} is loaded with sha256 {held.sha256}, not {sha256}", reason="SHA256_MISMATCH"
+                )
             if to_device:
                 engine.adapter_to_device(version)
             return True
@@ -106,13 +116,23 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             bundle = await self.fetcher.fetch(version, sha256)
             t1 = time.perf_counter()
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, lambda: engine.load_adapter_bytes(
-                version, bundle.sha256, bundle.data, bundle.config_json, bundle.head_labels, to_device))
+            await loop.run_in_executor(
+                None,
+                lambda: engine.load_adapter_bytes(
+                    version, bundle.sha256, bundle.data, bundle.config_json, bundle.head_labels, to_device
+                ),
+            )
             t2 = time.perf_counter()
             metrics.ADAPTER_LOAD.labels(self.worker_name, "fetch").observe(t1 - t0)
             metrics.ADAPTER_LOAD.labels(self.worker_name, "load").observe(t2 - t1)
-            log.info("adapter_loaded", adapter=version, sha256=bundle.sha256, bytes=len(bundle.data),
-                     fetch_ms=round((t1 - t0) * 1e3, 1), load_ms=round((t2 - t1) * 1e3, 1))
+            log.info(
+                "adapter_loaded",
+                adapter=version,
+                sha256=bundle.sha256,
+                bytes=len(bundle.data),
+                fetch_ms=round((t1 - t0) * 1e3, 1),
+                load_ms=round((t2 - t1) * 1e3, 1),
+            )
             return False
 
     async def Generate(self, request, context):
@@ -148,11 +168,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     async with asyncio.timeout_at(when):
                         ev = await events.get()
                 except TimeoutError:
-                    raise DeadlineExceeded(f"request {item.request_id} ran past its deadline",
-                                           reason="DEADLINE_EXCEEDED") from None
+                    raise DeadlineExceeded(
+                        f"request {item.request_id} ran past its deadline", reason="DEADLINE_EXCEEDED"
+                    ) from None
                 if isinstance(ev, TextDelta):
-                    yield pb.GenerateResponse(text_delta=ev.text,
-                                              logprobs=convert.logprobs_to_pb(ev.logprobs, self.token_text))
+                    yield pb.GenerateResponse(
+                        text_delta=ev.text, logprobs=convert.logprobs_to_pb(ev.logprobs, self.token_text)
+                    )
                 elif isinstance(ev, Finished):
                     done = True
                     worker_metrics.observe_result(self.worker_name, ev.result)
@@ -234,15 +256,18 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             parse_version_name(expected, "from_adapter.version")
         await self.ensure_adapter(to, request.to_adapter.sha256, field_path="to_adapter.version")
         switch_ms, changed = await self._change_mode(engine.switch, to, expected or None)
-        return pb.SwitchResponse(switch_ms=switch_ms if changed else 0.0, already_switched=not changed,
-                                 mode=engine.stats().mode.to_pb())
+        return pb.SwitchResponse(
+            switch_ms=switch_ms if changed else 0.0, already_switched=not changed, mode=engine.stats().mode.to_pb()
+        )
 
     async def GetWorkerStatus(self, request, context):
         engine = self.engine
         return pb.GetWorkerStatusResponse(
-            status=self._status(), step_times=convert.step_times_to_pb(engine),
+            status=self._status(),
+            step_times=convert.step_times_to_pb(engine),
             decode_graphs=convert.graph_counters_to_pb(engine and engine.graphs),
-            prefill_graphs=convert.graph_counters_to_pb(engine and engine.runner.prefill_graphs))
+            prefill_graphs=convert.graph_counters_to_pb(engine and engine.runner.prefill_graphs),
+        )
 
     def _status(self) -> admin_service_pb2.WorkerStatus:
         return convert.worker_status_to_pb(self.engine, self.address, self.settings, self.is_serving)
@@ -292,9 +317,15 @@ async def create_server(settings: WorkerSettings) -> Service:
     """Builds the worker's server; the model loads when the service starts (health NOT_SERVING
     until then, and again if the engine dies)."""
     tracing = tracer_provider(settings, "worker")
-    fetcher = AdapterFetcher(settings.adapter_store_address, settings.adapter_cache_dir, channel_options(settings),
-                             tracer_provider=tracing, credentials=client_credentials(settings),
-                             token=internal_token(settings), cache_bytes=settings.adapter_cache_bytes)
+    fetcher = AdapterFetcher(
+        settings.adapter_store_address,
+        settings.adapter_cache_dir,
+        channel_options(settings),
+        tracer_provider=tracing,
+        credentials=client_credentials(settings),
+        token=internal_token(settings),
+        cache_bytes=settings.adapter_cache_bytes,
+    )
     servicer = WorkerServicer(settings, fetcher)
 
     def register(server):

@@ -110,13 +110,18 @@ def build_tp_leader(settings: WorkerSettings, servicer, table_source: str | None
     except BaseException:
         servicer.followers.terminate()
         raise
-    log.info("tp_ranks_ready", tp_size=settings.tp_size, tp_port=tp_settings.tp_port,
-             followers=[p.pid for p in servicer.followers.procs])
+    log.info(
+        "tp_ranks_ready",
+        tp_size=settings.tp_size,
+        tp_port=tp_settings.tp_port,
+        followers=[p.pid for p in servicer.followers.procs],
+    )
     return engine
 
 
-async def load_engine(settings: WorkerSettings, servicer, fetcher: AdapterFetcher, service: Service,
-                      watchdog: list[asyncio.Task]) -> None:
+async def load_engine(
+    settings: WorkerSettings, servicer, fetcher: AdapterFetcher, service: Service, watchdog: list[asyncio.Task]
+) -> None:
     """The service's start: the tile table, the engine (executor), the preprocessing processes,
     then the watchdog (appended to `watchdog`)."""
     loop = asyncio.get_running_loop()
@@ -127,11 +132,17 @@ async def load_engine(settings: WorkerSettings, servicer, fetcher: AdapterFetche
         log.warning("tile_table_failed", error=f"{type(exc).__name__}: {exc}")
     servicer.engine = await loop.run_in_executor(None, build_engine, settings, servicer, table_source)
     if settings.preprocess_processes:
-        servicer.preprocessor = Preprocessor(Path(settings.model_path).expanduser(), settings.preprocess_processes,
-                                             servicer.engine.intake.pixel_dtype)
+        servicer.preprocessor = Preprocessor(
+            Path(settings.model_path).expanduser(), settings.preprocess_processes, servicer.engine.intake.pixel_dtype
+        )
         await servicer.preprocessor.start()
-    log.info("engine_ready", model=settings.model_path, device=settings.device, dtype=settings.dtype,
-             tp_size=settings.tp_size)
+    log.info(
+        "engine_ready",
+        model=settings.model_path,
+        device=settings.device,
+        dtype=settings.dtype,
+        tp_size=settings.tp_size,
+    )
     watchdog.append(asyncio.create_task(watch_engine(service, servicer, settings.engine_stall_s)))
 
 
@@ -163,10 +174,17 @@ def attach(service: Service, settings: WorkerSettings, servicer, fetcher: Adapte
     if settings.scheduler_address:
         # Registers once the engine is loaded; on_stop runs in reverse, so it leaves the pool first.
         registration = SchedulerRegistration(
-            settings.scheduler_address, address=servicer.address, name=servicer.worker_name, device=settings.device,
-            max_batch_size=settings.max_batch_size, heartbeat_s=settings.heartbeat_s,
-            channel_options=channel_options(settings), tracer_provider=tracing,
-            credentials=client_credentials(settings), token=internal_token(settings))
+            settings.scheduler_address,
+            address=servicer.address,
+            name=servicer.worker_name,
+            device=settings.device,
+            max_batch_size=settings.max_batch_size,
+            heartbeat_s=settings.heartbeat_s,
+            channel_options=channel_options(settings),
+            tracer_provider=tracing,
+            credentials=client_credentials(settings),
+            token=internal_token(settings),
+        )
         service.registration = registration
         service.on_start.append(registration.start)
         service.on_stop.append(registration.stop)

@@ -65,8 +65,7 @@ class GraphEntry:
 
 
 class GraphSet:
-    def __init__(self, name: str, device: torch.device, capture: bool, max_graphs: int,
-                 pool_handle=None) -> None:
+    def __init__(self, name: str, device: torch.device, capture: bool, max_graphs: int, pool_handle=None) -> None:
         """`name`: the forward's, in log lines; `pool_handle`: the memory pool to capture into
         (torch.cuda.graph_pool_handle(); None: a pool of this set's own)."""
         self.name = name
@@ -141,8 +140,9 @@ class GraphSet:
             e.failures += 1
             e.graphless = e.failures >= MAX_CAPTURE_FAILURES
             self.capture_failures += 1
-            log.warning(f"{self.name}_graph_capture_failed", error=repr(exc)[:500], failures=e.failures,
-                        graphless=e.graphless)
+            log.warning(
+                f"{self.name}_graph_capture_failed", error=repr(exc)[:500], failures=e.failures, graphless=e.graphless
+            )
             torch.cuda.synchronize(self.device)
             return False
         e.graph, e.out = graph, out

@@ -35,8 +35,14 @@ MIN_CHUNK = 256  # tokens (at most a quarter of the budget): a shorter chunk beh
 
 
 class StepScheduler:
-    def __init__(self, config, kv: BlockManager, pool: AdapterPool, lock: threading.Condition,
-                 padded: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        kv: BlockManager,
+        pool: AdapterPool,
+        lock: threading.Condition,
+        padded: Callable[[int], int] | None = None,
+    ) -> None:
         """`config`: the engine's EngineConfig (max_batch_size, max_prefills_per_step,
         max_prefill_tokens, prefill_fill_padding, read when used); `lock`: the engine's condition
         guarding `incoming` and `waiting` (submit runs on other threads); everything else is the
@@ -68,8 +74,12 @@ class StepScheduler:
         return everyone
 
     # -- admission ---------------------------------------------------------------------------
-    def admit(self, halted: Callable[[Sequence], bool], fail: Callable[[Sequence, ValoraError | None], None],
-              take_incoming: bool = True) -> None:
+    def admit(
+        self,
+        halted: Callable[[Sequence], bool],
+        fail: Callable[[Sequence, ValoraError | None], None],
+        take_incoming: bool = True,
+    ) -> None:
         """Queues the submitted requests (`take_incoming`; tensor parallel: the engine's broadcast
         queued them), drops the waiting ones `halted` says stopped (`fail(s, None)`: the engine
         says why) and admits what fits."""
@@ -199,8 +209,9 @@ class StepScheduler:
         self.preemptions += 1
         with self.lock:
             self.waiting.appendleft(s)
-        log.info("sequence_preempted", request_id=s.req.request_id, tokens=len(s.tokens),
-                 free_blocks=self.kv.free_blocks)
+        log.info(
+            "sequence_preempted", request_id=s.req.request_id, tokens=len(s.tokens), free_blocks=self.kv.free_blocks
+        )
 
     # -- leaving -----------------------------------------------------------------------------
     def finish(self, s: Sequence) -> None:

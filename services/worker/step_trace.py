@@ -40,8 +40,12 @@ class StepTrace:
         """A step starts: the scheduler's queues as it finds them."""
         if not self.on:
             return
-        self._record = {"t": round(time.time(), 4), "queued": len(sched.incoming) + len(sched.waiting),
-                        "prefilling": len(sched.prefill), "running": len(sched.running)}
+        self._record = {
+            "t": round(time.time(), 4),
+            "queued": len(sched.incoming) + len(sched.waiting),
+            "prefilling": len(sched.prefill),
+            "running": len(sched.running),
+        }
         self._marks = [("", time.perf_counter(), self._event())]
 
     def mark(self, phase: str) -> None:
@@ -53,8 +57,9 @@ class StepTrace:
         """The step's prefill pieces (their sequences, StepScheduler.take_prefills) are chosen:
         the "admit" phase ends."""
         if self.on and self._marks:
-            self._record.update(prefill_rows=len(prefill),
-                                prefill_tokens=sum(s.prefill_to - s.prefilled for s in prefill))
+            self._record.update(
+                prefill_rows=len(prefill), prefill_tokens=sum(s.prefill_to - s.prefilled for s in prefill)
+            )
             self.mark("admit")
 
     def note(self, **fields) -> None:
@@ -68,9 +73,12 @@ class StepTrace:
         if not self.on or not self._marks:
             return
         rec = self._record
-        rec.update(decode_rows=decode_rows,
-                   host_ms={name: round((t - t_prev) * 1e3, 3)
-                            for (_, t_prev, _), (name, t, _) in zip(self._marks, self._marks[1:])})
+        rec.update(
+            decode_rows=decode_rows,
+            host_ms={
+                name: round((t - t_prev) * 1e3, 3) for (_, t_prev, _), (name, t, _) in zip(self._marks, self._marks[1:])
+            },
+        )
         self._done.append((rec, self._marks))
         self._marks = []
         self._write(wait=False)
@@ -83,8 +91,9 @@ class StepTrace:
                 if not wait and not last.query():
                     return
                 last.synchronize()
-                rec["gpu_ms"] = {name: round(e_prev.elapsed_time(e), 3)
-                                 for (_, _, e_prev), (name, _, e) in zip(marks, marks[1:])}
+                rec["gpu_ms"] = {
+                    name: round(e_prev.elapsed_time(e), 3) for (_, _, e_prev), (name, _, e) in zip(marks, marks[1:])
+                }
             self._done.popleft()
             self._file.write(json.dumps(rec) + "\n")
 

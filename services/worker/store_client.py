@@ -38,8 +38,16 @@ def _sha(data: bytes) -> str:
 
 
 class AdapterFetcher:
-    def __init__(self, store_address: str, cache_dir: Path | str, channel_options=None,
-                 tracer_provider=None, credentials=None, token: str = "", cache_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        store_address: str,
+        cache_dir: Path | str,
+        channel_options=None,
+        tracer_provider=None,
+        credentials=None,
+        token: str = "",
+        cache_bytes: int = 0,
+    ) -> None:
         """`cache_bytes`: what the disk cache may hold (least recently used bundles deleted past
         it; 0: unbounded)."""
         self.store_address = store_address
@@ -53,11 +61,17 @@ class AdapterFetcher:
 
     def _stub(self) -> store_grpc.AdapterStoreServiceStub:
         if not self.store_address:
-            raise WorkerUnavailable("this worker has no adapter store configured (VALORA_ADAPTER_STORE_ADDRESS)",
-                                    reason="NO_ADAPTER_STORE")
+            raise WorkerUnavailable(
+                "this worker has no adapter store configured (VALORA_ADAPTER_STORE_ADDRESS)", reason="NO_ADAPTER_STORE"
+            )
         if self._channel is None:
-            self._channel = open_channel(self.store_address, self._options, self._tracer_provider,
-                                         credentials=self._credentials, token=self._token)
+            self._channel = open_channel(
+                self.store_address,
+                self._options,
+                self._tracer_provider,
+                credentials=self._credentials,
+                token=self._token,
+            )
         return store_grpc.AdapterStoreServiceStub(self._channel)
 
     async def close(self) -> None:
@@ -87,9 +101,10 @@ class AdapterFetcher:
     def _write_cache(self, b: FetchedBundle) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         blob, meta = self._paths(b.sha256)
-        for path, payload in ((blob, b.data),
-                              (meta, json.dumps({"adapter_config_json": b.config_json,
-                                                 "head_labels": b.head_labels}).encode())):
+        for path, payload in (
+            (blob, b.data),
+            (meta, json.dumps({"adapter_config_json": b.config_json, "head_labels": b.head_labels}).encode()),
+        ):
             tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
             tmp.write_bytes(payload)
             tmp.replace(path)
@@ -139,19 +154,23 @@ class AdapterFetcher:
         got = await loop.run_in_executor(None, _sha, data)
         for expected in {sha256, meta.version.sha256} - {""}:
             if got != expected:
-                raise InvalidAdapter(f"bundle of {version} has sha256 {got}, expected {expected}",
-                                     reason="HASH_MISMATCH")
-        bundle = FetchedBundle(version, got, data, meta.adapter_config_json,
-                               {h.name: list(h.labels) for h in meta.version.heads})
+                raise InvalidAdapter(
+                    f"bundle of {version} has sha256 {got}, expected {expected}", reason="HASH_MISMATCH"
+                )
+        bundle = FetchedBundle(
+            version, got, data, meta.adapter_config_json, {h.name: list(h.labels) for h in meta.version.heads}
+        )
         await loop.run_in_executor(None, self._write_cache, bundle)
         return bundle
 
-    async def get_tile_table(self, gpu_name: str, gpu_arch: str, dtype: str,
-                             timeout_s: float | None = None) -> store_pb.TileTable | None:
+    async def get_tile_table(
+        self, gpu_name: str, gpu_arch: str, dtype: str, timeout_s: float | None = None
+    ) -> store_pb.TileTable | None:
         """The store's ATMM tile table for this GPU/arch/dtype, or None when it has none."""
         try:
             reply = await self._stub().GetTileTable(
-                store_pb.GetTileTableRequest(gpu_name=gpu_name, gpu_arch=gpu_arch, dtype=dtype), timeout=timeout_s)
+                store_pb.GetTileTableRequest(gpu_name=gpu_name, gpu_arch=gpu_arch, dtype=dtype), timeout=timeout_s
+            )
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 return None

@@ -100,10 +100,16 @@ def kernel_available(layers: dict[LayerModule, LoraLinear]) -> bool:
 
 
 class Switcher:
-    def __init__(self, layers: dict[LayerModule, LoraLinear], strategy: str = "pristine",
-                 resync_every: int = 64, pristine_device: str | torch.device | None = None,
-                 op: SwitchOp = switch_reference_, use_kernel: bool | None = None,
-                 kernel_config: str | None = None) -> None:
+    def __init__(
+        self,
+        layers: dict[LayerModule, LoraLinear],
+        strategy: str = "pristine",
+        resync_every: int = 64,
+        pristine_device: str | torch.device | None = None,
+        op: SwitchOp = switch_reference_,
+        use_kernel: bool | None = None,
+        kernel_config: str | None = None,
+    ) -> None:
         """use_kernel: None = the switch kernel when `kernel_available` and `op` is the default;
         kernel_config: a switch kernel config name (default: kernels.switch.DEFAULT_CONFIG)."""
         if strategy not in ("pristine", "delta"):
@@ -112,8 +118,10 @@ class Switcher:
         self.strategy = strategy
         self.resync_every = resync_every
         self.op = op
-        self.pristine = {k: lin.base.weight.detach().to(pristine_device or lin.base.weight.device, copy=True)
-                         for k, lin in layers.items()}
+        self.pristine = {
+            k: lin.base.weight.detach().to(pristine_device or lin.base.weight.device, copy=True)
+            for k, lin in layers.items()
+        }
         if use_kernel is None:
             use_kernel = op is switch_reference_ and kernel_available(layers)
         self.use_kernel = use_kernel
@@ -130,13 +138,18 @@ class Switcher:
     @torch.no_grad()
     def set(self, target: DeviceAdapter | None) -> None:
         """Makes `target` the merged adapter (None: pristine base weights)."""
-        if target is self.merged or (target is not None and self.merged is not None
-                                     and target.weights.name == self.merged.weights.name):
+        if target is self.merged or (
+            target is not None and self.merged is not None and target.weights.name == self.merged.weights.name
+        ):
             self.merged = target
             return
         self.switches += 1
-        resync = self.strategy == "pristine" or self.merged is None or target is None or (
-            self.resync_every and self.switches % self.resync_every == 0)
+        resync = (
+            self.strategy == "pristine"
+            or self.merged is None
+            or target is None
+            or (self.resync_every and self.switches % self.resync_every == 0)
+        )
         fast, copies, plan = self._kernel_plan(target, resync) if self.use_kernel else ([], [], None)
         fast_set = set(fast)
         for key, lin in self.layers.items():
@@ -177,8 +190,13 @@ class Switcher:
         ws, srcs, first, second, copies = self.kernel_jobs(fast, target, resync)
         plan = None
         if ws:
-            plan = SwitchPlan(ws, first, second if any(t is not None for t in second) else None,
-                              config=self.kernel_config, sources=srcs)
+            plan = SwitchPlan(
+                ws,
+                first,
+                second if any(t is not None for t in second) else None,
+                config=self.kernel_config,
+                sources=srcs,
+            )
         refs = tuple(None if d is None else weakref.ref(d) for d in (merged, target))
         self._plans[key] = (*refs, fast, copies, plan)
         while len(self._plans) > PLAN_CACHE:

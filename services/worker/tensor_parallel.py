@@ -41,7 +41,6 @@ import torch.distributed as dist
 from services.common.errors import ValoraError
 
 
-
 class GroupBroken(BaseException):
     """The tensor-parallel group cannot go on in lockstep: a collective failed (a rank died, the
     group timed out) or the ranks' states diverged. A BaseException: nothing that fails requests
@@ -79,14 +78,16 @@ class Verdict:
         if error is not None and len(self.failed) == world_size:
             raise error
         where = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failed.items()))
-        raise TPStepFailed(f"engine step failed on tensor-parallel rank{'s' if len(self.failed) > 1 else ''} "
-                           f"{', '.join(map(str, sorted(self.failed)))} of {world_size} ({where})",
-                           reason="ENGINE_STEP_FAILED") from error
+        raise TPStepFailed(
+            f"engine step failed on tensor-parallel rank{'s' if len(self.failed) > 1 else ''} "
+            f"{', '.join(map(str, sorted(self.failed)))} of {world_size} ({where})",
+            reason="ENGINE_STEP_FAILED",
+        ) from error
 
 
 def describe(error: BaseException, limit: int = 400) -> str:
     text = f"{type(error).__name__}: {error}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +130,9 @@ class TPGroup:
                 dist.all_reduce(zeros, group=self.group)
                 zeros.zero_()
         except Exception as exc:  # noqa: BLE001 - the ranks cannot get back in step
-            raise GroupBroken(f"tensor-parallel rank {self.rank} could not finish a failed forward's "
-                              f"collectives: {describe(exc)}") from exc
+            raise GroupBroken(
+                f"tensor-parallel rank {self.rank} could not finish a failed forward's collectives: {describe(exc)}"
+            ) from exc
 
     def _events(self):
         """The group of the host-side collectives (the step events, the agreements)."""
@@ -153,11 +155,13 @@ class TPGroup:
             if not int(flags.sum()):
                 return Verdict()
             everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, (None if error is None else describe(error), dict(rows or {})),
-                                   group=group)
+            dist.all_gather_object(
+                everyone, (None if error is None else describe(error), dict(rows or {})), group=group
+            )
         except Exception as exc:  # noqa: BLE001 - the group is gone
-            raise GroupBroken(f"tensor-parallel rank {self.rank}: the ranks' agreement failed: {describe(exc)}") \
-                from exc
+            raise GroupBroken(
+                f"tensor-parallel rank {self.rank}: the ranks' agreement failed: {describe(exc)}"
+            ) from exc
         failed = {r: why for r, (why, _) in enumerate(everyone) if why is not None}
         others: dict[int, str] = {}
         for r, (_, theirs) in enumerate(everyone):
@@ -182,8 +186,9 @@ class TPGroup:
         try:
             dist.broadcast_object_list(box, src=src, group=group)
         except Exception as exc:  # noqa: BLE001 - a rank is gone: the engine cannot go on
-            raise GroupBroken(f"tensor-parallel rank {self.rank}: the step's broadcast failed: {describe(exc)}") \
-                from exc
+            raise GroupBroken(
+                f"tensor-parallel rank {self.rank}: the step's broadcast failed: {describe(exc)}"
+            ) from exc
         return box[0]
 
     def min_int(self, n: int) -> int:
@@ -222,8 +227,14 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def init_tp_group(rank: int, world_size: int, port: int, backend: str | None = None,
-                  device: torch.device | None = None, timeout_s: float = 300.0) -> TPGroup:
+def init_tp_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None = None,
+    device: torch.device | None = None,
+    timeout_s: float = 300.0,
+) -> TPGroup:
     """Joins the default process group on loopback (one host): gloo on CPU, NCCL on CUDA
     (keep NCCL_NVLS_ENABLE=0 in the environment on the lent H200 hosts) with a gloo group beside
     it for `broadcast_object`."""
@@ -234,14 +245,27 @@ def init_tp_group(rank: int, world_size: int, port: int, backend: str | None = N
     if backend == "nccl" and device is not None:
         torch.cuda.set_device(device)
         kw["device_id"] = device
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kw,
+    )
     tp = TPGroup.from_dist()
     if backend == "nccl":
         tp = dataclasses.replace(tp, object_group=dist.new_group(backend="gloo"))
     return tp
 
 
-
-__all__ = ["GroupBroken", "Ledger", "TPGroup", "TPStepFailed", "Verdict", "describe", "free_loopback_port",
-           "init_tp_group"]
+__all__ = [
+    "GroupBroken",
+    "Ledger",
+    "TPGroup",
+    "TPStepFailed",
+    "Verdict",
+    "describe",
+    "free_loopback_port",
+    "init_tp_group",
+]

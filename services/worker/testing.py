@@ -55,12 +55,23 @@ def _model_config(model: dict | str | Path) -> dict:
 
 
 def peft_config_json(rank: int, lora_alpha: float, target_modules, base_model: str = "") -> str:
-    return json.dumps({
-        "peft_type": "LORA", "task_type": None, "r": rank, "lora_alpha": lora_alpha,
-        "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-        "base_model_name_or_path": base_model, "inference_mode": True,
-    })
+    return json.dumps(
+        {
+            "peft_type": "LORA",
+            "task_type": None,
+            "r": rank,
+            "lora_alpha": lora_alpha,
+            "target_modules": list(target_modules),
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
+            "base_model_name_or_path": base_model,
+            "inference_mode": True,
+        }
+    )
 
 
 def random_adapter_bundle(
@@ -87,8 +98,14 @@ def random_adapter_bundle(
         tensors[f"heads.{name}.weight"] = (torch.randn(len(labels), shapes.hidden_size, generator=g)).to(dtype)
         tensors[f"heads.{name}.bias"] = (torch.randn(len(labels), generator=g) * 0.1).to(dtype)
     data = save_safetensors(tensors)
-    return AdapterBundle(data=data, config_json=peft_config_json(rank, lora_alpha, target_modules), rank=rank,
-                         lora_alpha=lora_alpha, target_modules=tuple(target_modules), heads=dict(heads or {}))
+    return AdapterBundle(
+        data=data,
+        config_json=peft_config_json(rank, lora_alpha, target_modules),
+        rank=rank,
+        lora_alpha=lora_alpha,
+        target_modules=tuple(target_modules),
+        heads=dict(heads or {}),
+    )
 
 
 def write_peft_dir(bundle: AdapterBundle, directory: str | Path) -> Path:
@@ -128,8 +145,12 @@ class InMemoryAdapterStore:
 
         b = self.bundles[name]
         return resources_pb2.AdapterVersion(
-            name=name, sha256=b.sha256, rank=b.rank, lora_alpha=b.lora_alpha,
-            target_modules=list(b.target_modules), size_bytes=len(b.data),
+            name=name,
+            sha256=b.sha256,
+            rank=b.rank,
+            lora_alpha=b.lora_alpha,
+            target_modules=list(b.target_modules),
+            size_bytes=len(b.data),
             heads=[resources_pb2.TaskHead(name=h, labels=labels) for h, labels in b.heads.items()],
         )
 
@@ -150,10 +171,13 @@ class InMemoryAdapterStore:
                     raise AdapterNotFound(f"{request.version} not found", reason="ADAPTER_NOT_FOUND")
                 store.fetches += 1
                 b = store.bundles[request.version]
-                yield pb.FetchAdapterResponse(metadata=pb.FetchAdapterMetadata(
-                    version=store.version_pb(request.version), adapter_config_json=b.config_json))
+                yield pb.FetchAdapterResponse(
+                    metadata=pb.FetchAdapterMetadata(
+                        version=store.version_pb(request.version), adapter_config_json=b.config_json
+                    )
+                )
                 for i in range(0, len(b.data), store.chunk_bytes):
-                    yield pb.FetchAdapterResponse(chunk=b.data[i:i + store.chunk_bytes])
+                    yield pb.FetchAdapterResponse(chunk=b.data[i : i + store.chunk_bytes])
 
         pb_grpc.add_AdapterStoreServiceServicer_to_server(_Servicer(), server)
         return [pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name]

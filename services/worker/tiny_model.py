@@ -47,9 +47,16 @@ BPE_VOCAB_SIZE = 1000  # trained tokens (bytes + merges); specials come after
 SHAPES = {
     "qwen2-vl-7b": dict(
         family="qwen2-vl",
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                  mrope_section=[16, 24, 24]),
+        text=dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=32768,
+            mrope_section=[16, 24, 24],
+        ),
         vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4),
         pixels=(56 * 56, 28 * 28 * 1280),  # Qwen2-VL's processor bounds
     ),
@@ -57,37 +64,81 @@ SHAPES = {
     # vocabulary, M-RoPE and 7B vision tower (merging into the 5120-wide language model).
     "qwen2-vl-13b-like": dict(
         family="qwen2-vl",
-        text=dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                  num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=32768,
-                  mrope_section=[16, 24, 24]),
+        text=dict(
+            vocab_size=152064,
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+            max_position_embeddings=32768,
+            mrope_section=[16, 24, 24],
+        ),
         vision=dict(depth=32, embed_dim=1280, hidden_size=5120, num_heads=16, mlp_ratio=4),
         pixels=(56 * 56, 28 * 28 * 1280),
     ),
     "qwen2-vl-2b": dict(
         family="qwen2-vl",
-        text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                  mrope_section=[16, 24, 24]),
+        text=dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            mrope_section=[16, 24, 24],
+        ),
         vision=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4),
         pixels=(56 * 56, 28 * 28 * 1280),
     ),
     "qwen2.5-vl-7b": dict(
         family="qwen2.5-vl",
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
-                  mrope_section=[16, 24, 24]),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                    hidden_act="silu", window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        text=dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=128000,
+            mrope_section=[16, 24, 24],
+        ),
+        vision=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=3584,
+            hidden_act="silu",
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+            tokens_per_second=2,
+        ),
         pixels=(56 * 56, 28 * 28 * 16384),  # Qwen2.5-VL's processor bounds
     ),
     # LLaVA-1.5-7B: Vicuna-7B (Llama-2-7B's decoder, 32000 tokens + <image> + <pad>, padded to 32064)
     # and CLIP ViT-L/14 at 336 px (576 image tokens).
     "llava-1.5-7b": dict(
         family="llava-1.5",
-        text=dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
-        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14, projection_dim=768),
+        text=dict(
+            vocab_size=32064,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+        ),
+        vision=dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            image_size=336,
+            patch_size=14,
+            projection_dim=768,
+        ),
     ),
 }
 
@@ -119,8 +170,12 @@ Answer the question about the video frame. What color is the truck? Blue. Where 
 """
 
 
-def _build_tokenizer(specials: tuple[str, ...] = SPECIAL_TOKENS, eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
-                     bos: str | None = None):
+def _build_tokenizer(
+    specials: tuple[str, ...] = SPECIAL_TOKENS,
+    eos: str = "<|im_end|>",
+    pad: str = "<|endoftext|>",
+    bos: str | None = None,
+):
     """The byte-level BPE tokenizer trained on _CORPUS, with `specials` after the trained tokens
     (Qwen2-VL's by default); `bos`: a token put before every encoded text (Llama's `<s>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -139,8 +194,9 @@ def _build_tokenizer(specials: tuple[str, ...] = SPECIAL_TOKENS, eos: str = "<|i
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     tok.add_special_tokens(list(specials))
     if bos is not None:
-        template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                 special_tokens=[(bos, tok.token_to_id(bos))])
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
         tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -167,8 +223,7 @@ def _build_config(tokenizer, shape: dict, arch: Architecture):
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    vision_config = dict(**shape["vision"], in_channels=3, patch_size=14, spatial_merge_size=2,
-                         temporal_patch_size=2)
+    vision_config = dict(**shape["vision"], in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     return arch.hf_config(
         text_config=text_config,
         vision_config=vision_config,
@@ -184,8 +239,12 @@ def _generation_config(tokenizer):
     from transformers import GenerationConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    return GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
-                            bos_token_id=ids["<|endoftext|>"], do_sample=False)
+    return GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    )
 
 
 def _build_processor(tokenizer, pixels: tuple[int, int], arch: Architecture):
@@ -207,11 +266,19 @@ def _family_files(shape: dict, family: Architecture):
 
         tokenizer = _build_tokenizer(llava.SPECIAL_TOKENS, eos="</s>", pad="<pad>", bos="<s>")
         vision = shape["vision"]
-        return (tokenizer, llava.tiny_config(tokenizer, shape, family), llava.tiny_generation_config(tokenizer),
-                llava.tiny_processor(tokenizer, vision["image_size"], vision["patch_size"]))
+        return (
+            tokenizer,
+            llava.tiny_config(tokenizer, shape, family),
+            llava.tiny_generation_config(tokenizer),
+            llava.tiny_processor(tokenizer, vision["image_size"], vision["patch_size"]),
+        )
     tokenizer = _build_tokenizer()
-    return (tokenizer, _build_config(tokenizer, shape, family), _generation_config(tokenizer),
-            _build_processor(tokenizer, shape["pixels"], family))
+    return (
+        tokenizer,
+        _build_config(tokenizer, shape, family),
+        _generation_config(tokenizer),
+        _build_processor(tokenizer, shape["pixels"], family),
+    )
 
 
 def build_tiny_model(seed: int = 0, arch: str = "qwen2-vl"):

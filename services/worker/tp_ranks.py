@@ -43,8 +43,7 @@ def init_rank(settings, rank: int):
     from services.worker.tensor_parallel import init_tp_group  # noqa: PLC0415
 
     device = torch.device(rank_device(settings.device, rank))
-    return init_tp_group(rank, settings.tp_size, settings.tp_port, device=device,
-                         timeout_s=settings.tp_timeout_s)
+    return init_tp_group(rank, settings.tp_size, settings.tp_port, device=device, timeout_s=settings.tp_timeout_s)
 
 
 def build_rank_engine(settings, rank: int, tp, worker_name: str = ""):
@@ -113,8 +112,9 @@ class Followers:
             parent, child = ctx.Pipe(duplex=False)
             # daemon: if rank 0 exits without its shutdown (a crash), multiprocessing's atexit
             # terminates them instead of joining processes blocked in a collective with it.
-            p = ctx.Process(target=_follower, args=(settings, rank, child, table_json), name=f"valora-tp{rank}",
-                            daemon=True)
+            p = ctx.Process(
+                target=_follower, args=(settings, rank, child, table_json), name=f"valora-tp{rank}", daemon=True
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -130,8 +130,10 @@ class Followers:
             ready = mp.connection.wait(list(pending), max(deadline - time.monotonic(), 0))
             if not ready:
                 self.terminate()
-                raise RuntimeError(f"tensor-parallel followers not ready after {timeout_s:.0f} s: "
-                                   f"{', '.join(p.name for p in pending.values())}")
+                raise RuntimeError(
+                    f"tensor-parallel followers not ready after {timeout_s:.0f} s: "
+                    f"{', '.join(p.name for p in pending.values())}"
+                )
             for conn in ready:
                 proc = pending.pop(conn)
                 try:

@@ -82,8 +82,9 @@ class RowParallelLoraLinear(LoraLinear):
     """Input features sharded: partial base output + partial LoRA term (A sharded, B full), then
     the layer's one all-reduce, then the bias (held here, added once)."""
 
-    def __init__(self, base: nn.Linear, key: LayerModule, runtime: LoraRuntime, tp: TPGroup,
-                 bias: nn.Parameter | None = None) -> None:
+    def __init__(
+        self, base: nn.Linear, key: LayerModule, runtime: LoraRuntime, tp: TPGroup, bias: nn.Parameter | None = None
+    ) -> None:
         super().__init__(base, key, runtime)
         self.tp = tp
         self.bias = bias
@@ -111,13 +112,16 @@ def _text_model(model: nn.Module) -> nn.Module:
 def check_divisible(config, tp: TPGroup) -> None:
     """ValueError unless the text config's heads, KV heads and intermediate size split over tp."""
     tp.part(config.num_attention_heads, "attention heads")
-    tp.part(config.num_key_value_heads or config.num_attention_heads,
-            "KV heads (replicating KV heads across ranks is not supported)")
+    tp.part(
+        config.num_key_value_heads or config.num_attention_heads,
+        "KV heads (replicating KV heads across ranks is not supported)",
+    )
     tp.part(config.intermediate_size, "intermediate_size")
 
 
 def _shard_linear_(lin: nn.Linear, module: str, tp: TPGroup) -> nn.Parameter | None:
     """Slices lin's weight (and bias) in place; returns a row-parallel layer's bias, detached from lin."""
+
     def param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
         return nn.Parameter(t, requires_grad=like.requires_grad)
 
@@ -203,8 +207,9 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], tp: TPGroup) -> dic
     return out
 
 
-def load_full_state_dict_(model: nn.Module, state_dict: Mapping[str, torch.Tensor], tp: TPGroup,
-                          strict: bool = True) -> None:
+def load_full_state_dict_(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], tp: TPGroup, strict: bool = True
+) -> None:
     """Copies a FULL checkpoint's slices into a model already sharded by `shard_model_` (names of
     the unwrapped HF model; the TP layers' `.base.` is mapped, a row-parallel bias found under
     the projection's `.bias`)."""
@@ -222,8 +227,9 @@ def load_full_state_dict_(model: nn.Module, state_dict: Mapping[str, torch.Tenso
             dim = _shard_dim(src)
             part = full if dim is None else tp.narrow(full, dim)
             if part.shape != t.shape:
-                raise ValueError(f"{name}: the checkpoint's shard is {tuple(part.shape)}, "
-                                 f"the model holds {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name}: the checkpoint's shard is {tuple(part.shape)}, the model holds {tuple(t.shape)}"
+                )
             t.copy_(part)
     # Non-persistent buffers (rotary inv_freq) are not in a state dict.
     persistent = set(model.state_dict())
@@ -233,6 +239,7 @@ def load_full_state_dict_(model: nn.Module, state_dict: Mapping[str, torch.Tenso
 
 
 # -- adapters ----------------------------------------------------------------------------------
+
 
 def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's (A (in, r), B (r, out)) for this rank: column-parallel → (A, B[:, shard]),
@@ -244,8 +251,9 @@ def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, tp: TPGroup) -> tu
     raise ValueError(f"unknown module {module!r}")
 
 
-def shard_lora_dicts(a: Mapping[LayerModule, torch.Tensor], b: Mapping[LayerModule, torch.Tensor],
-                     tp: TPGroup) -> tuple[dict, dict]:
+def shard_lora_dicts(
+    a: Mapping[LayerModule, torch.Tensor], b: Mapping[LayerModule, torch.Tensor], tp: TPGroup
+) -> tuple[dict, dict]:
     out_a, out_b = {}, {}
     for key in a:
         out_a[key], out_b[key] = shard_lora(key[1], a[key], b[key], tp)
@@ -270,6 +278,17 @@ def local_features(shapes: BaseModelShapes, tp: TPGroup) -> dict[str, tuple[int,
     return out
 
 
-__all__ = ["COLUMN_MODULES", "ROW_MODULES", "ColumnParallelLoraLinear", "RowParallelLoraLinear", "check_divisible",
-           "load_full_state_dict_", "local_features", "shard_adapter", "shard_lora", "shard_lora_dicts", "shard_model_",
-           "shard_state_dict"]
+__all__ = [
+    "COLUMN_MODULES",
+    "ROW_MODULES",
+    "ColumnParallelLoraLinear",
+    "RowParallelLoraLinear",
+    "check_divisible",
+    "load_full_state_dict_",
+    "local_features",
+    "shard_adapter",
+    "shard_lora",
+    "shard_lora_dicts",
+    "shard_model_",
+    "shard_state_dict",
+]

@@ -65,8 +65,10 @@ def vision_items(inputs) -> list[VisionItem]:
         pixels, grids = inputs.get(pix_key), inputs.get(grid_key)
         if pixels is not None and grids is None and kind == IMAGE and pixels.dim() == 4:
             grid = (1, int(pixels.shape[2]), int(pixels.shape[3]))
-            items.extend(VisionItem(kind, content_key(kind, grid, pixels[i:i + 1]), i, i + 1, grid)
-                         for i in range(pixels.shape[0]))
+            items.extend(
+                VisionItem(kind, content_key(kind, grid, pixels[i : i + 1]), i, i + 1, grid)
+                for i in range(pixels.shape[0])
+            )
             continue
         if pixels is None or grids is None:
             continue
@@ -74,7 +76,7 @@ def vision_items(inputs) -> list[VisionItem]:
         for g in grids.tolist():
             n = g[0] * g[1] * g[2]
             grid = (int(g[0]), int(g[1]), int(g[2]))
-            items.append(VisionItem(kind, content_key(kind, grid, pixels[row:row + n]), row, row + n, grid))
+            items.append(VisionItem(kind, content_key(kind, grid, pixels[row : row + n]), row, row + n, grid))
             row += n
     return items
 
@@ -142,8 +144,9 @@ class FeatureCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries), self._bytes,
-                              self.max_bytes)
+            return CacheStats(
+                self._hits, self._misses, self._evictions, len(self._entries), self._bytes, self.max_bytes
+            )
 
 
 def _map_pixels(inputs: dict, fn) -> None:
@@ -181,16 +184,22 @@ class VisionEncoder:
     """The model's vision tower behind the feature cache. Tensor parallel (`tp`): every rank runs
     the whole tower over the same pixels, which rank 0 alone holds and broadcasts (NCCL on GPUs)."""
 
-    def __init__(self, model, cache: FeatureCache, device: torch.device, dtype: torch.dtype, tp=None,
-                 graphs: bool = True) -> None:
+    def __init__(
+        self, model, cache: FeatureCache, device: torch.device, dtype: torch.dtype, tp=None, graphs: bool = True
+    ) -> None:
         self.model = model  # a served family's ForConditionalGeneration
         arch = for_model(model)
         if arch.graphed_tower:
             self.tower = VisionTower(model.model.visual, device, capture=graphs)  # `graphs`: on CUDA
         else:
             self.tower = HFVisionTower(model.model) if arch.tower_grids else LlavaVisionTower(model.model)
-            log.info("vision_tower", family=arch.name, tower="hf_eager", graphs=False,
-                     why="not Qwen2-VL's tower math (vision_tower.VisionTower)")
+            log.info(
+                "vision_tower",
+                family=arch.name,
+                tower="hf_eager",
+                graphs=False,
+                why="not Qwen2-VL's tower math (vision_tower.VisionTower)",
+            )
         self.cache = cache
         self.device = device
         self.dtype = dtype
@@ -216,8 +225,9 @@ class VisionEncoder:
         pix_key, _ = _INPUT_KEYS[kind]
 
         def staged() -> torch.Tensor:  # staged (pinned) pixels copy asynchronously; one cat on the device
-            return torch.cat([inputs[pix_key][it.start:it.end].to(self.device, non_blocking=True)
-                              for inputs, it in todo])
+            return torch.cat(
+                [inputs[pix_key][it.start : it.end].to(self.device, non_blocking=True) for inputs, it in todo]
+            )
 
         if self.tp is None:
             return staged()
@@ -230,11 +240,13 @@ class VisionEncoder:
                 error = exc
         if rows is None:
             try:
-                rows = torch.zeros((sum(it.end - it.start for _, it in todo), *like.shape[1:]), dtype=like.dtype,
-                                   device=self.device)
+                rows = torch.zeros(
+                    (sum(it.end - it.start for _, it in todo), *like.shape[1:]), dtype=like.dtype, device=self.device
+                )
             except Exception as exc:  # noqa: BLE001 - no buffer for the broadcast: this rank cannot keep up
-                raise GroupBroken(f"tensor-parallel rank {self.tp.rank}: no room for the pixels' broadcast: "
-                                  f"{describe(exc)}") from exc
+                raise GroupBroken(
+                    f"tensor-parallel rank {self.tp.rank}: no room for the pixels' broadcast: {describe(exc)}"
+                ) from exc
         self.tp.broadcast_(rows)  # every rank encodes the same misses (same cache state), in the same order
         if error is not None:
             raise error
@@ -247,7 +259,7 @@ class VisionEncoder:
         items, start = [], 0
         for _, it in todo:
             n = it.end - it.start
-            items.append((rows[start:start + n], it.grid))
+            items.append((rows[start : start + n], it.grid))
             start += n
         return [f.to(self.dtype) for f in self.tower.encode_items(items)]
 
@@ -313,7 +325,9 @@ class VisionEncoder:
             # placeholder positions on input_ids' device (the host's in the engine: no sync)
             where = (input_ids.reshape(-1) == token_id).nonzero().squeeze(1)
             if where.numel() != values.shape[0]:
-                raise ValueError(f"{kind} features ({values.shape[0]} tokens) do not match the prompt's "
-                                 f"{where.numel()} {kind} tokens")
+                raise ValueError(
+                    f"{kind} features ({values.shape[0]} tokens) do not match the prompt's "
+                    f"{where.numel()} {kind} tokens"
+                )
             embeds.view(-1, embeds.shape[-1])[where.to(self.device, non_blocking=True)] = values
         return embeds

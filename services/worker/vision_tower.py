@@ -43,8 +43,10 @@ from services.worker.step_graphs import MAX_CAPTURE_FAILURES
 
 log = structlog.get_logger()
 # SDPA backends a graph is captured with (the first that takes the inputs), by name
-ATTENTION = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
-             "cudnn": [SDPBackend.CUDNN_ATTENTION]}
+ATTENTION = {
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+}
 
 
 @dataclass(eq=False)
@@ -62,8 +64,9 @@ class _Entry:
 
 
 class VisionTower:
-    def __init__(self, visual, device: torch.device, capture: bool, max_graphs: int = 16,
-                 max_graph_patches: int = 16384) -> None:
+    def __init__(
+        self, visual, device: torch.device, capture: bool, max_graphs: int = 16, max_graph_patches: int = 16384
+    ) -> None:
         """`visual`: the model's Qwen2VisionTransformerPretrainedModel; `capture`: graphs on CUDA."""
         self.visual = visual
         self.device = device
@@ -164,8 +167,10 @@ class VisionTower:
         for name, backends in ATTENTION.items():
             graph = torch.cuda.CUDAGraph()
             try:
-                with sdpa_kernel(backends), torch.cuda.graph(graph, pool=self.pool_handle,
-                                                             capture_error_mode="thread_local"):
+                with (
+                    sdpa_kernel(backends),
+                    torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"),
+                ):
                     out = self._forward(e.pixels, grid, count, e)
             except Exception as exc:  # noqa: BLE001 - another choice may capture
                 errors.append(f"{name}: {exc!r}"[:300])
@@ -177,8 +182,14 @@ class VisionTower:
             e.graphless = e.failures >= MAX_CAPTURE_FAILURES
             e.pixels = None
             self.capture_failures += 1
-            log.warning("vision_graph_capture_failed", errors=errors, grid=grid, count=count, failures=e.failures,
-                        graphless=e.graphless)
+            log.warning(
+                "vision_graph_capture_failed",
+                errors=errors,
+                grid=grid,
+                count=count,
+                failures=e.failures,
+                graphless=e.graphless,
+            )
             return
         first = next(iter(graphs.values()))[1].float()
         scale = first.abs().max().clamp_min(1e-6)

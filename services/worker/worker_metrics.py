@@ -66,8 +66,12 @@ def lora_requests_info(engine: Engine, name: str, last: tuple | None) -> tuple:
     def names(seqs) -> str:
         return ",".join(sorted({s.req.adapter for s in seqs if s.req.adapter}))
 
-    labels = (name, str(engine.config.device_slots), names([*sched.running, *sched.prefill]),
-              names([*sched.waiting, *sched.incoming]))
+    labels = (
+        name,
+        str(engine.config.device_slots),
+        names([*sched.running, *sched.prefill]),
+        names([*sched.waiting, *sched.incoming]),
+    )
     if last is not None and last != labels:
         metrics.LORA_REQUESTS_INFO.remove(*last)
     metrics.LORA_REQUESTS_INFO.labels(*labels).set(time.time())

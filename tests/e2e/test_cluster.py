@@ -51,8 +51,9 @@ def adapters(cluster, model_path):
     return out
 
 
-def peft_reference(model_path: Path, bundle: bytes | None, cfg: str | None, image: bytes, prompt: str,
-                   tmp: Path) -> str:
+def peft_reference(
+    model_path: Path, bundle: bytes | None, cfg: str | None, image: bytes, prompt: str, tmp: Path
+) -> str:
     """Greedy text from HF generate, with PEFT applying the adapter (None: base model)."""
     import torch
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -72,7 +73,7 @@ def peft_reference(model_path: Path, bundle: bytes | None, cfg: str | None, imag
     inputs = build_inputs(processor, [Image.open(io.BytesIO(image)).convert("RGB")], prompt)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def test_concurrent_mixed_requests_match_peft_reference(cluster, adapters, model_path, tmp_path):
@@ -80,6 +81,7 @@ def test_concurrent_mixed_requests_match_peft_reference(cluster, adapters, model
     prompt = "What is in this picture?"
     targets = {"base": None, "alpha": "adapters/alpha@prod", "beta": "adapters/beta/versions/1"}
     with ValoraClient(cluster.gateway) as client:
+
         def run(name):
             return name, client.infer(prompt, [image], adapter=targets[name], max_new_tokens=MAX_NEW)
 
@@ -103,8 +105,9 @@ def test_concurrent_mixed_requests_match_peft_reference(cluster, adapters, model
 def test_stream_equals_unary(cluster, adapters):
     with ValoraClient(cluster.gateway) as client:
         unary = client.infer("Count the things.", [png(2)], adapter="adapters/alpha", max_new_tokens=MAX_NEW)
-        parts = list(client.infer_stream("Count the things.", [png(2)], adapter="adapters/alpha",
-                                         max_new_tokens=MAX_NEW))
+        parts = list(
+            client.infer_stream("Count the things.", [png(2)], adapter="adapters/alpha", max_new_tokens=MAX_NEW)
+        )
     assert "".join(p for p in parts if isinstance(p, str)) == unary.text
     assert parts[-1].text == unary.text
 
@@ -122,36 +125,55 @@ def test_raw_prompt_continues_the_text_as_hf_does(cluster, model_path):
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             do_sample=False)
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
+        )
     assert got.prompt_tokens == ids.shape[1]
-    assert got.text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert got.text == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_logprobs_come_back_with_the_tokens_unary_and_streamed(cluster, adapters):
     """logprobs through gateway, scheduler and worker: one per generated token, each named, with
     its alternatives; the stream's final result holds the same."""
     with ValoraClient(cluster.gateway) as client:
-        unary = client.infer("Count the things.", [png(2)], adapter="adapters/alpha", max_new_tokens=MAX_NEW,
-                             logprobs=True, top_logprobs=2)
-        parts = list(client.infer_stream("Count the things.", [png(2)], adapter="adapters/alpha",
-                                         max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=2))
+        unary = client.infer(
+            "Count the things.",
+            [png(2)],
+            adapter="adapters/alpha",
+            max_new_tokens=MAX_NEW,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        parts = list(
+            client.infer_stream(
+                "Count the things.",
+                [png(2)],
+                adapter="adapters/alpha",
+                max_new_tokens=MAX_NEW,
+                logprobs=True,
+                top_logprobs=2,
+            )
+        )
     assert len(unary.logprobs) == unary.output_tokens > 0
     for t in unary.logprobs:
         assert t.logprob <= 0 and len(t.top) == 2 and t.top[0].logprob >= t.top[1].logprob
         assert t.top[0].token_id == t.token_id and t.top[0].logprob == t.logprob  # greedy: the most likely
     assert b"".join(t.bytes for t in unary.logprobs).decode(errors="replace").startswith(unary.text[:1])
-    assert [(t.token_id, round(t.logprob, 4)) for t in parts[-1].logprobs] == \
-        [(t.token_id, round(t.logprob, 4)) for t in unary.logprobs]
+    assert [(t.token_id, round(t.logprob, 4)) for t in parts[-1].logprobs] == [
+        (t.token_id, round(t.logprob, 4)) for t in unary.logprobs
+    ]
 
 
-@pytest.mark.parametrize("kwargs,code,field", [
-    ({"prompt": "hi", "adapter": "adapters/nope"}, grpc.StatusCode.NOT_FOUND, None),
-    ({"prompt": "hi", "images": [b"\x89PNG not really"]}, grpc.StatusCode.INVALID_ARGUMENT, "images"),
-    ({"prompt": "", "images": []}, grpc.StatusCode.INVALID_ARGUMENT, None),
-    ({"prompt": "hi", "max_new_tokens": -1}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
-    ({"prompt": "hi", "adapter": "adapters/Bad Name"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
-])
+@pytest.mark.parametrize(
+    "kwargs,code,field",
+    [
+        ({"prompt": "hi", "adapter": "adapters/nope"}, grpc.StatusCode.NOT_FOUND, None),
+        ({"prompt": "hi", "images": [b"\x89PNG not really"]}, grpc.StatusCode.INVALID_ARGUMENT, "images"),
+        ({"prompt": "", "images": []}, grpc.StatusCode.INVALID_ARGUMENT, None),
+        ({"prompt": "hi", "max_new_tokens": -1}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        ({"prompt": "hi", "adapter": "adapters/Bad Name"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
+    ],
+)
 def test_bad_input_gets_clear_status_and_nothing_crashes(cluster, kwargs, code, field):
     from grpc_status import rpc_status
     from google.rpc import error_details_pb2
@@ -180,15 +202,29 @@ def test_oversized_payload_is_rejected(cluster):
         assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-@pytest.mark.skipif(shutil.which("node") is None or not (REPO / "examples/node/node_modules").exists(),
-                    reason="node or examples/node/node_modules missing (npm ci in examples/node)")
+@pytest.mark.skipif(
+    shutil.which("node") is None or not (REPO / "examples/node/node_modules").exists(),
+    reason="node or examples/node/node_modules missing (npm ci in examples/node)",
+)
 def test_node_client_calls_infer(cluster, adapters, tmp_path):
     image = tmp_path / "img.png"
     image.write_bytes(png(4))
     with ValoraClient(cluster.gateway) as client:
         want = client.infer("Hello from Python", [image.read_bytes()], adapter="adapters/beta", max_new_tokens=8)
-    out = subprocess.run(["node", str(REPO / "examples/node/infer.js"), cluster.gateway, "Hello from Python",
-                          str(image), "adapters/beta"], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [
+            "node",
+            str(REPO / "examples/node/infer.js"),
+            cluster.gateway,
+            "Hello from Python",
+            str(image),
+            "adapters/beta",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     got = json.loads(out.stdout)
     assert got["text"] == want.text
     assert got["adapter_version"] == adapters["beta"][0].name
@@ -198,14 +234,21 @@ def test_node_client_calls_infer(cluster, adapters, tmp_path):
 def cpp_client(tmp_path_factory) -> Path:
     """examples/cpp built into a temp dir. scripts/install_cpp.sh (run by scripts/test.sh too) is a
     no-op once Debian's gRPC packages are there; only a machine where apt cannot install skips."""
-    install = subprocess.run(["bash", str(REPO / "scripts/install_cpp.sh")], capture_output=True, text=True,
-                             timeout=600)
+    install = subprocess.run(
+        ["bash", str(REPO / "scripts/install_cpp.sh")], capture_output=True, text=True, timeout=600
+    )
     if install.returncode != 0:
-        pytest.skip("apt could not install libgrpc++-dev and protobuf-compiler-grpc (scripts/install_cpp.sh): "
-                    + install.stderr.strip()[-300:])
+        pytest.skip(
+            "apt could not install libgrpc++-dev and protobuf-compiler-grpc (scripts/install_cpp.sh): "
+            + install.stderr.strip()[-300:]
+        )
     build = tmp_path_factory.mktemp("cpp-client")
-    out = subprocess.run(["make", "-s", f"-j{os.cpu_count() or 2}", "-C", str(REPO / "examples/cpp"), f"BUILD={build}"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        ["make", "-s", f"-j{os.cpu_count() or 2}", "-C", str(REPO / "examples/cpp"), f"BUILD={build}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     return build / "valora_client"
 
@@ -216,8 +259,12 @@ def run_cpp(cluster, cpp_client, tmp_path, command: str, prompt: str, seed: int,
     image.write_bytes(png(seed))
     with ValoraClient(cluster.gateway) as client:
         want = client.infer(prompt, [image.read_bytes()], adapter=adapter, max_new_tokens=8)
-    out = subprocess.run([str(cpp_client), command, cluster.gateway, prompt, str(image), adapter],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(cpp_client), command, cluster.gateway, prompt, str(image), adapter],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return want, out
 
@@ -239,8 +286,10 @@ def test_cpp_client_streams_tokens(cluster, adapters, cpp_client, tmp_path):
     assert result["adapter_version"] == adapters["alpha"][0].name
 
 
-@pytest.mark.parametrize("adapter, code", [("adapters/nope", grpc.StatusCode.NOT_FOUND),
-                                           ("adapters/Not A Name", grpc.StatusCode.INVALID_ARGUMENT)])
+@pytest.mark.parametrize(
+    "adapter, code",
+    [("adapters/nope", grpc.StatusCode.NOT_FOUND), ("adapters/Not A Name", grpc.StatusCode.INVALID_ARGUMENT)],
+)
 def test_cpp_client_shows_the_status_code_and_its_error_info(cluster, cpp_client, adapter, code):
     """A failed call: `CODE: message (REASON)` on stderr, the reason read from the status details'
     google.rpc.ErrorInfo, then each BadRequest field violation, exactly as the Python SDK's typed
@@ -251,8 +300,10 @@ def test_cpp_client_shows_the_status_code_and_its_error_info(cluster, cpp_client
     want = raised.value
     assert want.code() == code and want.reason, want  # a reason to read: the test can fail
     assert bool(want.field_violations) == (code == grpc.StatusCode.INVALID_ARGUMENT), want.field_violations
-    out = subprocess.run([str(cpp_client), "infer", cluster.gateway, "hi", "", adapter],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(cpp_client), "infer", cluster.gateway, "hi", "", adapter], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr == f"{code.name}: {want.message} ({want.reason})\n" + "".join(
-        f"  {field}: {why}\n" for field, why in want.field_violations)
+        f"  {field}: {why}\n" for field, why in want.field_violations
+    )

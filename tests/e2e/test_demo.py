@@ -20,8 +20,24 @@ from valora.cluster import default_model_path, start_cluster, stop_cluster
 pytestmark = pytest.mark.e2e
 
 LIMIT = 24  # split cap: the test split the demo serves whole
-TINY = ["--tasks", "parity", "--text-requests", "3", "--epochs", "1", "--limit", str(LIMIT),
-        "--pretrain-steps", "2", "--concurrency", "4", "--max-new-tokens", "3", "--threads", "1"]
+TINY = [
+    "--tasks",
+    "parity",
+    "--text-requests",
+    "3",
+    "--epochs",
+    "1",
+    "--limit",
+    str(LIMIT),
+    "--pretrain-steps",
+    "2",
+    "--concurrency",
+    "4",
+    "--max-new-tokens",
+    "3",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +46,18 @@ def home_and_cluster(tmp_path_factory, tiny_model_copy):
 
     home = tmp_path_factory.mktemp("valora-demo")
     tiny_model_copy(default_model_path(home))  # where the demo looks for it (valora/cli/demo.py)
-    base, _, _ = ensure_base(default_model_path(home), home, steps=2, seed=0, log=lambda _: None,
-                              threads=1)  # the demo's --threads 1: the same cached base
+    base, _, _ = ensure_base(
+        default_model_path(home), home, steps=2, seed=0, log=lambda _: None, threads=1
+    )  # the demo's --threads 1: the same cached base
     cluster = start_cluster(home / "cluster", model_path=base)
     yield home, cluster
     stop_cluster(home / "cluster")
 
 
 def run_demo(home: Path, gateway: str, report: Path) -> dict:
-    result = CliRunner().invoke(app, ["demo", "--home", str(home), "--address", gateway, "--report", str(report),
-                                      *TINY])
+    result = CliRunner().invoke(
+        app, ["demo", "--home", str(home), "--address", gateway, "--report", str(report), *TINY]
+    )
     assert result.exit_code == 0, result.output + repr(result.exception)
     return json.loads(report.read_text())
 

@@ -26,12 +26,19 @@ def cluster(tmp_path_factory, model_path, shared_cluster):
     home = tmp_path_factory.mktemp("valora-gen")
     model, c = model_path, shared_cluster
     store = next(p for p in c.processes if p.service == "adapter_store")
-    env = {**os.environ, "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store.port}",
-           "VALORA_ADMIN_ADDRESS": c.gateway, "VALORA_POLL_S": "0.2", "VALORA_RUNNER_NAME": "e2e-runner",
-           "VALORA_LOG_JSON": "false", "VALORA_INTERNAL_TOKEN": c.internal_token}
+    env = {
+        **os.environ,
+        "VALORA_ADAPTER_STORE_ADDRESS": f"127.0.0.1:{store.port}",
+        "VALORA_ADMIN_ADDRESS": c.gateway,
+        "VALORA_POLL_S": "0.2",
+        "VALORA_RUNNER_NAME": "e2e-runner",
+        "VALORA_LOG_JSON": "false",
+        "VALORA_INTERNAL_TOKEN": c.internal_token,
+    }
     with open(home / "runner.log", "w") as log:
-        runner = subprocess.Popen([sys.executable, "-m", "services.generator", "serve"], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "services.generator", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     yield home, model, c
     runner.terminate()
     try:
@@ -42,9 +49,29 @@ def cluster(tmp_path_factory, model_path, shared_cluster):
 
 def test_generate_wait_registers_a_ready_adapter_and_task(cluster):
     home, model, c = cluster
-    result = CliRunner().invoke(app, [
-        "generate", "--source", "parity:0.0", "--epochs", "1", "--rank", "4", "--limit", "24",
-        "--job-id", "gen-e2e", "--base-model", str(model), "--address", c.gateway, "--wait", "--poll-s", "0.2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--source",
+            "parity:0.0",
+            "--epochs",
+            "1",
+            "--rank",
+            "4",
+            "--limit",
+            "24",
+            "--job-id",
+            "gen-e2e",
+            "--base-model",
+            str(model),
+            "--address",
+            c.gateway,
+            "--wait",
+            "--poll-s",
+            "0.2",
+        ],
+    )
     assert result.exit_code == 0, result.output + repr(result.exception) + (home / "runner.log").read_text()
     assert "generationJobs/gen-e2e" in result.output and "SUCCEEDED" in result.output
 
@@ -72,9 +99,29 @@ def test_generate_on_a_dataset_uploads_it_through_the_gateway(cluster, tmp_path)
 
     home, model, c = cluster
     root = image_folder(tmp_path / "swatches", per_label=6)
-    result = CliRunner().invoke(app, [
-        "generate", "--dataset", str(root), "--threshold", "0.0", "--epochs", "1", "--rank", "4",
-        "--job-id", "gen-data", "--base-model", str(model), "--address", c.gateway, "--wait", "--poll-s", "0.2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--dataset",
+            str(root),
+            "--threshold",
+            "0.0",
+            "--epochs",
+            "1",
+            "--rank",
+            "4",
+            "--job-id",
+            "gen-data",
+            "--base-model",
+            str(model),
+            "--address",
+            c.gateway,
+            "--wait",
+            "--poll-s",
+            "0.2",
+        ],
+    )
     assert result.exit_code == 0, result.output + repr(result.exception) + (home / "runner.log").read_text()
     with ValoraClient(c.gateway) as client:
         job = client.get_generation_job("gen-data")

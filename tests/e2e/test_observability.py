@@ -67,13 +67,13 @@ def traffic(cluster, adapter, no_eos) -> int:
     """A few requests through gRPC (unary, streaming, base, adapter and a task with a latency
     objective and an early release policy); returns how many."""
     with ValoraClient(cluster.gateway) as client:
-        client.create_task(SLO_TASK, adapter, slo_ms=SLO_MS, slo_class=SLO_CLASS,
-                           adapter_release_fraction=RELEASE_FRACTION)
+        client.create_task(
+            SLO_TASK, adapter, slo_ms=SLO_MS, slo_class=SLO_CLASS, adapter_release_fraction=RELEASE_FRACTION
+        )
         client.infer("What is this?", [png(1)], adapter=adapter, max_new_tokens=MAX_NEW)
         client.infer("What is this?", [png(2)], max_new_tokens=MAX_NEW)
         list(client.infer_stream("Describe it.", [png(3)], adapter=adapter, max_new_tokens=MAX_NEW))
-        r = client.infer("What is this?", [png(4)], task=f"tasks/{SLO_TASK}", max_new_tokens=MAX_NEW,
-                         logit_bias=no_eos)
+        r = client.infer("What is this?", [png(4)], task=f"tasks/{SLO_TASK}", max_new_tokens=MAX_NEW, logit_bias=no_eos)
         assert r.output_tokens == MAX_NEW
     return 4
 
@@ -81,8 +81,11 @@ def traffic(cluster, adapter, no_eos) -> int:
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def total(samples, name: str, **labels) -> float:
@@ -102,8 +105,11 @@ def registered_series() -> dict[str, tuple[str, set[str]]]:
 
     from services.common import metrics
 
-    suffixes = {"counter": ("_total", "_created"), "gauge": ("",),
-                "histogram": ("_count", "_sum", "_bucket", "_created")}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "gauge": ("",),
+        "histogram": ("_count", "_sum", "_bucket", "_created"),
+    }
     out = {}
     for metric in vars(metrics).values():
         if isinstance(metric, MetricWrapperBase):
@@ -117,8 +123,8 @@ def registered_series() -> dict[str, tuple[str, set[str]]]:
 # start-up, metrics.init_worker). Every other registered series must count in this run.
 NOT_COUNTED = {
     "valora:num_preemptions_total": "a preemption needs running requests that outgrow the KV pool; the traffic's "
-                                    "requests run one at a time on the default pool (tests/unit/test_worker_server.py "
-                                    "preempts on a tight one)",
+    "requests run one at a time on the default pool (tests/unit/test_worker_server.py "
+    "preempts on a tight one)",
 }
 
 
@@ -129,8 +135,11 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     deadline = time.monotonic() + 10
     while True:  # the worker publishes running/mode/steps from its watch loop (every 0.5 s)
         worker = scrape(worker_info.metrics_url)
-        if (has(worker, "valora:mode") and total(worker, "valora:engine_step_seconds_count", kind="decode")
-                or time.monotonic() > deadline):
+        if (
+            has(worker, "valora:mode")
+            and total(worker, "valora:engine_step_seconds_count", kind="decode")
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.2)
 
@@ -157,8 +166,13 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     gaps = total(worker, "valora:generation_tokens_total") - total(worker, "valora:request_success_total")
     assert total(worker, "valora:inter_token_latency_seconds_count") >= gaps > traffic
     assert has(worker, "valora:kv_cache_usage_perc")
-    for name in ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",
-                 "request_decode_time_seconds", "request_inference_time_seconds"):  # vLLM's per-request ones
+    for name in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+    ):  # vLLM's per-request ones
         assert total(worker, f"valora:{name}_count") == total(worker, "valora:request_success_total"), name
     assert total(worker, "valora:request_prompt_tokens_sum") == total(worker, "valora:prompt_tokens_total")
     assert total(worker, "valora:engine_step_seconds_count", kind="prefill") >= 1  # every step, by kind
@@ -179,8 +193,10 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
     deadline = time.monotonic() + 10
     while True:  # the steps are published from the watch loop (every 0.5 s), the results at once
         worker = scrape(worker_info.metrics_url)
-        if (total(worker, "valora:iteration_tokens_total_sum") >= prompt + generated - finished
-                or time.monotonic() > deadline):
+        if (
+            total(worker, "valora:iteration_tokens_total_sum") >= prompt + generated - finished
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.2)
     steps = total(worker, "valora:engine_step_seconds_count")
@@ -210,8 +226,7 @@ def test_metrics_of_every_process_after_requests(cluster, traffic):
 
 DASHBOARD = REPO / "deploy" / "grafana" / "valora-dashboard.json"
 # The `service` label Prometheus adds to each process's samples (deploy/prometheus/prometheus.yml).
-SCRAPE_SERVICE = {"gateway": "gateway", "scheduler": "scheduler", "adapter_store": "adapter-store",
-                  "worker": "worker"}
+SCRAPE_SERVICE = {"gateway": "gateway", "scheduler": "scheduler", "adapter_store": "adapter-store", "worker": "worker"}
 
 
 def _matches(labels: dict, matchers: str) -> bool:
@@ -232,15 +247,26 @@ def test_every_dashboard_panel_has_series_after_requests(cluster, traffic):
     with pytest.raises(grpc.RpcError), ValoraClient(cluster.gateway, retries=0) as client:
         client.infer("hi", adapter="adapters/nope", max_new_tokens=MAX_NEW)
     dash = json.loads(DASHBOARD.read_text())
-    selectors = {(p["title"], m.group(1), m.group(2) or "") for p in dash["panels"] if p["type"] != "row"
-                 for t in p["targets"] for m in re.finditer(r"(valora:[a-z0-9_]+)(\{[^}]*\})?", t["expr"])}
+    selectors = {
+        (p["title"], m.group(1), m.group(2) or "")
+        for p in dash["panels"]
+        if p["type"] != "row"
+        for t in p["targets"]
+        for m in re.finditer(r"(valora:[a-z0-9_]+)(\{[^}]*\})?", t["expr"])
+    }
     assert len(selectors) > 20
     deadline = time.monotonic() + 10
     while True:  # the worker publishes its engine's steps, mode and pool from a loop (every 0.5 s)
-        samples = [(name, {**dict(lbl), "service": SCRAPE_SERVICE[p.service]})
-                   for p in cluster.processes for name, lbl in scrape(p.metrics_url)]
-        empty = sorted((title, name + matchers) for title, name, matchers in selectors
-                       if not any(n == name and _matches(lbl, matchers) for n, lbl in samples))
+        samples = [
+            (name, {**dict(lbl), "service": SCRAPE_SERVICE[p.service]})
+            for p in cluster.processes
+            for name, lbl in scrape(p.metrics_url)
+        ]
+        empty = sorted(
+            (title, name + matchers)
+            for title, name, matchers in selectors
+            if not any(n == name and _matches(lbl, matchers) for n, lbl in samples)
+        )
         if not empty or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -270,20 +296,36 @@ def test_one_trace_across_the_gateway_scheduler_and_worker_processes(cluster, ad
     traced = adapter.replace("@prod", "@traced")
     with grpc.insecure_channel(cluster.gateway) as channel:
         stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
-        stub.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
-            prompt="Traced?", adapter=traced, params={"max_new_tokens": 2})),
-            metadata=(("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),), timeout=60)
+        stub.Infer(
+            inference_service_pb2.InferRequest(
+                input=inference_service_pb2.InferenceInput(
+                    prompt="Traced?", adapter=traced, params={"max_new_tokens": 2}
+                )
+            ),
+            metadata=(("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),),
+            timeout=60,
+        )
     want = {
-        "gateway": {"valora.v1.InferenceService/Infer", "valora.internal.v1.SchedulerService/Submit",
-                    "valora.internal.v1.AdapterStoreService/ResolveReference"},
+        "gateway": {
+            "valora.v1.InferenceService/Infer",
+            "valora.internal.v1.SchedulerService/Submit",
+            "valora.internal.v1.AdapterStoreService/ResolveReference",
+        },
         "scheduler": {"valora.internal.v1.SchedulerService/Submit", "valora.internal.v1.WorkerService/Generate"},
         "worker": {"valora.internal.v1.WorkerService/Generate"},
         "adapter_store": {"valora.internal.v1.AdapterStoreService/ResolveReference"},
     }
     deadline = time.monotonic() + 10
     while True:
-        got = {service: {s["name"] for p in cluster.by_service(service) for s in spans_in(p.log)
-                         if s["context"]["trace_id"] == f"0x{TRACE_ID}"} for service in want}
+        got = {
+            service: {
+                s["name"]
+                for p in cluster.by_service(service)
+                for s in spans_in(p.log)
+                if s["context"]["trace_id"] == f"0x{TRACE_ID}"
+            }
+            for service in want
+        }
         if all(want[s] <= got[s] for s in want) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -293,11 +335,19 @@ def test_one_trace_across_the_gateway_scheduler_and_worker_processes(cluster, ad
 def test_openai_sdk_against_the_real_model(cluster, adapter):
     client = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=60)
     url = "data:image/png;base64," + base64.b64encode(png(4)).decode()
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
-                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in the picture?"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
+    ]
     unary = client.chat.completions.create(model=adapter, messages=messages, max_tokens=MAX_NEW, temperature=0)
-    streamed = client.chat.completions.create(model=adapter, messages=messages, max_tokens=MAX_NEW, temperature=0,
-                                              stream=True)
+    streamed = client.chat.completions.create(
+        model=adapter, messages=messages, max_tokens=MAX_NEW, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert unary.choices[0].message.content and unary.usage.completion_tokens > 0
     assert text == unary.choices[0].message.content
@@ -310,28 +360,49 @@ def test_curl_example(cluster, adapter, tmp_path):
     image = tmp_path / "x.png"
     image.write_bytes(png(5))
     script = str(REPO / "examples/curl/chat.sh")
-    out = subprocess.run(["bash", script, cluster.http_url, adapter, 'Say "hi"', str(image)],
-                         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "MAX_TOKENS": "4"})
+    out = subprocess.run(
+        ["bash", script, cluster.http_url, adapter, 'Say "hi"', str(image)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "MAX_TOKENS": "4"},
+    )
     assert out.returncode == 0, out.stderr + out.stdout
     body = json.loads(out.stdout)
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0
-    streamed = subprocess.run(["bash", script, cluster.http_url, "valora-base", "hi"], capture_output=True, text=True,
-                              timeout=120, env={"PATH": "/usr/bin:/bin", "STREAM": "1", "MAX_TOKENS": "3"})
+    streamed = subprocess.run(
+        ["bash", script, cluster.http_url, "valora-base", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "STREAM": "1", "MAX_TOKENS": "3"},
+    )
     assert streamed.returncode == 0, streamed.stderr
     events = [line for line in streamed.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
-    refused = subprocess.run(["bash", script, cluster.http_url, "valora-base", "hi", "/nonexistent.png"],
-                             capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    refused = subprocess.run(
+        ["bash", script, cluster.http_url, "valora-base", "hi", "/nonexistent.png"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert refused.returncode != 0
 
 
-@pytest.mark.skipif(shutil.which("node") is None or not (REPO / "examples/node/node_modules").exists(),
-                    reason="node or examples/node/node_modules missing (npm ci in examples/node)")
+@pytest.mark.skipif(
+    shutil.which("node") is None or not (REPO / "examples/node/node_modules").exists(),
+    reason="node or examples/node/node_modules missing (npm ci in examples/node)",
+)
 def test_node_streaming_example(cluster, adapter, tmp_path):
     image = tmp_path / "x.png"
     image.write_bytes(png(6))
-    out = subprocess.run(["node", str(REPO / "examples/node/infer_stream.js"), cluster.gateway, "Hello", str(image),
-                          adapter], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["node", str(REPO / "examples/node/infer_stream.js"), cluster.gateway, "Hello", str(image), adapter],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     deltas = "".join(line["delta"] for line in lines if "delta" in line)

@@ -32,8 +32,22 @@ def model(model_path) -> Path:
 
 
 def bench(model: Path, home: Path, out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "bench.scale_bench", "--model", str(model), "--home", str(home), "--out", str(out),
-            "--max-new-tokens", "4", "--adapters", "2", *args]
+    return [
+        sys.executable,
+        "-m",
+        "bench.scale_bench",
+        "--model",
+        str(model),
+        "--home",
+        str(home),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        "--adapters",
+        "2",
+        *args,
+    ]
 
 
 def processes_of(home: Path) -> list[int]:
@@ -55,9 +69,26 @@ def processes_of(home: Path) -> list[int]:
 def test_rows_for_one_and_two_workers(model, tmp_path):
     home, out = tmp_path / "home", tmp_path / "scale.json"
     per_worker = 6  # --load-per-worker: 2 workers get 12 requests at concurrency 4
-    run = subprocess.run(bench(model, home, out, "--workers", "1,2", "--requests", str(per_worker),
-                               "--concurrency", "2", "--warmup", "2", "--load-per-worker"),
-                         cwd=REPO, capture_output=True, text=True, timeout=280)
+    run = subprocess.run(
+        bench(
+            model,
+            home,
+            out,
+            "--workers",
+            "1,2",
+            "--requests",
+            str(per_worker),
+            "--concurrency",
+            "2",
+            "--warmup",
+            "2",
+            "--load-per-worker",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
@@ -81,12 +112,19 @@ def test_rows_for_one_and_two_workers(model, tmp_path):
         # uncaptured (no replays, no eager steps)
         assert len(r["worker_steps"]) == r["workers"] and all(w["steps"] > 0 for w in r["worker_steps"])
         assert len(r["worker_decode_graphs"]) == r["workers"]
-        assert all(g.get("static_steps", 0) > 0 and not g.get("replays") and not g.get("eager_steps")
-                   for g in r["worker_decode_graphs"]), r["worker_decode_graphs"]
+        assert all(
+            g.get("static_steps", 0) > 0 and not g.get("replays") and not g.get("eager_steps")
+            for g in r["worker_decode_graphs"]
+        ), r["worker_decode_graphs"]
         # CPU per request of every process over the measured run (front-end headroom)
         cpu = r["service_cpu_ms_per_request"]
-        assert set(cpu) == {"client", "adapter_store", "scheduler", "gateway",
-                            *(f"worker-{i}" for i in range(r["workers"]))}, cpu
+        assert set(cpu) == {
+            "client",
+            "adapter_store",
+            "scheduler",
+            "gateway",
+            *(f"worker-{i}" for i in range(r["workers"])),
+        }, cpu
         # (CPU time counts in clock ticks: a light process may show 0 over this short run)
         assert all(v >= 0 for v in cpu.values()) and cpu["gateway"] > 0 and cpu["worker-0"] > 0, cpu
         assert set(r["service_cpu_cores"]) == set(cpu)
@@ -101,9 +139,13 @@ def test_sigterm_mid_load_stops_every_process(model, tmp_path):
     # The bench makes its requests (a PNG each) before it starts the cluster: 100000 took ~45 s of
     # that on the 2-core CI machine. 5000 still outlast the test's 3 s of load many times over
     # (~30 req/s there; rows == [] below fails if the load ended before the SIGTERM).
-    proc = subprocess.Popen(bench(model, home, out, "--workers", "1", "--requests", "5000", "--concurrency", "4",
-                                  "--warmup", "0"),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        bench(model, home, out, "--workers", "1", "--requests", "5000", "--concurrency", "4", "--warmup", "0"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         state = home / "w1" / STATE_FILE
         deadline = time.monotonic() + 240

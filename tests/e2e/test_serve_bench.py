@@ -35,8 +35,18 @@ from bench.serve_bench import (
 from valora.cluster import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
-ROW_KEYS = ("run", "throughput_rps", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "gpu_busy",
-            "eager_decode_steps", "decode_graphs", "failed")
+ROW_KEYS = (
+    "run",
+    "throughput_rps",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+    "gpu_busy",
+    "eager_decode_steps",
+    "decode_graphs",
+    "failed",
+)
 WORDS = [" alpha", " beta", " gamma", " delta", " omega"]
 
 
@@ -49,7 +59,7 @@ def test_request_mix_follows_the_workload():
     assert all(s.rank == RANKS[s.adapter % 4] for s in specs)  # ranks round-robin over the adapters
     assert [s.max_new_tokens for s in specs] == [MAX_NEW_TOKENS[i % 3] for i in range(n)]
     for b in range(n // BLOCK):
-        block = specs[b * BLOCK:(b + 1) * BLOCK]
+        block = specs[b * BLOCK : (b + 1) * BLOCK]
         sizes = [s.image_sizes[0] for s in block]
         greedy = [s.greedy for s in block]
         # alternating request to request within a block, half and half
@@ -66,11 +76,19 @@ def test_request_mix_follows_the_workload():
         assert {s.image_sizes[0] for s in mine} == set(IMAGE_SIZES)
         assert {s.greedy for s in mine} == {True, False} and {len(s.image_sizes) for s in mine} == {1, 3}
     kinds = collections.Counter((s.image_sizes[0], len(s.image_sizes), s.greedy) for s in specs)
-    assert kinds == {(size, count, g): (n * 7 // 8 if count == 1 else n // 8) // 4
-                     for size in IMAGE_SIZES for count in (1, 3) for g in (True, False)}
+    assert kinds == {
+        (size, count, g): (n * 7 // 8 if count == 1 else n // 8) // 4
+        for size in IMAGE_SIZES
+        for count in (1, 3)
+        for g in (True, False)
+    }
     by_rank = collections.Counter((s.rank, len(s.image_sizes), s.image_sizes[0]) for s in specs)
-    assert by_rank == {(rank, count, size): (n * 7 // 8 if count == 1 else n // 8) // 8
-                       for rank in RANKS for count in (1, 3) for size in IMAGE_SIZES}
+    assert by_rank == {
+        (rank, count, size): (n * 7 // 8 if count == 1 else n // 8) // 8
+        for rank in RANKS
+        for count in (1, 3)
+        for size in IMAGE_SIZES
+    }
     # deterministic from the seed
     assert request_mix(40, 7, WORDS) == specs[:40]
     assert [s.prompt for s in request_mix(40, 8, WORDS)] != [s.prompt for s in specs[:40]]
@@ -107,9 +125,33 @@ def test_build_requests_takes_images_in_order():
 def test_closed_and_poisson_runs_on_the_cpu(model_path, tmp_path):
     home, out = tmp_path / "home", tmp_path / "serve.json"
     requests = 12
-    cmd = [sys.executable, "-m", "bench.serve_bench", "--model", str(model_path), "--home", str(home),
-           "--out", str(out), "--requests", str(requests), "--concurrency", "4", "--rate", "20", "--repeat", "2",
-           "--warmup", "4", "--adapters", "4", "--image-sizes", "56,84", "--max-new-tokens", "2,4,8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.serve_bench",
+        "--model",
+        str(model_path),
+        "--home",
+        str(home),
+        "--out",
+        str(out),
+        "--requests",
+        str(requests),
+        "--concurrency",
+        "4",
+        "--rate",
+        "20",
+        "--repeat",
+        "2",
+        "--warmup",
+        "4",
+        "--adapters",
+        "4",
+        "--image-sizes",
+        "56,84",
+        "--max-new-tokens",
+        "2,4,8",
+    ]
     marks = tmp_path / "marks"  # where a profiler learns that a measured run started (h200_session.sh)
     marks.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # no copy of the results elsewhere
@@ -123,10 +165,10 @@ def test_closed_and_poisson_runs_on_the_cpu(model_path, tmp_path):
     assert info["args"]["device"] == "cpu" and info["args"]["requests"] == requests and info["gpus"] == 0
     assert [r["run"] for r in rows] == ["closed-4 #1", "closed-4 #2", "poisson-20 #1", "poisson-20 #2"]
     # what was sent follows the workload: 4 adapters of ranks 8/16/32/64, request 7 with 3 images
-    assert info["mix"] == mix_summary(request_mix(requests, 0, prompt_words(AutoTokenizer.from_pretrained(
-        model_path)), 4, RANKS, (56, 84), (2, 4, 8)))
-    assert info["mix"]["images_per_request"] == {"1": 11, "3": 1} and info["mix"]["ranks"] == {
-        str(r): 3 for r in RANKS}
+    assert info["mix"] == mix_summary(
+        request_mix(requests, 0, prompt_words(AutoTokenizer.from_pretrained(model_path)), 4, RANKS, (56, 84), (2, 4, 8))
+    )
+    assert info["mix"]["images_per_request"] == {"1": 11, "3": 1} and info["mix"]["ranks"] == {str(r): 3 for r in RANKS}
     for r in rows:
         assert all(k in r for k in ROW_KEYS), r
         assert r["requests"] == r["ok"] == requests and r["failed"] == 0 and r["errors"] == {}, r
@@ -137,8 +179,10 @@ def test_closed_and_poisson_runs_on_the_cpu(model_path, tmp_path):
         assert r["gpu_busy"] is None and r["gpu_samples"] == 0  # CPU
         assert r["adapters_served"] == 4 and r["image_tokens"] > 0
         graphs = r["decode_graphs"]  # null: a worker without decode graphs
-        assert graphs is None or (set(graphs) >= {"replays", "captures", "new_keys", "eager_steps"}
-                                  and r["eager_decode_steps"] == graphs["eager_steps"] >= 0), graphs
+        assert graphs is None or (
+            set(graphs) >= {"replays", "captures", "new_keys", "eager_steps"}
+            and r["eager_decode_steps"] == graphs["eager_steps"] >= 0
+        ), graphs
         assert r["worker_steps"]["steps"] > 0
     assert [(r["mode"], r["concurrency"], r["rate"]) for r in rows[1:3]] == [("closed", 4, 0.0), ("poisson", 0, 20.0)]
     spread = {s["load"]: s for s in data["spread"]}
@@ -154,7 +198,7 @@ def test_closed_and_poisson_runs_on_the_cpu(model_path, tmp_path):
 
 def test_gpu_sampler_means_the_samples_of_a_window(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"  # prints what `--query-gpu=utilization.gpu -lms` prints, then stops
-    fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\nprintf '50\\n[N/A]\\n70\\n'\nexec sleep 30\n")
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nprintf \'50\\n[N/A]\\n70\\n\'\nexec sleep 30\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     t0 = time.perf_counter()
@@ -170,7 +214,13 @@ def test_gpu_sampler_means_the_samples_of_a_window(tmp_path, monkeypatch):
         sampler.close()
     assert sampler.proc.poll() is not None
     assert (tmp_path / "args").read_text().split() == [
-        "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100", "-i", "3"]
+        "--query-gpu=utilization.gpu",
+        "--format=csv,noheader,nounits",
+        "-lms",
+        "100",
+        "-i",
+        "3",
+    ]
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: no samples, said why
     missing = GpuSampler(["0"])
     assert missing.proc is None and missing.error and missing.mean(0, math.inf) is None

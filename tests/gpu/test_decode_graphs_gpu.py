@@ -22,9 +22,17 @@ A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 
 
 def config(model_path, dtype: str, graphs: str, **kw) -> EngineConfig:
-    return EngineConfig(model_path=model_path, device=kw.pop("device", "cuda"), dtype=dtype, decode_graphs=graphs,
-                        max_batch_size=8, max_prefills_per_step=8, device_slots=3,
-                        kv_cache_bytes=TEST_KV_BYTES, **kw)
+    return EngineConfig(
+        model_path=model_path,
+        device=kw.pop("device", "cuda"),
+        dtype=dtype,
+        decode_graphs=graphs,
+        max_batch_size=8,
+        max_prefills_per_step=8,
+        device_slots=3,
+        kv_cache_bytes=TEST_KV_BYTES,
+        **kw,
+    )
 
 
 def run(model_path, dtype: str, graphs: str, adapters: list, **kw) -> tuple[dict, Engine]:
@@ -37,9 +45,10 @@ def run(model_path, dtype: str, graphs: str, adapters: list, **kw) -> tuple[dict
         for i, name in enumerate((A, B)):
             b = random_adapter_bundle(model_path, rank=8 * (i + 1), lora_alpha=8, seed=i + 1)
             eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
-        reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=a,
-                            max_new_tokens=24)
-                for i, a in enumerate(adapters)]
+        reqs = [
+            WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=a, max_new_tokens=24)
+            for i, a in enumerate(adapters)
+        ]
         events: queue.Queue = queue.Queue()
         with eng._wake:
             for r in reqs:

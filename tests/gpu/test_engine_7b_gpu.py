@@ -19,8 +19,28 @@ def test_7b_engine_first_token_logits_match_peft(tmp_path):
 
     if not AtmmBackend.available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("the kernels extension is not built here")
-    engine_bench.main(["--batch", "4", "--adapters", "2", "--new-tokens", "2", "--reps", "1", "--peer-reps", "1",
-                       "--warmup", "0", "--adapter-std", "0.03", "--out-dir", str(tmp_path), "--name", "e7b"])
+    engine_bench.main(
+        [
+            "--batch",
+            "4",
+            "--adapters",
+            "2",
+            "--new-tokens",
+            "2",
+            "--reps",
+            "1",
+            "--peer-reps",
+            "1",
+            "--warmup",
+            "0",
+            "--adapter-std",
+            "0.03",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "e7b",
+        ]
+    )
     detail = json.loads((tmp_path / "e7b.detail.json").read_text())
     assert detail["valora"]["op"] == "atmm"
     cmp = detail["first_token_logits"]

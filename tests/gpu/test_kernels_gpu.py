@@ -13,8 +13,7 @@ from kernels.atmm import AtmmPlan, atmm_, config_id, extension, fused_launch_arg
 from kernels.reference import SegmentPlan, multi_lora_reference_
 from kernels import switch as sw_mod
 from kernels.switch import LoraTerm, SwitchPlan
-from kernels.tile_table import (TileConfig, fused_group_options, fused_groups, fused_heuristic_config,
-                                heuristic_config)
+from kernels.tile_table import TileConfig, fused_group_options, fused_groups, fused_heuristic_config, heuristic_config
 
 pytestmark = pytest.mark.gpu
 
@@ -54,14 +53,17 @@ def reference(y, x, slots, a, b, scales):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("tokens,ranks,h_in,h_out", [
-    (1, [16], 4096, 4096),
-    (16, [8, 16, 32, 64], 3584, 512),
-    (37, [16] * 8, 1024, 2048),
-    (300, [8, 16, 32, 64], 4096, 1024),
-    (257, [128, 8], 2048, 1024),
-    (1024, [16] * 3, 1024, 4096),
-])
+@pytest.mark.parametrize(
+    "tokens,ranks,h_in,h_out",
+    [
+        (1, [16], 4096, 4096),
+        (16, [8, 16, 32, 64], 3584, 512),
+        (37, [16] * 8, 1024, 2048),
+        (300, [8, 16, 32, 64], 4096, 1024),
+        (257, [128, 8], 2048, 1024),
+        (1024, [16] * 3, 1024, 4096),
+    ],
+)
 def test_atmm_matches_reference_default_tiles(dtype, tokens, ranks, h_in, h_out):
     dt = DT[dtype]
     a, b, scales, slots, x, y = make_case(tokens, ranks, h_in, h_out, dt, seed=tokens * 7 + len(ranks))
@@ -81,8 +83,10 @@ def test_atmm_matches_reference_default_tiles(dtype, tokens, ranks, h_in, h_out)
 
 
 @pytest.mark.parametrize("grouped", ["grouped_bf16_m64n128", "grouped_bf16_m128n128"])
-@pytest.mark.parametrize("tokens,ranks,h_in,h_out", [(16, [8, 16], 512, 512), (300, [8, 16, 32, 64], 1024, 1024),
-                                                     (1100, [16, 128], 2048, 768)])
+@pytest.mark.parametrize(
+    "tokens,ranks,h_in,h_out",
+    [(16, [8, 16], 512, 512), (300, [8, 16, 32, 64], 1024, 1024), (1100, [16, 128], 2048, 768)],
+)
 def test_atmm_cutlass_grouped_expand_matches_reference(grouped, tokens, ranks, h_in, h_out):
     import dataclasses
 
@@ -90,8 +94,9 @@ def test_atmm_cutlass_grouped_expand_matches_reference(grouped, tokens, ranks, h
     w = lora_weights_from_lists(a, b, scales)
     plan = AtmmPlan(max_segments=8, max_tokens=2048, device="cuda").update_from_token_slots(slots, w.ranks)
     want = reference(y, x, slots, a, b, scales)
-    cfg = dataclasses.replace(heuristic_config(h_in, h_out, plan.rank_stride, tokens, plan.active_segments),
-                              grouped=grouped)
+    cfg = dataclasses.replace(
+        heuristic_config(h_in, h_out, plan.rank_stride, tokens, plan.active_segments), grouped=grouped
+    )
     got = y.clone()
     atmm_(got, x, plan, w, config=cfg)
     torch.cuda.synchronize()
@@ -124,17 +129,47 @@ def test_atmm_every_config_and_split_k():
     for sh in [c for c in cfgs if c["kind"] == "shrink" and c["name"].startswith("shrink_") and c["rb"] == 8]:
         for split_k in (1, 3, 8):
             got = y.clone()
-            EXT.atmm(got, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table,
-                     plan.workspace, sh["id"], config_id("expand_bf16_bt16_bn64"), split_k, plan.rank_stride,
-                     plan.tiles[sh["bt"]], plan.tiles[16], True)
+            EXT.atmm(
+                got,
+                x,
+                plan.meta,
+                plan.seg_cap,
+                w.a_ptrs,
+                w.b_ptrs,
+                w.rank_table,
+                w.scale_table,
+                plan.workspace,
+                sh["id"],
+                config_id("expand_bf16_bt16_bn64"),
+                split_k,
+                plan.rank_stride,
+                plan.tiles[sh["bt"]],
+                plan.tiles[16],
+                True,
+            )
             torch.cuda.synchronize()
             assert rel_err(got.float() - y.float(), delta_ref) < 2e-2, (sh["name"], split_k)
             assert rel_err(got, want) < 4e-3, (sh["name"], split_k)
     for ex in [c for c in cfgs if c["kind"] == "expand"]:
         got = y.clone()
-        EXT.atmm(got, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table, plan.workspace,
-                 config_id("shrink_bf16_bt16_bk64_s4_r8"), ex["id"], 2, plan.rank_stride, plan.tiles[16],
-                 plan.tiles[ex["bt"]], False)
+        EXT.atmm(
+            got,
+            x,
+            plan.meta,
+            plan.seg_cap,
+            w.a_ptrs,
+            w.b_ptrs,
+            w.rank_table,
+            w.scale_table,
+            plan.workspace,
+            config_id("shrink_bf16_bt16_bk64_s4_r8"),
+            ex["id"],
+            2,
+            plan.rank_stride,
+            plan.tiles[16],
+            plan.tiles[ex["bt"]],
+            False,
+        )
         torch.cuda.synchronize()
         assert rel_err(got, want) < 4e-3, ex["name"]
 
@@ -151,13 +186,20 @@ def _xa_case(tokens, ranks, h_in, h_out, dt, seed):
     out = torch.zeros(tokens, h_out + c, device="cuda", dtype=dt)
     out[:, :h_out] = y0
     for k in range(len(ranks)):
-        out[:, h_out + cols[k]:h_out + cols[k] + ranks[k]] = (x.float() @ a[k].float()).to(dt)
+        out[:, h_out + cols[k] : h_out + cols[k] + ranks[k]] = (x.float() @ a[k].float()).to(dt)
     return a, b, scales, slots, x, y0, out, cols
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("tokens,ranks,h_in,h_out", [(16, [8, 16, 48, 64], 3584, 4608), (300, [16] * 8, 1024, 2048),
-                                                     (5, [128, 8], 512, 1024), (16, [32] * 8, 3584, 37888)])
+@pytest.mark.parametrize(
+    "tokens,ranks,h_in,h_out",
+    [
+        (16, [8, 16, 48, 64], 3584, 4608),
+        (300, [16] * 8, 1024, 2048),
+        (5, [128, 8], 512, 1024),
+        (16, [32] * 8, 3584, 37888),
+    ],
+)
 def test_atmm_expand_xa_matches_reference_every_expand(dtype, tokens, ranks, h_in, h_out):
     """expand_xa (the folded projections' expand) on every compiled expand config equals the
     reference expand of the same bf16/fp16 x·A, into a strided y; rows of slot -1 untouched."""
@@ -175,8 +217,21 @@ def test_atmm_expand_xa_matches_reference_every_expand(dtype, tokens, ranks, h_i
     for ex in [c for c in EXT.configs() if c["dtype"] == dtype and c["kind"] == "expand"]:
         got = out.clone()
         y = got[:, :h_out]
-        EXT.atmm_expand_xa(y, got[:, h_out:], cols_dev, plan.meta, plan.seg_cap, w.b_ptrs, w.rank_table,
-                           w.scale_table, plan.workspace, ex["id"], plan.rank_stride, plan.tiles[ex["bt"]], True)
+        EXT.atmm_expand_xa(
+            y,
+            got[:, h_out:],
+            cols_dev,
+            plan.meta,
+            plan.seg_cap,
+            w.b_ptrs,
+            w.rank_table,
+            w.scale_table,
+            plan.workspace,
+            ex["id"],
+            plan.rank_stride,
+            plan.tiles[ex["bt"]],
+            True,
+        )
         torch.cuda.synchronize()
         assert rel_err(y, want) < (4e-3 if dt == torch.bfloat16 else 1e-3), ex["name"]
         assert rel_err(y.float() - y0.float(), want - y0.float()) < 2e-2, ex["name"]
@@ -203,8 +258,11 @@ def test_cuda_core_expand_is_in_the_menu():
     from kernels.tile_table import FMA_EXPAND_MIN_BN
 
     for dtype in ("bfloat16", "float16"):
-        wide = [c["name"] for c in EXT.configs() if c["kind"] == "expand" and c["dtype"] == dtype
-                and c["bn"] >= FMA_EXPAND_MIN_BN]
+        wide = [
+            c["name"]
+            for c in EXT.configs()
+            if c["kind"] == "expand" and c["dtype"] == dtype and c["bn"] >= FMA_EXPAND_MIN_BN
+        ]
         assert len(wide) == 2, wide
 
 
@@ -247,9 +305,22 @@ def test_expand_xa_graph_replays_new_plans_every_expand():
         got = out.clone()
 
         def launch():
-            EXT.atmm_expand_xa(got[:, :h_out], got[:, h_out:], cols_dev, plan.meta, plan.seg_cap, w.b_ptrs,
-                               w.rank_table, w.scale_table, plan.workspace, ex["id"], plan.rank_stride,
-                               plan.tiles[ex["bt"]], True)
+            EXT.atmm_expand_xa(
+                got[:, :h_out],
+                got[:, h_out:],
+                cols_dev,
+                plan.meta,
+                plan.seg_cap,
+                w.b_ptrs,
+                w.rank_table,
+                w.scale_table,
+                plan.workspace,
+                ex["id"],
+                plan.rank_stride,
+                plan.tiles[ex["bt"]],
+                True,
+            )
+
         launch()  # warm-up (attributes)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -262,8 +333,9 @@ def test_expand_xa_graph_replays_new_plans_every_expand():
             got.copy_(out)
             graph.replay()
             torch.cuda.synchronize()
-            want = lora_expand_reference_(y0.float().clone(), out[:, h_out:], cols, plan.segment_plan,
-                                          [t.float() for t in b], scales)
+            want = lora_expand_reference_(
+                y0.float().clone(), out[:, h_out:], cols, plan.segment_plan, [t.float() for t in b], scales
+            )
             assert rel_err(got[:, :h_out], want) < 4e-3, (ex["name"], seed)
 
 
@@ -286,8 +358,22 @@ def lora_case(tokens, ranks, h_in, h_out, dtype, seed):
 def run_fused(cfg, y, x, plan, w, groups, pdl=True):
     tc = TileConfig.fused(cfg["bt"], cfg["bn"], cfg["bm"], groups)  # bm carries the cluster size
     g, tiles = fused_launch_args(tc, w.h_out, plan)
-    EXT.atmm_shrink(y, x, plan.meta, plan.seg_cap, w.a_ptrs, w.b_ptrs, w.rank_table, w.scale_table, plan.workspace,
-                    cfg["id"], g, plan.rank_stride, tiles, pdl)
+    EXT.atmm_shrink(
+        y,
+        x,
+        plan.meta,
+        plan.seg_cap,
+        w.a_ptrs,
+        w.b_ptrs,
+        w.rank_table,
+        w.scale_table,
+        plan.workspace,
+        cfg["id"],
+        g,
+        plan.rank_stride,
+        tiles,
+        pdl,
+    )
 
 
 def test_every_fused_config_is_in_the_menu():
@@ -311,8 +397,13 @@ def test_fused_config_matches_reference(name):
         delta_ref = want - y.float()
         none_rows = [j for j, s in enumerate(slots) if s < 0]
         ntiles = plan.tiles[cfg["bt"]]
-        groups = sorted({1, fused_groups(3, h_out, cfg["bn"], cfg["bm"]),
-                         fused_group_options(h_out, cfg["bn"], cfg["bm"], ntiles)[-1]})
+        groups = sorted(
+            {
+                1,
+                fused_groups(3, h_out, cfg["bn"], cfg["bm"]),
+                fused_group_options(h_out, cfg["bn"], cfg["bm"], ntiles)[-1],
+            }
+        )
         for g in groups:
             for pdl in (True, False):
                 got = y.clone()
@@ -416,8 +507,13 @@ def test_atmm_binding_rejects_bad_inputs():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _REJECT_SCRIPT], capture_output=True, text=True,
-                       timeout=600, check=False)
+    r = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _REJECT_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0 and "ALL OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
@@ -439,8 +535,11 @@ def test_every_switch_family_is_compiled():
 
 def _sw_term(m, n, r, s, g, dtype):
     # factors sized so the delta is O(0.5): any misplaced element is many ulps off
-    return LoraTerm((torch.randn(n, r, device="cuda", generator=g) * 0.3).to(dtype),
-                    (torch.randn(r, m, device="cuda", generator=g) * 0.3).to(dtype), s)
+    return LoraTerm(
+        (torch.randn(n, r, device="cuda", generator=g) * 0.3).to(dtype),
+        (torch.randn(r, m, device="cuda", generator=g) * 0.3).to(dtype),
+        s,
+    )
 
 
 def _sw_check(got, w0, terms, dtype, tag):
@@ -480,8 +579,18 @@ def _sw_pairs(config):
 def test_switch_matches_reference(config, out_of_place):
     """Odd shapes (M, N multiples of 8, not of any tile), mixed ranks, missing terms."""
     pairs = _sw_pairs(config)
-    shapes = [(520, 264), (1000, 136), (72, 1032), (8, 8), (136, 520), (264, 72), (48, 40), (1032, 8), (16, 2056),
-              (200, 600)][:len(pairs)]
+    shapes = [
+        (520, 264),
+        (1000, 136),
+        (72, 1032),
+        (8, 8),
+        (136, 520),
+        (264, 72),
+        (48, 40),
+        (1032, 8),
+        (16, 2056),
+        (200, 600),
+    ][: len(pairs)]
     dtype, w0, first, second = _sw_case(config, 11 + SWITCH_CONFIGS.index(config), shapes, pairs)
     got = [torch.full_like(w, 3.0) for w in w0] if out_of_place else [w.clone() for w in w0]
     keep = [w.clone() for w in w0]
@@ -495,8 +604,10 @@ def test_switch_matches_reference(config, out_of_place):
         assert all(torch.equal(a, b) for a, b in zip(w0, keep))  # the source is only read
     # one term (merge), in place, on the result
     single = [w.clone() for w in got]
-    terms = [t if t is not None else _sw_term(w.shape[0], w.shape[1], 8, 0.25, torch.Generator(device="cuda"), dtype)
-             for t, w in zip(first, got)]
+    terms = [
+        t if t is not None else _sw_term(w.shape[0], w.shape[1], 8, 0.25, torch.Generator(device="cuda"), dtype)
+        for t, w in zip(first, got)
+    ]
     SwitchPlan(single, terms, config=config).run()
     torch.cuda.synchronize()
     for i, (gw, w, t) in enumerate(zip(single, got, terms)):
@@ -546,8 +657,12 @@ def test_switcher_kernel_path_on_cuda():
     from services.worker.switcher import Switcher
 
     g = torch.Generator(device="cuda").manual_seed(9)
-    shapes = {(0, "q_proj"): (256, 256), (0, "down_proj"): (256, 688), (0, "up_proj"): (688, 256),
-              (1, "q_proj"): (256, 256)}
+    shapes = {
+        (0, "q_proj"): (256, 256),
+        (0, "down_proj"): (256, 688),
+        (0, "up_proj"): (688, 256),
+        (1, "q_proj"): (256, 256),
+    }
 
     def layers():
         out = {}
@@ -577,7 +692,9 @@ def test_switcher_kernel_path_on_cuda():
             for k in shapes:
                 a, b = lk[k].base.weight.float(), lt[k].base.weight.float()
                 assert ((a - b).abs() <= b.abs() * 2**-7 * (1 if strategy == "pristine" else 4) + 1e-6).all(), (
-                    strategy, k)
+                    strategy,
+                    k,
+                )
         assert fast.kernel_launches >= 5
         fast.set(ads[0])  # pristine: bit-identical to a fresh merge however many switches came before
         if strategy == "pristine":

@@ -48,8 +48,9 @@ def rand(shape, dtype, g, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden,offset", [(1, 3584, 0), (16, 3584, 0), (4640, 3584, 0), (7, 100, 0),
-                                                (5, 1536, 1)])
+@pytest.mark.parametrize(
+    "rows,hidden,offset", [(1, 3584, 0), (16, 3584, 0), (4640, 3584, 0), (7, 100, 0), (5, 1536, 1)]
+)
 def test_rms_norm(dtype, rows, hidden, offset):
     g = torch.Generator(device="cuda").manual_seed(rows * 7 + hidden)
     base = rand((rows, hidden + offset), dtype, g, 3.0)
@@ -77,22 +78,23 @@ def test_rms_norm_in_place_sum(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,q_heads,k_heads,d", [(16, 28, 4, 128), (4640, 28, 4, 128), (3, 2, 1, 16),
-                                                      (5, 3, 1, 6)])
+@pytest.mark.parametrize(
+    "tokens,q_heads,k_heads,d", [(16, 28, 4, 128), (4640, 28, 4, 128), (3, 2, 1, 16), (5, 3, 1, 6)]
+)
 def test_rotary(dtype, tokens, q_heads, k_heads, d):
     g = torch.Generator(device="cuda").manual_seed(tokens + d)
     qkv = rand((tokens, (q_heads + 2 * k_heads) * d), dtype, g)  # q and k as views of one row, like a fused qkv
-    q = qkv[:, :q_heads * d].view(tokens, q_heads, d)
-    k = qkv[:, q_heads * d:(q_heads + k_heads) * d].view(tokens, k_heads, d)
+    q = qkv[:, : q_heads * d].view(tokens, q_heads, d)
+    k = qkv[:, q_heads * d : (q_heads + k_heads) * d].view(tokens, k_heads, d)
     angles = torch.rand((tokens, d // 2), device="cuda", generator=g) * 100
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
     want_q, want_k = q.clone(), k.clone()
     rotary_reference_(want_q, want_k, cos, sin)
-    before_v = qkv[:, (q_heads + k_heads) * d:].clone()
+    before_v = qkv[:, (q_heads + k_heads) * d :].clone()
     layer_ops.rotary_(q, k, cos, sin)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(qkv[:, (q_heads + k_heads) * d:], before_v)  # nothing written past k
+    assert torch.equal(qkv[:, (q_heads + k_heads) * d :], before_v)  # nothing written past k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,8 +120,14 @@ def test_fused_layer_close_to_hf_layer_bf16():
 
     from services.worker.fused_layers import fused_layer_forward
 
-    cfg = AutoConfig.for_model("qwen2_vl", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
-                               num_key_value_heads=4, num_hidden_layers=1).text_config
+    cfg = AutoConfig.for_model(
+        "qwen2_vl",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        num_hidden_layers=1,
+    ).text_config
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     layer = Qwen2VLDecoderLayer(cfg, 0).to("cuda", torch.bfloat16).eval()

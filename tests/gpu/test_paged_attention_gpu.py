@@ -41,7 +41,7 @@ def make_pool(seed, lens, block_size, kv_heads, heads, head_dim, dtype, spare=16
     tables = torch.randint(0, num_blocks, (len(lens), max_blocks), dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(order[at:at + n], dtype=torch.int32)
+        tables[i, :n] = torch.tensor(order[at : at + n], dtype=torch.int32)
         at += n
     q = torch.randn(len(lens), heads, head_dim, device=DEV, generator=g).to(dtype)
     k = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEV, generator=g).to(dtype)
@@ -65,12 +65,12 @@ SHAPES = [
     (1, 1, 1, 16, 8, 100, None),
     (5, 2, 2, 32, 16, 300, None),
     (3, 2, 4, 64, 16, 1000, 1),
-    (7, 4, 7, 128, 16, 4096, None),   # Qwen2-VL-7B heads
+    (7, 4, 7, 128, 16, 4096, None),  # Qwen2-VL-7B heads
     (64, 4, 7, 128, 16, 4096, None),
     (64, 4, 7, 128, 32, 2048, 1),
     (16, 4, 7, 128, 64, 1200, 8),
     (9, 2, 8, 128, 256, 3000, None),
-    (4, 1, 5, 96, 8, 777, 3),         # D 96 padded to 128, group 5
+    (4, 1, 5, 96, 8, 777, 3),  # D 96 padded to 128, group 5
     (33, 8, 1, 128, 128, 2500, 16),
 ]
 
@@ -83,7 +83,7 @@ def test_kernel_matches_reference(shape, dtype):
     lens = [rnd.randint(1, max_len) for _ in range(b)]
     lens[0] = max_len  # the longest row is in every case
     q, k, v, bt, seq_lens = make_pool(len(lens) + d, lens, bs, kvh, kvh * group, d, dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     out = paged_decode_attention(q, k, v, bt, seq_lens, scale, num_splits=splits)
     check(out, paged_decode_attention_reference(q, k, v, bt, seq_lens, scale), dtype)
 
@@ -119,7 +119,7 @@ def test_graph_replay_follows_new_tables(dtype, splits):
     bt.copy_(torch.randint(0, num_blocks, bt.shape, dtype=torch.int32, device=DEV))
     seq_lens.copy_(torch.tensor(lens0, dtype=torch.int32))
     out = torch.empty_like(q)
-    scale = d ** -0.5
+    scale = d**-0.5
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up outside capture (JIT compile)

@@ -30,8 +30,9 @@ def make_rows(seed, n, prefix, block_size, kv_heads, heads, head_dim, dtype, pad
     """`make_pool` for contexts n + prefix (shuffled pages, random ids past each row), packed q
     (sum(n) + pad, H, D), cu_q and seq_lens on the GPU."""
     lens = [a + b for a, b in zip(n, prefix)]
-    _, k, v, tables, seq_lens = make_pool(seed, lens, block_size, kv_heads, heads, head_dim, dtype,
-                                          max_blocks=max_blocks)
+    _, k, v, tables, seq_lens = make_pool(
+        seed, lens, block_size, kv_heads, heads, head_dim, dtype, max_blocks=max_blocks
+    )
     g = torch.Generator(device=DEV).manual_seed(seed + 1)
     q = torch.randn(sum(n) + pad, heads, head_dim, device=DEV, generator=g).to(dtype)
     cu_q = torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEV)
@@ -69,7 +70,7 @@ SHAPES = [
     ([513], [1000], 2, 4, 64, 32),
     ([64, 64, 1, 1], [0, 64, 4000, 0], 4, 7, 128, 64),
     ([777, 5], [333, 9000], 2, 8, 128, 256),
-    ([250, 1], [17, 1500], 1, 5, 96, 8),    # D 96 padded to 128, group 5
+    ([250, 1], [17, 1500], 1, 5, 96, 8),  # D 96 padded to 128, group 5
     ([129, 3, 1000], [0, 0, 128], 8, 1, 128, 128),
 ]
 
@@ -88,8 +89,19 @@ def test_16k_context():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("cfg", [(64, 32, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                                 (256, 32, 8, 2), (16, 16, 4, 1)], ids=lambda c: "m{}_n{}_w{}_s{}".format(*c))
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        (64, 32, 4, 2),
+        (64, 64, 4, 3),
+        (128, 32, 8, 3),
+        (128, 64, 8, 2),
+        (128, 128, 8, 2),
+        (256, 32, 8, 2),
+        (16, 16, 4, 1),
+    ],
+    ids=lambda c: "m{}_n{}_w{}_s{}".format(*c),
+)
 def test_forced_configs(cfg, dtype):
     if dtype == torch.float32 and (cfg[0] > 128 or cfg[1] > 64):
         pytest.skip("fp32 tiles this large are not a config anyone runs (registers, shared memory)")
@@ -121,8 +133,17 @@ def test_graph_replay_follows_new_rows():
     (empty rows, padding tokens past cu_q[R]), other contexts and pages written into the same
     buffers; each replay equals the reference."""
     r, t, heads, kvh, d, bs, max_blocks = 6, 1024, 28, 4, 128, 16, 512  # up to 8192 tokens a row
-    q, _, _, bt, cu_q, lens = make_rows(8, [t // r] * (r - 1) + [t - t // r * (r - 1)], [100] * r, bs, kvh, heads,
-                                        d, torch.bfloat16, max_blocks=max_blocks)
+    q, _, _, bt, cu_q, lens = make_rows(
+        8,
+        [t // r] * (r - 1) + [t - t // r * (r - 1)],
+        [100] * r,
+        bs,
+        kvh,
+        heads,
+        d,
+        torch.bfloat16,
+        max_blocks=max_blocks,
+    )
     k = torch.randn(r * max_blocks + 1, bs, kvh, d, device=DEV).to(torch.bfloat16)
     v = torch.randn_like(k)
     out = torch.empty_like(q)

@@ -21,19 +21,26 @@ if not torch.cuda.is_available():
 
 
 def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
-    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=4,
-                              kv_cache_bytes=TEST_KV_BYTES))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=4, kv_cache_bytes=TEST_KV_BYTES
+        )
+    )
     try:
-        reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i, size=s)], max_new_tokens=2)
-                for i, s in enumerate((84, 84, 112))]  # grids 6x6, 6x6, 8x8 (the tiny processor's cap)
+        reqs = [
+            WorkRequest(f"r{i}", "Describe the image.", [random_image(i, size=s)], max_new_tokens=2)
+            for i, s in enumerate((84, 84, 112))
+        ]  # grids 6x6, 6x6, 8x8 (the tiny processor's cap)
         preps = [eng.prepare(r) for r in reqs]
         batch = [(p.inputs["input_ids"], p.inputs, p.vision) for p in preps]
         # the vision tower's graphs of this batch captured first (two 6x6 images together, one 8x8;
         # a capture synchronizes, once a key)
         with torch.inference_mode():
             for seed in (10, 20):
-                warm = [eng.prepare(WorkRequest(f"w{seed}{i}", "x", [random_image(seed + i, size=s)]))
-                        for i, s in enumerate((84, 84, 112))]
+                warm = [
+                    eng.prepare(WorkRequest(f"w{seed}{i}", "x", [random_image(seed + i, size=s)]))
+                    for i, s in enumerate((84, 84, 112))
+                ]
                 eng.vision.embed_batch([(p.inputs["input_ids"], p.inputs, p.vision) for p in warm])
         assert eng.vision.tower.captures == 2 and set(eng.vision.tower.entries) == {((1, 6, 6), 2), ((1, 8, 8), 1)}
         replays = eng.vision.tower.replays
@@ -64,8 +71,11 @@ def test_vision_embeds_launch_without_device_syncs_and_match_hf(model_path):
                 text = inner.get_input_embeddings()(ids)[0][~mask]
             assert torch.equal(got[0][~mask], text)
         assert eng.vision.tower.replays - replays == 2  # the batch: its two 6x6 images in one replay
-        assert all(e.attention in ("flash", "cudnn") and e.replay_ms for e in eng.vision.tower.entries.values()
-                   if e.graph is not None)
+        assert all(
+            e.attention in ("flash", "cudnn") and e.replay_ms
+            for e in eng.vision.tower.entries.values()
+            if e.graph is not None
+        )
     finally:
         eng.stop()
 
@@ -74,13 +84,15 @@ def test_cuda_engine_turns_cudnn_sdpa_off(model_path):
     """cuDNN's SDPA costs ~1.4 ms of host time a call at every query length it has not seen (a
     new prefill width nearly every step): a CUDA engine runs with that backend off."""
     torch.backends.cuda.enable_cudnn_sdp(True)
-    eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=2,
-                              kv_cache_bytes=TEST_KV_BYTES))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=2, kv_cache_bytes=TEST_KV_BYTES
+        )
+    )
     eng.start()
     try:
         assert not torch.backends.cuda.cudnn_sdp_enabled()
-        _, result = eng.generate(WorkRequest("r", "Describe the image.", [random_image(0, size=224)],
-                                             max_new_tokens=2))
+        _, result = eng.generate(WorkRequest("r", "Describe the image.", [random_image(0, size=224)], max_new_tokens=2))
         assert result.output_tokens == 2
     finally:
         eng.stop()
@@ -94,9 +106,18 @@ def test_prefill_graphs_replay_atmm_and_agree_with_eager_prefill(model_path):
     a, b = "adapters/alpha/versions/1", "adapters/beta/versions/1"
     tokens, engines = {}, {}
     for mode in ("off", "auto"):
-        eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", max_batch_size=4,
-                                  max_prefills_per_step=2, device_slots=3, kv_cache_bytes=TEST_KV_BYTES,
-                                  prefill_graphs=mode))
+        eng = Engine(
+            EngineConfig(
+                model_path=model_path,
+                device="cuda",
+                dtype="bfloat16",
+                max_batch_size=4,
+                max_prefills_per_step=2,
+                device_slots=3,
+                kv_cache_bytes=TEST_KV_BYTES,
+                prefill_graphs=mode,
+            )
+        )
         eng.eos_ids = set()
         eng.start()
         try:
@@ -104,9 +125,16 @@ def test_prefill_graphs_replay_atmm_and_agree_with_eager_prefill(model_path):
                 bundle = random_adapter_bundle(model_path, rank=8 * (i + 1), lora_alpha=8, seed=i + 1)
                 assert eng.load_adapter_bytes(name, bundle.sha256, bundle.data, bundle.config_json)
             for wave in range(4):
-                reqs = [WorkRequest(f"w{wave}-{name}", "Describe the image." + " more" * wave,
-                                    [random_image(wave + i, size=84)], adapter=name, max_new_tokens=6)
-                        for i, name in enumerate((a, b))]
+                reqs = [
+                    WorkRequest(
+                        f"w{wave}-{name}",
+                        "Describe the image." + " more" * wave,
+                        [random_image(wave + i, size=84)],
+                        adapter=name,
+                        max_new_tokens=6,
+                    )
+                    for i, name in enumerate((a, b))
+                ]
                 sinks: dict[str, queue.Queue] = {}
                 with eng._wake:  # one step admits and prefills both
                     for r in reqs:

@@ -14,8 +14,9 @@ if not sampling.available("cuda"):
     pytest.skip("needs CUDA and triton", allow_module_level=True)
 
 
-@pytest.mark.parametrize("rows,vocab,scale", [(110, 152064, 3.0), (7, 151936, 3.0), (3, 1000, 3.0),
-                                              (64, 152064, 0.05)])  # nearly flat: long candidate walks
+@pytest.mark.parametrize(
+    "rows,vocab,scale", [(110, 152064, 3.0), (7, 151936, 3.0), (3, 1000, 3.0), (64, 152064, 0.05)]
+)  # nearly flat: long candidate walks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tries", [sampling.WALK_TRIES, 1, 0])  # 0: the bisection alone
 def test_kernel_tokens_equal_the_reference(rows, vocab, scale, dtype, tries):
@@ -25,9 +26,10 @@ def test_kernel_tokens_equal_the_reference(rows, vocab, scale, dtype, tries):
     want = sampling.sample_tokens_reference(*case)
     # exp/log may differ from torch's in the last bit: at most a row whose two best noisy scores tie
     assert int((got != want).sum()) <= 1, (got != want).nonzero().flatten().tolist()
-    alone = torch.cat([sampling.sample_tokens_triton(*(x[i:i + 1] for x in case), tries=tries)
-                       for i in range(min(rows, 8))])
-    assert torch.equal(alone, got[:len(alone)])  # a row draws as it does alone
+    alone = torch.cat(
+        [sampling.sample_tokens_triton(*(x[i : i + 1] for x in case), tries=tries) for i in range(min(rows, 8))]
+    )
+    assert torch.equal(alone, got[: len(alone)])  # a row draws as it does alone
 
 
 def test_self_check_passes():

@@ -50,9 +50,14 @@ def _bf16_rank(rank: int, world: int, port: int, model_path: str, out_dir: str) 
             eng.stop(timeout=300)  # returns once rank 0's stop reached this rank's loop
             tokens = None
         assert eng._error is None
-        summary = {"tokens": tokens, "backend": eng.runtime.backend is not None, "captures": eng.graphs.captures,
-                   "replays": eng.graphs.replays, "pipelined": eng.decoder.pipelined_steps,
-                   "steps": [list(x[:2]) for x in eng.step_log]}
+        summary = {
+            "tokens": tokens,
+            "backend": eng.runtime.backend is not None,
+            "captures": eng.graphs.captures,
+            "replays": eng.graphs.replays,
+            "pipelined": eng.decoder.pipelined_steps,
+            "steps": [list(x[:2]) for x in eng.step_log],
+        }
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()

@@ -33,8 +33,9 @@ def make_case(tokens, ranks, h_in, h_out, dtype, seed, none_frac=0.15):
     a = [(torch.randn(h_in, r, device="cuda", generator=g) / h_in**0.5).to(dtype) for r in ranks]
     b = [(torch.randn(r, h_out, device="cuda", generator=g) / r**0.5).to(dtype) for r in ranks]
     scales = [rnd.choice([0.5, 1.0, 2.0]) for _ in ranks]
-    slots = sorted((rnd.randrange(n) if rnd.random() > none_frac else -1 for _ in range(tokens)),
-                   key=lambda s: (s < 0, s))
+    slots = sorted(
+        (rnd.randrange(n) if rnd.random() > none_frac else -1 for _ in range(tokens)), key=lambda s: (s < 0, s)
+    )
     if all(s < 0 for s in slots):  # at least one LoRA token (else the delta check is 0/0)
         slots[0] = 0
     # a -1 segment between adapters too (not only at the end)
@@ -47,8 +48,9 @@ def make_case(tokens, ranks, h_in, h_out, dtype, seed, none_frac=0.15):
 
 def reference(y, x, slots, a, b, scales):
     out = y.float().clone()
-    multi_lora_reference_(out, x.float(), SegmentPlan.from_token_slots(slots), [t.float() for t in a],
-                          [t.float() for t in b], scales)
+    multi_lora_reference_(
+        out, x.float(), SegmentPlan.from_token_slots(slots), [t.float() for t in a], [t.float() for t in b], scales
+    )
     return out
 
 
@@ -64,9 +66,15 @@ CASES = {
     "one_token": (1, [16], 4096, 512, torch.bfloat16),
 }
 # every menu shape with split-K atomics (3) and with plain stores (1); the other cases at the default
-COMBOS = ([(m, 3, "mixed_r64") for m in triton_sgmv.TRITON_MENU] + [(m, 1, "r128_r24") for m in triton_sgmv.TRITON_MENU]
-          + [(triton_sgmv.DEFAULT_SHAPE, 2, "fp16"), (triton_sgmv.DEFAULT_SHAPE, 1, "one_token"),
-             (triton_sgmv.DEFAULT_SHAPE, 4, "one_token")])
+COMBOS = (
+    [(m, 3, "mixed_r64") for m in triton_sgmv.TRITON_MENU]
+    + [(m, 1, "r128_r24") for m in triton_sgmv.TRITON_MENU]
+    + [
+        (triton_sgmv.DEFAULT_SHAPE, 2, "fp16"),
+        (triton_sgmv.DEFAULT_SHAPE, 1, "one_token"),
+        (triton_sgmv.DEFAULT_SHAPE, 4, "one_token"),
+    ]
+)
 
 
 @pytest.mark.parametrize("shape,split,case", COMBOS)
@@ -95,8 +103,11 @@ def test_atmm_dispatches_to_triton_and_graph_replays_new_plans():
     w = lora_weights_from_lists(a, b, scales)
     plan = plan_for(slots, w.ranks)
     cfg = TileConfig(16, 64, 3, 4, 16, 128, backend="triton")
-    run = (lambda out: atmm_(out, x, plan, w, config=cfg)) if extension() is not None else \
-        (lambda out: triton_sgmv.atmm_triton_(out, x, plan, w, cfg))
+    run = (
+        (lambda out: atmm_(out, x, plan, w, config=cfg))
+        if extension() is not None
+        else (lambda out: triton_sgmv.atmm_triton_(out, x, plan, w, cfg))
+    )
     out = y.clone()
     run(out)  # warm-up (JIT)
     torch.cuda.synchronize()
@@ -122,7 +133,7 @@ def test_alignment_hints_only_when_the_host_check_holds():
     a, b, scales, slots, x, y = make_case(tokens, ranks, h_in, h_out, dtype, seed=5)
     want = reference(y, x, slots, a, b, scales)
     store = torch.empty(a[1].numel() + 8, device="cuda", dtype=dtype)
-    a_odd = store[1:1 + a[1].numel()].view(a[1].shape)
+    a_odd = store[1 : 1 + a[1].numel()].view(a[1].shape)
     a_odd.copy_(a[1])
     cfg = TileConfig(16, 64, 3, 3, 16, 128, backend="triton")
     for a_set, aligned in (([*a], True), ([a[0], a_odd, *a[2:]], False)):

@@ -69,8 +69,12 @@ def s3_server(tmp_path_factory):
         pytest.skip("moto_server is not installed (pip install 'moto[server]')")
     port = _free_port()
     log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=tmp_path_factory.getbasetemp())
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path_factory.getbasetemp(),
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -127,13 +131,23 @@ def store_env(request, tmp_path):
     model = write_tiny_model(tmp_path / "model")
     common = {"model_path": str(model), "gc_interval_s": 0, "log_json": False, "db_workers": 4}
     if request.param == "embedded":
-        yield StoreEnv("embedded", {**common, "database_url": f"sqlite:///{tmp_path / 'registry.db'}",
-                                    "blob_dir": str(tmp_path / "blobs")})
+        yield StoreEnv(
+            "embedded",
+            {**common, "database_url": f"sqlite:///{tmp_path / 'registry.db'}", "blob_dir": str(tmp_path / "blobs")},
+        )
         return
     url = request.getfixturevalue("postgres_url")
     s3 = request.getfixturevalue("s3_server")
     _truncate_all(url)
-    yield StoreEnv("postgres_s3", {
-        **common, "database_url": url, "s3_endpoint": s3.endpoint, "s3_access_key": s3.access_key,
-        "s3_secret_key": s3.secret_key, "s3_bucket": f"valora-{uuid.uuid4().hex[:12]}", "s3_secure": False,
-    })
+    yield StoreEnv(
+        "postgres_s3",
+        {
+            **common,
+            "database_url": url,
+            "s3_endpoint": s3.endpoint,
+            "s3_access_key": s3.access_key,
+            "s3_secret_key": s3.secret_key,
+            "s3_bucket": f"valora-{uuid.uuid4().hex[:12]}",
+            "s3_secure": False,
+        },
+    )

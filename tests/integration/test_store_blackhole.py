@@ -69,10 +69,21 @@ class BlackholeProxy:
 async def test_a_blackholed_database_fails_calls_fast_and_recovers(postgres_url, tmp_path):
     proxy = BlackholeProxy("127.0.0.1", 5432)
     url = postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-    service = await create_server(StoreSettings(
-        port=0, database_url=url, run_migrations=True, blob_dir=str(tmp_path / "blobs"), backend_timeout_s=2.0,
-        health_check_s=0.3, health_check_timeout_s=1.0, gc_interval_s=0, job_sweep_interval_s=0,
-        db_connect_timeout_s=2.0, db_statement_timeout_s=5.0))
+    service = await create_server(
+        StoreSettings(
+            port=0,
+            database_url=url,
+            run_migrations=True,
+            blob_dir=str(tmp_path / "blobs"),
+            backend_timeout_s=2.0,
+            health_check_s=0.3,
+            health_check_timeout_s=1.0,
+            gc_interval_s=0,
+            job_sweep_interval_s=0,
+            db_connect_timeout_s=2.0,
+            db_statement_timeout_s=5.0,
+        )
+    )
     await service.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
     stub, health = admin_grpc.AdminServiceStub(channel), health_pb2_grpc.HealthStub(channel)

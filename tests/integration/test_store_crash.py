@@ -46,8 +46,12 @@ def test_registration_survives_sigkill_at_every_step(store_env):
     build_registry(settings).close()  # migrate once, up front
     child_settings = json.dumps(settings.model_copy(update={"run_migrations": False}).model_dump())
     for i, step in enumerate(STEPS):
-        proc = subprocess.run([sys.executable, "-c", CHILD, child_settings, step, str(100 + i), f"req-{i}"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, child_settings, step, str(100 + i), f"req-{i}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == -signal.SIGKILL, (step, proc.returncode, proc.stderr[-2000:])
 
     registry = build_registry(settings.model_copy(update={"run_migrations": False}))
@@ -88,8 +92,12 @@ def test_retry_resumes_a_pending_row_before_gc(store_env, step):
     settings = store_env.settings()
     build_registry(settings).close()
     child_settings = json.dumps(settings.model_copy(update={"run_migrations": False}).model_dump())
-    proc = subprocess.run([sys.executable, "-c", CHILD, child_settings, step, "7", "resume-me"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, child_settings, step, "7", "resume-me"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     registry = build_registry(settings.model_copy(update={"run_migrations": False}))
     try:

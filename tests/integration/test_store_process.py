@@ -28,16 +28,19 @@ def test_module_entry_point(store_env, tmp_path):
     for key, value in store_env.settings(port=port, log_json=True).model_dump().items():
         env[f"VALORA_{key.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
     log = (tmp_path / "store.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.adapter_store"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.adapter_store"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 30
         while True:
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     break
             except grpc.RpcError:
                 pass
@@ -46,7 +49,8 @@ def test_module_entry_point(store_env, tmp_path):
         data = make_bundle(seed=99)
         v = admin_grpc.AdminServiceStub(channel).UploadAdapterVersion(upload_messages("adapters/p", data)).version
         resolved = store_grpc.AdapterStoreServiceStub(channel).ResolveReference(
-            store_pb.ResolveReferenceRequest(reference="adapters/p"))
+            store_pb.ResolveReferenceRequest(reference="adapters/p")
+        )
         assert resolved.version == v
         channel.close()
         proc.send_signal(signal.SIGTERM)

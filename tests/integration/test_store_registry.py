@@ -37,8 +37,9 @@ RETIRED = res_pb.ADAPTER_VERSION_STATE_RETIRED
 
 @pytest.fixture
 def store(store_env):
-    with RunningStore(store_env.settings(fetch_chunk_bytes=4096, max_rank=16, max_header_bytes=64 * 1024,
-                                         max_bundle_bytes=256 * 1024)) as rs:
+    with RunningStore(
+        store_env.settings(fetch_chunk_bytes=4096, max_rank=16, max_header_bytes=64 * 1024, max_bundle_bytes=256 * 1024)
+    ) as rs:
         yield rs
 
 
@@ -136,11 +137,14 @@ def test_alias_moves_with_etag(store):
     resolved = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="adapters/demo@prod"))
     assert resolved.version.name == v1.name
 
-    moved = store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v2.name,
-                                                          etag=set1.etag))
+    moved = store.admin.SetAlias(
+        admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v2.name, etag=set1.etag)
+    )
     assert moved.version == v2.name and moved.etag != set1.etag
-    code, reason, _, _ = error_of(store.admin.SetAlias, admin_pb.SetAliasRequest(
-        adapter="adapters/demo", alias="prod", version=v1.name, etag=set1.etag))
+    code, reason, _, _ = error_of(
+        store.admin.SetAlias,
+        admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name, etag=set1.etag),
+    )
     assert (code, reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH")
     resolved = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="adapters/demo@prod"))
     assert resolved.version.name == v2.name
@@ -148,8 +152,7 @@ def test_alias_moves_with_etag(store):
     assert dict(aliases) == {"prod": v2.name}
 
     # A version an alias points at cannot be retired; once the alias is gone it can.
-    code, reason, _, _ = error_of(store.admin.DeleteAdapterVersion,
-                                  admin_pb.DeleteAdapterVersionRequest(name=v2.name))
+    code, reason, _, _ = error_of(store.admin.DeleteAdapterVersion, admin_pb.DeleteAdapterVersionRequest(name=v2.name))
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "VERSION_IN_USE")
     store.admin.DeleteAlias(admin_pb.DeleteAliasRequest(adapter="adapters/demo", alias="prod"))
     store.admin.DeleteAdapterVersion(admin_pb.DeleteAdapterVersionRequest(name=v2.name))
@@ -159,11 +162,13 @@ def test_alias_moves_with_etag(store):
     assert latest.name == v1.name
     code, _, _, _ = error_of(store.store.ResolveReference, store_pb.ResolveReferenceRequest(reference=v2.name))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    code, reason, _, _ = error_of(store.store.ResolveReference,
-                                  store_pb.ResolveReferenceRequest(reference="adapters/demo@prod"))
+    code, reason, _, _ = error_of(
+        store.store.ResolveReference, store_pb.ResolveReferenceRequest(reference="adapters/demo@prod")
+    )
     assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "ALIAS_NOT_FOUND")
-    code, _, _, _ = error_of(store.admin.SetAlias, admin_pb.SetAliasRequest(
-        adapter="adapters/demo", alias="prod", version=v2.name))  # retired: not READY
+    code, _, _, _ = error_of(
+        store.admin.SetAlias, admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v2.name)
+    )  # retired: not READY
     assert code == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -188,8 +193,9 @@ def test_pagination(store):
         upload(store, parent="adapters/a0", data=make_bundle(seed=10 + seed))
     first = store.admin.ListAdapterVersions(admin_pb.ListAdapterVersionsRequest(parent="adapters/a0", page_size=2))
     assert [v.name for v in first.versions] == ["adapters/a0/versions/1", "adapters/a0/versions/2"]
-    rest = store.admin.ListAdapterVersions(admin_pb.ListAdapterVersionsRequest(
-        parent="adapters/a0", page_size=2, page_token=first.next_page_token))
+    rest = store.admin.ListAdapterVersions(
+        admin_pb.ListAdapterVersionsRequest(parent="adapters/a0", page_size=2, page_token=first.next_page_token)
+    )
     assert [v.name for v in rest.versions] == ["adapters/a0/versions/3"] and not rest.next_page_token
 
     code, _, fields, _ = error_of(store.admin.ListAdapters, admin_pb.ListAdaptersRequest(page_token="garbage!"))
@@ -216,9 +222,13 @@ def test_validation_rejections(store, tmp_path):
         "BAD_SHAPE": dict(data=make_bundle(config=bad_shapes)),
         "RANK_TOO_LARGE": dict(data=make_bundle(rank=32), config_json=adapter_config(rank=32)),
         "BAD_DTYPE": dict(data=make_bundle(dtype="F64")),
-        "BUNDLE_TOO_LARGE": dict(data=make_bundle(rank=16, modules=("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                    "gate_proj", "up_proj", "down_proj")) * 4,
-                                 config_json=adapter_config(rank=16)),
+        "BUNDLE_TOO_LARGE": dict(
+            data=make_bundle(
+                rank=16, modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+            )
+            * 4,
+            config_json=adapter_config(rank=16),
+        ),
         "CHECKSUM_MISMATCH": dict(sha256="0" * 64),
         "HEAD_MISSING": dict(heads={"nope": ["x"]}),
         "HEAD_LABELS_MISMATCH": dict(data=make_bundle(heads={"cls": 3}), heads={"cls": ["a", "b"]}),
@@ -229,8 +239,7 @@ def test_validation_rejections(store, tmp_path):
         assert (code, got) == (grpc.StatusCode.INVALID_ARGUMENT, reason), message
     assert not marker.exists()
     # Nothing was registered, and no blob was written.
-    code, _, _, _ = error_of(store.store.ResolveReference,
-                             store_pb.ResolveReferenceRequest(reference="adapters/bad"))
+    code, _, _, _ = error_of(store.store.ResolveReference, store_pb.ResolveReferenceRequest(reference="adapters/bad"))
     assert code == grpc.StatusCode.NOT_FOUND
     registry = build_registry(store.settings.model_copy(update={"run_migrations": False}))
     try:
@@ -242,8 +251,9 @@ def test_validation_rejections(store, tmp_path):
 def test_names_are_checked(store):
     code, _, fields, _ = error_of(store.admin.GetAdapter, admin_pb.GetAdapterRequest(name="adapter/x"))
     assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["name"])
-    code, _, fields, _ = error_of(store.store.ResolveReference,
-                                  store_pb.ResolveReferenceRequest(reference="adapters/x/versions/0"))
+    code, _, fields, _ = error_of(
+        store.store.ResolveReference, store_pb.ResolveReferenceRequest(reference="adapters/x/versions/0")
+    )
     assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["reference"])
     code, _, fields, _ = error_of(lambda: upload(store, parent="adapters/Nope"))
     assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["metadata.parent"])
@@ -259,8 +269,13 @@ def test_names_are_checked(store):
 def test_tasks(store):
     v1 = upload(store, data=make_bundle(heads={"cls": 2}, seed=20), heads={"cls": ["yes", "no"]})
     store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))
-    task = res_pb.Task(adapter="adapters/demo@prod", head="cls", description="is there a car",
-                       accuracy_threshold=0.9, measured_accuracy=0.95)
+    task = res_pb.Task(
+        adapter="adapters/demo@prod",
+        head="cls",
+        description="is there a car",
+        accuracy_threshold=0.9,
+        measured_accuracy=0.95,
+    )
     created = store.admin.CreateTask(admin_pb.CreateTaskRequest(task_id="car", task=task)).task
     assert (created.name, created.adapter, created.head) == ("tasks/car", "adapters/demo@prod", "cls")
     assert abs(created.accuracy_threshold - 0.9) < 1e-6
@@ -270,14 +285,19 @@ def test_tasks(store):
     r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/car"))
     assert r.version.name == v1.name and r.task.name == "tasks/car" and r.task.head == "cls"
 
-    code, _, fields, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
-        task_id="t2", task=res_pb.Task(adapter="adapters/demo", head="nohead")))
+    code, _, fields, _ = error_of(
+        store.admin.CreateTask,
+        admin_pb.CreateTaskRequest(task_id="t2", task=res_pb.Task(adapter="adapters/demo", head="nohead")),
+    )
     assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.head"])
-    code, _, _, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
-        task_id="t3", task=res_pb.Task(adapter="adapters/ghost")))
+    code, _, _, _ = error_of(
+        store.admin.CreateTask, admin_pb.CreateTaskRequest(task_id="t3", task=res_pb.Task(adapter="adapters/ghost"))
+    )
     assert code == grpc.StatusCode.NOT_FOUND
-    code, _, fields, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
-        task_id="t4", task=res_pb.Task(adapter="adapters/demo", accuracy_threshold=1.5)))
+    code, _, fields, _ = error_of(
+        store.admin.CreateTask,
+        admin_pb.CreateTaskRequest(task_id="t4", task=res_pb.Task(adapter="adapters/demo", accuracy_threshold=1.5)),
+    )
     assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.accuracy_threshold"])
     store.admin.CreateTask(admin_pb.CreateTaskRequest(task_id="caption", task=res_pb.Task(adapter=v1.name)))
 
@@ -285,8 +305,9 @@ def test_tasks(store):
     assert [t.name for t in listed.tasks] == ["tasks/caption"] and listed.next_page_token
 
     # The alias and the versions tasks resolve to are protected.
-    code, reason, _, _ = error_of(store.admin.DeleteAlias, admin_pb.DeleteAliasRequest(
-        adapter="adapters/demo", alias="prod"))
+    code, reason, _, _ = error_of(
+        store.admin.DeleteAlias, admin_pb.DeleteAliasRequest(adapter="adapters/demo", alias="prod")
+    )
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "ALIAS_IN_USE")
     code, _, _, _ = error_of(store.admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name="adapters/demo"))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -301,13 +322,20 @@ def test_task_latency_objective_round_trips(store):
     objective; a class defaults to the task's id; bad objectives are refused field by field."""
     v1 = upload(store, data=make_bundle(heads={"cls": 2}, seed=21), heads={"cls": ["yes", "no"]})
     create = store.admin.CreateTask
-    count = create(admin_pb.CreateTaskRequest(task_id="count", task=res_pb.Task(
-        adapter="adapters/demo", head="cls", slo_ms=250.0, slo_class="video"))).task
+    count = create(
+        admin_pb.CreateTaskRequest(
+            task_id="count", task=res_pb.Task(adapter="adapters/demo", head="cls", slo_ms=250.0, slo_class="video")
+        )
+    ).task
     assert (count.slo_ms, count.slo_class) == (250.0, "video")
-    create(admin_pb.CreateTaskRequest(task_id="detect", task=res_pb.Task(
-        adapter=v1.name, head="cls", slo_ms=250.0, slo_class="video")))
-    own = create(admin_pb.CreateTaskRequest(task_id="ask", task=res_pb.Task(adapter="adapters/demo",
-                                                                             slo_ms=2000.5))).task
+    create(
+        admin_pb.CreateTaskRequest(
+            task_id="detect", task=res_pb.Task(adapter=v1.name, head="cls", slo_ms=250.0, slo_class="video")
+        )
+    )
+    own = create(
+        admin_pb.CreateTaskRequest(task_id="ask", task=res_pb.Task(adapter="adapters/demo", slo_ms=2000.5))
+    ).task
     assert (own.slo_ms, own.slo_class) == (2000.5, "ask")  # the task's id names its class
     plain = create(admin_pb.CreateTaskRequest(task_id="plain", task=res_pb.Task(adapter="adapters/demo"))).task
     assert (plain.slo_ms, plain.slo_class) == (0.0, "")
@@ -315,19 +343,29 @@ def test_task_latency_objective_round_trips(store):
     got = store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task
     assert (got.slo_ms, got.slo_class) == (250.0, "video")
     listed = {t.name: (t.slo_ms, t.slo_class) for t in store.admin.ListTasks(admin_pb.ListTasksRequest()).tasks}
-    assert listed == {"tasks/count": (250.0, "video"), "tasks/detect": (250.0, "video"),
-                      "tasks/ask": (2000.5, "ask"), "tasks/plain": (0.0, "")}
+    assert listed == {
+        "tasks/count": (250.0, "video"),
+        "tasks/detect": (250.0, "video"),
+        "tasks/ask": (2000.5, "ask"),
+        "tasks/plain": (0.0, ""),
+    }
     r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/detect"))
     assert (r.task.slo_ms, r.task.slo_class) == (250.0, "video")  # what the gateway hands the scheduler
 
-    code, reason, _, _ = error_of(create, admin_pb.CreateTaskRequest(task_id="track", task=res_pb.Task(
-        adapter="adapters/demo", slo_ms=500.0, slo_class="video")))
+    code, reason, _, _ = error_of(
+        create,
+        admin_pb.CreateTaskRequest(
+            task_id="track", task=res_pb.Task(adapter="adapters/demo", slo_ms=500.0, slo_class="video")
+        ),
+    )
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "SLO_CLASS_OBJECTIVE_MISMATCH")
-    for task, field in ((res_pb.Task(adapter="adapters/demo", slo_ms=-1.0), "task.slo_ms"),
-                        (res_pb.Task(adapter="adapters/demo", slo_ms=float("nan")), "task.slo_ms"),
-                        (res_pb.Task(adapter="adapters/demo", slo_ms=4e6), "task.slo_ms"),
-                        (res_pb.Task(adapter="adapters/demo", slo_class="video"), "task.slo_class"),
-                        (res_pb.Task(adapter="adapters/demo", slo_ms=10.0, slo_class="Video!"), "task.slo_class")):
+    for task, field in (
+        (res_pb.Task(adapter="adapters/demo", slo_ms=-1.0), "task.slo_ms"),
+        (res_pb.Task(adapter="adapters/demo", slo_ms=float("nan")), "task.slo_ms"),
+        (res_pb.Task(adapter="adapters/demo", slo_ms=4e6), "task.slo_ms"),
+        (res_pb.Task(adapter="adapters/demo", slo_class="video"), "task.slo_class"),
+        (res_pb.Task(adapter="adapters/demo", slo_ms=10.0, slo_class="Video!"), "task.slo_class"),
+    ):
         code, _, fields, _ = error_of(create, admin_pb.CreateTaskRequest(task_id="bad", task=task))
         assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, [field]), task
 
@@ -354,8 +392,9 @@ def test_delete_adapter_with_a_stale_etag_is_aborted(store):
     store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="prod", version=v1.name))
     moved = store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter
     assert moved.etag != read.etag
-    code, reason, _, _ = error_of(store.admin.DeleteAdapter,
-                                  admin_pb.DeleteAdapterRequest(name="adapters/demo", etag=read.etag))
+    code, reason, _, _ = error_of(
+        store.admin.DeleteAdapter, admin_pb.DeleteAdapterRequest(name="adapters/demo", etag=read.etag)
+    )
     assert (code, reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH")
     assert store.admin.GetAdapter(admin_pb.GetAdapterRequest(name="adapters/demo")).adapter.aliases["prod"] == v1.name
     v2 = upload(store, data=make_bundle(seed=33))
@@ -415,13 +454,15 @@ def test_concurrent_uploads_and_alias_moves(store):
         versions = list(pool.map(lambda seed: upload(store, data=make_bundle(seed=seed)), range(50, 56)))
     assert sorted(v.name for v in versions) == [f"adapters/demo/versions/{n}" for n in range(1, 7)]
 
-    base = store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="canary",
-                                                         version=versions[0].name))
+    base = store.admin.SetAlias(
+        admin_pb.SetAliasRequest(adapter="adapters/demo", alias="canary", version=versions[0].name)
+    )
 
     def move(v):
         try:
-            store.admin.SetAlias(admin_pb.SetAliasRequest(adapter="adapters/demo", alias="canary", version=v.name,
-                                                          etag=base.etag))
+            store.admin.SetAlias(
+                admin_pb.SetAliasRequest(adapter="adapters/demo", alias="canary", version=v.name, etag=base.etag)
+            )
             return "moved"
         except grpc.RpcError as err:
             return err.code()
@@ -456,18 +497,25 @@ def test_datasets_upload_fetch_and_live_while_a_job_names_them(store):
     def parts():
         yield admin_pb.UploadDatasetRequest(metadata=admin_pb.UploadDatasetMetadata(sha256=sha))
         for i in range(0, len(data), 3000):
-            yield admin_pb.UploadDatasetRequest(chunk=data[i:i + 3000])
+            yield admin_pb.UploadDatasetRequest(chunk=data[i : i + 3000])
 
     d = store.admin.UploadDataset(parts()).dataset
     assert (d.name, d.sha256, d.size_bytes) == (f"datasets/{sha}", sha, len(data))
     chunks = [p.chunk for p in store.store.FetchDataset(store_pb.FetchDatasetRequest(name=d.name))]
     assert b"".join(chunks) == data and len(chunks) > 1
-    code, reason, _, _ = error_of(lambda: list(store.store.FetchDataset(
-        store_pb.FetchDatasetRequest(name="datasets/" + "f" * 64))))
+    code, reason, _, _ = error_of(
+        lambda: list(store.store.FetchDataset(store_pb.FetchDatasetRequest(name="datasets/" + "f" * 64)))
+    )
     assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "DATASET_NOT_FOUND")
 
-    job = store.admin.CreateGenerationJob(admin_pb.CreateGenerationJobRequest(job_id="pets", job=res_pb.GenerationJob(
-        base_model="/m", sources=[res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)]))).job
+    job = store.admin.CreateGenerationJob(
+        admin_pb.CreateGenerationJobRequest(
+            job_id="pets",
+            job=res_pb.GenerationJob(
+                base_model="/m", sources=[res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)]
+            ),
+        )
+    ).job
     assert job.sources[0].dataset == d.name
     registry = build_registry(store.settings.model_copy(update={"run_migrations": False}))
     try:
@@ -479,11 +527,19 @@ def test_datasets_upload_fetch_and_live_while_a_job_names_them(store):
         assert not registry.blobs.exists(sha)
     finally:
         registry.close()
-    code, reason, fields, _ = error_of(store.admin.CreateGenerationJob, admin_pb.CreateGenerationJobRequest(
-        job=res_pb.GenerationJob(base_model="/m", sources=[
-            res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)])))
-    assert (code, reason, fields) == (grpc.StatusCode.FAILED_PRECONDITION, "DATASET_NOT_FOUND",
-                                      ["job.sources[0].dataset"])
+    code, reason, fields, _ = error_of(
+        store.admin.CreateGenerationJob,
+        admin_pb.CreateGenerationJobRequest(
+            job=res_pb.GenerationJob(
+                base_model="/m", sources=[res_pb.GenerationSource(task="pets", accuracy_threshold=0.5, dataset=d.name)]
+            )
+        ),
+    )
+    assert (code, reason, fields) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "DATASET_NOT_FOUND",
+        ["job.sources[0].dataset"],
+    )
 
 
 def test_update_task_changes_its_mutable_fields_guarded_by_its_etag(store):
@@ -497,58 +553,102 @@ def test_update_task_changes_its_mutable_fields_guarded_by_its_etag(store):
     def mask(*paths):
         return field_mask_pb2.FieldMask(paths=list(paths))
 
-    create(admin_pb.CreateTaskRequest(task_id="count", task=res_pb.Task(
-        adapter="adapters/demo", head="cls", description="cars", slo_ms=250.0, slo_class="video")))
-    create(admin_pb.CreateTaskRequest(task_id="detect", task=res_pb.Task(
-        adapter="adapters/demo", head="cls", slo_ms=250.0, slo_class="video")))
+    create(
+        admin_pb.CreateTaskRequest(
+            task_id="count",
+            task=res_pb.Task(adapter="adapters/demo", head="cls", description="cars", slo_ms=250.0, slo_class="video"),
+        )
+    )
+    create(
+        admin_pb.CreateTaskRequest(
+            task_id="detect", task=res_pb.Task(adapter="adapters/demo", head="cls", slo_ms=250.0, slo_class="video")
+        )
+    )
     read = store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task
     assert read.etag and read.etag == store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task.etag
 
     # description only: the SLO fields sent along are not in the mask, so they stay
-    got = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", description="trucks", slo_ms=9.0),
-                                            update_mask=mask("description"), etag=read.etag)).task
+    got = update(
+        admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/count", description="trucks", slo_ms=9.0),
+            update_mask=mask("description"),
+            etag=read.etag,
+        )
+    ).task
     assert (got.description, got.slo_ms, got.slo_class, got.head) == ("trucks", 250.0, "video", "cls")
     assert got.etag != read.etag and got.create_time == read.create_time
     assert store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task == got
-    code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
-        task=res_pb.Task(name="tasks/count", description="stale"), update_mask=mask("description"), etag=read.etag))
+    code, reason, _, _ = error_of(
+        update,
+        admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/count", description="stale"), update_mask=mask("description"), etag=read.etag
+        ),
+    )
     assert (code, reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH")
 
     # one class keeps one objective: moving one of its two tasks alone is refused
-    code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
-        task=res_pb.Task(name="tasks/count", slo_ms=100.0), update_mask=mask("slo_ms")))
+    code, reason, _, _ = error_of(
+        update,
+        admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=100.0), update_mask=mask("slo_ms")),
+    )
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "SLO_CLASS_OBJECTIVE_MISMATCH")
-    moved = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=100.0, slo_class="fast"),
-                                              update_mask=mask("slo_ms", "slo_class"))).task
+    moved = update(
+        admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/count", slo_ms=100.0, slo_class="fast"),
+            update_mask=mask("slo_ms", "slo_class"),
+        )
+    ).task
     assert (moved.slo_ms, moved.slo_class, moved.description) == (100.0, "fast", "trucks")
     r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/count"))
     assert (r.task.slo_ms, r.task.slo_class) == (100.0, "fast")  # what the gateway hands the scheduler
     # objective alone to 0 clears the class; back above 0 without a class names it after the task
     off = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count"), update_mask=mask("slo_ms"))).task
     assert (off.slo_ms, off.slo_class) == (0.0, "")
-    own = update(admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=40.0),
-                                            update_mask=mask("slo_ms"))).task
+    own = update(
+        admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=40.0), update_mask=mask("slo_ms"))
+    ).task
     assert (own.slo_ms, own.slo_class) == (40.0, "count")
 
     for request, field in (
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=-1.0), update_mask=mask("slo_ms")),
-             "task.slo_ms"),
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=float("nan")),
-                                        update_mask=mask("slo_ms")), "task.slo_ms"),
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_class="Video!"),
-                                        update_mask=mask("slo_class")), "task.slo_class"),
-            # a class without an objective
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_class="video"),
-                                        update_mask=mask("slo_ms", "slo_class")), "task.slo_class"),
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", head="other"), update_mask=mask("head")),
-             "update_mask"),
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=5.0)), "update_mask"),
-            (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="count"), update_mask=mask("slo_ms")), "task.name")):
+        (
+            admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=-1.0), update_mask=mask("slo_ms")),
+            "task.slo_ms",
+        ),
+        (
+            admin_pb.UpdateTaskRequest(
+                task=res_pb.Task(name="tasks/count", slo_ms=float("nan")), update_mask=mask("slo_ms")
+            ),
+            "task.slo_ms",
+        ),
+        (
+            admin_pb.UpdateTaskRequest(
+                task=res_pb.Task(name="tasks/count", slo_class="Video!"), update_mask=mask("slo_class")
+            ),
+            "task.slo_class",
+        ),
+        # a class without an objective
+        (
+            admin_pb.UpdateTaskRequest(
+                task=res_pb.Task(name="tasks/count", slo_class="video"), update_mask=mask("slo_ms", "slo_class")
+            ),
+            "task.slo_class",
+        ),
+        (
+            admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", head="other"), update_mask=mask("head")),
+            "update_mask",
+        ),
+        (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="tasks/count", slo_ms=5.0)), "update_mask"),
+        (admin_pb.UpdateTaskRequest(task=res_pb.Task(name="count"), update_mask=mask("slo_ms")), "task.name"),
+    ):
         code, _, fields, _ = error_of(update, request)
         assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, [field]), request
     assert store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/count")).task == own  # nothing changed
-    code, reason, _, _ = error_of(update, admin_pb.UpdateTaskRequest(
-        task=res_pb.Task(name="tasks/ghost", description="x"), update_mask=mask("description")))
+    code, reason, _, _ = error_of(
+        update,
+        admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/ghost", description="x"), update_mask=mask("description")
+        ),
+    )
     assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "TASK_NOT_FOUND")
 
 
@@ -556,25 +656,43 @@ def test_task_release_policy_round_trips_and_updates(store):
     """A task's early adapter release default is stored, resolved (what the gateway applies),
     updated on its own, and refused outside [0, 1] at create and at update."""
     upload(store, data=make_bundle(seed=23))
-    created = store.admin.CreateTask(admin_pb.CreateTaskRequest(task_id="ask", task=res_pb.Task(
-        adapter="adapters/demo", adapter_release_fraction=0.5, slo_ms=100.0))).task
+    created = store.admin.CreateTask(
+        admin_pb.CreateTaskRequest(
+            task_id="ask", task=res_pb.Task(adapter="adapters/demo", adapter_release_fraction=0.5, slo_ms=100.0)
+        )
+    ).task
     assert created.adapter_release_fraction == 0.5
     r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/ask"))
     assert r.task.adapter_release_fraction == 0.5
-    got = store.admin.UpdateTask(admin_pb.UpdateTaskRequest(
-        task=res_pb.Task(name="tasks/ask", adapter_release_fraction=0.25),
-        update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"]), etag=created.etag)).task
+    got = store.admin.UpdateTask(
+        admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/ask", adapter_release_fraction=0.25),
+            update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"]),
+            etag=created.etag,
+        )
+    ).task
     assert (got.adapter_release_fraction, got.slo_ms, got.slo_class) == (0.25, 100.0, "ask")
     assert got.etag != created.etag
     assert store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/ask")).task.adapter_release_fraction == 0.25
     for bad in (-0.1, 1.5, float("nan")):
-        code, _, fields, _ = error_of(store.admin.CreateTask, admin_pb.CreateTaskRequest(
-            task_id="bad", task=res_pb.Task(adapter="adapters/demo", adapter_release_fraction=bad)))
+        code, _, fields, _ = error_of(
+            store.admin.CreateTask,
+            admin_pb.CreateTaskRequest(
+                task_id="bad", task=res_pb.Task(adapter="adapters/demo", adapter_release_fraction=bad)
+            ),
+        )
         assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.adapter_release_fraction"]), bad
-        code, _, fields, _ = error_of(store.admin.UpdateTask, admin_pb.UpdateTaskRequest(
-            task=res_pb.Task(name="tasks/ask", adapter_release_fraction=bad),
-            update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])))
+        code, _, fields, _ = error_of(
+            store.admin.UpdateTask,
+            admin_pb.UpdateTaskRequest(
+                task=res_pb.Task(name="tasks/ask", adapter_release_fraction=bad),
+                update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"]),
+            ),
+        )
         assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.adapter_release_fraction"]), bad
-    off = store.admin.UpdateTask(admin_pb.UpdateTaskRequest(
-        task=res_pb.Task(name="tasks/ask"), update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])))
+    off = store.admin.UpdateTask(
+        admin_pb.UpdateTaskRequest(
+            task=res_pb.Task(name="tasks/ask"), update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])
+        )
+    )
     assert off.task.adapter_release_fraction == 0.0

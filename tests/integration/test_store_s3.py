@@ -14,8 +14,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def s3_store(s3_server):
-    return S3BlobStore(s3_server.endpoint, f"valora-{uuid.uuid4().hex[:12]}", s3_server.access_key,
-                       s3_server.secret_key, secure=False, part_size=5 * 1024 * 1024)
+    return S3BlobStore(
+        s3_server.endpoint,
+        f"valora-{uuid.uuid4().hex[:12]}",
+        s3_server.access_key,
+        s3_server.secret_key,
+        secure=False,
+        part_size=5 * 1024 * 1024,
+    )
 
 
 def test_bucket_is_created_and_small_blob_roundtrips(s3_store, s3_server):

@@ -21,8 +21,9 @@ GPU, ARCH, DTYPE = "NVIDIA H200", "sm90", "bfloat16"
 
 
 def make_table(split_k: int = 4, gpu: str = GPU, arch: str = ARCH, dtype: str = DTYPE) -> TileTable:
-    return TileTable(gpu, arch, dtype, {"3584x3584/r16/t16/s16": TileConfig(16, 64, 4, split_k, 16, 256)},
-                     {"source": "test"})
+    return TileTable(
+        gpu, arch, dtype, {"3584x3584/r16/t16/s16": TileConfig(16, 64, 4, split_k, 16, 256)}, {"source": "test"}
+    )
 
 
 def table_text(t: TileTable) -> str:
@@ -30,8 +31,9 @@ def table_text(t: TileTable) -> str:
 
 
 def put(rs, text: str, gpu: str = GPU, arch: str = ARCH, dtype: str = DTYPE):
-    return rs.store.PutTileTable(store_pb.PutTileTableRequest(gpu_name=gpu, gpu_arch=arch, dtype=dtype,
-                                                              table_json=text)).table
+    return rs.store.PutTileTable(
+        store_pb.PutTileTableRequest(gpu_name=gpu, gpu_arch=arch, dtype=dtype, table_json=text)
+    ).table
 
 
 def get(rs, gpu: str = GPU, arch: str = ARCH, dtype: str = DTYPE):

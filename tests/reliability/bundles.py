@@ -33,8 +33,14 @@ def corpus(shapes: BaseModelShapes, marker: str) -> list[tuple[str, bytes, str, 
     cfg_obj = json.loads(cfg)
     out: list[tuple[str, bytes, str, str]] = []
     for proto in (0, 2, 4, 5):
-        out.append((f"pickle protocol {proto} with a side effect", pickle.dumps({"w": SideEffect(marker)},
-                                                                               protocol=proto), cfg, ""))
+        out.append(
+            (
+                f"pickle protocol {proto} with a side effect",
+                pickle.dumps({"w": SideEffect(marker)}, protocol=proto),
+                cfg,
+                "",
+            )
+        )
     zbuf = io.BytesIO()
     with zipfile.ZipFile(zbuf, "w") as z:  # the layout of torch.save
         z.writestr("archive/data.pkl", pickle.dumps(SideEffect(marker), protocol=2))
@@ -57,13 +63,18 @@ def corpus(shapes: BaseModelShapes, marker: str) -> list[tuple[str, bytes, str, 
             body += b"\0" * n
         return _header(header, body)
 
-    out.append(("wrong shape (A has fin+1)", st({key_a: ([4, fin + 1], "F32"), key_b: ([fout, 4], "F32")}),
-                cfg, ""))
+    out.append(("wrong shape (A has fin+1)", st({key_a: ([4, fin + 1], "F32"), key_b: ([fout, 4], "F32")}), cfg, ""))
     out.append(("wrong shape (3-d tensor)", st({key_a: ([4, fin, 1], "F32"), key_b: ([fout, 4], "F32")}), cfg, ""))
     out.append(("mixed ranks", st({key_a: ([4, fin], "F32"), key_b: ([fout, 8], "F32")}), cfg, ""))
     out.append(("unknown tensor", st({"evil.weight": ([1, 1], "F32")}), cfg, ""))
-    out.append(("layer past the model", st({lora_key(999, "q_proj", "A"): ([4, fin], "F32"),
-                                           lora_key(999, "q_proj", "B"): ([fout, 4], "F32")}), cfg, ""))
+    out.append(
+        (
+            "layer past the model",
+            st({lora_key(999, "q_proj", "A"): ([4, fin], "F32"), lora_key(999, "q_proj", "B"): ([fout, 4], "F32")}),
+            cfg,
+            "",
+        )
+    )
     out.append(("lora_A without lora_B", st({key_a: ([4, fin], "F32")}), cfg, ""))
     out.append(("bad dtype", st({key_a: ([4, fin], "I64"), key_b: ([fout, 4], "I64")}), cfg, ""))
     big = make_random_bundle(shapes, rank=256, seed=2)
@@ -76,12 +87,25 @@ def corpus(shapes: BaseModelShapes, marker: str) -> list[tuple[str, bytes, str, 
     out.append(("empty", b"", cfg, ""))
     out.append(("checksum mismatch", good, cfg, "0" * 64))
     out.append(("checksum not hex", good, cfg, "zz" * 32))
-    out.append(("data_offsets past the end", _header({key_a: {"dtype": "F32", "shape": [4, fin],
-                                                              "data_offsets": [0, 10**12]}}), cfg, ""))
-    out.append(("data_offsets not a pair", _header({key_a: {"dtype": "F32", "shape": [4, fin],
-                                                            "data_offsets": 5}}), cfg, ""))
-    out.append(("data_offsets strings", _header({key_a: {"dtype": "F32", "shape": [4, fin],
-                                                         "data_offsets": ["a", "b"]}}), cfg, ""))
+    out.append(
+        (
+            "data_offsets past the end",
+            _header({key_a: {"dtype": "F32", "shape": [4, fin], "data_offsets": [0, 10**12]}}),
+            cfg,
+            "",
+        )
+    )
+    out.append(
+        ("data_offsets not a pair", _header({key_a: {"dtype": "F32", "shape": [4, fin], "data_offsets": 5}}), cfg, "")
+    )
+    out.append(
+        (
+            "data_offsets strings",
+            _header({key_a: {"dtype": "F32", "shape": [4, fin], "data_offsets": ["a", "b"]}}),
+            cfg,
+            "",
+        )
+    )
     out.append(("shape not a list", _header({key_a: {"dtype": "F32", "shape": 7, "data_offsets": [0, 0]}}), cfg, ""))
     out.append(("header is a list", _header([1, 2, 3]), cfg, ""))  # type: ignore[arg-type]
     out.append(("config not JSON", good, "{not json", ""))

@@ -30,10 +30,12 @@ from valora.cluster import Cluster, ProcessInfo, ensure_model, start_cluster, st
 
 REPO = Path(__file__).resolve().parents[2]
 # Hypothesis keeps a cache directory (constants, examples); not in the checkout.
-os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
-                      str(Path(os.environ.get("TMPDIR", "/tmp")) / "valora-hypothesis"))
-RESULTS = REPO / "bench" / "results" if os.environ.get("VALORA_RECORD") == "1" else \
-    Path(os.environ.get("TMPDIR", "/tmp")) / "valora-reliability-results"
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(Path(os.environ.get("TMPDIR", "/tmp")) / "valora-hypothesis"))
+RESULTS = (
+    REPO / "bench" / "results"
+    if os.environ.get("VALORA_RECORD") == "1"
+    else Path(os.environ.get("TMPDIR", "/tmp")) / "valora-reliability-results"
+)
 API_KEY = "rk-inference-7f3a9c1e5b2d4f60"
 ADMIN_KEY = "rk-admin-0d8e2b6a4c1f9e37"
 MAX_BATCH = 4
@@ -66,8 +68,11 @@ def md(key: str) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory) -> Path:
-    path = Path(os.environ.get("VALORA_TEST_MODEL_PATH", "")) if os.environ.get("VALORA_TEST_MODEL_PATH") else \
-        tmp_path_factory.getbasetemp() / "tiny-qwen2-vl"
+    path = (
+        Path(os.environ.get("VALORA_TEST_MODEL_PATH", ""))
+        if os.environ.get("VALORA_TEST_MODEL_PATH")
+        else tmp_path_factory.getbasetemp() / "tiny-qwen2-vl"
+    )
     ensure_model(path)
     return path
 
@@ -126,8 +131,13 @@ def restart_worker(cluster: Cluster, name: str, env: dict[str, str]) -> ProcessI
     old = next(p for p in cluster.processes if p.name == name)
     assert not alive(old.pid), f"{name} still running"
     with open(old.log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.worker"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     new = dataclasses.replace(old, pid=proc.pid)
     cluster.processes[cluster.processes.index(old)] = new
     cluster.save()
@@ -166,8 +176,15 @@ class InProcessStack:
     """Worker, scheduler and gateway servers of this process on loopback ports, run by one event
     loop in a background thread. `engine` is the worker's real Engine."""
 
-    def __init__(self, model_path: Path, *, max_batch_size: int = 8, worker_overrides: dict | None = None,
-                 scheduler_overrides: dict | None = None, gateway_overrides: dict | None = None) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        max_batch_size: int = 8,
+        worker_overrides: dict | None = None,
+        scheduler_overrides: dict | None = None,
+        gateway_overrides: dict | None = None,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="inproc-stack", daemon=True)
         self.thread.start()
@@ -189,18 +206,28 @@ class InProcessStack:
         from services.worker.server import create_server as create_worker
 
         wo, so, go = self.overrides
-        self.worker = await create_worker(WorkerSettings(
-            port=0, model_path=str(self.model_path), build_tiny_model=False, max_batch_size=self.max_batch_size,
-            log_json=True, **wo))
+        self.worker = await create_worker(
+            WorkerSettings(
+                port=0,
+                model_path=str(self.model_path),
+                build_tiny_model=False,
+                max_batch_size=self.max_batch_size,
+                log_json=True,
+                **wo,
+            )
+        )
         await self.worker.start()
         self._services.append(self.worker)
-        self.scheduler = await create_scheduler(SchedulerSettings(
-            port=0, worker_addresses=[f"127.0.0.1:{self.worker.port}"], status_poll_s=0.2, **so))
+        self.scheduler = await create_scheduler(
+            SchedulerSettings(port=0, worker_addresses=[f"127.0.0.1:{self.worker.port}"], status_poll_s=0.2, **so)
+        )
         await self.scheduler.start()
         self._services.append(self.scheduler)
-        self.gateway = await create_gateway(GatewaySettings(
-            port=0, scheduler_address=f"127.0.0.1:{self.scheduler.port}", adapter_store_address="127.0.0.1:9",
-            **go))
+        self.gateway = await create_gateway(
+            GatewaySettings(
+                port=0, scheduler_address=f"127.0.0.1:{self.scheduler.port}", adapter_store_address="127.0.0.1:9", **go
+            )
+        )
         await self.gateway.start()
         self._services.append(self.gateway)
 

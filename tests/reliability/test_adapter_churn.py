@@ -41,15 +41,26 @@ def cache_bytes(directory: Path) -> int:
 
 
 async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_path):
-    bundles = {f"adapters/churn{i}/versions/1": random_adapter_bundle(model_path, rank=8, seed=1000 + i)
-               for i in range(ADAPTERS)}
+    bundles = {
+        f"adapters/churn{i}/versions/1": random_adapter_bundle(model_path, rank=8, seed=1000 + i)
+        for i in range(ADAPTERS)
+    }
     one = max(len(b.data) for b in bundles.values())
     budget = KEEP * one
     store = InMemoryAdapterStore(bundles, chunk_bytes=64 << 10)
     cache = tmp_path / "cache"
-    settings = WorkerSettings(model_path=str(model_path), port=0, build_tiny_model=False, max_batch_size=4,
-                              device_slots=4, default_max_new_tokens=2, adapter_cache_dir=str(cache),
-                              adapter_cache_bytes=budget, host_adapter_bytes=budget, drain_delay_s=0)
+    settings = WorkerSettings(
+        model_path=str(model_path),
+        port=0,
+        build_tiny_model=False,
+        max_batch_size=4,
+        device_slots=4,
+        default_max_new_tokens=2,
+        adapter_cache_dir=str(cache),
+        adapter_cache_bytes=budget,
+        host_adapter_bytes=budget,
+        drain_delay_s=0,
+    )
     peak_host = peak_disk = 0
     rss_at_50 = rss_end = 0
     failures = []
@@ -57,9 +68,12 @@ async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_p
     t0 = time.monotonic()
 
     async def one_request(stub, name: str) -> None:
-        item = work_pb2.WorkItem(request_id=name.split("/")[1], prompt="Hi.",
-                                 adapter=work_pb2.AdapterRef(version=name, sha256=bundles[name].sha256),
-                                 params=types_pb2.GenerationParams(max_new_tokens=2))
+        item = work_pb2.WorkItem(
+            request_id=name.split("/")[1],
+            prompt="Hi.",
+            adapter=work_pb2.AdapterRef(version=name, sha256=bundles[name].sha256),
+            params=types_pb2.GenerationParams(max_new_tokens=2),
+        )
         try:
             async for _ in stub.Generate(worker_service_pb2.GenerateRequest(item=item), timeout=60):
                 pass
@@ -70,7 +84,7 @@ async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_p
         stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
         engine = worker.servicer.engine
         for start in range(0, ADAPTERS, CONCURRENCY):
-            await asyncio.gather(*(one_request(stub, n) for n in names[start:start + CONCURRENCY]))
+            await asyncio.gather(*(one_request(stub, n) for n in names[start : start + CONCURRENCY]))
             peak_host = max(peak_host, engine.pool.host_bytes())
             peak_disk = max(peak_disk, cache_bytes(cache))
             if start + CONCURRENCY == 52:
@@ -80,13 +94,32 @@ async def test_300_adapters_keep_the_caches_and_memory_bounded(model_path, tmp_p
         hosted, resident = len(engine.pool.host_names()), len(engine.pool.resident_names())
         planned = len(engine.lora.entries)  # the LoRA plans' cached entries (each holds its tensors)
     growth_mib = (rss_end - rss_at_50) / 2**20
-    ok = (not failures and peak_host <= budget and peak_disk <= budget and resident <= 4 and planned <= 8
-          and growth_mib < 16 and store.fetches >= ADAPTERS)
-    record("adapter-churn", f"{ADAPTERS} distinct adapters through one worker whose host pool and disk cache hold "
-           f"~{KEEP}: failures; peak host pool and disk cache bytes of their budget; RSS growth from the 50th",
-           {"failures": len(failures), "peak_host_bytes": peak_host, "peak_disk_bytes": peak_disk,
-            "budget_bytes": budget, "adapters_on_host_at_end": hosted, "resident_at_end": resident,
-            "plan_entries_at_end": planned, "rss_growth_mib": round(growth_mib, 1), "fetches": store.fetches,
-            "seconds": round(elapsed, 1)},
-           "0 failures; both peaks <= the budget; <= 4 resident, <= 8 plan entries; RSS growth < 16 MiB", ok)
+    ok = (
+        not failures
+        and peak_host <= budget
+        and peak_disk <= budget
+        and resident <= 4
+        and planned <= 8
+        and growth_mib < 16
+        and store.fetches >= ADAPTERS
+    )
+    record(
+        "adapter-churn",
+        f"{ADAPTERS} distinct adapters through one worker whose host pool and disk cache hold "
+        f"~{KEEP}: failures; peak host pool and disk cache bytes of their budget; RSS growth from the 50th",
+        {
+            "failures": len(failures),
+            "peak_host_bytes": peak_host,
+            "peak_disk_bytes": peak_disk,
+            "budget_bytes": budget,
+            "adapters_on_host_at_end": hosted,
+            "resident_at_end": resident,
+            "plan_entries_at_end": planned,
+            "rss_growth_mib": round(growth_mib, 1),
+            "fetches": store.fetches,
+            "seconds": round(elapsed, 1),
+        },
+        "0 failures; both peaks <= the budget; <= 4 resident, <= 8 plan entries; RSS growth < 16 MiB",
+        ok,
+    )
     assert ok, (failures[:3], peak_host, peak_disk, budget, resident, planned, growth_mib, store.fetches)

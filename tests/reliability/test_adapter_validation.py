@@ -20,13 +20,14 @@ pytestmark = pytest.mark.e2e
 
 
 def upload(stub, adapter: str, data: bytes, cfg: str, sha: str) -> tuple[str, str]:
-    meta = admin.UploadAdapterVersionMetadata(parent=f"adapters/{adapter}", adapter_config_json=cfg,
-                                              sha256=sha or hashlib.sha256(data).hexdigest())
+    meta = admin.UploadAdapterVersionMetadata(
+        parent=f"adapters/{adapter}", adapter_config_json=cfg, sha256=sha or hashlib.sha256(data).hexdigest()
+    )
 
     def parts():
         yield admin.UploadAdapterVersionRequest(metadata=meta)
         for i in range(0, len(data), 1 << 20):
-            yield admin.UploadAdapterVersionRequest(chunk=data[i:i + (1 << 20)])
+            yield admin.UploadAdapterVersionRequest(chunk=data[i : i + (1 << 20)])
 
     try:
         r = stub.UploadAdapterVersion(parts(), timeout=60, metadata=md(ADMIN_KEY))
@@ -50,16 +51,31 @@ def test_hostile_bundles_are_all_rejected(cluster, model_path, tmp_path):
             results.append((name, code, detail[:160]))
         good, cfg = make_random_bundle(shapes, rank=4, seed=3)
         control = upload(stub, "hostile-control", good, cfg, "")
-        listed = stub.ListAdapterVersions(admin.ListAdapterVersionsRequest(parent="adapters/hostile", page_size=100),
-                                          timeout=30, metadata=md(ADMIN_KEY)) if control[0] == "OK" else None
+        listed = (
+            stub.ListAdapterVersions(
+                admin.ListAdapterVersionsRequest(parent="adapters/hostile", page_size=100),
+                timeout=30,
+                metadata=md(ADMIN_KEY),
+            )
+            if control[0] == "OK"
+            else None
+        )
     accepted = [r for r in results if r[1] == "OK"]
     wrong_code = [r for r in results if r[1] not in ("OK", "INVALID_ARGUMENT")]
     rejected = len(results) - len(accepted)
     passed = not accepted and not wrong_code and not marker.exists() and alive(store_pid) and control[0] == "OK"
-    record("adapter-validation", "hostile bundles rejected through UploadAdapterVersion",
-           f"{rejected}/{len(results)}", "100% rejected (INVALID_ARGUMENT), side effect never runs", passed,
-           side_effect_ran=marker.exists(), accepted=accepted, wrong_code=wrong_code,
-           cases={r[0]: r[1] for r in results}, control_upload=control[0])
+    record(
+        "adapter-validation",
+        "hostile bundles rejected through UploadAdapterVersion",
+        f"{rejected}/{len(results)}",
+        "100% rejected (INVALID_ARGUMENT), side effect never runs",
+        passed,
+        side_effect_ran=marker.exists(),
+        accepted=accepted,
+        wrong_code=wrong_code,
+        cases={r[0]: r[1] for r in results},
+        control_upload=control[0],
+    )
     assert not marker.exists(), "a pickle was unpickled"
     assert not accepted, accepted
     assert not wrong_code, wrong_code

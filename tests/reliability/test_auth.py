@@ -38,19 +38,24 @@ def test_keys_are_required_and_never_logged(cluster):
         matrix = {
             "infer, no key": (code_of(i.Infer, infer, []), "UNAUTHENTICATED"),
             "infer, wrong key": (code_of(i.Infer, infer, auth(WRONG)), "UNAUTHENTICATED"),
-            "infer, not bearer": (code_of(i.Infer, infer, [("authorization", f"Basic {API_KEY}")]),
-                                  "UNAUTHENTICATED"),
-            "infer, key as request id": (code_of(i.Infer, inf.InferRequest(input=infer.input, request_id=API_KEY),
-                                                 []), "UNAUTHENTICATED"),
+            "infer, not bearer": (code_of(i.Infer, infer, [("authorization", f"Basic {API_KEY}")]), "UNAUTHENTICATED"),
+            "infer, key as request id": (
+                code_of(i.Infer, inf.InferRequest(input=infer.input, request_id=API_KEY), []),
+                "UNAUTHENTICATED",
+            ),
             "infer, api key": (code_of(i.Infer, infer, auth(API_KEY)), "OK"),
             "infer, admin key": (code_of(i.Infer, infer, auth(ADMIN_KEY)), "OK"),
-            "stream, no key": (code_of(lambda r, **kw: list(i.InferStream(r, **kw)),
-                                       inf.InferStreamRequest(input=infer.input), []), "UNAUTHENTICATED"),
+            "stream, no key": (
+                code_of(lambda r, **kw: list(i.InferStream(r, **kw)), inf.InferStreamRequest(input=infer.input), []),
+                "UNAUTHENTICATED",
+            ),
             "admin, no key": (code_of(a.ListAdapters, listing, []), "UNAUTHENTICATED"),
             "admin, wrong key": (code_of(a.ListAdapters, listing, auth(WRONG)), "UNAUTHENTICATED"),
             "admin, api key": (code_of(a.ListAdapters, listing, auth(API_KEY)), "PERMISSION_DENIED"),
-            "admin status, api key": (code_of(a.GetClusterStatus, admin.GetClusterStatusRequest(), auth(API_KEY)),
-                                      "PERMISSION_DENIED"),
+            "admin status, api key": (
+                code_of(a.GetClusterStatus, admin.GetClusterStatusRequest(), auth(API_KEY)),
+                "PERMISSION_DENIED",
+            ),
             "admin, admin key": (code_of(a.ListAdapters, listing, auth(ADMIN_KEY)), "OK"),
             "health, no key": (code_of(h.Check, health_pb2.HealthCheckRequest(), []), "OK"),
         }
@@ -58,8 +63,17 @@ def test_keys_are_required_and_never_logged(cluster):
     leaks = [(name, key) for name, text in logs.items() for key in (API_KEY, ADMIN_KEY, WRONG) if key in text]
     wrong = {k: v for k, v in matrix.items() if v[0] != v[1]}
     passed = not wrong and not leaks
-    record("auth", "auth matrix cases wrong + credentials found in service logs", len(wrong) + len(leaks),
-           "0", passed, cases={k: v[0] for k, v in matrix.items()}, wrong=wrong, leaks=leaks,
-           log_bytes_scanned=sum(len(t) for t in logs.values()), mtls="not implemented")
+    record(
+        "auth",
+        "auth matrix cases wrong + credentials found in service logs",
+        len(wrong) + len(leaks),
+        "0",
+        passed,
+        cases={k: v[0] for k, v in matrix.items()},
+        wrong=wrong,
+        leaks=leaks,
+        log_bytes_scanned=sum(len(t) for t in logs.values()),
+        mtls="not implemented",
+    )
     assert not wrong, wrong
     assert not leaks, leaks

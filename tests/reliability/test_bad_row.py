@@ -34,24 +34,42 @@ ROWS, BAD, MAX_NEW = 8, "poisoned-3", 12
 
 @pytest.fixture(scope="module")
 def stack(model_path):
-    s = InProcessStack(model_path, max_batch_size=ROWS, worker_overrides={"max_prefills_per_step": ROWS},
-                       scheduler_overrides={"max_queue": 64})
+    s = InProcessStack(
+        model_path,
+        max_batch_size=ROWS,
+        worker_overrides={"max_prefills_per_step": ROWS},
+        scheduler_overrides={"max_queue": 64},
+    )
     yield s
     s.close()
 
 
 def requests() -> list[inf.InferStreamRequest]:
     """8 different streams: text only and with one or two images, prompts of different lengths."""
-    prompts = ["Hi.", "Describe it.", "What colour is the square?", "Count the shapes.",
-               "Tell a story about digits and colours, with every detail.", "Which digit?", "Why?",
-               "Name three things in the picture and where they are."]
+    prompts = [
+        "Hi.",
+        "Describe it.",
+        "What colour is the square?",
+        "Count the shapes.",
+        "Tell a story about digits and colours, with every detail.",
+        "Which digit?",
+        "Why?",
+        "Name three things in the picture and where they are.",
+    ]
     out = []
     for i, prompt in enumerate(prompts):
         images = [types_pb2.Image(data=png(10 + i + k)) for k in range(i % 3)]
         rid = BAD if i == 3 else f"row-{i}"
-        out.append(inf.InferStreamRequest(request_id=rid, input=inf.InferenceInput(
-            prompt=prompt, images=images,
-            params=types_pb2.GenerationParams(max_new_tokens=MAX_NEW, logprobs=True))))
+        out.append(
+            inf.InferStreamRequest(
+                request_id=rid,
+                input=inf.InferenceInput(
+                    prompt=prompt,
+                    images=images,
+                    params=types_pb2.GenerationParams(max_new_tokens=MAX_NEW, logprobs=True),
+                ),
+            )
+        )
     return out
 
 
@@ -64,15 +82,26 @@ def stream(stub, req) -> dict:
                 deltas.append(resp.text_delta)
             if resp.HasField("result"):
                 r = resp.result
-                return {"code": "OK", "text": r.text, "deltas": "".join(deltas), "tokens": [t.token_id for t in
-                        r.logprobs], "finish": r.finish_reason, "s": time.monotonic() - t0}
+                return {
+                    "code": "OK",
+                    "text": r.text,
+                    "deltas": "".join(deltas),
+                    "tokens": [t.token_id for t in r.logprobs],
+                    "finish": r.finish_reason,
+                    "s": time.monotonic() - t0,
+                }
         return {"code": "NO_RESULT", "deltas": "".join(deltas)}
     except grpc.RpcError as err:
         info = error_details_pb2.ErrorInfo()
         status = rpc_status.from_call(err)
         reason = next((info.reason for d in (status.details if status else ()) if d.Unpack(info)), "")
-        return {"code": err.code().name, "reason": reason, "details": err.details(), "deltas": "".join(deltas),
-                "s": time.monotonic() - t0}
+        return {
+            "code": err.code().name,
+            "reason": reason,
+            "details": err.details(),
+            "deltas": "".join(deltas),
+            "s": time.monotonic() - t0,
+        }
 
 
 def together(stack, stub, reqs) -> list[dict]:
@@ -107,8 +136,12 @@ def settle(stack, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         st = stack.engine.stats()
-        held = {"running": st.running, "waiting": st.waiting, "kv_cache_bytes": st.kv_cache_bytes,
-                **stack.run(_scheduler_state(stack))}
+        held = {
+            "running": st.running,
+            "waiting": st.waiting,
+            "kv_cache_bytes": st.kv_cache_bytes,
+            **stack.run(_scheduler_state(stack)),
+        }
         if not any(held.values()) or time.monotonic() > deadline:
             return held
         time.sleep(0.05)
@@ -137,20 +170,41 @@ def test_one_bad_row_leaves_its_seven_co_batched_streams_finishing(stack):
         after = stream(stub, reqs[3])  # the poisoned request, without the fault: served
     by_id = dict(zip((r.request_id for r in reqs), got))
     bad = by_id.pop(BAD)
-    same = {rid: g["code"] == "OK" and g["tokens"] == alone[rid]["tokens"] and g["deltas"] == g["text"]
-            == alone[rid]["text"] for rid, g in by_id.items()}
-    clean_same = sum(c["code"] == "OK" and c["tokens"] == alone[r.request_id]["tokens"]
-                     for r, c in zip(reqs, clean))
+    same = {
+        rid: g["code"] == "OK"
+        and g["tokens"] == alone[rid]["tokens"]
+        and g["deltas"] == g["text"] == alone[rid]["text"]
+        for rid, g in by_id.items()
+    }
+    clean_same = sum(c["code"] == "OK" and c["tokens"] == alone[r.request_id]["tokens"] for r, c in zip(reqs, clean))
     batched = [sorted(c) for c in calls]
-    passed = (sum(same.values()) == ROWS - 1 and bad["code"] == "INTERNAL" and bad["reason"] == "ENGINE_STEP_FAILED"
-              and not bad["deltas"] and not any(held.values()) and engine.alive and after["code"] == "OK")
-    record("bad-row", "co-batched streams that finish with the tokens they get alone when one row's forward "
-           "fails", sum(same.values()), f"{ROWS - 1} of {ROWS - 1}; the bad row INTERNAL, alone", passed,
-           rows=ROWS, bad_status=bad["code"], bad_reason=bad["reason"], bad_details=bad["details"][:200],
-           forwards_that_raised=batched, isolated_batches=engine.prefiller.isolated_batches,
-           failed_rows=engine.prefiller.failed_rows, control_same_tokens=clean_same,
-           stream_p50_s={"together": p50(clean), "together_one_failing": p50(list(by_id.values()))},
-           held_after=held, tokens_each=MAX_NEW)
+    passed = (
+        sum(same.values()) == ROWS - 1
+        and bad["code"] == "INTERNAL"
+        and bad["reason"] == "ENGINE_STEP_FAILED"
+        and not bad["deltas"]
+        and not any(held.values())
+        and engine.alive
+        and after["code"] == "OK"
+    )
+    record(
+        "bad-row",
+        "co-batched streams that finish with the tokens they get alone when one row's forward fails",
+        sum(same.values()),
+        f"{ROWS - 1} of {ROWS - 1}; the bad row INTERNAL, alone",
+        passed,
+        rows=ROWS,
+        bad_status=bad["code"],
+        bad_reason=bad["reason"],
+        bad_details=bad["details"][:200],
+        forwards_that_raised=batched,
+        isolated_batches=engine.prefiller.isolated_batches,
+        failed_rows=engine.prefiller.failed_rows,
+        control_same_tokens=clean_same,
+        stream_p50_s={"together": p50(clean), "together_one_failing": p50(list(by_id.values()))},
+        held_after=held,
+        tokens_each=MAX_NEW,
+    )
     assert batched == [sorted(r.request_id for r in reqs), [BAD]], batched  # one forward of 8, then the row alone
     assert clean_same == ROWS, clean
     assert all(same.values()), {rid: (g, alone[rid]) for rid, g in by_id.items() if not same[rid]}
@@ -175,18 +229,40 @@ def test_one_row_whose_decode_step_fails_leaves_its_seven_co_batched_streams_fin
         after = stream(stub, reqs[3])
     by_id = dict(zip((r.request_id for r in reqs), got))
     bad = by_id.pop(BAD)
-    same = {rid: g["code"] == "OK" and g["tokens"] == alone[rid]["tokens"] and g["deltas"] == g["text"]
-            == alone[rid]["text"] for rid, g in by_id.items()}
+    same = {
+        rid: g["code"] == "OK"
+        and g["tokens"] == alone[rid]["tokens"]
+        and g["deltas"] == g["text"] == alone[rid]["text"]
+        for rid, g in by_id.items()
+    }
     stepped = [sorted(c) for c in calls]
-    passed = (sum(same.values()) == ROWS - 1 and bad["code"] == "INTERNAL" and bad["reason"] == "ENGINE_STEP_FAILED"
-              and alone[BAD]["text"].startswith(bad["deltas"]) and not any(held.values()) and engine.alive
-              and after["code"] == "OK")
-    record("bad-row-decode", "co-batched streams that finish with the tokens they get alone when one row's "
-           "decode step fails", sum(same.values()), f"{ROWS - 1} of {ROWS - 1}; the bad row INTERNAL, alone",
-           passed, rows=ROWS, bad_status=bad["code"], bad_reason=bad["reason"], bad_details=bad["details"][:200],
-           bad_streamed_chars=len(bad["deltas"]), steps_that_raised=stepped,
-           isolated_steps=engine.decoder.isolated_steps, failed_rows=engine.decoder.failed_rows,
-           stream_p50_s=p50(list(by_id.values())), held_after=held, tokens_each=MAX_NEW)
+    passed = (
+        sum(same.values()) == ROWS - 1
+        and bad["code"] == "INTERNAL"
+        and bad["reason"] == "ENGINE_STEP_FAILED"
+        and alone[BAD]["text"].startswith(bad["deltas"])
+        and not any(held.values())
+        and engine.alive
+        and after["code"] == "OK"
+    )
+    record(
+        "bad-row-decode",
+        "co-batched streams that finish with the tokens they get alone when one row's decode step fails",
+        sum(same.values()),
+        f"{ROWS - 1} of {ROWS - 1}; the bad row INTERNAL, alone",
+        passed,
+        rows=ROWS,
+        bad_status=bad["code"],
+        bad_reason=bad["reason"],
+        bad_details=bad["details"][:200],
+        bad_streamed_chars=len(bad["deltas"]),
+        steps_that_raised=stepped,
+        isolated_steps=engine.decoder.isolated_steps,
+        failed_rows=engine.decoder.failed_rows,
+        stream_p50_s=p50(list(by_id.values())),
+        held_after=held,
+        tokens_each=MAX_NEW,
+    )
     assert stepped == [sorted(r.request_id for r in reqs), [BAD]], stepped  # one step of 8, then the row alone
     assert all(same.values()), {rid: (g, alone[rid]) for rid, g in by_id.items() if not same[rid]}
     assert bad["code"] == "INTERNAL" and bad["reason"] == "ENGINE_STEP_FAILED", bad

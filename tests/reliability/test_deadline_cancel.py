@@ -23,8 +23,12 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stack(model_path):
-    s = InProcessStack(model_path, max_batch_size=8, worker_overrides={"max_new_tokens_limit": 1024},
-                       scheduler_overrides={"max_queue": 4096})
+    s = InProcessStack(
+        model_path,
+        max_batch_size=8,
+        worker_overrides={"max_new_tokens_limit": 1024},
+        scheduler_overrides={"max_queue": 4096},
+    )
     yield s
     s.close()
 
@@ -66,9 +70,13 @@ def token_log(stack):
 
 
 def stream_request(rid: str, max_new_tokens: int) -> inference_service_pb2.InferStreamRequest:
-    return inference_service_pb2.InferStreamRequest(request_id=rid, input=inference_service_pb2.InferenceInput(
-        prompt="Describe a long story about digits and colours.",
-        params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=7)))
+    return inference_service_pb2.InferStreamRequest(
+        request_id=rid,
+        input=inference_service_pb2.InferenceInput(
+            prompt="Describe a long story about digits and colours.",
+            params=types_pb2.GenerationParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=7),
+        ),
+    )
 
 
 def settle(stack: InProcessStack, timeout_s: float = 20.0) -> dict:
@@ -126,12 +134,21 @@ def test_deadline_reaches_worker_and_stops_generation(stack, token_log):
     worst = max(beyond.values())
     step_ms = 1e3 * sorted(steps)[len(steps) // 2] if steps else None
     passed = len(cut) == n and worst == 0 and not any(held.values())
-    record("deadline", "tokens from engine steps started after the propagated deadline (worst request)", worst,
-           "0 (only the step in flight at the deadline may finish)", passed, requests=n, deadline_s=deadline_s,
-           cut_by_deadline=len(cut), codes=sorted({r[2] for r in results}),
-           tokens_after_deadline_incl_step_in_flight=max(after.values()),
-           worker_minus_client_deadline_ms=[round(o * 1e3, 1) for o in offsets], median_step_ms=step_ms,
-           held_after=held)
+    record(
+        "deadline",
+        "tokens from engine steps started after the propagated deadline (worst request)",
+        worst,
+        "0 (only the step in flight at the deadline may finish)",
+        passed,
+        requests=n,
+        deadline_s=deadline_s,
+        cut_by_deadline=len(cut),
+        codes=sorted({r[2] for r in results}),
+        tokens_after_deadline_incl_step_in_flight=max(after.values()),
+        worker_minus_client_deadline_ms=[round(o * 1e3, 1) for o in offsets],
+        median_step_ms=step_ms,
+        held_after=held,
+    )
     assert len(cut) == n, results  # 1000 tokens never fit in the deadline
     assert worst == 0, beyond
     assert all(-0.25 < o < 0.25 for o in offsets), offsets  # the client's deadline, not a default
@@ -176,10 +193,21 @@ def test_cancel_mid_stream_leaks_nothing(stack, token_log):
     held = settle(stack)
     leaked = held["running"] + held["waiting"] + held["queued"] + held["inflight"]
     passed = leaked == 0 and held["kv_cache_bytes"] == 0 and set(outcomes) <= {"CANCELLED", "finished"}
-    record("cancel", f"leaked sequences after {done} client cancels mid-stream", leaked, "0", passed,
-           cancels=done, planned=total, budget_s=budget_s, concurrency=concurrency, wall_s=round(wall, 1),
-           outcomes=dict(outcomes),
-           baseline=base, after=held)
+    record(
+        "cancel",
+        f"leaked sequences after {done} client cancels mid-stream",
+        leaked,
+        "0",
+        passed,
+        cancels=done,
+        planned=total,
+        budget_s=budget_s,
+        concurrency=concurrency,
+        wall_s=round(wall, 1),
+        outcomes=dict(outcomes),
+        baseline=base,
+        after=held,
+    )
     assert set(outcomes) <= {"CANCELLED", "finished"}, outcomes
     assert done >= 200 and outcomes["CANCELLED"] >= done * 0.9, outcomes
     assert held == {"running": 0, "waiting": 0, "kv_cache_bytes": 0, "queued": 0, "inflight": 0}, held

@@ -29,8 +29,13 @@ pytestmark = pytest.mark.e2e
 BAD = {"INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED"}  # DEADLINE_EXCEEDED here = a hang
 CALL_TIMEOUT_S = 30.0
 # Bounded: fixed seeds, no example database, no shrinking (a finding is recorded, not minimised).
-FUZZ = settings(deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 codes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 bad_calls: list[tuple[str, str, str]] = []
 
@@ -40,35 +45,65 @@ names = st.one_of(
     st.text(max_size=40),
     st.from_regex(r"adapters/[a-z][a-z0-9-]{0,8}(/versions/-?[0-9]{1,12}|@[a-z]{1,6})?", fullmatch=True),
     st.from_regex(r"tasks/[a-z][a-z0-9-]{0,8}", fullmatch=True),
-    st.sampled_from(["", "adapters/", "adapters/a/versions/0", "adapters/a/versions/99999999999999999999",
-                     "adapters/a@", "tasks/", "adapters/../x", "adapters/a\x00b"]),
+    st.sampled_from(
+        [
+            "",
+            "adapters/",
+            "adapters/a/versions/0",
+            "adapters/a/versions/99999999999999999999",
+            "adapters/a@",
+            "tasks/",
+            "adapters/../x",
+            "adapters/a\x00b",
+        ]
+    ),
 )
 # Valid-leaning (two branches of three), so some requests get past validation to the worker.
 ints = st.one_of(st.integers(0, 3), st.integers(0, 50), st.integers(-(2**31), 2**31 - 1))
-floats = st.one_of(st.floats(0, 1, width=32), st.floats(0, 2, width=32),
-                   st.floats(allow_nan=True, allow_infinity=True, width=32))
+floats = st.one_of(
+    st.floats(0, 1, width=32), st.floats(0, 2, width=32), st.floats(allow_nan=True, allow_infinity=True, width=32)
+)
 small_png = png(5, 28)
 image_bytes = st.one_of(
     st.binary(max_size=300),
     st.just(small_png),
-    st.builds(lambda i, b: small_png[:i] + bytes([b]) + small_png[i + 1:],
-              st.integers(0, len(small_png) - 1), st.integers(0, 255)),
+    st.builds(
+        lambda i, b: small_png[:i] + bytes([b]) + small_png[i + 1 :],
+        st.integers(0, len(small_png) - 1),
+        st.integers(0, 255),
+    ),
     st.builds(lambda i: small_png[:i], st.integers(0, len(small_png))),
     st.builds(png_claiming, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
 )
-images = st.lists(st.builds(types_pb2.Image, data=image_bytes,
-                            mime_type=st.sampled_from(["", "image/png", "image/jpg", "text/html", "IMAGE/PNG"])),
-                  max_size=3)
+images = st.lists(
+    st.builds(
+        types_pb2.Image,
+        data=image_bytes,
+        mime_type=st.sampled_from(["", "image/png", "image/jpg", "text/html", "IMAGE/PNG"]),
+    ),
+    max_size=3,
+)
 # max_new_tokens: invalid or tiny (a valid large one would only make the fuzz slow).
 max_new = st.one_of(st.integers(0, 3), st.integers(1, 4), st.integers(-(2**31), -1), st.integers(5000, 2**31 - 1))
-params = st.builds(types_pb2.GenerationParams, max_new_tokens=max_new, temperature=floats, top_p=floats,
-                   top_k=ints, seed=st.integers(0, 2**63 - 1), stop=st.lists(st.text(max_size=20), max_size=10))
+params = st.builds(
+    types_pb2.GenerationParams,
+    max_new_tokens=max_new,
+    temperature=floats,
+    top_p=floats,
+    top_k=ints,
+    seed=st.integers(0, 2**63 - 1),
+    stop=st.lists(st.text(max_size=20), max_size=10),
+)
 
 
 @st.composite
 def infer_inputs(draw):
-    inp = inf.InferenceInput(prompt=draw(st.text(max_size=200)), images=draw(st.one_of(st.just([]), images)),
-                             params=draw(params), output_kind=draw(st.one_of(st.just(0), st.integers(-2, 4))))
+    inp = inf.InferenceInput(
+        prompt=draw(st.text(max_size=200)),
+        images=draw(st.one_of(st.just([]), images)),
+        params=draw(params),
+        output_kind=draw(st.one_of(st.just(0), st.integers(-2, 4))),
+    )
     target = draw(st.sampled_from(["none", "none", "adapter", "task"]))
     if target == "adapter":
         inp.adapter = draw(names)
@@ -165,8 +200,12 @@ def test_fuzz_inference_rpcs(gateway):
     def run(case, stream):
         inp, rid = case
         if stream:
-            _call("InferStream", lambda r, **kw: list(infer_stub.InferStream(r, **kw)),
-                  inf.InferStreamRequest(input=inp, request_id=rid), metadata=md(API_KEY))
+            _call(
+                "InferStream",
+                lambda r, **kw: list(infer_stub.InferStream(r, **kw)),
+                inf.InferStreamRequest(input=inp, request_id=rid),
+                metadata=md(API_KEY),
+            )
         else:
             _call("Infer", infer_stub.Infer, inf.InferRequest(input=inp, request_id=rid), metadata=md(API_KEY))
 
@@ -174,8 +213,11 @@ def test_fuzz_inference_rpcs(gateway):
     assert not [b for b in bad_calls if b[0].startswith("Infer")], bad_calls
 
 
-ADMIN_UNARY = [m for m in admin.DESCRIPTOR.services_by_name["AdminService"].methods
-               if not m.client_streaming and not m.server_streaming]
+ADMIN_UNARY = [
+    m
+    for m in admin.DESCRIPTOR.services_by_name["AdminService"].methods
+    if not m.client_streaming and not m.server_streaming
+]
 
 
 @pytest.mark.parametrize("method", ADMIN_UNARY, ids=lambda m: m.name)
@@ -198,9 +240,13 @@ def test_fuzz_upload(gateway, model_path):
     good, cfg = make_random_bundle(shapes, rank=2, seed=11)
     admin_stub.CreateAdapter(admin.CreateAdapterRequest(adapter_id="fuzzed"), timeout=30, metadata=md(ADMIN_KEY))
     meta = message_strategy(admin.UploadAdapterVersionMetadata.DESCRIPTOR)
-    body = st.one_of(st.binary(max_size=200), st.builds(lambda i, b: good[:i] + bytes([b]) + good[i + 1:],
-                                                        st.integers(0, len(good) - 1), st.integers(0, 255)),
-                     st.builds(lambda i: good[:i], st.integers(0, len(good))))
+    body = st.one_of(
+        st.binary(max_size=200),
+        st.builds(
+            lambda i, b: good[:i] + bytes([b]) + good[i + 1 :], st.integers(0, len(good) - 1), st.integers(0, 255)
+        ),
+        st.builds(lambda i: good[:i], st.integers(0, len(good))),
+    )
 
     @settings(FUZZ, max_examples=40)
     @given(meta, body, st.booleans(), st.booleans())
@@ -229,12 +275,12 @@ def test_fuzz_safetensors_parser(model_path):
     shapes = BaseModelShapes.from_config(json.loads((Path(model_path) / "config.json").read_text()))
     good, cfg = make_random_bundle(shapes, rank=2, seed=4)
     header_len = int.from_bytes(good[:8], "little")
-    header = json.loads(good[8:8 + header_len])
-    json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(),
-                                         st.text(max_size=10)),
-                               lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c,
-                                                                                            max_size=4)),
-                               max_leaves=12)
+    header = json.loads(good[8 : 8 + header_len])
+    json_values = st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=10)),
+        lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)),
+        max_leaves=12,
+    )
 
     @st.composite
     def headers(draw):
@@ -244,12 +290,15 @@ def test_fuzz_safetensors_parser(model_path):
             field = draw(st.sampled_from(["shape", "data_offsets", "dtype", "extra"]))
             h[key][field] = draw(json_values)
         raw = json.dumps(h).encode()
-        return len(raw).to_bytes(8, "little") + raw + good[8 + header_len:]
+        return len(raw).to_bytes(8, "little") + raw + good[8 + header_len :]
 
     bundles = st.one_of(
-        st.binary(max_size=400), headers(),
-        st.builds(lambda i, b: good[:i] + bytes([b]) + good[i + 1:], st.integers(0, 8 + header_len - 1),
-                  st.integers(0, 255)))
+        st.binary(max_size=400),
+        headers(),
+        st.builds(
+            lambda i, b: good[:i] + bytes([b]) + good[i + 1 :], st.integers(0, 8 + header_len - 1), st.integers(0, 255)
+        ),
+    )
     configs = st.one_of(st.just(cfg), st.text(max_size=30), json_values.map(json.dumps))
 
     @settings(FUZZ, max_examples=400)
@@ -296,13 +345,28 @@ def test_zz_fuzz_figure(cluster):
     total = sum(sum(c.values()) for c in codes.values())
     known = [b for b in bad_calls if b[0] == "UploadAdapterVersion" and "Internal error from Core" in b[2]]
     bad = len(bad_calls) - len(known) + len(parser_bugs)
-    record("fuzz", "INTERNAL/UNKNOWN statuses + hangs (RPCs) + unexpected exceptions (parsers)", bad + len(known),
-           "0", bad + len(known) == 0,
-           rpc_calls=total, codes_by_rpc={k: dict(v) for k, v in sorted(codes.items())},
-           bad_calls=[b for b in bad_calls if b not in known][:20], parser_bugs=parser_bugs[:20],
-           known_open_bug={"count": len(known), "where": "services/gateway/admin.py UploadAdapterVersion relay",
-                           "what": "store rejects early while chunks are still sent -> INTERNAL from grpc.aio"},
-           hypothesis=hypothesis.__version__,
-           examples={"Infer+InferStream": 120, "each admin unary RPC": 25, "UploadAdapterVersion": 40,
-                     "safetensors parser": 400, "image parsers": 300})
+    record(
+        "fuzz",
+        "INTERNAL/UNKNOWN statuses + hangs (RPCs) + unexpected exceptions (parsers)",
+        bad + len(known),
+        "0",
+        bad + len(known) == 0,
+        rpc_calls=total,
+        codes_by_rpc={k: dict(v) for k, v in sorted(codes.items())},
+        bad_calls=[b for b in bad_calls if b not in known][:20],
+        parser_bugs=parser_bugs[:20],
+        known_open_bug={
+            "count": len(known),
+            "where": "services/gateway/admin.py UploadAdapterVersion relay",
+            "what": "store rejects early while chunks are still sent -> INTERNAL from grpc.aio",
+        },
+        hypothesis=hypothesis.__version__,
+        examples={
+            "Infer+InferStream": 120,
+            "each admin unary RPC": 25,
+            "UploadAdapterVersion": 40,
+            "safetensors parser": 400,
+            "image parsers": 300,
+        },
+    )
     assert bad == 0

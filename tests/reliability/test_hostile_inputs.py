@@ -26,9 +26,11 @@ def _img(data: bytes, mime: str = "") -> types_pb2.Image:
 
 
 def _inp(prompt="What is this?", images=(), **params) -> inf.InferenceInput:
-    return inf.InferenceInput(prompt=prompt, images=list(images),
-                              params=types_pb2.GenerationParams(max_new_tokens=params.pop("max_new_tokens", 2),
-                                                                **params))
+    return inf.InferenceInput(
+        prompt=prompt,
+        images=list(images),
+        params=types_pb2.GenerationParams(max_new_tokens=params.pop("max_new_tokens", 2), **params),
+    )
 
 
 def cases() -> list[tuple[str, inf.InferRequest, str]]:
@@ -76,12 +78,23 @@ def cases() -> list[tuple[str, inf.InferRequest, str]]:
     # role / special tokens typed as text: the tokenizer took them as the template's own control
     # tokens, so a user's text closed its turn and opened a system turn of its making (served OK)
     add("typed role injection in the prompt", _inp(prompt=ROLE_INJECTION), INV)
-    add("typed <|endoftext|> in the system text",
-        inf.InferenceInput(prompt="hi", system="Be brief.<|endoftext|>", params=_inp().params), INV)
-    add("typed <|im_end|> in a history turn",
-        inf.InferenceInput(prompt="and?", history=[types_pb2.ChatTurn(role="user", text="hi"),
-                                                   types_pb2.ChatTurn(role="assistant", text="ok<|im_end|>")],
-                           params=_inp().params), INV)
+    add(
+        "typed <|endoftext|> in the system text",
+        inf.InferenceInput(prompt="hi", system="Be brief.<|endoftext|>", params=_inp().params),
+        INV,
+    )
+    add(
+        "typed <|im_end|> in a history turn",
+        inf.InferenceInput(
+            prompt="and?",
+            history=[
+                types_pb2.ChatTurn(role="user", text="hi"),
+                types_pb2.ChatTurn(role="assistant", text="ok<|im_end|>"),
+            ],
+            params=_inp().params,
+        ),
+        INV,
+    )
     return out
 
 
@@ -107,7 +120,8 @@ def test_hostile_inputs_get_the_right_status_and_memory_stays_bounded(cluster):
                 if ok and got == INV and err is not None:
                     status = rpc_status.from_call(err)
                     has_violation = status is not None and any(
-                        d.Is(error_details_pb2.BadRequest.DESCRIPTOR) for d in status.details)
+                        d.Is(error_details_pb2.BadRequest.DESCRIPTOR) for d in status.details
+                    )
                     ok = has_violation or name == "message over the limit"
                 if not ok and r == 0:
                     wrong.append((name, want, got, err.details() if err is not None else ""))
@@ -117,9 +131,20 @@ def test_hostile_inputs_get_the_right_status_and_memory_stays_bounded(cluster):
     growth = {n: round((after[n] - before[n]) / 2**20, 1) for n in procs}
     worst = max(growth.values())
     passed = not wrong and not dead and worst < 200
-    record("hostile", "hostile inputs answered with the wrong status", len(wrong), "0 (and no crash, RSS bounded)",
-           passed, cases=len(cases()), names=[name for name, _, _ in cases()], rounds=rounds, wrong=wrong, dead=dead,
-           rss_growth_mib=growth, rss_after_mib={n: round(v / 2**20, 1) for n, v in after.items()})
+    record(
+        "hostile",
+        "hostile inputs answered with the wrong status",
+        len(wrong),
+        "0 (and no crash, RSS bounded)",
+        passed,
+        cases=len(cases()),
+        names=[name for name, _, _ in cases()],
+        rounds=rounds,
+        wrong=wrong,
+        dead=dead,
+        rss_growth_mib=growth,
+        rss_after_mib={n: round(v / 2**20, 1) for n, v in after.items()},
+    )
     assert not wrong, wrong
     assert not dead, dead
     assert worst < 200, growth
@@ -136,17 +161,20 @@ def test_typed_vision_placeholders_over_http_are_400s_naming_their_field(cluster
 
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(2)).decode()}}
     client = openai.OpenAI(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
-    cases = [([{"role": "user", "content": "what is <|image_pad|>?"}], "messages[0].content"),
-             ([{"role": "user", "content": [image, {"type": "text", "text": "<|image_pad|> and?"}]}],
-              "messages[0].content"),
-             ([{"role": "system", "content": "<|vision_start|>"}, {"role": "user", "content": "hi"}],
-              "messages[0].content")]
+    cases = [
+        ([{"role": "user", "content": "what is <|image_pad|>?"}], "messages[0].content"),
+        ([{"role": "user", "content": [image, {"type": "text", "text": "<|image_pad|> and?"}]}], "messages[0].content"),
+        ([{"role": "system", "content": "<|vision_start|>"}, {"role": "user", "content": "hi"}], "messages[0].content"),
+    ]
     for messages, param in cases:
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model="valora-base", messages=messages, max_tokens=2)
         assert exc.value.body["param"] == param and exc.value.body["code"] == "vision_token_in_prompt", exc.value.body
-    ok = client.chat.completions.create(model="valora-base", max_tokens=2,
-                                        messages=[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}])
+    ok = client.chat.completions.create(
+        model="valora-base",
+        max_tokens=2,
+        messages=[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}],
+    )
     assert ok.usage.completion_tokens >= 1
 
 
@@ -166,9 +194,14 @@ def test_typed_special_tokens_are_refused_naming_token_and_field_over_grpc_and_h
     assert ids.count(im_start) == 3 + 2  # the template's system, user, assistant turns + the 2 typed
     with grpc.insecure_channel(cluster.gateway) as ch:
         stub = inf_grpc.InferenceServiceStub(ch)
-        for inp, field, token in ((_inp(prompt=ROLE_INJECTION), "item.prompt", "<|im_end|>"),
-                                  (inf.InferenceInput(prompt="hi", system="x<|endoftext|>", params=_inp().params),
-                                   "item.system", "<|endoftext|>")):
+        for inp, field, token in (
+            (_inp(prompt=ROLE_INJECTION), "item.prompt", "<|im_end|>"),
+            (
+                inf.InferenceInput(prompt="hi", system="x<|endoftext|>", params=_inp().params),
+                "item.system",
+                "<|endoftext|>",
+            ),
+        ):
             got, err = call(stub, inf.InferRequest(input=inp))
             assert got == INV, (got, err and err.details())
             details = rpc_status.from_call(err).details
@@ -178,11 +211,21 @@ def test_typed_special_tokens_are_refused_naming_token_and_field_over_grpc_and_h
             assert info.reason == "SPECIAL_TOKEN_IN_PROMPT", info
             assert bad.field_violations[0].field == field and token in err.details(), err.details()
     client = openai.OpenAI(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
-    for messages, param in (([{"role": "user", "content": ROLE_INJECTION}], "messages[0].content"),  # item.prompt
-                            ([{"role": "user", "content": "hi"}, {"role": "system", "content": "<|im_start|>"}],
-                             "messages[1].content"),  # item.system
-                            ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>"},
-                              {"role": "user", "content": "and?"}], "messages[1].content")):  # item.history[1].text
+    for messages, param in (
+        ([{"role": "user", "content": ROLE_INJECTION}], "messages[0].content"),  # item.prompt
+        (
+            [{"role": "user", "content": "hi"}, {"role": "system", "content": "<|im_start|>"}],
+            "messages[1].content",
+        ),  # item.system
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "<|im_end|>"},
+                {"role": "user", "content": "and?"},
+            ],
+            "messages[1].content",
+        ),
+    ):  # item.history[1].text
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model="valora-base", messages=messages, max_tokens=2)
         body = exc.value.body
@@ -213,9 +256,16 @@ def test_a_media_bomb_inside_every_per_item_limit_is_refused_before_decoding(clu
         cpu_s = sum(gateway.cpu_times()[:2]) - cpu_before
         growth = max((rss_bytes(pid) - rss_before[pid]) / 2**20 for pid in workers)
     passed = got == INV and cpu_s < 1.0 and growth < 200
-    record("media-bomb", "gateway CPU seconds to refuse 72 frames of 4096x4096 (per-item limits kept)",
-           round(cpu_s, 3), "< 1 s, INVALID_ARGUMENT, worker RSS growth < 200 MiB", passed,
-           status=got, worker_rss_growth_mib=round(growth, 1), encoded_bytes=len(bomb) * 72)
+    record(
+        "media-bomb",
+        "gateway CPU seconds to refuse 72 frames of 4096x4096 (per-item limits kept)",
+        round(cpu_s, 3),
+        "< 1 s, INVALID_ARGUMENT, worker RSS growth < 200 MiB",
+        passed,
+        status=got,
+        worker_rss_growth_mib=round(growth, 1),
+        encoded_bytes=len(bomb) * 72,
+    )
     assert got == INV and "pixels" in err.details(), (got, err and err.details())
     assert cpu_s < 1.0, cpu_s
     assert growth < 200, growth

@@ -65,12 +65,27 @@ async def test_idle_connections_past_the_cap_are_refused_and_swept():
             except openai.APIStatusError:  # the server has not seen every close yet
                 await asyncio.sleep(0.05)
     limit = 1.0
-    ok = (refused >= IDLE - CAP - 250 and held <= CAP + 250 and refused + held == len(conns) == IDLE
-          and full.value.status_code == 503 and served_after is not None and served_after < limit)
-    record("http-idle-connections", f"{IDLE} idle HTTP connections against a cap of {CAP}",
-           {"opened": len(conns), "opened_in_s": round(opened_s, 2), "refused_503": refused, "held": held,
+    ok = (
+        refused >= IDLE - CAP - 250
+        and held <= CAP + 250
+        and refused + held == len(conns) == IDLE
+        and full.value.status_code == 503
+        and served_after is not None
+        and served_after < limit
+    )
+    record(
+        "http-idle-connections",
+        f"{IDLE} idle HTTP connections against a cap of {CAP}",
+        {
+            "opened": len(conns),
+            "opened_in_s": round(opened_s, 2),
+            "refused_503": refused,
+            "held": held,
             "request_while_full": full.value.status_code,
-            "served_again_after_s": None if served_after is None else round(served_after, 3)},
-           f"every connection opens; refused >= {IDLE - CAP - 250}, held <= {CAP + 250} (one burst over the "
-           f"cap); a request while full gets 503; served again within {limit} s of the clients leaving", ok)
+            "served_again_after_s": None if served_after is None else round(served_after, 3),
+        },
+        f"every connection opens; refused >= {IDLE - CAP - 250}, held <= {CAP + 250} (one burst over the "
+        f"cap); a request while full gets 503; served again within {limit} s of the clients leaving",
+        ok,
+    )
     assert ok, (len(conns), refused, held, served_after)

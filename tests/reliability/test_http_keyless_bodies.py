@@ -85,8 +85,9 @@ async def _p50_ms(client, n: int) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        resp = await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "Hi"}],
-                                                    max_completion_tokens=4)
+        resp = await client.chat.completions.create(
+            model="valora-base", messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=4
+        )
         assert resp.choices[0].message.content == "two cars"
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
@@ -97,8 +98,16 @@ async def test_keyless_large_bodies_are_refused_unread():
         host, port = base_url.split("//")[1].split("/")[0].split(":")
         alone = await _p50_ms(client, 30)
         flood = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", FLOOD, host, port, str(CLIENTS), str(BODY),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            sys.executable,
+            "-c",
+            FLOOD,
+            host,
+            port,
+            str(CLIENTS),
+            str(BODY),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         assert (await asyncio.wait_for(flood.stdout.readline(), 60)).strip() == b"sending"
         during = []
         t_end = time.monotonic() + WINDOW_S
@@ -111,9 +120,18 @@ async def test_keyless_large_bodies_are_refused_unread():
     read_share = counts.get("bytes_sent", 0) / max(1, counts.get("posts", 1) * BODY)
     # each refused: a 401, or (the body's rest unread) the connection closed under the sender
     ok = counts.get("status_401", 0) + counts.get("cut_off", 0) == CLIENTS and added <= TARGET_MS
-    record("http-keyless-bodies", f"{CLIENTS} keyless clients posting a {BODY >> 20} MiB gzip body each at once: ms "
-           f"added to an authorized request's p50 in the {WINDOW_S} s from their start",
-           {"added_p50_ms": round(added, 1), "alone_p50_ms": round(alone, 1), "during_p50_ms": round(during_p50, 1),
-            **counts, "share_of_body_sent_before_401": round(read_share, 3)},
-           f"every keyless post refused (401, or closed before its body was read); <= {TARGET_MS} ms added", ok)
+    record(
+        "http-keyless-bodies",
+        f"{CLIENTS} keyless clients posting a {BODY >> 20} MiB gzip body each at once: ms "
+        f"added to an authorized request's p50 in the {WINDOW_S} s from their start",
+        {
+            "added_p50_ms": round(added, 1),
+            "alone_p50_ms": round(alone, 1),
+            "during_p50_ms": round(during_p50, 1),
+            **counts,
+            "share_of_body_sent_before_401": round(read_share, 3),
+        },
+        f"every keyless post refused (401, or closed before its body was read); <= {TARGET_MS} ms added",
+        ok,
+    )
     assert ok, (counts, alone, during_p50, err.decode()[-2000:])

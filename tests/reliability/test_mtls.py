@@ -31,14 +31,21 @@ def _name(cn: str):
 
 def _cert(subject: str, key, issuer_name, issuer_key, ca: bool):
     now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                            critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
     return b.sign(issuer_key, hashes.SHA256())
 
 
@@ -54,14 +61,20 @@ def make_pki(d: Path, prefix: str) -> dict[str, str]:
         out[f"{leaf}_cert"] = str(d / f"{prefix}-{leaf}.pem")
         out[f"{leaf}_key"] = str(d / f"{prefix}-{leaf}.key")
         Path(out[f"{leaf}_cert"]).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        Path(out[f"{leaf}_key"]).write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        Path(out[f"{leaf}_key"]).write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return out
 
 
 async def _check(address: str, credentials) -> str:
-    channel = open_channel(address, credentials=credentials) if credentials is not None \
+    channel = (
+        open_channel(address, credentials=credentials)
+        if credentials is not None
         else grpc.aio.insecure_channel(address)
+    )
     try:
         await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         return "OK"
@@ -73,12 +86,18 @@ async def _check(address: str, credentials) -> str:
 
 def test_mutual_tls_between_services(tmp_path):
     good, rogue = make_pki(tmp_path, "valora"), make_pki(tmp_path, "rogue")
-    server_settings = ServiceSettings(port=0, tls_cert=good["server_cert"], tls_key=good["server_key"],
-                                      tls_ca=good["ca"])
+    server_settings = ServiceSettings(
+        port=0, tls_cert=good["server_cert"], tls_key=good["server_key"], tls_ca=good["ca"]
+    )
 
     def client(pki, with_cert=True, ca=None):
-        return client_credentials(ServiceSettings(tls_ca=ca or good["ca"], tls_cert=pki["client_cert"] if with_cert
-                                                  else "", tls_key=pki["client_key"] if with_cert else ""))
+        return client_credentials(
+            ServiceSettings(
+                tls_ca=ca or good["ca"],
+                tls_cert=pki["client_cert"] if with_cert else "",
+                tls_key=pki["client_key"] if with_cert else "",
+            )
+        )
 
     async def scenario():
         from services.adapter_store.testing import make_bundle
@@ -110,8 +129,14 @@ def test_mutual_tls_between_services(tmp_path):
 
     cases = asyncio.run(scenario())
     wrong = {k: v for k, v in cases.items() if v[0] != v[1]}
-    record("mtls", "mTLS cases with the wrong outcome", len(wrong), "0", not wrong,
-           cases={k: v[0] for k, v in cases.items()},
-           wired="common (settings, build_service, open_channel/client_credentials), worker->store, "
-                 "WorkerPool(credentials=); gateway channels and scheduler/server.py not yet")
+    record(
+        "mtls",
+        "mTLS cases with the wrong outcome",
+        len(wrong),
+        "0",
+        not wrong,
+        cases={k: v[0] for k, v in cases.items()},
+        wired="common (settings, build_service, open_channel/client_credentials), worker->store, "
+        "WorkerPool(credentials=); gateway channels and scheduler/server.py not yet",
+    )
     assert not wrong, wrong

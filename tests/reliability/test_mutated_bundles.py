@@ -31,7 +31,7 @@ def mutate(rng: random.Random, data: bytes, cfg: str) -> tuple[str, bytes, str]:
     b = bytearray(data)
     if kind == "flip_header":
         i = rng.randrange(8, 8 + header_len)
-        b[i] = rng.choice(b"0123456789,:[]{}\" abcxyz\n\x00\xff")
+        b[i] = rng.choice(b'0123456789,:[]{}" abcxyz\n\x00\xff')
     elif kind == "flip_tensor":
         i = rng.randrange(8 + header_len, len(b))
         b[i] ^= 1 << rng.randrange(8)
@@ -40,7 +40,7 @@ def mutate(rng: random.Random, data: bytes, cfg: str) -> tuple[str, bytes, str]:
             i = rng.randrange(len(b))
             b[i] = rng.randrange(256)
     elif kind == "truncate":
-        b = b[:rng.randrange(len(b))]
+        b = b[: rng.randrange(len(b))]
     elif kind == "append":
         b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
     elif kind == "header_len":
@@ -57,8 +57,15 @@ def test_every_mutated_bundle_the_store_accepts_serves(model_path):
     shapes = BaseModelShapes.from_config(json.loads((Path(model_path) / "config.json").read_text()))
     good, cfg = make_random_bundle(shapes, rank=4, seed=7)
     rng = random.Random(0)
-    eng = Engine(EngineConfig(model_path=model_path, max_batch_size=4, kv_cache_bytes=TEST_KV_BYTES,
-                              default_max_new_tokens=2, device_slots=2))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            max_batch_size=4,
+            kv_cache_bytes=TEST_KV_BYTES,
+            default_max_new_tokens=2,
+            device_slots=2,
+        )
+    )
     eng.start()
     kinds: dict[str, list[int]] = {}
     accepted = served = 0
@@ -88,9 +95,21 @@ def test_every_mutated_bundle_the_store_accepts_serves(model_path):
     finally:
         eng.stop()
     ok = not crashes and not not_served and served == accepted and accepted > 0
-    record("mutated-bundles", f"{MUTATIONS} seeded mutations of a valid bundle: accepted by the store's check; of "
-           "those, loaded and served by a worker; other exceptions than InvalidAdapter",
-           {"mutations": MUTATIONS, "accepted": accepted, "served": served, "crashes": len(crashes),
-            "not_served": len(not_served), "by_kind": {k: {"tried": v[0], "accepted": v[1]} for k, v in kinds.items()}},
-           "every accepted bundle serves; 0 crashes", ok, crash_sample=crashes[:5], not_served_sample=not_served[:5])
+    record(
+        "mutated-bundles",
+        f"{MUTATIONS} seeded mutations of a valid bundle: accepted by the store's check; of "
+        "those, loaded and served by a worker; other exceptions than InvalidAdapter",
+        {
+            "mutations": MUTATIONS,
+            "accepted": accepted,
+            "served": served,
+            "crashes": len(crashes),
+            "not_served": len(not_served),
+            "by_kind": {k: {"tried": v[0], "accepted": v[1]} for k, v in kinds.items()},
+        },
+        "every accepted bundle serves; 0 crashes",
+        ok,
+        crash_sample=crashes[:5],
+        not_served_sample=not_served[:5],
+    )
     assert ok, (crashes[:5], not_served[:5], accepted, served)

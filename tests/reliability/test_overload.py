@@ -35,8 +35,11 @@ def burst(stub, n: int) -> list[tuple[str, float, bool]]:
     gate = threading.Barrier(n)
 
     def one(i):
-        req = inf.InferRequest(input=inf.InferenceInput(
-            prompt=f"Count the objects, case {i}.", params=types_pb2.GenerationParams(max_new_tokens=TOKENS)))
+        req = inf.InferRequest(
+            input=inf.InferenceInput(
+                prompt=f"Count the objects, case {i}.", params=types_pb2.GenerationParams(max_new_tokens=TOKENS)
+            )
+        )
         gate.wait()
         t0 = time.monotonic()
         try:
@@ -68,8 +71,9 @@ def test_overload_sheds_excess_with_retry_info(cluster):
                 except grpc.RpcError:
                     pass
             try:
-                cs = admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest(), timeout=2,
-                                            metadata=md(ADMIN_KEY))
+                cs = admin.GetClusterStatus(
+                    admin_service_pb2.GetClusterStatusRequest(), timeout=2, metadata=md(ADMIN_KEY)
+                )
                 peaks["queued"] = max(peaks["queued"], cs.queued_requests)
             except grpc.RpcError:
                 pass
@@ -98,15 +102,35 @@ def test_overload_sheds_excess_with_retry_info(cluster):
     ratio = p50_over / p50_base
     reject_ms = 1e3 * statistics.median(r[1] for r in rejected) if rejected else None
     with_retry = sum(1 for r in rejected if r[2])
-    passed = (bool(rejected) and with_retry == len(rejected) and not other and ratio <= 2.0
-              and peaks["worker_running"] <= MAX_BATCH and peaks["queued"] <= MAX_QUEUE)
-    record("overload", "admitted p50 latency at 2x capacity / at 1x capacity", round(ratio, 2),
-           "<= 2.0; every rejection RESOURCE_EXHAUSTED + RetryInfo; running <= max batch", passed,
-           capacity=capacity, sent_at_2x=len(overload), admitted_at_2x=len(over_ok), rejected_at_2x=len(rejected),
-           rejected_with_retry_info=with_retry, rejected_at_1x=sum(1 for r in at_capacity if r[0] != "OK"),
-           other_codes=other, p50_1x_ms=round(p50_base * 1e3), p50_2x_admitted_ms=round(p50_over * 1e3),
-           p50_rejection_ms=reject_ms and round(reject_ms, 1), peak_worker_running=peaks["worker_running"],
-           max_batch=MAX_BATCH, peak_queued=peaks["queued"], max_queue=MAX_QUEUE)
+    passed = (
+        bool(rejected)
+        and with_retry == len(rejected)
+        and not other
+        and ratio <= 2.0
+        and peaks["worker_running"] <= MAX_BATCH
+        and peaks["queued"] <= MAX_QUEUE
+    )
+    record(
+        "overload",
+        "admitted p50 latency at 2x capacity / at 1x capacity",
+        round(ratio, 2),
+        "<= 2.0; every rejection RESOURCE_EXHAUSTED + RetryInfo; running <= max batch",
+        passed,
+        capacity=capacity,
+        sent_at_2x=len(overload),
+        admitted_at_2x=len(over_ok),
+        rejected_at_2x=len(rejected),
+        rejected_with_retry_info=with_retry,
+        rejected_at_1x=sum(1 for r in at_capacity if r[0] != "OK"),
+        other_codes=other,
+        p50_1x_ms=round(p50_base * 1e3),
+        p50_2x_admitted_ms=round(p50_over * 1e3),
+        p50_rejection_ms=reject_ms and round(reject_ms, 1),
+        peak_worker_running=peaks["worker_running"],
+        max_batch=MAX_BATCH,
+        peak_queued=peaks["queued"],
+        max_queue=MAX_QUEUE,
+    )
     assert not other, other
     assert rejected and with_retry == len(rejected)
     assert peaks["worker_running"] <= MAX_BATCH and peaks["queued"] <= MAX_QUEUE, peaks

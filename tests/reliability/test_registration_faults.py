@@ -47,18 +47,27 @@ def proxied(postgres_url, s3_server, tmp_path):  # noqa: F811 - the fixtures imp
 
     from services.adapter_store.config import StoreSettings
     from services.adapter_store.testing import write_tiny_model
+
     _truncate_all(postgres_url)
     u = urlsplit(postgres_url)
     pg = TcpProxy((u.hostname, u.port or 5432))
     s3_host, s3_port = s3_server.endpoint.split(":")
     s3 = TcpProxy((s3_host, int(s3_port)))
     model = write_tiny_model(tmp_path / "model")
-    common = {"model_path": str(model), "gc_interval_s": 0, "log_json": False, "db_workers": 2,
-              "s3_access_key": s3_server.access_key, "s3_secret_key": s3_server.secret_key,
-              "s3_bucket": f"valora-{uuid.uuid4().hex[:12]}", "s3_secure": False}
+    common = {
+        "model_path": str(model),
+        "gc_interval_s": 0,
+        "log_json": False,
+        "db_workers": 2,
+        "s3_access_key": s3_server.access_key,
+        "s3_secret_key": s3_server.secret_key,
+        "s3_bucket": f"valora-{uuid.uuid4().hex[:12]}",
+        "s3_secure": False,
+    }
     netloc = u.netloc.replace(f"{u.hostname}:{u.port}", f"127.0.0.1:{pg.port}")
-    via = StoreSettings(**common, database_url=urlunsplit(u._replace(netloc=netloc)),
-                        s3_endpoint=f"127.0.0.1:{s3.port}")
+    via = StoreSettings(
+        **common, database_url=urlunsplit(u._replace(netloc=netloc)), s3_endpoint=f"127.0.0.1:{s3.port}"
+    )
     direct = StoreSettings(**common, database_url=postgres_url, s3_endpoint=s3_server.endpoint)
     yield via, direct, pg, s3
     pg.close()
@@ -108,8 +117,11 @@ def test_registration_survives_cut_connections(proxied):
         versions = registry.list_versions("faulty", PageRequest(1000, None)).items
         ready_without_blob = [v.name for v in versions if v.state == "READY" and not _blob_ok(registry, v)]
         report = registry.gc(grace_s=0, now=utcnow() + timedelta(seconds=5))
-        live = {v.sha256 for v in registry.list_versions("faulty", PageRequest(1000, None)).items
-                if v.state in ("PENDING", "READY")}
+        live = {
+            v.sha256
+            for v in registry.list_versions("faulty", PageRequest(1000, None)).items
+            if v.state in ("PENDING", "READY")
+        }
         orphans = sorted({b.sha256 for b in registry.blobs.list()} - live)
         missing = sorted(live - {b.sha256 for b in registry.blobs.list()})
         retried = []
@@ -122,11 +134,19 @@ def test_registration_survives_cut_connections(proxied):
     bad = len(ready_without_blob) + len(orphans) + len(missing)
     internal = [k for k, v in outcomes.items() if v.startswith("INTERNAL")]
     passed = bad == 0 and all(retried) and not internal
-    record("registration-faults", "READY rows without a blob + orphan blobs after GC, over cut connections", bad,
-           "0 (every request id registers on retry; outages UNAVAILABLE, never INTERNAL)", passed, scenarios=outcomes,
-           cuts={"pg": pg.cuts, "s3": s3.cuts}, gc_pending_removed=len(report.pending_removed),
-           gc_blobs_removed=len(report.blobs_removed) if hasattr(report, "blobs_removed") else None,
-           retries_ready=sum(retried), retries=len(retried))
+    record(
+        "registration-faults",
+        "READY rows without a blob + orphan blobs after GC, over cut connections",
+        bad,
+        "0 (every request id registers on retry; outages UNAVAILABLE, never INTERNAL)",
+        passed,
+        scenarios=outcomes,
+        cuts={"pg": pg.cuts, "s3": s3.cuts},
+        gc_pending_removed=len(report.pending_removed),
+        gc_blobs_removed=len(report.blobs_removed) if hasattr(report, "blobs_removed") else None,
+        retries_ready=sum(retried),
+        retries=len(retried),
+    )
     assert not ready_without_blob, ready_without_blob
     assert not orphans and not missing, (orphans, missing)
     assert all(retried), retried

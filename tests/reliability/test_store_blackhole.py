@@ -42,13 +42,27 @@ def proxied_store(postgres_url, s3_server, tmp_path):  # noqa: F811 - the fixtur
     s3 = TcpProxy((s3_host, int(s3_port)))
     netloc = u.netloc.replace(f"{u.hostname}:{u.port}", f"127.0.0.1:{pg.port}")
     settings = StoreSettings(
-        port=0, model_path=str(write_tiny_model(tmp_path / "model")), log_json=False, db_workers=4,
-        database_url=urlunsplit(u._replace(netloc=netloc)), run_migrations=True,
-        s3_endpoint=f"127.0.0.1:{s3.port}", s3_access_key=s3_server.access_key, s3_secret_key=s3_server.secret_key,
-        s3_bucket=f"valora-{uuid.uuid4().hex[:12]}", s3_secure=False,
-        backend_timeout_s=BACKEND_TIMEOUT_S, db_connect_timeout_s=2.0, db_statement_timeout_s=5.0,
-        s3_connect_timeout_s=2.0, s3_read_timeout_s=2.0, health_check_s=HEALTH_CHECK_S,
-        health_check_timeout_s=HEALTH_TIMEOUT_S, gc_interval_s=0, job_sweep_interval_s=0)
+        port=0,
+        model_path=str(write_tiny_model(tmp_path / "model")),
+        log_json=False,
+        db_workers=4,
+        database_url=urlunsplit(u._replace(netloc=netloc)),
+        run_migrations=True,
+        s3_endpoint=f"127.0.0.1:{s3.port}",
+        s3_access_key=s3_server.access_key,
+        s3_secret_key=s3_server.secret_key,
+        s3_bucket=f"valora-{uuid.uuid4().hex[:12]}",
+        s3_secure=False,
+        backend_timeout_s=BACKEND_TIMEOUT_S,
+        db_connect_timeout_s=2.0,
+        db_statement_timeout_s=5.0,
+        s3_connect_timeout_s=2.0,
+        s3_read_timeout_s=2.0,
+        health_check_s=HEALTH_CHECK_S,
+        health_check_timeout_s=HEALTH_TIMEOUT_S,
+        gc_interval_s=0,
+        job_sweep_interval_s=0,
+    )
     store = RunningStore(settings)
     try:
         yield store, {"postgres": pg, "s3": s3}
@@ -96,8 +110,9 @@ def test_a_blackholed_backend_fails_calls_bounded_and_recovers(proxied_store, ba
         assert hashlib.sha256(got).hexdigest() == v1.sha256
 
     def upload(seed):
-        return lambda: store.admin.UploadAdapterVersion(upload_messages("adapters/bh", make_bundle(seed=seed)),
-                                                         timeout=30)
+        return lambda: store.admin.UploadAdapterVersion(
+            upload_messages("adapters/bh", make_bundle(seed=seed)), timeout=30
+        )
 
     def list_adapters():
         store.admin.ListAdapters(admin.ListAdaptersRequest(page_size=5), timeout=30)
@@ -116,14 +131,20 @@ def test_a_blackholed_backend_fails_calls_bounded_and_recovers(proxied_store, ba
     recovered = to_serving is not None and all(code == "OK" for code, _ in after.values())
     worst = max(during[c][1] for c in need)
     passed = bounded and unaffected and to_not_serving is not None and recovered
-    record(f"store-blackhole-{backend}", f"seconds to UNAVAILABLE for a store call needing a black-holed {backend} "
-           "(worst)", round(worst, 2), f"UNAVAILABLE < backend_timeout_s {BACKEND_TIMEOUT_S:g} + 1.5 s; NOT_SERVING; "
-           "all calls OK after", passed,
-           during={c: {"code": code, "s": round(s, 2)} for c, (code, s) in during.items()},
-           not_serving_after_s=None if to_not_serving is None else round(to_not_serving, 2),
-           serving_again_after_restore_s=None if to_serving is None else round(to_serving, 2),
-           after={c: {"code": code, "s": round(s, 2)} for c, (code, s) in after.items()},
-           backend_timeout_s=BACKEND_TIMEOUT_S, health_check_s=HEALTH_CHECK_S, health_check_timeout_s=HEALTH_TIMEOUT_S)
+    record(
+        f"store-blackhole-{backend}",
+        f"seconds to UNAVAILABLE for a store call needing a black-holed {backend} (worst)",
+        round(worst, 2),
+        f"UNAVAILABLE < backend_timeout_s {BACKEND_TIMEOUT_S:g} + 1.5 s; NOT_SERVING; all calls OK after",
+        passed,
+        during={c: {"code": code, "s": round(s, 2)} for c, (code, s) in during.items()},
+        not_serving_after_s=None if to_not_serving is None else round(to_not_serving, 2),
+        serving_again_after_restore_s=None if to_serving is None else round(to_serving, 2),
+        after={c: {"code": code, "s": round(s, 2)} for c, (code, s) in after.items()},
+        backend_timeout_s=BACKEND_TIMEOUT_S,
+        health_check_s=HEALTH_CHECK_S,
+        health_check_timeout_s=HEALTH_TIMEOUT_S,
+    )
     assert bounded, during
     assert unaffected, during
     assert to_not_serving is not None, "health stayed SERVING"

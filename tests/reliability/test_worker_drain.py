@@ -40,8 +40,10 @@ def test_rolling_restart_fails_no_request(cluster):
         i = 0
         while not stop.is_set():
             i += 1
-            req = inf.InferRequest(request_id=f"drain-{c}-{i}", input=inf.InferenceInput(
-                prompt="What is here?", params=types_pb2.GenerationParams(max_new_tokens=24)))
+            req = inf.InferRequest(
+                request_id=f"drain-{c}-{i}",
+                input=inf.InferenceInput(prompt="What is here?", params=types_pb2.GenerationParams(max_new_tokens=24)),
+            )
             try:
                 stub.Infer(req, timeout=60, metadata=md(API_KEY))
                 code, why = "OK", ""
@@ -67,8 +69,10 @@ def test_rolling_restart_fails_no_request(cluster):
             exit_s = time.monotonic() - t0
             new = restart_worker(cluster, name, env)
             wait_scheduler_sees(cluster, new.address, True, 30)
-            drains[name] = {"scheduler_saw_not_serving_ms": round(seen_down * 1e3, 1),
-                            "exited_after_s": round(exit_s, 2)}
+            drains[name] = {
+                "scheduler_saw_not_serving_ms": round(seen_down * 1e3, 1),
+                "exited_after_s": round(exit_s, 2),
+            }
             time.sleep(1.0)
     finally:
         stop.set()
@@ -77,9 +81,16 @@ def test_rolling_restart_fails_no_request(cluster):
     retried = sched_log.read_text().count("worker_failed_before_first_token") - retries_before
     failed = [o for o in outcomes if o[0] != "OK"]
     passed = not failed and retried == 0 and len(outcomes) > 0
-    record("drain", "failed requests while a worker drains on SIGTERM and restarts under traffic", len(failed), "0",
-           passed,
-           requests=len(outcomes), sent_to_draining_worker_and_retried=retried, drains=drains,
-           failures=sorted({f"{c}: {w[:120]}" for c, w in failed}))
+    record(
+        "drain",
+        "failed requests while a worker drains on SIGTERM and restarts under traffic",
+        len(failed),
+        "0",
+        passed,
+        requests=len(outcomes),
+        sent_to_draining_worker_and_retried=retried,
+        drains=drains,
+        failures=sorted({f"{c}: {w[:120]}" for c, w in failed}),
+    )
     assert not failed, failed[:5]
     assert retried == 0, f"{retried} requests were sent to a draining worker (retried elsewhere)"

@@ -34,8 +34,11 @@ pytestmark = pytest.mark.e2e
 def running(cluster, address: str) -> int:
     with cluster.channel(address) as ch:
         try:
-            return worker_service_pb2_grpc.WorkerServiceStub(ch).GetWorkerStatus(
-                worker_service_pb2.GetWorkerStatusRequest(), timeout=2).status.running_requests
+            return (
+                worker_service_pb2_grpc.WorkerServiceStub(ch)
+                .GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest(), timeout=2)
+                .status.running_requests
+            )
         except grpc.RpcError:
             return -1
 
@@ -66,8 +69,10 @@ def long_stream(cluster, stub, workers: dict, request_prefix: str, seed: int, ti
     the name of the worker running it). A sampled EOS can end a stream early: up to 5 tries."""
     for attempt in range(5):
         params = types_pb2.GenerationParams(max_new_tokens=1000, temperature=0.7, seed=seed + attempt)
-        request = inf.InferStreamRequest(request_id=f"{request_prefix}-{attempt}",
-                                         input=inf.InferenceInput(prompt="Tell a long story.", params=params))
+        request = inf.InferStreamRequest(
+            request_id=f"{request_prefix}-{attempt}",
+            input=inf.InferenceInput(prompt="Tell a long story.", params=params),
+        )
         call = stub.InferStream(request, timeout=timeout_s, metadata=md(API_KEY))
         it = iter(call)
         first = next(it, None)
@@ -98,8 +103,10 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
     n = 8
 
     def one(i):
-        req = inf.InferRequest(request_id=f"kill-before-{i}", input=inf.InferenceInput(
-            prompt="Name the object.", params=types_pb2.GenerationParams(max_new_tokens=4)))
+        req = inf.InferRequest(
+            request_id=f"kill-before-{i}",
+            input=inf.InferenceInput(prompt="Name the object.", params=types_pb2.GenerationParams(max_new_tokens=4)),
+        )
         try:
             r = stub.Infer(req, timeout=60, metadata=md(API_KEY))
             return "OK", r.result.worker
@@ -113,9 +120,12 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
         before = [f.result() for f in futures]
     assert wait_exit(victim.pid, 10)
     retried = sched_log.read_text().count("worker_failed_before_first_token") - retries_before
-    figures["before_first_token"] = {"requests": n, "ok": sum(1 for c, _ in before if c == "OK"),
-                                     "retried_on_other_worker": retried,
-                                     "served_by": sorted({w for c, w in before if c == "OK"})}
+    figures["before_first_token"] = {
+        "requests": n,
+        "ok": sum(1 for c, _ in before if c == "OK"),
+        "retried_on_other_worker": retried,
+        "served_by": sorted({w for c, w in before if c == "OK"}),
+    }
     workers["worker-0"] = restart_worker(cluster, "worker-0", env)
     wait_scheduler_sees(cluster, workers["worker-0"].address, True, 20)
 
@@ -138,19 +148,33 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
     time.sleep(1.0)
     replayed = other_peak.stop() > 0
     assert wait_exit(workers[name].pid, 10)
-    figures["after_first_token"] = {"code": code, "result_after_kill": result_after,
-                                    "replayed_on_other_worker": replayed,
-                                    "client_error_after_kill_ms": round(client_detect_s * 1e3, 1),
-                                    "scheduler_marks_down_after_kill_ms": round(sched_detect_s * 1e3, 1)}
+    figures["after_first_token"] = {
+        "code": code,
+        "result_after_kill": result_after,
+        "replayed_on_other_worker": replayed,
+        "client_error_after_kill_ms": round(client_detect_s * 1e3, 1),
+        "scheduler_marks_down_after_kill_ms": round(sched_detect_s * 1e3, 1),
+    }
     restart_worker(cluster, name, env)
     wait_scheduler_sees(cluster, workers[name].address, True, 20)
 
     b, a = figures["before_first_token"], figures["after_first_token"]
-    passed = (b["ok"] == n and b["served_by"] == ["worker-1"] and b["retried_on_other_worker"] >= 1
-              and a["code"] == "UNAVAILABLE" and not a["result_after_kill"] and not a["replayed_on_other_worker"])
-    record("worker-kill", "detection time after SIGKILL mid-stream (client error / scheduler marks down)",
-           f"{a['client_error_after_kill_ms']} ms / {a['scheduler_marks_down_after_kill_ms']} ms",
-           "before first token: retried elsewhere, all OK; after: UNAVAILABLE, never replayed", passed, **figures)
+    passed = (
+        b["ok"] == n
+        and b["served_by"] == ["worker-1"]
+        and b["retried_on_other_worker"] >= 1
+        and a["code"] == "UNAVAILABLE"
+        and not a["result_after_kill"]
+        and not a["replayed_on_other_worker"]
+    )
+    record(
+        "worker-kill",
+        "detection time after SIGKILL mid-stream (client error / scheduler marks down)",
+        f"{a['client_error_after_kill_ms']} ms / {a['scheduler_marks_down_after_kill_ms']} ms",
+        "before first token: retried elsewhere, all OK; after: UNAVAILABLE, never replayed",
+        passed,
+        **figures,
+    )
     assert b["ok"] == n, before
     assert b["served_by"] == ["worker-1"], before
     assert b["retried_on_other_worker"] >= 1

@@ -44,19 +44,36 @@ def test_worker_frozen_mid_stream_fails_the_stream_fast_and_comes_back(cluster):
         kill(workers[name].pid, signal.SIGCONT)
     back_s = wait_scheduler_sees(cluster, workers[name].address, True, 60)
     replayed = other_peak.stop() > 0
-    after = stub.Infer(inf.InferRequest(input=inf.InferenceInput(
-        prompt="Still there?", params=types_pb2.GenerationParams(max_new_tokens=2))), timeout=60,
-        metadata=md(API_KEY))
-    figures = {"code": code, "result_after_stop": result_after, "replayed_on_other_worker": replayed,
-               "client_error_after_stop_ms": round(client_detect_s * 1e3, 1),
-               "scheduler_marks_down_after_stop_ms": round(sched_detect_s * 1e3, 1),
-               "taken_back_after_sigcont_ms": round(back_s * 1e3, 1)}
-    passed = (code == "UNAVAILABLE" and not result_after and not figures["replayed_on_other_worker"]
-              and client_detect_s < TTL_S + 2 and after.result.usage.output_tokens > 0)
-    record("worker-sigstop", "a worker frozen mid-stream: client error / scheduler marks down / back after SIGCONT",
-           f"{figures['client_error_after_stop_ms']} ms / {figures['scheduler_marks_down_after_stop_ms']} ms / "
-           f"{figures['taken_back_after_sigcont_ms']} ms",
-           f"UNAVAILABLE within the worker TTL + 2 s ({TTL_S + 2:g} s) of a {DEADLINE_S} s deadline, never "
-           "replayed, served again",
-           passed, **figures)
+    after = stub.Infer(
+        inf.InferRequest(
+            input=inf.InferenceInput(prompt="Still there?", params=types_pb2.GenerationParams(max_new_tokens=2))
+        ),
+        timeout=60,
+        metadata=md(API_KEY),
+    )
+    figures = {
+        "code": code,
+        "result_after_stop": result_after,
+        "replayed_on_other_worker": replayed,
+        "client_error_after_stop_ms": round(client_detect_s * 1e3, 1),
+        "scheduler_marks_down_after_stop_ms": round(sched_detect_s * 1e3, 1),
+        "taken_back_after_sigcont_ms": round(back_s * 1e3, 1),
+    }
+    passed = (
+        code == "UNAVAILABLE"
+        and not result_after
+        and not figures["replayed_on_other_worker"]
+        and client_detect_s < TTL_S + 2
+        and after.result.usage.output_tokens > 0
+    )
+    record(
+        "worker-sigstop",
+        "a worker frozen mid-stream: client error / scheduler marks down / back after SIGCONT",
+        f"{figures['client_error_after_stop_ms']} ms / {figures['scheduler_marks_down_after_stop_ms']} ms / "
+        f"{figures['taken_back_after_sigcont_ms']} ms",
+        f"UNAVAILABLE within the worker TTL + 2 s ({TTL_S + 2:g} s) of a {DEADLINE_S} s deadline, never "
+        "replayed, served again",
+        passed,
+        **figures,
+    )
     assert passed, figures

@@ -34,8 +34,13 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     nice = shutil.which("nice") if not _compiles.get("urgent") else None
     # its own session: with the kernel's autogroups (sched_autogroup_enabled) nice only ranks
     # processes within one session, and the clusters' services run in sessions of their own
-    proc = subprocess.Popen([nice, "-n", "19", *cmd] if nice else cmd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [nice, "-n", "19", *cmd] if nice else cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     if nice:
         _autogroup_nice(proc.pid, 19)
     with _compiles["lock"]:
@@ -60,8 +65,9 @@ def start_compiles() -> None:
     out = Path(tempfile.mkdtemp(prefix="valora-sm90a-"))
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sm90a-nvcc")
     _compiles.update(dir=out, pool=pool, procs=[], lock=threading.Lock())
-    _compiles["futures"] = {src: pool.submit(_run, nvcc_command(src, out / (src.stem + ".o")))
-                            for src in cuda_sources()}
+    _compiles["futures"] = {
+        src: pool.submit(_run, nvcc_command(src, out / (src.stem + ".o"))) for src in cuda_sources()
+    }
 
 
 def pytest_collection_finish(session):

@@ -16,8 +16,15 @@ from services.common.adapter_format import (
 )
 from services.common.errors import InvalidAdapter
 
-CONFIG = {"text_config": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-                          "intermediate_size": 64, "num_hidden_layers": 2}}
+CONFIG = {
+    "text_config": {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+    }
+}
 SHAPES = BaseModelShapes.from_config(CONFIG)
 
 
@@ -30,12 +37,15 @@ def test_random_bundle_validates_with_its_rank_and_heads():
     assert SHAPES.features["k_proj"] == (32, 16)
 
 
-@pytest.mark.parametrize("mutate,reason", [
-    (lambda d: pickle.dumps({"x": 1}), "HEADER_TOO_LARGE"),  # pickle bytes read as a huge header length
-    (lambda d: d[:40], "TRUNCATED"),
-    (lambda d: struct.pack("<Q", 5) + b"notjs", "NOT_SAFETENSORS"),
-    (lambda d: b"", "NOT_SAFETENSORS"),
-])
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda d: pickle.dumps({"x": 1}), "HEADER_TOO_LARGE"),  # pickle bytes read as a huge header length
+        (lambda d: d[:40], "TRUNCATED"),
+        (lambda d: struct.pack("<Q", 5) + b"notjs", "NOT_SAFETENSORS"),
+        (lambda d: b"", "NOT_SAFETENSORS"),
+    ],
+)
 def test_rejects_non_safetensors(mutate, reason):
     data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
     with pytest.raises(InvalidAdapter) as err:
@@ -57,18 +67,21 @@ def test_rejects_rank_over_limit_and_wrong_shapes():
     assert err.value.reason == "BAD_CONFIG"
 
 
-@pytest.mark.parametrize("rename", [lambda n: n + "\n", lambda n: n.replace("layers.0.", "layers.\u0660.")],
-                         ids=["trailing-newline", "unicode-digit"])
+@pytest.mark.parametrize(
+    "rename",
+    [lambda n: n + "\n", lambda n: n.replace("layers.0.", "layers.\u0660.")],
+    ids=["trailing-newline", "unicode-digit"],
+)
 def test_tensor_names_are_matched_whole_and_in_ascii(rename):
     # `$` matched before a final newline, and \d took Arabic-Indic digits (int('\u0660') == 0): such
     # bundles were READY in the store and then failed (or loaded empty) on the worker
     data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name = next(k for k in header if k != "__metadata__" and "layers.0." in k)
     header[rename(name)] = header.pop(name)
     raw = json.dumps(header).encode()
-    bad = struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+    bad = struct.pack("<Q", len(raw)) + raw + data[8 + n :]
     with pytest.raises(InvalidAdapter) as err:
         validate_bundle(bad, cfg, SHAPES, 64)
     assert err.value.reason == "UNKNOWN_TENSOR"
@@ -77,7 +90,7 @@ def test_tensor_names_are_matched_whole_and_in_ascii(rename):
 def _with_body(data: bytes, edit) -> bytes:
     """The bundle with its header JSON edited by `edit(header, body) -> (header, body)`."""
     n = struct.unpack("<Q", data[:8])[0]
-    header, body = edit(json.loads(data[8:8 + n]), bytearray(data[8 + n:]))
+    header, body = edit(json.loads(data[8 : 8 + n]), bytearray(data[8 + n :]))
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw + bytes(body)
 
@@ -90,7 +103,7 @@ def test_nan_and_inf_are_refused(where, value):
     def poison(header, body):
         name = next(k for k in header if k != "__metadata__" and (k.startswith("heads.") == (where == "head")))
         start, end = header[name]["data_offsets"]
-        body[start + 4:start + 8] = struct.pack("<f", value)
+        body[start + 4 : start + 8] = struct.pack("<f", value)
         return header, body
 
     with pytest.raises(InvalidAdapter) as err:
@@ -123,13 +136,18 @@ def test_tensor_bytes_must_tile_the_body(edit):
 
 def _renamed(data: bytes, rename) -> bytes:
     """The bundle with every tensor's name passed through `rename` (None: the tensor dropped)."""
+
     def edit(header, body):
         return {(rename(k) if k != "__metadata__" else k): v for k, v in header.items()}, body
+
     return _with_body(data, edit)
 
 
-FAMILIES = {"qwen2_vl": "base_model.model.model.layers.", "qwen2_5_vl": "base_model.model.model.layers.",
-            "llava": "base_model.model.language_model.model.layers."}  # transformers 4's LM, PEFT's prefix
+FAMILIES = {
+    "qwen2_vl": "base_model.model.model.layers.",
+    "qwen2_5_vl": "base_model.model.model.layers.",
+    "llava": "base_model.model.language_model.model.layers.",
+}  # transformers 4's LM, PEFT's prefix
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -167,11 +185,18 @@ def test_a_config_without_a_family_takes_transformers_5_keys_only():
         validate_bundle(_renamed(data, lambda k: k.replace(LM_PREFIX, FAMILIES["qwen2_vl"])), cfg, SHAPES, 64)
 
 
-@pytest.mark.parametrize("rename, named", [
-    (lambda k: k.replace("self_attn.q_proj", "self_attn.qkv_proj"), "model.language_model.layers.N.self_attn.qkv_proj"),
-    (lambda k: k.replace("mlp.up_proj", "self_attn.up_proj"), "model.language_model.layers.N.self_attn.up_proj"),
-    (lambda k: k.replace(LM_PREFIX, "base_model.model.transformer.h."), "transformer.h.N.mlp.gate_proj"),
-], ids=["fused-qkv", "wrong-parent", "gpt2-layout"])
+@pytest.mark.parametrize(
+    "rename, named",
+    [
+        (
+            lambda k: k.replace("self_attn.q_proj", "self_attn.qkv_proj"),
+            "model.language_model.layers.N.self_attn.qkv_proj",
+        ),
+        (lambda k: k.replace("mlp.up_proj", "self_attn.up_proj"), "model.language_model.layers.N.self_attn.up_proj"),
+        (lambda k: k.replace(LM_PREFIX, "base_model.model.transformer.h."), "transformer.h.N.mlp.gate_proj"),
+    ],
+    ids=["fused-qkv", "wrong-parent", "gpt2-layout"],
+)
 def test_target_modules_the_family_lacks_are_refused_by_name(rename, named):
     data, cfg = make_random_bundle(SHAPES, rank=4, seed=1)
     extra = _renamed(data, rename)
@@ -194,21 +219,26 @@ def test_a_layer_past_the_last_and_doras_magnitudes_are_refused_by_name():
         validate_bundle(save(dora), cfg, SHAPES, 64)
 
 
-@pytest.mark.parametrize("family, tower", [
-    ("qwen2_vl", "base_model.model.model.visual.blocks.0.attn.qkv"),
-    ("qwen2_vl", "base_model.model.visual.blocks.1.mlp.fc1"),  # transformers 4
-    ("qwen2_5_vl", "base_model.model.model.visual.blocks.0.mlp.gate_proj"),
-    ("llava", "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj"),
-    ("llava", "base_model.model.vision_tower.vision_model.encoder.layers.2.self_attn.v_proj"),  # transformers 4
-    ("llava", "base_model.model.multi_modal_projector.linear_1"),
-])
+@pytest.mark.parametrize(
+    "family, tower",
+    [
+        ("qwen2_vl", "base_model.model.model.visual.blocks.0.attn.qkv"),
+        ("qwen2_vl", "base_model.model.visual.blocks.1.mlp.fc1"),  # transformers 4
+        ("qwen2_5_vl", "base_model.model.model.visual.blocks.0.mlp.gate_proj"),
+        ("llava", "base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj"),
+        ("llava", "base_model.model.vision_tower.vision_model.encoder.layers.2.self_attn.v_proj"),  # transformers 4
+        ("llava", "base_model.model.multi_modal_projector.linear_1"),
+    ],
+)
 def test_vision_tower_lora_weights_are_ignored_and_named(family, tower):
     from safetensors.numpy import load, save
 
     shapes = BaseModelShapes.from_config({**CONFIG, "model_type": family})
     data, cfg = make_random_bundle(shapes, rank=4, seed=1)
-    vision = {f"{tower}.lora_A.weight": np.ones((4, 8), np.float32),
-              f"{tower}.lora_B.weight": np.ones((8, 4), np.float32)}
+    vision = {
+        f"{tower}.lora_A.weight": np.ones((4, 8), np.float32),
+        f"{tower}.lora_B.weight": np.ones((8, 4), np.float32),
+    }
     info = validate_bundle(save({**load(data), **vision}), cfg, shapes, 64)
     assert info.ignored == (re.sub(r"\.[0-9]+\.", ".N.", tower.removeprefix("base_model.model.")),)
     assert info.keys == validate_bundle(data, cfg, shapes, 64).keys

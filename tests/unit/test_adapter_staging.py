@@ -37,8 +37,9 @@ def random_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 def adapter(name: str, rank: int = 4, layers: int = 2, seed: int = 0, dtype=torch.float32) -> AdapterWeights:
     g = torch.Generator().manual_seed(seed)
     a = {(i, m): torch.randn(16, rank, generator=g).to(dtype) for i in range(layers) for m in ("q_proj", "v_proj")}
-    b = {(i, m): torch.randn(rank, 8 + 4 * i, generator=g).to(dtype)
-         for i in range(layers) for m in ("q_proj", "v_proj")}
+    b = {
+        (i, m): torch.randn(rank, 8 + 4 * i, generator=g).to(dtype) for i in range(layers) for m in ("q_proj", "v_proj")
+    }
     return AdapterWeights(name=name, sha256="x", rank=rank, scale=2.0 / rank, a=a, b=b)
 
 
@@ -73,7 +74,7 @@ def test_pack_tensors_writes_through_and_copies_its_inputs():
     flat, views = pack_tensors(tensors, torch.float32)
     views["fp32 matrix"].fill_(7.0)
     assert torch.equal(tensors["fp32 matrix"], before["fp32 matrix"])  # the input was copied
-    assert (flat[: 15] == 7.0).all()  # the first view is the buffer's start
+    assert (flat[:15] == 7.0).all()  # the first view is the buffer's start
     for key in ("bf16 vector", "fp16 3-d", "wide"):
         assert torch.equal(views[key], before[key].float())  # neighbours untouched
 

@@ -24,14 +24,22 @@ def idefics_dir(tmp_path):
     """A directory of an HF checkpoint's config of a family not served (yet)."""
     d = tmp_path / "idefics3"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
-                                               "model_type": "idefics3"}))
+    (d / "config.json").write_text(
+        json.dumps({"architectures": ["Idefics3ForConditionalGeneration"], "model_type": "idefics3"})
+    )
     return d
 
 
 async def test_the_worker_refuses_a_model_of_an_unsupported_architecture(idefics_dir, tmp_path):
-    worker = await create_server(WorkerSettings(model_path=str(idefics_dir), port=0, build_tiny_model=False,
-                                                adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0))
+    worker = await create_server(
+        WorkerSettings(
+            model_path=str(idefics_dir),
+            port=0,
+            build_tiny_model=False,
+            adapter_cache_dir=str(tmp_path / "cache"),
+            drain_delay_s=0,
+        )
+    )
     try:
         with pytest.raises(ValueError) as err:
             await worker.start()

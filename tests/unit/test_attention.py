@@ -23,14 +23,15 @@ def test_grouped_decode_attention_equals_hf_sdpa():
         k, v = torch.randn(2, b, kv_heads, cache, d, generator=g)
         mask = torch.rand(b, 1, 1, cache, generator=g) > 0.4
         mask[:, :, :, cache - 1] = True
-        want, _ = sdpa_attention_forward(mod, q, k, v, mask, scaling=d ** -0.5)
-        got, _ = grouped_decode_attention(mod, q, k, v, mask, scaling=d ** -0.5)
+        want, _ = sdpa_attention_forward(mod, q, k, v, mask, scaling=d**-0.5)
+        got, _ = grouped_decode_attention(mod, q, k, v, mask, scaling=d**-0.5)
         assert got.shape == want.shape == (b, 1, kv_heads * groups, d)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # prefill (several query tokens) and maskless calls take HF's path, bit for bit
         q2 = torch.randn(b, kv_heads * groups, 4, d, generator=g)
-        assert torch.equal(grouped_decode_attention(mod, q2, k, v, None)[0],
-                           sdpa_attention_forward(mod, q2, k, v, None)[0])
+        assert torch.equal(
+            grouped_decode_attention(mod, q2, k, v, None)[0], sdpa_attention_forward(mod, q2, k, v, None)[0]
+        )
 
 
 def test_engine_text_model_uses_it_vision_keeps_sdpa(tmp_path):

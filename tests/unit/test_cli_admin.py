@@ -26,11 +26,21 @@ ADMIN_KEY = "admin-key-cli"
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli-admin")
-    settings = StoreSettings(database_url=f"sqlite:///{tmp / 'r.db'}", blob_dir=str(tmp / "blobs"),
-                             model_path=str(write_tiny_model(tmp / "tiny")), gc_interval_s=0, port=0)
+    settings = StoreSettings(
+        database_url=f"sqlite:///{tmp / 'r.db'}",
+        blob_dir=str(tmp / "blobs"),
+        model_path=str(write_tiny_model(tmp / "tiny")),
+        gc_interval_s=0,
+        port=0,
+    )
     with RunningStore(settings) as store:
-        settings = GatewaySettings(adapter_store_address=store.address, scheduler_address=store.address,
-                                   admin_keys=[ADMIN_KEY], http_enabled=False, port=0)
+        settings = GatewaySettings(
+            adapter_store_address=store.address,
+            scheduler_address=store.address,
+            admin_keys=[ADMIN_KEY],
+            http_enabled=False,
+            port=0,
+        )
         with ServiceThread(create_gateway, settings, "gateway") as gw:  # gRPC only, in front of the store
             yield gw.address
 
@@ -42,19 +52,29 @@ def client(gateway):
 
 
 def upload(client, adapter: str, seed: int):
-    return client.upload_adapter_version(adapter, make_bundle(rank=4, heads={"color": 3}, seed=seed),
-                                         adapter_config(rank=4), heads={"color": ["red", "green", "blue"]})
+    return client.upload_adapter_version(
+        adapter,
+        make_bundle(rank=4, heads={"color": 3}, seed=seed),
+        adapter_config(rank=4),
+        heads={"color": ["red", "green", "blue"]},
+    )
 
 
 # -- SDK ----------------------------------------------------------------------------------------
+
 
 def test_sdk_adapters_versions_and_aliases(client):
     v1, v2 = upload(client, "sdk-cars", 0), upload(client, "sdk-cars", 1)
     a = client.get_adapter("sdk-cars")
     assert a.name == "adapters/sdk-cars" and a.latest_version == 2 and client.get_adapter(a.name) == a
     got = client.get_version(v1.name)
-    assert (got.name, got.sha256, got.rank, got.state, got.heads) == (v1.name, v1.sha256, 4, "ready",
-                                                                         {"color": ["red", "green", "blue"]})
+    assert (got.name, got.sha256, got.rank, got.state, got.heads) == (
+        v1.name,
+        v1.sha256,
+        4,
+        "ready",
+        {"color": ["red", "green", "blue"]},
+    )
     assert client.get_version("sdk-cars/versions/2").sha256 == v2.sha256  # "adapters/" may be left out
     client.set_alias("adapters/sdk-cars", "prod", v1.name)
     with pytest.raises(errors.FailedPrecondition) as exc:  # an alias points at it
@@ -90,14 +110,22 @@ def test_sdk_adapters_versions_and_aliases(client):
 
 def test_sdk_list_tasks_reads_every_page(client):
     upload(client, "sdk-pages", 2)
-    made = [client.create_task(f"sdk-page-{i}", adapter="adapters/sdk-pages", head="color",
-                               accuracy_threshold=0.5, measured_accuracy=0.75).name for i in range(5)]
+    made = [
+        client.create_task(
+            f"sdk-page-{i}", adapter="adapters/sdk-pages", head="color", accuracy_threshold=0.5, measured_accuracy=0.75
+        ).name
+        for i in range(5)
+    ]
     try:
         tasks = client.list_tasks(page_size=2)
         assert set(made) <= {t.name for t in tasks} and len(tasks) == len({t.name for t in tasks})
         t = next(t for t in tasks if t.name == made[0])
-        assert (t.adapter, t.head, t.accuracy_threshold, t.measured_accuracy) == ("adapters/sdk-pages", "color",
-                                                                                   0.5, 0.75)
+        assert (t.adapter, t.head, t.accuracy_threshold, t.measured_accuracy) == (
+            "adapters/sdk-pages",
+            "color",
+            0.5,
+            0.75,
+        )
     finally:
         for name in made:
             client.delete_task(name)
@@ -110,6 +138,7 @@ def test_sdk_admin_calls_need_the_admin_key(gateway):
 
 
 # -- CLI ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def invoke(gateway, monkeypatch, tmp_path):
@@ -125,6 +154,7 @@ def invoke(gateway, monkeypatch, tmp_path):
 
     def run(*args: str, input: str | None = None):
         return CliRunner().invoke(cli.app, list(args), input=input, env=env)
+
     return run
 
 
@@ -145,8 +175,7 @@ def test_cli_adapters_get_versions_alias_unalias_delete(client, invoke, capsys):
     assert r.output.startswith("adapters/cli-cars@prod → adapters/cli-cars/versions/1 etag=")
     r = invoke("adapters", "alias", "adapters/cli-cars", "canary", v2.name)  # a full version name too
     assert r.exit_code == 0, r.output
-    assert dict(client.get_adapter("cli-cars").aliases) == {"prod": "adapters/cli-cars/versions/1",
-                                                            "canary": v2.name}
+    assert dict(client.get_adapter("cli-cars").aliases) == {"prod": "adapters/cli-cars/versions/1", "canary": v2.name}
 
     r = invoke("adapters", "get", "cli-cars")
     assert r.exit_code == 0, r.output
@@ -188,11 +217,25 @@ def table_rows(output: str) -> list[dict[str, str]]:
 
 def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     upload(client, "cli-tasks", 3)
-    r = invoke("tasks", "create", "cli-color", "--adapter", "adapters/cli-tasks", "--head", "color",
-               "--description", "colour of [the] car", "--threshold", "0.8", "--accuracy", "0.9")
+    r = invoke(
+        "tasks",
+        "create",
+        "cli-color",
+        "--adapter",
+        "adapters/cli-tasks",
+        "--head",
+        "color",
+        "--description",
+        "colour of [the] car",
+        "--threshold",
+        "0.8",
+        "--accuracy",
+        "0.9",
+    )
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("tasks/cli-color adapter=adapters/cli-tasks head=color threshold=0.800 "
-                               "accuracy=0.900 created=20")
+    assert r.output.startswith(
+        "tasks/cli-color adapter=adapters/cli-tasks head=color threshold=0.800 accuracy=0.900 created=20"
+    )
     r = invoke("tasks", "list")
     assert r.exit_code == 0, r.output
     row = next(line for line in r.output.splitlines() if "tasks/cli-color" in line)
@@ -204,8 +247,19 @@ def test_cli_tasks_create_list_get_delete(client, invoke, capsys):
     assert r.output.splitlines()[0].startswith("tasks/cli-color adapter=adapters/cli-tasks head=color")
     assert r.output.splitlines()[1] == "colour of [the] car"  # user text is printed as it is, not as markup
     assert " slo=- release=- etag=" in r.output.splitlines()[0]  # no latency objective, no early release
-    r = invoke("tasks", "create", "cli-count", "--adapter", "adapters/cli-tasks", "--slo-ms", "250",
-               "--slo-class", "video", "--release-fraction", "0.5")
+    r = invoke(
+        "tasks",
+        "create",
+        "cli-count",
+        "--adapter",
+        "adapters/cli-tasks",
+        "--slo-ms",
+        "250",
+        "--slo-class",
+        "video",
+        "--release-fraction",
+        "0.5",
+    )
     assert r.exit_code == 0 and " slo=video:250ms release=0.5 etag=" in r.output, r.output
     r = invoke("tasks", "list")
     row = next(t for t in table_rows(r.output) if t["task"] == "tasks/cli-count")
@@ -226,23 +280,35 @@ def test_cli_tasks_update(client, invoke, capsys):
     --etag guards it as on `adapters delete`/`alias` (a stale one: ABORTED, exit 20); bad values
     and no option are usage errors before any call."""
     upload(client, "cli-upd", 4)
-    created = client.create_task("cli-upd", adapter="adapters/cli-upd", description="ask", slo_ms=500.0,
-                                 slo_class="retrieval")
+    created = client.create_task(
+        "cli-upd", adapter="adapters/cli-upd", description="ask", slo_ms=500.0, slo_class="retrieval"
+    )
     r = invoke("tasks", "update", "cli-upd", "--release-fraction", "0.25", "--etag", created.etag)
     assert r.exit_code == 0, r.output
     got = client.get_task("cli-upd")
-    assert (got.adapter_release_fraction, got.slo_ms, got.slo_class, got.description) == (0.25, 500.0, "retrieval",
-                                                                                         "ask")
-    assert r.output.strip() == f"tasks/cli-upd adapter=adapters/cli-upd head=- threshold=0.000 accuracy=0.000 " \
+    assert (got.adapter_release_fraction, got.slo_ms, got.slo_class, got.description) == (
+        0.25,
+        500.0,
+        "retrieval",
+        "ask",
+    )
+    assert (
+        r.output.strip() == f"tasks/cli-upd adapter=adapters/cli-upd head=- threshold=0.000 accuracy=0.000 "
         f"created={cli_common.iso_time(got.create_time)} slo=retrieval:500ms release=0.25 etag={got.etag}"
+    )
     r = invoke("tasks", "get", "cli-upd")
     assert r.output.splitlines()[0].endswith(f" release=0.25 etag={got.etag}"), r.output
-    r = invoke("tasks", "update", "tasks/cli-upd", "--slo-ms", "120", "--slo-class", "video",
-               "--description", "ask [it]")
+    r = invoke(
+        "tasks", "update", "tasks/cli-upd", "--slo-ms", "120", "--slo-class", "video", "--description", "ask [it]"
+    )
     assert r.exit_code == 0, r.output
     now = client.get_task("cli-upd")
-    assert (now.slo_ms, now.slo_class, now.description, now.adapter_release_fraction) == (120.0, "video", "ask [it]",
-                                                                                         0.25)
+    assert (now.slo_ms, now.slo_class, now.description, now.adapter_release_fraction) == (
+        120.0,
+        "video",
+        "ask [it]",
+        0.25,
+    )
     code, out = failed(capsys, "tasks", "update", "cli-upd", "--release-fraction", "0", "--etag", got.etag)
     assert code == cli.RPC_EXIT_BASE + grpc.StatusCode.ABORTED.value[0] == 20
     assert out.startswith("ABORTED: ") and out.endswith("(ETAG_MISMATCH)"), out
@@ -260,8 +326,9 @@ def test_cli_tasks_update(client, invoke, capsys):
 
 
 def test_cli_jobs_list_get_cancel(client, invoke, capsys):
-    job = client.create_generation_job("/models/tiny", {"digit": 0.8, "parity": 0.9}, rank=4, epochs=1,
-                                       job_id="cli-job")
+    job = client.create_generation_job(
+        "/models/tiny", {"digit": 0.8, "parity": 0.9}, rank=4, epochs=1, job_id="cli-job"
+    )
     r = invoke("jobs", "list")
     assert r.exit_code == 0, r.output
     row = next(line for line in r.output.splitlines() if job.name in line)

@@ -25,8 +25,12 @@ def started(monkeypatch):
 
     def fake_start(home, **kwargs):
         calls.append(kwargs)
-        return cluster_mod.Cluster(home=str(home), processes=[
-            cluster_mod.ProcessInfo("gateway", "gateway", 1, 50051, "gw.log", metrics_port=9000, http_port=8080)])
+        return cluster_mod.Cluster(
+            home=str(home),
+            processes=[
+                cluster_mod.ProcessInfo("gateway", "gateway", 1, 50051, "gw.log", metrics_port=9000, http_port=8080)
+            ],
+        )
 
     monkeypatch.setattr(cluster_mod, "start_cluster", fake_start)
     return calls
@@ -51,9 +55,18 @@ def test_one_gpu_is_shared_by_every_worker(tmp_path, started, monkeypatch):
     gpus(monkeypatch, ["0"])
     result = up(tmp_path, "--device", "cuda", "--workers", "3")
     assert result.exit_code == 0, result.output
-    assert started[0]["worker_env"] == [  # each preallocates its KV pool from its share of the memory
-        {"VALORA_DEVICE": "cuda", "VALORA_DTYPE": "bfloat16", "CUDA_VISIBLE_DEVICES": "0",
-         "VALORA_GPU_MEMORY_FRACTION": "0.300"}] * 3
+    assert (
+        started[0]["worker_env"]
+        == [  # each preallocates its KV pool from its share of the memory
+            {
+                "VALORA_DEVICE": "cuda",
+                "VALORA_DTYPE": "bfloat16",
+                "CUDA_VISIBLE_DEVICES": "0",
+                "VALORA_GPU_MEMORY_FRACTION": "0.300",
+            }
+        ]
+        * 3
+    )
     assert "3 workers share 1 GPU" in result.output
 
 
@@ -89,7 +102,9 @@ def test_device_and_dtype_from_the_environment(tmp_path, started, monkeypatch):
     result = up(tmp_path, "--workers", "2")
     assert result.exit_code == 0, result.output
     assert [(e["CUDA_VISIBLE_DEVICES"], e["VALORA_DTYPE"]) for e in started[0]["worker_env"]] == [
-        ("0", "float32"), ("1", "float32")]
+        ("0", "float32"),
+        ("1", "float32"),
+    ]
 
 
 def test_cuda_without_a_gpu_is_refused(tmp_path, started, monkeypatch):
@@ -110,15 +125,24 @@ def test_bad_options_are_refused(tmp_path, started, args):
 def test_help_documents_device_and_dtype():
     result = CliRunner().invoke(cli.app, ["up", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    for text in ("--device", "cpu|cuda", "--dtype", "float32|bfloat16|float16", "CUDA_VISIBLE_DEVICES",
-                 "nvidia-smi"):
+    for text in ("--device", "cpu|cuda", "--dtype", "float32|bfloat16|float16", "CUDA_VISIBLE_DEVICES", "nvidia-smi"):
         assert text in result.output
 
 
 # -- counting GPUs ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("listed, ids", [("0,1,2", ["0", "1", "2"]), (" 3 , 5", ["3", "5"]), ("", []), ("-1", []),
-                                         ("1,-1,2", ["1"]), ("GPU-8c4e,GPU-77aa", ["GPU-8c4e", "GPU-77aa"])])
+
+@pytest.mark.parametrize(
+    "listed, ids",
+    [
+        ("0,1,2", ["0", "1", "2"]),
+        (" 3 , 5", ["3", "5"]),
+        ("", []),
+        ("-1", []),
+        ("1,-1,2", ["1"]),
+        ("GPU-8c4e,GPU-77aa", ["GPU-8c4e", "GPU-77aa"]),
+    ],
+)
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, listed, ids):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran nvidia-smi"))
@@ -127,8 +151,10 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, listed, ids):
 
 def test_visible_gpus_from_nvidia_smi(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    listing = ("GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)\n"
-               "  MIG 1g.18gb     Device  0: (UUID: MIG-3)\nGPU 2: NVIDIA H200 (UUID: GPU-4)\n")
+    listing = (
+        "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)\n"
+        "  MIG 1g.18gb     Device  0: (UUID: MIG-3)\nGPU 2: NVIDIA H200 (UUID: GPU-4)\n"
+    )
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a[0], 0, listing, ""))
     assert cluster_mod.visible_gpus() == ["0", "1", "2"]
 
@@ -147,8 +173,10 @@ def test_visible_gpus_without_nvidia_smi_falls_back_to_torch(monkeypatch):
 
 
 def test_counting_listed_gpus_imports_no_torch():
-    code = ("import sys; from valora import cluster, cli; "
-            "assert cluster.visible_gpus() == ['0', '1']; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from valora import cluster, cli; "
+        "assert cluster.visible_gpus() == ['0', '1']; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -190,7 +218,7 @@ def test_cluster_state_is_never_read_half_written(tmp_path):
         while not done.is_set():
             try:
                 got = cluster_mod.Cluster.load(tmp_path)
-                assert got is None or got.processes == procs[:len(got.processes)]
+                assert got is None or got.processes == procs[: len(got.processes)]
             except Exception as exc:  # noqa: BLE001 - collected for the assertion below
                 errors.append(exc)
                 return
@@ -247,8 +275,9 @@ def test_the_cli_prints_a_failed_call_and_exits_with_its_code(capsys):
     from tests.unit.test_client_errors import Scripted
     from valora_protos.v1 import inference_service_pb2_grpc
 
-    bad = InvalidArgument("invalid request", reason="INVALID_ARGUMENT",
-                          field_violations=[FieldViolation("input.prompt", "too long")])
+    bad = InvalidArgument(
+        "invalid request", reason="INVALID_ARGUMENT", field_violations=[FieldViolation("input.prompt", "too long")]
+    )
     server = grpc.server(futures.ThreadPoolExecutor(2))
     inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(Scripted([bad]), server)
     port = server.add_insecure_port("127.0.0.1:0")

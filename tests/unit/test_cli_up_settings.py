@@ -20,8 +20,15 @@ started = test_cli_up.started  # the fixture: start_cluster's calls, a fake clus
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("VALORA_DEVICE", "VALORA_DTYPE", "VALORA_TP_SIZE", "CUDA_VISIBLE_DEVICES", "VALORA_MAX_BATCH_SIZE",
-                 "VALORA_MAX_WAITING", "VALORA_GPU_MEMORY_FRACTION"):
+    for name in (
+        "VALORA_DEVICE",
+        "VALORA_DTYPE",
+        "VALORA_TP_SIZE",
+        "CUDA_VISIBLE_DEVICES",
+        "VALORA_MAX_BATCH_SIZE",
+        "VALORA_MAX_WAITING",
+        "VALORA_GPU_MEMORY_FRACTION",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -37,27 +44,41 @@ def toml(tmp_path, text: str):
 
 # -- checked before anything starts ---------------------------------------------------------------
 
-@pytest.mark.parametrize("args, says", [
-    (["--set", "max_batchsize=64"], "--set max_batchsize=64: worker has no setting 'max_batchsize' "
-                                    "(did you mean max_batch_size?)"),
-    (["--set", "max_batch_size=0"], "--set max_batch_size=0: worker setting max_batch_size: Input should be "
-                                    "greater than or equal to 1"),
-    (["--set", "max_batch_size=lots"], "worker setting max_batch_size: Input should be a valid integer"),
-    (["--set", "decode_graphs=sometimes"], "worker setting decode_graphs: VALORA_DECODE_GRAPHS='sometimes': must "
-                                           "be one of auto, static, off"),
-    (["--set", "scheduler.policy=fastest"], "--set scheduler.policy=fastest: scheduler setting policy: unknown "
-                                            "policy 'fastest'"),
-    (["--set", "gateway.default_max_new_tokens=99999"],
-     "--set gateway.default_max_new_tokens=99999: gateway settings: default_max_new_tokens exceeds "
-     "max_new_tokens_limit"),
-    (["--set", "port=7000"], "worker setting port is set by valora up"),
-    (["--set", "worker_name=w"], "worker setting worker_name is set by valora up"),
-    (["--set", "internal_token=x"], "set VALORA_INTERNAL_TOKEN in the environment"),
-    (["--set", "nope.max_rank=1"], "no service 'nope'"),
-    (["--set", "max_batch_size"], "expected KEY=VALUE"),
-    (["--set", "device=cuda", "--device", "cpu"], "--set device=cuda disagrees with --device cpu"),
-    (["--startup-timeout", "0"], "--startup-timeout 0: must be more than 0 seconds"),
-])
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--set", "max_batchsize=64"],
+            "--set max_batchsize=64: worker has no setting 'max_batchsize' (did you mean max_batch_size?)",
+        ),
+        (
+            ["--set", "max_batch_size=0"],
+            "--set max_batch_size=0: worker setting max_batch_size: Input should be greater than or equal to 1",
+        ),
+        (["--set", "max_batch_size=lots"], "worker setting max_batch_size: Input should be a valid integer"),
+        (
+            ["--set", "decode_graphs=sometimes"],
+            "worker setting decode_graphs: VALORA_DECODE_GRAPHS='sometimes': must be one of auto, static, off",
+        ),
+        (
+            ["--set", "scheduler.policy=fastest"],
+            "--set scheduler.policy=fastest: scheduler setting policy: unknown policy 'fastest'",
+        ),
+        (
+            ["--set", "gateway.default_max_new_tokens=99999"],
+            "--set gateway.default_max_new_tokens=99999: gateway settings: default_max_new_tokens exceeds "
+            "max_new_tokens_limit",
+        ),
+        (["--set", "port=7000"], "worker setting port is set by valora up"),
+        (["--set", "worker_name=w"], "worker setting worker_name is set by valora up"),
+        (["--set", "internal_token=x"], "set VALORA_INTERNAL_TOKEN in the environment"),
+        (["--set", "nope.max_rank=1"], "no service 'nope'"),
+        (["--set", "max_batch_size"], "expected KEY=VALUE"),
+        (["--set", "device=cuda", "--device", "cpu"], "--set device=cuda disagrees with --device cpu"),
+        (["--startup-timeout", "0"], "--startup-timeout 0: must be more than 0 seconds"),
+    ],
+)
 def test_a_bad_setting_is_one_line_exit_2_and_nothing_starts(tmp_path, started, args, says):
     result = up(tmp_path, *args)
     assert result.exit_code == 2, result.output
@@ -66,18 +87,23 @@ def test_a_bad_setting_is_one_line_exit_2_and_nothing_starts(tmp_path, started, 
     assert started == [] and cluster_mod.Cluster.load(tmp_path) is None
 
 
-@pytest.mark.parametrize("text, says", [
-    ("[worker]\nmax_batchsize = 64\n", "[worker] max_batchsize: worker has no setting 'max_batchsize'"),
-    ("[worker]\nmax_batch_size = 0\n", "[worker] max_batch_size: worker setting max_batch_size: Input should be "
-                                       "greater than or equal to 1"),
-    ("[gateway]\nmax_images = -1\n", "[gateway] max_images: gateway setting max_images"),
-    ("[adapter_store]\nmax_rank = \"big\"\n", "[adapter_store] max_rank: adapter_store setting max_rank"),
-    ("[scheduler]\nworker_addresses = [\"h:1\"]\n", "scheduler setting worker_addresses is set by valora up"),
-    ("[engine]\nmax_batch_size = 4\n", "'engine' is not a table of settings"),
-    ("max_batch_size = 4\n", "'max_batch_size' is not a table of settings"),
-    ("[worker]\nmax_batch_size = {a = 1}\n", "[worker] max_batch_size: a dict is not a setting value"),
-    ("[worker\n", "valora.toml: "),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("[worker]\nmax_batchsize = 64\n", "[worker] max_batchsize: worker has no setting 'max_batchsize'"),
+        (
+            "[worker]\nmax_batch_size = 0\n",
+            "[worker] max_batch_size: worker setting max_batch_size: Input should be greater than or equal to 1",
+        ),
+        ("[gateway]\nmax_images = -1\n", "[gateway] max_images: gateway setting max_images"),
+        ('[adapter_store]\nmax_rank = "big"\n', "[adapter_store] max_rank: adapter_store setting max_rank"),
+        ('[scheduler]\nworker_addresses = ["h:1"]\n', "scheduler setting worker_addresses is set by valora up"),
+        ("[engine]\nmax_batch_size = 4\n", "'engine' is not a table of settings"),
+        ("max_batch_size = 4\n", "'max_batch_size' is not a table of settings"),
+        ("[worker]\nmax_batch_size = {a = 1}\n", "[worker] max_batch_size: a dict is not a setting value"),
+        ("[worker\n", "valora.toml: "),
+    ],
+)
 def test_a_bad_config_file_is_one_line_exit_2_and_nothing_starts(tmp_path, started, text, says):
     result = up(tmp_path, "--config", toml(tmp_path, text))
     assert result.exit_code == 2, result.output
@@ -89,8 +115,9 @@ def test_a_bad_config_file_is_one_line_exit_2_and_nothing_starts(tmp_path, start
 def test_a_bad_value_from_the_environment_is_named_as_such(tmp_path, started, monkeypatch):
     monkeypatch.setenv("VALORA_MAX_WAITING", "-3")
     result = up(tmp_path, "--set", "max_batch_size=4")
-    assert result.exit_code == 2 and "VALORA_MAX_WAITING in the environment: worker setting max_waiting" in \
-        result.output, result.output
+    assert (
+        result.exit_code == 2 and "VALORA_MAX_WAITING in the environment: worker setting max_waiting" in result.output
+    ), result.output
     monkeypatch.setenv("VALORA_MAX_BATCH_SIZE", "0")  # overridden by --set: not an error
     monkeypatch.delenv("VALORA_MAX_WAITING")
     assert up(tmp_path, "--set", "max_batch_size=4").exit_code == 0
@@ -98,18 +125,34 @@ def test_a_bad_value_from_the_environment_is_named_as_such(tmp_path, started, mo
 
 # -- passed on as each service's VALORA_* environment ---------------------------------------------
 
+
 def test_set_goes_to_the_workers_environment(tmp_path, started):
-    result = up(tmp_path, "--set", "max_batch_size=64", "--set", "decode_graphs=off", "--set", "MAX-WAITING=9",
-                "--set", "gateway.max_images=2")
+    result = up(
+        tmp_path,
+        "--set",
+        "max_batch_size=64",
+        "--set",
+        "decode_graphs=off",
+        "--set",
+        "MAX-WAITING=9",
+        "--set",
+        "gateway.max_images=2",
+    )
     assert result.exit_code == 0, result.output
     env = started[0]["service_env"]
-    assert env["worker"] == {"VALORA_MAX_BATCH_SIZE": "64", "VALORA_DECODE_GRAPHS": "off", "VALORA_MAX_WAITING": "9",
-                             "VALORA_TP_SIZE": "1"}
+    assert env["worker"] == {
+        "VALORA_MAX_BATCH_SIZE": "64",
+        "VALORA_DECODE_GRAPHS": "off",
+        "VALORA_MAX_WAITING": "9",
+        "VALORA_TP_SIZE": "1",
+    }
     assert env["gateway"] == {"VALORA_MAX_IMAGES": "2"} and env["scheduler"] == env["adapter_store"] == {}
 
 
 def test_config_tables_are_parsed_as_the_services_read_them(tmp_path):
-    path = toml(tmp_path, """
+    path = toml(
+        tmp_path,
+        """
 [worker]
 max_batch_size = 64
 decode_graphs = "OFF"
@@ -124,7 +167,8 @@ worker_ttl_s = 4
 [adapter_store]
 max_rank = 64
 database_url = "sqlite:///elsewhere.db"
-""")
+""",
+    )
     layer = cluster_mod.load_settings_file(path)
     assert layer == {
         "worker": {"max_batch_size": "64", "decode_graphs": "OFF", "use_atmm": "false", "gpu_memory_fraction": "0.45"},
@@ -141,30 +185,42 @@ database_url = "sqlite:///elsewhere.db"
 
 
 def test_config_goes_to_each_services_environment(tmp_path, started):
-    path = toml(tmp_path, "[worker]\nmax_batch_size = 64\ngpu_memory_fraction = 0.5\n[gateway]\nmax_images = 3\n"
-                "[scheduler]\npolicy = \"slora\"\n[adapter_store]\nmax_rank = 32\n")
+    path = toml(
+        tmp_path,
+        "[worker]\nmax_batch_size = 64\ngpu_memory_fraction = 0.5\n[gateway]\nmax_images = 3\n"
+        '[scheduler]\npolicy = "slora"\n[adapter_store]\nmax_rank = 32\n',
+    )
     result = up(tmp_path, "--config", path)
     assert result.exit_code == 0, result.output
     env = started[0]["service_env"]
-    assert env == {"worker": {"VALORA_MAX_BATCH_SIZE": "64", "VALORA_GPU_MEMORY_FRACTION": "0.5",
-                              "VALORA_TP_SIZE": "1"},
-                   "gateway": {"VALORA_MAX_IMAGES": "3"}, "scheduler": {"VALORA_POLICY": "slora"},
-                   "adapter_store": {"VALORA_MAX_RANK": "32"}}
+    assert env == {
+        "worker": {"VALORA_MAX_BATCH_SIZE": "64", "VALORA_GPU_MEMORY_FRACTION": "0.5", "VALORA_TP_SIZE": "1"},
+        "gateway": {"VALORA_MAX_IMAGES": "3"},
+        "scheduler": {"VALORA_POLICY": "slora"},
+        "adapter_store": {"VALORA_MAX_RANK": "32"},
+    }
 
 
 # -- precedence ---------------------------------------------------------------------------------
+
 
 def test_set_over_config_over_the_environment_over_the_defaults():
     environ = {"VALORA_MAX_BATCH_SIZE": "4", "VALORA_MAX_WAITING": "7", "VALORA_MAX_RANK": "16", "PATH": "/bin"}
     config = {"worker": {"max_batch_size": "8", "max_prefill_tokens": "100"}, "adapter_store": {"max_rank": "32"}}
     sets = {"worker": {"max_batch_size": "16"}}
     merged = cluster_mod.merge_settings(sets, config, environ)
-    assert merged["worker"] == {"VALORA_MAX_BATCH_SIZE": "16", "VALORA_MAX_PREFILL_TOKENS": "100",
-                                "VALORA_MAX_WAITING": "7", "VALORA_MAX_RANK": "16"}
+    assert merged["worker"] == {
+        "VALORA_MAX_BATCH_SIZE": "16",
+        "VALORA_MAX_PREFILL_TOKENS": "100",
+        "VALORA_MAX_WAITING": "7",
+        "VALORA_MAX_RANK": "16",
+    }
     assert merged["adapter_store"]["VALORA_MAX_RANK"] == "32"
     assert merged["gateway"] == merged["scheduler"] == {k: v for k, v in environ.items() if k != "PATH"}
-    assert cluster_mod.merge_settings(sets, config)["worker"] == {"VALORA_MAX_BATCH_SIZE": "16",
-                                                                   "VALORA_MAX_PREFILL_TOKENS": "100"}
+    assert cluster_mod.merge_settings(sets, config)["worker"] == {
+        "VALORA_MAX_BATCH_SIZE": "16",
+        "VALORA_MAX_PREFILL_TOKENS": "100",
+    }
     got = cluster_mod.check_settings(sets, config, environ)["worker"]
     assert (got.max_batch_size, got.max_prefill_tokens, got.max_waiting, got.max_prefills_per_step) == (16, 100, 7, 2)
 
@@ -185,10 +241,16 @@ def test_start_cluster_puts_service_env_over_the_environment_and_its_wiring_over
     monkeypatch.setenv("VALORA_MAX_BATCH_SIZE", "4")
     monkeypatch.setenv("VALORA_MAX_WAITING", "7")
     try:
-        cluster_mod.start_cluster(tmp_path, workers=2, model_path=tmp_path, service_env={
-            "worker": {"VALORA_MAX_BATCH_SIZE": "16", "VALORA_PORT": "1"},
-            "adapter_store": {"VALORA_DATABASE_URL": "sqlite:///x.db"}},
-            worker_env=[{"VALORA_DEVICE": "cpu"}, {"VALORA_DEVICE": "cpu", "VALORA_MAX_BATCH_SIZE": "5"}])
+        cluster_mod.start_cluster(
+            tmp_path,
+            workers=2,
+            model_path=tmp_path,
+            service_env={
+                "worker": {"VALORA_MAX_BATCH_SIZE": "16", "VALORA_PORT": "1"},
+                "adapter_store": {"VALORA_DATABASE_URL": "sqlite:///x.db"},
+            },
+            worker_env=[{"VALORA_DEVICE": "cpu"}, {"VALORA_DEVICE": "cpu", "VALORA_MAX_BATCH_SIZE": "5"}],
+        )
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -222,9 +284,13 @@ def test_the_banner_shows_the_http_url_only_when_the_gateway_serves_http(tmp_pat
     path = toml(tmp_path, "[gateway]\nhttp_enabled = false\n")
     runs = {"default": [], "config": ["--config", path], "set": ["--set", "gateway.http_enabled=false"]}
     try:  # no --http-port: with HTTP off it would be refused
-        out = {name: CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path / name), "--port", "0",
-                                                  "--model-path", str(tmp_path / name), *args])
-               for name, args in runs.items()}
+        out = {
+            name: CliRunner().invoke(
+                cli.app,
+                ["up", "--home", str(tmp_path / name), "--port", "0", "--model-path", str(tmp_path / name), *args],
+            )
+            for name, args in runs.items()
+        }
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -251,20 +317,36 @@ def test_an_http_port_with_http_off_is_refused_not_ignored(tmp_path, started, mo
     both = tmp_path / "both.toml"
     both.write_text("[gateway]\nhttp_enabled = false\nhttp_port = 6001\n")
     refused = [
-        (["--http-port", "8081", "--set", "gateway.http_enabled=false"], None,
-         "--http-port 8081 is a port of the OpenAI-compatible HTTP API, which --set gateway.http_enabled=false "
-         "turns off: drop one of them"),
-        (["--http-port", "0", "--config", off], None,
-         f"--http-port 0 is a port of the OpenAI-compatible HTTP API, which --config {off} [gateway] "
-         "http_enabled turns off"),
-        (["--http-port", "8081"], {"VALORA_HTTP_ENABLED": "0"},
-         "--http-port 8081 is a port of the OpenAI-compatible HTTP API, which VALORA_HTTP_ENABLED=0 in the "
-         "environment turns off"),
-        (["--config", str(both)], None, f"--config {both} [gateway] http_port is a port of the OpenAI-compatible "
-                                        f"HTTP API, which --config {both} [gateway] http_enabled turns off"),
-        (["--set", "gateway.http_port=7001"], {"VALORA_HTTP_ENABLED": "false"},
-         "--set gateway.http_port=7001 is a port of the OpenAI-compatible HTTP API, which "
-         "VALORA_HTTP_ENABLED=false in the environment turns off"),
+        (
+            ["--http-port", "8081", "--set", "gateway.http_enabled=false"],
+            None,
+            "--http-port 8081 is a port of the OpenAI-compatible HTTP API, which --set gateway.http_enabled=false "
+            "turns off: drop one of them",
+        ),
+        (
+            ["--http-port", "0", "--config", off],
+            None,
+            f"--http-port 0 is a port of the OpenAI-compatible HTTP API, which --config {off} [gateway] "
+            "http_enabled turns off",
+        ),
+        (
+            ["--http-port", "8081"],
+            {"VALORA_HTTP_ENABLED": "0"},
+            "--http-port 8081 is a port of the OpenAI-compatible HTTP API, which VALORA_HTTP_ENABLED=0 in the "
+            "environment turns off",
+        ),
+        (
+            ["--config", str(both)],
+            None,
+            f"--config {both} [gateway] http_port is a port of the OpenAI-compatible "
+            f"HTTP API, which --config {both} [gateway] http_enabled turns off",
+        ),
+        (
+            ["--set", "gateway.http_port=7001"],
+            {"VALORA_HTTP_ENABLED": "false"},
+            "--set gateway.http_port=7001 is a port of the OpenAI-compatible HTTP API, which "
+            "VALORA_HTTP_ENABLED=false in the environment turns off",
+        ),
     ]
     for args, env, says in refused:
         result = CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path), "--port", "0", *args], env=env)
@@ -272,29 +354,36 @@ def test_an_http_port_with_http_off_is_refused_not_ignored(tmp_path, started, mo
         assert says in " ".join(result.output.split()), (args, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
         assert started == [] and cluster_mod.Cluster.load(tmp_path) is None
-    for args, env in ((["--set", "gateway.http_enabled=false"], None), (["--config", off], None),
-                      ([], {"VALORA_HTTP_ENABLED": "false"}),
-                      (["--http-port", "8081", "--set", "gateway.http_enabled=true"], {"VALORA_HTTP_ENABLED": "0"})):
+    for args, env in (
+        (["--set", "gateway.http_enabled=false"], None),
+        (["--config", off], None),
+        ([], {"VALORA_HTTP_ENABLED": "false"}),
+        (["--http-port", "8081", "--set", "gateway.http_enabled=true"], {"VALORA_HTTP_ENABLED": "0"}),
+    ):
         result = CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path), "--port", "0", *args], env=env)
         assert result.exit_code == 0, (args, result.output)
         assert started.pop()["http_port"] == (8081 if "--http-port" in args else 8080)
         (tmp_path / cluster_mod.STATE_FILE).unlink(missing_ok=True)
     help_text = CliRunner().invoke(cli.app, ["up", "--help"], env={"COLUMNS": "200"}).output
     words = " ".join("".join(c if c not in "│╭╮╰╯─" else " " for c in help_text).split())
-    assert ("Given while the gateway's http_enabled is false (--set, --config or VALORA_HTTP_ENABLED) it is an "
-            "error (exit 2), never ignored.") in words, words
+    assert (
+        "Given while the gateway's http_enabled is false (--set, --config or VALORA_HTTP_ENABLED) it is an "
+        "error (exit 2), never ignored."
+    ) in words, words
 
 
 def test_flags_given_win_over_the_config_and_agree_with_set(tmp_path, started, monkeypatch):
     monkeypatch.setattr(cluster_mod, "visible_gpus", lambda: ["0", "1"])
-    path = toml(tmp_path, "[worker]\ndevice = \"cuda\"\ndtype = \"fp16\"\ntp_size = 2\n"
-                "[gateway]\nport = 6000\nhttp_port = 6001\n")
+    path = toml(
+        tmp_path, '[worker]\ndevice = "cuda"\ndtype = "fp16"\ntp_size = 2\n[gateway]\nport = 6000\nhttp_port = 6001\n'
+    )
     result = CliRunner().invoke(cli.app, ["up", "--home", str(tmp_path), "--config", path])
     assert result.exit_code == 0, result.output
     call = started.pop()
     assert (call["gateway_port"], call["http_port"]) == (6000, 6001)  # the config's, no flag given
-    assert call["worker_env"] == [{"VALORA_DEVICE": "cuda", "VALORA_DTYPE": "float16", "VALORA_TP_SIZE": "2",
-                                   "CUDA_VISIBLE_DEVICES": "0,1"}]
+    assert call["worker_env"] == [
+        {"VALORA_DEVICE": "cuda", "VALORA_DTYPE": "float16", "VALORA_TP_SIZE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}
+    ]
     assert call["service_env"]["worker"] == {"VALORA_TP_SIZE": "2"}
     assert call["service_env"]["gateway"] == {}
     result = up(tmp_path, "--config", path, "--device", "cpu", "--dtype", "float32", "--tp", "1")
@@ -329,9 +418,18 @@ def test_help_documents_set_config_the_precedence_and_the_timeout():
     result = CliRunner().invoke(cli.app, ["up", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     text = " ".join(result.output.split())
-    for part in ("--set", "KEY=VALUE", "max_batch_size=64", "--config", "TOML", "--startup-timeout", "SECONDS",
-                 "[default: 180.0]", "--set over --config over the caller's environment over the defaults",
-                 "services/worker/config.py"):
+    for part in (
+        "--set",
+        "KEY=VALUE",
+        "max_batch_size=64",
+        "--config",
+        "TOML",
+        "--startup-timeout",
+        "SECONDS",
+        "[default: 180.0]",
+        "--set over --config over the caller's environment over the defaults",
+        "services/worker/config.py",
+    ):
         assert part in text, part
 
 
@@ -341,6 +439,7 @@ def test_startup_timeout_goes_to_start_cluster(tmp_path, started):
 
 
 # -- real processes -------------------------------------------------------------------------------
+
 
 @pytest.mark.e2e
 def test_a_service_that_is_not_healthy_in_time_is_named_and_everything_is_stopped(tmp_path, monkeypatch):

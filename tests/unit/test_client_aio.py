@@ -50,16 +50,25 @@ def untimed(r: InferResult) -> InferResult:
 async def test_infer_stream_and_admin_reads_through_a_gateway():
     async with fake_backed_gateway() as (env, address):
         async with AsyncValoraClient(address, retries=0, timeout_s=30) as c:
-            r = await c.infer("a car?", [png()], adapter="adapters/cars@prod", request_id="aio-1", top_k=5,
-                              logit_bias={3: 2.0})
+            r = await c.infer(
+                "a car?", [png()], adapter="adapters/cars@prod", request_id="aio-1", top_k=5, logit_bias={3: 2.0}
+            )
             out = [d async for d in c.infer_stream("a car?", adapter="adapters/cars", request_id="aio-2")]
             status, adapter = await c.cluster_status(), await c.get_adapter("cars")
             await c.infer(prompt_token_ids=[7, 8, 9], request_id="aio-3")  # a raw prompt, as token ids
         with ValoraClient(address, retries=0, timeout_s=30) as sync:  # in a thread: this loop serves the gateway
-            same = await asyncio.to_thread(sync.infer, "a car?", [png()], adapter="adapters/cars@prod",
-                                           request_id="aio-1", top_k=5, logit_bias={3: 2.0})
+            same = await asyncio.to_thread(
+                sync.infer,
+                "a car?",
+                [png()],
+                adapter="adapters/cars@prod",
+                request_id="aio-1",
+                top_k=5,
+                logit_bias={3: 2.0},
+            )
             same_out = await asyncio.to_thread(
-                lambda: list(sync.infer_stream("a car?", adapter="adapters/cars", request_id="aio-2")))
+                lambda: list(sync.infer_stream("a car?", adapter="adapters/cars", request_id="aio-2"))
+            )
             assert status == await asyncio.to_thread(sync.cluster_status)
             assert adapter == await asyncio.to_thread(sync.get_adapter, "cars")
     assert isinstance(r, InferResult) and (r.request_id, r.text, r.worker) == ("aio-1", "a red car", "w1")
@@ -85,8 +94,11 @@ async def test_admin_reads_and_typed_errors_of_a_real_store(store_gateway):  # n
         with pytest.raises(errors.NotFound) as sync_err:
             sync.infer("hi", adapter="adapters/nope")
     async with AsyncValoraClient(store_gateway, **keys, retries=0, timeout_s=30) as c:
-        got = await c.list_adapters(page_size=1), await c.get_adapter("adapters/aio-cars"), \
-            await c.list_versions("aio-cars", page_size=1)
+        got = (
+            await c.list_adapters(page_size=1),
+            await c.get_adapter("adapters/aio-cars"),
+            await c.list_versions("aio-cars", page_size=1),
+        )
         with pytest.raises(errors.NotFound) as err:
             await c.infer("hi", adapter="adapters/nope")
     assert got == want and [v.name for v in got[2]] == [v1.name, v2.name]

@@ -51,8 +51,9 @@ def serving(servicer):
 
 
 def test_errors_are_typed_and_carry_the_status_details():
-    bad = InvalidArgument("invalid request", reason="INVALID_ARGUMENT",
-                          field_violations=[FieldViolation("input.prompt", "too long")])
+    bad = InvalidArgument(
+        "invalid request", reason="INVALID_ARGUMENT", field_violations=[FieldViolation("input.prompt", "too long")]
+    )
     with serving(Scripted([bad])) as client:
         with pytest.raises(errors.InvalidArgument) as exc:
             client.infer("x")
@@ -87,7 +88,6 @@ def test_a_stream_is_retried_only_before_its_first_message():
     assert out[0] == "o" and out[-1].text == "ok" and s.calls == 2
 
 
-
 def test_tls_and_mutual_tls_and_every_page_of_versions(tmp_path):
     """The SDK speaks TLS (server verified against a CA) and mutual TLS (with its certificate),
     and list_versions reads every page."""
@@ -99,34 +99,40 @@ def test_tls_and_mutual_tls_and_every_page_of_versions(tmp_path):
     class Versions(admin_grpc.AdminServiceServicer):
         def ListAdapterVersions(self, request, context):
             start = int(request.page_token or 0)
-            names = [f"adapters/a/versions/{i}" for i in range(1, 8)][start:start + request.page_size]
+            names = [f"adapters/a/versions/{i}" for i in range(1, 8)][start : start + request.page_size]
             more = start + request.page_size < 7
             return admin_pb.ListAdapterVersionsResponse(
                 versions=[resources_pb2.AdapterVersion(name=n) for n in names],
-                next_page_token=str(start + request.page_size) if more else "")
+                next_page_token=str(start + request.page_size) if more else "",
+            )
 
     pki = make_pki(tmp_path, "sdk")
     read = lambda k: open(pki[k], "rb").read()  # noqa: E731
     for mutual in (False, True):
         server = grpc.server(futures.ThreadPoolExecutor(2))
         admin_grpc.add_AdminServiceServicer_to_server(Versions(), server)
-        creds = grpc.ssl_server_credentials([(read("server_key"), read("server_cert"))],
-                                            root_certificates=read("ca") if mutual else None,
-                                            require_client_auth=mutual)
+        creds = grpc.ssl_server_credentials(
+            [(read("server_key"), read("server_cert"))],
+            root_certificates=read("ca") if mutual else None,
+            require_client_auth=mutual,
+        )
         port = server.add_secure_port("127.0.0.1:0", creds)
         server.start()
         try:
             address = f"localhost:{port}"
-            client_tls = dict(tls_ca=pki["ca"], **({"tls_cert": pki["client_cert"], "tls_key": pki["client_key"]}
-                                                  if mutual else {}))
+            client_tls = dict(
+                tls_ca=pki["ca"], **({"tls_cert": pki["client_cert"], "tls_key": pki["client_key"]} if mutual else {})
+            )
             with ValoraClient(address, retries=0, **client_tls) as client:
                 got = client.list_versions("a", page_size=3)
             assert [v.name for v in got] == [f"adapters/a/versions/{i}" for i in range(1, 8)]
             with ValoraClient(address, retries=0, timeout_s=3) as plain, pytest.raises(grpc.RpcError):
                 plain.list_versions("a")  # plaintext to a TLS port fails
             if mutual:
-                with ValoraClient(address, retries=0, timeout_s=3, tls_ca=pki["ca"]) as no_cert, \
-                        pytest.raises(grpc.RpcError):
+                with (
+                    ValoraClient(address, retries=0, timeout_s=3, tls_ca=pki["ca"]) as no_cert,
+                    pytest.raises(grpc.RpcError),
+                ):
                     no_cert.list_versions("a")  # mutual TLS: a client without a certificate is refused
         finally:
             server.stop(0)

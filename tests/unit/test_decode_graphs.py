@@ -23,19 +23,31 @@ A, B = "adapters/alpha/versions/1", "adapters/beta/versions/1"
 def requests() -> list[WorkRequest]:
     adapters = [None, A, B, A, B, None]
     lengths = [3, 40, 9, 17, 40, 1]  # rows leave at different steps
-    out = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=adapters[i],
-                       max_new_tokens=n) for i, n in enumerate(lengths)]
-    out.append(WorkRequest("sampled", "What color?", [random_image(9)], adapter=A, max_new_tokens=12,
-                           sampling=SamplingParams(temperature=0.8, top_k=20, seed=7)))
+    out = [
+        WorkRequest(
+            f"r{i}", "Describe the image." + " more" * i, [random_image(i)], adapter=adapters[i], max_new_tokens=n
+        )
+        for i, n in enumerate(lengths)
+    ]
+    out.append(
+        WorkRequest(
+            "sampled",
+            "What color?",
+            [random_image(9)],
+            adapter=A,
+            max_new_tokens=12,
+            sampling=SamplingParams(temperature=0.8, top_k=20, seed=7),
+        )
+    )
     return out
 
 
-def run(model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None = None, before=None,
-        **config) -> tuple[dict, Engine]:
+def run(
+    model_path, reqs: list[WorkRequest] | None = None, merged: Mode | None = None, before=None, **config
+) -> tuple[dict, Engine]:
     """`before(engine)`: called once the adapters are loaded, before the requests."""
     reqs = reqs or requests()
-    config = {"decode_graphs": "static", "max_batch_size": 8, "max_prefills_per_step": 8, "device_slots": 3,
-              **config}
+    config = {"decode_graphs": "static", "max_batch_size": 8, "max_prefills_per_step": 8, "device_slots": 3, **config}
     eng = Engine(EngineConfig(model_path=model_path, **config))
     eng.eos_ids = set()  # every request runs its full length
     eng.start()
@@ -65,8 +77,16 @@ def test_one_key_per_batch_bucket(model_path):
     # 8 rows leaving one by one, adapters mixed: whatever the rows' composition, lengths and
     # blocks, a step's key is its padded row count (and whether LoRA runs).
     lengths = [2, 3, 4, 5, 6, 30, 30, 30]
-    reqs = [WorkRequest(f"r{i}", "Describe the image." + " more" * i, [random_image(i)],
-                        adapter=(None, A, B)[i % 3], max_new_tokens=n) for i, n in enumerate(lengths)]
+    reqs = [
+        WorkRequest(
+            f"r{i}",
+            "Describe the image." + " more" * i,
+            [random_image(i)],
+            adapter=(None, A, B)[i % 3],
+            max_new_tokens=n,
+        )
+        for i, n in enumerate(lengths)
+    ]
     out, eng = run(model_path, reqs)
     assert [len(out[r.request_id]) for r in reqs] == lengths
     g = eng.graphs
@@ -112,10 +132,19 @@ def test_a_row_that_fails_while_decoding_fails_alone(model_path, monkeypatch, pi
 
     monkeypatch.setattr(prefiller, "IncrementalDetokenizer", Poisoned)
     reqs = requests()
-    reqs[1] = WorkRequest("poisoned", "Describe the image.", [random_image(1)], adapter=A, max_new_tokens=20,
-                          stop=["POISON"])
-    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", max_batch_size=8,
-                              max_prefills_per_step=8, device_slots=3, pipeline_decode=pipeline))
+    reqs[1] = WorkRequest(
+        "poisoned", "Describe the image.", [random_image(1)], adapter=A, max_new_tokens=20, stop=["POISON"]
+    )
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            decode_graphs="static",
+            max_batch_size=8,
+            max_prefills_per_step=8,
+            device_slots=3,
+            pipeline_decode=pipeline,
+        )
+    )
     eng.eos_ids = set()
     eng.start()
     try:
@@ -133,7 +162,8 @@ def test_a_row_that_fails_while_decoding_fails_alone(model_path, monkeypatch, pi
         eng.stop()
     assert isinstance(ends.pop("poisoned"), Failed)
     assert {rid: len(ev.result.token_ids) for rid, ev in ends.items()} == {
-        r.request_id: r.max_new_tokens for r in reqs if r.request_id != "poisoned"}
+        r.request_id: r.max_new_tokens for r in reqs if r.request_id != "poisoned"
+    }
     assert eng.kv.used_blocks == 0
 
 

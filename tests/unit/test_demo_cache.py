@@ -12,9 +12,18 @@ from services.generator.demo import DemoSettings, _ReuseSingles, ensure_adapters
 def test_key_is_stable_and_changes_with_every_setting():
     s = DemoSettings()
     assert s.key() == DemoSettings().key()
-    for change in (dict(tasks=("digit", "parity")), dict(pretrain_steps=301), dict(epochs=4), dict(limit=None),
-                   dict(rank=4), dict(margin=0.05), dict(seed=1), dict(prefix="x"), dict(threads=1),
-                   dict(tasks=("parity", "digit", "digit-rot90", "count"))):
+    for change in (
+        dict(tasks=("digit", "parity")),
+        dict(pretrain_steps=301),
+        dict(epochs=4),
+        dict(limit=None),
+        dict(rank=4),
+        dict(margin=0.05),
+        dict(seed=1),
+        dict(prefix="x"),
+        dict(threads=1),
+        dict(tasks=("parity", "digit", "digit-rot90", "count")),
+    ):
         assert replace(s, **change).key() != s.key(), change
 
 

@@ -322,13 +322,15 @@ def test_compose_env_names_are_settings_fields(component):
 
 def env_example() -> dict[str, str]:
     return dict(
-        line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines()
+        line.split("=", 1)
+        for line in ENV_EXAMPLE.read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     )
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} ($$ is a literal $)."""
+
     def sub(m: re.Match) -> str:
         name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
         if env.get(name):
@@ -336,6 +338,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
         if op == ":?":
             raise KeyError(f"{name}: {arg}")
         return arg if op == ":-" else ""
+
     return re.sub(r"\$\{([A-Za-z0-9_]+)(:[-?])?([^}]*)\}", sub, value).replace("$$", "$")
 
 
@@ -374,7 +377,9 @@ def test_docker_compose_config_accepts_the_file():
     for profile in ([], ["--profile", "observability"]):
         result = subprocess.run(
             [*cli, "-f", str(COMPOSE), "--env-file", str(ENV_EXAMPLE), *profile, "config", "--format", "json"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stderr
         resolved = json.loads(result.stdout)
@@ -384,7 +389,10 @@ def test_docker_compose_config_accepts_the_file():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("POSTGRES_", "MINIO_", "VALORA_", "MODEL_DIR"))}
     result = subprocess.run(
         [*cli, "-f", str(COMPOSE), "--env-file", os.devnull, "config", "-q"],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.returncode != 0 and "required" in (result.stderr + result.stdout).lower()
 
@@ -409,8 +417,11 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def dockerfile_stages() -> set[str]:
     return {
-        m.group(1) for op, rest in dockerfile_instructions() if op == "FROM"
-        for m in [re.search(r"\bAS\s+(\S+)$", rest, re.IGNORECASE)] if m
+        m.group(1)
+        for op, rest in dockerfile_instructions()
+        if op == "FROM"
+        for m in [re.search(r"\bAS\s+(\S+)$", rest, re.IGNORECASE)]
+        if m
     }
 
 
@@ -435,8 +446,9 @@ def test_dockerfile_stages_and_pinned_bases():
 
 
 def test_dockerfile_copies_only_what_the_context_sends():
-    ignore = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-              if ln.strip() and not ln.startswith("#")]
+    ignore = [
+        ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
     assert ignore[0] == "**", ".dockerignore should be an allowlist"
     allowed = [ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")]
     for op, rest in dockerfile_instructions():
@@ -587,7 +599,9 @@ def render_chart(values: dict, name: str = "valora", namespace: str = "valora") 
         try:
             result = subprocess.run(
                 [helm, "template", name, str(CHART), "-n", namespace, "-f", fh.name, "--kube-version", "1.29.0"],
-                capture_output=True, text=True, timeout=120,
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
         finally:
             os.unlink(fh.name)
@@ -691,7 +705,8 @@ def test_workers_are_a_gpu_statefulset_found_by_dns():
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
     scheduler_cm = by_kind(objs, "ConfigMap")["valora-scheduler"]["data"]
     assert scheduler_cm["VALORA_WORKER_ADDRESSES"] == ",".join(
-        f"valora-worker-{i}.valora-worker:{port}" for i in range(3))
+        f"valora-worker-{i}.valora-worker:{port}" for i in range(3)
+    )
     names = {e["name"]: e for e in container.get("env", [])}
     assert names["VALORA_WORKER_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert names["VALORA_ADVERTISE_ADDRESS"]["value"] == f"$(VALORA_WORKER_NAME).valora-worker:{port}"
@@ -720,8 +735,9 @@ def test_every_container_has_grpc_probes_and_the_secrets_it_needs():
                 assert ref["name"] == "valora-secrets" and ref["key"] in secret["stringData"], (name, ref)
     gateway_env = {e["name"] for e in workloads["valora-gateway"]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert {"VALORA_API_KEYS", "VALORA_ADMIN_KEYS"} <= gateway_env
-    store_env = {e["name"]
-                 for e in workloads["valora-adapter-store"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    store_env = {
+        e["name"] for e in workloads["valora-adapter-store"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert {"VALORA_DATABASE_URL", "VALORA_S3_ACCESS_KEY", "VALORA_S3_SECRET_KEY"} <= store_env
 
 
@@ -743,8 +759,9 @@ def test_chart_env_names_are_settings_fields(component):
     objs = rendered_objects()
     names = set(by_kind(objs, "ConfigMap")[f"valora-{component}"]["data"])
     workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
-    names |= {e["name"]
-              for e in workloads[f"valora-{component}"]["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    names |= {
+        e["name"] for e in workloads[f"valora-{component}"]["spec"]["template"]["spec"]["containers"][0].get("env", [])
+    }
     check_env_names(component, names)
 
 
@@ -818,16 +835,25 @@ def test_dashboard_queries_only_metrics_the_services_define():
         pytest.skip("services.common.metrics not importable yet")
     from prometheus_client.metrics import MetricWrapperBase
 
-    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"],
-                "summary": ["_sum", "_count", ""]}
+    suffixes = {
+        "counter": ["_total"],
+        "gauge": [""],
+        "histogram": ["_bucket", "_sum", "_count"],
+        "summary": ["_sum", "_count", ""],
+    }
     defined = set()
     for obj in vars(metrics).values():
         if isinstance(obj, MetricWrapperBase):
             for family in obj.describe():
                 defined |= {family.name + suffix for suffix in suffixes.get(family.type, [""])}
     dash = json.loads(DASHBOARD.read_text())
-    used = {m for p in dash["panels"] if p["type"] != "row" for t in p["targets"]
-            for m in re.findall(r"valora:[a-z0-9_]+", t["expr"])}
+    used = {
+        m
+        for p in dash["panels"]
+        if p["type"] != "row"
+        for t in p["targets"]
+        for m in re.findall(r"valora:[a-z0-9_]+", t["expr"])
+    }
     assert used - defined == set(), f"dashboard queries undefined metrics {sorted(used - defined)}"
     for metric in METRICS:
         assert any(d.startswith(metric) for d in defined), f"{metric} is not defined by the services"

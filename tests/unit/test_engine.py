@@ -42,8 +42,17 @@ def bundles(model_path):
 
 @pytest.fixture(scope="module")
 def engine(model_path, bundles):
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=8, device_slots=3,
-                              kv_cache_bytes=TEST_KV_BYTES, default_max_new_tokens=MAX_NEW, max_waiting=64))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            device=DEVICE,
+            max_batch_size=8,
+            device_slots=3,
+            kv_cache_bytes=TEST_KV_BYTES,
+            default_max_new_tokens=MAX_NEW,
+            max_waiting=64,
+        )
+    )
     eng.start()
     for name, b in bundles.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
@@ -63,7 +72,7 @@ def peft_generate(model_path, bundle, img, prompt, tmp_path, max_new=MAX_NEW) ->
     inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def run_concurrently(engine, requests):
@@ -101,16 +110,23 @@ def test_logprobs_are_the_models_token_log_probabilities(engine, model_path, bun
     from services.worker.model import load_processor
 
     img, prompt = random_image(5), "Describe the image."
-    got = run_concurrently(engine, [WorkRequest("lp", prompt, [img], adapter=A, max_new_tokens=6, logprobs=3),
-                                    WorkRequest("no-lp", prompt, [img], adapter=A, max_new_tokens=6)])
-    model = PeftModel.from_pretrained(load_model(model_path, DEVICE),
-                                      write_peft_dir(bundles[A], tmp_path / "peft-lp")).eval()
+    got = run_concurrently(
+        engine,
+        [
+            WorkRequest("lp", prompt, [img], adapter=A, max_new_tokens=6, logprobs=3),
+            WorkRequest("no-lp", prompt, [img], adapter=A, max_new_tokens=6),
+        ],
+    )
+    model = PeftModel.from_pretrained(
+        load_model(model_path, DEVICE), write_peft_dir(bundles[A], tmp_path / "peft-lp")
+    ).eval()
     inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
     with torch.no_grad():
-        ref = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
+        ref = model.generate(
+            **inputs, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
     r = got["lp"][1]
-    assert r.token_ids == ref.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    assert r.token_ids == ref.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(r.logprobs) == len(r.token_ids) and got["no-lp"][1].logprobs == []
     for token, lp, scores in zip(r.token_ids, r.logprobs, ref.scores):
         want = torch.log_softmax(scores[0].float(), -1)
@@ -131,17 +147,20 @@ def test_repetition_penalty_gives_hf_generates_tokens(engine, model_path, bundle
     img, prompt = random_image(6), "Describe the image."
     penalized = SamplingParams(repetition_penalty=1.8)
     sampled = SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.5, presence_penalty=0.5)
-    reqs = [WorkRequest("rep", prompt, [img], adapter=A, max_new_tokens=12, sampling=penalized),
-            WorkRequest("plain", prompt, [img], adapter=A, max_new_tokens=12),
-            WorkRequest("freq", prompt, [img], adapter=A, max_new_tokens=12, sampling=sampled)]
+    reqs = [
+        WorkRequest("rep", prompt, [img], adapter=A, max_new_tokens=12, sampling=penalized),
+        WorkRequest("plain", prompt, [img], adapter=A, max_new_tokens=12),
+        WorkRequest("freq", prompt, [img], adapter=A, max_new_tokens=12, sampling=sampled),
+    ]
     got = run_concurrently(engine, reqs)
     again = run_concurrently(engine, reqs[2:])
-    model = PeftModel.from_pretrained(load_model(model_path, DEVICE),
-                                      write_peft_dir(bundles[A], tmp_path / "peft-rep")).eval()
+    model = PeftModel.from_pretrained(
+        load_model(model_path, DEVICE), write_peft_dir(bundles[A], tmp_path / "peft-rep")
+    ).eval()
     inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
     with torch.no_grad():
         want = model.generate(**inputs, max_new_tokens=12, do_sample=False, repetition_penalty=1.8)
-    assert got["rep"][1].token_ids == want[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got["rep"][1].token_ids == want[0, inputs["input_ids"].shape[1] :].tolist()
     assert got["rep"][1].token_ids != got["plain"][1].token_ids  # the penalty changed the answer
     assert again["freq"][1].token_ids == got["freq"][1].token_ids
 
@@ -151,9 +170,18 @@ def test_a_token_prompt_generates_what_its_text_does(engine):
     adapter and without, batched beside the text requests."""
     text = "Once upon a time there was"
     ids = engine.tokenizer(text)["input_ids"]
-    reqs = [WorkRequest(f"{kind}-{a}", text if kind == "text" else "", raw_prompt=True, adapter=a,
-                        prompt_token_ids=[] if kind == "text" else ids, max_new_tokens=8)
-            for kind in ("text", "ids") for a in (None, A)]
+    reqs = [
+        WorkRequest(
+            f"{kind}-{a}",
+            text if kind == "text" else "",
+            raw_prompt=True,
+            adapter=a,
+            prompt_token_ids=[] if kind == "text" else ids,
+            max_new_tokens=8,
+        )
+        for kind in ("text", "ids")
+        for a in (None, A)
+    ]
     got = run_concurrently(engine, reqs)
     for a in (None, A):
         assert got[f"ids-{a}"][1].token_ids == got[f"text-{a}"][1].token_ids
@@ -165,8 +193,11 @@ def test_batched_requests_of_different_adapters_match_peft(engine, model_path, b
     prompt = "Describe the image."
     targets = {"base": None, "a": A, "b": B, "c": C}
     imgs = {"base": random_image(1), "a": random_image(1), "b": random_image(2, 112), "c": random_image(1)}
-    reqs = [WorkRequest(f"{name}-{i}", prompt, [imgs[name]], adapter=ad, max_new_tokens=MAX_NEW)
-            for i in range(2) for name, ad in targets.items()]
+    reqs = [
+        WorkRequest(f"{name}-{i}", prompt, [imgs[name]], adapter=ad, max_new_tokens=MAX_NEW)
+        for i in range(2)
+        for name, ad in targets.items()
+    ]
     engine.decoder.peak_entries = 0
     results = run_concurrently(engine, reqs)
     assert engine.decoder.peak_entries >= 2, "requests of different adapters never shared a decode step"
@@ -192,8 +223,9 @@ def test_label_request_returns_reference_argmax(engine, model_path, bundles, tmp
     from peft import PeftModel
 
     img = random_image(5)
-    _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B,
-                                       output_kind=OutputKind.LABEL, head="color"))
+    _, r = engine.generate(
+        WorkRequest("lbl", "What color is it?", [img], adapter=B, output_kind=OutputKind.LABEL, head="color")
+    )
     model = PeftModel.from_pretrained(load_model(model_path, DEVICE), write_peft_dir(bundles[B], tmp_path / "b")).eval()
     from services.worker.model import load_processor
 
@@ -207,8 +239,10 @@ def test_label_request_returns_reference_argmax(engine, model_path, bundles, tmp
     assert [s[0] for s in r.scores][0] == r.label and len(r.scores) == len(LABELS)
     assert dict(r.scores)[r.label] == pytest.approx(float(probs.max()), abs=1e-4)
     with pytest.raises(InvalidArgument):
-        engine.submit(engine.prepare(WorkRequest("x", "?", [img], adapter=B, output_kind=OutputKind.LABEL,
-                                                 head="nope")), lambda ev: None)
+        engine.submit(
+            engine.prepare(WorkRequest("x", "?", [img], adapter=B, output_kind=OutputKind.LABEL, head="nope")),
+            lambda ev: None,
+        )
     with pytest.raises(AdapterNotFound):
         engine.submit(engine.prepare(WorkRequest("x", "?", [img], adapter="adapters/zz/versions/1")), lambda ev: None)
 
@@ -221,8 +255,10 @@ def test_cancellation_frees_sequence_and_kv_cache(engine):
         events.put(ev)
         first.set()
 
-    handle = engine.submit(engine.prepare(WorkRequest("long", "Count the objects.", [random_image(3)], adapter=A,
-                                                      max_new_tokens=1000)), sink)
+    handle = engine.submit(
+        engine.prepare(WorkRequest("long", "Count the objects.", [random_image(3)], adapter=A, max_new_tokens=1000)),
+        sink,
+    )
     assert first.wait(30)
     for _ in range(600):  # stats are published at the end of each step
         s = engine.stats()
@@ -246,16 +282,16 @@ def test_cancellation_frees_sequence_and_kv_cache(engine):
 def test_sampling_is_seeded_and_stop_sequences_cut_text(engine):
     img = random_image(4)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7)
-    runs = [engine.generate(WorkRequest(f"s{i}", "Hello", [img], sampling=params, max_new_tokens=12))[1]
-            for i in range(2)]
+    runs = [
+        engine.generate(WorkRequest(f"s{i}", "Hello", [img], sampling=params, max_new_tokens=12))[1] for i in range(2)
+    ]
     assert runs[0].token_ids == runs[1].token_ids
     greedy = engine.generate(WorkRequest("g", "Describe the image.", [img], max_new_tokens=MAX_NEW))[1]
     assert len(greedy.text) >= 4
     stop = greedy.text[2:4]
-    deltas, r = engine.generate(WorkRequest("st", "Describe the image.", [img], stop=[stop],
-                                            max_new_tokens=MAX_NEW))
+    deltas, r = engine.generate(WorkRequest("st", "Describe the image.", [img], stop=[stop], max_new_tokens=MAX_NEW))
     assert r.finish_reason == FinishReason.STOP_SEQUENCE
-    assert r.text == greedy.text[:greedy.text.find(stop)] and "".join(deltas) == r.text
+    assert r.text == greedy.text[: greedy.text.find(stop)] and "".join(deltas) == r.text
 
 
 def test_incremental_detokenizer_never_splits_characters(engine):
@@ -299,16 +335,21 @@ def test_queue_limit_and_bad_params(model_path):
         with pytest.raises(InvalidArgument):
             eng.prepare(WorkRequest("x", "hi", max_new_tokens=17))
         vocab = eng.text_config.vocab_size
-        for bias, field in ((((vocab, 1.0),), f"item.params.logit_bias[{vocab}]"),
-                            (((-1, 1.0),), "item.params.logit_bias[-1]"),
-                            (((5, 100.5),), "item.params.logit_bias[5]"),
-                            (((5, float("nan")),), "item.params.logit_bias[5]"),
-                            (tuple((t, 1.0) for t in range(301)), "item.params.logit_bias")):
+        for bias, field in (
+            (((vocab, 1.0),), f"item.params.logit_bias[{vocab}]"),
+            (((-1, 1.0),), "item.params.logit_bias[-1]"),
+            (((5, 100.5),), "item.params.logit_bias[5]"),
+            (((5, float("nan")),), "item.params.logit_bias[5]"),
+            (tuple((t, 1.0) for t in range(301)), "item.params.logit_bias"),
+        ):
             with pytest.raises(InvalidArgument) as exc:
                 eng.prepare(WorkRequest("x", "hi", max_new_tokens=1, sampling=SamplingParams(logit_bias=bias)))
             assert exc.value.field_violations[0].field == field
-        eng.prepare(WorkRequest("x", "hi", max_new_tokens=1,
-                                sampling=SamplingParams(logit_bias=((vocab - 1, -100.0), (0, 100.0)))))
+        eng.prepare(
+            WorkRequest(
+                "x", "hi", max_new_tokens=1, sampling=SamplingParams(logit_bias=((vocab - 1, -100.0), (0, 100.0)))
+            )
+        )
         prep = eng.prepare(WorkRequest("x", "hi", max_new_tokens=1))
         with eng._wake:  # hold the loop so the first request stays queued
             eng.submit(prep, lambda ev: None)
@@ -341,8 +382,10 @@ def test_merged_and_mixture_modes_match_unmerged_outputs(engine):
     reqs = {"base": None, "a": A, "b": B}
 
     def run_all():
-        return {n: engine.generate(WorkRequest(n, "What is in this picture?", [img], adapter=ad))[1]
-                for n, ad in reqs.items()}
+        return {
+            n: engine.generate(WorkRequest(n, "What is in this picture?", [img], adapter=ad))[1]
+            for n, ad in reqs.items()
+        }
 
     unmerged = run_all()
     try:
@@ -410,8 +453,9 @@ def test_full_device_slots_block_only_their_adapter(model_path, bundles):
         for name in (A, B):
             eng.load_adapter_bytes(name, bundles[name].sha256, bundles[name].data, bundles[name].config_json)
         started = threading.Event()
-        long = eng.submit(eng.prepare(WorkRequest("hold", "Count.", adapter=A, max_new_tokens=1000)),
-                          lambda ev: started.set())
+        long = eng.submit(
+            eng.prepare(WorkRequest("hold", "Count.", adapter=A, max_new_tokens=1000)), lambda ev: started.set()
+        )
         assert started.wait(30)
         waiting: queue.Queue = queue.Queue()
         eng.submit(eng.prepare(WorkRequest("b", "Count.", adapter=B, max_new_tokens=2)), waiting.put)
@@ -431,8 +475,12 @@ def test_tiny_model_loads_back_with_auto_classes(model_path):
     processor = AutoProcessor.from_pretrained(model_path)
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_path)
     tok = processor.tokenizer
-    for attr, token in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-                        ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")):
+    for attr, token in (
+        ("image_token_id", "<|image_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+        ("video_token_id", "<|video_pad|>"),
+    ):
         assert getattr(model.config, attr) == tok.convert_tokens_to_ids(token)
     assert model.config.text_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     inputs = build_inputs(processor, [random_image(1, 56), random_image(2, 112)], "Hi")
@@ -456,15 +504,21 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
 
     if not AtmmBackend.available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("the kernels extension is not built here")
-    ads = {f"adapters/k{r}/versions/1": random_adapter_bundle(model_path, rank=r, lora_alpha=r, seed=r)
-           for r in (8, 16)}
+    ads = {
+        f"adapters/k{r}/versions/1": random_adapter_bundle(model_path, rank=r, lora_alpha=r, seed=r) for r in (8, 16)
+    }
     names = [None, *ads]
-    reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i)], adapter=names[i % 3], max_new_tokens=8)
-            for i in range(6)]
+    reqs = [
+        WorkRequest(f"r{i}", "Describe the image.", [random_image(i)], adapter=names[i % 3], max_new_tokens=8)
+        for i in range(6)
+    ]
     outs = []
     for use_atmm in (True, False):
-        eng = Engine(EngineConfig(model_path=model_path, device="cuda", dtype="bfloat16", use_atmm=use_atmm,
-                                  kv_cache_bytes=TEST_KV_BYTES))
+        eng = Engine(
+            EngineConfig(
+                model_path=model_path, device="cuda", dtype="bfloat16", use_atmm=use_atmm, kv_cache_bytes=TEST_KV_BYTES
+            )
+        )
         eng.start()
         try:
             assert (eng.runtime.backend is not None) == use_atmm
@@ -474,8 +528,11 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
             if use_atmm:
                 assert eng.runtime.backend.plan.version > 0  # steps ran on the kernel
                 eng.set_mode(Mode.MIXTURE, names[1])
-                seqs = [eng.lora.entry(("lora", names[2])), eng.lora.entry(("mix", names[2], names[1])),
-                        eng.lora.entry(("mix", "", names[1]))]
+                seqs = [
+                    eng.lora.entry(("lora", names[2])),
+                    eng.lora.entry(("mix", names[2], names[1])),
+                    eng.lora.entry(("mix", "", names[1])),
+                ]
                 step = StepLora(seqs, [-1, 0, 0, 1, 1, 1, 2], 5)
                 assert eng.runtime.backend.begin(step)
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -495,8 +552,13 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                         x = torch.randn(35, eng.shapes.features[parts[0][1]][0], device="cuda", generator=g)
                         x = x.to(torch.bfloat16)
                         y0 = torch.randn(35, sum(sizes), device="cuda", generator=g).to(torch.bfloat16)
-                        want = torch.cat([multi_lora_reference_(col.clone(), x, *step.for_key(k))
-                                          for k, col in zip(parts, y0.split(sizes, dim=1))], dim=1)
+                        want = torch.cat(
+                            [
+                                multi_lora_reference_(col.clone(), x, *step.for_key(k))
+                                for k, col in zip(parts, y0.split(sizes, dim=1))
+                            ],
+                            dim=1,
+                        )
                         got = y0.clone()
                         backend.run_group(group, parts, got, x, step)
                         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -507,8 +569,9 @@ def test_atmm_kernel_matches_torch_reference_on_gpu(model_path, tmp_path):
                 big = random_adapter_bundle(model_path, rank=48, lora_alpha=48, seed=48)
                 eng.load_adapter_bytes("adapters/k48/versions/1", big.sha256, big.data, big.config_json)
                 assert eng.pool.acquire("adapters/k48/versions/1") is not None  # resident, as a request makes it
-                step = StepLora([eng.lora.entry(("lora", "adapters/k48/versions/1")), seqs[0]],
-                                [-1, 0, 0, 0, 1, 1, 1], 5)
+                step = StepLora(
+                    [eng.lora.entry(("lora", "adapters/k48/versions/1")), seqs[0]], [-1, 0, 0, 0, 1, 1, 1], 5
+                )
                 assert backend.begin(step) and backend.grouped == {"gate_up_proj"}  # 3 x 48 > 128 for q/k/v
                 check_groups(step)
         finally:
@@ -523,8 +586,9 @@ def peft_release_reference(model_path, bundle, img, prompt, tmp_path, release_af
 
     from services.worker.model import load_processor
 
-    model = PeftModel.from_pretrained(load_model(model_path, DEVICE),
-                                      write_peft_dir(bundle, tmp_path / "peft-release")).eval()
+    model = PeftModel.from_pretrained(
+        load_model(model_path, DEVICE), write_peft_dir(bundle, tmp_path / "peft-release")
+    ).eval()
     inputs = build_inputs(load_processor(model_path), [img], prompt).to(DEVICE)
     tokens: list[int] = []
     with torch.no_grad():
@@ -533,8 +597,11 @@ def peft_release_reference(model_path, bundle, img, prompt, tmp_path, release_af
             tokens.append(int(out.logits[0, -1].argmax()))
             if len(tokens) == max_new:
                 return tokens
-            step = dict(input_ids=torch.tensor([[tokens[-1]]], device=DEVICE), past_key_values=out.past_key_values,
-                        use_cache=True)
+            step = dict(
+                input_ids=torch.tensor([[tokens[-1]]], device=DEVICE),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
             if len(tokens) >= release_after:
                 with model.disable_adapter():
                     out = model(**step)
@@ -547,20 +614,38 @@ def test_early_adapter_release(engine, model_path, bundles, tmp_path):
     rest continues on the base path with the adapter's KV cache (PEFT reference, adapter disabled
     mid-generation), in a mixed batch and in merged mode alike; 0 changes nothing."""
     img, prompt, n = random_image(7), "Describe the image.", 8
-    req = lambda rid, f=0.0, ad=A: WorkRequest(rid, prompt, [img], adapter=ad, max_new_tokens=n,
-                                               adapter_release_fraction=f)
-    got = {rid: r for rid, (_, r) in run_concurrently(
-        engine, [req("full"), req("half", 0.5), req("off", 0.0), req("base", 0.5, None), req("base0", 0.0, None),
-                 req("b", 0.5, B)]).items()}
+    req = lambda rid, f=0.0, ad=A: WorkRequest(
+        rid, prompt, [img], adapter=ad, max_new_tokens=n, adapter_release_fraction=f
+    )
+    got = {
+        rid: r
+        for rid, (_, r) in run_concurrently(
+            engine,
+            [
+                req("full"),
+                req("half", 0.5),
+                req("off", 0.0),
+                req("base", 0.5, None),
+                req("base0", 0.0, None),
+                req("b", 0.5, B),
+            ],
+        ).items()
+    }
     full, half = got["full"].token_ids, got["half"].token_ids
     assert len(full) == len(half) == n and got["half"].finish_reason == FinishReason.LENGTH
-    assert half[:n // 2] == full[:n // 2] and half != full, "release changed nothing (or too much)"
+    assert half[: n // 2] == full[: n // 2] and half != full, "release changed nothing (or too much)"
     assert half == peft_release_reference(model_path, bundles[A], img, prompt, tmp_path, n // 2, n)
     assert got["off"].token_ids == full and got["half"].mode == Mode.UNMERGED
     assert got["base"].token_ids == got["base0"].token_ids  # nothing to release without an adapter
     # what the worker counts (valora:adapter_releases_total): released rows only, at their point
     assert {rid: r.released_after_tokens for rid, r in got.items()} == {
-        "full": 0, "half": n // 2, "off": 0, "base": 0, "base0": 0, "b": n // 2}
+        "full": 0,
+        "half": n // 2,
+        "off": 0,
+        "base": 0,
+        "base0": 0,
+        "b": n // 2,
+    }
     try:
         engine.set_mode(Mode.MERGED, A)
         merged = run_concurrently(engine, [req("m-half", 0.5), req("m-full")])
@@ -579,9 +664,14 @@ def test_released_adapter_leaves_its_device_slot(engine, model_path):
     b = random_adapter_bundle(model_path, rank=2, seed=9)
     engine.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
     events: queue.Queue = queue.Queue()
-    handle = engine.submit(engine.prepare(WorkRequest("rel", "Count.", [random_image(8)], adapter=name,
-                                                      max_new_tokens=1000,
-                                                      adapter_release_fraction=0.004)), events.put)  # 4 tokens
+    handle = engine.submit(
+        engine.prepare(
+            WorkRequest(
+                "rel", "Count.", [random_image(8)], adapter=name, max_new_tokens=1000, adapter_release_fraction=0.004
+            )
+        ),
+        events.put,
+    )  # 4 tokens
     try:
         assert isinstance(events.get(timeout=30), TextDelta)  # running: admitted, slot pinned
         for _ in range(1000):
@@ -642,6 +732,7 @@ def test_host_adapters_stay_in_their_budget_never_dropping_held_or_merged_ones(m
     eng = Engine(EngineConfig(model_path=model_path, device_slots=3, host_adapter_bytes=int(3.5 * one)))
     eng.start()
     try:
+
         def load(name):
             b = bundles[name]
             return eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)

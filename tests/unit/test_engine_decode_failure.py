@@ -126,8 +126,7 @@ def test_a_row_whose_decode_step_fails_fails_alone_and_its_batch_goes_on(engine,
         assert ev.result.text == "".join(deltas) == want.text, rid
         ids = lambda lps: [(t.token_id, [i for i, _ in t.top]) for t in lps]
         assert ids(ev.result.logprobs) == ids(want.logprobs), rid
-        assert [t.logprob for t in ev.result.logprobs] == pytest.approx([t.logprob for t in want.logprobs],
-                                                                        abs=1e-5)
+        assert [t.logprob for t in ev.result.logprobs] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
     assert got["a-logprobs"][1].result.logprobs  # the log-probabilities came through the retry too
     assert engine.alive
     wait_idle(engine)

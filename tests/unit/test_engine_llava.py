@@ -46,14 +46,24 @@ def llava_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundles(llava_path):
-    return {A: random_adapter_bundle(llava_path, rank=4, lora_alpha=8, seed=1),
-            B: random_adapter_bundle(llava_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS})}
+    return {
+        A: random_adapter_bundle(llava_path, rank=4, lora_alpha=8, seed=1),
+        B: random_adapter_bundle(llava_path, rank=8, lora_alpha=4, seed=2, heads={"color": LABELS}),
+    }
 
 
 @pytest.fixture(scope="module")
 def engine(llava_path, bundles):
-    eng = Engine(EngineConfig(model_path=llava_path, device=DEVICE, max_batch_size=8, device_slots=2,
-                              kv_cache_bytes=TEST_KV_BYTES, default_max_new_tokens=MAX_NEW))
+    eng = Engine(
+        EngineConfig(
+            model_path=llava_path,
+            device=DEVICE,
+            max_batch_size=8,
+            device_slots=2,
+            kv_cache_bytes=TEST_KV_BYTES,
+            default_max_new_tokens=MAX_NEW,
+        )
+    )
     eng.start()
     for name, b in bundles.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json, b.heads)
@@ -67,8 +77,9 @@ def reference(llava_path, bundles, tmp_path_factory):
     from peft import PeftModel
 
     peft_dir = tmp_path_factory.mktemp("peft")
-    model = PeftModel.from_pretrained(load_model(llava_path, DEVICE), write_peft_dir(bundles[A], peft_dir / "a"),
-                                      adapter_name=A).eval()
+    model = PeftModel.from_pretrained(
+        load_model(llava_path, DEVICE), write_peft_dir(bundles[A], peft_dir / "a"), adapter_name=A
+    ).eval()
     model.load_adapter(write_peft_dir(bundles[B], peft_dir / "b"), adapter_name=B)
     processor = load_processor(llava_path)
 
@@ -82,7 +93,7 @@ def reference(llava_path, bundles, tmp_path_factory):
             else:
                 model.set_adapter(adapter)
                 out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     generate.model, generate.processor = model, processor
     return generate
@@ -90,8 +101,14 @@ def reference(llava_path, bundles, tmp_path_factory):
 
 # Sizes other than the tower's 56 px are resized and center-cropped by CLIP's processor; rows of
 # different lengths (text only, one image, two) are prefilled in one batch.
-CASES = {"text-base": (None, []), "text-a": (A, []), "img-base": (None, [56]), "img-a": (A, [80]),
-         "img-b": (B, [120]), "two-a": (A, [56, 90])}
+CASES = {
+    "text-base": (None, []),
+    "text-a": (A, []),
+    "img-base": (None, [56]),
+    "img-a": (A, [80]),
+    "img-b": (B, [120]),
+    "two-a": (A, [56, 90]),
+}
 
 
 def images_of(sizes):
@@ -99,8 +116,10 @@ def images_of(sizes):
 
 
 def requests():
-    return [WorkRequest(name, PROMPT, images_of(sizes), adapter=ad, max_new_tokens=MAX_NEW)
-            for name, (ad, sizes) in CASES.items()]
+    return [
+        WorkRequest(name, PROMPT, images_of(sizes), adapter=ad, max_new_tokens=MAX_NEW)
+        for name, (ad, sizes) in CASES.items()
+    ]
 
 
 def test_the_peft_reference_wraps_the_language_models_projections_only(reference):
@@ -138,21 +157,26 @@ def test_a_conversation_matches_hf_and_the_chat_template(engine, reference, llav
     them, and the engine's answer HF's on that text. A repeated image is a feature-cache hit."""
     processor = load_processor(llava_path)
     history = [("user", "What is this?", 1), ("assistant", "A red car.", 0)]
-    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "A red car."}]},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A red car."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]},
+    ]
     text = chat_text(PROMPT, 2, "Be brief.", history)
     assert text == processor.apply_chat_template(messages, add_generation_prompt=True)
-    assert text == (f"Be brief. USER: {IMAGE_TOKEN}\nWhat is this? ASSISTANT: A red car. "
-                    f"USER: {IMAGE_TOKEN}\n{PROMPT} ASSISTANT:")
+    assert text == (
+        f"Be brief. USER: {IMAGE_TOKEN}\nWhat is this? ASSISTANT: A red car. USER: {IMAGE_TOKEN}\n{PROMPT} ASSISTANT:"
+    )
     assert chat_text(PROMPT, 0) == processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}], add_generation_prompt=True)
+        [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}], add_generation_prompt=True
+    )
     images = [random_image(7), random_image(8, 70)]
     hits = engine.vision.cache.stats().hits
     for _ in range(2):
-        _, got = engine.generate(WorkRequest("c", PROMPT, images, adapter=B, system="Be brief.", history=history,
-                                             max_new_tokens=MAX_NEW))
+        _, got = engine.generate(
+            WorkRequest("c", PROMPT, images, adapter=B, system="Be brief.", history=history, max_new_tokens=MAX_NEW)
+        )
         assert got.token_ids == reference(B, images, system="Be brief.", history=history)
     assert engine.vision.cache.stats().hits == hits + 2
 
@@ -161,8 +185,9 @@ def test_a_prompt_prefilled_in_chunks_gets_hf_tokens(engine, reference):
     """A context over the step's prefill budget is prefilled in pieces, each at its own 1-D
     positions (the slice of its row's), and gives the tokens HF gives it whole."""
     images = [random_image(11), random_image(12, 64)]
-    request = WorkRequest("long", "Describe the picture in detail, every object and colour.", images, adapter=A,
-                          max_new_tokens=MAX_NEW)
+    request = WorkRequest(
+        "long", "Describe the picture in detail, every object and colour.", images, adapter=A, max_new_tokens=MAX_NEW
+    )
     n = engine.prepare(request).prompt_tokens
     batches, run, budget = [], engine.prefiller.run, engine.config.max_prefill_tokens
     engine.prefiller.run = lambda seqs: (batches.append([s.req.request_id for s in seqs]), run(seqs))[1]
@@ -181,8 +206,9 @@ def test_a_label_request_takes_the_heads_argmax_of_hf_peft(engine, reference, bu
     from services.worker.requests import FinishReason, OutputKind
 
     img = random_image(9)
-    _, r = engine.generate(WorkRequest("lbl", "What color is it?", [img], adapter=B, output_kind=OutputKind.LABEL,
-                                       head="color"))
+    _, r = engine.generate(
+        WorkRequest("lbl", "What color is it?", [img], adapter=B, output_kind=OutputKind.LABEL, head="color")
+    )
     inputs = dict(build_inputs(reference.processor, [img], "What color is it?").to(DEVICE))
     inputs.pop("mm_token_type_ids")
     reference.model.set_adapter(B)
@@ -218,13 +244,21 @@ def write_llava_hf_layout(tiny, directory):
     processor = load_processor(tiny)
     image = {**processor.image_processor.to_dict(), "image_processor_type": "CLIPImageProcessor"}
     (directory / "preprocessor_config.json").write_text(json.dumps(image))
-    (directory / "processor_config.json").write_text(json.dumps({
-        "image_token": IMAGE_TOKEN, "num_additional_image_tokens": 1, "patch_size": 14,
-        "processor_class": "LlavaProcessor", "vision_feature_select_strategy": "default"}))
+    (directory / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "image_token": IMAGE_TOKEN,
+                "num_additional_image_tokens": 1,
+                "patch_size": 14,
+                "processor_class": "LlavaProcessor",
+                "vision_feature_select_strategy": "default",
+            }
+        )
+    )
     (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     weights = [(v4(k), v.contiguous()) for k, v in load_model(tiny).state_dict().items()]
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for _, v in weights)}, "weight_map": {}}
-    for i, part in enumerate((weights[:len(weights) // 2], weights[len(weights) // 2:])):
+    for i, part in enumerate((weights[: len(weights) // 2], weights[len(weights) // 2 :])):
         shard = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file(dict(part), str(directory / shard), metadata={"format": "pt"})
         index["weight_map"].update({k: shard for k, _ in part})
@@ -241,8 +275,16 @@ def test_a_checkpoint_in_llava_hfs_layout_serves_the_same_tokens(engine, llava_p
     assert {n.split(".")[0] for n in names} == {"language_model", "vision_tower", "multi_modal_projector"}
     processor = load_processor(path)
     assert processor.chat_template == CHAT_TEMPLATE and processor.patch_size == 14
-    other = Engine(EngineConfig(model_path=path, device=DEVICE, max_batch_size=8, device_slots=2,
-                                kv_cache_bytes=TEST_KV_BYTES, default_max_new_tokens=MAX_NEW))
+    other = Engine(
+        EngineConfig(
+            model_path=path,
+            device=DEVICE,
+            max_batch_size=8,
+            device_slots=2,
+            kv_cache_bytes=TEST_KV_BYTES,
+            default_max_new_tokens=MAX_NEW,
+        )
+    )
     other.start()
     try:
         for name, b in {A: random_adapter_bundle(path, rank=4, lora_alpha=8, seed=1)}.items():
@@ -261,8 +303,9 @@ def test_videos_typed_image_tokens_and_tensor_parallelism_are_refused(engine, ll
         engine.prepare(WorkRequest("t", f"a {IMAGE_TOKEN} b", [random_image(3)]))
     assert err.value.reason == "VISION_TOKEN_IN_PROMPT" and IMAGE_TOKEN in str(err.value)
     with pytest.raises(ValoraError) as err:  # an image token id without pixels
-        engine.prepare(WorkRequest("i", "", [], raw_prompt=True,
-                                   prompt_token_ids=[5, engine.model.config.image_token_id]))
+        engine.prepare(
+            WorkRequest("i", "", [], raw_prompt=True, prompt_token_ids=[5, engine.model.config.image_token_id])
+        )
     assert err.value.reason == "VISION_TOKEN_IN_PROMPT"
     with pytest.raises(ValueError, match=r"tensor parallelism \(2 ranks\) is not supported for llava-1.5"):
         check_tp_size(WorkerSettings(tp_size=2), llava_path)  # the worker's start-up check

@@ -29,9 +29,22 @@ DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
 
 def started_engine(model_path, **config) -> Engine:
     """The module's engine (`config` overrides its settings), started, with adapters A, B, C."""
-    eng = Engine(EngineConfig(**{**dict(model_path=model_path, device=DEVICE, max_batch_size=12,
-                                        max_prefills_per_step=12, device_slots=3, default_max_new_tokens=MAX_NEW,
-                                        kv_cache_bytes=TEST_KV_BYTES), **config}))
+    eng = Engine(
+        EngineConfig(
+            **{
+                **dict(
+                    model_path=model_path,
+                    device=DEVICE,
+                    max_batch_size=12,
+                    max_prefills_per_step=12,
+                    device_slots=3,
+                    default_max_new_tokens=MAX_NEW,
+                    kv_cache_bytes=TEST_KV_BYTES,
+                ),
+                **config,
+            }
+        )
+    )
     eng.start()
     for name, b in {
         A: random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1),
@@ -94,16 +107,29 @@ def mixed_requests() -> list[WorkRequest]:
     r = lambda rid, prompt, imgs=(), **kw: WorkRequest(rid, prompt, list(imgs), max_new_tokens=MAX_NEW, **kw)
     return [
         r("base-1img", "Hi.", [random_image(1)]),
-        r("a-1img-long", "Describe every object in this picture, its colour and where it is.", [random_image(2)],
-          adapter=A),
+        r(
+            "a-1img-long",
+            "Describe every object in this picture, its colour and where it is.",
+            [random_image(2)],
+            adapter=A,
+        ),
         r("b-2img", "What changed between them?", [random_image(3), random_image(4, 112)], adapter=B),
         r("a-2img", "Compare.", [random_image(5, 112), random_image(6)], adapter=A),
         r("c-text", "Tell me a short story about a cat.", adapter=C),
         r("label", "What color is it?", [random_image(7)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
-        r("base-video", "What happens?", [random_image(8)],
-          videos=[[random_image(9), random_image(10), random_image(11)]]),
-        r("sampled", "Guess.", [random_image(1)], adapter=C,
-          sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11)),
+        r(
+            "base-video",
+            "What happens?",
+            [random_image(8)],
+            videos=[[random_image(9), random_image(10), random_image(11)]],
+        ),
+        r(
+            "sampled",
+            "Guess.",
+            [random_image(1)],
+            adapter=C,
+            sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11),
+        ),
     ]
 
 
@@ -113,8 +139,9 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     assert len(set(lengths.values())) >= 6, lengths  # rows of different lengths, packed
     plans = []
     plan = engine.lora.plan
-    monkeypatch.setattr(engine.lora, "plan",
-                        lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1])
+    monkeypatch.setattr(
+        engine.lora, "plan", lambda seqs, t, pad=0: plans.append((t, plan(seqs, t, pad))) or plans[-1][1]
+    )
     engine.vision.cache.clear()
     engine.prefiller.peak_rows = 0
     together = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}
@@ -123,7 +150,7 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
     # One LoRA plan for the batch: a row per request with its own token count (packed), rows
     # grouped by entry (no permutation, so ATMM can take it), entries A, B, C once each; the
     # forward's padding to its token bucket (prefill_graphs.py) rides in the last row's segment.
-    (counts, step), = [(t, st) for t, st in plans if not isinstance(t, int)]
+    ((counts, step),) = [(t, st) for t, st in plans if not isinstance(t, int)]
     total = sum(lengths.values())
     pad = bucket_tokens(total) - total
     assert pad > 0 and step.plan.num_tokens == total + pad
@@ -152,10 +179,16 @@ def test_batched_prefill_equals_each_request_alone(engine, prefills, monkeypatch
 
 
 def test_prefill_bound_counts_tokens_and_keeps_fifo(engine, prefills):
-    short = [WorkRequest(f"s{i}", "Hi.", [random_image(20 + i)], adapter=A if i % 2 else None, max_new_tokens=3)
-             for i in range(3)]
-    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [random_image(30, 112)],
-                       max_new_tokens=3)
+    short = [
+        WorkRequest(f"s{i}", "Hi.", [random_image(20 + i)], adapter=A if i % 2 else None, max_new_tokens=3)
+        for i in range(3)
+    ]
+    long = WorkRequest(
+        "long",
+        "Describe the picture in detail, every object and colour. " * 4,
+        [random_image(30, 112)],
+        max_new_tokens=3,
+    )
     n = engine.prepare(short[0]).prompt_tokens
     assert engine.prepare(long).prompt_tokens > 2 * n
     old = engine.config.max_prefill_tokens
@@ -177,8 +210,9 @@ def test_rows_of_different_lengths_share_the_budget_unpadded(engine, prefills):
     """A short and a long row whose padded batch (2 x the long one) is over the budget but whose
     tokens are not: one forward."""
     short = WorkRequest("short", "Hi.", [random_image(50)], max_new_tokens=2)
-    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 2, [random_image(51)],
-                       max_new_tokens=2)
+    long = WorkRequest(
+        "long", "Describe the picture in detail, every object and colour. " * 2, [random_image(51)], max_new_tokens=2
+    )
     n, m = engine.prepare(short).prompt_tokens, engine.prepare(long).prompt_tokens
     assert m > n
     old = engine.config.max_prefill_tokens
@@ -196,8 +230,12 @@ def test_a_chunked_context_shares_its_steps_with_the_requests_around_it(engine, 
     long one (the budget's rest) in one forward, then the long one's last chunk and the short
     request behind it in the next; the tokens are each request's alone."""
     before = WorkRequest("before", "Hi.", [random_image(60)], max_new_tokens=3)
-    long = WorkRequest("long", "Describe the picture in detail, every object and colour. " * 4, [random_image(61, 112)],
-                       max_new_tokens=3)
+    long = WorkRequest(
+        "long",
+        "Describe the picture in detail, every object and colour. " * 4,
+        [random_image(61, 112)],
+        max_new_tokens=3,
+    )
     after = WorkRequest("after", "Hi.", [random_image(62)], max_new_tokens=3)
     n, m = engine.prepare(before).prompt_tokens, engine.prepare(long).prompt_tokens
     assert engine.prepare(after).prompt_tokens == n and m > 2 * n
@@ -267,13 +305,19 @@ def test_a_row_whose_forward_fails_fails_alone_and_its_batch_goes_on(engine, pre
     long_running = WorkRequest("keeps-going", "Count.", [random_image(40)], adapter=A, max_new_tokens=24)
     engine.submit(engine.prepare(long_running), running.put)
     assert isinstance(running.get(timeout=60), TextDelta)  # decoding
-    chunked = WorkRequest("chunked", "Describe the picture in detail, every object and colour. " * 4,
-                          [random_image(44, 112)], adapter=C, max_new_tokens=4)
-    reqs = [chunked,
-            WorkRequest("bad", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
-            WorkRequest("plain", "Describe it.", [random_image(42)], max_new_tokens=4),
-            WorkRequest("label", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL,
-                        head="color")]
+    chunked = WorkRequest(
+        "chunked",
+        "Describe the picture in detail, every object and colour. " * 4,
+        [random_image(44, 112)],
+        adapter=C,
+        max_new_tokens=4,
+    )
+    reqs = [
+        chunked,
+        WorkRequest("bad", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
+        WorkRequest("plain", "Describe it.", [random_image(42)], max_new_tokens=4),
+        WorkRequest("label", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL, head="color"),
+    ]
     m = engine.prepare(chunked).prompt_tokens
     assert sum(engine.prepare(r).prompt_tokens for r in reqs[1:]) < m - 16
     old = engine.config.max_prefill_tokens
@@ -288,8 +332,11 @@ def test_a_row_whose_forward_fails_fails_alone_and_its_batch_goes_on(engine, pre
     assert [sorted(b) for b in prefills] == [["chunked"], ["bad", "chunked", "label", "plain"]], prefills
     assert sorted(map(sorted, calls)) == [["bad"], ["bad", "chunked", "label", "plain"]], calls  # the row once alone
     bad = got.pop("bad")
-    assert isinstance(bad, Failed) and bad.error.reason == "ENGINE_STEP_FAILED" and "injected prefill failure" in \
-        str(bad.error)
+    assert (
+        isinstance(bad, Failed)
+        and bad.error.reason == "ENGINE_STEP_FAILED"
+        and "injected prefill failure" in str(bad.error)
+    )
     for r in reqs[2:] + reqs[:1]:
         ev, want = got[r.request_id], engine.generate(r)[1]  # alone, the budget restored
         assert isinstance(ev, Finished), (r.request_id, ev)
@@ -317,12 +364,19 @@ def test_failed_batched_forwards_fail_their_requests_only(engine):
     engine.submit(engine.prepare(long), running.put)
     assert isinstance(running.get(timeout=60), TextDelta)  # decoding
     with failing_prefill(engine, engine.model.model.language_model, lambda ids: True) as calls:
-        failed = {rid: outcome(q)[1] for rid, q in submit_together(engine, [
-            WorkRequest("f1", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
-            WorkRequest("f2", "Describe it.", [random_image(42, 112)], max_new_tokens=4),
-            WorkRequest("f3", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL,
-                        head="color"),
-        ]).items()}
+        failed = {
+            rid: outcome(q)[1]
+            for rid, q in submit_together(
+                engine,
+                [
+                    WorkRequest("f1", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4),
+                    WorkRequest("f2", "Describe it.", [random_image(42, 112)], max_new_tokens=4),
+                    WorkRequest(
+                        "f3", "Which color?", [random_image(43)], adapter=B, output_kind=OutputKind.LABEL, head="color"
+                    ),
+                ],
+            ).items()
+        }
     assert len(calls) == 4 and sorted(map(len, calls)) == [1, 1, 1, 3], calls  # the batch, then each row once
     for rid, ev in failed.items():
         assert isinstance(ev, Failed) and ev.error.reason == "ENGINE_STEP_FAILED", (rid, ev)
@@ -330,15 +384,23 @@ def test_failed_batched_forwards_fail_their_requests_only(engine):
     deltas, ev = outcome(running)
     assert isinstance(ev, Finished) and ev.result.output_tokens == 24
     assert engine.alive
-    assert engine.generate(WorkRequest("after", "Hi.", [random_image(41)], adapter=B,
-                                       max_new_tokens=4))[1].output_tokens == 4
+    assert (
+        engine.generate(WorkRequest("after", "Hi.", [random_image(41)], adapter=B, max_new_tokens=4))[1].output_tokens
+        == 4
+    )
     wait_idle(engine)
 
 
 def test_label_request_prefilled_in_chunks_answers_alike(engine):
     # A LABEL request keeps no KV cache, except while its chunks need the ones before them.
-    r = WorkRequest("label", "Which color is it? " * 6, [random_image(50, 112)], adapter=B,
-                    output_kind=OutputKind.LABEL, head="color")
+    r = WorkRequest(
+        "label",
+        "Which color is it? " * 6,
+        [random_image(50, 112)],
+        adapter=B,
+        output_kind=OutputKind.LABEL,
+        head="color",
+    )
     whole = engine.generate(r)[1]
     old = engine.config.max_prefill_tokens
     engine.config.max_prefill_tokens = 16
@@ -442,8 +504,20 @@ def test_a_forward_that_raises_leaves_its_graph_entry_as_it_was(monkeypatch):
     assert isinstance(e.graph, FakeGraph) and graphs.captures == 1 and FakeGraph.replays == 1 and e.seen == 3
 
 
-@pytest.mark.parametrize("n,bucket", [(1, 128), (128, 128), (129, 256), (1000, 1024), (1024, 1024), (1025, 1280),
-                                      (2048, 2048), (2049, 2560), (8000, 8192)])
+@pytest.mark.parametrize(
+    "n,bucket",
+    [
+        (1, 128),
+        (128, 128),
+        (129, 256),
+        (1000, 1024),
+        (1024, 1024),
+        (1025, 1280),
+        (2048, 2048),
+        (2049, 2560),
+        (8000, 8192),
+    ],
+)
 def test_bucket_tokens(n, bucket):
     assert bucket_tokens(n) == bucket
 

@@ -37,14 +37,23 @@ def qwen25_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundles(qwen25_path):
-    return {A: random_adapter_bundle(qwen25_path, rank=4, lora_alpha=8, seed=1),
-            B: random_adapter_bundle(qwen25_path, rank=8, lora_alpha=4, seed=2)}
+    return {
+        A: random_adapter_bundle(qwen25_path, rank=4, lora_alpha=8, seed=1),
+        B: random_adapter_bundle(qwen25_path, rank=8, lora_alpha=4, seed=2),
+    }
 
 
 @pytest.fixture(scope="module")
 def engine(qwen25_path, bundles):
-    eng = Engine(EngineConfig(model_path=qwen25_path, max_batch_size=8, device_slots=2, kv_cache_bytes=TEST_KV_BYTES,
-                              default_max_new_tokens=MAX_NEW))
+    eng = Engine(
+        EngineConfig(
+            model_path=qwen25_path,
+            max_batch_size=8,
+            device_slots=2,
+            kv_cache_bytes=TEST_KV_BYTES,
+            default_max_new_tokens=MAX_NEW,
+        )
+    )
     eng.start()
     for name, b in bundles.items():
         assert eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
@@ -58,8 +67,9 @@ def reference(qwen25_path, bundles, tmp_path_factory):
     from peft import PeftModel
 
     peft_dir = tmp_path_factory.mktemp("peft")
-    model = PeftModel.from_pretrained(load_model(qwen25_path), write_peft_dir(bundles[A], peft_dir / "a"),
-                                      adapter_name=A).eval()
+    model = PeftModel.from_pretrained(
+        load_model(qwen25_path), write_peft_dir(bundles[A], peft_dir / "a"), adapter_name=A
+    ).eval()
     model.load_adapter(write_peft_dir(bundles[B], peft_dir / "b"), adapter_name=B)
     # PEFT matches a list of target names by suffix; write_peft_dir's regex keeps the vision MLP's
     # gate/up/down_proj out (zero LoRA terms valora's adapters do not have)
@@ -75,26 +85,38 @@ def reference(qwen25_path, bundles, tmp_path_factory):
             else:
                 model.set_adapter(adapter)
                 out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     return generate
 
 
 # 56 px: one window of the tower; 112 px: four; 84 px: windows of three sizes (padded window index).
-CASES = {"text-base": (None, []), "text-a": (A, []), "img-base": (None, [56]), "img-a": (A, [112]),
-         "img-b": (B, [84]), "two-a": (A, [56, 84])}
+CASES = {
+    "text-base": (None, []),
+    "text-a": (A, []),
+    "img-base": (None, [56]),
+    "img-a": (A, [112]),
+    "img-b": (B, [84]),
+    "two-a": (A, [56, 84]),
+}
 
 
 def requests():
-    return [WorkRequest(name, PROMPT, [random_image(i, size) for i, size in enumerate(sizes)], adapter=ad,
-                        max_new_tokens=MAX_NEW) for name, (ad, sizes) in CASES.items()]
+    return [
+        WorkRequest(
+            name, PROMPT, [random_image(i, size) for i, size in enumerate(sizes)], adapter=ad, max_new_tokens=MAX_NEW
+        )
+        for name, (ad, sizes) in CASES.items()
+    ]
 
 
 def test_text_and_image_requests_match_hf_peft_unmerged_and_merged(engine, reference):
     assert isinstance(engine.vision.tower, HFVisionTower)  # not valora's Qwen2-VL tower math
     calls = engine.vision.tower.eager
-    want = {name: reference(ad, [random_image(i, size) for i, size in enumerate(sizes)])
-            for name, (ad, sizes) in CASES.items()}
+    want = {
+        name: reference(ad, [random_image(i, size) for i, size in enumerate(sizes)])
+        for name, (ad, sizes) in CASES.items()
+    }
     unmerged = run_concurrently(engine, requests())
     assert engine.vision.tower.eager > calls
     try:
@@ -115,8 +137,9 @@ def test_video_requests_match_hf_generate(engine, reference, qwen25_path):
     frames = [random_image(40), random_image(41), random_image(42, 84)]  # 2 temporal patches
     inputs = build_inputs(processor, [random_image(43)], "What happens?", [frames])
     assert inputs["second_per_grid_ts"].tolist() == [1.0]  # 2 frames a patch at 2 frames a second
-    _, got = engine.generate(WorkRequest("v", "What happens?", [random_image(43)], videos=[frames], adapter=A,
-                                         max_new_tokens=MAX_NEW))
+    _, got = engine.generate(
+        WorkRequest("v", "What happens?", [random_image(43)], videos=[frames], adapter=A, max_new_tokens=MAX_NEW)
+    )
     assert got.token_ids == reference(A, None, inputs=inputs)
 
 
@@ -134,8 +157,13 @@ def test_rope_index_takes_each_videos_seconds_per_patch_in_a_batch(engine, qwen2
     model, spacing = engine.model.model, []
     for s, pos, delta in zip(rows, positions, deltas):
         inp = s.prep.inputs
-        want, want_delta = model.get_rope_index(inp["input_ids"], inp["mm_token_type_ids"], inp["image_grid_thw"],
-                                                inp["video_grid_thw"], inp["second_per_grid_ts"])
+        want, want_delta = model.get_rope_index(
+            inp["input_ids"],
+            inp["mm_token_type_ids"],
+            inp["image_grid_thw"],
+            inp["video_grid_thw"],
+            inp["second_per_grid_ts"],
+        )
         assert torch.equal(pos, want[:, 0]) and delta == int(want_delta)
         temporal = pos[0, inp["mm_token_type_ids"][0] == 2].unique()  # the video tokens' time positions
         spacing.append((temporal[1:] - temporal[:-1]).tolist())

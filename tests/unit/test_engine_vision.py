@@ -23,8 +23,15 @@ DEVICE = os.environ.get("VALORA_TEST_DEVICE", "cpu")
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, max_batch_size=4, default_max_new_tokens=MAX_NEW,
-                              kv_cache_bytes=TEST_KV_BYTES))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            device=DEVICE,
+            max_batch_size=4,
+            default_max_new_tokens=MAX_NEW,
+            kv_cache_bytes=TEST_KV_BYTES,
+        )
+    )
     eng.start()
     b = random_adapter_bundle(model_path, rank=4, lora_alpha=8, seed=1)
     eng.load_adapter_bytes(A, b.sha256, b.data, b.config_json)
@@ -104,7 +111,7 @@ def hf_generate(model_path, inputs, max_new=MAX_NEW) -> list[int]:
     inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_calls):
@@ -124,9 +131,14 @@ def test_several_images_and_videos_match_hf_generate(engine, model_path, vision_
         assert r.image_tokens == vision and r.prompt_tokens == inputs["input_ids"].shape[1]
     # One tower call per kind per request (all misses).
     assert vision_calls.calls == [2, 1, 2]
-    assert engine.generate(WorkRequest("v2", prompt, [],
-                                       videos=[[random_image(24), random_image(25), random_image(26)]],
-                                       max_new_tokens=1))[1].output_tokens == 1
+    assert (
+        engine.generate(
+            WorkRequest(
+                "v2", prompt, [], videos=[[random_image(24), random_image(25), random_image(26)]], max_new_tokens=1
+            )
+        )[1].output_tokens
+        == 1
+    )
     assert vision_calls.calls == [2, 1, 2], "a repeated video ran the vision tower again"
 
 
@@ -134,8 +146,12 @@ def test_vision_tower_gives_hf_towers_features(engine, model_path):
     """VisionTower (one item a pass, graphs on CUDA) against HF's tower forward on the same patches:
     images of two sizes and a 3-frame video (2 temporal patches: two attention segments)."""
     processor = load_processor(model_path)
-    inputs = build_inputs(processor, [random_image(31), random_image(32, 112)], "x",
-                          [[random_image(33), random_image(34), random_image(35)]])
+    inputs = build_inputs(
+        processor,
+        [random_image(31), random_image(32, 112)],
+        "x",
+        [[random_image(33), random_image(34), random_image(35)]],
+    )
     visual = engine.model.model.visual
     tower = engine.vision.tower
     for pix_key, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
@@ -146,7 +162,7 @@ def test_vision_tower_gives_hf_towers_features(engine, model_path):
             for g in grids.tolist():
                 n = g[0] * g[1] * g[2]
                 for _ in range(3):  # eager, then on CUDA captured and replayed: the same features
-                    got_one = tower.encode(pixels[row:row + n], tuple(g))
+                    got_one = tower.encode(pixels[row : row + n], tuple(g))
                     assert got_one.shape == (n // 4, want.shape[1])
                 got.append(got_one)
                 row += n
@@ -167,7 +183,7 @@ def test_items_of_one_grid_are_encoded_together(engine, model_path):
         pixels = inputs["pixel_values"].to(DEVICE)
         for g in inputs["image_grid_thw"].tolist():
             n = g[0] * g[1] * g[2]
-            items.append((pixels[row:row + n], tuple(g)))
+            items.append((pixels[row : row + n], tuple(g)))
             row += n
         alone = [tower.encode(p, g) for p, g in items]
         counts = []
@@ -206,8 +222,9 @@ def test_video_patches_follow_qwen2vl_video_layout(model_path):
     std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
     pixels = torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1).float() for f in frames])
     videos = ((pixels * processor.rescale_factor - mean) / std).unsqueeze(0)
-    want, t, h, w = ns["patchify"](None, videos, processor.patch_size, processor.merge_size,
-                                   processor.temporal_patch_size)
+    want, t, h, w = ns["patchify"](
+        None, videos, processor.patch_size, processor.merge_size, processor.temporal_patch_size
+    )
     assert grid == [t, h, w] == [math.ceil(5 / 2), 4, 4]
     torch.testing.assert_close(got, want[0], rtol=0, atol=1e-5)
     try:  # where torchvision imports (the GPU machines), the stock video processor itself
@@ -215,8 +232,9 @@ def test_video_patches_follow_qwen2vl_video_layout(model_path):
     except ImportError:
         Qwen2VLVideoProcessor = None
     if Qwen2VLVideoProcessor is not None:
-        stock = Qwen2VLVideoProcessor(min_pixels=processor.size["shortest_edge"],
-                                      max_pixels=processor.size["longest_edge"])
+        stock = Qwen2VLVideoProcessor(
+            min_pixels=processor.size["shortest_edge"], max_pixels=processor.size["longest_edge"]
+        )
         out = stock(videos=[np.stack([np.array(f) for f in frames])], return_tensors="pt", cap_pixels_per_frame=False)
         assert out["video_grid_thw"].tolist() == [grid]
         torch.testing.assert_close(out["pixel_values_videos"], got, rtol=0, atol=1e-4)
@@ -237,19 +255,36 @@ def test_gateway_validates_video_frames_like_images():
     buf = io.BytesIO()
     random_image(1).save(buf, "PNG")
     ok = types_pb2.Image(data=buf.getvalue(), mime_type="image/png")
-    limits = Limits(max_images=4, max_image_bytes=1 << 20, max_image_pixels=1 << 20, max_prompt_chars=100,
-                    max_new_tokens_limit=16, max_stop_sequences=4, max_videos=2, max_video_frames=3)
+    limits = Limits(
+        max_images=4,
+        max_image_bytes=1 << 20,
+        max_image_pixels=1 << 20,
+        max_prompt_chars=100,
+        max_new_tokens_limit=16,
+        max_stop_sequences=4,
+        max_videos=2,
+        max_video_frames=3,
+    )
     good = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, ok])])
     asyncio.run(validate(good, "r", limits))
-    bad = inference_service_pb2.InferenceInput(prompt="hi", params=types_pb2.GenerationParams(
-        adapter_release_fraction=float("nan")), videos=[
-        types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")]), types_pb2.Video(),
-        types_pb2.Video(frames=[ok, types_pb2.Image(data=ok.data, mime_type="text/plain")])])
+    bad = inference_service_pb2.InferenceInput(
+        prompt="hi",
+        params=types_pb2.GenerationParams(adapter_release_fraction=float("nan")),
+        videos=[
+            types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")]),
+            types_pb2.Video(),
+            types_pb2.Video(frames=[ok, types_pb2.Image(data=ok.data, mime_type="text/plain")]),
+        ],
+    )
     with pytest.raises(InvalidArgument) as err:
         asyncio.run(validate(bad, "r", limits))
     fields = {v.field for v in err.value.field_violations}
-    assert fields == {"input.videos", "input.videos[1].frames", "input.videos[2].frames[1].mime_type",
-                      "input.params.adapter_release_fraction"}
+    assert fields == {
+        "input.videos",
+        "input.videos[1].frames",
+        "input.videos[2].frames[1].mime_type",
+        "input.params.adapter_release_fraction",
+    }
     bad = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")])])
     with pytest.raises(InvalidArgument) as err:
         asyncio.run(validate(bad, "r", limits))

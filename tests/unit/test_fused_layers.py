@@ -15,8 +15,9 @@ from services.worker.testing import random_image
 
 def generate_logits(model, inputs, steps: int = 4) -> tuple[torch.Tensor, ...]:
     """Logits of the prompt's last position and of the greedy decode steps on the KV cache."""
-    out = model.generate(**inputs, max_new_tokens=steps, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        **inputs, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     return out.logits
 
 
@@ -86,8 +87,9 @@ def test_group_tensors_are_the_parts_side_by_side():
 
     def adapter(rank, skip=()):
         a = {k: torch.randn(16, rank, generator=g) for k in parts if k not in skip}
-        return AdapterEntry(a, {k: torch.randn(rank, n, generator=g) for k, n in zip(parts, sizes) if k not in skip},
-                            scale=0.5)
+        return AdapterEntry(
+            a, {k: torch.randn(rank, n, generator=g) for k, n in zip(parts, sizes) if k not in skip}, scale=0.5
+        )
 
     x = torch.randn(5, 16, generator=g)
     for entry in (adapter(4), adapter(8, skip=[(0, "k_proj")]), MixtureEntry(adapter(4), adapter(8))):

@@ -36,9 +36,12 @@ from valora_protos.v1 import (
 )
 
 pytestmark = pytest.mark.anyio
-V1 = resources_pb2.AdapterVersion(name="adapters/cars/versions/3", sha256="cd" * 32,
-                                  state=resources_pb2.ADAPTER_VERSION_STATE_READY,
-                                  heads=[resources_pb2.TaskHead(name="color", labels=["red", "blue"])])
+V1 = resources_pb2.AdapterVersion(
+    name="adapters/cars/versions/3",
+    sha256="cd" * 32,
+    state=resources_pb2.ADAPTER_VERSION_STATE_READY,
+    heads=[resources_pb2.TaskHead(name="color", labels=["red", "blue"])],
+)
 TASKS = {
     "tasks/car-color": resources_pb2.Task(name="tasks/car-color", adapter="adapters/cars@prod", head="color"),
     "tasks/caption": resources_pb2.Task(name="tasks/caption", adapter="adapters/cars", head=""),
@@ -51,8 +54,9 @@ def anyio_backend():
     return "asyncio"
 
 
-class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
-                admin_service_pb2_grpc.AdminServiceServicer):
+class FakeStore(
+    adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_service_pb2_grpc.AdminServiceServicer
+):
     def __init__(self):
         self.metadata: list[dict] = []
         self.uploaded = b""
@@ -70,8 +74,11 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
         if self.down is not None:
             await context.abort(self.down, "store down")
         if ref in self.pending:
-            return adapter_store_service_pb2.ResolveReferenceResponse(version=resources_pb2.AdapterVersion(
-                name=f"{ref}/versions/9", state=resources_pb2.ADAPTER_VERSION_STATE_PENDING))
+            return adapter_store_service_pb2.ResolveReferenceResponse(
+                version=resources_pb2.AdapterVersion(
+                    name=f"{ref}/versions/9", state=resources_pb2.ADAPTER_VERSION_STATE_PENDING
+                )
+            )
         if ref in TASKS:
             return adapter_store_service_pb2.ResolveReferenceResponse(version=V1, task=TASKS[ref])
         if ref.startswith("adapters/cars"):
@@ -95,8 +102,8 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
             else:
                 self.uploaded += part.chunk
         return admin_service_pb2.UploadAdapterVersionResponse(
-            version=resources_pb2.AdapterVersion(name=f"{meta.parent}/versions/1", size_bytes=len(self.uploaded)))
-
+            version=resources_pb2.AdapterVersion(name=f"{meta.parent}/versions/1", size_bytes=len(self.uploaded))
+        )
 
     async def UploadDataset(self, request_iterator, context):
         meta, data = None, b""
@@ -107,7 +114,8 @@ class FakeStore(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer,
                 data += part.chunk
         self.datasets.append(data)
         return admin_service_pb2.UploadDatasetResponse(
-            dataset=resources_pb2.Dataset(name=f"datasets/{meta.sha256}", sha256=meta.sha256, size_bytes=len(data)))
+            dataset=resources_pb2.Dataset(name=f"datasets/{meta.sha256}", sha256=meta.sha256, size_bytes=len(data))
+        )
 
 
 class FakeScheduler(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -130,17 +138,24 @@ class FakeScheduler(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 raise
         item = request.item
         if item.output_kind == types_pb2.OUTPUT_KIND_LABEL:
-            yield scheduler_service_pb2.SubmitResponse(result=inference_service_pb2.InferResult(
-                label="red", finish_reason=types_pb2.FINISH_REASON_LABEL, worker="w1"))
+            yield scheduler_service_pb2.SubmitResponse(
+                result=inference_service_pb2.InferResult(
+                    label="red", finish_reason=types_pb2.FINISH_REASON_LABEL, worker="w1"
+                )
+            )
             return
         for delta in ("a ", "red ", "car"):
             yield scheduler_service_pb2.SubmitResponse(text_delta=delta)
-        yield scheduler_service_pb2.SubmitResponse(result=inference_service_pb2.InferResult(
-            text="a red car", finish_reason=types_pb2.FINISH_REASON_EOS, worker="w1"))
+        yield scheduler_service_pb2.SubmitResponse(
+            result=inference_service_pb2.InferResult(
+                text="a red car", finish_reason=types_pb2.FINISH_REASON_EOS, worker="w1"
+            )
+        )
 
     async def GetSchedulerStatus(self, request, context):
         return scheduler_service_pb2.GetSchedulerStatusResponse(
-            workers=[admin_service_pb2.WorkerStatus(address="w1", healthy=True, max_batch_size=8)], queued_requests=2)
+            workers=[admin_service_pb2.WorkerStatus(address="w1", healthy=True, max_batch_size=8)], queued_requests=2
+        )
 
 
 @contextlib.asynccontextmanager
@@ -152,9 +167,18 @@ async def gateway(**settings):
     scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler, backend)
     addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
     await backend.start()
-    defaults = dict(scheduler_address=addr, adapter_store_address=addr, max_images=2, max_image_bytes=4096,
-                    max_image_pixels=64 * 64, max_prompt_chars=100, max_new_tokens_limit=512,
-                    default_max_new_tokens=64, default_deadline_s=30.0, max_deadline_s=60.0)
+    defaults = dict(
+        scheduler_address=addr,
+        adapter_store_address=addr,
+        max_images=2,
+        max_image_bytes=4096,
+        max_image_pixels=64 * 64,
+        max_prompt_chars=100,
+        max_new_tokens_limit=512,
+        default_max_new_tokens=64,
+        default_deadline_s=30.0,
+        max_deadline_s=60.0,
+    )
     service = await create_server(GatewaySettings(**{**defaults, **settings}))
     await service.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
@@ -227,8 +251,7 @@ BAD_INPUTS = {
     "image_bomb_header": (dict(images=[png_claiming(100_000, 100_000)]), "input.images[0].data"),
     "image_too_many_pixels": (dict(images=[png((65, 64))]), "input.images[0].data"),
     "image_format_gif": (dict(images=[png(fmt="GIF", mode="P")]), "input.images[0].data"),
-    "image_bad_mime": (dict(images=[types_pb2.Image(data=png(), mime_type="text/plain")]),
-                       "input.images[0].mime_type"),
+    "image_bad_mime": (dict(images=[types_pb2.Image(data=png(), mime_type="text/plain")]), "input.images[0].mime_type"),
     "max_new_tokens_negative": (dict(params=dict(max_new_tokens=-1)), "input.params.max_new_tokens"),
     "max_new_tokens_over": (dict(params=dict(max_new_tokens=513)), "input.params.max_new_tokens"),
     "temperature_negative": (dict(params=dict(temperature=-0.1)), "input.params.temperature"),
@@ -248,8 +271,7 @@ BAD_INPUTS = {
     "logit_bias_negative_id": (dict(params=dict(logit_bias={-3: 1.0})), "input.params.logit_bias[-3]"),
     "logit_bias_too_many": (dict(params=dict(logit_bias={t: 1.0 for t in range(301)})), "input.params.logit_bias"),
     "stop_empty": (dict(params=dict(stop=[""])), "input.params.stop[0]"),
-    "label_without_task": (dict(adapter="adapters/cars", output_kind=types_pb2.OUTPUT_KIND_LABEL),
-                           "input.output_kind"),
+    "label_without_task": (dict(adapter="adapters/cars", output_kind=types_pb2.OUTPUT_KIND_LABEL), "input.output_kind"),
     "label_task_without_head": (dict(task="tasks/caption", output_kind=types_pb2.OUTPUT_KIND_LABEL), "input.task"),
     "adapter_malformed": (dict(adapter="Adapters/Cars"), "input.adapter"),
     "adapter_bad_version": (dict(adapter="adapters/cars/versions/0"), "input.adapter"),
@@ -264,14 +286,22 @@ BAD_INPUTS = {
     "token_ids_and_text": (dict(raw_prompt=True, prompt_token_ids=[1, 2]), "input.prompt_token_ids"),
     "token_ids_negative": (dict(prompt="", raw_prompt=True, prompt_token_ids=[1, -2]), "input.prompt_token_ids[1]"),
     "token_ids_too_many": (dict(prompt="", raw_prompt=True, prompt_token_ids=[1] * 101), "input.prompt_token_ids"),
-    "token_ids_with_image": (dict(prompt="", raw_prompt=True, prompt_token_ids=[1], images=[png()]),
-                             "input.raw_prompt"),
-    "history_assistant_image": (dict(images=[png()], history=[types_pb2.ChatTurn(role="assistant", images=1)]),
-                                "input.history[0].images"),
-    "history_claims_missing_images": (dict(history=[types_pb2.ChatTurn(role="user", text="x", images=1)]),
-                                      "input.history"),
-    "history_too_long": (dict(prompt="x", system="y" * 60, history=[types_pb2.ChatTurn(role="user", text="z" * 60)]),
-                         "input.prompt"),
+    "token_ids_with_image": (
+        dict(prompt="", raw_prompt=True, prompt_token_ids=[1], images=[png()]),
+        "input.raw_prompt",
+    ),
+    "history_assistant_image": (
+        dict(images=[png()], history=[types_pb2.ChatTurn(role="assistant", images=1)]),
+        "input.history[0].images",
+    ),
+    "history_claims_missing_images": (
+        dict(history=[types_pb2.ChatTurn(role="user", text="x", images=1)]),
+        "input.history",
+    ),
+    "history_too_long": (
+        dict(prompt="x", system="y" * 60, history=[types_pb2.ChatTurn(role="user", text="z" * 60)]),
+        "input.prompt",
+    ),
 }
 
 
@@ -327,9 +357,14 @@ async def test_the_conversation_reaches_the_work_item(gw):
 
 
 async def test_infer_builds_the_work_item_and_echoes_the_request_id(gw):
-    resp = await gw.infer.Infer(request(adapter="adapters/cars@prod", images=[png()], request_id="abc-1",
-                                        params=dict(temperature=0.7, top_p=0.9, top_k=5,
-                                                    logit_bias={t: -100.0 for t in range(300)})))
+    resp = await gw.infer.Infer(
+        request(
+            adapter="adapters/cars@prod",
+            images=[png()],
+            request_id="abc-1",
+            params=dict(temperature=0.7, top_p=0.9, top_k=5, logit_bias={t: -100.0 for t in range(300)}),
+        )
+    )
     item = gw.scheduler.items[-1]
     assert item.request_id == "abc-1" and gw.scheduler.request_ids[-1] == "abc-1"
     assert item.adapter.version == V1.name and item.adapter.sha256 == V1.sha256
@@ -342,8 +377,9 @@ async def test_infer_builds_the_work_item_and_echoes_the_request_id(gw):
 
 
 async def test_task_label_request_carries_the_head(gw):
-    resp = await gw.infer.Infer(request(task="tasks/car-color", images=[png()],
-                                        output_kind=types_pb2.OUTPUT_KIND_LABEL))
+    resp = await gw.infer.Infer(
+        request(task="tasks/car-color", images=[png()], output_kind=types_pb2.OUTPUT_KIND_LABEL)
+    )
     item = gw.scheduler.items[-1]
     assert item.head == "color" and item.adapter.version == V1.name
     assert item.output_kind == types_pb2.OUTPUT_KIND_LABEL
@@ -366,8 +402,12 @@ async def test_client_deadline_is_capped(gw):
 
 
 async def test_stream_relays_deltas_then_the_result(gw):
-    out = [r async for r in gw.infer.InferStream(
-        inference_service_pb2.InferStreamRequest(input=request().input, request_id="s-1"))]
+    out = [
+        r
+        async for r in gw.infer.InferStream(
+            inference_service_pb2.InferStreamRequest(input=request().input, request_id="s-1")
+        )
+    ]
     assert [r.text_delta for r in out] == ["a ", "red ", "car", ""]
     assert out[-1].result.text == "a red car" and out[-1].result.request_id == "s-1"
     assert not any(r.HasField("result") for r in out[:-1])
@@ -401,9 +441,11 @@ async def test_admin_rpcs_are_forwarded_without_credentials():
 
         async def parts():
             yield admin_service_pb2.UploadAdapterVersionRequest(
-                metadata=admin_service_pb2.UploadAdapterVersionMetadata(parent="adapters/cars"))
+                metadata=admin_service_pb2.UploadAdapterVersionMetadata(parent="adapters/cars")
+            )
             for chunk in (b"abc", b"def"):
                 yield admin_service_pb2.UploadAdapterVersionRequest(chunk=chunk)
+
         up = await env.admin.UploadAdapterVersion(parts(), metadata=md)
         assert up.version.name == "adapters/cars/versions/1" and env.store.uploaded == b"abcdef"
 
@@ -423,16 +465,21 @@ async def test_dataset_uploads_are_forwarded_to_the_store_for_admins_only():
         return grpc.StatusCode.OK
 
     async with gateway(admin_keys=[ADMIN_KEY], api_keys=[API_KEY]) as env:
+
         def parts():
             async def gen():
                 yield admin_service_pb2.UploadDatasetRequest(
-                    metadata=admin_service_pb2.UploadDatasetMetadata(sha256="ab" * 32))
+                    metadata=admin_service_pb2.UploadDatasetMetadata(sha256="ab" * 32)
+                )
                 for chunk in (b"tar", b"gz"):
                     yield admin_service_pb2.UploadDatasetRequest(chunk=chunk)
+
             return gen()
 
-        assert await code_of(env.admin.UploadDataset(parts(), metadata=bearer(API_KEY))) \
+        assert (
+            await code_of(env.admin.UploadDataset(parts(), metadata=bearer(API_KEY)))
             == grpc.StatusCode.PERMISSION_DENIED
+        )
         got = await env.admin.UploadDataset(parts(), metadata=bearer(ADMIN_KEY))
         assert got.dataset.name == "datasets/" + "ab" * 32 and got.dataset.size_bytes == 5
         assert env.store.datasets == [b"targz"]
@@ -457,8 +504,9 @@ async def test_resolutions_of_ready_versions_are_reused_until_the_registry_chang
                 await env.infer.Infer(request(adapter="adapters/nope"))
         assert env.store.resolved[4:] == ["adapters/nope"] * 2
         # a registry change through this gateway drops what it kept
-        await env.admin.SetAlias(admin_service_pb2.SetAliasRequest(adapter="adapters/cars", alias="prod",
-                                                                   version="adapters/cars/versions/3"))
+        await env.admin.SetAlias(
+            admin_service_pb2.SetAliasRequest(adapter="adapters/cars", alias="prod", version="adapters/cars/versions/3")
+        )
         await env.infer.Infer(request(adapter="adapters/cars@prod"))
         assert env.store.resolved[-1] == "adapters/cars@prod" and len(env.store.resolved) == 7
 
@@ -514,6 +562,7 @@ async def test_auth():
 
 async def _check_auth():
     async with gateway(api_keys=[API_KEY], admin_keys=[ADMIN_KEY]) as env:
+
         def bearer(key):
             return (("authorization", f"Bearer {key}"),)
 
@@ -526,7 +575,8 @@ async def _check_auth():
 
         infer = lambda md=None: env.infer.Infer(request(), metadata=md)  # noqa: E731
         admin = lambda md=None: env.admin.GetClusterStatus(  # noqa: E731
-            admin_service_pb2.GetClusterStatusRequest(), metadata=md)
+            admin_service_pb2.GetClusterStatusRequest(), metadata=md
+        )
         assert await code_of(infer()) == grpc.StatusCode.UNAUTHENTICATED
         assert await code_of(infer(bearer("wrong"))) == grpc.StatusCode.UNAUTHENTICATED
         assert await code_of(infer((("authorization", API_KEY),))) == grpc.StatusCode.UNAUTHENTICATED
@@ -545,11 +595,15 @@ async def _check_auth():
 
         async def parts():
             yield admin_service_pb2.UploadAdapterVersionRequest(chunk=b"x")
-        assert await code_of(env.admin.UploadAdapterVersion(parts(), metadata=bearer(API_KEY))) \
+
+        assert (
+            await code_of(env.admin.UploadAdapterVersion(parts(), metadata=bearer(API_KEY)))
             == grpc.StatusCode.PERMISSION_DENIED
+        )
 
         # Health stays open.
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+
         health = await health_pb2_grpc.HealthStub(env.channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     return env

@@ -35,8 +35,9 @@ from valora_protos.v1 import (
 )
 
 pytestmark = pytest.mark.anyio
-VERSION = resources_pb2.AdapterVersion(name="adapters/cars/versions/1", sha256="ef" * 32,
-                                       state=resources_pb2.ADAPTER_VERSION_STATE_READY)
+VERSION = resources_pb2.AdapterVersion(
+    name="adapters/cars/versions/1", sha256="ef" * 32, state=resources_pb2.ADAPTER_VERSION_STATE_READY
+)
 
 
 @pytest.fixture
@@ -45,13 +46,18 @@ def anyio_backend():
 
 
 # A task with a latency objective: one the worker below always meets, one it always misses.
-TASKS = {"tasks/count": resources_pb2.Task(name="tasks/count", adapter="adapters/cars@prod", slo_ms=60_000.0,
-                                           slo_class="video"),
-         "tasks/ask": resources_pb2.Task(name="tasks/ask", adapter="adapters/cars@prod", slo_ms=0.001,
-                                         slo_class="retrieval"),
-         # A text task that releases its adapter halfway by default.
-         "tasks/describe": resources_pb2.Task(name="tasks/describe", adapter="adapters/cars@prod",
-                                              adapter_release_fraction=0.5)}
+TASKS = {
+    "tasks/count": resources_pb2.Task(
+        name="tasks/count", adapter="adapters/cars@prod", slo_ms=60_000.0, slo_class="video"
+    ),
+    "tasks/ask": resources_pb2.Task(
+        name="tasks/ask", adapter="adapters/cars@prod", slo_ms=0.001, slo_class="retrieval"
+    ),
+    # A text task that releases its adapter halfway by default.
+    "tasks/describe": resources_pb2.Task(
+        name="tasks/describe", adapter="adapters/cars@prod", adapter_release_fraction=0.5
+    ),
+}
 
 
 class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_service_pb2_grpc.AdminServiceServicer):
@@ -61,8 +67,9 @@ class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_se
 
     async def ResolveReference(self, request, context):
         self.resolved.append(request.reference)
-        return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION,
-                                                                  task=self.tasks.get(request.reference))
+        return adapter_store_service_pb2.ResolveReferenceResponse(
+            version=VERSION, task=self.tasks.get(request.reference)
+        )
 
     async def UpdateTask(self, request, context):
         task = self.tasks[request.task.name]
@@ -84,12 +91,16 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
             await context.abort(self.fail_with, "adapter blob missing")
         for delta in ("two ", "cars"):
             yield worker_service_pb2.GenerateResponse(text_delta=delta)
-        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
-            text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS, mode=types_pb2.INFERENCE_MODE_UNMERGED))
+        yield worker_service_pb2.GenerateResponse(
+            result=inference_service_pb2.InferResult(
+                text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS, mode=types_pb2.INFERENCE_MODE_UNMERGED
+            )
+        )
 
     async def GetWorkerStatus(self, request, context):
-        return worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
-            healthy=self.healthy, max_batch_size=4))
+        return worker_service_pb2.GetWorkerStatusResponse(
+            status=admin_service_pb2.WorkerStatus(healthy=self.healthy, max_batch_size=4)
+        )
 
 
 @contextlib.asynccontextmanager
@@ -102,16 +113,21 @@ async def stack(max_queue=16, store=None, **gateway_settings):
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(store, backend)
     addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
     await backend.start()
-    scheduler = await create_scheduler(SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05,
-                                                         dispatch_tick_s=0.05, max_queue=max_queue))
+    scheduler = await create_scheduler(
+        SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05, dispatch_tick_s=0.05, max_queue=max_queue)
+    )
     await scheduler.start()
-    gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
-                                                   adapter_store_address=addr, **gateway_settings))
+    gateway = await create_gateway(
+        GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}", adapter_store_address=addr, **gateway_settings)
+    )
     await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
     try:
-        yield worker, inference_service_pb2_grpc.InferenceServiceStub(channel), \
-            admin_service_pb2_grpc.AdminServiceStub(channel)
+        yield (
+            worker,
+            inference_service_pb2_grpc.InferenceServiceStub(channel),
+            admin_service_pb2_grpc.AdminServiceStub(channel),
+        )
     finally:
         await channel.close()
         await gateway.stop(0)
@@ -147,14 +163,27 @@ async def test_task_objective_reaches_the_scheduler_which_counts_attainment_per_
     before = {(c, o): slo_count(c, o) for c in ("video", "retrieval", "none") for o in ("within", "over")}
     async with stack() as (worker, infer, _):
         for task in ("tasks/count", "tasks/count", "tasks/ask"):
-            await infer.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
-                prompt="how many cars?", task=task)))
+            await infer.Infer(
+                inference_service_pb2.InferRequest(
+                    input=inference_service_pb2.InferenceInput(prompt="how many cars?", task=task)
+                )
+            )
         await infer.Infer(inference_service_pb2.InferRequest(input=infer_input()))  # no task: no objective
-    assert [(i.slo_class, i.slo_ms) for i in worker.items] == [("video", 60_000.0), ("video", 60_000.0),
-                                                               ("retrieval", 0.001), ("", 0.0)]
+    assert [(i.slo_class, i.slo_ms) for i in worker.items] == [
+        ("video", 60_000.0),
+        ("video", 60_000.0),
+        ("retrieval", 0.001),
+        ("", 0.0),
+    ]
     moved = {k: slo_count(*k) - v for k, v in before.items()}
-    assert moved == {("video", "within"): 2, ("video", "over"): 0, ("retrieval", "within"): 0,
-                     ("retrieval", "over"): 1, ("none", "within"): 0, ("none", "over"): 0}
+    assert moved == {
+        ("video", "within"): 2,
+        ("video", "over"): 0,
+        ("retrieval", "within"): 0,
+        ("retrieval", "over"): 1,
+        ("none", "within"): 0,
+        ("none", "over"): 0,
+    }
 
 
 async def test_an_updated_task_objective_reaches_the_scheduler_within_the_resolve_cache_bound():
@@ -165,8 +194,11 @@ async def test_an_updated_task_objective_reaches_the_scheduler_within_the_resolv
     store = Store()
 
     async def count_request(infer):
-        await infer.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
-            prompt="how many cars?", task="tasks/count")))
+        await infer.Infer(
+            inference_service_pb2.InferRequest(
+                input=inference_service_pb2.InferenceInput(prompt="how many cars?", task="tasks/count")
+            )
+        )
 
     async with stack(store=store, resolve_cache_s=60.0) as (worker, infer, admin):
         async with stack(store=store, resolve_cache_s=0.3) as (other_worker, other_infer, _):
@@ -174,9 +206,12 @@ async def test_an_updated_task_objective_reaches_the_scheduler_within_the_resolv
             await count_request(other_infer)  # both gateways now keep the old objective
             await count_request(infer)
             assert store.resolved == ["tasks/count"] * 2
-            updated = await admin.UpdateTask(admin_service_pb2.UpdateTaskRequest(
-                task=resources_pb2.Task(name="tasks/count", slo_ms=80.0, slo_class="fast"),
-                update_mask=field_mask_pb2.FieldMask(paths=["slo_ms", "slo_class"])))
+            updated = await admin.UpdateTask(
+                admin_service_pb2.UpdateTaskRequest(
+                    task=resources_pb2.Task(name="tasks/count", slo_ms=80.0, slo_class="fast"),
+                    update_mask=field_mask_pb2.FieldMask(paths=["slo_ms", "slo_class"]),
+                )
+            )
             assert (updated.task.slo_ms, updated.task.slo_class) == (80.0, "fast")
             await count_request(infer)  # the gateway that forwarded the update dropped its cache
             await count_request(other_infer)  # still within the other's resolve_cache_s
@@ -190,16 +225,25 @@ async def test_a_task_release_policy_is_the_default_of_its_requests():
     """The gateway fills in params.adapter_release_fraction from the task it resolved, for a
     request that sets none; a request's own value wins; a request without the task gets none."""
     async with stack() as (worker, infer, admin):
+
         async def describe(**params):
-            await infer.Infer(inference_service_pb2.InferRequest(input=inference_service_pb2.InferenceInput(
-                prompt="describe the cars", task="tasks/describe", params=types_pb2.GenerationParams(**params))))
+            await infer.Infer(
+                inference_service_pb2.InferRequest(
+                    input=inference_service_pb2.InferenceInput(
+                        prompt="describe the cars", task="tasks/describe", params=types_pb2.GenerationParams(**params)
+                    )
+                )
+            )
 
         await describe()
         await describe(adapter_release_fraction=0.25)
         await infer.Infer(inference_service_pb2.InferRequest(input=infer_input()))
-        await admin.UpdateTask(admin_service_pb2.UpdateTaskRequest(
-            task=resources_pb2.Task(name="tasks/describe", adapter_release_fraction=0.75),
-            update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"])))
+        await admin.UpdateTask(
+            admin_service_pb2.UpdateTaskRequest(
+                task=resources_pb2.Task(name="tasks/describe", adapter_release_fraction=0.75),
+                update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_fraction"]),
+            )
+        )
         await describe()
     assert [i.params.adapter_release_fraction for i in worker.items] == [0.5, 0.25, 0.0, 0.75]
 

@@ -14,26 +14,40 @@ from valora_protos.v1 import admin_service_pb2 as admin_pb
 from valora_protos.v1 import resources_pb2 as res
 
 PENDING, RUNNING = res.GENERATION_JOB_STATE_PENDING, res.GENERATION_JOB_STATE_RUNNING
-SUCCEEDED, FAILED, CANCELLED = (res.GENERATION_JOB_STATE_SUCCEEDED, res.GENERATION_JOB_STATE_FAILED,
-                                res.GENERATION_JOB_STATE_CANCELLED)
+SUCCEEDED, FAILED, CANCELLED = (
+    res.GENERATION_JOB_STATE_SUCCEEDED,
+    res.GENERATION_JOB_STATE_FAILED,
+    res.GENERATION_JOB_STATE_CANCELLED,
+)
 
 
 @pytest.fixture
 def rs(tmp_path):
-    settings = StoreSettings(database_url=f"sqlite:///{tmp_path / 'r.db'}", blob_dir=str(tmp_path / "blobs"),
-                             model_path=str(write_tiny_model(tmp_path / "tiny")), gc_interval_s=0, port=0)
+    settings = StoreSettings(
+        database_url=f"sqlite:///{tmp_path / 'r.db'}",
+        blob_dir=str(tmp_path / "blobs"),
+        model_path=str(write_tiny_model(tmp_path / "tiny")),
+        gc_interval_s=0,
+        port=0,
+    )
     with RunningStore(settings) as store:
         yield store
 
 
 def job(*sources: tuple[str, float], **kw) -> res.GenerationJob:
-    return res.GenerationJob(base_model="/models/tiny", rank=kw.pop("rank", 4), epochs=1,
-                             sources=[res.GenerationSource(task=t, accuracy_threshold=a) for t, a in sources], **kw)
+    return res.GenerationJob(
+        base_model="/models/tiny",
+        rank=kw.pop("rank", 4),
+        epochs=1,
+        sources=[res.GenerationSource(task=t, accuracy_threshold=a) for t, a in sources],
+        **kw,
+    )
 
 
 def create(rs, job_id="", request_id="", j=None):
-    return rs.admin.CreateGenerationJob(admin_pb.CreateGenerationJobRequest(
-        job_id=job_id, job=j or job(("digit", 0.8)), request_id=request_id)).job
+    return rs.admin.CreateGenerationJob(
+        admin_pb.CreateGenerationJobRequest(job_id=job_id, job=j or job(("digit", 0.8)), request_id=request_id)
+    ).job
 
 
 def claim(rs, runner="r"):
@@ -67,24 +81,31 @@ def test_create_is_pending_and_idempotent_by_request_id(rs):
     assert rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name=first.name)).job == first
 
 
-@pytest.mark.parametrize("bad, field", [
-    (job(), "job.sources"),
-    (job(("digit", 1.5)), "job.sources[0].accuracy_threshold"),
-    (job(("digit", 0.5), ("digit", 0.6)), "job.sources[1].task"),
-    (job(("Bad Task", 0.5)), "job.sources[0].task"),
-    (res.GenerationJob(sources=[res.GenerationSource(task="digit")]), "job.base_model"),
-    (job(("digit", 0.5), rank=100000), "job.rank"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (job(), "job.sources"),
+        (job(("digit", 1.5)), "job.sources[0].accuracy_threshold"),
+        (job(("digit", 0.5), ("digit", 0.6)), "job.sources[1].task"),
+        (job(("Bad Task", 0.5)), "job.sources[0].task"),
+        (res.GenerationJob(sources=[res.GenerationSource(task="digit")]), "job.base_model"),
+        (job(("digit", 0.5), rank=100000), "job.rank"),
+    ],
+)
 def test_create_rejects_bad_specs(rs, bad, field):
     code, details = code_of(lambda: create(rs, "gen-x", j=bad))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field.split("[")[0] in details
 
 
 def test_get_unknown_and_malformed_names(rs):
-    assert code_of(lambda: rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(
-        name="generationJobs/nope")))[0] == grpc.StatusCode.NOT_FOUND
-    assert code_of(lambda: rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(
-        name="jobs/nope")))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        code_of(lambda: rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name="generationJobs/nope")))[0]
+        == grpc.StatusCode.NOT_FOUND
+    )
+    assert (
+        code_of(lambda: rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name="jobs/nope")))[0]
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_claim_progress_result(rs):
@@ -101,8 +122,9 @@ def test_claim_progress_result(rs):
 
     j = update(rs, a.name, lease_a, state=RUNNING, progress=0.5, message="fused digit")
     assert (j.state, round(j.progress, 3), j.message) == (RUNNING, 0.5, "fused digit")
-    assert code_of(lambda: update(rs, a.name, lease_a, state=RUNNING, progress=2.0))[0] == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        code_of(lambda: update(rs, a.name, lease_a, state=RUNNING, progress=2.0))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert code_of(lambda: update(rs, a.name, lease_a, state=CANCELLED))[0] == grpc.StatusCode.INVALID_ARGUMENT
     # the lease is required, and only the claim's own lease is accepted
     code, details = code_of(lambda: update(rs, a.name, "", state=RUNNING, progress=0.6))
@@ -111,21 +133,32 @@ def test_claim_progress_result(rs):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no longer held" in details
     got = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name=a.name)).job
     assert (round(got.progress, 3), got.message) == (0.5, "fused digit")
-    result = res.GenerationJobResult(adapter_versions=["adapters/gen-a-0/versions/1"], tasks=[
-        res.GenerationTaskResult(task="tasks/digit", adapter_version="adapters/gen-a-0/versions/1",
-                                 accuracy_threshold=0.8, measured_accuracy=0.93)])
+    result = res.GenerationJobResult(
+        adapter_versions=["adapters/gen-a-0/versions/1"],
+        tasks=[
+            res.GenerationTaskResult(
+                task="tasks/digit",
+                adapter_version="adapters/gen-a-0/versions/1",
+                accuracy_threshold=0.8,
+                measured_accuracy=0.93,
+            )
+        ],
+    )
     done = update(rs, a.name, lease_a, state=SUCCEEDED, message="done", result=result)
     assert done.state == SUCCEEDED and done.progress == 1.0 and done.result == result
     got = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name=a.name)).job
     assert got == done and got.update_time.ToDatetime() >= got.create_time.ToDatetime()
     # a finished job takes no more updates and cannot be cancelled
-    assert code_of(lambda: update(rs, a.name, lease_a, state=RUNNING, progress=0.9))[0] == \
-        grpc.StatusCode.FAILED_PRECONDITION
-    assert code_of(lambda: rs.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(
-        name=a.name)))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert (
+        code_of(lambda: update(rs, a.name, lease_a, state=RUNNING, progress=0.9))[0]
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert (
+        code_of(lambda: rs.admin.CancelGenerationJob(admin_pb.CancelGenerationJobRequest(name=a.name)))[0]
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
 
-    failed = update(rs, b.name, second.lease_id, state=FAILED, progress=0.3, message="failed",
-                    error="unknown task 'x'")
+    failed = update(rs, b.name, second.lease_id, state=FAILED, progress=0.3, message="failed", error="unknown task 'x'")
     assert failed.state == FAILED and failed.error == "unknown task 'x'" and round(failed.progress, 3) == 0.3
 
 
@@ -155,8 +188,12 @@ def test_list_newest_first_with_pagination(rs):
         if not token:
             break
     assert pages == 3 and sorted(seen) == sorted(made) and len(set(seen)) == 5
-    times = [(j.create_time.ToDatetime(), j.name) for j in rs.admin.ListGenerationJobs(
-        admin_pb.ListGenerationJobsRequest()).jobs]
+    times = [
+        (j.create_time.ToDatetime(), j.name)
+        for j in rs.admin.ListGenerationJobs(admin_pb.ListGenerationJobsRequest()).jobs
+    ]
     assert times == sorted(times, reverse=True)
-    assert code_of(lambda: rs.admin.ListGenerationJobs(admin_pb.ListGenerationJobsRequest(
-        page_token="garbage")))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        code_of(lambda: rs.admin.ListGenerationJobs(admin_pb.ListGenerationJobsRequest(page_token="garbage")))[0]
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )

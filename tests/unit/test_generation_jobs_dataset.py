@@ -27,8 +27,13 @@ from valora_protos.v1 import resources_pb2 as res  # noqa: E402
 
 
 def _settings(tmp_path, model_path) -> StoreSettings:
-    return StoreSettings(database_url=f"sqlite:///{tmp_path / 'd.db'}", blob_dir=str(tmp_path / "blobs"),
-                         model_path=str(model_path), gc_interval_s=0, port=0)
+    return StoreSettings(
+        database_url=f"sqlite:///{tmp_path / 'd.db'}",
+        blob_dir=str(tmp_path / "blobs"),
+        model_path=str(model_path),
+        gc_interval_s=0,
+        port=0,
+    )
 
 
 @pytest.fixture
@@ -38,8 +43,10 @@ def rs(tmp_path, model_path):
 
 
 def _generate(rs, model_path, *args):
-    return CliRunner().invoke(cli.app, ["generate", "--address", rs.address, "--base-model", str(model_path),
-                                        "--rank", "2", "--epochs", "1", *args])
+    return CliRunner().invoke(
+        cli.app,
+        ["generate", "--address", rs.address, "--base-model", str(model_path), "--rank", "2", "--epochs", "1", *args],
+    )
 
 
 def _run_one(rs):
@@ -52,13 +59,16 @@ def _run_one(rs):
 
 def test_valora_generate_on_a_dataset_queues_its_tasks_by_upload_name(rs, model_path, tmp_path):
     root = image_folder(tmp_path / "swatches", per_label=6)
-    result = _generate(rs, model_path, "--dataset", str(root), "--threshold", "0.1", "--job-id", "mixed",
-                       "--source", "parity:0.2")
+    result = _generate(
+        rs, model_path, "--dataset", str(root), "--threshold", "0.1", "--job-id", "mixed", "--source", "parity:0.2"
+    )
     assert result.exit_code == 0, result.output
     job = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name="generationJobs/mixed")).job
     sha = hashlib.sha256(pack_dataset(root)).hexdigest()
     assert [(s.task, round(s.accuracy_threshold, 3), s.dataset) for s in job.sources] == [
-        ("parity", 0.2, ""), ("swatches", 0.1, f"datasets/{sha}")]
+        ("parity", 0.2, ""),
+        ("swatches", 0.1, f"datasets/{sha}"),
+    ]
     assert str(tmp_path) not in str(job)  # the job names the upload, never a path of the client's
 
 
@@ -93,11 +103,12 @@ def test_a_text_task_job_registers_a_task_without_a_head(rs, model_path, tmp_pat
 
 
 def test_a_bad_dataset_is_refused_before_anything_is_uploaded(rs, model_path, tmp_path):
-    path = jsonl_dataset(tmp_path, extra=[{"image": "imgs/red-1.png", "question": "What is it?",
-                                           "answer": "a red square"}])
+    path = jsonl_dataset(
+        tmp_path, extra=[{"image": "imgs/red-1.png", "question": "What is it?", "answer": "a red square"}]
+    )
     result = _generate(rs, model_path, "--dataset", str(path))
     assert result.exit_code == 2
-    assert "mixes \"answer\" with line 1's \"label\"" in result.output
+    assert 'mixes "answer" with line 1\'s "label"' in result.output
     assert f"{path}:17" in result.output.replace("\n", "")
     from services.adapter_store.blobs import LocalBlobStore
 

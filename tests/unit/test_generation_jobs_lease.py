@@ -36,8 +36,9 @@ def _postgres_url():
     psycopg = pytest.importorskip("psycopg")
     for user in ("postgres", "root"):
         try:
-            conn = psycopg.connect(f"host=127.0.0.1 port=5432 dbname=test user={user}", autocommit=True,
-                                   connect_timeout=3)
+            conn = psycopg.connect(
+                f"host=127.0.0.1 port=5432 dbname=test user={user}", autocommit=True, connect_timeout=3
+            )
         except psycopg.OperationalError:
             continue
         name = f"valora_lease_test_{uuid.uuid4().hex[:12]}"
@@ -115,12 +116,20 @@ def test_a_lapsed_lease_is_requeued_and_claimed_again(jobs, clock):
     # r1 comes back: refused, and nothing changes
     reason, message = reason_of(lambda: jobs.update("gen-a", first.lease_id, "RUNNING", 0.9, "r1 late"))
     assert reason == "LEASE_LOST" and "claimed again by r2 (attempt 2)" in message
-    reason, _ = reason_of(lambda: jobs.update("gen-a", first.lease_id, "SUCCEEDED", 1.0, "r1 done",
-                                              JobResult(("adapters/stale/versions/1",))))
+    reason, _ = reason_of(
+        lambda: jobs.update(
+            "gen-a", first.lease_id, "SUCCEEDED", 1.0, "r1 done", JobResult(("adapters/stale/versions/1",))
+        )
+    )
     assert reason == "LEASE_LOST"
     after = jobs.get("gen-a")
-    assert (after.state, after.progress, after.message, after.result, after.runner) == \
-        ("RUNNING", j.progress, "r2 fusing", JobResult(), "r2")
+    assert (after.state, after.progress, after.message, after.result, after.runner) == (
+        "RUNNING",
+        j.progress,
+        "r2 fusing",
+        JobResult(),
+        "r2",
+    )
     assert after.update_time == j.update_time
 
     done = jobs.update("gen-a", second.lease_id, "SUCCEEDED", 1.0, "done", JobResult(("adapters/a/versions/1",)))
@@ -203,8 +212,11 @@ def test_a_running_job_from_before_leases_is_requeued(jobs, sessions):
     """A RUNNING row migrated from revision 0002 has no lease: it counts as lapsed."""
     jobs.create("gen-old", SPEC, None)
     with sessions.begin() as s:
-        s.execute(update(GenerationJobRow).where(GenerationJobRow.id == "gen-old")
-                  .values(state="RUNNING", runner="old-runner", lease_id="", lease_expires_at=None, attempts=1))
+        s.execute(
+            update(GenerationJobRow)
+            .where(GenerationJobRow.id == "gen-old")
+            .values(state="RUNNING", runner="old-runner", lease_id="", lease_expires_at=None, attempts=1)
+        )
     [requeued] = jobs.requeue_expired()
     assert requeued.state == "PENDING" and "old-runner" in requeued.message
     assert jobs.claim("r1").attempt == 2

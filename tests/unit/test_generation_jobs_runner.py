@@ -37,9 +37,16 @@ RUNNING, SUCCEEDED = res.GENERATION_JOB_STATE_RUNNING, res.GENERATION_JOB_STATE_
 
 
 def _store(tmp_path, **kw):
-    return RunningStore(StoreSettings(
-        database_url=f"sqlite:///{tmp_path / 'r.db'}", blob_dir=str(tmp_path / "blobs"),
-        model_path=str(write_tiny_model(tmp_path / "tiny")), gc_interval_s=0, port=0, **kw))
+    return RunningStore(
+        StoreSettings(
+            database_url=f"sqlite:///{tmp_path / 'r.db'}",
+            blob_dir=str(tmp_path / "blobs"),
+            model_path=str(write_tiny_model(tmp_path / "tiny")),
+            gc_interval_s=0,
+            port=0,
+            **kw,
+        )
+    )
 
 
 @pytest.fixture
@@ -56,8 +63,14 @@ def short(tmp_path):
 
 
 def create(rs, job_id: str, *tasks: str):
-    return rs.admin.CreateGenerationJob(admin_pb.CreateGenerationJobRequest(job_id=job_id, job=res.GenerationJob(
-        base_model="/m", sources=[res.GenerationSource(task=t, accuracy_threshold=0.5) for t in tasks]))).job
+    return rs.admin.CreateGenerationJob(
+        admin_pb.CreateGenerationJobRequest(
+            job_id=job_id,
+            job=res.GenerationJob(
+                base_model="/m", sources=[res.GenerationSource(task=t, accuracy_threshold=0.5) for t in tasks]
+            ),
+        )
+    ).job
 
 
 def get(rs, name):
@@ -82,9 +95,17 @@ def test_success_writes_progress_and_result(rs):
         for i, s in enumerate(j.sources, 1):
             report(i / len(j.sources) * 0.8, f"fused {s.task}")
             seen.append(get(rs, j.name))
-        return res.GenerationJobResult(adapter_versions=["adapters/gen-ok-0/versions/1"], tasks=[
-            res.GenerationTaskResult(task="tasks/gen-ok-digit", adapter_version="adapters/gen-ok-0/versions/1",
-                                     accuracy_threshold=0.5, measured_accuracy=0.9)])
+        return res.GenerationJobResult(
+            adapter_versions=["adapters/gen-ok-0/versions/1"],
+            tasks=[
+                res.GenerationTaskResult(
+                    task="tasks/gen-ok-digit",
+                    adapter_version="adapters/gen-ok-0/versions/1",
+                    accuracy_threshold=0.5,
+                    measured_accuracy=0.9,
+                )
+            ],
+        )
 
     r = runner(rs, run)
     try:
@@ -93,7 +114,9 @@ def test_success_writes_progress_and_result(rs):
     finally:
         r.close()
     assert [(round(j.progress, 2), j.message, j.state) for j in seen] == [
-        (0.4, "fused digit", res.GENERATION_JOB_STATE_RUNNING), (0.8, "fused parity", res.GENERATION_JOB_STATE_RUNNING)]
+        (0.4, "fused digit", res.GENERATION_JOB_STATE_RUNNING),
+        (0.8, "fused parity", res.GENERATION_JOB_STATE_RUNNING),
+    ]
     assert final.state == res.GENERATION_JOB_STATE_SUCCEEDED and final == get(rs, job.name)
     assert list(final.result.adapter_versions) == ["adapters/gen-ok-0/versions/1"]
 
@@ -175,8 +198,9 @@ def test_a_killed_runner_process_loses_the_job_to_another_runner(short, tmp_path
     job = create(short, "gen-kill", "digit", "parity")
     out = tmp_path / "doomed.log"
     with out.open("w") as fh:
-        proc = subprocess.Popen([sys.executable, "-c", DOOMED, short.address], cwd=ROOT, stdout=fh,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", DOOMED, short.address], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT
+        )
     try:
         deadline, m = time.monotonic() + 60, None
         while m is None and proc.poll() is None and time.monotonic() < deadline:
@@ -216,8 +240,11 @@ def test_a_killed_runner_process_loses_the_job_to_another_runner(short, tmp_path
 
     # the dead runner's late report is refused and changes nothing
     with pytest.raises(grpc.RpcError) as info:
-        short.store.UpdateGenerationJob(store_pb.UpdateGenerationJobRequest(
-            name=job.name, lease_id=old_lease, state=RUNNING, progress=0.9, message="zombie"))
+        short.store.UpdateGenerationJob(
+            store_pb.UpdateGenerationJobRequest(
+                name=job.name, lease_id=old_lease, state=RUNNING, progress=0.9, message="zombie"
+            )
+        )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert from_rpc_error(info.value).reason == "LEASE_LOST"
     assert get(short, job.name) == final
@@ -299,8 +326,12 @@ def test_a_stopping_runner_hands_its_job_back(short):
 
 
 def _bundle(seed: int) -> Bundle:
-    return Bundle("gen-r-0", make_bundle(rank=4, heads={"digit": 10}, seed=seed), adapter_config(rank=4),
-                  {"digit": list("0123456789")})
+    return Bundle(
+        "gen-r-0",
+        make_bundle(rank=4, heads={"digit": 10}, seed=seed),
+        adapter_config(rank=4),
+        {"digit": list("0123456789")},
+    )
 
 
 RESULT = SimpleNamespace(tasks={"digit": {"threshold": 0.5, "accuracy": 0.9}})
@@ -324,8 +355,9 @@ def test_a_retry_reuses_or_replaces_what_a_lost_attempt_registered(rs):
     with ValoraClient(rs.address) as client:
         assert client.get_task("gen-r-digit").adapter == "adapters/gen-r-0/versions/2"
         # a task of the same name that this job did not create is left alone
-        client.create_task("gen-s-digit", adapter="adapters/gen-r-0/versions/1", head="digit",
-                           description="made by hand")
+        client.create_task(
+            "gen-s-digit", adapter="adapters/gen-r-0/versions/1", head="digit", description="made by hand"
+        )
     with pytest.raises(grpc.RpcError) as info:
         register(rs.address, "gen-s", "gen-s", [_bundle(2)], RESULT, PROMPTS, attempt=2)
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS

@@ -16,8 +16,25 @@ from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset,
 
 
 def _generate(model_path, out, *args):
-    return CliRunner().invoke(app, ["generate", "--model-path", str(model_path), "--out", str(out), "--rank", "2",
-                                    "--epochs", "1", "--batch-size", "8", "--threads", "1", *args])
+    return CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--model-path",
+            str(model_path),
+            "--out",
+            str(out),
+            "--rank",
+            "2",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--threads",
+            "1",
+            *args,
+        ],
+    )
 
 
 def test_generate_on_an_image_folder(model_path, tmp_path):
@@ -76,7 +93,8 @@ def test_an_empty_answer_is_refused_with_its_line(tmp_path):
     result = _generate("/no/such/model", tmp_path / "gen", "--dataset", str(path))
     assert result.exit_code == 2
     assert '"answer" must be a non-empty string' in result.output and f"{path.name}:21" in result.output.replace(
-        "\n", "")
+        "\n", ""
+    )
     assert not (tmp_path / "gen").exists()
 
 

@@ -14,10 +14,22 @@ def test_thresholds_are_single_task_val_accuracy_minus_margin():
 
 def test_results_file_is_a_list_of_strategies_and_appends(tmp_path):
     path = tmp_path / "generation-x.json"
-    r1 = StrategyResult("greedy-fusion", [["a", "b"]], {"a": {"threshold": 0.9, "accuracy": 0.95, "adapter": "fused-0"},
-                                                       "b": {"threshold": 0.8, "accuracy": 0.79, "adapter": "fused-0"}})
-    r0 = StrategyResult("base-head-only", [], {"a": {"threshold": 0.9, "accuracy": 0.5, "adapter": None},
-                                              "b": {"threshold": 0.8, "accuracy": 0.5, "adapter": None}})
+    r1 = StrategyResult(
+        "greedy-fusion",
+        [["a", "b"]],
+        {
+            "a": {"threshold": 0.9, "accuracy": 0.95, "adapter": "fused-0"},
+            "b": {"threshold": 0.8, "accuracy": 0.79, "adapter": "fused-0"},
+        },
+    )
+    r0 = StrategyResult(
+        "base-head-only",
+        [],
+        {
+            "a": {"threshold": 0.9, "accuracy": 0.5, "adapter": None},
+            "b": {"threshold": 0.8, "accuracy": 0.5, "adapter": None},
+        },
+    )
     write_results([r0, r1], path, {"rank": 8})
     write_results([r1], path, {"rank": 2}, append=True)
     doc = json.loads(path.read_text())
@@ -50,8 +62,12 @@ def test_agreement_compares_served_labels_with_truth_and_the_generators_predicti
 
 
 def test_predictions_stay_out_of_the_results_file(tmp_path):
-    r = StrategyResult("greedy-fusion", [["a"]], {"a": {"threshold": 0.5, "accuracy": 1.0, "adapter": "f-0"}},
-                       predictions={"a": ["x", "y"]})
+    r = StrategyResult(
+        "greedy-fusion",
+        [["a"]],
+        {"a": {"threshold": 0.5, "accuracy": 1.0, "adapter": "f-0"}},
+        predictions={"a": ["x", "y"]},
+    )
     doc = json.loads(write_results([r], tmp_path / "g.json").read_text())
     assert "predictions" not in json.dumps(doc)
 
@@ -59,7 +75,8 @@ def test_predictions_stay_out_of_the_results_file(tmp_path):
 def test_agreement_of_text_answers_is_normalised_exact_match():
     from services.generator.pipeline import agreement
 
-    row = agreement(["The red.", "blue", "green"], truth=["red", "Blue", "red"], offline=["red", "blue!", "red"],
-                    text=True)
+    row = agreement(
+        ["The red.", "blue", "green"], truth=["red", "Blue", "red"], offline=["red", "blue!", "red"], text=True
+    )
     assert row["served_accuracy"] == round(2 / 3, 4) and row["offline_accuracy"] == 1.0 and row["agree"] == 2
     assert agreement(["The red."], ["red"], ["red"])["agree"] == 0  # labels compare exactly

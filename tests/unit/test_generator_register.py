@@ -34,9 +34,15 @@ class RecordingAdmin(admin_grpc.AdminServiceServicer):
         assert hashlib.sha256(data).hexdigest() == meta.sha256
         self.uploads.append((meta, data))
         n = sum(1 for m, _ in self.uploads if m.parent == meta.parent)
-        return admin_pb.UploadAdapterVersionResponse(version=resources_pb2.AdapterVersion(
-            name=f"{meta.parent}/versions/{n}", sha256=meta.sha256, rank=4,
-            state=resources_pb2.ADAPTER_VERSION_STATE_READY, heads=meta.heads))
+        return admin_pb.UploadAdapterVersionResponse(
+            version=resources_pb2.AdapterVersion(
+                name=f"{meta.parent}/versions/{n}",
+                sha256=meta.sha256,
+                rank=4,
+                state=resources_pb2.ADAPTER_VERSION_STATE_READY,
+                heads=meta.heads,
+            )
+        )
 
     def CreateTask(self, request, context):
         self.tasks.append(request)
@@ -63,21 +69,34 @@ def _task(name: str, labels: tuple[str, ...]) -> TaskData:
 
 def test_register_uploads_bundles_and_creates_tasks_with_accuracy(admin):
     servicer, address = admin
-    tasks = {"digit": _task("digit", tuple("0123456789")), "parity": _task("parity", ("even", "odd")),
-             "count": _task("count", tuple("12345"))}
-    bundles = [Bundle("fused-0", b"bundle-0" * 100, '{"r": 4}',
-                      {"digit": list("0123456789"), "parity": ["even", "odd"]}),
-               Bundle("fused-1", b"bundle-1", '{"r": 4}', {"count": list("12345")})]
-    result = StrategyResult("greedy-fusion", [["digit", "parity"], ["count"]], {
-        "digit": {"threshold": 0.88, "accuracy": 0.9, "adapter": "fused-0"},
-        "parity": {"threshold": 0.87, "accuracy": 0.91, "adapter": "fused-0"},
-        "count": {"threshold": 0.8, "accuracy": 0.85, "adapter": "fused-1"},
-    })
+    tasks = {
+        "digit": _task("digit", tuple("0123456789")),
+        "parity": _task("parity", ("even", "odd")),
+        "count": _task("count", tuple("12345")),
+    }
+    bundles = [
+        Bundle("fused-0", b"bundle-0" * 100, '{"r": 4}', {"digit": list("0123456789"), "parity": ["even", "odd"]}),
+        Bundle("fused-1", b"bundle-1", '{"r": 4}', {"count": list("12345")}),
+    ]
+    result = StrategyResult(
+        "greedy-fusion",
+        [["digit", "parity"], ["count"]],
+        {
+            "digit": {"threshold": 0.88, "accuracy": 0.9, "adapter": "fused-0"},
+            "parity": {"threshold": 0.87, "accuracy": 0.91, "adapter": "fused-0"},
+            "count": {"threshold": 0.8, "accuracy": 0.85, "adapter": "fused-1"},
+        },
+    )
     versions = register(address, bundles, result, {t: d.prompt for t, d in tasks.items()}, log=lambda _: None)
-    assert versions == {"digit": "adapters/fused-0/versions/1", "parity": "adapters/fused-0/versions/1",
-                        "count": "adapters/fused-1/versions/1"}
-    assert [(m.parent, data) for m, data in servicer.uploads] == [("adapters/fused-0", b"bundle-0" * 100),
-                                                                  ("adapters/fused-1", b"bundle-1")]
+    assert versions == {
+        "digit": "adapters/fused-0/versions/1",
+        "parity": "adapters/fused-0/versions/1",
+        "count": "adapters/fused-1/versions/1",
+    }
+    assert [(m.parent, data) for m, data in servicer.uploads] == [
+        ("adapters/fused-0", b"bundle-0" * 100),
+        ("adapters/fused-1", b"bundle-1"),
+    ]
     assert {h.name: list(h.labels) for h in servicer.uploads[0][0].heads} == bundles[0].heads
     by_id = {r.task_id: r.task for r in servicer.tasks}
     assert set(by_id) == {"digit", "parity", "count"}
@@ -88,22 +107,34 @@ def test_register_uploads_bundles_and_creates_tasks_with_accuracy(admin):
 
 def test_a_text_task_is_registered_without_a_head(admin):
     servicer, address = admin
-    bundles = [Bundle("fused-0", b"bundle-0", '{"r": 4}', {"count": list("12345")}, ("count", "square-colour")),
-               Bundle("fused-1", b"bundle-1", '{"r": 4}', {}, ("shapes",))]
-    result = StrategyResult("greedy-fusion", [["count", "square-colour"], ["shapes"]], {
-        "count": {"threshold": 0.5, "accuracy": 0.6, "adapter": "fused-0"},
-        "square-colour": {"threshold": 0.4, "accuracy": 0.45, "adapter": "fused-0"},
-        "shapes": {"threshold": 0.3, "accuracy": 0.5, "adapter": "fused-1"}})
+    bundles = [
+        Bundle("fused-0", b"bundle-0", '{"r": 4}', {"count": list("12345")}, ("count", "square-colour")),
+        Bundle("fused-1", b"bundle-1", '{"r": 4}', {}, ("shapes",)),
+    ]
+    result = StrategyResult(
+        "greedy-fusion",
+        [["count", "square-colour"], ["shapes"]],
+        {
+            "count": {"threshold": 0.5, "accuracy": 0.6, "adapter": "fused-0"},
+            "square-colour": {"threshold": 0.4, "accuracy": 0.45, "adapter": "fused-0"},
+            "shapes": {"threshold": 0.3, "accuracy": 0.5, "adapter": "fused-1"},
+        },
+    )
     prompts = {"count": "How many?", "square-colour": "What colour is the square?", "shapes": "What is it?"}
-    versions = register(address, bundles, result, prompts, log=lambda _: None,
-                        max_new_tokens={"square-colour": 5, "shapes": 7})
-    assert versions == {"count": "adapters/fused-0/versions/1", "square-colour": "adapters/fused-0/versions/1",
-                        "shapes": "adapters/fused-1/versions/1"}
+    versions = register(
+        address, bundles, result, prompts, log=lambda _: None, max_new_tokens={"square-colour": 5, "shapes": 7}
+    )
+    assert versions == {
+        "count": "adapters/fused-0/versions/1",
+        "square-colour": "adapters/fused-0/versions/1",
+        "shapes": "adapters/fused-1/versions/1",
+    }
     assert [list(m.heads) for m, _ in servicer.uploads][1] == []  # a plain LoRA, no heads
     by_id = {r.task_id: r.task for r in servicer.tasks}
     assert by_id["count"].head == "count" and by_id["square-colour"].head == "" and by_id["shapes"].head == ""
     assert by_id["square-colour"].adapter == "adapters/fused-0/versions/1"
-    assert by_id["shapes"].description == ("prompt: What is it? (text task: answer as TEXT, greedy, max_new_tokens 7) "
-                                           "(generated by valora generator)")
+    assert by_id["shapes"].description == (
+        "prompt: What is it? (text task: answer as TEXT, greedy, max_new_tokens 7) (generated by valora generator)"
+    )
     assert by_id["square-colour"].measured_accuracy == pytest.approx(0.45)
     assert by_id["count"].description == "prompt: How many? (generated by valora generator)"

@@ -49,8 +49,9 @@ def engine(model_path, generated):
     _, _, bundle, _ = generated
     eng = Engine(EngineConfig(model_path=model_path, device="cpu", max_batch_size=8, kv_cache_bytes=TEST_KV_BYTES))
     eng.start()
-    assert eng.load_adapter_bytes(NAME, hashlib.sha256(bundle.data).hexdigest(), bundle.data, bundle.config_json,
-                                  bundle.heads)
+    assert eng.load_adapter_bytes(
+        NAME, hashlib.sha256(bundle.data).hexdigest(), bundle.data, bundle.config_json, bundle.heads
+    )
     yield eng
     eng.stop()
 
@@ -65,8 +66,16 @@ def _served(engine, tasks, task: str):
     for i, img in enumerate(data.images["test"]):
         buf = io.BytesIO()
         img.save(buf, format="PNG")
-        _, r = engine.generate(WorkRequest(f"{task}-{i}", data.prompt, [decode_image(buf.getvalue())], adapter=NAME,
-                                           output_kind=OutputKind.LABEL, head=task))
+        _, r = engine.generate(
+            WorkRequest(
+                f"{task}-{i}",
+                data.prompt,
+                [decode_image(buf.getvalue())],
+                adapter=NAME,
+                output_kind=OutputKind.LABEL,
+                head=task,
+            )
+        )
         scores = dict(r.scores)
         labels.append(r.label)
         probs.append([scores[label] for label in data.labels])

@@ -43,8 +43,9 @@ def engine(model_path, generated):
     assert bundle.heads == {}
     eng = Engine(EngineConfig(model_path=model_path, device="cpu", max_batch_size=8, kv_cache_bytes=TEST_KV_BYTES))
     eng.start()
-    assert eng.load_adapter_bytes(NAME, hashlib.sha256(bundle.data).hexdigest(), bundle.data, bundle.config_json,
-                                  bundle.heads)
+    assert eng.load_adapter_bytes(
+        NAME, hashlib.sha256(bundle.data).hexdigest(), bundle.data, bundle.config_json, bundle.heads
+    )
     yield eng
     eng.stop()
 
@@ -64,15 +65,23 @@ def test_served_answer_of_every_test_image_is_the_generators(engine, generated, 
         for i, img in enumerate(data.images["test"]):
             buf = io.BytesIO()
             img.save(buf, format="PNG")
-            _, r = engine.generate(WorkRequest(f"sq-{i}", data.question("test", i), [decode_image(buf.getvalue())],
-                                               adapter=NAME, max_new_tokens=budget))
+            _, r = engine.generate(
+                WorkRequest(
+                    f"sq-{i}",
+                    data.question("test", i),
+                    [decode_image(buf.getvalue())],
+                    adapter=NAME,
+                    max_new_tokens=budget,
+                )
+            )
             served.append(r.text)
             modes.add(r.mode)
         assert modes == {want}
         assert served == result.predictions["square-colour"]
         # the check has teeth: the base model alone answers otherwise
-        _, plain = engine.generate(WorkRequest("sq-base", data.question("test", 0), [decode_image(buf.getvalue())],
-                                               max_new_tokens=budget))
+        _, plain = engine.generate(
+            WorkRequest("sq-base", data.question("test", 0), [decode_image(buf.getvalue())], max_new_tokens=budget)
+        )
         assert plain.text != served[-1]
     finally:
         engine.set_mode(Mode.UNMERGED)

@@ -51,11 +51,12 @@ def _hf_inputs(trainer, images, prompt, answers):
     base = trainer.base
     px = base.image_processor(images=list(images), return_tensors="pt")
     n_img = int(px["image_grid_thw"][0].prod()) // 4
-    prompt_ids = base.tokenizer(chat_text(prompt).replace(IMAGE_PAD, IMAGE_PAD * n_img),
-                                add_special_tokens=False)["input_ids"]
+    prompt_ids = base.tokenizer(chat_text(prompt).replace(IMAGE_PAD, IMAGE_PAD * n_img), add_special_tokens=False)[
+        "input_ids"
+    ]
     ids = torch.tensor([prompt_ids + a for a in answers])
     labels = ids.clone()
-    labels[:, :len(prompt_ids)] = -100
+    labels[:, : len(prompt_ids)] = -100
     return ids, px, labels
 
 
@@ -68,8 +69,7 @@ def test_answer_loss_from_cached_features_is_hfs_loss_on_answer_tokens_only(trai
     ys = trainer.targets(task, "train")[idx].tolist()
     lengths = {len(trainer.answer_ids(task)[y]) for y in ys}
     if len(lengths) != 1:
-        idx = torch.tensor([i for i, y in enumerate(trainer.targets(task, "train").tolist())
-                            if y == ys[0]][:3])
+        idx = torch.tensor([i for i, y in enumerate(trainer.targets(task, "train").tolist()) if y == ys[0]][:3])
         ys = trainer.targets(task, "train")[idx].tolist()
     answers = [trainer.answer_ids(task)[y] for y in ys]
     assert all(a[-1] == base.tokenizer.convert_tokens_to_ids("<|im_end|>") for a in answers)
@@ -77,14 +77,24 @@ def test_answer_loss_from_cached_features_is_hfs_loss_on_answer_tokens_only(trai
         ours = trainer.text_loss(task, data.prompt, idx)
         ids, px, labels = _hf_inputs(trainer, [data.images["train"][i] for i in idx.tolist()], data.prompt, answers)
         mm = (ids == base.model.config.image_token_id).int()
-        out = base.model(input_ids=ids, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                         mm_token_type_ids=mm, labels=labels)
+        out = base.model(
+            input_ids=ids,
+            pixel_values=px["pixel_values"],
+            image_grid_thw=px["image_grid_thw"],
+            mm_token_type_ids=mm,
+            labels=labels,
+        )
     torch.testing.assert_close(ours, out.loss, atol=1e-4, rtol=1e-4)
     # the prompt carries no loss: the same answers after another prompt give another loss...
     # ...but what is averaged is only the answer tokens: HF's loss with prompt labels kept differs
     with torch.no_grad():
-        unmasked = base.model(input_ids=ids, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                              mm_token_type_ids=mm, labels=ids).loss
+        unmasked = base.model(
+            input_ids=ids,
+            pixel_values=px["pixel_values"],
+            image_grid_thw=px["image_grid_thw"],
+            mm_token_type_ids=mm,
+            labels=ids,
+        ).loss
     assert abs(float(unmasked) - float(ours)) > 1e-3
 
 
@@ -100,11 +110,18 @@ def test_greedy_answers_are_hf_generate_with_the_adapter(trainer, trained):
         ids, px, _ = _hf_inputs(trainer, [img], data.prompt, [[]])
         mm = (ids == base.model.config.image_token_id).int()
         with torch.no_grad():
-            gen = base.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                                      mm_token_type_ids=mm, max_new_tokens=budget, do_sample=False,
-                                      eos_token_id=sorted(base.stop_ids()), pad_token_id=sorted(base.stop_ids())[0])
-        new = gen[0, ids.shape[1]:].tolist()
+            gen = base.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                pixel_values=px["pixel_values"],
+                image_grid_thw=px["image_grid_thw"],
+                mm_token_type_ids=mm,
+                max_new_tokens=budget,
+                do_sample=False,
+                eos_token_id=sorted(base.stop_ids()),
+                pad_token_id=sorted(base.stop_ids())[0],
+            )
+        new = gen[0, ids.shape[1] :].tolist()
         cut = next((i for i, t in enumerate(new) if t in base.stop_ids()), len(new))
         want.append(base.tokenizer.decode(new[:cut], skip_special_tokens=True))
     assert ours == want
@@ -124,7 +141,8 @@ def test_a_text_task_is_fused_beside_a_head_task_by_exact_match(trainer):
     [bundle] = pipeline.bundles_of(fusion, trainer.tasks, 4, 8.0, "t")
     assert list(bundle.heads) == ["count"] and bundle.served_tasks == ("count", "square-colour")
     assert pipeline.text_budgets(trainer, ["count", "square-colour"]) == {
-        "square-colour": trainer.max_new_tokens("square-colour")}
+        "square-colour": trainer.max_new_tokens("square-colour")
+    }
 
     # a threshold the text task cannot meet rolls its fusion back and leaves it alone
     result, fusion = pipeline.greedy(trainer, ["count", "square-colour"], {"count": 0.0, "square-colour": 1.01}, "t")

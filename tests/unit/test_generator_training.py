@@ -27,8 +27,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     if not (REPO / "services" / "worker" / "tiny_model.py").exists():
         pytest.skip("the worker's tiny model builder is not in this checkout")
     path = tmp_path_factory.mktemp("tiny") / "qwen2-vl"
-    subprocess.run([sys.executable, "-m", "services.worker.tiny_model", str(path)], cwd=REPO, check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "services.worker.tiny_model", str(path)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return path
 
 
@@ -46,8 +51,9 @@ def trained(tiny_model_dir):
     return tasks, base, trainer, state
 
 
-def _reference_head_logits(model_dir: Path, bundle: bytes | None, config_json: str, images, prompt: str,
-                           head: str) -> torch.Tensor:
+def _reference_head_logits(
+    model_dir: Path, bundle: bytes | None, config_json: str, images, prompt: str, head: str
+) -> torch.Tensor:
     from safetensors.numpy import load
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -71,13 +77,17 @@ def _reference_head_logits(model_dir: Path, bundle: bytes | None, config_json: s
 
     px = improc(images=list(images), return_tensors="pt")
     n_image_tokens = int(px["image_grid_thw"][0].prod()) // 4  # merge_size 2 x 2
-    text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-            + "<|image_pad|>" * n_image_tokens + f"<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    text = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+        + "<|image_pad|>" * n_image_tokens
+        + f"<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]] * len(images))
     mm = (ids == model.config.image_token_id).int()
     with torch.no_grad():
-        h = model.model(input_ids=ids, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                        mm_token_type_ids=mm).last_hidden_state[:, -1]
+        h = model.model(
+            input_ids=ids, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"], mm_token_type_ids=mm
+        ).last_hidden_state[:, -1]
         if not tensors:
             return h
         return h @ tensors[f"heads.{head}.weight"].T + tensors[f"heads.{head}.bias"]
@@ -100,8 +110,7 @@ def test_exported_bundle_reproduces_trained_head_logits(tiny_model_dir, trained)
     for task in ("digit", "count"):
         images = tasks[task].images["val"][:6]
         trained_logits = trainer.logits(state, task, "val")[:6]
-        ref = _reference_head_logits(tiny_model_dir, bundle.data, bundle.config_json, images,
-                                     tasks[task].prompt, task)
+        ref = _reference_head_logits(tiny_model_dir, bundle.data, bundle.config_json, images, tasks[task].prompt, task)
         torch.testing.assert_close(ref, trained_logits, atol=2e-4, rtol=1e-4)
         # ...and the LoRA part matters: the base model with the same head gives other logits.
         h0 = _reference_head_logits(tiny_model_dir, None, bundle.config_json, images, tasks[task].prompt, task)

@@ -106,8 +106,9 @@ def test_missing_directory_and_missing_image_name_the_path_and_line(tmp_path):
     with pytest.raises(DatasetError) as e:
         load_dataset(tmp_path / "nope")
     assert str(tmp_path / "nope") in str(e.value)
-    path = jsonl_dataset(tmp_path, extra=[{"id": "x", "image": "imgs/gone.png", "question": "What colour is it?",
-                                           "label": "red"}])
+    path = jsonl_dataset(
+        tmp_path, extra=[{"id": "x", "image": "imgs/gone.png", "question": "What colour is it?", "label": "red"}]
+    )
     with pytest.raises(DatasetError) as e:
         load_dataset(path)
     assert _problems(e) == [f"{path}:17: image 'imgs/gone.png' not found"]
@@ -134,41 +135,55 @@ def test_empty_class_folder_is_named(tmp_path):
 
 def test_too_few_examples_for_the_split_names_the_label(tmp_path):
     root = image_folder(tmp_path / "c", labels=("red", "blue"))
-    for p in sorted((root / "blue").iterdir())[MIN_PER_LABEL - 1:]:
+    for p in sorted((root / "blue").iterdir())[MIN_PER_LABEL - 1 :]:
         p.unlink()
     with pytest.raises(DatasetError) as e:
         load_dataset(root)
-    assert _problems(e) == [f"{root / 'blue'}: label 'blue' has {MIN_PER_LABEL - 1} examples; each label needs at "
-                            f"least {MIN_PER_LABEL} for the 60/20/20 train/val/test split"]
+    assert _problems(e) == [
+        f"{root / 'blue'}: label 'blue' has {MIN_PER_LABEL - 1} examples; each label needs at "
+        f"least {MIN_PER_LABEL} for the 60/20/20 train/val/test split"
+    ]
     with pytest.raises(DatasetError) as e:
         load_dataset(image_folder(tmp_path / "one", labels=("red",)))
     assert "1 label ('red'); a task needs at least 2" in str(e.value)
 
 
 def test_duplicate_ids_and_duplicate_images_are_named(tmp_path):
-    path = jsonl_dataset(tmp_path, extra=[
-        {"id": "red-3", "image": "imgs/red-3.png", "question": "What colour is it?", "label": "red"},
-        {"id": "again", "image": "imgs/red-2.png", "question": "What colour is it?", "label": "blue"}])
+    path = jsonl_dataset(
+        tmp_path,
+        extra=[
+            {"id": "red-3", "image": "imgs/red-3.png", "question": "What colour is it?", "label": "red"},
+            {"id": "again", "image": "imgs/red-2.png", "question": "What colour is it?", "label": "blue"},
+        ],
+    )
     with pytest.raises(DatasetError) as e:
         load_dataset(path)
-    assert _problems(e) == [f"{path}:17: duplicate id 'red-3' (first on line 4)",
-                            f"{path}:18: the same image as {path}:3 (label 'red' there, 'blue' here); drop one"]
+    assert _problems(e) == [
+        f"{path}:17: duplicate id 'red-3' (first on line 4)",
+        f"{path}:18: the same image as {path}:3 (label 'red' there, 'blue' here); drop one",
+    ]
     root = image_folder(tmp_path / "c")
     (root / "blue" / "copy.png").write_bytes((root / "red" / "01.png").read_bytes())
     with pytest.raises(DatasetError) as e:
         load_dataset(root)
-    assert _problems(e) == [f"{root / 'red' / '01.png'}: the same image as {root / 'blue' / 'copy.png'} "
-                            "(label 'blue' there, 'red' here); drop one"]
+    assert _problems(e) == [
+        f"{root / 'red' / '01.png'}: the same image as {root / 'blue' / 'copy.png'} "
+        "(label 'blue' there, 'red' here); drop one"
+    ]
 
 
 def test_malformed_lines_are_each_named_and_all_reported(tmp_path):
-    path = jsonl_dataset(tmp_path, extra=[
-        "not json",
-        {"image": "imgs/red-1.png", "label": "red"},
-        {"image": "/etc/passwd", "question": "What colour is it?", "label": "red", "id": "abs"},
-        {"image": "../x.png", "question": "What colour is it?", "label": "red", "id": "up"},
-        {"image": "imgs/red-1.png", "question": "Which colour?", "label": "red", "id": "q"},
-        {"image": "imgs/red-1.png", "question": "What colour is it?", "label": "red", "task": "Bad Task"}])
+    path = jsonl_dataset(
+        tmp_path,
+        extra=[
+            "not json",
+            {"image": "imgs/red-1.png", "label": "red"},
+            {"image": "/etc/passwd", "question": "What colour is it?", "label": "red", "id": "abs"},
+            {"image": "../x.png", "question": "What colour is it?", "label": "red", "id": "up"},
+            {"image": "imgs/red-1.png", "question": "Which colour?", "label": "red", "id": "q"},
+            {"image": "imgs/red-1.png", "question": "What colour is it?", "label": "red", "task": "Bad Task"},
+        ],
+    )
     path.write_text(path.read_text().replace('"not json"', "not json"))
     with pytest.raises(DatasetError) as e:
         load_dataset(path)
@@ -219,13 +234,17 @@ def test_answer_records_make_a_text_task_split_by_image(tmp_path):
 
 
 def test_text_task_records_are_checked_and_every_problem_named(tmp_path):
-    path = text_dataset(tmp_path, extra=[
-        {"id": "e1", "image": "imgs/red-0.png", "question": "Why?", "answer": "  "},
-        {"id": "e2", "image": "imgs/red-0.png", "question": "Why?", "answer": "The."},
-        {"id": "e3", "image": "imgs/red-0.png", "question": "Why?", "answer": "x" * 65},
-        {"id": "e4", "image": "imgs/red-0.png", "question": "Why?", "answer": ["red"]},
-        {"id": "e5", "image": "imgs/red-0.png", "question": "What colour is it?", "label": "red"},
-        {"id": "e6", "image": "imgs/red-0.png", "question": "what colour is it", "answer": "red"}])
+    path = text_dataset(
+        tmp_path,
+        extra=[
+            {"id": "e1", "image": "imgs/red-0.png", "question": "Why?", "answer": "  "},
+            {"id": "e2", "image": "imgs/red-0.png", "question": "Why?", "answer": "The."},
+            {"id": "e3", "image": "imgs/red-0.png", "question": "Why?", "answer": "x" * 65},
+            {"id": "e4", "image": "imgs/red-0.png", "question": "Why?", "answer": ["red"]},
+            {"id": "e5", "image": "imgs/red-0.png", "question": "What colour is it?", "label": "red"},
+            {"id": "e6", "image": "imgs/red-0.png", "question": "what colour is it", "answer": "red"},
+        ],
+    )
     with pytest.raises(DatasetError) as e:
         load_dataset(path)
     got = _problems(e)
@@ -233,7 +252,7 @@ def test_text_task_records_are_checked_and_every_problem_named(tmp_path):
     assert '"answer" must be a non-empty string' in got[0]
     assert "empty once normalised" in got[1] and "at most 64" in got[2]
     assert '"answer" must be a non-empty string' in got[3]
-    assert "mixes \"label\" with line 1's \"answer\"" in got[4]
+    assert 'mixes "label" with line 1\'s "answer"' in got[4]
     assert f"the same image and question as {path}:1 (answer 'red.' there, 'red' here)" in got[5]
 
 
@@ -241,8 +260,10 @@ def test_a_text_task_needs_enough_images(tmp_path):
     path = text_dataset(tmp_path, n_images=MIN_TEXT_IMAGES - 1)
     with pytest.raises(DatasetError) as e:
         load_dataset(path)
-    assert _problems(e) == [f"{path} (task 'shapes'): {MIN_TEXT_IMAGES - 1} distinct images; a text task needs "
-                            f"at least {MIN_TEXT_IMAGES} for the 60/20/20 train/val/test split (by image)"]
+    assert _problems(e) == [
+        f"{path} (task 'shapes'): {MIN_TEXT_IMAGES - 1} distinct images; a text task needs "
+        f"at least {MIN_TEXT_IMAGES} for the 60/20/20 train/val/test split (by image)"
+    ]
     load_dataset(text_dataset(tmp_path / "ok", n_images=MIN_TEXT_IMAGES))  # enough: 3/1/1
 
 
@@ -330,11 +351,17 @@ def test_upload_for_job_orders_sources_and_sends_archives_as_they_are(tmp_path):
 
     from services.generator.user_datasets import upload_for_job
 
-    path = jsonl_dataset(tmp_path / "j", extra=[
-        {"image": f"imgs/red-{i}.png", "question": "Is it red?", "label": "yes", "task": "isred", "id": f"r{i}"}
-        for i in range(5)] + [
-        {"image": f"imgs/blue-{i}.png", "question": "Is it red?", "label": "no", "task": "isred", "id": f"b{i}"}
-        for i in range(5)])
+    path = jsonl_dataset(
+        tmp_path / "j",
+        extra=[
+            {"image": f"imgs/red-{i}.png", "question": "Is it red?", "label": "yes", "task": "isred", "id": f"r{i}"}
+            for i in range(5)
+        ]
+        + [
+            {"image": f"imgs/blue-{i}.png", "question": "Is it red?", "label": "no", "task": "isred", "id": f"b{i}"}
+            for i in range(5)
+        ],
+    )
     client = _Uploads()
     sources = upload_for_job(client, path, [("digit", 0.9), ("isred", 0.7)], threshold=0.4)
     name = f"datasets/{hashlib.sha256(client.sent[0]).hexdigest()}"

@@ -69,9 +69,16 @@ async def refused(client, url: str) -> dict:
 
 
 async def test_allowed_hosts_are_fetched_within_the_limits():
-    async with image_server() as (base, png), http_stack(
-            image_url_hosts=["127.0.0.1"], image_url_allow_http=True, image_url_allow_private=True,
-            image_url_timeout_s=1.0, max_image_bytes=20000) as (worker, client, _):
+    async with (
+        image_server() as (base, png),
+        http_stack(
+            image_url_hosts=["127.0.0.1"],
+            image_url_allow_http=True,
+            image_url_allow_private=True,
+            image_url_timeout_s=1.0,
+            max_image_bytes=20000,
+        ) as (worker, client, _),
+    ):
         resp = await client.chat.completions.create(model="valora-base", messages=user_message(f"{base}/cat.png"))
         assert resp.choices[0].message.content == "two cars"
         assert worker.items[0].images[0].data == png and worker.items[0].images[0].mime_type == "image/png"
@@ -86,8 +93,10 @@ async def test_allowed_hosts_are_fetched_within_the_limits():
 
 
 async def test_private_addresses_and_plain_http_are_refused_by_default():
-    async with image_server() as (base, _), http_stack(image_url_hosts=["127.0.0.1", "localhost"],
-                                                       image_url_allow_http=True) as (worker, client, _):
+    async with (
+        image_server() as (base, _),
+        http_stack(image_url_hosts=["127.0.0.1", "localhost"], image_url_allow_http=True) as (worker, client, _),
+    ):
         body = await refused(client, f"{base}/cat.png")  # 127.0.0.1: loopback
         assert body["code"] == "image_url_refused" and "private or local" in body["message"]
         port = base.rsplit(":", 1)[1]
@@ -104,8 +113,17 @@ def test_host_patterns_and_public_addresses():
     assert not host_allowed("example.com", ["*.example.com"]) and not host_allowed("badexample.com", ["example.com"])
     assert not host_allowed("evil.com", [])
     assert _public("93.184.216.34") and _public("2606:2800:220:1::")
-    for private in ("10.1.2.3", "127.0.0.1", "169.254.169.254", "192.168.0.1", "::1", "fe80::1%eth0",
-                    "::ffff:10.0.0.1", "0.0.0.0", "224.0.0.1"):
+    for private in (
+        "10.1.2.3",
+        "127.0.0.1",
+        "169.254.169.254",
+        "192.168.0.1",
+        "::1",
+        "fe80::1%eth0",
+        "::ffff:10.0.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+    ):
         assert not _public(private), private
 
 

@@ -34,15 +34,21 @@ def imports(path: Path) -> list[tuple[str, int]]:
 
 
 def violations(directory: Path, refused) -> list[str]:
-    return [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sorted(directory.rglob("*.py"))
-            for mod, line in imports(f) if refused(mod.split("."))]
+    return [
+        f"{f.relative_to(REPO)}:{line} imports {mod}"
+        for f in sorted(directory.rglob("*.py"))
+        for mod, line in imports(f)
+        if refused(mod.split("."))
+    ]
 
 
 def test_no_service_imports_another():
     bad = []
     for svc in SERVICES:
-        bad += violations(REPO / "services" / svc,
-                          lambda p, svc=svc: p[0] == "services" and len(p) > 1 and p[1] not in (svc, "common"))
+        bad += violations(
+            REPO / "services" / svc,
+            lambda p, svc=svc: p[0] == "services" and len(p) > 1 and p[1] not in (svc, "common"),
+        )
     bad += violations(REPO / "services" / "common", lambda p: p[0] == "services" and len(p) > 1 and p[1] != "common")
     assert not bad, "\n".join(bad)
 
@@ -50,8 +56,12 @@ def test_no_service_imports_another():
 def test_the_sdk_imports_no_service():
     """The SDK modules stand alone (the CLI and valora.cluster start services; tile_tables is a tool)."""
     sdk = [REPO / "valora" / name for name in ("client.py", "aio.py", "errors.py", "internal_token.py")]
-    bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sdk for mod, line in imports(f)
-           if mod.split(".")[0] in ("services", "kernels", "torch")]
+    bad = [
+        f"{f.relative_to(REPO)}:{line} imports {mod}"
+        for f in sdk
+        for mod, line in imports(f)
+        if mod.split(".")[0] in ("services", "kernels", "torch")
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -79,17 +89,20 @@ def test_the_stubs_live_outside_the_client_package():
 
 
 def test_control_plane_and_sdk_load_no_torch():
-    code = ("import sys; import services.gateway.server, services.scheduler.server, services.adapter_store.server, "
-            "services.worker.config, valora.client, valora.aio; "
-            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    code = (
+        "import sys; import services.gateway.server, services.scheduler.server, services.adapter_store.server, "
+        "services.worker.config, valora.client, valora.aio; "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_scanner_sees_function_level_imports(tmp_path):
-    (tmp_path / "m.py").write_text("import os\ndef f():\n    from services.worker.engine import Engine\n"
-                                   "    from . import sibling\n")
+    (tmp_path / "m.py").write_text(
+        "import os\ndef f():\n    from services.worker.engine import Engine\n    from . import sibling\n"
+    )
     assert imports(tmp_path / "m.py") == [("os", 1), ("services.worker.engine", 3)]
 
 
@@ -98,8 +111,11 @@ def test_one_mode_enum_and_its_proto_round_trip():
     back for every value; an unknown proto value reads as UNKNOWN."""
     from services.common.modes import Mode
 
-    defined = [f.relative_to(REPO) for f in sorted((REPO / "services").rglob("*.py"))
-               if any(isinstance(n, ast.ClassDef) and n.name == "Mode" for n in ast.walk(ast.parse(f.read_text())))]
+    defined = [
+        f.relative_to(REPO)
+        for f in sorted((REPO / "services").rglob("*.py"))
+        if any(isinstance(n, ast.ClassDef) and n.name == "Mode" for n in ast.walk(ast.parse(f.read_text())))
+    ]
     assert defined == [Path("services/common/modes.py")]
     assert all(Mode.from_pb(m.to_pb()) is m for m in Mode)
     assert Mode.from_pb(999) is Mode.UNKNOWN
@@ -116,8 +132,11 @@ def test_package_maps_list_every_module():
         listed = set(re.findall(r"^ {4}([a-z_0-9]+\.py)\b", doc, re.M))
         if not listed:
             continue
-        missing += [f"{init.parent.relative_to(REPO)}/{f.name}" for f in sorted(init.parent.glob("*.py"))
-                    if f.name != "__init__.py" and f.name not in listed]
+        missing += [
+            f"{init.parent.relative_to(REPO)}/{f.name}"
+            for f in sorted(init.parent.glob("*.py"))
+            if f.name != "__init__.py" and f.name not in listed
+        ]
     assert not missing, f"not in their package's map: {missing}"
 
 
@@ -132,9 +151,13 @@ def test_the_client_package_reaches_server_code_through_entry_points():
     """valora/ (the SDK, the CLI, valora.cluster) imports nothing of services/, kernels/ or bench/,
     nor torch: the server code `bench sched`, `demo`, `up` and `generate --dataset` run is an entry
     point of group valora.server (valora/server_code.py), so the client installs without it."""
-    bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in sorted((REPO / "valora").rglob("*.py"))
-           for mod, line in imports(f) if mod.split(".")[0] in ("services", "kernels", "bench", "torch")
-           and (f.relative_to(REPO).as_posix(), mod.split(".")[0]) not in CLIENT_EXCEPTIONS]
+    bad = [
+        f"{f.relative_to(REPO)}:{line} imports {mod}"
+        for f in sorted((REPO / "valora").rglob("*.py"))
+        for mod, line in imports(f)
+        if mod.split(".")[0] in ("services", "kernels", "bench", "torch")
+        and (f.relative_to(REPO).as_posix(), mod.split(".")[0]) not in CLIENT_EXCEPTIONS
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -157,10 +180,18 @@ def test_every_server_entry_point_resolves_and_every_one_used_is_declared():
     used = set(SETTINGS_ENTRY_POINTS.values())
     for f in sorted((REPO / "valora").rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
-            if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-                    and (getattr(node.func, "id", None) == "server_code"
-                         or (getattr(node.func, "attr", None) == "load"
-                             and getattr(node.func.value, "id", None) in ("server_code", "code")))):
+            if (
+                isinstance(node, ast.Call)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and (
+                    getattr(node.func, "id", None) == "server_code"
+                    or (
+                        getattr(node.func, "attr", None) == "load"
+                        and getattr(node.func.value, "id", None) in ("server_code", "code")
+                    )
+                )
+            ):
                 used.add(node.args[0].value)
     assert {"scheduler-sim", "demo", "worker-settings"} <= used, used
     assert used <= set(declared), f"loaded but not declared in pyproject: {sorted(used - set(declared))}"

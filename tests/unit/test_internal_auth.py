@@ -35,8 +35,11 @@ async def test_scheduler_and_workers_check_and_send_the_token():
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
     worker.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
-    service = await create_server(SchedulerSettings(worker_addresses=[worker.address], status_poll_s=0.05,
-                                                    dispatch_tick_s=0.05, internal_token=TOKEN))
+    service = await create_server(
+        SchedulerSettings(
+            worker_addresses=[worker.address], status_poll_s=0.05, dispatch_tick_s=0.05, internal_token=TOKEN
+        )
+    )
     await service.start()
     address = f"127.0.0.1:{service.port}"
     try:
@@ -72,8 +75,10 @@ async def test_sync_channels_send_the_token():
             with with_token(grpc.insecure_channel(f"127.0.0.1:{service.port}"), token) as ch:
                 try:
                     scheduler_service_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStatus(
-                        scheduler_service_pb2.GetSchedulerStatusRequest(), timeout=5,
-                        metadata=[(TOKEN_KEY, "caller-set")] if token == TOKEN else None)
+                        scheduler_service_pb2.GetSchedulerStatusRequest(),
+                        timeout=5,
+                        metadata=[(TOKEN_KEY, "caller-set")] if token == TOKEN else None,
+                    )
                     return grpc.StatusCode.OK
                 except grpc.RpcError as err:
                     return err.code()
@@ -93,4 +98,3 @@ def test_token_comes_from_the_setting_or_its_file(tmp_path):
     f.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         internal_token(SchedulerSettings(internal_token_file=str(f)))
-

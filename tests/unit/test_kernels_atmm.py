@@ -8,9 +8,20 @@ import torch
 from kernels.atmm import BT_MENU, AtmmPlan, LoraWeights, atmm_, lora_weights_from_lists
 from kernels.reference import SegmentPlan, multi_lora_reference_
 from kernels.switch import LoraTerm, SwitchPlan, merge_, switch_, unmerge_
-from kernels.tile_table import (TileConfig, TileTable, default_fused_groups, fused_group_options, fused_groups,
-                                fused_heuristic_config, heuristic_config, rank_block, segment_bucket, shape_key,
-                                table_filename, token_bucket)
+from kernels.tile_table import (
+    TileConfig,
+    TileTable,
+    default_fused_groups,
+    fused_group_options,
+    fused_groups,
+    fused_heuristic_config,
+    heuristic_config,
+    rank_block,
+    segment_bucket,
+    shape_key,
+    table_filename,
+    token_bucket,
+)
 
 
 def weights(ranks, h_in=32, h_out=24, seed=0):
@@ -28,12 +39,12 @@ def test_plan_metadata_layout_and_tiles():
     meta = plan.meta.tolist()
     assert meta[0] == 4
     assert meta[1:6] == [0, 20, 21, 70, 150]
-    assert meta[2 + cap:2 + cap + 4] == [0, -1, 1, 2]
+    assert meta[2 + cap : 2 + cap + 4] == [0, -1, 1, 2]
     for i, bt in enumerate(BT_MENU):
         base = 2 + 2 * cap + i * (cap + 1)
         counts = [-(-20 // bt), 0, -(-49 // bt), -(-80 // bt)]
         want = [0, counts[0], counts[0], counts[0] + counts[2], sum(counts)]
-        assert meta[base:base + 5] == want
+        assert meta[base : base + 5] == want
         assert plan.tiles[bt] == sum(counts)
     assert plan.rank_stride == 64  # max rank among used slots, multiple of 16
     assert plan.active_segments == 3 and plan.num_tokens == 150
@@ -107,11 +118,16 @@ def test_tile_table_keys_buckets_and_lookup(tmp_path):
     assert shape_key(4096, 4096, 16, 100, 8) == "4096x4096/r16/t128/s16"
     cfg_a = TileConfig(16, 64, 4, 8, 16, 64)
     cfg_b = TileConfig(64, 128, 3, 1, 64, 128)
-    t = TileTable("NVIDIA H200", "sm90", "bfloat16",
-                  {shape_key(4096, 4096, 16, 16, 8): cfg_a, shape_key(4096, 4096, 16, 1024, 8): cfg_b}, {})
-    assert t.lookup(4096, 4096, 16, 16, 8) is cfg_a       # exact bucket: one dict lookup
-    assert t.lookup(4096, 4096, 16, 12, 5) is cfg_a       # same bucket
-    assert t.lookup(4096, 4096, 16, 700, 8) is cfg_b      # nearest measured token bucket
+    t = TileTable(
+        "NVIDIA H200",
+        "sm90",
+        "bfloat16",
+        {shape_key(4096, 4096, 16, 16, 8): cfg_a, shape_key(4096, 4096, 16, 1024, 8): cfg_b},
+        {},
+    )
+    assert t.lookup(4096, 4096, 16, 16, 8) is cfg_a  # exact bucket: one dict lookup
+    assert t.lookup(4096, 4096, 16, 12, 5) is cfg_a  # same bucket
+    assert t.lookup(4096, 4096, 16, 700, 8) is cfg_b  # nearest measured token bucket
     assert t.lookup(4096, 4096, 16, 40, 8) is cfg_a
     assert t.lookup(1024, 4096, 16, 40, 8) == heuristic_config(1024, 4096, 16, 40, 8)  # unknown shape
     path = tmp_path / table_filename("NVIDIA H200", "sm90", "bfloat16")
@@ -164,8 +180,9 @@ def test_committed_tile_tables_name_compiled_configs():
         for key, c in t.entries.items():
             rs = int(key.split("/")[1][1:])
             if c.backend == "triton":  # a Triton menu entry (JIT-compiled, any split-K)
-                assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, c.expand_bt, c.expand_bn,
-                        c.warps) in TRITON_MENU, key
+                assert (c.shrink_bt, c.shrink_bk, c.shrink_stages, c.expand_bt, c.expand_bn, c.warps) in TRITON_MENU, (
+                    key
+                )
                 assert c.split_k >= 1 and not c.grouped, key
                 continue
             if c.backend == "fused":  # a fused kernel of the menu: (BT, BN, rank block, cluster)
@@ -187,8 +204,13 @@ def test_tile_config_backend_field_and_json_schema(tmp_path):
         TileConfig(16, 64, 4, 8, 16, 64, backend="cublas")
     with pytest.raises(ValueError, match="grouped"):
         TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128", backend="triton")
-    t = TileTable("NVIDIA H200", "sm90", "bfloat16", {"4096x4096/r16/t4096/s16": tri,
-                                                      "4096x4096/r16/t16/s16": TileConfig(16, 64, 4, 8, 16, 64)}, {})
+    t = TileTable(
+        "NVIDIA H200",
+        "sm90",
+        "bfloat16",
+        {"4096x4096/r16/t4096/s16": tri, "4096x4096/r16/t16/s16": TileConfig(16, 64, 4, 8, 16, 64)},
+        {},
+    )
     path = tmp_path / "t.json"
     t.save(path)
     raw = json.loads(path.read_text())
@@ -197,11 +219,31 @@ def test_tile_config_backend_field_and_json_schema(tmp_path):
     assert raw["entries"]["4096x4096/r16/t16/s16"]["backend"] == "cuda"
     assert TileTable.load(path).entries == t.entries
     # tables written before the backend field load as the CUDA backends
-    old = {"gpu": "g", "arch": "sm90", "dtype": "bfloat16", "entries": {
-        "4096x4096/r16/t16/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16,
-                                  "expand_bn": 64, "grouped": ""},
-        "4096x4096/r16/t64/s16": {"shrink_bt": 16, "shrink_bk": 64, "shrink_stages": 4, "split_k": 8, "expand_bt": 16,
-                                  "expand_bn": 64, "grouped": "grouped_bf16_m64n128"}}}
+    old = {
+        "gpu": "g",
+        "arch": "sm90",
+        "dtype": "bfloat16",
+        "entries": {
+            "4096x4096/r16/t16/s16": {
+                "shrink_bt": 16,
+                "shrink_bk": 64,
+                "shrink_stages": 4,
+                "split_k": 8,
+                "expand_bt": 16,
+                "expand_bn": 64,
+                "grouped": "",
+            },
+            "4096x4096/r16/t64/s16": {
+                "shrink_bt": 16,
+                "shrink_bk": 64,
+                "shrink_stages": 4,
+                "split_k": 8,
+                "expand_bt": 16,
+                "expand_bn": 64,
+                "grouped": "grouped_bf16_m64n128",
+            },
+        },
+    }
     back = TileTable.from_json(old)
     assert back.entries["4096x4096/r16/t16/s16"].backend == "cuda"
     assert back.entries["4096x4096/r16/t64/s16"].backend == "cutlass_grouped"
@@ -212,8 +254,9 @@ def _dispatch_case(monkeypatch, table_cfg, triton_ok):
 
     calls = []
     for name in am.BACKEND_RUNNERS:
-        monkeypatch.setitem(am.BACKEND_RUNNERS, name,
-                            lambda ext, y, x, plan, w, cfg, dtype, pdl, name=name: calls.append((name, cfg)))
+        monkeypatch.setitem(
+            am.BACKEND_RUNNERS, name, lambda ext, y, x, plan, w, cfg, dtype, pdl, name=name: calls.append((name, cfg))
+        )
     monkeypatch.setattr(am, "_kernel_ext", lambda y: object())  # as if on a GPU with the extension built
     monkeypatch.setattr(am, "triton_available", lambda: triton_ok)
     a, b = weights([16, 16], h_in=64, h_out=64)
@@ -227,10 +270,15 @@ def _dispatch_case(monkeypatch, table_cfg, triton_ok):
     return calls[0]
 
 
-@pytest.mark.parametrize("cfg", [TileConfig(16, 64, 4, 8, 16, 64),
-                                 TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128"),
-                                 TileConfig(32, 64, 3, 2, 32, 128, backend="triton"),
-                                 TileConfig.fused(16, 128, 8, 2)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TileConfig(16, 64, 4, 8, 16, 64),
+        TileConfig(16, 64, 4, 8, 16, 64, "grouped_bf16_m64n128"),
+        TileConfig(32, 64, 3, 2, 32, 128, backend="triton"),
+        TileConfig.fused(16, 128, 8, 2),
+    ],
+)
 def test_atmm_dispatches_to_the_backend_the_table_names(monkeypatch, cfg):
     name, used = _dispatch_case(monkeypatch, cfg, triton_ok=True)
     assert name == cfg.backend and used is cfg
@@ -274,8 +322,10 @@ def test_triton_menu_candidates_and_split_plan():
 def test_switch_fallback_is_unmerge_then_merge():
     g = torch.Generator().manual_seed(2)
     w0 = [torch.randn(24, 32, generator=g).bfloat16(), torch.randn(16, 40, generator=g).bfloat16()]
+
     def term(out, inp, r, s):
         return LoraTerm(torch.randn(inp, r, generator=g).bfloat16(), torch.randn(r, out, generator=g).bfloat16(), s)
+
     m = [term(24, 32, 8, 2.0), term(16, 40, 16, 2.0)]
     n = [term(24, 32, 16, 0.5), term(16, 40, 8, 0.5)]
     ws = [w.clone() for w in w0]
@@ -303,6 +353,7 @@ def test_switch_plan_checks_shapes():
 
 # ---- the fused single-launch backend (menu, table entries, dispatch, launch arguments) ----------
 
+
 def _menu(name):
     import re
     from pathlib import Path
@@ -313,8 +364,10 @@ def _menu(name):
 
 def _fused_smem(bt, bn, rb, elem=2):
     """FusedCfg<T, BT, BN, RB, CL>::SMEM (csrc/atmm.cuh), mirrored: what the tile search prunes by."""
+
     def al(v):
         return (v + 127) & ~127
+
     rp, bk, stages = 16 * rb, 64, 4
     pipe = stages * (bt * (bk + 8) + bk * (rp + 8)) * elem
     red = 4 * bt * rp * 4
@@ -401,7 +454,7 @@ def test_weights_track_16_byte_alignment():
     w = LoraWeights(3, 64, 32, torch.bfloat16)
     assert w.aligned16
     store = torch.zeros(64 * 16 + 8, dtype=torch.bfloat16)
-    a_odd = store[1:1 + 64 * 16].view(64, 16)  # contiguous, 2 bytes past an aligned start
+    a_odd = store[1 : 1 + 64 * 16].view(64, 16)  # contiguous, 2 bytes past an aligned start
     assert a_odd.is_contiguous() and a_odd.data_ptr() % 16
     w.set(0, torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16), 1.0)
     assert w.aligned16
@@ -417,12 +470,13 @@ def test_misaligned_weights_never_reach_the_cuda_kernels(monkeypatch):
 
     calls = []
     for name in am.BACKEND_RUNNERS:
-        monkeypatch.setitem(am.BACKEND_RUNNERS, name,
-                            lambda ext, y, x, plan, w, cfg, dtype, pdl, name=name: calls.append((name, cfg)))
+        monkeypatch.setitem(
+            am.BACKEND_RUNNERS, name, lambda ext, y, x, plan, w, cfg, dtype, pdl, name=name: calls.append((name, cfg))
+        )
     monkeypatch.setattr(am, "_kernel_ext", lambda y: object())
     a, b = weights([16, 16], h_in=64, h_out=64)
     store = torch.zeros(64 * 16 + 8, dtype=torch.bfloat16)
-    a_odd = store[1:1 + 64 * 16].view(64, 16)
+    a_odd = store[1 : 1 + 64 * 16].view(64, 16)
     a_odd.copy_(a[0].bfloat16())
     w = lora_weights_from_lists([a_odd, a[1].bfloat16()], [t.bfloat16() for t in b], [1.0, 1.0])
     plan = AtmmPlan(8, 64).update_from_token_slots([0] * 20 + [1] * 12, w.ranks)
@@ -444,7 +498,7 @@ def test_triton_alignment_check_is_host_side():
     w = lora_weights_from_lists([a[0].bfloat16()], [b[0].bfloat16()], [1.0])
     x, y, ws = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(64)
     assert ts.aligned_launch(y, x, w, ws)
-    assert not ts.aligned_launch(y, x, w, ws[1:])          # workspace view off 16 bytes
+    assert not ts.aligned_launch(y, x, w, ws[1:])  # workspace view off 16 bytes
     assert not ts.aligned_launch(y, torch.zeros(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64), w, ws)
 
 
@@ -452,17 +506,31 @@ def test_tile_search_prunes_fused_configs_and_keeps_them_out_of_the_shrink_list(
     from kernels.tile_search import candidates, fused_candidates, seg_cache_bytes
 
     def cfg(i, name, kind="shrink", bt=16, rb=1, smem=30000, bn=0, bm=0):
-        return {"id": i, "name": name, "kind": kind, "dtype": "bfloat16", "bt": bt, "bk": 64, "stages": 4, "rb": rb,
-                "bn": bn, "bm": bm, "smem_r16": smem, "smem_r128": smem}
+        return {
+            "id": i,
+            "name": name,
+            "kind": kind,
+            "dtype": "bfloat16",
+            "bt": bt,
+            "bk": 64,
+            "stages": 4,
+            "rb": rb,
+            "bn": bn,
+            "bm": bm,
+            "smem_r16": smem,
+            "smem_r128": smem,
+        }
 
     class Ext:
         def configs(self):
-            return [cfg(0, "shrink_bf16_bt16_bk64_s4_r1"),
-                    cfg(1, "fused_bf16_bt16_bn128_r1_c8", bn=128, bm=8),
-                    cfg(2, "fused_bf16_bt64_bn128_r1_c8", bt=64, bn=128, bm=8),
-                    cfg(3, "fused_bf16_bt16_bn128_r4_c8", rb=4, smem=90000, bn=128, bm=8),
-                    cfg(4, "fused_bf16_bt16_bn256_r1_c8", smem=232448 - seg_cache_bytes(64) + 1, bn=256, bm=8),
-                    cfg(5, "expand_bf16_bt16_bn128", kind="expand", bn=128)]
+            return [
+                cfg(0, "shrink_bf16_bt16_bk64_s4_r1"),
+                cfg(1, "fused_bf16_bt16_bn128_r1_c8", bn=128, bm=8),
+                cfg(2, "fused_bf16_bt64_bn128_r1_c8", bt=64, bn=128, bm=8),
+                cfg(3, "fused_bf16_bt16_bn128_r4_c8", rb=4, smem=90000, bn=128, bm=8),
+                cfg(4, "fused_bf16_bt16_bn256_r1_c8", smem=232448 - seg_cache_bytes(64) + 1, bn=256, bm=8),
+                cfg(5, "expand_bf16_bt16_bn128", kind="expand", bn=128),
+            ]
 
     shr, exp, _ = candidates(Ext(), "bfloat16", 16, 4096, 16, 1 << 20, 232448)
     assert [c["id"] for c in shr] == [0] and [c["id"] for c in exp] == [5]
@@ -478,13 +546,28 @@ def test_tile_search_times_the_cuda_core_expand_for_small_token_counts_only():
     from kernels.tile_table import FMA_EXPAND_MAX_TOKENS
 
     def cfg(i, name, kind, bt=16, bn=0):
-        return {"id": i, "name": name, "kind": kind, "dtype": "bfloat16", "bt": bt, "bk": 64, "stages": 4, "rb": 1,
-                "bn": bn, "bm": 0, "smem_r16": 1000, "smem_r128": 1000}
+        return {
+            "id": i,
+            "name": name,
+            "kind": kind,
+            "dtype": "bfloat16",
+            "bt": bt,
+            "bk": 64,
+            "stages": 4,
+            "rb": 1,
+            "bn": bn,
+            "bm": 0,
+            "smem_r16": 1000,
+            "smem_r128": 1000,
+        }
 
     class Ext:
         def configs(self):
-            return [cfg(0, "shrink_bf16_bt16_bk64_s4_r1", "shrink"), cfg(1, "expand_bf16_bt16_bn256", "expand", bn=256),
-                    cfg(2, "expand_bf16_bt16_bn1024", "expand", bn=1024)]
+            return [
+                cfg(0, "shrink_bf16_bt16_bk64_s4_r1", "shrink"),
+                cfg(1, "expand_bf16_bt16_bn256", "expand", bn=256),
+                cfg(2, "expand_bf16_bt16_bn1024", "expand", bn=1024),
+            ]
 
     def expands(tokens):
         return [c["id"] for c in candidates(Ext(), "bfloat16", 16, 4096, tokens, 1 << 24, 232448)[1]]

@@ -41,8 +41,12 @@ def test_binding_header_is_plain_cpp(tmp_path):
     src = tmp_path / "t.cpp"
     src.write_text('#include "atmm_api.h"\nint main() { return sizeof(valora::AtmmArgs) > 0 ? 0 : 1; }\n')
     cuda_inc = Path(NVCC).resolve().parent.parent / "include"
-    r = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", f"-I{CSRC}", f"-I{cuda_inc}",
-                        "-I/usr/local/cuda/include", str(src)], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["c++", "-std=c++17", "-fsyntax-only", f"-I{CSRC}", f"-I{cuda_inc}", "-I/usr/local/cuda/include", str(src)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0 and "cuda_runtime.h" in r.stderr:
         pytest.skip("CUDA runtime headers not found next to nvcc")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -57,12 +57,20 @@ def _reference_logits(model, prompt: list[int], tokens: list[int]) -> list[torch
     lm = model.model.language_model
     cache = DynamicCache(config=lm.config)
     n = len(prompt)
-    h = lm(input_ids=torch.tensor([prompt]), position_ids=torch.arange(n).view(1, 1, n).expand(3, 1, n),
-           past_key_values=cache, use_cache=True).last_hidden_state
+    h = lm(
+        input_ids=torch.tensor([prompt]),
+        position_ids=torch.arange(n).view(1, 1, n).expand(3, 1, n),
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
     out = [model.lm_head(h[0, -1])]
     for i, t in enumerate(tokens[:-1]):
-        h = lm(input_ids=torch.tensor([[t]]), position_ids=torch.full((3, 1, 1), n + i), past_key_values=cache,
-               use_cache=True).last_hidden_state
+        h = lm(
+            input_ids=torch.tensor([[t]]),
+            position_ids=torch.full((3, 1, 1), n + i),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
         out.append(model.lm_head(h[0, -1]))
     return out
 
@@ -90,12 +98,16 @@ def test_paged_decode_equals_contiguous_under_join_leave_preempt(model_path, see
     preempted = 0
 
     def prefill(i: int) -> None:
-        ctx = prompts[i] + gen[i][:done[i]]
+        ctx = prompts[i] + gen[i][: done[i]]
         n = len(ctx)
         assert blocks.open(i, n)
         cache = PagedCache(tc, pool, blocks.slots(i, 0, n))
-        h = lm(input_ids=torch.tensor([ctx]), position_ids=torch.arange(n).view(1, 1, n).expand(3, 1, n),
-               past_key_values=cache, use_cache=True).last_hidden_state
+        h = lm(
+            input_ids=torch.tensor([ctx]),
+            position_ids=torch.arange(n).view(1, 1, n).expand(3, 1, n),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
         logits = model.lm_head(h[0, -1])
         if not got[i]:
             got[i].append(logits)
@@ -127,9 +139,16 @@ def test_paged_decode_equals_contiguous_under_join_leave_preempt(model_path, see
                         preempted += 1
             if not running:
                 continue
-            rows = [DecodeRow(token=gen[i][done[i]], position=len(prompts[i]) + done[i],
-                              slot=blocks.slot(i, len(prompts[i]) + done[i]), length=len(prompts[i]) + done[i] + 1,
-                              table_row=blocks.row(i)) for i in running]
+            rows = [
+                DecodeRow(
+                    token=gen[i][done[i]],
+                    position=len(prompts[i]) + done[i],
+                    slot=blocks.slot(i, len(prompts[i]) + done[i]),
+                    length=len(prompts[i]) + done[i] + 1,
+                    table_row=blocks.row(i),
+                )
+                for i in running
+            ]
             _, logits = graphs.step(rows, None, bucket_rows(len(rows)))
             for i, row_logits in zip(list(running), logits):
                 done[i] += 1
@@ -139,7 +158,7 @@ def test_paged_decode_equals_contiguous_under_join_leave_preempt(model_path, see
                     blocks.close(i)
     for i in range(n_seqs):
         assert len(got[i]) == len(gen[i]) + 1
-        for step, (a, b) in enumerate(zip(got[i][:len(want[i])], want[i])):
+        for step, (a, b) in enumerate(zip(got[i][: len(want[i])], want[i])):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"sequence {i} step {step}")
     assert blocks.free_blocks == blocks.usable_blocks
     assert preempted > 0  # 8 blocks for up to 6 rows of up to 4 blocks: the pool runs out

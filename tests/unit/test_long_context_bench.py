@@ -9,10 +9,32 @@ from bench import long_context_bench
 
 
 def test_long_context_bench_runs_and_reports(tmp_path):
-    got = long_context_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--device", "cpu",
-                                   "--short", "3", "--short-tokens", "12", "--long-tokens", "1200",
-                                   "--long-new", "3", "--batch", "4", "--max-prefill-tokens", "512",
-                                   "--out-dir", str(tmp_path), "--name", "lc"])
+    got = long_context_bench.main(
+        [
+            "--arch",
+            "tiny",
+            "--model-dir",
+            str(tmp_path / "tiny"),
+            "--device",
+            "cpu",
+            "--short",
+            "3",
+            "--short-tokens",
+            "12",
+            "--long-tokens",
+            "1200",
+            "--long-new",
+            "3",
+            "--batch",
+            "4",
+            "--max-prefill-tokens",
+            "512",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "lc",
+        ]
+    )
     saved = json.loads((tmp_path / "lc.json").read_text())
     assert saved["finished"] == got["finished"] == 4 and not saved["failures"]
     assert abs(saved["long_prompt_tokens"] - 1200) <= 8  # the prompt the bench meant

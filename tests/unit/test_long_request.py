@@ -9,14 +9,23 @@ from services.worker.engine import Engine, EngineConfig
 from services.worker.requests import WorkRequest
 from services.worker.testing import random_image
 from tests.unit.test_decode_graphs import A, B, run  # the same engine run: adapters loaded, all queued at once
+
 LONG_TOKENS = 3500
 SHORT = 31
 
 
 def requests(long_prompt: str) -> list[WorkRequest]:
     """The streams first (running when the long request arrives), then the long one."""
-    reqs = [WorkRequest(f"s{i}", "Describe the image." + " more" * (i % 5), [random_image(i)],
-                        adapter=(None, A, B)[i % 3], max_new_tokens=24 + i % 9) for i in range(SHORT)]
+    reqs = [
+        WorkRequest(
+            f"s{i}",
+            "Describe the image." + " more" * (i % 5),
+            [random_image(i)],
+            adapter=(None, A, B)[i % 3],
+            max_new_tokens=24 + i % 9,
+        )
+        for i in range(SHORT)
+    ]
     return reqs + [WorkRequest("long", long_prompt, raw_prompt=True, adapter=A, max_new_tokens=24)]
 
 
@@ -31,8 +40,9 @@ def test_a_long_request_beside_31_streams_finishes_in_a_tight_pool(model_path):
     # The long request alone needs ~220 blocks of 16 tokens, the streams ~4 each: 300 blocks hold
     # the long one and a few streams at a time.
     need_long = -(-(n + 24) // block)
-    tight, eng = run(model_path, reqs, max_batch_size=32, max_prefill_tokens=512,
-                     kv_cache_bytes=(need_long + 80) * block_bytes)
+    tight, eng = run(
+        model_path, reqs, max_batch_size=32, max_prefill_tokens=512, kv_cache_bytes=(need_long + 80) * block_bytes
+    )
     assert tight == roomy
     assert {rid: len(t) for rid, t in tight.items()} == {r.request_id: r.max_new_tokens for r in reqs}
     chunks_beside_decode = [d for p, d, _ in eng.step_log if p == 1 and d > 0]

@@ -21,24 +21,35 @@ NAMES = ("adapters/r8/versions/1", "adapters/r16/versions/1", "adapters/qv/versi
 
 @pytest.fixture(scope="module")
 def bundles(model_path):
-    return {NAMES[0]: random_adapter_bundle(model_path, rank=8, lora_alpha=16, seed=11),
-            NAMES[1]: random_adapter_bundle(model_path, rank=16, lora_alpha=16, seed=12),
-            NAMES[2]: random_adapter_bundle(model_path, rank=8, lora_alpha=8, seed=13,
-                                            target_modules=("q_proj", "v_proj"))}
+    return {
+        NAMES[0]: random_adapter_bundle(model_path, rank=8, lora_alpha=16, seed=11),
+        NAMES[1]: random_adapter_bundle(model_path, rank=16, lora_alpha=16, seed=12),
+        NAMES[2]: random_adapter_bundle(model_path, rank=8, lora_alpha=8, seed=13, target_modules=("q_proj", "v_proj")),
+    }
 
 
 def make_engine(model_path, bundles, monkeypatch, fold_rows: int, use_atmm: bool = True) -> Engine:
     monkeypatch.setattr(AtmmBackend, "available", staticmethod(lambda device, dtype: True))  # the CPU references
-    eng = Engine(EngineConfig(model_path=model_path, device="cpu", max_batch_size=8, device_slots=4,
-                              lora_fold_rows=fold_rows, use_atmm=use_atmm))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            device="cpu",
+            max_batch_size=8,
+            device_slots=4,
+            lora_fold_rows=fold_rows,
+            use_atmm=use_atmm,
+        )
+    )
     for name, b in bundles.items():
         eng.load_adapter_bytes(name, b.sha256, b.data, b.config_json)
     return eng
 
 
 def generate(eng: Engine, adapters) -> dict[str, list[int]]:
-    reqs = [WorkRequest(f"r{i}", "Describe the image.", [random_image(i)], adapter=a, max_new_tokens=6)
-            for i, a in enumerate(adapters)]
+    reqs = [
+        WorkRequest(f"r{i}", "Describe the image.", [random_image(i)], adapter=a, max_new_tokens=6)
+        for i, a in enumerate(adapters)
+    ]
     eng.start()
     try:
         return {rid: r.token_ids for rid, (_, r) in run_concurrently(eng, reqs).items()}
@@ -173,8 +184,12 @@ def test_group_ranks_are_the_largest_summed_rank_over_layers():
     feats = {(layer, m): (16, 16) for layer in (0, 1) for m in ("q_proj", "k_proj", "v_proj", "up_proj")}
     groups = {(layer, "qkv"): tuple((layer, m) for m in ("q_proj", "k_proj", "v_proj")) for layer in (0, 1)}
     backend = AtmmBackend(feats, torch.device("cpu"), torch.float32, groups=groups)
-    a = {(0, "q_proj"): torch.zeros(16, 8), (1, "q_proj"): torch.zeros(16, 8), (1, "v_proj"): torch.zeros(16, 16),
-         (0, "up_proj"): torch.zeros(16, 32)}
+    a = {
+        (0, "q_proj"): torch.zeros(16, 8),
+        (1, "q_proj"): torch.zeros(16, 8),
+        (1, "v_proj"): torch.zeros(16, 16),
+        (0, "up_proj"): torch.zeros(16, 32),
+    }
     entry = AdapterEntry(a=a, b={k: torch.zeros(v.shape[1], 16) for k, v in a.items()}, scale=1.0)
     assert backend._group_ranks(entry) == {"qkv": 24}
     assert backend._group_ranks(entry) is backend._group_ranks(entry)

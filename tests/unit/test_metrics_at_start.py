@@ -38,9 +38,18 @@ def test_a_fresh_scrape_lists_event_counters_at_zero():
     out = subprocess.run([sys.executable, "-c", SCRAPE], capture_output=True, text=True, timeout=240, check=True)
     lines = set(out.stdout.splitlines())
     expected = [
-        *(f'valora:requests_total{{code="{code}",service="{service}"}} 0.0'
-          for service in ("gateway", "scheduler") for code in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED",
-                                                             "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED")),
+        *(
+            f'valora:requests_total{{code="{code}",service="{service}"}} 0.0'
+            for service in ("gateway", "scheduler")
+            for code in (
+                "OK",
+                "INVALID_ARGUMENT",
+                "RESOURCE_EXHAUSTED",
+                "UNAVAILABLE",
+                "CANCELLED",
+                "DEADLINE_EXCEEDED",
+            )
+        ),
         *(f'valora:mode_switches_total{{kind="{kind}",worker="w0"}} 0.0' for kind in ("merge", "unmerge", "switch")),
         *(f'valora:request_success_total{{finished_reason="{r}",worker="w0"}} 0.0' for r in ("stop", "length")),
         *(f'valora:adapter_swaps_total{{direction="{d}",worker="w0"}} 0.0' for d in ("in", "out")),

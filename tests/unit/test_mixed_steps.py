@@ -30,24 +30,45 @@ def req(i: int, n: int, **kw) -> WorkRequest:
 
 
 def first() -> list[WorkRequest]:
-    return [req(0, 20), req(1, 14, adapter=B, logprobs=2),
-            req(2, 16, adapter=A, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=5))]
+    return [
+        req(0, 20),
+        req(1, 14, adapter=B, logprobs=2),
+        req(2, 16, adapter=A, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=5)),
+    ]
 
 
 def joiners(n: int) -> list[WorkRequest]:
     """Submitted when r0 has streamed n tokens: they prefill while the first ones decode."""
-    return [req(10 + n, 6, adapter=A), req(20 + n, 5, logprobs=1),
-            req(30 + n, 7, adapter=B, sampling=SamplingParams(temperature=1.0, top_k=20, seed=n)),
-            WorkRequest(f"long{n}", "Tell me everything about this picture. " * 6, [random_image(40 + n)],
-                        max_new_tokens=4, adapter=A)]
+    return [
+        req(10 + n, 6, adapter=A),
+        req(20 + n, 5, logprobs=1),
+        req(30 + n, 7, adapter=B, sampling=SamplingParams(temperature=1.0, top_k=20, seed=n)),
+        WorkRequest(
+            f"long{n}",
+            "Tell me everything about this picture. " * 6,
+            [random_image(40 + n)],
+            max_new_tokens=4,
+            adapter=A,
+        ),
+    ]
 
 
 def run(model_path, mixed: bool, pipeline: bool = True, patch=None) -> tuple[Engine, dict]:
     """The workload on a fresh engine; returns it (stopped) and each request's summary."""
-    eng = Engine(EngineConfig(model_path=model_path, device=DEVICE, decode_graphs="static", pipeline_decode=pipeline,
-                              mixed_steps=mixed, max_batch_size=12, max_prefills_per_step=3,
-                              max_prefill_tokens=160, device_slots=3,  # "long…" prefills in chunks
-                              kv_cache_bytes=TEST_KV_BYTES))  # on CUDA: not sized by what the last engine left
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            device=DEVICE,
+            decode_graphs="static",
+            pipeline_decode=pipeline,
+            mixed_steps=mixed,
+            max_batch_size=12,
+            max_prefills_per_step=3,
+            max_prefill_tokens=160,
+            device_slots=3,  # "long…" prefills in chunks
+            kv_cache_bytes=TEST_KV_BYTES,
+        )
+    )  # on CUDA: not sized by what the last engine left
     eng.eos_ids = set()
     if patch is not None:
         patch(eng)
@@ -60,12 +81,16 @@ def run(model_path, mixed: bool, pipeline: bool = True, patch=None) -> tuple[Eng
 
         def sink(ev):
             got.append(ev)
-            if r.request_id == "r0" and isinstance(ev, TextDelta) and sum(
-                    isinstance(e, TextDelta) for e in got) in (3, 8):
+            if (
+                r.request_id == "r0"
+                and isinstance(ev, TextDelta)
+                and sum(isinstance(e, TextDelta) for e in got) in (3, 8)
+            ):
                 for j in joiners(len(got)):  # on the engine thread: deterministic
                     submit(j)
             if isinstance(ev, (Finished, Failed)):
                 ended.put(r.request_id)
+
         eng.submit(eng.prepare(r), sink)
 
     try:
@@ -118,6 +143,7 @@ def watch_riders(eng: Engine, seen: list) -> None:
         if inside:
             seen.append((rows, entries, len(set(inside[-1]) - {"None"})))
         observe(rows, entries)
+
     eng.mixed.run, eng.decoder.observe = mixed_run, observed
 
 
@@ -137,6 +163,7 @@ def test_mixed_steps_give_every_request_its_tokens(model_path, apart, pipeline):
 def test_a_mixed_forward_that_raises_runs_both_apart(model_path, apart):
     """The forward raises after it cached its tokens and moved every row on (the riders'
     lengths, the pieces' `prefilled`): each row is put back and the step runs as two forwards."""
+
     def patch(eng: Engine) -> None:
         real = eng.runner.prefill
         failures = []
@@ -147,6 +174,7 @@ def test_a_mixed_forward_that_raises_runs_both_apart(model_path, apart):
                 failures.append(1)
                 raise RuntimeError("injected after the mixed forward")
             return got
+
         eng.runner.prefill = prefill
 
     eng, out = run(model_path, mixed=True, patch=patch)
@@ -157,8 +185,9 @@ def test_a_mixed_forward_that_raises_runs_both_apart(model_path, apart):
 def test_padding_filled_beside_riders_stays_in_the_bucket():
     """prefill_fill_padding with mixed steps: the running rows ride in the forward, a token each,
     so the pieces filled into its bucket leave them room (without: 1090 + 100 riders run 1280)."""
-    config = SimpleNamespace(max_prefills_per_step=4, max_prefill_tokens=1000, prefill_fill_padding=True,
-                             mixed_steps=True)
+    config = SimpleNamespace(
+        max_prefills_per_step=4, max_prefill_tokens=1000, prefill_fill_padding=True, mixed_steps=True
+    )
     sched = StepScheduler(config, None, None, threading.Condition(), padded=bucket_tokens)
     sched.prefill.extend(SimpleNamespace(context=n, prefilled=0, prefill_to=0) for n in (900, 600))
     sched.running.extend(object() for _ in range(100))

@@ -31,8 +31,9 @@ from valora_protos.internal.v1 import (
 from valora_protos.v1 import admin_service_pb2, admin_service_pb2_grpc, inference_service_pb2, resources_pb2, types_pb2
 
 pytestmark = pytest.mark.anyio
-VERSION = resources_pb2.AdapterVersion(name="adapters/cars/versions/1", sha256="ef" * 32,
-                                       state=resources_pb2.ADAPTER_VERSION_STATE_READY)
+VERSION = resources_pb2.AdapterVersion(
+    name="adapters/cars/versions/1", sha256="ef" * 32, state=resources_pb2.ADAPTER_VERSION_STATE_READY
+)
 KEY = "sk-test"
 
 
@@ -54,20 +55,24 @@ class Store(adapter_store_service_pb2_grpc.AdapterStoreServiceServicer, admin_se
         return adapter_store_service_pb2.ResolveReferenceResponse(version=VERSION)
 
     async def ListAdapters(self, request, context):
-        return admin_service_pb2.ListAdaptersResponse(adapters=[
-            resources_pb2.Adapter(name="adapters/cars", aliases={"prod": VERSION.name})])
+        return admin_service_pb2.ListAdaptersResponse(
+            adapters=[resources_pb2.Adapter(name="adapters/cars", aliases={"prod": VERSION.name})]
+        )
 
     async def ListTasks(self, request, context):
-        return admin_service_pb2.ListTasksResponse(tasks=[
-            resources_pb2.Task(name="tasks/count-cars", adapter="adapters/cars@prod")])
+        return admin_service_pb2.ListTasksResponse(
+            tasks=[resources_pb2.Task(name="tasks/count-cars", adapter="adapters/cars@prod")]
+        )
 
 
 TOKENS = ("two", " ", "cars", "<|im_end|>")  # the fake worker's tokens; the last shows no text
 
 
 def token_logprob(token: str, logprob: float, top: int) -> types_pb2.TokenLogprob:
-    alts = [types_pb2.TokenLogprob(token=token if j == 0 else f"alt{j}", logprob=logprob - j, bytes=token.encode())
-            for j in range(top)]
+    alts = [
+        types_pb2.TokenLogprob(token=token if j == 0 else f"alt{j}", logprob=logprob - j, bytes=token.encode())
+        for j in range(top)
+    ]
     return types_pb2.TokenLogprob(token=token, logprob=logprob, bytes=token.encode(), top_logprobs=alts)
 
 
@@ -95,13 +100,20 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
         lps = [token_logprob(t, -0.1 * (i + 1), p.top_logprobs) for i, t in enumerate(TOKENS)] if p.logprobs else []
         for delta, shown in (("two ", lps[:2]), ("cars", lps[2:3])):
             yield worker_service_pb2.GenerateResponse(text_delta=delta, logprobs=shown)
-        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
-            text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS, mode=types_pb2.INFERENCE_MODE_UNMERGED,
-            usage=types_pb2.Usage(prompt_tokens=5, image_tokens=4, output_tokens=2), logprobs=lps))
+        yield worker_service_pb2.GenerateResponse(
+            result=inference_service_pb2.InferResult(
+                text="two cars",
+                finish_reason=types_pb2.FINISH_REASON_EOS,
+                mode=types_pb2.INFERENCE_MODE_UNMERGED,
+                usage=types_pb2.Usage(prompt_tokens=5, image_tokens=4, output_tokens=2),
+                logprobs=lps,
+            )
+        )
 
     async def GetWorkerStatus(self, request, context):
         return worker_service_pb2.GetWorkerStatusResponse(
-            status=admin_service_pb2.WorkerStatus(healthy=True, max_batch_size=4))
+            status=admin_service_pb2.WorkerStatus(healthy=True, max_batch_size=4)
+        )
 
 
 @contextlib.asynccontextmanager
@@ -115,11 +127,15 @@ async def http_stack(**gateway_kwargs):
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(store, backend)
     addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
     await backend.start()
-    scheduler = await create_scheduler(SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05,
-                                                         dispatch_tick_s=0.05))
+    scheduler = await create_scheduler(
+        SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05, dispatch_tick_s=0.05)
+    )
     await scheduler.start()
-    gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
-                                                   adapter_store_address=addr, api_keys=KEY, **gateway_kwargs))
+    gateway = await create_gateway(
+        GatewaySettings(
+            scheduler_address=f"127.0.0.1:{scheduler.port}", adapter_store_address=addr, api_keys=KEY, **gateway_kwargs
+        )
+    )
     await gateway.start()
     base_url = f"http://127.0.0.1:{gateway.http.port}/v1"
     client = openai.AsyncOpenAI(api_key=KEY, base_url=base_url, max_retries=0, timeout=10)
@@ -133,16 +149,23 @@ async def http_stack(**gateway_kwargs):
 
 
 def user_message(url: str, text: str = "How many cars?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": text},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    return [
+        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}
+    ]
 
 
 async def test_chat_completion_with_an_image_and_an_adapter():
     url, raw = png_data_url()
     async with http_stack() as (worker, client, _):
         resp = await client.chat.completions.create(
-            model="adapters/cars@prod", messages=user_message(url), max_completion_tokens=7, temperature=0.5,
-            top_p=0.9, stop=["\n"], seed=42)
+            model="adapters/cars@prod",
+            messages=user_message(url),
+            max_completion_tokens=7,
+            temperature=0.5,
+            top_p=0.9,
+            stop=["\n"],
+            seed=42,
+        )
     assert resp.choices[0].message.content == "two cars"
     assert resp.choices[0].finish_reason == "stop" and resp.model == "adapters/cars@prod"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (9, 2, 11)
@@ -150,8 +173,13 @@ async def test_chat_completion_with_an_image_and_an_adapter():
     assert item.prompt == "How many cars?" and item.images[0].data == raw and item.images[0].mime_type == "image/png"
     assert item.adapter.version == VERSION.name
     p = item.params
-    assert (p.max_new_tokens, round(p.temperature, 3), round(p.top_p, 3), list(p.stop), p.seed) == \
-        (7, 0.5, 0.9, ["\n"], 42)
+    assert (p.max_new_tokens, round(p.temperature, 3), round(p.top_p, 3), list(p.stop), p.seed) == (
+        7,
+        0.5,
+        0.9,
+        ["\n"],
+        42,
+    )
     assert resp.id == f"chatcmpl-{item.request_id}"
 
 
@@ -159,12 +187,21 @@ async def test_streamed_chunks_then_done():
     url, _ = png_data_url()
     async with http_stack() as (worker, client, base_url):
         stream = await client.chat.completions.create(
-            model="valora-base", messages=user_message(url), max_tokens=4, stream=True,
-            stream_options={"include_usage": True})
+            model="valora-base",
+            messages=user_message(url),
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [c async for c in stream]
-        async with aiohttp.ClientSession() as raw, raw.post(
-                f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                json={"model": "valora-base", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with (
+            aiohttp.ClientSession() as raw,
+            raw.post(
+                f"{base_url}/chat/completions",
+                headers={"Authorization": f"Bearer {KEY}"},
+                json={"model": "valora-base", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+            ) as r,
+        ):
             text = await r.text()
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == "two cars"
@@ -178,11 +215,20 @@ async def test_streamed_chunks_then_done():
 
 async def test_text_completions_send_the_prompt_without_the_chat_template():
     async with http_stack() as (worker, client, _):
-        resp = await client.completions.create(model="adapters/cars@prod", prompt="Once upon a time",
-                                               max_tokens=5, temperature=0.7, stop=["."],
-                                               extra_body={"min_p": 0.1})
-        chunks = [c async for c in await client.completions.create(
-            model="valora-base", prompt=["Count to three:"], stream=True, stream_options={"include_usage": True})]
+        resp = await client.completions.create(
+            model="adapters/cars@prod",
+            prompt="Once upon a time",
+            max_tokens=5,
+            temperature=0.7,
+            stop=["."],
+            extra_body={"min_p": 0.1},
+        )
+        chunks = [
+            c
+            async for c in await client.completions.create(
+                model="valora-base", prompt=["Count to three:"], stream=True, stream_options={"include_usage": True}
+            )
+        ]
     assert resp.object == "text_completion" and resp.choices[0].text == "two cars"
     assert resp.choices[0].finish_reason == "stop" and resp.usage.completion_tokens == 2
     item = worker.items[0]
@@ -201,8 +247,7 @@ async def test_token_id_prompts_reach_the_worker_as_they_are():
     a batch of several and a negative id are 400s naming the field."""
     async with http_stack() as (worker, client, _):
         resp = await client.completions.create(model="valora-base", prompt=[11, 12, 13], max_tokens=3)
-        chunks = [c async for c in await client.completions.create(model="adapters/cars", prompt=[[7, 8]],
-                                                                    stream=True)]
+        chunks = [c async for c in await client.completions.create(model="adapters/cars", prompt=[[7, 8]], stream=True)]
         with pytest.raises(openai.BadRequestError) as batch:
             await client.completions.create(model="valora-base", prompt=[[1], [2]])
         with pytest.raises(openai.BadRequestError) as negative:
@@ -216,8 +261,9 @@ async def test_token_id_prompts_reach_the_worker_as_they_are():
 
 
 def test_completion_request_parsing():
-    inp, stream = build_completion_input({"model": "valora-base", "prompt": "Hi", "echo": False, "logprobs": 0},
-                                         "valora-base")
+    inp, stream = build_completion_input(
+        {"model": "valora-base", "prompt": "Hi", "echo": False, "logprobs": 0}, "valora-base"
+    )
     assert inp.raw_prompt and inp.prompt == "Hi" and not stream
     assert inp.params.logprobs and inp.params.top_logprobs == 0  # the legacy logprobs: 0 alternatives
     for prompt in ([1, 2, 3], [[1, 2, 3]]):  # token ids, or a batch of one: sent on as they are
@@ -228,17 +274,19 @@ def test_completion_request_parsing():
             build_completion_input({"model": "valora-base", "prompt": prompt}, "valora-base")
         assert (exc.value.param, exc.value.code) == ("prompt", "unsupported_parameter")
         assert "a batch of 2 prompts is not supported" in exc.value.message
-    for body, param in [({"model": "valora-base", "prompt": [1, 2 ** 40]}, "prompt"),
-                        ({"model": "valora-base", "prompt": [1, "a"]}, "prompt"),
-                        ({"model": "valora-base", "prompt": [True]}, "prompt"),
-                        ({"model": "valora-base", "prompt": [[]]}, "prompt"),
-                        ({"model": "valora-base", "prompt": []}, "prompt"),
-                        ({"model": "valora-base", "prompt": ""}, "prompt"),
-                        ({"model": "valora-base"}, "prompt"),
-                        ({"model": "valora-base", "prompt": "x", "echo": True}, "echo"),
-                        ({"model": "valora-base", "prompt": "x", "logprobs": True}, "logprobs"),
-                        ({"model": "valora-base", "prompt": "x", "suffix": "y"}, "suffix"),
-                        ({"prompt": "x"}, "model")]:
+    for body, param in [
+        ({"model": "valora-base", "prompt": [1, 2**40]}, "prompt"),
+        ({"model": "valora-base", "prompt": [1, "a"]}, "prompt"),
+        ({"model": "valora-base", "prompt": [True]}, "prompt"),
+        ({"model": "valora-base", "prompt": [[]]}, "prompt"),
+        ({"model": "valora-base", "prompt": []}, "prompt"),
+        ({"model": "valora-base", "prompt": ""}, "prompt"),
+        ({"model": "valora-base"}, "prompt"),
+        ({"model": "valora-base", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "valora-base", "prompt": "x", "logprobs": True}, "logprobs"),
+        ({"model": "valora-base", "prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x"}, "model"),
+    ]:
         with pytest.raises(RequestError) as exc:
             build_completion_input(body, "valora-base")
         assert exc.value.param == param, body
@@ -269,16 +317,25 @@ async def test_connections_past_the_cap_get_503_and_the_rest_keep_serving():
 
 async def test_logprobs_in_chat_and_text_completions():
     async with http_stack() as (worker, client, _):
-        resp = await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}],
-                                                    logprobs=True, top_logprobs=2)
-        chunks = [c async for c in await client.chat.completions.create(
-            model="valora-base", messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True)]
+        resp = await client.chat.completions.create(
+            model="valora-base", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2
+        )
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="valora-base", messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True
+            )
+        ]
         text = await client.completions.create(model="valora-base", prompt="x", logprobs=1)
         plain = await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}])
     assert (worker.items[0].params.logprobs, worker.items[0].params.top_logprobs) == (True, 2)
     content = resp.choices[0].logprobs.content
-    assert [c.token for c in content] == list(TOKENS) and [round(c.logprob, 3) for c in content] == [-0.1, -0.2,
-                                                                                                     -0.3, -0.4]
+    assert [c.token for c in content] == list(TOKENS) and [round(c.logprob, 3) for c in content] == [
+        -0.1,
+        -0.2,
+        -0.3,
+        -0.4,
+    ]
     assert [t.token for t in content[0].top_logprobs] == ["two", "alt1"] and content[2].bytes == list(b"cars")
     streamed = [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t.token for part in streamed for t in part] == list(TOKENS)  # the EOS with the last chunk
@@ -293,8 +350,9 @@ async def test_logit_bias_reaches_the_worker_and_bad_ones_are_400s():
     """OpenAI's logit_bias through the SDK, chat and text completions alike; out of range or too
     many entries: the gateway's 400 naming the field (an id past the vocabulary is the worker's)."""
     async with http_stack() as (worker, client, _):
-        await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}],
-                                             logit_bias={"5": 100, "9": -2.5})
+        await client.chat.completions.create(
+            model="valora-base", messages=[{"role": "user", "content": "x"}], logit_bias={"5": 100, "9": -2.5}
+        )
         await client.completions.create(model="valora-base", prompt="x", logit_bias={"11": -100})
         bad = []
         for bias in ({"5": 101}, {str(t): 1 for t in range(301)}, {"x": 1}):
@@ -318,9 +376,13 @@ async def test_a_client_that_leaves_cancels_its_generation():
     async with http_stack() as (worker, client, base_url):
         worker.hang = True
         async with aiohttp.ClientSession() as raw:
-            post = asyncio.ensure_future(raw.post(
-                f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                json={"model": "valora-base", "messages": user_message(url)}))
+            post = asyncio.ensure_future(
+                raw.post(
+                    f"{base_url}/chat/completions",
+                    headers={"Authorization": f"Bearer {KEY}"},
+                    json={"model": "valora-base", "messages": user_message(url)},
+                )
+            )
             for _ in range(200):
                 if worker.items:
                     break
@@ -348,6 +410,7 @@ async def test_connections_without_a_request_head_are_closed():
                 return sock.recv(1024) == b""
             except (ConnectionResetError, TimeoutError, socket_mod.timeout):
                 return False
+
         try:
             assert all(await asyncio.to_thread(lambda: [closed(s) for s in (*idle, slow)]))
         finally:
@@ -370,13 +433,13 @@ async def test_errors_are_openai_shaped_with_the_right_status():
     url, _ = png_data_url()
     async with http_stack() as (worker, client, base_url):
         with pytest.raises(openai.BadRequestError) as bad:  # never fetched
-            await client.chat.completions.create(model="valora-base",
-                                                 messages=user_message("http://203.0.113.9/cat.png"))
+            await client.chat.completions.create(
+                model="valora-base", messages=user_message("http://203.0.113.9/cat.png")
+            )
         assert bad.value.body["code"] == "unsupported_image_url"
         assert bad.value.body["param"] == "messages[0].content[1].image_url.url"
         with pytest.raises(openai.BadRequestError) as too_long:  # the gateway's own validation
-            await client.chat.completions.create(model="valora-base", messages=user_message(url),
-                                                 max_tokens=10 ** 6)
+            await client.chat.completions.create(model="valora-base", messages=user_message(url), max_tokens=10**6)
         assert too_long.value.body["param"] == "max_tokens"  # the body's name, not input.params.max_new_tokens
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="adapters/missing", messages=user_message(url))
@@ -395,8 +458,9 @@ async def test_errors_are_openai_shaped_with_the_right_status():
         async with aiohttp.ClientSession() as raw:
             async with raw.get(f"{base_url}/models") as r:
                 missing_key = (r.status, await r.json())
-            async with raw.post(f"{base_url}/chat/completions", data=b"{",
-                                headers={"Authorization": f"Bearer {KEY}"}) as r:
+            async with raw.post(
+                f"{base_url}/chat/completions", data=b"{", headers={"Authorization": f"Bearer {KEY}"}
+            ) as r:
                 not_json = r.status
     assert missing_key[0] == 401 and missing_key[1]["error"]["type"] == "authentication_error"
     assert not_json == 400
@@ -407,9 +471,14 @@ async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
     gateway validation's (`input.params.…`) and the worker's (`item.…`), chat and text completions,
     plain and streamed; a field the body does not have (`item.params`, `request_id`) gives no param;
     an image's is its message's content part. The message names the same parameter."""
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and?"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "and?"},
+    ]
     async with http_stack() as (worker, client, _):
+
         async def param(call, **kwargs):
             with pytest.raises(openai.BadRequestError) as exc:
                 got = await call(**kwargs)
@@ -422,45 +491,56 @@ async def test_validation_errors_name_the_http_parameter_not_the_grpc_field():
         chats = client.chat.completions.create
         texts = client.completions.create
         gateway = [  # the gateway validation's own field violations
-            (await param(chats, model="valora-base", messages=chat, max_completion_tokens=10 ** 6),
-             "max_completion_tokens"),
+            (
+                await param(chats, model="valora-base", messages=chat, max_completion_tokens=10**6),
+                "max_completion_tokens",
+            ),
             (await param(chats, model="valora-base", messages=chat, temperature=50), "temperature"),
             (await param(chats, model="valora-base", messages=chat, top_logprobs=99, logprobs=True), "top_logprobs"),
             (await param(texts, model="valora-base", prompt="x", logprobs=99), "logprobs"),
-            (await param(texts, model="valora-base", prompt="x", max_tokens=10 ** 6, stream=True), "max_tokens"),
+            (await param(texts, model="valora-base", prompt="x", max_tokens=10**6, stream=True), "max_tokens"),
             (await param(chats, model="valora-base", messages=chat, stop=["x" * 10_000]), "stop"),
         ]
         assert [got for got, _ in gateway] == [want for _, want in gateway]
         assert not worker.items
         worked = []
         for field, kwargs, want in (
-                ("item.params.max_new_tokens", {"max_tokens": 5}, "max_tokens"),
-                ("item.params.max_new_tokens", {"max_completion_tokens": 5, "stream": True}, "max_completion_tokens"),
-                ("item.history[1].text", {}, "messages[2].content"),
-                ("item.history[0].role", {"stream": True}, "messages[1].role"),
-                ("item.prompt", {}, "messages[3].content"),
-                ("item.system", {}, "messages[0].content"),
-                ("item.images[0].data", {}, "messages"),
-                ("item.params.logit_bias[7]", {}, "logit_bias"),
-                ("item.params", {}, None),
-                ("request_id", {}, None)):
+            ("item.params.max_new_tokens", {"max_tokens": 5}, "max_tokens"),
+            ("item.params.max_new_tokens", {"max_completion_tokens": 5, "stream": True}, "max_completion_tokens"),
+            ("item.history[1].text", {}, "messages[2].content"),
+            ("item.history[0].role", {"stream": True}, "messages[1].role"),
+            ("item.prompt", {}, "messages[3].content"),
+            ("item.system", {}, "messages[0].content"),
+            ("item.images[0].data", {}, "messages"),
+            ("item.params.logit_bias[7]", {}, "logit_bias"),
+            ("item.params", {}, None),
+            ("request_id", {}, None),
+        ):
             worker.fail_error = errors.invalid_field(field, "the worker says no")
             worked.append((field, await param(chats, model="valora-base", messages=chat, **kwargs), want))
-        for field, want in (("item.prompt", "prompt"), ("item.prompt_token_ids[0]", "prompt"),
-                            ("item.params.top_logprobs", "logprobs"), ("item.params.max_new_tokens", "max_tokens")):
+        for field, want in (
+            ("item.prompt", "prompt"),
+            ("item.prompt_token_ids[0]", "prompt"),
+            ("item.params.top_logprobs", "logprobs"),
+            ("item.params.max_new_tokens", "max_tokens"),
+        ):
             worker.fail_error = errors.invalid_field(field, "the worker says no")
             worked.append((field, await param(texts, model="valora-base", prompt=[5, 6]), want))
         # an image's violation names its content part, counted over every message's images
         url, _ = png_data_url()
         image = {"type": "image_url", "image_url": {"url": url}}
-        shown = [{"role": "system", "content": "Be brief."},
-                 {"role": "user", "content": [{"type": "text", "text": "this"}, image]},
-                 {"role": "assistant", "content": "yes"},
-                 {"role": "user", "content": [image, {"type": "text", "text": "and these?"}, image]}]
-        for field, want in (("item.images[0].data", "messages[1].content[1]"),
-                            ("item.images[1]", "messages[3].content[0]"),
-                            ("item.images[2].data", "messages[3].content[2]"),
-                            ("item.images[3].data", "messages")):
+        shown = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "this"}, image]},
+            {"role": "assistant", "content": "yes"},
+            {"role": "user", "content": [image, {"type": "text", "text": "and these?"}, image]},
+        ]
+        for field, want in (
+            ("item.images[0].data", "messages[1].content[1]"),
+            ("item.images[1]", "messages[3].content[0]"),
+            ("item.images[2].data", "messages[3].content[2]"),
+            ("item.images[3].data", "messages"),
+        ):
             worker.fail_error = errors.invalid_field(field, "the worker says no")
             worked.append((field, await param(chats, model="valora-base", messages=shown), want))
         assert [(f, got) for f, got, _ in worked] == [(f, want) for f, _, want in worked]
@@ -473,6 +553,7 @@ async def test_hostile_requests_get_4xx_and_keyless_bodies_are_not_read():
     good = {"model": "valora-base", "messages": user_message(url)}
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     async with http_stack() as (worker, client, base_url), aiohttp.ClientSession() as raw:
+
         async def post(body: bytes, headers) -> tuple[int, dict]:
             async with raw.post(f"{base_url}/chat/completions", data=body, headers=headers) as r:
                 return r.status, await r.json()
@@ -491,15 +572,18 @@ async def test_hostile_requests_get_4xx_and_keyless_bodies_are_not_read():
     assert not worker.items
 
 
-@pytest.mark.parametrize(("exc", "status", "retry_after"), [
-    (errors.InvalidArgument("x"), 400, None),
-    (errors.Unauthenticated("x"), 401, None),
-    (errors.PermissionDenied("x"), 403, None),
-    (errors.AdapterNotFound("x"), 404, None),
-    (errors.CapacityExceeded("queue full", retry_after_s=2.2), 429, "2"),
-    (errors.WorkerUnavailable("x"), 503, None),
-    (errors.DeadlineExceeded("x"), 504, None),
-])
+@pytest.mark.parametrize(
+    ("exc", "status", "retry_after"),
+    [
+        (errors.InvalidArgument("x"), 400, None),
+        (errors.Unauthenticated("x"), 401, None),
+        (errors.PermissionDenied("x"), 403, None),
+        (errors.AdapterNotFound("x"), 404, None),
+        (errors.CapacityExceeded("queue full", retry_after_s=2.2), 429, "2"),
+        (errors.WorkerUnavailable("x"), 503, None),
+        (errors.DeadlineExceeded("x"), 504, None),
+    ],
+)
 def test_status_mapping(exc, status, retry_after):
     got, body, headers = _error_body(exc)
     assert got == status and body["error"]["message"] == exc.message
@@ -507,53 +591,108 @@ def test_status_mapping(exc, status, retry_after):
 
 
 def test_request_parsing():
-    inp, stream = build_input({"model": "tasks/count", "output_kind": "label", "stream": True,
-                               "messages": [{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "Count."}]}, "valora-base")
+    inp, stream = build_input(
+        {
+            "model": "tasks/count",
+            "output_kind": "label",
+            "stream": True,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count."}],
+        },
+        "valora-base",
+    )
     assert stream and inp.task == "tasks/count" and inp.output_kind == types_pb2.OUTPUT_KIND_LABEL
     assert inp.system == "Be brief." and inp.prompt == "Count." and not inp.history
-    neutral, _ = build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "top_k": 5,
-                              "min_p": 0.25, "logprobs": False, "presence_penalty": 0.5, "frequency_penalty": -1,
-                              "repetition_penalty": 1.2, "response_format": {"type": "text"},
-                              "logit_bias": {"42": 3, "7": -100.0}}, "valora-base")
+    neutral, _ = build_input(
+        {
+            "model": "valora-base",
+            "messages": [{"role": "user", "content": "x"}],
+            "top_k": 5,
+            "min_p": 0.25,
+            "logprobs": False,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+            "response_format": {"type": "text"},
+            "logit_bias": {"42": 3, "7": -100.0},
+        },
+        "valora-base",
+    )
     p = neutral.params
     assert p.top_k == 5 and p.min_p == 0.25 and not p.logprobs  # passed on
     assert dict(p.logit_bias) == {42: 3.0, 7: -100.0}
     assert (p.presence_penalty, p.frequency_penalty, round(p.repetition_penalty, 3)) == (0.5, -1.0, 1.2)
     # (neutral values of unsupported parameters are fine)
     url, _ = png_data_url()
-    inp, _ = build_input({"model": "valora-base", "messages": [
-        {"role": "system", "content": "Answer in French."},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                     {"type": "text", "text": "What?"}]},
-        {"role": "assistant", "content": "Une voiture."},
-        {"role": "user", "content": [{"type": "text", "text": "And here?"}, {"type": "image_url", "image_url": url}]},
-    ]}, "valora-base")
+    inp, _ = build_input(
+        {
+            "model": "valora-base",
+            "messages": [
+                {"role": "system", "content": "Answer in French."},
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}],
+                },
+                {"role": "assistant", "content": "Une voiture."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "And here?"}, {"type": "image_url", "image_url": url}],
+                },
+            ],
+        },
+        "valora-base",
+    )
     assert inp.system == "Answer in French." and inp.prompt == "And here?" and len(inp.images) == 2
     assert [(t.role, t.text, t.images) for t in inp.history] == [("user", "What?", 1), ("assistant", "Une voiture.", 0)]
-    for body, param in [({"model": "valora-base", "messages": []}, "messages"),
-                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}],
-                          "max_tokens": 2 ** 40}, "max_tokens"),
-                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "seed": -1},
-                         "seed"),
-                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}],
-                          "max_completion_tokens": 0}, "max_completion_tokens"),
-                        ({"model": "valora-base", "messages": [{"role": "user", "content": [
-                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
-                         "messages[0].content[0].image_url.url"),
-                        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"},
-                                                               {"role": "assistant", "content": "y"}]}, "messages"),
-                        ({"model": "valora-base", "messages": [{"role": "tool", "content": "x"},
-                                                               {"role": "user", "content": "y"}]},
-                         "messages[0].role"),
-                        *[({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, key)
-                          for key, value in (("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", "0.5"),
-                                             ("logit_bias", {"a": 3}), ("logit_bias", {"-1": 3}),
-                                             ("logit_bias", {"1" + "0" * 12: 3}), ("logit_bias", {"42": "3"}),
-                                             ("logit_bias", {"42": True}), ("logit_bias", [42]),
-                                             ("response_format", {"type": "json_object"}),
-                                             ("tools", [{"type": "function"}]), ("min_p", "0.1"))]]:
+    for body, param in [
+        ({"model": "valora-base", "messages": []}, "messages"),
+        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2**40}, "max_tokens"),
+        ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "seed": -1}, "seed"),
+        (
+            {"model": "valora-base", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+        ),
+        (
+            {
+                "model": "valora-base",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}],
+                    }
+                ],
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "model": "valora-base",
+                "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            },
+            "messages",
+        ),
+        (
+            {"model": "valora-base", "messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "y"}]},
+            "messages[0].role",
+        ),
+        *[
+            ({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, key)
+            for key, value in (
+                ("logprobs", 1),
+                ("top_logprobs", 2),
+                ("presence_penalty", "0.5"),
+                ("logit_bias", {"a": 3}),
+                ("logit_bias", {"-1": 3}),
+                ("logit_bias", {"1" + "0" * 12: 3}),
+                ("logit_bias", {"42": "3"}),
+                ("logit_bias", {"42": True}),
+                ("logit_bias", [42]),
+                ("response_format", {"type": "json_object"}),
+                ("tools", [{"type": "function"}]),
+                ("min_p", "0.1"),
+            )
+        ],
+    ]:
         with pytest.raises(RequestError) as exc:
             build_input(body, "valora-base")
         assert exc.value.param == param
@@ -564,20 +703,30 @@ async def test_unknown_arguments_are_refused_as_openai_refuses_them():
     not silently ignored; inside a message too. valora's and vLLM's extensions pass."""
     async with http_stack() as (worker, client, _):
         with pytest.raises(openai.BadRequestError) as typo:
-            await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "content": "x"}],
-                                                 extra_body={"temprature": 0.5})
+            await client.chat.completions.create(
+                model="valora-base", messages=[{"role": "user", "content": "x"}], extra_body={"temprature": 0.5}
+            )
         with pytest.raises(openai.BadRequestError) as nested:
             await client.chat.completions.create(model="valora-base", messages=[{"role": "user", "contnet": "x"}])
         with pytest.raises(openai.BadRequestError) as legacy:  # a chat parameter, not the legacy API's
             await client.completions.create(model="valora-base", prompt="x", extra_body={"top_logprobs": 2})
         assert not worker.items
         first = await client.chat.completions.create(
-            model="valora-base", messages=[{"role": "user", "content": "x"}],
-            extra_body={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "output_kind": "text"}, user="u1")
-        again = await client.chat.completions.create(model="valora-base", messages=[
-            {"role": "user", "content": "x"}, first.choices[0].message, {"role": "user", "content": "y"}])
-    assert typo.value.body == {"message": "Unrecognized request argument supplied: temprature",
-                               "type": "invalid_request_error", "param": "temprature", "code": "unrecognized_argument"}
+            model="valora-base",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "output_kind": "text"},
+            user="u1",
+        )
+        again = await client.chat.completions.create(
+            model="valora-base",
+            messages=[{"role": "user", "content": "x"}, first.choices[0].message, {"role": "user", "content": "y"}],
+        )
+    assert typo.value.body == {
+        "message": "Unrecognized request argument supplied: temprature",
+        "type": "invalid_request_error",
+        "param": "temprature",
+        "code": "unrecognized_argument",
+    }
     assert nested.value.body["message"] == "Unrecognized request argument supplied: messages[0].contnet"
     assert legacy.value.body["param"] == "top_logprobs"
     assert worker.items[0].params.top_k == 3 and round(worker.items[0].params.repetition_penalty, 3) == 1.1
@@ -590,24 +739,33 @@ async def test_adapter_release_fraction_through_extra_body():
     adapter_release_fraction reaches the worker's request as the gRPC path's field, on chat and
     text completions; out of [0, 1] it is the gateway validation's 400 naming the field."""
     async with http_stack() as (worker, client, _):
-        await client.chat.completions.create(model="adapters/cars@prod", messages=[{"role": "user", "content": "x"}],
-                                             extra_body={"adapter_release_fraction": 0.25})
-        await client.completions.create(model="adapters/cars@prod", prompt="x",
-                                        extra_body={"adapter_release_fraction": 1})
+        await client.chat.completions.create(
+            model="adapters/cars@prod",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"adapter_release_fraction": 0.25},
+        )
+        await client.completions.create(
+            model="adapters/cars@prod", prompt="x", extra_body={"adapter_release_fraction": 1}
+        )
         bad = []
         for value in (1.5, -0.1):
             with pytest.raises(openai.BadRequestError) as exc:
-                await client.chat.completions.create(model="adapters/cars@prod",
-                                                     messages=[{"role": "user", "content": "x"}],
-                                                     extra_body={"adapter_release_fraction": value})
+                await client.chat.completions.create(
+                    model="adapters/cars@prod",
+                    messages=[{"role": "user", "content": "x"}],
+                    extra_body={"adapter_release_fraction": value},
+                )
             bad.append(exc.value)
         with pytest.raises(openai.BadRequestError) as legacy_bad:
-            await client.completions.create(model="adapters/cars@prod", prompt="x",
-                                            extra_body={"adapter_release_fraction": 2})
+            await client.completions.create(
+                model="adapters/cars@prod", prompt="x", extra_body={"adapter_release_fraction": 2}
+            )
         with pytest.raises(openai.BadRequestError) as typed:  # a string is not a number
-            await client.chat.completions.create(model="adapters/cars@prod",
-                                                 messages=[{"role": "user", "content": "x"}],
-                                                 extra_body={"adapter_release_fraction": "0.5"})
+            await client.chat.completions.create(
+                model="adapters/cars@prod",
+                messages=[{"role": "user", "content": "x"}],
+                extra_body={"adapter_release_fraction": "0.5"},
+            )
     assert [round(i.params.adapter_release_fraction, 3) for i in worker.items] == [0.25, 1.0]
     for err in (*bad, legacy_bad.value):
         assert err.status_code == 400
@@ -628,10 +786,19 @@ def test_every_openai_parameter_is_typed_or_refused():
     from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 
     for params, model, build, base in (
-            (chat.CompletionCreateParamsStreaming, ChatCompletionRequest, build_input,
-             {"model": "valora-base", "messages": [{"role": "user", "content": "x"}]}),
-            (legacy.CompletionCreateParamsStreaming, CompletionRequest, build_completion_input,
-             {"model": "valora-base", "prompt": "x"})):
+        (
+            chat.CompletionCreateParamsStreaming,
+            ChatCompletionRequest,
+            build_input,
+            {"model": "valora-base", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        (
+            legacy.CompletionCreateParamsStreaming,
+            CompletionRequest,
+            build_completion_input,
+            {"model": "valora-base", "prompt": "x"},
+        ),
+    ):
         names = typing.get_type_hints(params)
         missing = [n for n in names if n not in model.model_fields and n not in UNSUPPORTED]
         assert not missing, (model.__name__, missing)
@@ -642,16 +809,29 @@ def test_every_openai_parameter_is_typed_or_refused():
                 assert (exc.value.param, exc.value.code) == (name, "unsupported_parameter")
                 assert exc.value.message == f"{name} is not supported by this server"
     with pytest.raises(RequestError) as exc:
-        build_input({"model": "valora-base", "messages": [
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, {"role": "user", "content": "x"}]},
-            "valora-base")
+        build_input(
+            {
+                "model": "valora-base",
+                "messages": [
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+                    {"role": "user", "content": "x"},
+                ],
+            },
+            "valora-base",
+        )
     assert (exc.value.param, exc.value.code) == ("messages[0].tool_calls", "unsupported_parameter")
-    for key, value, param in (("temperature", True, "temperature"), ("stream", "yes", "stream"),
-                              ("stop", [1], "stop[0]"), ("user", 5, "user"), ("top_k", 1.5, "top_k"),
-                              ("output_kind", "json", "output_kind")):
+    for key, value, param in (
+        ("temperature", True, "temperature"),
+        ("stream", "yes", "stream"),
+        ("stop", [1], "stop[0]"),
+        ("user", 5, "user"),
+        ("top_k", 1.5, "top_k"),
+        ("output_kind", "json", "output_kind"),
+    ):
         with pytest.raises(RequestError) as exc:
-            build_input({"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value},
-                        "valora-base")
+            build_input(
+                {"model": "valora-base", "messages": [{"role": "user", "content": "x"}], key: value}, "valora-base"
+            )
         assert exc.value.param == param and exc.value.message.startswith(f"{param}: "), exc.value.message
 
 

@@ -25,13 +25,22 @@ FIRST_PARTY = {"valora", "valora_protos", "services", "kernels", "bench", "scrip
 
 # Distribution -> its top-level import names, where they differ from the name with - as _.
 IMPORT_NAMES = {
-    "grpcio": ("grpc",), "grpcio-health-checking": ("grpc_health",), "grpcio-status": ("grpc_status",),
-    "grpcio-reflection": ("grpc_reflection",), "grpcio-tools": ("grpc_tools",),
-    "protobuf": ("google",), "googleapis-common-protos": ("google",),
-    "opentelemetry-api": ("opentelemetry",), "opentelemetry-sdk": ("opentelemetry",),
+    "grpcio": ("grpc",),
+    "grpcio-health-checking": ("grpc_health",),
+    "grpcio-status": ("grpc_status",),
+    "grpcio-reflection": ("grpc_reflection",),
+    "grpcio-tools": ("grpc_tools",),
+    "protobuf": ("google",),
+    "googleapis-common-protos": ("google",),
+    "opentelemetry-api": ("opentelemetry",),
+    "opentelemetry-sdk": ("opentelemetry",),
     "opentelemetry-exporter-otlp-proto-grpc": ("opentelemetry",),
-    "pillow": ("PIL",), "scikit-learn": ("sklearn",), "nvidia-cutlass": ("cutlass_library",),
-    "pyyaml": ("yaml",), "helm-python-sdk": ("helm_python",), "moto": ("moto",),
+    "pillow": ("PIL",),
+    "scikit-learn": ("sklearn",),
+    "nvidia-cutlass": ("cutlass_library",),
+    "pyyaml": ("yaml",),
+    "helm-python-sdk": ("helm_python",),
+    "moto": ("moto",),
 }
 # Imported directly, declared through the distribution that requires it (its version is in the lock).
 TRANSITIVE = {"pydantic_core": "pydantic", "urllib3": "minio", "tokenizers": "transformers"}
@@ -92,8 +101,12 @@ def file_imports(path: Path, toplevel_only: bool) -> tuple[tuple[str, int], ...]
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
-              and node.args and isinstance(node.args[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "importorskip"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             names = [node.args[0].value]
         out += [(name.split(".")[0], node.lineno) for name in names]
     return tuple(out)
@@ -140,8 +153,9 @@ def test_server_holds_no_engine():
     """The control plane's extra (the cpu image) has no torch, model stack or generator deps."""
     server = expand("server")
     assert not server & {"torch", "transformers", "peft", "scikit-learn", "nvidia-cutlass", "triton"}, server
-    assert expand("server") < expand("worker") < expand("generator") and expand("generator") | expand("cuda") <= \
-        expand("dev")
+    assert expand("server") < expand("worker") < expand("generator") and expand("generator") | expand("cuda") <= expand(
+        "dev"
+    )
 
 
 def test_every_import_of_a_role_is_provided_by_its_extras():
@@ -151,11 +165,17 @@ def test_every_import_of_a_role_is_provided_by_its_extras():
     missing = []
     for role, dists in installs.items():
         have = provided(BASE | dists) | set(OPTIONAL)
-        missing += [f"{role}: {where} imports {mod}" for mod, where in third_party_imports(ROLE_FILES[role]).items()
-                    if mod not in have]
+        missing += [
+            f"{role}: {where} imports {mod}"
+            for mod, where in third_party_imports(ROLE_FILES[role]).items()
+            if mod not in have
+        ]
     client = ["valora/" + p.name for p in (REPO / "valora").glob("*.py")] + ["valora/cli", "valora_protos"]
-    missing += [f"base: {where} imports {mod}" for mod, where in third_party_imports(client, True).items()
-                if mod not in provided(BASE)]
+    missing += [
+        f"base: {where} imports {mod}"
+        for mod, where in third_party_imports(client, True).items()
+        if mod not in provided(BASE)
+    ]
     assert not missing, "\n".join(missing)
 
 
@@ -179,8 +199,11 @@ def test_the_stubs_ship_in_the_base_distribution():
     import fnmatch
 
     include = TOOL["setuptools"]["packages"]["find"]["include"]
-    packages = {".".join(init.parent.relative_to(REPO).parts) for top in ("valora", "valora_protos")
-                for init in (REPO / top).rglob("__init__.py")}
+    packages = {
+        ".".join(init.parent.relative_to(REPO).parts)
+        for top in ("valora", "valora_protos")
+        for init in (REPO / top).rglob("__init__.py")
+    }
     assert {"valora", "valora.cli", "valora_protos", "valora_protos.v1", "valora_protos.internal.v1"} <= packages
     unshipped = sorted(p for p in packages if not any(fnmatch.fnmatchcase(p, pattern) for pattern in include))
     assert not unshipped, f"not matched by packages.find's include {include}: {unshipped}"
@@ -229,11 +252,16 @@ def test_the_client_and_cli_run_on_the_base_install():
 def test_the_refusal_is_real():
     """The simulated base install does refuse what only an extra brings (else the test above proves
     nothing)."""
-    code = f"REQS = {PROJECT['dependencies']!r}\n" + CLIENT_ONLY.split("import valora.client")[0] + (
-        "for mod in ('torch', 'sqlalchemy', 'PIL'):\n"
-        "    try:\n        __import__(mod)\n    except ImportError:\n        pass\n"
-        "    else:\n        raise SystemExit(mod + ' imported')\n"
-        "print('ok')\n")
+    code = (
+        f"REQS = {PROJECT['dependencies']!r}\n"
+        + CLIENT_ONLY.split("import valora.client")[0]
+        + (
+            "for mod in ('torch', 'sqlalchemy', 'PIL'):\n"
+            "    try:\n        __import__(mod)\n    except ImportError:\n        pass\n"
+            "    else:\n        raise SystemExit(mod + ' imported')\n"
+            "print('ok')\n"
+        )
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:] + out.stdout
 
@@ -246,8 +274,11 @@ LOCK = REPO / "deploy" / "requirements.lock"
 
 
 def lock_entries() -> list[Requirement]:
-    return [Requirement(line) for line in LOCK.read_text().splitlines() if line.strip() and not line.startswith(" ")
-            and not line.startswith("#")]
+    return [
+        Requirement(line)
+        for line in LOCK.read_text().splitlines()
+        if line.strip() and not line.startswith(" ") and not line.startswith("#")
+    ]
 
 
 def lock_versions() -> dict[str, set[str]]:
@@ -277,8 +308,7 @@ def test_every_pin_equals_the_lock():
             wrong.append(f"{req}: lock has {sorted(locked[name])}")
         elif name not in locked and name in image:
             wrong.append(f"{req}: not in the lock")
-    assert not wrong, "pyproject.toml and deploy/requirements.lock disagree (run scripts/lock.sh):\n" + \
-        "\n".join(wrong)
+    assert not wrong, "pyproject.toml and deploy/requirements.lock disagree (run scripts/lock.sh):\n" + "\n".join(wrong)
 
 
 def test_the_lock_is_closed():
@@ -331,7 +361,7 @@ def test_ci_installs_at_the_locks_versions():
 def test_the_readme_names_every_extra():
     """README's "Installing" table has a row for each extra (a new extra needs one)."""
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Installing"):readme.index("## Deploying")]
+    section = readme[readme.index("## Installing") : readme.index("## Deploying")]
     assert "| `valora` |" in section
     missing = [e for e in PROJECT["optional-dependencies"] if f'`"valora[{e}]"`' not in section]
     assert not missing, missing

@@ -37,7 +37,7 @@ def make_case(seed, lens, block_size, kv_heads, group, head_dim, dtype=torch.flo
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(order[at:at + n], dtype=torch.int32)
+        tables[i, :n] = torch.tensor(order[at : at + n], dtype=torch.int32)
         at += n
         if garbage == "random":
             tables[i, n:] = torch.randint(0, num_blocks, (max_blocks - n,), generator=g, dtype=torch.int32)
@@ -71,9 +71,15 @@ def random_cases(count, seed=0):
     rnd = random.Random(seed)
     for c in range(count):
         b = rnd.randint(1, 5)
-        yield {"seed": seed * 1000 + c, "lens": [rnd.randint(1, 100) for _ in range(b)],
-               "block_size": rnd.choice([8, 16]), "kv_heads": rnd.choice([1, 2]), "group": rnd.choice([1, 2, 4, 7]),
-               "head_dim": rnd.choice([16, 32]), "garbage": rnd.choice(["random", "zero"])}
+        yield {
+            "seed": seed * 1000 + c,
+            "lens": [rnd.randint(1, 100) for _ in range(b)],
+            "block_size": rnd.choice([8, 16]),
+            "kv_heads": rnd.choice([1, 2]),
+            "group": rnd.choice([1, 2, 4, 7]),
+            "head_dim": rnd.choice([16, 32]),
+            "garbage": rnd.choice(["random", "zero"]),
+        }
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -152,13 +158,13 @@ def block_major(k: torch.Tensor, v: torch.Tensor, layers: int = 3, layer: int = 
 
 # (lens, block_size, kv_heads, group, head_dim, dtype, num_splits, tile)
 INTERPRETER_CASES = [
-    ([1, 100, 37], 16, 2, 7, 32, "float32", None, 64),   # default splits (16 at B*KVH = 6): empty splits
+    ([1, 100, 37], 16, 2, 7, 32, "float32", None, 64),  # default splits (16 at B*KVH = 6): empty splits
     ([64, 65, 3, 99, 8], 8, 1, 1, 16, "float32", 3, 16),  # MHA, tile 16 (2 pages a tile)
-    ([100, 0, 50], 16, 2, 4, 64, "float32", 1, 64),       # one split: direct store; a zero-length row
+    ([100, 0, 50], 16, 2, 4, 64, "float32", 1, 64),  # one split: direct store; a zero-length row
     ([90, 12], 8, 1, 2, 128, "float16", 4, 32),
-    ([77], 16, 1, 16, 16, "float32", 2, 64),              # group 16: GROUP_PAD exactly 16
-    ([33, 100], 32, 2, 3, 32, "float32", 5, 16),          # tile smaller than a page
-    ([100, 41], 8, 1, 20, 16, "float16", 2, 64),          # group 20 -> GROUP_PAD 32
+    ([77], 16, 1, 16, 16, "float32", 2, 64),  # group 16: GROUP_PAD exactly 16
+    ([33, 100], 32, 2, 3, 32, "float32", 5, 16),  # tile smaller than a page
+    ([100, 41], 8, 1, 20, 16, "float16", 2, 64),  # group 20 -> GROUP_PAD 32
 ]
 
 
@@ -171,20 +177,29 @@ def _interpreter_main() -> None:
         q, k, v, bt, lens_t = make_case(100 + i, lens, bs, kvh, group, d, dtype=getattr(torch, dtype))
         if i == 0:  # a strided q (a view into a wider projection output), last dim contiguous
             wide = torch.randn(q.shape[0], q.shape[1] + 3, d).to(q.dtype)
-            wide[:, :q.shape[1]] = q
-            q = wide[:, :q.shape[1]]
+            wide[:, : q.shape[1]] = q
+            q = wide[:, : q.shape[1]]
         if i == 1:  # the engine's strides: one layer of a block-major pool (KVPool.storage)
             k, v = block_major(k, v)
-        scale = d ** -0.5
+        scale = d**-0.5
         out = torch.full_like(q, float("nan")).contiguous()
         got = paged_decode_attention_triton(q, k, v, bt, lens_t, scale, out=out, num_splits=splits, tile=tile)
         want = paged_decode_attention_reference(q, k, v, bt, lens_t, scale)
-        print(json.dumps({"case": i, "err": (got.float() - want.float()).abs().max().item(), "same_out": got is out,
-                          "finite": bool(torch.isfinite(got).all())}))
+        print(
+            json.dumps(
+                {
+                    "case": i,
+                    "err": (got.float() - want.float()).abs().max().item(),
+                    "same_out": got is out,
+                    "finite": bool(torch.isfinite(got).all()),
+                }
+            )
+        )
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                 reason="triton is not installed (optional dependency)")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (optional dependency)"
+)
 
 
 def interpreter_rows(test_file: str, cases: int) -> list[dict]:
@@ -192,8 +207,15 @@ def interpreter_rows(test_file: str, cases: int) -> list[dict]:
     imported: a subprocess) and returns the JSON line it printed for each of its `cases` cases."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, test_file, "--interpret"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, test_file, "--interpret"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in rows] == list(range(cases))

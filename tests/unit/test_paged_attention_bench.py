@@ -32,8 +32,9 @@ def test_builders_agree_with_the_reference():
     cap = pab.arena_cap(max(lens))
     ka, va = pab.to_arena(k, lens, cap), pab.to_arena(v, lens, cap)
     mask = (torch.arange(cap)[None, :] < torch.tensor(lens)[:, None]).view(len(lens), 1, 1, cap)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.view(len(lens), 2, 3, 16), ka, va, attn_mask=mask,
-                                                            scale=0.25).reshape(len(lens), 6, 16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.view(len(lens), 2, 3, 16), ka, va, attn_mask=mask, scale=0.25
+    ).reshape(len(lens), 6, 16)
     torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)
 
 
@@ -42,18 +43,51 @@ def test_floor_and_table():
     nbytes = pab.kv_bytes([300, 500], 4, 128)
     assert nbytes == 2 * 800 * 4 * 128 * 2
     assert abs(pab.floor_us(4.8e6) - 1.0) < 1e-9
-    case = {"batch": 2, "floor_us": 1.0, "kv_bytes": nbytes, "arena_floor_us": 2.0, "arena_cap": 512,
-            "rows": [{"method": "paged_bs16", "us": 3.0, "max_abs_err": 1e-3, "note": "S=16"},
-                     {"method": "varlen_packed", "us": None, "note": "unsupported"}]}
+    case = {
+        "batch": 2,
+        "floor_us": 1.0,
+        "kv_bytes": nbytes,
+        "arena_floor_us": 2.0,
+        "arena_cap": 512,
+        "rows": [
+            {"method": "paged_bs16", "us": 3.0, "max_abs_err": 1e-3, "note": "S=16"},
+            {"method": "varlen_packed", "us": None, "note": "unsupported"},
+        ],
+    }
     text = pab.format_table([case])
     assert "paged_bs16" in text and "3.00" in text and "unsupported" in text
 
 
 def test_dry_run_builds_every_method_and_writes_results(tmp_path, monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
-    rc = pab.main(["--dry-run", "--batch", "3", "--min-len", "5", "--max-len", "40", "--heads", "4", "--kv-heads", "2",
-                   "--head-dim", "16", "--block-sizes", "8", "16", "--splits", "1", "--layers", "2", "--name", "dry",
-                   "--out-dir", str(tmp_path)])
+    rc = pab.main(
+        [
+            "--dry-run",
+            "--batch",
+            "3",
+            "--min-len",
+            "5",
+            "--max-len",
+            "40",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--block-sizes",
+            "8",
+            "16",
+            "--splits",
+            "1",
+            "--layers",
+            "2",
+            "--name",
+            "dry",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "dry.json").read_text())
     (case,) = data["cases"]

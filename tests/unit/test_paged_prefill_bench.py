@@ -31,10 +31,43 @@ def test_flops_and_mask():
 
 def test_dry_run_builds_every_method_and_writes_results(tmp_path, monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
-    rc = ppb.main(["--dry-run", "--chunks", "8", "--prefixes", "0", "5", "--mixed-decode-rows", "3", "--mixed-chunk",
-                   "6", "--mixed-prefix", "4", "--decode-min-len", "1", "--decode-max-len", "20", "--heads", "4",
-                   "--kv-heads", "2", "--head-dim", "16", "--block-sizes", "8", "16", "--configs", "16x16x4x1",
-                   "--layers", "2", "--name", "dry", "--out-dir", str(tmp_path)])
+    rc = ppb.main(
+        [
+            "--dry-run",
+            "--chunks",
+            "8",
+            "--prefixes",
+            "0",
+            "5",
+            "--mixed-decode-rows",
+            "3",
+            "--mixed-chunk",
+            "6",
+            "--mixed-prefix",
+            "4",
+            "--decode-min-len",
+            "1",
+            "--decode-max-len",
+            "20",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--block-sizes",
+            "8",
+            "16",
+            "--configs",
+            "16x16x4x1",
+            "--layers",
+            "2",
+            "--name",
+            "dry",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "dry.json").read_text())
     cases = {c["name"]: c for c in data["cases"]}

@@ -30,10 +30,14 @@ TARGETS = [*TARGET_MODULES, "qkv", "fc1"]
 
 # transformers 5's prefixes -> transformers 4's, per family (what PEFT wrote under each)
 TRANSFORMERS_4 = {
-    "qwen2-vl": {LM_PREFIX: "base_model.model.model.layers.",
-                 "base_model.model.model.visual.": "base_model.model.visual."},
-    "llava-1.5": {LM_PREFIX: "base_model.model.language_model.model.layers.",
-                  "base_model.model.model.vision_tower.": "base_model.model.vision_tower.vision_model."},
+    "qwen2-vl": {
+        LM_PREFIX: "base_model.model.model.layers.",
+        "base_model.model.model.visual.": "base_model.model.visual.",
+    },
+    "llava-1.5": {
+        LM_PREFIX: "base_model.model.language_model.model.layers.",
+        "base_model.model.model.vision_tower.": "base_model.model.vision_tower.vision_model.",
+    },
 }
 TRANSFORMERS_4["qwen2.5-vl"] = TRANSFORMERS_4["qwen2-vl"]
 
@@ -55,16 +59,19 @@ def family(request, tmp_path_factory):
     name = request.param
     path = ensure_tiny_model(tmp_path_factory.mktemp("models") / name, arch=name)
     torch.manual_seed(0)
-    peft_model = get_peft_model(load_model(path), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                             init_lora_weights=False))
+    peft_model = get_peft_model(
+        load_model(path), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    )
     saved = tmp_path_factory.mktemp("peft") / "full"
     peft_model.save_pretrained(saved)
     tensors = load_file(saved / "adapter_model.safetensors")
     vision = [k for k in tensors if not k.startswith(LM_PREFIX)]
     assert vision, "PEFT's suffix matching wrapped no vision module: the test would not cover them"
     config = (saved / "adapter_config.json").read_text()
-    layouts = {"transformers-5": save_file_bytes(tensors),
-               "transformers-4": save_file_bytes(renamed(tensors, TRANSFORMERS_4[name]))}
+    layouts = {
+        "transformers-5": save_file_bytes(tensors),
+        "transformers-4": save_file_bytes(renamed(tensors, TRANSFORMERS_4[name])),
+    }
 
     model = PeftModel.from_pretrained(load_model(path), saved, adapter_name="full").eval()
     # the same adapter without its vision tower's LoRA weights (what valora applies to an image)
@@ -81,8 +88,15 @@ def family(request, tmp_path_factory):
         inputs = dict(build_inputs(processor, images, PROMPT))
         if name == "llava-1.5":
             inputs.pop("mm_token_type_ids")  # the processor's, asked for by the engine; LLaVA's generate takes none
-        run = (lambda: model(**inputs).logits[0, -1]) if logits else (
-            lambda: model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:])
+        run = (
+            (lambda: model(**inputs).logits[0, -1])
+            if logits
+            else (
+                lambda: model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[
+                    0, inputs["input_ids"].shape[1] :
+                ]
+            )
+        )
         with torch.no_grad():
             if adapter is None:
                 with model.disable_adapter():
@@ -104,8 +118,15 @@ def save_file_bytes(tensors: dict) -> bytes:
 @pytest.fixture(scope="module")
 def engine(family):
     _, path, layouts, _ = family
-    eng = Engine(EngineConfig(model_path=path, max_batch_size=4, device_slots=2, kv_cache_bytes=TEST_KV_BYTES,
-                              default_max_new_tokens=MAX_NEW))
+    eng = Engine(
+        EngineConfig(
+            model_path=path,
+            max_batch_size=4,
+            device_slots=2,
+            kv_cache_bytes=TEST_KV_BYTES,
+            default_max_new_tokens=MAX_NEW,
+        )
+    )
     eng.start()
     for layout, (data, config) in layouts.items():
         assert eng.load_adapter_bytes(layout, f"{layout:0<64}"[:64], data, config)
@@ -157,8 +178,10 @@ def test_an_rslora_adapter_equals_peft(family, engine, tmp_path):
 
     _, path, _, _ = family
     torch.manual_seed(1)
-    peft_model = get_peft_model(load_model(path), LoraConfig(r=16, lora_alpha=8, use_rslora=True,
-                                                             target_modules=TARGETS, init_lora_weights=False))
+    peft_model = get_peft_model(
+        load_model(path),
+        LoraConfig(r=16, lora_alpha=8, use_rslora=True, target_modules=TARGETS, init_lora_weights=False),
+    )
     peft_model.save_pretrained(tmp_path)
     data = (tmp_path / "adapter_model.safetensors").read_bytes()
     assert engine.load_adapter_bytes("rslora", "r" * 64, data, (tmp_path / "adapter_config.json").read_text())
@@ -166,6 +189,6 @@ def test_an_rslora_adapter_equals_peft(family, engine, tmp_path):
     inputs = dict(build_inputs(load_processor(path), [], PROMPT))
     inputs.pop("mm_token_type_ids", None)
     with torch.no_grad():
-        want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        want = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1] :]
     _, got = engine.generate(WorkRequest("r", PROMPT, [], adapter="rslora", max_new_tokens=MAX_NEW))
     assert got.token_ids == want.tolist()

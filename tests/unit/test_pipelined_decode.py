@@ -72,6 +72,7 @@ class Run:
                 self.hook(self, r.request_id, ev)
             if isinstance(ev, (Finished, Failed)):
                 self.ended.put(r.request_id)
+
         self.handles[r.request_id] = self.eng.submit(self.eng.prepare(r), sink)
 
     def wait_idle(self) -> None:
@@ -83,12 +84,28 @@ class Run:
             time.sleep(0.01)
 
 
-def run(model_path, requests, pipeline: bool, *, merged: Mode | None = None, eos: set[int] | None = None,
-        hook=None, expect: int | None = None) -> Run:
+def run(
+    model_path,
+    requests,
+    pipeline: bool,
+    *,
+    merged: Mode | None = None,
+    eos: set[int] | None = None,
+    hook=None,
+    expect: int | None = None,
+) -> Run:
     """Runs `requests` (admitted and prefilled together in one step) until `expect` requests
     (default: all) have ended; then stops the engine."""
-    eng = Engine(EngineConfig(model_path=model_path, decode_graphs="static", pipeline_decode=pipeline,
-                              max_batch_size=8, max_prefills_per_step=8, device_slots=3))
+    eng = Engine(
+        EngineConfig(
+            model_path=model_path,
+            decode_graphs="static",
+            pipeline_decode=pipeline,
+            max_batch_size=8,
+            max_prefills_per_step=8,
+            device_slots=3,
+        )
+    )
     eng.eos_ids = set() if eos is None else eos
     eng.start()
     r = Run(eng, hook=hook)
@@ -139,16 +156,21 @@ def test_rows_finishing_at_different_steps(model_path, merged):
     assert [len(on.out[q.request_id].terminal.result.token_ids) for q in requests] == lengths
     assert on.eng.decoder.pipelined_steps >= 15
     assert on.eng.graphs.static_steps == off.eng.graphs.static_steps  # no step launched that no row needed
-    assert all(isinstance(on.eng.step_log[i][2], float) and on.eng.step_log[i][2] > 0
-               for i in range(len(on.eng.step_log)))
+    assert all(
+        isinstance(on.eng.step_log[i][2], float) and on.eng.step_log[i][2] > 0 for i in range(len(on.eng.step_log))
+    )
 
 
 def test_stop_sequences(model_path):
     base = run(model_path, [req(i, 16) for i in range(4)], False)
     texts = {rid: o.terminal.result.text for rid, o in base.out.items()}
     assert all(len(t) >= 8 for t in texts.values())
-    requests = [req(0, 16, stop=[texts["r0"][3:5]]), req(1, 16, stop=[texts["r1"][6:8]]), req(2, 16),
-                req(3, 16, stop=["no such text"])]
+    requests = [
+        req(0, 16, stop=[texts["r0"][3:5]]),
+        req(1, 16, stop=[texts["r1"][6:8]]),
+        req(2, 16),
+        req(3, 16, stop=["no such text"]),
+    ]
     on, _ = same_both_ways(model_path, requests)
     reasons = [on.out[q.request_id].terminal.result.finish_reason for q in requests]
     assert reasons == [FinishReason.STOP_SEQUENCE, FinishReason.STOP_SEQUENCE, FinishReason.LENGTH, FinishReason.LENGTH]
@@ -159,16 +181,22 @@ def test_eos(model_path):
     """An EOS id the greedy path produces mid-decode for one request, and nowhere before that."""
     requests = [req(i, 20) for i in range(4)]
     tokens = {rid: o.terminal.result.token_ids for rid, o in run(model_path, requests, False).out.items()}
-    k, eos = next((k, t) for k, t in enumerate(tokens["r1"]) if k >= 3 and t not in tokens["r1"][:k]
-                  and all(t not in ts[:k + 1] for rid, ts in tokens.items() if rid != "r1"))
+    k, eos = next(
+        (k, t)
+        for k, t in enumerate(tokens["r1"])
+        if k >= 3
+        and t not in tokens["r1"][:k]
+        and all(t not in ts[: k + 1] for rid, ts in tokens.items() if rid != "r1")
+    )
     on, _ = same_both_ways(model_path, requests, eos={eos})
     assert on.out["r1"].terminal.result.finish_reason == FinishReason.EOS
-    assert on.out["r1"].terminal.result.token_ids == tokens["r1"][:k + 1]
+    assert on.out["r1"].terminal.result.token_ids == tokens["r1"][: k + 1]
     assert on.eng.decoder.pipelined_steps >= k - 2
 
 
 def test_cancellation_mid_decode_frees_the_kv_cache(model_path):
     """r1 is cancelled from its sink at its 5th text delta; the others go on; KV bytes end at 0."""
+
     def hook(r: Run, rid: str, ev) -> None:
         if rid == "r1" and isinstance(ev, TextDelta) and r.out[rid].deltas == 5:
             r.handles[rid].cancel()
@@ -200,9 +228,17 @@ def test_logit_bias_holds_in_every_step_pipelined_too(model_path):
     answer = {rid: o.terminal.result.token_ids for rid, o in plain.out.items()}
     forced = next(t for t in range(300, 600) if t not in answer["r0"])
     banned = tuple((t, -100.0) for t in sorted(set(answer["r0"])))
-    requests = [req(0, 12, sampling=SamplingParams(logit_bias=((forced, 100.0),))), req(1, 12),
-                WorkRequest("ban", "Describe the image.", [random_image(0)], max_new_tokens=12,
-                            sampling=SamplingParams(logit_bias=banned))]
+    requests = [
+        req(0, 12, sampling=SamplingParams(logit_bias=((forced, 100.0),))),
+        req(1, 12),
+        WorkRequest(
+            "ban",
+            "Describe the image.",
+            [random_image(0)],
+            max_new_tokens=12,
+            sampling=SamplingParams(logit_bias=banned),
+        ),
+    ]
     on, _ = same_both_ways(model_path, requests)
     got = {rid: o.terminal.result.token_ids for rid, o in on.out.items()}
     assert got["r0"] == [forced] * 12
@@ -217,6 +253,7 @@ def test_requests_joining_mid_decode(model_path):
     batch (a prefill, then a re-pack) and everyone's outputs are unchanged. Their tokens
     interleave differently: the step after the submit was already launched when pipelined, so
     they join one step later."""
+
     def hook(r: Run, rid: str, ev) -> None:
         if rid == "r0" and isinstance(ev, TextDelta) and r.out[rid].deltas in (4, 9):
             n = r.out[rid].deltas
@@ -304,7 +341,7 @@ def test_stopping_the_engine_takes_the_pending_step(model_path):
         assert full.out[rid].terminal.result.text.startswith(text)
     s = seen["seq"]
     assert len(s.tokens) == seen["tokens"] + 1  # the step launched before the stop was seen
-    assert s.tokens == full.out["r0"].terminal.result.token_ids[:len(s.tokens)]
+    assert s.tokens == full.out["r0"].terminal.result.token_ids[: len(s.tokens)]
 
 
 def test_pipeline_decode_setting(monkeypatch):
@@ -320,9 +357,36 @@ def test_pipeline_decode_setting(monkeypatch):
 
 @pytest.mark.parametrize("flags, on", [([], True), (["--no-pipeline"], False)], ids=["default", "no-pipeline"])
 def test_engine_bench_records_pipelining(tmp_path, flags, on):
-    engine_bench.main(["--arch", "tiny", "--model-dir", str(tmp_path / "tiny"), "--device", "cpu", "--dtype", "float32",
-                       "--batch", "2", "--adapters", "1", "--new-tokens", "5", "--reps", "1", "--warmup", "0",
-                       "--skip-peer", "--decode-graphs", "static", "--out-dir", str(tmp_path), "--name", "e", *flags])
+    engine_bench.main(
+        [
+            "--arch",
+            "tiny",
+            "--model-dir",
+            str(tmp_path / "tiny"),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--batch",
+            "2",
+            "--adapters",
+            "1",
+            "--new-tokens",
+            "5",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--skip-peer",
+            "--decode-graphs",
+            "static",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "e",
+            *flags,
+        ]
+    )
     detail = json.loads((tmp_path / "e.detail.json").read_text())["valora"]
     assert detail["pipeline_decode"] is on
     assert (detail["pipelined_steps"] > 0) is on

@@ -14,10 +14,10 @@ from services.worker.attention import use_shape_free_sdpa
 def test_padded_and_paged_rows_attend_alike():
     args = parse_args(["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--block-size", "8"])
     s = Step([13, 29, 20], args, torch.device("cpu"))
-    padded = F.scaled_dot_product_attention(s.pq.float(), s.pk.float(), s.pv.float(), is_causal=True,
-                                            enable_gqa=True)
-    ref = paged_prefill_attention_reference(s.q.float(), s.k_pool.float(), s.v_pool.float(), s.tables, s.cu_q,
-                                            s.seq_lens, None)
+    padded = F.scaled_dot_product_attention(s.pq.float(), s.pk.float(), s.pv.float(), is_causal=True, enable_gqa=True)
+    ref = paged_prefill_attention_reference(
+        s.q.float(), s.k_pool.float(), s.v_pool.float(), s.tables, s.cu_q, s.seq_lens, None
+    )
     torch.testing.assert_close(s.unpad(padded), ref, rtol=1e-4, atol=1e-4)
     repeated = F.scaled_dot_product_attention(s.pq.float(), s.rk.float(), s.rv.float(), is_causal=True)
     torch.testing.assert_close(s.unpad(repeated), ref, rtol=1e-4, atol=1e-4)

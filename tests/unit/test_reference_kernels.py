@@ -27,8 +27,12 @@ def test_multi_lora_matches_per_token_loop():
 def test_switch_is_unmerge_then_merge():
     g = torch.Generator().manual_seed(3)
     w0 = torch.randn(10, 6, generator=g)
-    am, bm, an, bn = (torch.randn(3, 6, generator=g), torch.randn(10, 3, generator=g),
-                      torch.randn(5, 6, generator=g), torch.randn(10, 5, generator=g))
+    am, bm, an, bn = (
+        torch.randn(3, 6, generator=g),
+        torch.randn(10, 3, generator=g),
+        torch.randn(5, 6, generator=g),
+        torch.randn(10, 5, generator=g),
+    )
     merged_m = w0 + 2.0 * bm @ am
     w = merged_m.clone()
     switch_reference_(w, torch.cat([0.5 * bn, -2.0 * bm], 1), torch.cat([an, am], 0))

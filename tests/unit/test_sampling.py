@@ -55,8 +55,7 @@ def test_top_k_and_top_p_restrict_then_renormalise():
     want = torch.zeros(10)
     want[order[:keep]] = probs[:keep] / probs[:keep].sum()
     assert 1 <= keep < 10 and float((got - want).abs().max()) < 0.012
-    assert torch.equal(_draw(logits, SamplingParams(temperature=1.0, top_k=1), 50),
-                       logits.argmax(-1).expand(50))
+    assert torch.equal(_draw(logits, SamplingParams(temperature=1.0, top_k=1), 50), logits.argmax(-1).expand(50))
 
 
 def test_min_p_keeps_tokens_within_its_share_of_the_most_likely():
@@ -80,8 +79,12 @@ def test_min_p_keeps_tokens_within_its_share_of_the_most_likely():
 def test_greedy_rows_and_tiny_temperatures_take_the_argmax():
     torch.manual_seed(2)
     logits = torch.randn(4, 300)
-    params = [SamplingParams(), SamplingParams(temperature=1e-39, seed=3),
-              SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.9, top_p=0.5, seed=5)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1e-39, seed=3),
+        SamplingParams(temperature=1.0, seed=4),
+        SamplingParams(temperature=0.9, top_p=0.5, seed=5),
+    ]
     got = sample(logits, RowSampling.of(params, CPU), torch.tensor([7, 7, 7, 7]))
     assert got[:2].tolist() == logits[:2].argmax(-1).tolist()
     again = sample(logits, RowSampling.of(params, CPU), torch.tensor([7, 7, 7, 7]))
@@ -124,8 +127,12 @@ def test_logit_bias_is_added_before_everything_and_only_to_its_rows():
     logits = torch.randn(1, 50)
     top = int(logits[0].argmax())
     forced = (top + 7) % 50
-    params = [SamplingParams(logit_bias=((forced, 100.0),)), SamplingParams(logit_bias=((top, -100.0), (1, 0.5))),
-              SamplingParams(temperature=1.0, seed=9, logit_bias=((forced, 100.0),)), SamplingParams()]
+    params = [
+        SamplingParams(logit_bias=((forced, 100.0),)),
+        SamplingParams(logit_bias=((top, -100.0), (1, 0.5))),
+        SamplingParams(temperature=1.0, seed=9, logit_bias=((forced, 100.0),)),
+        SamplingParams(),
+    ]
     rows = RowSampling.of(params, CPU)
     assert rows.bias[0].shape == rows.bias[1].shape == (4, 2)  # padded to the longest
     got = sample(logits.expand(4, -1).clone(), rows, torch.tensor([2, 2, 2, 2]))

@@ -13,7 +13,12 @@ import sys
 import torch
 
 from kernels.sampling import (
-    MIN_TEMPERATURE, WALK_TRIES, _kept_reference, random_case, sample_tokens, sample_tokens_reference,
+    MIN_TEMPERATURE,
+    WALK_TRIES,
+    _kept_reference,
+    random_case,
+    sample_tokens,
+    sample_tokens_reference,
     uniforms,
 )
 from tests.unit.test_paged_attention import interpreter_rows, needs_triton
@@ -73,13 +78,18 @@ def test_every_kind_of_row_draws_from_its_kept_set_and_alone_as_in_a_batch():
             assert t == int(logits[i].argmax())
         else:
             assert bool(kept[i, t]), i
-        alone = sample_tokens(*(x[i:i + 1] for x in case))
+        alone = sample_tokens(*(x[i : i + 1] for x in case))
         assert int(alone) == t
 
 
 # (rows, vocab, dtype, logit scale): the last one nearly flat (a small top-p walks several candidates)
-INTERPRETER_CASES = [(16, 5000, "bfloat16", 3.0), (9, 4097, "float32", 3.0), (8, 300, "float16", 3.0),
-                     (3, 2048, "float32", 3.0), (8, 3000, "float32", 0.05)]
+INTERPRETER_CASES = [
+    (16, 5000, "bfloat16", 3.0),
+    (9, 4097, "float32", 3.0),
+    (8, 300, "float16", 3.0),
+    (3, 2048, "float32", 3.0),
+    (8, 3000, "float32", 0.05),
+]
 
 
 def _interpreter_main() -> None:
@@ -96,8 +106,7 @@ def _interpreter_main() -> None:
             case = (wide[:, :vocab],) + case[1:]
         want = sample_tokens_reference(*case)
         # every candidate path: the default, one candidate then the bisection, the bisection alone
-        differ = {tries: int((sample_tokens_triton(*case, tries=tries) != want).sum())
-                  for tries in (WALK_TRIES, 1, 0)}
+        differ = {tries: int((sample_tokens_triton(*case, tries=tries) != want).sum()) for tries in (WALK_TRIES, 1, 0)}
         print(json.dumps({"case": i, "differ": differ, "rows": rows, "tries": candidate_tries(*case)}))
 
 

@@ -35,8 +35,10 @@ def test_synthetic_trace_rate_and_skew(alpha):
 
 
 def test_skew_grows_with_alpha_and_bursts_raise_variance():
-    shares = [trace_stats(synthetic_trace(n=3000, rate=20, alpha=a, adapters=128, seed=1))["top_share"]
-              for a in (0.5, 1.0, 1.5)]
+    shares = [
+        trace_stats(synthetic_trace(n=3000, rate=20, alpha=a, adapters=128, seed=1))["top_share"]
+        for a in (0.5, 1.0, 1.5)
+    ]
     assert shares[0] < shares[1] < shares[2]
 
     def gap_cv(cv):
@@ -50,14 +52,19 @@ def test_skew_grows_with_alpha_and_bursts_raise_variance():
 
 def test_azure_csv_loader(tmp_path):
     path = tmp_path / "AzureLLMInferenceTrace_conv.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    "2023-11-16 18:15:46.6805900,374,44\n"
-                    "2023-11-16 18:15:50.9951690,396,109\n"
-                    "2023-11-16 18:15:47.1805900,879,1\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:47.1805900,879,1\n"
+    )
     tr = load_azure_csv(path, alpha=1.0, adapters=32, seed=0)
     assert [round(r.arrival_s, 3) for r in tr] == [0.0, 0.5, 4.315]  # sorted, relative to the first
-    assert [(r.prompt_tokens, r.output_tokens, r.label) for r in tr] == [(374, 44, False), (879, 1, True),
-                                                                      (396, 109, False)]
+    assert [(r.prompt_tokens, r.output_tokens, r.label) for r in tr] == [
+        (374, 44, False),
+        (879, 1, True),
+        (396, 109, False),
+    ]
     assert all(r.adapter.startswith("adapters/") for r in tr)
     assert [r.arrival_s for r in load_azure_csv(path, time_scale=2.0)][-1] == pytest.approx(4.315 / 2, abs=1e-3)
     bad = tmp_path / "bad.csv"
@@ -69,13 +76,25 @@ def test_azure_csv_loader(tmp_path):
 # -- cost model -----------------------------------------------------------------------------------
 def test_cost_model_loads_measured_numbers_or_keeps_defaults(tmp_path):
     assert CostModel.from_results(tmp_path).switch_ms == CostModel().switch_ms  # nothing there: defaults
-    (tmp_path / "switch_abc.json").write_text(json.dumps(
-        {"ours": {"x": {"merge_ms": 7.0, "switch_ms": 8.0}, "y": {"merge_ms": 9.0, "switch_ms": 12.0}},
-         "h2d_adapter": {"ms": 2.5}}))
-    (tmp_path / "atmm_headline_abc.json").write_text(json.dumps({"cases": [
-        {"rank": "16", "h_in": 4096, "T": 16, "N": 8, "atmm": {"amortized_us": 4.0}},
-        {"rank": "16", "h_in": 4096, "T": 1024, "N": 8, "atmm": {"amortized_us": 16.0}},
-        {"rank": "32", "h_in": 4096, "T": 16, "N": 8, "atmm": {"amortized_us": 99.0}}]}))
+    (tmp_path / "switch_abc.json").write_text(
+        json.dumps(
+            {
+                "ours": {"x": {"merge_ms": 7.0, "switch_ms": 8.0}, "y": {"merge_ms": 9.0, "switch_ms": 12.0}},
+                "h2d_adapter": {"ms": 2.5},
+            }
+        )
+    )
+    (tmp_path / "atmm_headline_abc.json").write_text(
+        json.dumps(
+            {
+                "cases": [
+                    {"rank": "16", "h_in": 4096, "T": 16, "N": 8, "atmm": {"amortized_us": 4.0}},
+                    {"rank": "16", "h_in": 4096, "T": 1024, "N": 8, "atmm": {"amortized_us": 16.0}},
+                    {"rank": "32", "h_in": 4096, "T": 16, "N": 8, "atmm": {"amortized_us": 99.0}},
+                ]
+            }
+        )
+    )
     m = CostModel.from_results(tmp_path)
     assert (m.switch_ms, m.merge_ms, m.load_ms) == (8.0, 7.0, 2.5)
     assert m.atmm_op_us(16, 8) == 4.0 and m.atmm_op_us(1024, 64) == 16.0
@@ -158,11 +177,13 @@ def test_deadline_ordering_raises_the_video_class_attainment_in_the_simulator():
     """Video chunks with a 1 s objective beside retrieval past the workers' capacity: valora with
     deadlines meets the objective for more chunks than without, and finishes the same work."""
     trace = two_app_trace(seconds=8, streams=16, retrieval_rate=70.0, seed=2)
-    on, off = (simulate(make_policy("valora", COST, deadlines=d), trace, COST, workers=2, max_batch=16)
-               for d in (True, False))
+    on, off = (
+        simulate(make_policy("valora", COST, deadlines=d), trace, COST, workers=2, max_batch=16) for d in (True, False)
+    )
     v_on, v_off = on.classes["video"], off.classes["video"]
-    assert v_on["within"] + v_on["over"] == v_off["within"] + v_off["over"] == sum(r.slo_class == "video"
-                                                                                   for r in trace)
+    assert (
+        v_on["within"] + v_on["over"] == v_off["within"] + v_off["over"] == sum(r.slo_class == "video" for r in trace)
+    )
     assert v_on["attainment"] > v_off["attainment"] + 0.1
     assert "attainment" not in on.classes["retrieval"]  # no objective, latency figures only
     assert on.completed == off.completed == len(trace)
@@ -170,8 +191,9 @@ def test_deadline_ordering_raises_the_video_class_attainment_in_the_simulator():
 
 def test_without_objectives_the_simulation_is_the_same_with_or_without_deadlines():
     trace = synthetic_trace(n=400, rate=60.0, alpha=1.0, adapters=32, seed=4)
-    on, off = (simulate(make_policy("valora", COST, deadlines=d), trace, COST, workers=2, max_batch=8)
-               for d in (True, False))
+    on, off = (
+        simulate(make_policy("valora", COST, deadlines=d), trace, COST, workers=2, max_batch=8) for d in (True, False)
+    )
     assert on.latencies_s == off.latencies_s and on.switches == off.switches and on.classes == off.classes == {}
 
 
@@ -179,14 +201,36 @@ def test_bench_sched_cli_two_app_rows_carry_classes(tmp_path):
     from valora.cli import app
 
     out = tmp_path / "sched.json"
-    result = CliRunner().invoke(app, ["bench", "sched", "--workload", "two-app", "--alphas", "1", "--rates", "20",
-                                      "--seconds", "3", "--video-streams", "4", "--deadlines", "both",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "sched",
+            "--workload",
+            "two-app",
+            "--alphas",
+            "1",
+            "--rates",
+            "20",
+            "--seconds",
+            "3",
+            "--video-streams",
+            "4",
+            "--deadlines",
+            "both",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert sorted((r["policy"], r["deadlines"]) for r in rows if r["policy"] in ("valora", "dlora")) == [
-        ("dlora", False), ("dlora", True), ("valora", False), ("valora", True)]
+        ("dlora", False),
+        ("dlora", True),
+        ("valora", False),
+        ("valora", True),
+    ]
     assert {r["deadlines"] for r in rows if r["policy"] in ("slora", "punica")} == {None}
     for r in rows:
         assert r["trace"] == "two-app" and set(r["classes"]) == {"video", "retrieval"}
@@ -198,8 +242,10 @@ def test_bench_sched_cli_writes_rows(tmp_path):
     from valora.cli import app
 
     out = tmp_path / "sched.json"
-    result = CliRunner().invoke(app, ["bench", "sched", "--alphas", "1.5", "--rates", "20", "--seconds", "3",
-                                      "--adapters", "32", "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        ["bench", "sched", "--alphas", "1.5", "--rates", "20", "--seconds", "3", "--adapters", "32", "--out", str(out)],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
     assert {r["policy"] for r in rows} == {"valora", "dlora", "slora", "punica"}

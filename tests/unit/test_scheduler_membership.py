@@ -52,8 +52,9 @@ async def scheduler(static=(), **settings):
 
 async def status(stub):
     # wait_for_ready: a channel to a port that refused connections a moment ago is still backing off.
-    return await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest(), wait_for_ready=True,
-                                         timeout=5)
+    return await stub.GetSchedulerStatus(
+        scheduler_service_pb2.GetSchedulerStatusRequest(), wait_for_ready=True, timeout=5
+    )
 
 
 async def healthy(stub, address) -> bool:
@@ -65,8 +66,15 @@ async def listed(stub, address) -> bool:
 
 
 def registration(scheduler_port: int, worker: FakeWorker, **kwargs) -> SchedulerRegistration:
-    return SchedulerRegistration(f"127.0.0.1:{scheduler_port}", address=worker.address, name="w", device="cpu",
-                                 max_batch_size=worker.max_batch, heartbeat_s=0.05, **kwargs)
+    return SchedulerRegistration(
+        f"127.0.0.1:{scheduler_port}",
+        address=worker.address,
+        name="w",
+        device="cpu",
+        max_batch_size=worker.max_batch,
+        heartbeat_s=0.05,
+        **kwargs,
+    )
 
 
 async def test_worker_joining_at_run_time_receives_work():
@@ -95,12 +103,12 @@ async def test_worker_joining_at_run_time_receives_work():
 async def test_silent_worker_is_lost_its_waiting_requests_go_elsewhere_and_it_is_removed():
     frozen = FakeWorker(hang=True, resident=[ADAPTER])  # accepts work, never answers, stops heartbeating
     good = FakeWorker()
-    async with serving(frozen), serving(good), \
-            scheduler(worker_ttl_s=0.5, worker_grace_s=0.5) as (stub, service):
+    async with serving(frozen), serving(good), scheduler(worker_ttl_s=0.5, worker_grace_s=0.5) as (stub, service):
         # Registered by hand: this worker never sends a heartbeat.
         sched = stub
-        await sched.RegisterWorker(scheduler_service_pb2.RegisterWorkerRequest(address=frozen.address,
-                                                                               max_batch_size=4))
+        await sched.RegisterWorker(
+            scheduler_service_pb2.RegisterWorkerRequest(address=frozen.address, max_batch_size=4)
+        )
         await wait_until(lambda: healthy(stub, frozen.address))
         calls = [asyncio.ensure_future(collect(stub, submit_request(f"r{i}"))) for i in range(2)]
         await wait_until(lambda: _true(len(frozen.calls) == 2))  # both placed on the frozen worker
@@ -122,8 +130,9 @@ async def test_a_worker_lost_mid_stream_fails_its_streams_within_the_ttl():
     fails its clients UNAVAILABLE once the pool declares it lost, not at their deadlines."""
     stopped = FakeWorker(stall_after_first=True)
     async with serving(stopped), scheduler(worker_ttl_s=0.5, worker_grace_s=5) as (stub, service):
-        await stub.RegisterWorker(scheduler_service_pb2.RegisterWorkerRequest(address=stopped.address,
-                                                                              max_batch_size=4))  # no heartbeats
+        await stub.RegisterWorker(
+            scheduler_service_pb2.RegisterWorkerRequest(address=stopped.address, max_batch_size=4)
+        )  # no heartbeats
         await wait_until(lambda: healthy(stub, stopped.address))
         call = stub.Submit(submit_request("r-mid"), timeout=30)
         first = await call.read()
@@ -238,8 +247,16 @@ async def test_a_frozen_worker_is_lost_ttl_after_its_last_healthy_status():
     from valora_protos.v1 import admin_service_pb2
 
     now = [0.0]
-    pool = WorkerPool(["127.0.0.1:1"], poll_s=1.0, poll_timeout_s=2.0, default_max_batch_size=4,
-                      channel_options=[], on_change=lambda: None, ttl_s=10.0, clock=lambda: now[0])
+    pool = WorkerPool(
+        ["127.0.0.1:1"],
+        poll_s=1.0,
+        poll_timeout_s=2.0,
+        default_max_batch_size=4,
+        channel_options=[],
+        on_change=lambda: None,
+        ttl_s=10.0,
+        clock=lambda: now[0],
+    )
     w = pool["127.0.0.1:1"]
     pool._apply(w, worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(healthy=True)))
     assert w.healthy

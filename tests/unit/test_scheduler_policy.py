@@ -24,8 +24,11 @@ def place(waiting, workers):
 
 
 def test_prefers_merged_then_resident_then_least_loaded():
-    workers = [worker("w1"), worker("w2", resident=[A1], running=3), worker("w3", mode=Mode.MIXTURE, merged=A1,
-                                                                            running=3)]
+    workers = [
+        worker("w1"),
+        worker("w2", resident=[A1], running=3),
+        worker("w3", mode=Mode.MIXTURE, merged=A1, running=3),
+    ]
     assert place([req("r", 1.0)], workers).assignments == [Assignment("r", "w3")]
     assert place([req("r", 1.0)], workers[:2]).assignments == [Assignment("r", "w2")]
     assert place([req("r", 1.0, adapter=B1)], workers).assignments == [Assignment("r", "w1")]
@@ -46,8 +49,7 @@ def test_capacity_is_never_exceeded_and_earliest_arrivals_win():
 
 
 def test_skips_unhealthy_unknown_and_excluded_workers():
-    workers = [worker("down", healthy=False, resident=[A1]), worker("unknown", max_batch=0), worker("w1"),
-               worker("w2")]
+    workers = [worker("down", healthy=False, resident=[A1]), worker("unknown", max_batch=0), worker("w1"), worker("w2")]
     d = place([req("r", 1.0, excluded=["w1"])], workers)
     assert d.assignments == [Assignment("r", "w2")]
     assert place([req("r", 1.0, excluded=["w1", "w2"])], workers).assignments == []

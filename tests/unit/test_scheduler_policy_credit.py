@@ -18,10 +18,20 @@ NOW = 100.0
 COST = CostModel()
 
 
-def worker(address="w1", *, running=0, max_batch=16, mode=Mode.UNMERGED, merged=None, resident=(), healthy=True,
-           running_adapters=None):
-    return WorkerView(address, healthy, max_batch, running, mode, merged, frozenset(resident),
-                      dict(running_adapters or {}))
+def worker(
+    address="w1",
+    *,
+    running=0,
+    max_batch=16,
+    mode=Mode.UNMERGED,
+    merged=None,
+    resident=(),
+    healthy=True,
+    running_adapters=None,
+):
+    return WorkerView(
+        address, healthy, max_batch, running, mode, merged, frozenset(resident), dict(running_adapters or {})
+    )
 
 
 def req(rid, adapter=A, *, waited=0.0, label=False, excluded=(), slo_s=0.0):
@@ -116,8 +126,14 @@ def test_under_contention_the_tightest_deadlines_are_served_first():
     # Two slots, six waiting (same adapter, none starving): earliest due first — task-head video
     # requests with a 500 ms objective, then those without one (due at arrival + θ) in arrival
     # order, a 20 s objective last; without deadlines the first two to arrive.
-    waiting = [req("old", waited=0.3), req("older", waited=0.35), req("video-1", label=True, waited=0.05, slo_s=0.5),
-               req("video-2", label=True, slo_s=0.5), req("loose", waited=0.5, slo_s=20.0), req("new")]
+    waiting = [
+        req("old", waited=0.3),
+        req("older", waited=0.35),
+        req("video-1", label=True, waited=0.05, slo_s=0.5),
+        req("video-2", label=True, slo_s=0.5),
+        req("loose", waited=0.5, slo_s=20.0),
+        req("new"),
+    ]
     w = worker(max_batch=2)
     assert [a.request_id for a in valora().decide(NOW, waiting, [w]).assignments] == ["video-1", "video-2"]
     fcfs = CreditPolicy(COST, deadlines=False)
@@ -146,26 +162,46 @@ def test_starving_requests_still_in_time_go_before_starving_ones_without_objecti
     # goes before retrieval requests starving longer (credit order would put it last); one that
     # has lost its objective is one more starving request in credit order, so it does not make
     # the ones still in time late too.
-    waiting = [req("retrieval-old", waited=2.0), req("retrieval", waited=1.5),
-               req("video", label=True, waited=0.4, slo_s=0.5), req("video-lost", label=True, waited=1.6, slo_s=0.5)]
+    waiting = [
+        req("retrieval-old", waited=2.0),
+        req("retrieval", waited=1.5),
+        req("video", label=True, waited=0.4, slo_s=0.5),
+        req("video-lost", label=True, waited=1.6, slo_s=0.5),
+    ]
     w = worker(max_batch=4)
     assert [a.request_id for a in valora().decide(NOW, waiting, [w]).assignments] == [
-        "video", "retrieval-old", "retrieval", "video-lost"]
+        "video",
+        "retrieval-old",
+        "retrieval",
+        "video-lost",
+    ]
     assert [a.request_id for a in CreditPolicy(COST, deadlines=False).decide(NOW, waiting, [w]).assignments] == [
-        "retrieval-old", "retrieval", "video-lost", "video"]  # 0.4 s + a forward is below θ: not starving
+        "retrieval-old",
+        "retrieval",
+        "video-lost",
+        "video",
+    ]  # 0.4 s + a forward is below θ: not starving
 
 
 def test_without_objectives_deadlines_change_nothing():
     """Default behaviour: with no objective anywhere the decisions are those of Alg. 1 as the
     paper has it (deadlines=False), starving or not, merged or not."""
-    queues = [[req(f"r{i}", (A, B, C, D)[i % 4], waited=0.3 * i, label=i % 3 == 0) for i in range(12)],
-              [req(f"s{i}", B, waited=1.5 + 0.1 * i) for i in range(5)] + [req("a", A)]]
-    pools = [[worker(max_batch=4)], [worker(mode=Mode.MERGED, merged=A, running=2, running_adapters={A: 2}),
-                                     worker("w2", max_batch=3, resident=[B])]]
+    queues = [
+        [req(f"r{i}", (A, B, C, D)[i % 4], waited=0.3 * i, label=i % 3 == 0) for i in range(12)],
+        [req(f"s{i}", B, waited=1.5 + 0.1 * i) for i in range(5)] + [req("a", A)],
+    ]
+    pools = [
+        [worker(max_batch=4)],
+        [
+            worker(mode=Mode.MERGED, merged=A, running=2, running_adapters={A: 2}),
+            worker("w2", max_batch=3, resident=[B]),
+        ],
+    ]
     for waiting in queues:
         for workers in pools:
             assert valora().decide(NOW, waiting, workers) == CreditPolicy(COST, deadlines=False).decide(
-                NOW, waiting, workers)
+                NOW, waiting, workers
+            )
 
 
 # -- placement over workers ------------------------------------------------------------------------
@@ -202,8 +238,11 @@ def test_prefetch_hints_name_adapters_nobody_holds():
 # -- baselines -------------------------------------------------------------------------------------
 def test_slora_is_unmerged_only_fcfs_with_affinity():
     merged = worker("w1", mode=Mode.MERGED, merged=A)
-    d = SLoRAPolicy().decide(NOW, [req("late", B, waited=0.0), req("early", B, waited=1.0)],
-                             [merged, worker("w2", resident=[B], max_batch=1)])
+    d = SLoRAPolicy().decide(
+        NOW,
+        [req("late", B, waited=0.0), req("early", B, waited=1.0)],
+        [merged, worker("w2", resident=[B], max_batch=1)],
+    )
     assert d.mode_commands == [ModeCommand("w1", Mode.UNMERGED)]
     assert d.assignments[0].request_id == "early" and d.assignments[0].worker == "w2"  # resident there
     assert placed(d)["late"] == "w1"

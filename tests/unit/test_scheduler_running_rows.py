@@ -52,8 +52,16 @@ def test_prompt_tokens_are_estimated_from_the_text():
 
 
 def test_handle_reports_running_rows_per_adapter_and_the_credit_policy_prices_them():
-    handle = WorkerHandle("w1", None, None, 16, status=admin_service_pb2.WorkerStatus(
-        healthy=True, max_batch_size=16, mode=types_pb2.INFERENCE_MODE_UNMERGED, device="cuda:0"), healthy=True)
+    handle = WorkerHandle(
+        "w1",
+        None,
+        None,
+        16,
+        status=admin_service_pb2.WorkerStatus(
+            healthy=True, max_batch_size=16, mode=types_pb2.INFERENCE_MODE_UNMERGED, device="cuda:0"
+        ),
+        healthy=True,
+    )
     for adapter in (B, B, B, B, C, C, C, C):
         handle.started(adapter)
     waiting = [WaitingRequest(f"a{i}", 100.0, A, prompt_tokens=40) for i in range(2)]
@@ -81,8 +89,9 @@ async def test_dispatcher_tells_the_policy_running_adapters_and_prompt_sizes():
     await server.start()
     # θ tiny: every request starves, so the worker stays unmerged and takes them all.
     policy = Recording(CreditPolicy(CostModel(), theta_s=0.001))
-    service = await create_server(SchedulerSettings(worker_addresses=[w.address], status_poll_s=0.05,
-                                                    dispatch_tick_s=0.05), policy=policy)
+    service = await create_server(
+        SchedulerSettings(worker_addresses=[w.address], status_poll_s=0.05, dispatch_tick_s=0.05), policy=policy
+    )
     await service.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
     stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
@@ -109,6 +118,7 @@ async def test_dispatcher_tells_the_policy_running_adapters_and_prompt_sizes():
         async def idle():
             st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
             return st.workers[0].running_requests == 0
+
         await wait_until(idle)
         # Every run released its row: the next decision sees none running.
         seen = len(policy.calls)

@@ -36,9 +36,19 @@ def anyio_backend():
 class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     """Streams "hel", "lo" then a result; or fails / hangs as told."""
 
-    def __init__(self, *, healthy=True, max_batch=4, resident=(), fail_before_first=False,
-                 fail_after_first=False, hang=False, merged="", stall_after_first=False,
-                 hold_first: asyncio.Event | None = None):
+    def __init__(
+        self,
+        *,
+        healthy=True,
+        max_batch=4,
+        resident=(),
+        fail_before_first=False,
+        fail_after_first=False,
+        hang=False,
+        merged="",
+        stall_after_first=False,
+        hold_first: asyncio.Event | None = None,
+    ):
         self.healthy, self.max_batch, self.resident = healthy, max_batch, list(resident)
         self.hold_first = hold_first  # the first call waits for it: a worker busy while a queue builds
         self.mode = types_pb2.INFERENCE_MODE_MERGED if merged else types_pb2.INFERENCE_MODE_UNMERGED
@@ -78,17 +88,26 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         if self.fail_after_first:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died mid-stream")
         yield worker_service_pb2.GenerateResponse(text_delta="lo")
-        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
-            text="hello", finish_reason=types_pb2.FINISH_REASON_EOS, timing=types_pb2.Timing(queue_ms=1.0)))
+        yield worker_service_pb2.GenerateResponse(
+            result=inference_service_pb2.InferResult(
+                text="hello", finish_reason=types_pb2.FINISH_REASON_EOS, timing=types_pb2.Timing(queue_ms=1.0)
+            )
+        )
 
     async def LoadAdapter(self, request, context):
         self.events.append(f"load {request.adapter.version} to_device={request.to_device}")
         return worker_service_pb2.LoadAdapterResponse()
 
     async def GetWorkerStatus(self, request, context):
-        return worker_service_pb2.GetWorkerStatusResponse(status=admin_service_pb2.WorkerStatus(
-            healthy=self.healthy, max_batch_size=self.max_batch, resident_adapters=self.resident,
-            mode=self.mode, merged_adapter=self.merged))
+        return worker_service_pb2.GetWorkerStatusResponse(
+            status=admin_service_pb2.WorkerStatus(
+                healthy=self.healthy,
+                max_batch_size=self.max_batch,
+                resident_adapters=self.resident,
+                mode=self.mode,
+                merged_adapter=self.merged,
+            )
+        )
 
     async def SetMode(self, request, context):
         await asyncio.sleep(0.1)  # a switch takes a while; requests placed after it must wait
@@ -106,8 +125,9 @@ async def cluster(*workers: FakeWorker, **settings):
         w.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
         servers.append(server)
-    cfg = SchedulerSettings(worker_addresses=[w.address for w in workers], status_poll_s=0.05,
-                            dispatch_tick_s=0.05, **settings)
+    cfg = SchedulerSettings(
+        worker_addresses=[w.address for w in workers], status_poll_s=0.05, dispatch_tick_s=0.05, **settings
+    )
     service = await create_server(cfg)
     await service.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
@@ -121,8 +141,9 @@ async def cluster(*workers: FakeWorker, **settings):
 
 
 def submit_request(rid="r1", adapter=ADAPTER, slo_ms=0.0, slo_class=""):
-    item = work_pb2.WorkItem(request_id=rid, prompt="what is it?", output_kind=types_pb2.OUTPUT_KIND_TEXT,
-                             slo_ms=slo_ms, slo_class=slo_class)
+    item = work_pb2.WorkItem(
+        request_id=rid, prompt="what is it?", output_kind=types_pb2.OUTPUT_KIND_TEXT, slo_ms=slo_ms, slo_class=slo_class
+    )
     if adapter:
         item.adapter.CopyFrom(work_pb2.AdapterRef(version=adapter, sha256="ab" * 32))
     return scheduler_service_pb2.SubmitRequest(item=item)
@@ -136,6 +157,7 @@ async def wait_until(predicate, timeout=5.0):
     async def loop():
         while not await predicate():
             await asyncio.sleep(0.02)
+
     await asyncio.wait_for(loop(), timeout)
 
 
@@ -160,6 +182,7 @@ async def test_queue_full_is_resource_exhausted_with_retry_info():
         async def queued():
             st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
             return st.queued_requests == 1
+
         await wait_until(queued)
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await collect(stub, submit_request("r2"))
@@ -236,6 +259,7 @@ async def test_request_expiring_in_the_queue_is_dropped():
         async def empty():
             st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
             return st.queued_requests == 0
+
         await wait_until(empty)
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert w.calls == []
@@ -249,6 +273,7 @@ async def test_cancelling_submit_cancels_the_worker_call():
 
         async def started():
             return bool(w.calls)
+
         await wait_until(started)
         call.cancel()
         await asyncio.wait_for(w.cancelled.wait(), 5)
@@ -258,6 +283,7 @@ async def test_cancelling_submit_cancels_the_worker_call():
         async def freed():
             st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
             return st.workers[0].running_requests == 0
+
         await wait_until(freed)
 
 
@@ -309,12 +335,14 @@ async def test_waiting_requests_adapter_is_prefetched_to_a_worker():
 
         async def started():
             return bool(w.calls)
+
         await wait_until(started)
         second = stub.Submit(submit_request("r2", adapter=other), timeout=10)
         reader2 = asyncio.ensure_future(second.read())
 
         async def prefetched():
             return f"load {other} to_device=True" in w.events
+
         await wait_until(prefetched)
         for call, r in ((first, reader), (second, reader2)):
             call.cancel()
@@ -334,12 +362,24 @@ async def test_under_contention_tighter_objectives_run_first_and_attainment_is_c
     deadlines arrival order. Attainment counts per class: the 1 ms one over, the others within."""
     held = asyncio.Event()
     w = FakeWorker(max_batch=1, hold_first=held)
-    queued = [("bulk-1", 0.0, ""), ("bulk-2", 0.0, ""), ("video-1", 800.0, "t-video"), ("video-2", 800.0, "t-video"),
-              ("loose-1", 60_000.0, "t-loose")]
-    classes = [("t-video", "within"), ("t-video", "over"), ("t-loose", "within"), ("t-loose", "over"),
-               ("t-tight", "within"), ("t-tight", "over")]
+    queued = [
+        ("bulk-1", 0.0, ""),
+        ("bulk-2", 0.0, ""),
+        ("video-1", 800.0, "t-video"),
+        ("video-2", 800.0, "t-video"),
+        ("loose-1", 60_000.0, "t-loose"),
+    ]
+    classes = [
+        ("t-video", "within"),
+        ("t-video", "over"),
+        ("t-loose", "within"),
+        ("t-loose", "over"),
+        ("t-tight", "within"),
+        ("t-tight", "over"),
+    ]
     before = {k: slo_count(*k) for k in classes}
     async with cluster(w, slo_deadlines=deadlines) as stub:
+
         async def queued_is(n):
             st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest())
             return st.queued_requests == n
@@ -362,8 +402,14 @@ async def test_under_contention_tighter_objectives_run_first_and_attainment_is_c
     else:
         assert order == [rid for rid, _, _ in queued]
     moved = {k: slo_count(*k) - v for k, v in before.items()}
-    assert moved == {("t-video", "within"): 2, ("t-video", "over"): 0, ("t-loose", "within"): 1,
-                     ("t-loose", "over"): 0, ("t-tight", "within"): 0, ("t-tight", "over"): 1}
+    assert moved == {
+        ("t-video", "within"): 2,
+        ("t-video", "over"): 0,
+        ("t-loose", "within"): 1,
+        ("t-loose", "over"): 0,
+        ("t-tight", "within"): 0,
+        ("t-tight", "over"): 1,
+    }
 
 
 def test_worker_addresses_from_env(monkeypatch):

@@ -27,11 +27,21 @@ ADMIN_KEY = "admin-key-update-task"
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sdk-update-task")
-    settings = StoreSettings(database_url=f"sqlite:///{tmp / 'r.db'}", blob_dir=str(tmp / "blobs"),
-                             model_path=str(write_tiny_model(tmp / "tiny")), gc_interval_s=0, port=0)
+    settings = StoreSettings(
+        database_url=f"sqlite:///{tmp / 'r.db'}",
+        blob_dir=str(tmp / "blobs"),
+        model_path=str(write_tiny_model(tmp / "tiny")),
+        gc_interval_s=0,
+        port=0,
+    )
     with RunningStore(settings) as store:
-        settings = GatewaySettings(adapter_store_address=store.address, scheduler_address=store.address,
-                                   admin_keys=[ADMIN_KEY], http_enabled=False, port=0)
+        settings = GatewaySettings(
+            adapter_store_address=store.address,
+            scheduler_address=store.address,
+            admin_keys=[ADMIN_KEY],
+            http_enabled=False,
+            port=0,
+        )
         with ServiceThread(create_gateway, settings, "gateway") as gw:
             with ValoraClient(gw.address, admin_key=ADMIN_KEY, retries=0, timeout_s=30) as c:
                 yield c
@@ -39,8 +49,9 @@ def client(tmp_path_factory):
 
 def test_sdk_update_task(client):
     client.upload_adapter_version("sdk-upd", make_bundle(rank=4, seed=3), adapter_config(rank=4))
-    created = client.create_task("sdk-upd-ask", adapter="adapters/sdk-upd", description="ask", slo_ms=500.0,
-                                 slo_class="retrieval")
+    created = client.create_task(
+        "sdk-upd-ask", adapter="adapters/sdk-upd", description="ask", slo_ms=500.0, slo_class="retrieval"
+    )
     got = client.update_task("sdk-upd-ask", description="ask it", etag=created.etag)
     assert (got.description, got.slo_ms, got.slo_class) == ("ask it", 500.0, "retrieval")
     assert client.get_task("tasks/sdk-upd-ask") == got
@@ -73,7 +84,8 @@ async def test_sdk_requests_carry_their_own_release_fraction():
             [_ async for _ in c.infer_stream("a car?", task="tasks/caption", adapter_release_fraction=0.25)]
         with ValoraClient(address, retries=0, timeout_s=30) as sync:  # in a thread: this loop serves the gateway
             await asyncio.to_thread(sync.infer, "a car?", adapter="adapters/cars", adapter_release_fraction=0.75)
-            await asyncio.to_thread(lambda: list(sync.infer_stream("a car?", adapter="adapters/cars",
-                                                                   adapter_release_fraction=1.0)))
+            await asyncio.to_thread(
+                lambda: list(sync.infer_stream("a car?", adapter="adapters/cars", adapter_release_fraction=1.0))
+            )
             await asyncio.to_thread(sync.infer, "a car?", adapter="adapters/cars")
     assert [i.params.adapter_release_fraction for i in env.scheduler.items] == [0.5, 0.25, 0.75, 1.0, 0.0]

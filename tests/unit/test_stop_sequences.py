@@ -36,14 +36,14 @@ def test_streamed_text_stops_at_the_first_stop_and_holds_back_only_possible_star
         streamed, i = "", 0
         while i < len(full) and not d.stopped:
             n = rnd.randint(1, 4)
-            d._append(full[i:i + n])
+            d._append(full[i : i + n])
             streamed += d._take(final=False)
             i += n
             if not d.stopped:  # what is held back may still begin a stop sequence, nothing more
-                held = d.text[len(streamed):]
+                held = d.text[len(streamed) :]
                 assert len(held) == max(_longest_prefix_suffix(d.text, s) for s in stops)
         streamed += d._take(final=True)
         found = [(full.find(s) + len(s), full.find(s)) for s in stops if s in full]
         # cut where the stop sequence completed first (its first character) began
-        want = full[:min(found)[1]] if found else full
+        want = full[: min(found)[1]] if found else full
         assert streamed == d.text == want, (stops, full)

@@ -21,8 +21,13 @@ from valora_protos.v1 import admin_service_pb2 as admin_pb  # noqa: E402
 
 
 def _settings(tmp_path) -> StoreSettings:
-    return StoreSettings(database_url=f"sqlite:///{tmp_path / 'd.db'}", blob_dir=str(tmp_path / "blobs"),
-                         model_path=str(write_tiny_model(tmp_path / "tiny")), gc_interval_s=0, port=0)
+    return StoreSettings(
+        database_url=f"sqlite:///{tmp_path / 'd.db'}",
+        blob_dir=str(tmp_path / "blobs"),
+        model_path=str(write_tiny_model(tmp_path / "tiny")),
+        gc_interval_s=0,
+        port=0,
+    )
 
 
 @pytest.fixture
@@ -32,10 +37,13 @@ def rs(tmp_path):
 
 
 def _upload_parts(data: bytes, sha256: str | None = None):
-    yield admin_pb.UploadDatasetRequest(metadata=admin_pb.UploadDatasetMetadata(
-        sha256=sha256 if sha256 is not None else hashlib.sha256(data).hexdigest()))
+    yield admin_pb.UploadDatasetRequest(
+        metadata=admin_pb.UploadDatasetMetadata(
+            sha256=sha256 if sha256 is not None else hashlib.sha256(data).hexdigest()
+        )
+    )
     for i in range(0, len(data), 1000):
-        yield admin_pb.UploadDatasetRequest(chunk=data[i:i + 1000])
+        yield admin_pb.UploadDatasetRequest(chunk=data[i : i + 1000])
 
 
 def test_the_store_checks_uploads_and_the_datasets_jobs_name(rs, tmp_path):

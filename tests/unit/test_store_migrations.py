@@ -15,10 +15,17 @@ def test_upgrade_head_matches_models(tmp_path):
     try:
         db.upgrade(engine)
         with engine.connect() as conn:
-            assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}),
-                                    Base.metadata) == []
+            assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
         tables = set(inspect(engine).get_table_names())
-        assert {"adapters", "adapter_versions", "aliases", "tasks", "fused_adapter_members", "tile_tables",
-                "generation_jobs", "alembic_version"} <= tables
+        assert {
+            "adapters",
+            "adapter_versions",
+            "aliases",
+            "tasks",
+            "fused_adapter_members",
+            "tile_tables",
+            "generation_jobs",
+            "alembic_version",
+        } <= tables
     finally:
         engine.dispose()

@@ -25,8 +25,12 @@ class _Bomb:
 def checker(tmp_path):
     from services.adapter_store.config import StoreSettings
 
-    settings = StoreSettings(model_path=str(write_tiny_model(tmp_path / "tiny")), max_rank=16,
-                             max_header_bytes=4096, max_bundle_bytes=64 * 1024)
+    settings = StoreSettings(
+        model_path=str(write_tiny_model(tmp_path / "tiny")),
+        max_rank=16,
+        max_header_bytes=4096,
+        max_bundle_bytes=64 * 1024,
+    )
     return BundleChecker.from_settings(settings)
 
 
@@ -43,18 +47,21 @@ def test_valid_bundle(checker):
     assert checker.base_model == "tiny"
 
 
-@pytest.mark.parametrize("data_fn, reason", [
-    (lambda m: pickle.dumps(_Bomb(m)), "NOT_SAFETENSORS"),
-    (lambda m: b"PK\x03\x04" + b"\0" * 64, "NOT_SAFETENSORS"),
-    (lambda m: b"12345678not json", "NOT_SAFETENSORS"),
-    (lambda m: b"", "NOT_SAFETENSORS"),
-    (lambda m: make_bundle(header_pad=8192), "HEADER_TOO_LARGE"),
-    (lambda m: make_bundle()[:-10], "TRUNCATED"),
-    (lambda m: make_bundle(rank=32), "RANK_TOO_LARGE"),
-    (lambda m: make_bundle(dtype="I64"), "BAD_DTYPE"),
-    (lambda m: make_bundle(config=dict(TINY_CONFIG, intermediate_size=96), modules=("gate_proj",)), "BAD_SHAPE"),
-    (lambda m: make_bundle(rank=16, modules=("gate_proj", "up_proj", "down_proj")) * 2, "BUNDLE_TOO_LARGE"),
-])
+@pytest.mark.parametrize(
+    "data_fn, reason",
+    [
+        (lambda m: pickle.dumps(_Bomb(m)), "NOT_SAFETENSORS"),
+        (lambda m: b"PK\x03\x04" + b"\0" * 64, "NOT_SAFETENSORS"),
+        (lambda m: b"12345678not json", "NOT_SAFETENSORS"),
+        (lambda m: b"", "NOT_SAFETENSORS"),
+        (lambda m: make_bundle(header_pad=8192), "HEADER_TOO_LARGE"),
+        (lambda m: make_bundle()[:-10], "TRUNCATED"),
+        (lambda m: make_bundle(rank=32), "RANK_TOO_LARGE"),
+        (lambda m: make_bundle(dtype="I64"), "BAD_DTYPE"),
+        (lambda m: make_bundle(config=dict(TINY_CONFIG, intermediate_size=96), modules=("gate_proj",)), "BAD_SHAPE"),
+        (lambda m: make_bundle(rank=16, modules=("gate_proj", "up_proj", "down_proj")) * 2, "BUNDLE_TOO_LARGE"),
+    ],
+)
 def test_rejections(checker, tmp_path, data_fn, reason):
     marker = tmp_path / "marker"
     with pytest.raises(InvalidAdapter) as info:
@@ -104,13 +111,20 @@ def test_the_store_checks_with_the_workers_code_path_in_the_familys_layouts(tmp_
     from services.worker.adapter_weights import parse_bundle
 
     llava = {**TINY_CONFIG, "model_type": "llava"}
-    settings = StoreSettings(model_path=str(write_tiny_model(tmp_path / "llava", llava)), max_rank=16,
-                             max_header_bytes=4096, max_bundle_bytes=64 * 1024)
+    settings = StoreSettings(
+        model_path=str(write_tiny_model(tmp_path / "llava", llava)),
+        max_rank=16,
+        max_header_bytes=4096,
+        max_bundle_bytes=64 * 1024,
+    )
     checker = BundleChecker.from_settings(settings)
     assert checker.shapes.family == "llava"
     old = "base_model.model.language_model.model.layers."
-    tensors = {f"{old}{i}.self_attn.q_proj.lora_{w}.weight": ("F32", [4, 64] if w == "A" else [64, 4])
-               for i in range(2) for w in "AB"}
+    tensors = {
+        f"{old}{i}.self_attn.q_proj.lora_{w}.weight": ("F32", [4, 64] if w == "A" else [64, 4])
+        for i in range(2)
+        for w in "AB"
+    }
     clip = "base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
     tensors |= {f"{clip}.lora_A.weight": ("F32", [4, 32]), f"{clip}.lora_B.weight": ("F32", [32, 4])}
     data = safetensors_bytes(tensors)
@@ -121,8 +135,10 @@ def test_the_store_checks_with_the_workers_code_path_in_the_familys_layouts(tmp_
     ignored = ["vision_tower.vision_model.encoder.layers.N.self_attn.q_proj"]
     assert out.info.ignored == tuple(ignored)
     warned = [e for e in logs if e["event"] == "adapter_vision_lora_ignored"]
-    assert [(e["log_level"], e["adapter"], e["modules"]) for e in warned] == [("warning", "a", ignored),
-                                                                              ("warning", "v", ignored)]
+    assert [(e["log_level"], e["adapter"], e["modules"]) for e in warned] == [
+        ("warning", "a", ignored),
+        ("warning", "v", ignored),
+    ]
     assert sorted(weights.a) == [(0, "q_proj"), (1, "q_proj")] and weights.a[(0, "q_proj")].shape == (64, 4)
     fused = safetensors_bytes({f"{LM_PREFIX}0.self_attn.qkv_proj.lora_A.weight": ("F32", [4, 64])})
     with pytest.raises(InvalidAdapter, match=r"\['model.language_model.layers.N.self_attn.qkv_proj'\]") as err:

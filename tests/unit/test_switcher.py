@@ -37,14 +37,20 @@ def test_descriptor_layout_matches_the_cpp_struct(tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not found (CUDA headers for atmm_api.h)")
     src = tmp_path / "t.cpp"
-    fields = ", ".join(f'(long)offsetof(valora::SwitchDesc, {f})' for f in sw._DESC.names)
-    src.write_text('#include <cstddef>\n#include <cstdio>\n#include "atmm_api.h"\nint main() {\n'
-                   f'  long v[] = {{(long)sizeof(valora::SwitchDesc), {fields}}};\n'
-                   '  for (long x : v) std::printf("%ld ", x);\n  return 0;\n}\n')
+    fields = ", ".join(f"(long)offsetof(valora::SwitchDesc, {f})" for f in sw._DESC.names)
+    src.write_text(
+        '#include <cstddef>\n#include <cstdio>\n#include "atmm_api.h"\nint main() {\n'
+        f"  long v[] = {{(long)sizeof(valora::SwitchDesc), {fields}}};\n"
+        '  for (long x : v) std::printf("%ld ", x);\n  return 0;\n}\n'
+    )
     cuda_inc = Path(nvcc).resolve().parent.parent / "include"
     exe = tmp_path / "t"
-    r = subprocess.run(["c++", "-std=c++17", f"-I{CSRC}", f"-I{cuda_inc}", "-I/usr/local/cuda/include", str(src),
-                        "-o", str(exe)], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["c++", "-std=c++17", f"-I{CSRC}", f"-I{cuda_inc}", "-I/usr/local/cuda/include", str(src), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0 and "cuda_runtime.h" in r.stderr:
         pytest.skip("CUDA runtime headers not found next to nvcc")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -75,8 +81,12 @@ def test_plan_packs_pointers_ranks_scales_tiles_and_sources():
         tiles = [-(-m // bm) * -(-n // bn) for m, n in shapes]
         assert list(d["tile_begin"]) == [0, tiles[0], tiles[0] + tiles[1]] and total == sum(tiles)
         assert rmax == 128  # 16+16, 0+32, 128+0
-    assert plan.descs.tobytes() == pack_descriptors(plan.weights, plan.first, plan.second, plan.sources,
-                                                    *config_tiles(plan.config))[0].tobytes()
+    assert (
+        plan.descs.tobytes()
+        == pack_descriptors(plan.weights, plan.first, plan.second, plan.sources, *config_tiles(plan.config))[
+            0
+        ].tobytes()
+    )
 
 
 def test_config_names_tiles_and_rank_limits():
@@ -100,8 +110,9 @@ def test_plan_falls_back_from_a_new_default_when_the_ranks_do_not_fit(monkeypatc
     big = SwitchPlan(w, [term(64, 128, 128, 1.0, g)], [term(64, 128, 16, -1.0, g)])
     assert big.config == sw.FALLBACK_CONFIG[BF] and big.rmax == 144
     with pytest.raises(ValueError, match="up to 128"):
-        SwitchPlan(w, [term(64, 128, 128, 1.0, g)], [term(64, 128, 16, -1.0, g)],
-                   config="switch_bf16_regs_bm64_bn128_t256")
+        SwitchPlan(
+            w, [term(64, 128, 128, 1.0, g)], [term(64, 128, 16, -1.0, g)], config="switch_bf16_regs_bm64_bn128_t256"
+        )
     with pytest.raises(ValueError, match="not for"):
         SwitchPlan(w, [term(64, 128, 16, 1.0, g)], config="switch_fp16_bm64_bn128")
 
@@ -243,8 +254,9 @@ def test_switcher_jobs_out_of_place_from_pristine_and_one_pass_delta(monkeypatch
 
 
 def test_switcher_picks_the_torch_op_for_what_the_kernel_cannot_take(monkeypatch):
-    monkeypatch.setattr(switcher_mod, "kernel_can_take",
-                        lambda w, factors: all(a.shape[1] % 8 == 0 for a, _ in factors))
+    monkeypatch.setattr(
+        switcher_mod, "kernel_can_take", lambda w, factors: all(a.shape[1] % 8 == 0 for a, _ in factors)
+    )
     layers, (a, b) = _layers_and_adapters(ranks=(16, 4))
     s = Switcher(layers, strategy="delta", use_kernel=True)
     assert s.kernel_keys(a, resync=True) == list(layers)

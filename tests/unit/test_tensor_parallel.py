@@ -24,8 +24,9 @@ from bench.common import exit_rank
 from services.worker import tensor_parallel as tpm
 from services.worker import tp_sharding as tps
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 WORLD = 2
 REL_TOL = 1e-4
@@ -55,8 +56,9 @@ def _run(model, runtime, step_of, ids, decode_tokens):
             length = n + d
             pos = torch.full((3, b, 1), length, dtype=torch.long)
             mask = torch.ones((b, length + 1), dtype=torch.long)
-            h = lm(input_ids=tok.view(b, 1), attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=True).last_hidden_state
+            h = lm(
+                input_ids=tok.view(b, 1), attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+            ).last_hidden_state
             out[f"decode{d}_logits"] = model.lm_head(h[:, -1]).clone()
     finally:
         runtime.step = None
@@ -92,8 +94,9 @@ def _tp_checks(tp: tpm.TPGroup, out_dir: Path) -> None:
     adapters = []
     for i, rank in enumerate((4, 8, 4)):
         bundle = random_adapter_bundle(cfg, rank=rank, lora_alpha=2.0 * rank, seed=10 + i)
-        adapters.append(parse_bundle(f"adapters/a{i}/versions/1", bundle.sha256, bundle.data, bundle.config_json,
-                                     shapes))
+        adapters.append(
+            parse_bundle(f"adapters/a{i}/versions/1", bundle.sha256, bundle.data, bundle.config_json, shapes)
+        )
 
     ref = copy.deepcopy(model)
     ref_rt = LoraRuntime()
@@ -200,8 +203,9 @@ def test_shard_helpers_single_rank_and_divisibility():
     ra, rb = tps.shard_lora("down_proj", a, b, r1)
     assert torch.equal(ra, a[3:]) and rb is b
     with pytest.raises(ValueError, match="KV heads"):
-        tps.check_divisible(SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, intermediate_size=8),
-                             tpm.TPGroup(0, 8))
+        tps.check_divisible(
+            SimpleNamespace(num_attention_heads=32, num_key_value_heads=4, intermediate_size=8), tpm.TPGroup(0, 8)
+        )
     assert tps._shard_dim("model.language_model.layers.3.self_attn.o_proj.weight") == 1
     assert tps._shard_dim("model.language_model.layers.3.self_attn.o_proj.bias") is None
     assert tps._shard_dim("model.language_model.layers.3.mlp.up_proj.base.weight") == 0
@@ -212,9 +216,33 @@ def test_shard_helpers_single_rank_and_divisibility():
 def test_tp_bench_cpu_smoke(tmp_path):
     from bench import tp_bench
 
-    rows = tp_bench.main(["--device", "cpu", "--tiny", "--gpus", "2", "--batch", "4", "--prefill", "8",
-                          "--new-tokens", "3", "--adapters", "2", "--rank", "8", "--reps", "2", "--warmup", "1",
-                          "--out-dir", str(tmp_path), "--name", "scale-tp-test"])
+    rows = tp_bench.main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--gpus",
+            "2",
+            "--batch",
+            "4",
+            "--prefill",
+            "8",
+            "--new-tokens",
+            "3",
+            "--adapters",
+            "2",
+            "--rank",
+            "8",
+            "--reps",
+            "2",
+            "--warmup",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "scale-tp-test",
+        ]
+    )
     saved = json.loads((tmp_path / "scale-tp-test.json").read_text())
     assert saved["rows"] == rows
     assert saved["info"]["env"]["NCCL_NVLS_ENABLE"] == "0"

@@ -88,12 +88,15 @@ def test_worker_installs_the_store_table():
     assert lookup() == CFG
 
 
-@pytest.mark.parametrize("fake, source", [
-    (FakeStore(None), "committed"),
-    (FakeStore(error=WorkerUnavailable("down")), "committed"),
-    (FakeStore(text="{bad"), "committed"),
-    (FakeStore(store_table("float16")), "committed"),  # wrong dtype: refused, committed stays
-])
+@pytest.mark.parametrize(
+    "fake, source",
+    [
+        (FakeStore(None), "committed"),
+        (FakeStore(error=WorkerUnavailable("down")), "committed"),
+        (FakeStore(text="{bad"), "committed"),
+        (FakeStore(store_table("float16")), "committed"),  # wrong dtype: refused, committed stays
+    ],
+)
 def test_worker_keeps_the_committed_table(fake, source):
     assert install(WorkerSettings(device="cuda", dtype="bfloat16"), fake) == source
     assert lookup() == find_table(*H200, "bfloat16").lookup(*SHAPE)
@@ -128,5 +131,6 @@ def test_tensor_parallel_followers_install_the_table_rank_0_got_from_the_store()
     install_leader_table(settings, 1, table_json)
     assert atmm.default_table(torch.device("cuda:3"), torch.bfloat16).lookup(*SHAPE) == CFG
     install_leader_table(settings, 2, None)  # rank 0 had no store table: the committed one stays
-    assert atmm.default_table(torch.device("cuda:4"), torch.bfloat16).lookup(*SHAPE) == \
-        find_table(*H200, "bfloat16").lookup(*SHAPE)
+    assert atmm.default_table(torch.device("cuda:4"), torch.bfloat16).lookup(*SHAPE) == find_table(
+        *H200, "bfloat16"
+    ).lookup(*SHAPE)

@@ -36,8 +36,9 @@ from services.worker.sampling import SamplingParams
 from services.worker.testing import random_adapter_bundle, random_image
 from tests.unit.test_engine_decode_failure import failing_decode
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
 
 WORLD = 2
 A, B, C = "adapters/alpha/versions/1", "adapters/beta/versions/2", "adapters/gamma/versions/1"
@@ -58,8 +59,15 @@ FAILING_COMMAND = ("to_device", (A,))
 def _config(model_path, tp=None, device: str = "cpu") -> EngineConfig:
     # CPU: "static" decode, so the pipelined decode path runs too (no graph capture); CUDA: decode
     # steps captured as CUDA graphs, the ranks' NCCL all-reduces inside them.
-    return EngineConfig(model_path=Path(model_path), max_batch_size=8, device_slots=3, default_max_new_tokens=8,
-                        decode_graphs="static" if device == "cpu" else "auto", tp=tp, device=device)
+    return EngineConfig(
+        model_path=Path(model_path),
+        max_batch_size=8,
+        device_slots=3,
+        default_max_new_tokens=8,
+        decode_graphs="static" if device == "cpu" else "auto",
+        tp=tp,
+        device=device,
+    )
 
 
 def _outcome(event) -> list:
@@ -87,8 +95,14 @@ def _scenario(eng: Engine, model_path, device: str = "cpu") -> dict[str, list]:
     handles = {}
 
     def submit(rid, adapter, image, max_new=0, sampling=None, deadline=None):
-        req = WorkRequest(request_id=rid, prompt=f"describe {rid}", images=[random_image(image)], adapter=adapter,
-                          max_new_tokens=max_new, sampling=sampling or SamplingParams())
+        req = WorkRequest(
+            request_id=rid,
+            prompt=f"describe {rid}",
+            images=[random_image(image)],
+            adapter=adapter,
+            max_new_tokens=max_new,
+            sampling=sampling or SamplingParams(),
+        )
         sinks[rid] = q = queue.Queue()
         handles[rid] = eng.submit(eng.prepare(req), q.put, deadline)
 
@@ -179,6 +193,7 @@ def _failing_on_rank_1(eng: Engine, rank: int):
                 return inner(rows, *args, **kwargs)
             finally:
                 current.clear()
+
         return run
 
     def boom(module, args):
@@ -205,25 +220,38 @@ def _failing_on_rank_1(eng: Engine, rank: int):
                 setattr(runner, name, fn)
 
 
-LOCAL = {"ref-base": ("base", None, 0), "ref-lora": ("lora", A, 1), "base": ("base", None, 0),
-         "lora": ("lora", A, 1), BAD_PREFILL: (BAD_PREFILL, A, 2), BAD_DECODE: (BAD_DECODE, None, 3),
-         BAD_ACCEPT: (BAD_ACCEPT, None, 4), "after": ("lora", A, 1), "vision": ("vision", A, 5),
-         BAD_VISION: (BAD_VISION, None, (6, 84)), "vision-again": ("vision", A, 5),
-         "plan-ok": ("lora", A, 1), BAD_PLAN: (BAD_PLAN, A, 7), BAD_DECODE_PLAN: (BAD_DECODE_PLAN, A, 8)}
+LOCAL = {
+    "ref-base": ("base", None, 0),
+    "ref-lora": ("lora", A, 1),
+    "base": ("base", None, 0),
+    "lora": ("lora", A, 1),
+    BAD_PREFILL: (BAD_PREFILL, A, 2),
+    BAD_DECODE: (BAD_DECODE, None, 3),
+    BAD_ACCEPT: (BAD_ACCEPT, None, 4),
+    "after": ("lora", A, 1),
+    "vision": ("vision", A, 5),
+    BAD_VISION: (BAD_VISION, None, (6, 84)),
+    "vision-again": ("vision", A, 5),
+    "plan-ok": ("lora", A, 1),
+    BAD_PLAN: (BAD_PLAN, A, 7),
+    BAD_DECODE_PLAN: (BAD_DECODE_PLAN, A, 8),
+}
 # request id -> (prompt, adapter, image: random_image's seed, or (seed, size))
 
 
 def _local_failures(eng: Engine) -> dict[str, list]:
     """Rank 0, after the scenario: two requests alone (the reference), the same two batched with
     the bad ones, then one more; each request's outcome (a failure's with its error)."""
+
     def together(ids: list[str]) -> dict[str, list]:
         sinks = {}
         with eng._wake:  # one step admits them all: they prefill and decode together
             for rid in ids:
                 prompt, adapter, image = LOCAL[rid]
                 image = random_image(*image) if isinstance(image, tuple) else random_image(image)
-                req = WorkRequest(request_id=rid, prompt=f"describe {prompt}", images=[image],
-                                  adapter=adapter, max_new_tokens=5)
+                req = WorkRequest(
+                    request_id=rid, prompt=f"describe {prompt}", images=[image], adapter=adapter, max_new_tokens=5
+                )
                 sinks[rid] = q = queue.Queue()
                 eng.submit(eng.prepare(req), q.put)
         out = {}
@@ -233,9 +261,14 @@ def _local_failures(eng: Engine) -> dict[str, list]:
             out[rid] = _outcome(ev) + ([str(ev.error)] if isinstance(ev, Failed) else [])
         return out
 
-    return together(["ref-base", "ref-lora"]) | together(["base", "lora", BAD_PREFILL, BAD_DECODE, BAD_ACCEPT]) | \
-        together(["after"]) | together(["vision", BAD_VISION]) | together(["vision-again"]) | \
-        together(["plan-ok", BAD_PLAN, BAD_DECODE_PLAN])
+    return (
+        together(["ref-base", "ref-lora"])
+        | together(["base", "lora", BAD_PREFILL, BAD_DECODE, BAD_ACCEPT])
+        | together(["after"])
+        | together(["vision", BAD_VISION])
+        | together(["vision-again"])
+        | together(["plan-ok", BAD_PLAN, BAD_DECODE_PLAN])
+    )
 
 
 def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, device: str = "cpu") -> None:
@@ -290,11 +323,17 @@ def _rank(rank: int, world: int, port: int, model_path: str, out_dir: str, devic
         else:
             assert eng._error is None
         s = eng.stats()
-        summary = {"outcomes": got, "steps": [list(x[:2]) for x in eng.step_log],
-                   "mode": s.mode.value, "merged": s.merged_adapter, "host": s.host_adapters,
-                   "resident": s.resident_adapters, "pipelined": eng.decoder.pipelined_steps,
-                   "isolated": [eng.decoder.isolated_steps, eng.decoder.failed_rows],
-                   "prefill_isolated": [eng.prefiller.isolated_batches, eng.prefiller.failed_rows]}
+        summary = {
+            "outcomes": got,
+            "steps": [list(x[:2]) for x in eng.step_log],
+            "mode": s.mode.value,
+            "merged": s.merged_adapter,
+            "host": s.host_adapters,
+            "resident": s.resident_adapters,
+            "pipelined": eng.decoder.pipelined_steps,
+            "isolated": [eng.decoder.isolated_steps, eng.decoder.failed_rows],
+            "prefill_isolated": [eng.prefiller.isolated_batches, eng.prefiller.failed_rows],
+        }
         if local:  # the follower's outcomes have no error text (Failed's reason only)
             summary["local"] = {rid: o[:2] if o[0] == "failed" else o for rid, o in got_local.items()}
             if rank == 0:
@@ -312,8 +351,9 @@ def test_tp2_engine_matches_single_process_engine(model_path, tmp_path):
 def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
     """The scenario on 2 ranks (gloo on CPU; NCCL on cuda:0 and cuda:1) against one process on
     `device` (cuda: cuda:0)."""
-    mp.spawn(_rank, args=(WORLD, tpm.free_loopback_port(), str(model_path), str(tmp_path), device), nprocs=WORLD,
-             join=True)
+    mp.spawn(
+        _rank, args=(WORLD, tpm.free_loopback_port(), str(model_path), str(tmp_path), device), nprocs=WORLD, join=True
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     lead, follower = ranks
     errors = lead.pop("local_errors", {})

@@ -32,8 +32,9 @@ from valora_protos.v1 import admin_service_pb2, inference_service_pb2, inference
 from valora_protos.v1 import resources_pb2, types_pb2
 
 pytestmark = pytest.mark.anyio
-VERSION = resources_pb2.AdapterVersion(name="adapters/cars/versions/1", sha256="ef" * 32,
-                                       state=resources_pb2.ADAPTER_VERSION_STATE_READY)
+VERSION = resources_pb2.AdapterVersion(
+    name="adapters/cars/versions/1", sha256="ef" * 32, state=resources_pb2.ADAPTER_VERSION_STATE_READY
+)
 INFER = "valora.v1.InferenceService/Infer"
 RESOLVE = "valora.internal.v1.AdapterStoreService/ResolveReference"
 SUBMIT = "valora.internal.v1.SchedulerService/Submit"
@@ -59,13 +60,15 @@ class Worker(worker_service_pb2_grpc.WorkerServiceServicer):
         if self.fail_with is not None:
             await context.abort(self.fail_with, "worker says no")
         yield worker_service_pb2.GenerateResponse(text_delta="two cars")
-        yield worker_service_pb2.GenerateResponse(result=inference_service_pb2.InferResult(
-            text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS))
+        yield worker_service_pb2.GenerateResponse(
+            result=inference_service_pb2.InferResult(text="two cars", finish_reason=types_pb2.FINISH_REASON_EOS)
+        )
         await asyncio.sleep(self.after_result_s)
 
     async def GetWorkerStatus(self, request, context):
         return worker_service_pb2.GetWorkerStatusResponse(
-            status=admin_service_pb2.WorkerStatus(healthy=True, max_batch_size=4))
+            status=admin_service_pb2.WorkerStatus(healthy=True, max_batch_size=4)
+        )
 
 
 def collecting(provider: TracerProvider, exporter: InMemorySpanExporter) -> TracerProvider:
@@ -77,19 +80,25 @@ def collecting(provider: TracerProvider, exporter: InMemorySpanExporter) -> Trac
 async def traced_stack(**gateway_kwargs):
     exporter = InMemorySpanExporter()
     worker = Worker()
-    backend = grpc.aio.server(interceptors=[TracingServerInterceptor(
-        collecting(tracer_provider(ServiceSettings(), "worker"), exporter))])
+    backend = grpc.aio.server(
+        interceptors=[TracingServerInterceptor(collecting(tracer_provider(ServiceSettings(), "worker"), exporter))]
+    )
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(worker, backend)
     adapter_store_service_pb2_grpc.add_AdapterStoreServiceServicer_to_server(Store(), backend)
     addr = f"127.0.0.1:{backend.add_insecure_port('127.0.0.1:0')}"
     await backend.start()
-    scheduler = await create_scheduler(SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05,
-                                                         dispatch_tick_s=0.05))
+    scheduler = await create_scheduler(
+        SchedulerSettings(worker_addresses=[addr], status_poll_s=0.05, dispatch_tick_s=0.05)
+    )
     collecting(scheduler.tracer_provider, exporter)
     await scheduler.start()
-    gateway = await create_gateway(GatewaySettings(scheduler_address=f"127.0.0.1:{scheduler.port}",
-                                                   adapter_store_address=addr,
-                                                   **{"http_enabled": False, **gateway_kwargs}))
+    gateway = await create_gateway(
+        GatewaySettings(
+            scheduler_address=f"127.0.0.1:{scheduler.port}",
+            adapter_store_address=addr,
+            **{"http_enabled": False, **gateway_kwargs},
+        )
+    )
     collecting(gateway.tracer_provider, exporter)
     await gateway.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
@@ -104,7 +113,8 @@ async def traced_stack(**gateway_kwargs):
 
 def request(**kw):
     return inference_service_pb2.InferRequest(
-        input=inference_service_pb2.InferenceInput(prompt="how many cars?", adapter="adapters/cars@prod"), **kw)
+        input=inference_service_pb2.InferenceInput(prompt="how many cars?", adapter="adapters/cars@prod"), **kw
+    )
 
 
 async def finished(exporter: InMemorySpanExporter, names: set[str], timeout_s: float = 5.0):
@@ -174,7 +184,7 @@ async def test_a_callers_traceparent_is_continued():
         await infer.Infer(request(), metadata=(("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),))
         spans = await finished(exporter, {INFER, GENERATE})
     gw = one(spans, INFER, SpanKind.SERVER)
-    assert f"{gw.context.trace_id:032x}" == trace_id and gw.parent.span_id == 0x00f067aa0ba902b7
+    assert f"{gw.context.trace_id:032x}" == trace_id and gw.parent.span_id == 0x00F067AA0BA902B7
     assert gw.parent.is_remote
     assert {s.context.trace_id for s in spans} == {gw.context.trace_id}
 
@@ -216,10 +226,14 @@ async def test_http_requests_join_the_same_trace():
 
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     async with traced_stack(http_enabled=True) as (_, _infer, exporter, gateway):
-        async with aiohttp.ClientSession() as http, http.post(
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
                 f"http://127.0.0.1:{gateway.http.port}/v1/chat/completions",
                 headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
-                json={"model": "adapters/cars", "messages": [{"role": "user", "content": "how many?"}]}) as r:
+                json={"model": "adapters/cars", "messages": [{"role": "user", "content": "how many?"}]},
+            ) as r,
+        ):
             assert r.status == 200, await r.text()
         spans = await finished(exporter, {"POST /v1/chat/completions", INFER, GENERATE})
     front = one(spans, "POST /v1/chat/completions", SpanKind.SERVER)
@@ -271,8 +285,9 @@ async def test_cancelled_traced_stream_ends_its_span_without_context_errors(capl
             for _ in range(10000):  # the cancel lands while the server writes, the generator paused at a yield
                 yield worker_service_pb2.GenerateResponse(text_delta="x" * 1024)
 
-    server = grpc.aio.server(interceptors=[TracingServerInterceptor(
-        collecting(tracer_provider(ServiceSettings(), "worker"), exporter))])
+    server = grpc.aio.server(
+        interceptors=[TracingServerInterceptor(collecting(tracer_provider(ServiceSettings(), "worker"), exporter))]
+    )
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(Fast(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -281,7 +296,8 @@ async def test_cancelled_traced_stream_ends_its_span_without_context_errors(capl
         with caplog.at_level("ERROR"):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = worker_service_pb2_grpc.WorkerServiceStub(channel).Generate(
-                    worker_service_pb2.GenerateRequest(), metadata=(traceparent,))
+                    worker_service_pb2.GenerateRequest(), metadata=(traceparent,)
+                )
                 assert (await call.read()).text_delta == "one"
                 call.cancel()
             import gc
@@ -295,7 +311,6 @@ async def test_cancelled_traced_stream_ends_its_span_without_context_errors(capl
     span = one(spans, GENERATE, SpanKind.SERVER)
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert not [r for r in caplog.records if "detach" in r.getMessage().lower()]
-
 
 
 def test_log_lines_carry_the_current_trace_and_span_ids():

@@ -61,8 +61,12 @@ def test_kv_takes_idle_adapters_blocks_before_it_preempts(model_path):
     block_bytes = eng.kv_pool.block_bytes // (eng.kv.block_size // 8)
     per_adapter = -(-eng.pool.get(A).nbytes // block_bytes)
     events: list[str] = []
-    tight, eng = run(model_path, kv_block_size=8, kv_cache_bytes=(31 + 3 * per_adapter) * block_bytes,
-                     before=lambda eng: _idle_adapter_and_log(eng, events))
+    tight, eng = run(
+        model_path,
+        kv_block_size=8,
+        kv_cache_bytes=(31 + 3 * per_adapter) * block_bytes,
+        before=lambda eng: _idle_adapter_and_log(eng, events),
+    )
     assert tight == roomy
     assert events and events[0] == "evict" and "C" not in eng.pool.resident_names()
     assert eng.pool.outside_memory == 0 and eng.kv.used_blocks == 0

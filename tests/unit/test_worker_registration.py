@@ -25,8 +25,9 @@ def anyio_backend():
 
 
 async def workers(stub) -> list:
-    st = await stub.GetSchedulerStatus(scheduler_service_pb2.GetSchedulerStatusRequest(), wait_for_ready=True,
-                                       timeout=5)
+    st = await stub.GetSchedulerStatus(
+        scheduler_service_pb2.GetSchedulerStatusRequest(), wait_for_ready=True, timeout=5
+    )
     return list(st.workers)
 
 
@@ -34,6 +35,7 @@ async def until(predicate, timeout=20.0):
     async def loop():
         while not await predicate():
             await asyncio.sleep(0.05)
+
     await asyncio.wait_for(loop(), timeout)
 
 
@@ -41,10 +43,16 @@ async def test_worker_registers_serves_and_deregisters(tmp_path):
     model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
     scheduler = await create_scheduler(SchedulerSettings(status_poll_s=0.05, dispatch_tick_s=0.05))
     await scheduler.start()
-    settings = WorkerSettings(model_path=str(model), build_tiny_model=False, max_batch_size=3,
-                              default_max_new_tokens=4, adapter_cache_dir=str(tmp_path / "cache"),
-                              scheduler_address=f"127.0.0.1:{scheduler.port}", heartbeat_s=0.1,
-                              worker_name="worker-reg")
+    settings = WorkerSettings(
+        model_path=str(model),
+        build_tiny_model=False,
+        max_batch_size=3,
+        default_max_new_tokens=4,
+        adapter_cache_dir=str(tmp_path / "cache"),
+        scheduler_address=f"127.0.0.1:{scheduler.port}",
+        heartbeat_s=0.1,
+        worker_name="worker-reg",
+    )
     worker = await create_worker(settings)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}")
     stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
@@ -56,6 +64,7 @@ async def test_worker_registers_serves_and_deregisters(tmp_path):
 
         async def joined():
             return any(w.address == address and w.healthy for w in await workers(stub))
+
         await until(joined)
         (listed,) = await workers(stub)
         assert listed.device == "cpu" and listed.max_batch_size == 3
@@ -70,6 +79,7 @@ async def test_worker_registers_serves_and_deregisters(tmp_path):
 
         async def left():
             return await workers(stub) == []
+
         await until(left, timeout=5)
     finally:
         await channel.close()
@@ -86,8 +96,10 @@ def test_helm_workers_can_register_instead_of_a_dns_list():
     values = json.loads(json.dumps(CHART_VALUES))
     values["worker"]["register"] = True
     cms = by_kind(rendered_objects(values), "ConfigMap")
-    assert cms["valora-worker"]["data"]["VALORA_SCHEDULER_ADDRESS"] == cms["valora-gateway"]["data"][
-        "VALORA_SCHEDULER_ADDRESS"]
+    assert (
+        cms["valora-worker"]["data"]["VALORA_SCHEDULER_ADDRESS"]
+        == cms["valora-gateway"]["data"]["VALORA_SCHEDULER_ADDRESS"]
+    )
     assert cms["valora-scheduler"]["data"]["VALORA_WORKER_ADDRESSES"] == ""
     default = by_kind(rendered_objects(), "ConfigMap")
     assert "VALORA_SCHEDULER_ADDRESS" not in default["valora-worker"]["data"]

@@ -40,13 +40,22 @@ def png(seed: int, size: int = 56) -> bytes:
 @pytest.fixture(scope="module")
 async def cluster(tmp_path_factory):
     model = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
-    store = InMemoryAdapterStore({
-        A: random_adapter_bundle(model, rank=4, seed=1),
-        B: random_adapter_bundle(model, rank=8, seed=2, heads={"kind": ["car", "bus", "bike"]}),
-    }, chunk_bytes=4096)
-    settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
-                              default_max_new_tokens=8, max_new_tokens_limit=2000,
-                              adapter_cache_dir=str(tmp_path_factory.mktemp("adapter-cache")))
+    store = InMemoryAdapterStore(
+        {
+            A: random_adapter_bundle(model, rank=4, seed=1),
+            B: random_adapter_bundle(model, rank=8, seed=2, heads={"kind": ["car", "bus", "bike"]}),
+        },
+        chunk_bytes=4096,
+    )
+    settings = WorkerSettings(
+        model_path=str(model),
+        port=0,
+        build_tiny_model=False,
+        max_batch_size=4,
+        default_max_new_tokens=8,
+        max_new_tokens_limit=2000,
+        adapter_cache_dir=str(tmp_path_factory.mktemp("adapter-cache")),
+    )
     async with serve_worker(settings, store) as (worker, channel):
         yield worker, store, channel, worker_service_pb2_grpc.WorkerServiceStub(channel)
 
@@ -70,12 +79,22 @@ async def served_image_request(model_path, name: str, bundle, prompt: str, max_n
     request with one image (png(7)) and adapter `name`: (the engine's family name, the result,
     the worker's status)."""
     monkeypatch.setenv("VALORA_MODEL_PATH", str(model_path))
-    settings = WorkerSettings(port=0, build_tiny_model=False, default_max_new_tokens=max_new,
-                              adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0)
+    settings = WorkerSettings(
+        port=0,
+        build_tiny_model=False,
+        default_max_new_tokens=max_new,
+        adapter_cache_dir=str(tmp_path / "cache"),
+        drain_delay_s=0,
+    )
     async with serve_worker(settings, InMemoryAdapterStore({name: bundle})) as (worker, channel):
         stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-        _, res = await generate(stub, request_id="g", prompt=prompt, images=[types_pb2.Image(data=png(7))],
-                                adapter=work_pb2.AdapterRef(version=name, sha256=bundle.sha256))
+        _, res = await generate(
+            stub,
+            request_id="g",
+            prompt=prompt,
+            images=[types_pb2.Image(data=png(7))],
+            adapter=work_pb2.AdapterRef(version=name, sha256=bundle.sha256),
+        )
         status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
         return worker.servicer.engine.arch.name, res, status
 
@@ -96,8 +115,14 @@ async def test_health_load_generate_and_status(cluster):
     runs = await asyncio.gather(
         generate(stub, request_id="r-base", images=image, prompt="Describe the image."),
         generate(stub, request_id="r-a", images=image, prompt="Describe the image.", adapter=ref(A, store)),
-        generate(stub, request_id="r-b", images=image, prompt="Describe the image.", adapter=ref(B, store),
-                 params=types_pb2.GenerationParams(max_new_tokens=6)),
+        generate(
+            stub,
+            request_id="r-b",
+            images=image,
+            prompt="Describe the image.",
+            adapter=ref(B, store),
+            params=types_pb2.GenerationParams(max_new_tokens=6),
+        ),
     )
     for (deltas, res), rid in zip(runs, ["r-base", "r-a", "r-b"]):
         assert res.request_id == rid and "".join(deltas) == res.text
@@ -109,8 +134,15 @@ async def test_health_load_generate_and_status(cluster):
     assert runs[2][1].usage.output_tokens <= 6
     assert runs[1][1].text != runs[0][1].text
 
-    _, label = await generate(stub, request_id="r-l", images=image, prompt="Which vehicle?", adapter=ref(B, store),
-                              output_kind=types_pb2.OUTPUT_KIND_LABEL, head="kind")
+    _, label = await generate(
+        stub,
+        request_id="r-l",
+        images=image,
+        prompt="Which vehicle?",
+        adapter=ref(B, store),
+        output_kind=types_pb2.OUTPUT_KIND_LABEL,
+        head="kind",
+    )
     assert label.finish_reason == types_pb2.FINISH_REASON_LABEL and label.label in ("car", "bus", "bike")
     assert label.scores[0].label == label.label and abs(sum(s.score for s in label.scores) - 1) < 1e-4
 
@@ -129,16 +161,29 @@ async def test_a_finished_request_is_one_sample_of_vllms_per_request_histograms(
     def read(metric: str) -> tuple[float, float]:
         return tuple(REGISTRY.get_sample_value(f"valora:{metric}_{part}", labels) or 0.0 for part in ("count", "sum"))
 
-    names = ("request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",
-             "request_decode_time_seconds", "request_inference_time_seconds")
+    names = (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+    )
     before = {m: read(m) for m in names}
-    _, res = await generate(stub, request_id="r-hist", images=[types_pb2.Image(data=png(3), mime_type="image/png")],
-                            prompt="Describe the image.", params=types_pb2.GenerationParams(max_new_tokens=5))
+    _, res = await generate(
+        stub,
+        request_id="r-hist",
+        images=[types_pb2.Image(data=png(3), mime_type="image/png")],
+        prompt="Describe the image.",
+        params=types_pb2.GenerationParams(max_new_tokens=5),
+    )
     t = res.timing
-    want = {"request_prompt_tokens": res.usage.prompt_tokens, "request_generation_tokens": res.usage.output_tokens,
-            "request_prefill_time_seconds": (t.first_token_ms - t.queue_ms) / 1e3,
-            "request_decode_time_seconds": (t.total_ms - t.first_token_ms) / 1e3,
-            "request_inference_time_seconds": (t.total_ms - t.queue_ms) / 1e3}
+    want = {
+        "request_prompt_tokens": res.usage.prompt_tokens,
+        "request_generation_tokens": res.usage.output_tokens,
+        "request_prefill_time_seconds": (t.first_token_ms - t.queue_ms) / 1e3,
+        "request_decode_time_seconds": (t.total_ms - t.first_token_ms) / 1e3,
+        "request_inference_time_seconds": (t.total_ms - t.queue_ms) / 1e3,
+    }
     assert res.usage.prompt_tokens > 4 and res.usage.output_tokens > 1
     assert 0 < want["request_prefill_time_seconds"] < want["request_inference_time_seconds"]
     for m in names:
@@ -169,8 +214,13 @@ async def test_a_served_request_counts_in_vllms_iteration_tokens(cluster):
     one = {**labels, "le": "1.0"}  # steps of one token
     ones0 = REGISTRY.get_sample_value("valora:iteration_tokens_total_bucket", one)
     steps0 = engine.steps
-    _, res = await generate(stub, request_id="r-iter", images=[types_pb2.Image(data=png(4), mime_type="image/png")],
-                            prompt="Describe the image.", params=types_pb2.GenerationParams(max_new_tokens=6))
+    _, res = await generate(
+        stub,
+        request_id="r-iter",
+        images=[types_pb2.Image(data=png(4), mime_type="image/png")],
+        prompt="Describe the image.",
+        params=types_pb2.GenerationParams(max_new_tokens=6),
+    )
     while engine.running_count:  # the step that emitted the result is logged when it ends
         await asyncio.sleep(0.01)
     steps = engine.steps - steps0
@@ -188,19 +238,35 @@ async def test_a_preemption_counts_in_vllms_num_preemptions(cluster, tmp_path):
     test_decode_graphs' tight pool), and the counter follows its step scheduler's count from 0."""
     served, store, _, _ = cluster
     block_bytes = served.servicer.engine.kv_pool.block_bytes // (served.servicer.engine.kv.block_size // 8)
-    settings = WorkerSettings(model_path=str(served.servicer.engine.config.model_path), port=0, build_tiny_model=False,
-                              max_batch_size=8, kv_block_size=8, kv_cache_bytes=31 * block_bytes,
-                              worker_name="w-preempt", adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0)
+    settings = WorkerSettings(
+        model_path=str(served.servicer.engine.config.model_path),
+        port=0,
+        build_tiny_model=False,
+        max_batch_size=8,
+        kv_block_size=8,
+        kv_cache_bytes=31 * block_bytes,
+        worker_name="w-preempt",
+        adapter_cache_dir=str(tmp_path / "cache"),
+        drain_delay_s=0,
+    )
     labels = {"worker": "w-preempt"}
     async with serve_worker(settings, store) as (worker, channel):
         assert REGISTRY.get_sample_value("valora:num_preemptions_total", labels) == 0.0  # from start-up
         engine = worker.servicer.engine
         engine.eos_ids = set()  # every request runs its full length
         stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-        runs = await asyncio.gather(*(
-            generate(stub, request_id=f"p{i}", prompt="Describe the image." + " more" * i,
-                     images=[types_pb2.Image(data=png(i), mime_type="image/png")],
-                     params=types_pb2.GenerationParams(max_new_tokens=40)) for i in range(7)))
+        runs = await asyncio.gather(
+            *(
+                generate(
+                    stub,
+                    request_id=f"p{i}",
+                    prompt="Describe the image." + " more" * i,
+                    images=[types_pb2.Image(data=png(i), mime_type="image/png")],
+                    params=types_pb2.GenerationParams(max_new_tokens=40),
+                )
+                for i in range(7)
+            )
+        )
         assert all(res.usage.output_tokens == 40 for _, res in runs)
         preempted = engine.sched.preemptions
         assert preempted > 0
@@ -213,21 +279,34 @@ async def test_errors_map_to_status_codes(cluster):
         await generate(stub, request_id="bad", images=[types_pb2.Image(data=b"\x89PNG not really")], prompt="hi")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        await generate(stub, request_id="head", prompt="hi", adapter=ref(A, store),
-                       output_kind=types_pb2.OUTPUT_KIND_LABEL, head="nope")
+        await generate(
+            stub,
+            request_id="head",
+            prompt="hi",
+            adapter=ref(A, store),
+            output_kind=types_pb2.OUTPUT_KIND_LABEL,
+            head="nope",
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        await generate(stub, request_id="nf", prompt="hi",
-                       adapter=work_pb2.AdapterRef(version="adapters/nope/versions/1"))
+        await generate(
+            stub, request_id="nf", prompt="hi", adapter=work_pb2.AdapterRef(version="adapters/nope/versions/1")
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(adapter=ref(B, store)))  # (whatever ran before)
     with pytest.raises(grpc.RpcError) as err:
-        await stub.LoadAdapter(worker_service_pb2.LoadAdapterRequest(
-            adapter=work_pb2.AdapterRef(version=B, sha256="00" * 32)))
+        await stub.LoadAdapter(
+            worker_service_pb2.LoadAdapterRequest(adapter=work_pb2.AdapterRef(version=B, sha256="00" * 32))
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # loaded with another hash
     with pytest.raises(grpc.RpcError) as err:
-        await generate(stub, request_id="rel", prompt="hi", adapter=ref(A, store),
-                       params=types_pb2.GenerationParams(adapter_release_fraction=1.5))
+        await generate(
+            stub,
+            request_id="rel",
+            prompt="hi",
+            adapter=ref(A, store),
+            params=types_pb2.GenerationParams(adapter_release_fraction=1.5),
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_release_fraction" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # a token id past the model's vocabulary: only the worker knows it
         await generate(stub, request_id="bias", prompt="hi", params=types_pb2.GenerationParams(logit_bias={10**6: 1.0}))
@@ -245,9 +324,10 @@ async def test_typed_vision_placeholders_are_refused_and_batched_requests_go_on(
     runs = await asyncio.gather(
         generate(stub, request_id="pad-no-image", prompt="What is <|image_pad|>?"),
         generate(stub, request_id="g1", **good),
-        generate(stub, request_id="pad-one-image", prompt="<|vision_start|><|image_pad|><|vision_end|>?",
-                 images=image),
-        generate(stub, request_id="g2", **good), return_exceptions=True)
+        generate(stub, request_id="pad-one-image", prompt="<|vision_start|><|image_pad|><|vision_end|>?", images=image),
+        generate(stub, request_id="g2", **good),
+        return_exceptions=True,
+    )
     for bad in (runs[0], runs[2]):
         assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
         assert "item.prompt" in bad.details() and "<|" in bad.details()
@@ -257,8 +337,14 @@ async def test_typed_vision_placeholders_are_refused_and_batched_requests_go_on(
 
 async def test_deadline_frees_the_sequence(cluster):
     worker, store, channel, stub = cluster
-    call = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
-        request_id="slow", prompt="Count.", params=types_pb2.GenerationParams(max_new_tokens=2000))), timeout=1.0)
+    call = stub.Generate(
+        worker_service_pb2.GenerateRequest(
+            item=work_pb2.WorkItem(
+                request_id="slow", prompt="Count.", params=types_pb2.GenerationParams(max_new_tokens=2000)
+            )
+        ),
+        timeout=1.0,
+    )
     with pytest.raises(grpc.RpcError) as err:
         async for _ in call:
             pass
@@ -274,8 +360,9 @@ async def test_deadline_frees_the_sequence(cluster):
 
 async def test_set_mode_and_offload(cluster):
     worker, store, channel, stub = cluster
-    r = await stub.SetMode(worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_MERGED,
-                                                             merged_adapter=ref(A, store)))
+    r = await stub.SetMode(
+        worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_MERGED, merged_adapter=ref(A, store))
+    )
     assert r.switch_ms >= 0
     status = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
     assert status.mode == types_pb2.INFERENCE_MODE_MERGED and status.merged_adapter == A
@@ -298,16 +385,30 @@ async def test_videos_and_repeated_images(cluster):
     worker, store, channel, stub = cluster
     engine = worker.servicer.engine
     frames = [types_pb2.Image(data=png(40 + i)) for i in range(3)]
-    _, res = await generate(stub, request_id="vid", prompt="What happens?", images=[types_pb2.Image(data=png(39))],
-                            videos=[types_pb2.Video(frames=frames)])
+    _, res = await generate(
+        stub,
+        request_id="vid",
+        prompt="What happens?",
+        images=[types_pb2.Image(data=png(39))],
+        videos=[types_pb2.Video(frames=frames)],
+    )
     assert res.usage.image_tokens == 4 + 2 * 4 and res.usage.output_tokens > 0  # an image + 2 temporal patches
     hits = engine.stats().image_cache.hits
-    _, again = await generate(stub, request_id="vid2", prompt="What happens?", images=[types_pb2.Image(data=png(39))],
-                              videos=[types_pb2.Video(frames=frames)])
+    _, again = await generate(
+        stub,
+        request_id="vid2",
+        prompt="What happens?",
+        images=[types_pb2.Image(data=png(39))],
+        videos=[types_pb2.Video(frames=frames)],
+    )
     assert again.text == res.text and engine.stats().image_cache.hits == hits + 2
     with pytest.raises(grpc.RpcError) as err:
-        await generate(stub, request_id="badvid", prompt="hi",
-                       videos=[types_pb2.Video(frames=[frames[0], types_pb2.Image(data=b"junk")])])
+        await generate(
+            stub,
+            request_id="badvid",
+            prompt="hi",
+            videos=[types_pb2.Video(frames=[frames[0], types_pb2.Image(data=b"junk")])],
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "videos[0].frames[1]" in err.value.details()
 
 
@@ -324,8 +425,11 @@ async def test_merge_unmerge_switch_are_idempotent(cluster):
     s = (await status()).status
     assert s.mode == types_pb2.INFERENCE_MODE_MERGED and s.merged_adapter == A
     with pytest.raises(grpc.RpcError) as err:  # a stale caller thinks C is merged: refused, nothing changes
-        await stub.Switch(worker_service_pb2.SwitchRequest(
-            from_adapter=work_pb2.AdapterRef(version="adapters/gamma/versions/1"), to_adapter=ref(B, store)))
+        await stub.Switch(
+            worker_service_pb2.SwitchRequest(
+                from_adapter=work_pb2.AdapterRef(version="adapters/gamma/versions/1"), to_adapter=ref(B, store)
+            )
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     r = await stub.Switch(worker_service_pb2.SwitchRequest(from_adapter=ref(A, store), to_adapter=ref(B, store)))
     assert not r.already_switched and r.mode == types_pb2.INFERENCE_MODE_MERGED
@@ -334,8 +438,9 @@ async def test_merge_unmerge_switch_are_idempotent(cluster):
     _, merged = await generate(stub, request_id="m", prompt="hi", adapter=ref(B, store))
     assert merged.mode == types_pb2.INFERENCE_MODE_MERGED and merged.text == unmerged.text
     # Switch keeps MIXTURE.
-    await stub.SetMode(worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_MIXTURE,
-                                                         merged_adapter=ref(B, store)))
+    await stub.SetMode(
+        worker_service_pb2.SetModeRequest(mode=types_pb2.INFERENCE_MODE_MIXTURE, merged_adapter=ref(B, store))
+    )
     r = await stub.Switch(worker_service_pb2.SwitchRequest(to_adapter=ref(A, store)))
     assert r.mode == types_pb2.INFERENCE_MODE_MIXTURE and (await status()).status.merged_adapter == A
     r = await stub.Unmerge(worker_service_pb2.UnmergeRequest())
@@ -354,9 +459,16 @@ async def test_merge_unmerge_switch_are_idempotent(cluster):
 async def test_status_reports_queue_kv_step_time_and_image_cache(cluster):
     worker, store, channel, stub = cluster
     engine = worker.servicer.engine
-    call = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
-        request_id="long", prompt="Count.", images=[types_pb2.Image(data=png(39))],
-        params=types_pb2.GenerationParams(max_new_tokens=1000))))
+    call = stub.Generate(
+        worker_service_pb2.GenerateRequest(
+            item=work_pb2.WorkItem(
+                request_id="long",
+                prompt="Count.",
+                images=[types_pb2.Image(data=png(39))],
+                params=types_pb2.GenerationParams(max_new_tokens=1000),
+            )
+        )
+    )
     await call.read()  # the first token: it is running
     for _ in range(100):
         s = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).status
@@ -389,8 +501,15 @@ async def test_health_follows_the_engine(cluster):
 
 async def test_a_stalled_engine_is_not_serving_until_it_steps_again(tmp_path):
     model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
-    worker = await create_server(WorkerSettings(model_path=str(model), port=0, build_tiny_model=False,
-                                                engine_stall_s=0.5, adapter_cache_dir=str(tmp_path / "cache")))
+    worker = await create_server(
+        WorkerSettings(
+            model_path=str(model),
+            port=0,
+            build_tiny_model=False,
+            engine_stall_s=0.5,
+            adapter_cache_dir=str(tmp_path / "cache"),
+        )
+    )
     await worker.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
     health = health_pb2_grpc.HealthStub(channel)
@@ -407,6 +526,7 @@ async def test_a_stalled_engine_is_not_serving_until_it_steps_again(tmp_path):
     def hold_the_loop():  # the engine thread blocks at its next step on the condition it shares
         with engine._wake:
             release.wait(10)
+
     try:
         assert await status_within(health_pb2.HealthCheckResponse.SERVING, 5)
         holder = threading.Thread(target=hold_the_loop)
@@ -463,8 +583,14 @@ async def test_status_reports_how_decode_steps_ran(tmp_path):
     # A worker with static decode steps (what CUDA graphs capture; no capture on CPU): after a
     # generation, GetWorkerStatus counts its static steps, the keys they made and the replays.
     model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
-    settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, decode_graphs="static",
-                              default_max_new_tokens=6, adapter_cache_dir=str(tmp_path / "cache"))
+    settings = WorkerSettings(
+        model_path=str(model),
+        port=0,
+        build_tiny_model=False,
+        decode_graphs="static",
+        default_max_new_tokens=6,
+        adapter_cache_dir=str(tmp_path / "cache"),
+    )
     worker = await create_server(settings)
     await worker.start()
     try:
@@ -472,8 +598,13 @@ async def test_status_reports_how_decode_steps_ran(tmp_path):
             stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
             before = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).decode_graphs
             assert before.static_steps == 0
-            _, result = await generate(stub, request_id="g", images=[types_pb2.Image(data=png(3))], prompt="Hi",
-                                       params=types_pb2.GenerationParams(max_new_tokens=6))
+            _, result = await generate(
+                stub,
+                request_id="g",
+                images=[types_pb2.Image(data=png(3))],
+                prompt="Hi",
+                params=types_pb2.GenerationParams(max_new_tokens=6),
+            )
             assert result.usage.output_tokens == 6
             g = (await stub.GetWorkerStatus(worker_service_pb2.GetWorkerStatusRequest())).decode_graphs
             assert g.static_steps == 5 and g.new_keys >= 1 and g.captures == 0  # 5 decode steps; CPU: no capture
@@ -497,6 +628,7 @@ async def test_the_disk_cache_keeps_its_budget_least_recently_used_out(tmp_path)
             await fetcher.fetch(name, bundles[name].sha256)
         await asyncio.sleep(0.02)
         await fetcher.fetch(names[0], bundles[names[0]].sha256)  # a cached read: used again
+
         def kept() -> set[str]:
             return {p.stem for p in cache.glob("*.safetensors")}
 

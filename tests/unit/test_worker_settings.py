@@ -51,49 +51,73 @@ def test_gateway_and_workers_share_one_max_new_tokens_limit(clean_env):
 
 def test_settings_from_the_environment_reach_the_engine_config(clean_env):
     env = {
-        "VALORA_DEVICE": "cuda:1", "VALORA_DTYPE": "bf16", "VALORA_MAX_PREFILLS_PER_STEP": "4",
-        "VALORA_MAX_PREFILL_TOKENS": "2048", "VALORA_DECODE_GRAPHS": "off", "VALORA_LOAD_FORMAT": "dummy",
-        "VALORA_KV_BLOCK_SIZE": "32", "VALORA_IMAGE_CACHE_BYTES": "0", "VALORA_SWITCH_STRATEGY": "delta",
-        "VALORA_USE_ATMM": "false", "VALORA_DEVICE_SLOTS": "2", "VALORA_MAX_BATCH_SIZE": "32",
-        "VALORA_MODEL_PATH": "~/models/qwen2-vl-7b", "VALORA_FUSED_LAYERS": "false",
+        "VALORA_DEVICE": "cuda:1",
+        "VALORA_DTYPE": "bf16",
+        "VALORA_MAX_PREFILLS_PER_STEP": "4",
+        "VALORA_MAX_PREFILL_TOKENS": "2048",
+        "VALORA_DECODE_GRAPHS": "off",
+        "VALORA_LOAD_FORMAT": "dummy",
+        "VALORA_KV_BLOCK_SIZE": "32",
+        "VALORA_IMAGE_CACHE_BYTES": "0",
+        "VALORA_SWITCH_STRATEGY": "delta",
+        "VALORA_USE_ATMM": "false",
+        "VALORA_DEVICE_SLOTS": "2",
+        "VALORA_MAX_BATCH_SIZE": "32",
+        "VALORA_MODEL_PATH": "~/models/qwen2-vl-7b",
+        "VALORA_FUSED_LAYERS": "false",
     }
     for k, v in env.items():
         clean_env.setenv(k, v)
     cfg = engine_config(WorkerSettings())
-    assert (cfg.device, cfg.dtype, cfg.max_prefills_per_step, cfg.max_prefill_tokens, cfg.decode_graphs,
-            cfg.load_format, cfg.kv_block_size, cfg.image_cache_bytes, cfg.switch_strategy, cfg.use_atmm,
-            cfg.device_slots, cfg.max_batch_size, cfg.fused_layers) == (
-        "cuda:1", "bfloat16", 4, 2048, "off", "dummy", 32, 0, "delta", False, 2, 32, False)
+    assert (
+        cfg.device,
+        cfg.dtype,
+        cfg.max_prefills_per_step,
+        cfg.max_prefill_tokens,
+        cfg.decode_graphs,
+        cfg.load_format,
+        cfg.kv_block_size,
+        cfg.image_cache_bytes,
+        cfg.switch_strategy,
+        cfg.use_atmm,
+        cfg.device_slots,
+        cfg.max_batch_size,
+        cfg.fused_layers,
+    ) == ("cuda:1", "bfloat16", 4, 2048, "off", "dummy", 32, 0, "delta", False, 2, 32, False)
     assert cfg.model_path == Path("~/models/qwen2-vl-7b").expanduser()
 
 
-@pytest.mark.parametrize("value, expected", [("FP16", "float16"), ("half", "float16"), ("fp32", "float32"),
-                                             ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize(
+    "value, expected", [("FP16", "float16"), ("half", "float16"), ("fp32", "float32"), ("bfloat16", "bfloat16")]
+)
 def test_dtype_aliases(clean_env, value, expected):
     clean_env.setenv("VALORA_DTYPE", value)
     assert WorkerSettings().dtype == expected
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("VALORA_DECODE_GRAPHS", "on", "VALORA_DECODE_GRAPHS='on': must be one of auto, static, off"),
-    ("VALORA_LOAD_FORMAT", "safetensors", "VALORA_LOAD_FORMAT='safetensors': must be one of auto, dummy"),
-    ("VALORA_SWITCH_STRATEGY", "fast", "must be one of pristine, delta"),
-    ("VALORA_DTYPE", "int8", "must be one of float32, bfloat16, float16"),
-    ("VALORA_DEVICE", "mps", "VALORA_DEVICE='mps': must be cpu, cuda or cuda:N"),
-    ("VALORA_DEVICE", "cuda:x", "must be cpu, cuda or cuda:N"),
-    ("VALORA_MAX_PREFILLS_PER_STEP", "0", "greater than or equal to 1"),
-    ("VALORA_MAX_PREFILL_TOKENS", "-5", "greater than or equal to 1"),
-    ("VALORA_MAX_PREFILL_TOKENS", "lots", "valid integer"),
-    ("VALORA_KV_BLOCK_SIZE", "4", "greater than or equal to 8"),
-    ("VALORA_KV_BLOCK_SIZE", "24", "VALORA_KV_BLOCK_SIZE=24: must be a power of two"),
-    ("VALORA_GPU_MEMORY_FRACTION", "1.5", "less than or equal to 1"),
-    ("VALORA_IMAGE_CACHE_BYTES", "-1", "greater than or equal to 0"),
-    ("VALORA_DEVICE_SLOTS", "0", "greater than or equal to 1"),
-    ("VALORA_MAX_BATCH_SIZE", "0", "greater than or equal to 1"),
-    ("VALORA_USE_ATMM", "maybe", "valid boolean"),
-    ("VALORA_TP_SIZE", "0", "greater than or equal to 1"),
-    ("VALORA_TP_PORT", "70000", "less than or equal to 65535"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("VALORA_DECODE_GRAPHS", "on", "VALORA_DECODE_GRAPHS='on': must be one of auto, static, off"),
+        ("VALORA_LOAD_FORMAT", "safetensors", "VALORA_LOAD_FORMAT='safetensors': must be one of auto, dummy"),
+        ("VALORA_SWITCH_STRATEGY", "fast", "must be one of pristine, delta"),
+        ("VALORA_DTYPE", "int8", "must be one of float32, bfloat16, float16"),
+        ("VALORA_DEVICE", "mps", "VALORA_DEVICE='mps': must be cpu, cuda or cuda:N"),
+        ("VALORA_DEVICE", "cuda:x", "must be cpu, cuda or cuda:N"),
+        ("VALORA_MAX_PREFILLS_PER_STEP", "0", "greater than or equal to 1"),
+        ("VALORA_MAX_PREFILL_TOKENS", "-5", "greater than or equal to 1"),
+        ("VALORA_MAX_PREFILL_TOKENS", "lots", "valid integer"),
+        ("VALORA_KV_BLOCK_SIZE", "4", "greater than or equal to 8"),
+        ("VALORA_KV_BLOCK_SIZE", "24", "VALORA_KV_BLOCK_SIZE=24: must be a power of two"),
+        ("VALORA_GPU_MEMORY_FRACTION", "1.5", "less than or equal to 1"),
+        ("VALORA_IMAGE_CACHE_BYTES", "-1", "greater than or equal to 0"),
+        ("VALORA_DEVICE_SLOTS", "0", "greater than or equal to 1"),
+        ("VALORA_MAX_BATCH_SIZE", "0", "greater than or equal to 1"),
+        ("VALORA_USE_ATMM", "maybe", "valid boolean"),
+        ("VALORA_TP_SIZE", "0", "greater than or equal to 1"),
+        ("VALORA_TP_PORT", "70000", "less than or equal to 65535"),
+    ],
+)
 def test_invalid_values_are_refused(clean_env, name, value, message):
     clean_env.setenv(name, value)
     with pytest.raises(ValidationError) as e:
@@ -105,8 +129,9 @@ def test_invalid_values_are_refused(clean_env, name, value, message):
 def test_worker_process_exits_with_the_error_at_start_up(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VALORA_")}
     env.update(VALORA_DECODE_GRAPHS="sometimes", VALORA_MODEL_PATH=str(tmp_path / "none"))
-    proc = subprocess.run([sys.executable, "-m", "services.worker"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.worker"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     assert "VALORA_DECODE_GRAPHS='sometimes': must be one of auto, static, off" in proc.stderr
 
@@ -119,6 +144,7 @@ def extension_calls(monkeypatch):
         def extension():
             calls.append(result)
             return result
+
         monkeypatch.setattr(kernels.atmm, "extension", extension)
 
     def refuse(*args, **kwargs):
@@ -160,8 +186,15 @@ async def test_cpu_worker_start_up_never_touches_the_extension(tmp_path, clean_e
     real = startup.prepare_kernels
     monkeypatch.setattr(startup, "prepare_kernels", lambda s: prepared.append(real(s)))
     model = ensure_tiny_model(tmp_path / "tiny-qwen2-vl")
-    worker = await create_server(WorkerSettings(model_path=str(model), port=0, build_tiny_model=False,
-                                                adapter_cache_dir=str(tmp_path / "cache"), drain_delay_s=0))
+    worker = await create_server(
+        WorkerSettings(
+            model_path=str(model),
+            port=0,
+            build_tiny_model=False,
+            adapter_cache_dir=str(tmp_path / "cache"),
+            drain_delay_s=0,
+        )
+    )
     await worker.start()
     try:
         assert worker.servicer.engine is not None and worker.servicer.engine.alive

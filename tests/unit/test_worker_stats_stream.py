@@ -53,12 +53,19 @@ def test_step_times_split_decode_and_prefill_steps():
 
 # -- the worker's stream ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 async def worker(tmp_path_factory):
     model = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
     store = InMemoryAdapterStore({A: random_adapter_bundle(model, rank=4, seed=1)}, chunk_bytes=4096)
-    settings = WorkerSettings(model_path=str(model), port=0, build_tiny_model=False, max_batch_size=4,
-                              default_max_new_tokens=6, adapter_cache_dir=str(tmp_path_factory.mktemp("cache")))
+    settings = WorkerSettings(
+        model_path=str(model),
+        port=0,
+        build_tiny_model=False,
+        max_batch_size=4,
+        default_max_new_tokens=6,
+        adapter_cache_dir=str(tmp_path_factory.mktemp("cache")),
+    )
     async with serve_worker(settings, store) as (service, channel):
         yield service, store, worker_service_pb2_grpc.WorkerServiceStub(channel)
 
@@ -113,8 +120,9 @@ async def test_stream_sends_status_at_once_then_on_mode_changes_and_stops_on_can
 
 async def test_step_times_after_a_generation_and_the_interval(worker):
     service, store, stub = worker
-    item = work_pb2.WorkItem(request_id="g1", prompt="Describe it.", adapter=ref(store),
-                             params=types_pb2.GenerationParams(max_new_tokens=6))
+    item = work_pb2.WorkItem(
+        request_id="g1", prompt="Describe it.", adapter=ref(store), params=types_pb2.GenerationParams(max_new_tokens=6)
+    )
     async for _ in stub.Generate(worker_service_pb2.GenerateRequest(item=item)):
         pass
     call = stub.WatchWorkerStatus(worker_service_pb2.WatchWorkerStatusRequest(interval_ms=50))
@@ -142,8 +150,13 @@ async def test_stream_reports_running_requests(worker):
     service, store, stub = worker
     call = stub.WatchWorkerStatus(worker_service_pb2.WatchWorkerStatusRequest(interval_ms=60_000))
     await call.read()
-    gen = stub.Generate(worker_service_pb2.GenerateRequest(item=work_pb2.WorkItem(
-        request_id="long", prompt="Count.", params=types_pb2.GenerationParams(max_new_tokens=1000))))
+    gen = stub.Generate(
+        worker_service_pb2.GenerateRequest(
+            item=work_pb2.WorkItem(
+                request_id="long", prompt="Count.", params=types_pb2.GenerationParams(max_new_tokens=1000)
+            )
+        )
+    )
     busy = await next_matching(call, lambda m: m.status.running_requests == 1 and m.status.kv_cache_bytes > 0)
     assert busy.status.healthy
     gen.cancel()
@@ -170,6 +183,7 @@ async def test_stream_ends_cleanly_when_the_worker_drains(worker):
 
 
 # -- the scheduler's side ---------------------------------------------------------------------------
+
 
 class PushingWorker(worker_service_pb2_grpc.WorkerServiceServicer):
     """Status from `status`; WatchWorkerStatus pushes it on `push()` (unless `streams` is False:
@@ -198,8 +212,12 @@ class PushingWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         self._end.set()
 
     def _resp(self, cls):
-        return cls(status=self.status, step_times=worker_service_pb2.WorkerStepTimes(
-            steps=10, decode_steps=8, decode_step_ms_p50=7.5, decode_step_ms_p90=9.0))
+        return cls(
+            status=self.status,
+            step_times=worker_service_pb2.WorkerStepTimes(
+                steps=10, decode_steps=8, decode_step_ms_p50=7.5, decode_step_ms_p90=9.0
+            ),
+        )
 
     async def GetWorkerStatus(self, request, context):
         self.polls += 1
@@ -244,8 +262,16 @@ async def serving(w: PushingWorker):
 @contextlib.asynccontextmanager
 async def pool_of(*workers: PushingWorker, poll_s: float):
     changes = asyncio.Event()
-    pool = WorkerPool([w.address for w in workers], poll_s=poll_s, poll_timeout_s=2.0, default_max_batch_size=4,
-                      channel_options=[], on_change=changes.set, watch_interval_s=0.5, watch_backoff_s=(0.05, 0.2))
+    pool = WorkerPool(
+        [w.address for w in workers],
+        poll_s=poll_s,
+        poll_timeout_s=2.0,
+        default_max_batch_size=4,
+        channel_options=[],
+        on_change=changes.set,
+        watch_interval_s=0.5,
+        watch_backoff_s=(0.05, 0.2),
+    )
     await pool.start()
     try:
         yield pool

@@ -25,9 +25,12 @@ from tests.unit.test_worker_server import generate, png
 from valora_protos.internal.v1 import work_pb2, worker_service_pb2, worker_service_pb2_grpc
 from valora_protos.v1 import types_pb2
 
-pytestmark = [pytest.mark.anyio,
-              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                 reason="torch.distributed with gloo is not available")]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+    ),
+]
 A = "adapters/alpha/versions/1"
 HEALTH = health_pb2.HealthCheckRequest(service="valora.internal.v1.WorkerService")
 
@@ -38,9 +41,16 @@ def anyio_backend():
 
 
 def _settings(model_path, tmp_path, **kw) -> WorkerSettings:
-    return WorkerSettings(model_path=str(model_path), port=0, build_tiny_model=False, max_batch_size=4,
-                          default_max_new_tokens=8, adapter_cache_dir=str(tmp_path / "adapter-cache"),
-                          tp_timeout_s=60, **kw)
+    return WorkerSettings(
+        model_path=str(model_path),
+        port=0,
+        build_tiny_model=False,
+        max_batch_size=4,
+        default_max_new_tokens=8,
+        adapter_cache_dir=str(tmp_path / "adapter-cache"),
+        tp_timeout_s=60,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -69,7 +79,8 @@ async def _run_requests(settings: WorkerSettings, store, workers: list | None = 
             image = [types_pb2.Image(data=png(3), mime_type="image/png")]
             runs = await asyncio.gather(
                 generate(stub, request_id="base", images=image, prompt="Describe the image."),
-                generate(stub, request_id="lora", images=image, prompt="Describe the image.", adapter=ref))
+                generate(stub, request_id="lora", images=image, prompt="Describe the image.", adapter=ref),
+            )
             return [(res.text, res.usage.output_tokens, res.mode) for _, res in runs]
     finally:
         await worker.stop(0)
@@ -80,8 +91,7 @@ async def test_tp2_worker_serves_the_single_process_tokens_and_stops_its_followe
     single = await _run_requests(_settings(model_path, tmp_path, adapter_store_address=address), store)
 
     started = []
-    tp = await _run_requests(_settings(model_path, tmp_path, adapter_store_address=address, tp_size=2), store,
-                             started)
+    tp = await _run_requests(_settings(model_path, tmp_path, adapter_store_address=address, tp_size=2), store, started)
     assert tp == single
     assert single[0][0] != single[1][0] and single[0][1] > 0  # the adapter changes the answer
     followers = started[0].servicer.followers

@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         app(args=argv)  # standalone: ends in SystemExit (0, or a usage error's 2) unless an RPC failed
     except grpc.RpcError as raw:
         err = errors.from_rpc_error(raw)
-        console.print(f"[red]{err.code().name}[/red]: {err.message}" + (f" ({err.reason})" if err.reason else ""),
-                      markup=True, highlight=False)
+        console.print(
+            f"[red]{err.code().name}[/red]: {err.message}" + (f" ({err.reason})" if err.reason else ""),
+            markup=True,
+            highlight=False,
+        )
         for field_path, why in err.field_violations:
             console.print(f"  {field_path}: {why}", markup=False, highlight=False)
         return RPC_EXIT_BASE + err.code().value[0]

@@ -22,16 +22,20 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                          help="Print the version and exit.")) -> None:
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """valora: multi-LoRA serving for vision applications."""
 
 
 console = Console()
 
 HOME = typer.Option(cluster_mod.DEFAULT_HOME, "--home", envvar="VALORA_HOME", help="State, logs, model cache.")
-ADDRESS = typer.Option(None, "--address", envvar="VALORA_ADDRESS",
-                       help="Gateway host:port (default: the running local cluster).")
+ADDRESS = typer.Option(
+    None, "--address", envvar="VALORA_ADDRESS", help="Gateway host:port (default: the running local cluster)."
+)
 API_KEY = typer.Option(None, "--api-key", envvar="VALORA_API_KEY", help="Inference API key.")
 ADMIN_KEY = typer.Option(None, "--admin-key", envvar="VALORA_ADMIN_KEY", help="Admin API key.")
 

@@ -25,8 +25,12 @@ def job_result_table(job) -> Table:
     table = Table("task", "adapter version", "threshold", "accuracy (test)", title=f"{job.name} {job_state(job)}")
     for t in job.result.tasks:
         ok = t.measured_accuracy >= t.accuracy_threshold
-        table.add_row(t.task, t.adapter_version, f"{t.accuracy_threshold:.3f}",
-                      f"{'' if ok else '[red]'}{t.measured_accuracy:.3f}{'' if ok else '[/red]'}")
+        table.add_row(
+            t.task,
+            t.adapter_version,
+            f"{t.accuracy_threshold:.3f}",
+            f"{'' if ok else '[red]'}{t.measured_accuracy:.3f}{'' if ok else '[/red]'}",
+        )
     return table
 
 
@@ -39,22 +43,37 @@ def jobs_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_
     for col in ("job", "state", "progress", "sources", "created", "message"):
         table.add_column(col, justify="right" if col == "progress" else "left")
     for j in jobs:
-        table.add_row(j.name, job_state(j), f"{j.progress:.0%}",
-                      ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources), iso_time(j.create_time),
-                      Text(j.error or j.message))
+        table.add_row(
+            j.name,
+            job_state(j),
+            f"{j.progress:.0%}",
+            ", ".join(f"{s.task}:{s.accuracy_threshold:g}" for s in j.sources),
+            iso_time(j.create_time),
+            Text(j.error or j.message),
+        )
     console.print(table)
 
 
 @jobs_app.command("get")
-def jobs_get(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), home: Path = HOME,
-             address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+def jobs_get(
+    name: str = typer.Argument(..., help="generationJobs/{j} or {j}"),
+    home: Path = HOME,
+    address: str = ADDRESS,
+    admin_key: str = ADMIN_KEY,
+):
     """Show one generation job: state, progress, sources and, once it SUCCEEDED, its result."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         j = client.get_generation_job(name)
-    console.print(f"{j.name}: {job_state(j)} progress={j.progress:.0%} rank={j.rank or 8} epochs={j.epochs or 4} "
-                  f"created={iso_time(j.create_time)} updated={iso_time(j.update_time)}", markup=False)
-    console.print("sources: " + ", ".join(f"{s.task}:{s.accuracy_threshold:g}" + (f" ({s.dataset})" if s.dataset
-                                          else "") for s in j.sources), markup=False)
+    console.print(
+        f"{j.name}: {job_state(j)} progress={j.progress:.0%} rank={j.rank or 8} epochs={j.epochs or 4} "
+        f"created={iso_time(j.create_time)} updated={iso_time(j.update_time)}",
+        markup=False,
+    )
+    console.print(
+        "sources: "
+        + ", ".join(f"{s.task}:{s.accuracy_threshold:g}" + (f" ({s.dataset})" if s.dataset else "") for s in j.sources),
+        markup=False,
+    )
     if j.error or j.message:
         console.print(j.error or j.message, markup=False, highlight=False)
     if job_state(j) == "SUCCEEDED":
@@ -62,8 +81,12 @@ def jobs_get(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), 
 
 
 @jobs_app.command("cancel")
-def jobs_cancel(name: str = typer.Argument(..., help="generationJobs/{j} or {j}"), home: Path = HOME,
-                address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+def jobs_cancel(
+    name: str = typer.Argument(..., help="generationJobs/{j} or {j}"),
+    home: Path = HOME,
+    address: str = ADDRESS,
+    admin_key: str = ADMIN_KEY,
+):
     """Cancel a PENDING or RUNNING job (a finished one: FAILED_PRECONDITION)."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         j = client.cancel_generation_job(name)

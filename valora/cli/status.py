@@ -25,8 +25,14 @@ def status(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY
     for col in ("worker", "healthy", "mode", "merged", "resident", "running", "decode step ms", "prefill step ms"):
         table.add_column(col)
     for w in s.workers:
-        table.add_row(w.address, str(w.healthy), _mode_name(w.mode), w.merged_adapter or "-",
-                      ", ".join(w.resident_adapters) or "-", f"{w.running_requests}/{w.max_batch_size}",
-                      f"{w.decode_step_ms_p50:.1f}" if w.decode_step_ms_p50 else "-",
-                      f"{w.prefill_step_ms_p50:.1f}" if w.prefill_step_ms_p50 else "-")
+        table.add_row(
+            w.address,
+            str(w.healthy),
+            _mode_name(w.mode),
+            w.merged_adapter or "-",
+            ", ".join(w.resident_adapters) or "-",
+            f"{w.running_requests}/{w.max_batch_size}",
+            f"{w.decode_step_ms_p50:.1f}" if w.decode_step_ms_p50 else "-",
+            f"{w.prefill_step_ms_p50:.1f}" if w.prefill_step_ms_p50 else "-",
+        )
     console.print(table)

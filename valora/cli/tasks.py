@@ -11,8 +11,9 @@ from rich.text import Text
 from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, console, gateway_address, iso_time
 from valora.client import ValoraClient
 
-tasks_app = typer.Typer(help="Tasks: named adapter references with a head and an accuracy threshold.",
-                        no_args_is_help=True)
+tasks_app = typer.Typer(
+    help="Tasks: named adapter references with a head and an accuracy threshold.", no_args_is_help=True
+)
 
 
 def _slo(t) -> str:
@@ -26,13 +27,17 @@ def _release(t) -> str:
 
 
 def _task_line(t) -> str:
-    return (f"{t.name} adapter={t.adapter} head={t.head or '-'} threshold={t.accuracy_threshold:.3f} "
-            f"accuracy={t.measured_accuracy:.3f} created={iso_time(t.create_time)} slo={_slo(t)} "
-            f"release={_release(t)} etag={t.etag}")
+    return (
+        f"{t.name} adapter={t.adapter} head={t.head or '-'} threshold={t.accuracy_threshold:.3f} "
+        f"accuracy={t.measured_accuracy:.3f} created={iso_time(t.create_time)} slo={_slo(t)} "
+        f"release={_release(t)} etag={t.etag}"
+    )
 
 
-RELEASE_HELP = ("Early adapter release of the task's requests that set none of their own: after this share of "
-                "max_new_tokens a request goes on without the adapter (0: never).")
+RELEASE_HELP = (
+    "Early adapter release of the task's requests that set none of their own: after this share of "
+    "max_new_tokens a request goes on without the adapter (0: never)."
+)
 
 
 @tasks_app.command("list")
@@ -45,14 +50,26 @@ def tasks_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN
     for col in ("task", "adapter", "head", "threshold", "accuracy", "slo", "release", "description"):
         table.add_column(col, justify="right" if col in ("threshold", "accuracy", "slo", "release") else "left")
     for t in tasks:
-        table.add_row(t.name, t.adapter, t.head or "-", f"{t.accuracy_threshold:.3f}", f"{t.measured_accuracy:.3f}",
-                      _slo(t), _release(t), Text(t.description))  # user text, not markup
+        table.add_row(
+            t.name,
+            t.adapter,
+            t.head or "-",
+            f"{t.accuracy_threshold:.3f}",
+            f"{t.measured_accuracy:.3f}",
+            _slo(t),
+            _release(t),
+            Text(t.description),
+        )  # user text, not markup
     console.print(table)
 
 
 @tasks_app.command("get")
-def tasks_get(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home: Path = HOME, address: str = ADDRESS,
-              admin_key: str = ADMIN_KEY):
+def tasks_get(
+    name: str = typer.Argument(..., help="tasks/{t} or {t}"),
+    home: Path = HOME,
+    address: str = ADDRESS,
+    admin_key: str = ADMIN_KEY,
+):
     """Show one task."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         t = client.get_task(name)
@@ -62,51 +79,81 @@ def tasks_get(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home: Pa
 
 
 @tasks_app.command("create")
-def tasks_create(task_id: str = typer.Argument(..., help="{t} of tasks/{t}"),
-                 adapter: str = typer.Option(..., help="Adapter reference: adapters/{a}, adapters/{a}@{alias} or "
-                                             "adapters/{a}/versions/{v}."),
-                 head: str = typer.Option("", help="Head in the adapter bundle (empty: LM-head text task)."),
-                 description: str = typer.Option(""),
-                 threshold: float = typer.Option(0.0, min=0.0, max=1.0, help="Accuracy the task must keep."),
-                 accuracy: float = typer.Option(0.0, min=0.0, max=1.0, help="Last measured accuracy."),
-                 slo_ms: float = typer.Option(0.0, min=0.0, help="Latency objective of the task's requests in ms, "
-                                              "arrival at the scheduler to result (0: none)."),
-                 slo_class: str = typer.Option("", help="Application the objective belongs to; tasks of one class "
-                                               "share it (empty: the task's id)."),
-                 release_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=RELEASE_HELP),
-                 home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+def tasks_create(
+    task_id: str = typer.Argument(..., help="{t} of tasks/{t}"),
+    adapter: str = typer.Option(
+        ..., help="Adapter reference: adapters/{a}, adapters/{a}@{alias} or adapters/{a}/versions/{v}."
+    ),
+    head: str = typer.Option("", help="Head in the adapter bundle (empty: LM-head text task)."),
+    description: str = typer.Option(""),
+    threshold: float = typer.Option(0.0, min=0.0, max=1.0, help="Accuracy the task must keep."),
+    accuracy: float = typer.Option(0.0, min=0.0, max=1.0, help="Last measured accuracy."),
+    slo_ms: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="Latency objective of the task's requests in ms, arrival at the scheduler to result (0: none).",
+    ),
+    slo_class: str = typer.Option(
+        "", help="Application the objective belongs to; tasks of one class share it (empty: the task's id)."
+    ),
+    release_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=RELEASE_HELP),
+    home: Path = HOME,
+    address: str = ADDRESS,
+    admin_key: str = ADMIN_KEY,
+):
     """Create a task naming an adapter (and head) so requests can say tasks/{t}."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
-        t = client.create_task(task_id, adapter, head=head, description=description, accuracy_threshold=threshold,
-                               measured_accuracy=accuracy, slo_ms=slo_ms, slo_class=slo_class,
-                               adapter_release_fraction=release_fraction)
+        t = client.create_task(
+            task_id,
+            adapter,
+            head=head,
+            description=description,
+            accuracy_threshold=threshold,
+            measured_accuracy=accuracy,
+            slo_ms=slo_ms,
+            slo_class=slo_class,
+            adapter_release_fraction=release_fraction,
+        )
     console.print(_task_line(t), markup=False)
 
 
 @tasks_app.command("update")
-def tasks_update(name: str = typer.Argument(..., help="tasks/{t} or {t}"),
-                 description: str = typer.Option(None),
-                 slo_ms: float = typer.Option(None, min=0.0, help="Latency objective in ms (0: none; alone, it "
-                                              "clears the class too)."),
-                 slo_class: str = typer.Option(None, help="Application the objective belongs to (empty: the "
-                                               "task's id)."),
-                 release_fraction: float = typer.Option(None, min=0.0, max=1.0, help=RELEASE_HELP),
-                 etag: str = typer.Option("", help="Update only if the task still has this etag "
-                                          "(`valora tasks get` shows it)."),
-                 home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
+def tasks_update(
+    name: str = typer.Argument(..., help="tasks/{t} or {t}"),
+    description: str = typer.Option(None),
+    slo_ms: float = typer.Option(
+        None, min=0.0, help="Latency objective in ms (0: none; alone, it clears the class too)."
+    ),
+    slo_class: str = typer.Option(None, help="Application the objective belongs to (empty: the task's id)."),
+    release_fraction: float = typer.Option(None, min=0.0, max=1.0, help=RELEASE_HELP),
+    etag: str = typer.Option("", help="Update only if the task still has this etag (`valora tasks get` shows it)."),
+    home: Path = HOME,
+    address: str = ADDRESS,
+    admin_key: str = ADMIN_KEY,
+):
     """Change a task's description, latency objective, SLO class or release policy (the options
     given; the rest stay). Its adapter, head and threshold are fixed: create a new task for those."""
     if description is None and slo_ms is None and slo_class is None and release_fraction is None:
         raise typer.BadParameter("give at least one of --description, --slo-ms, --slo-class, --release-fraction")
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
-        t = client.update_task(name, description=description, slo_ms=slo_ms, slo_class=slo_class,
-                               adapter_release_fraction=release_fraction, etag=etag)
+        t = client.update_task(
+            name,
+            description=description,
+            slo_ms=slo_ms,
+            slo_class=slo_class,
+            adapter_release_fraction=release_fraction,
+            etag=etag,
+        )
     console.print(_task_line(t), markup=False)
 
 
 @tasks_app.command("delete")
-def tasks_delete(name: str = typer.Argument(..., help="tasks/{t} or {t}"), home: Path = HOME, address: str = ADDRESS,
-                 admin_key: str = ADMIN_KEY):
+def tasks_delete(
+    name: str = typer.Argument(..., help="tasks/{t} or {t}"),
+    home: Path = HOME,
+    address: str = ADDRESS,
+    admin_key: str = ADMIN_KEY,
+):
     """Delete a task (its adapter stays)."""
     name = name if name.startswith("tasks/") else f"tasks/{name}"
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:

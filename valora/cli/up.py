@@ -25,36 +25,70 @@ class WorkerDtype(str, Enum):
 
 
 @app.command()
-def up(ctx: typer.Context, home: Path = HOME,
-       workers: int = typer.Option(1, min=1, help="Worker processes (with --device cuda: one per visible GPU "
-                                   "in turn)."),
-       port: int = typer.Option(50051, help="Gateway port (0: any free port)."),
-       http_port: int = typer.Option(8080, help="Gateway's OpenAI-compatible HTTP port (0: any free port). "
-                                     "Given while the gateway's http_enabled is false (--set, --config or "
-                                     "VALORA_HTTP_ENABLED) it is an error (exit 2), never ignored."),
-       model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model)."),
-       device: WorkerDevice = typer.Option(WorkerDevice.cpu, "--device", envvar="VALORA_DEVICE",
-                                           help="Workers' torch device. cuda: worker i gets visible GPU i mod the "
-                                           "GPU count as its only GPU (CUDA_VISIBLE_DEVICES), so several GPUs get "
-                                           "one worker each and with one GPU every worker shares it."),
-       dtype: WorkerDtype = typer.Option(None, "--dtype", envvar="VALORA_DTYPE", show_default=False,
-                                         help="Workers' model dtype (default: float32 on cpu, bfloat16 on cuda). "
-                                         "CUDA workers in bfloat16/float16 build the kernels extension at "
-                                         "start-up (ATMM, switch)."),
-       tp: int = typer.Option(1, "--tp", min=1, envvar="VALORA_TP_SIZE",
-                              help="Tensor-parallel size of every worker (VALORA_TP_SIZE): with --device cuda "
-                              "each worker takes the next block of this many visible GPUs."),
-       settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", show_default=False,
-                                          help="A worker setting by its field name (max_batch_size=64, "
-                                          "decode_graphs=off), or SERVICE.KEY=VALUE for another service's; "
-                                          "repeatable; checked before anything starts."),
-       config: Path = typer.Option(None, "--config", exists=True, dir_okay=False, show_default=False,
-                                   help="TOML file of settings: tables worker, gateway, scheduler and "
-                                   "adapter_store, each mapping setting names to values."),
-       startup_timeout: float = typer.Option(cluster_mod.STARTUP_TIMEOUT_S, "--startup-timeout",
-                                             metavar="SECONDS", help="Seconds each service (the workers "
-                                             "together) has to become healthy; past it every process "
-                                             "started is stopped.")):
+def up(
+    ctx: typer.Context,
+    home: Path = HOME,
+    workers: int = typer.Option(1, min=1, help="Worker processes (with --device cuda: one per visible GPU in turn)."),
+    port: int = typer.Option(50051, help="Gateway port (0: any free port)."),
+    http_port: int = typer.Option(
+        8080,
+        help="Gateway's OpenAI-compatible HTTP port (0: any free port). "
+        "Given while the gateway's http_enabled is false (--set, --config or "
+        "VALORA_HTTP_ENABLED) it is an error (exit 2), never ignored.",
+    ),
+    model_path: Path = typer.Option(None, help="Local model directory (default: the tiny embedded model)."),
+    device: WorkerDevice = typer.Option(
+        WorkerDevice.cpu,
+        "--device",
+        envvar="VALORA_DEVICE",
+        help="Workers' torch device. cuda: worker i gets visible GPU i mod the "
+        "GPU count as its only GPU (CUDA_VISIBLE_DEVICES), so several GPUs get "
+        "one worker each and with one GPU every worker shares it.",
+    ),
+    dtype: WorkerDtype = typer.Option(
+        None,
+        "--dtype",
+        envvar="VALORA_DTYPE",
+        show_default=False,
+        help="Workers' model dtype (default: float32 on cpu, bfloat16 on cuda). "
+        "CUDA workers in bfloat16/float16 build the kernels extension at "
+        "start-up (ATMM, switch).",
+    ),
+    tp: int = typer.Option(
+        1,
+        "--tp",
+        min=1,
+        envvar="VALORA_TP_SIZE",
+        help="Tensor-parallel size of every worker (VALORA_TP_SIZE): with --device cuda "
+        "each worker takes the next block of this many visible GPUs.",
+    ),
+    settings: list[str] = typer.Option(
+        [],
+        "--set",
+        metavar="KEY=VALUE",
+        show_default=False,
+        help="A worker setting by its field name (max_batch_size=64, "
+        "decode_graphs=off), or SERVICE.KEY=VALUE for another service's; "
+        "repeatable; checked before anything starts.",
+    ),
+    config: Path = typer.Option(
+        None,
+        "--config",
+        exists=True,
+        dir_okay=False,
+        show_default=False,
+        help="TOML file of settings: tables worker, gateway, scheduler and "
+        "adapter_store, each mapping setting names to values.",
+    ),
+    startup_timeout: float = typer.Option(
+        cluster_mod.STARTUP_TIMEOUT_S,
+        "--startup-timeout",
+        metavar="SECONDS",
+        help="Seconds each service (the workers "
+        "together) has to become healthy; past it every process "
+        "started is stopped.",
+    ),
+):
     """Start the local cluster (adapter_store, workers, scheduler, gateway) and print the ports.
 
     --device cuda: GPUs are counted without initialising CUDA here, from
@@ -77,18 +111,26 @@ def up(ctx: typer.Context, home: Path = HOME,
         checked = cluster_mod.check_settings(sets, from_file, os.environ, config)
         device, dtype, tp, port, http_port = (
             _flag_or_setting(ctx, flag, value, service, key, sets, from_file, checked)
-            for flag, value, service, key in (("device", device, "worker", "device"),
-                                              ("dtype", dtype, "worker", "dtype"), ("tp", tp, "worker", "tp_size"),
-                                              ("port", port, "gateway", "port"),
-                                              ("http_port", http_port, "gateway", "http_port")))
+            for flag, value, service, key in (
+                ("device", device, "worker", "device"),
+                ("dtype", dtype, "worker", "dtype"),
+                ("tp", tp, "worker", "tp_size"),
+                ("port", port, "gateway", "port"),
+                ("http_port", http_port, "gateway", "http_port"),
+            )
+        )
         http_given = getattr(ctx.get_parameter_source("http_port"), "name", "") == "COMMANDLINE"
-        cluster_mod.check_http_port(f"--http-port {http_port}" if http_given else None, sets, from_file,
-                                    os.environ, config)
+        cluster_mod.check_http_port(
+            f"--http-port {http_port}" if http_given else None, sets, from_file, os.environ, config
+        )
     except cluster_mod.SettingsError as e:
         refuse(str(e))
     device_name = device.value if isinstance(device, Enum) else device  # a setting's value: its text
-    dtype_name = (dtype.value if isinstance(dtype, Enum) else dtype) if dtype else (
-        "bfloat16" if device_name == "cuda" else "float32")
+    dtype_name = (
+        (dtype.value if isinstance(dtype, Enum) else dtype)
+        if dtype
+        else ("bfloat16" if device_name == "cuda" else "float32")
+    )
     gpu_ids = cluster_mod.visible_gpus() if device_name == "cuda" else []
     try:
         worker_env = cluster_mod.worker_device_env(workers, device_name, dtype_name, gpu_ids, tp)
@@ -97,19 +139,29 @@ def up(ctx: typer.Context, home: Path = HOME,
     # The settings of the flags above are the flags' values (worker_env, the ports); the tensor-parallel
     # size always, or a VALORA_TP_SIZE of the caller's would outlive --tp 1.
     flagged = {"VALORA_DEVICE", "VALORA_DTYPE", "VALORA_TP_SIZE", "VALORA_PORT", "VALORA_HTTP_PORT"}
-    service_env = {svc: {k: v for k, v in env.items() if k not in flagged}
-                   for svc, env in cluster_mod.merge_settings(sets, from_file).items()}
+    service_env = {
+        svc: {k: v for k, v in env.items() if k not in flagged}
+        for svc, env in cluster_mod.merge_settings(sets, from_file).items()
+    }
     service_env["worker"]["VALORA_TP_SIZE"] = str(tp)
     if "VALORA_GPU_MEMORY_FRACTION" in service_env["worker"]:  # the user's share, not the split
         worker_env = [{k: v for k, v in e.items() if k != "VALORA_GPU_MEMORY_FRACTION"} for e in worker_env]
     try:
         with console.status("starting valora (building the tiny model on first run)…"):
-            c = cluster_mod.start_cluster(home, workers=workers, gateway_port=port, model_path=model_path,
-                                          http_port=http_port, worker_env=worker_env, service_env=service_env,
-                                          startup_timeout_s=startup_timeout)
+            c = cluster_mod.start_cluster(
+                home,
+                workers=workers,
+                gateway_port=port,
+                model_path=model_path,
+                http_port=http_port,
+                worker_env=worker_env,
+                service_env=service_env,
+                startup_timeout_s=startup_timeout,
+            )
     except cluster_mod.StartupError as e:
-        console.print(f"error: {e}; every process started was stopped", style="red", markup=False,
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"error: {e}; every process started was stopped", style="red", markup=False, highlight=False, soft_wrap=True
+        )
         raise typer.Exit(1) from None
     table = Table(title="valora cluster")
     for col in ("service", "name", "address", "metrics", "pid", "log"):
@@ -120,15 +172,22 @@ def up(ctx: typer.Context, home: Path = HOME,
     if device_name == "cuda":
         used = sorted({g for e in worker_env for g in e["CUDA_VISIBLE_DEVICES"].split(",")}, key=gpu_ids.index)
         blocks = " | ".join(e["CUDA_VISIBLE_DEVICES"] for e in worker_env) if tp > 1 else ", ".join(used)
-        console.print(f"workers: cuda {dtype_name} on GPU {blocks}" + (f" (tensor parallel {tp})" if tp > 1 else "")
-                      + (f" ({workers} workers share {len(used)} GPU{'s' if len(used) > 1 else ''})"
-                         if workers * tp > len(used) else ""))
+        console.print(
+            f"workers: cuda {dtype_name} on GPU {blocks}"
+            + (f" (tensor parallel {tp})" if tp > 1 else "")
+            + (
+                f" ({workers} workers share {len(used)} GPU{'s' if len(used) > 1 else ''})"
+                if workers * tp > len(used)
+                else ""
+            )
+        )
     http = f"  OpenAI-compatible HTTP: [bold]{c.http_url}[/bold]" if c.http_url else ""  # none: http_enabled off
     console.print(f"gateway: [bold]{c.gateway}[/bold]{http}")
 
 
-def _flag_or_setting(ctx: typer.Context, flag: str, value, service: str, key: str, sets: dict, from_file: dict,
-                     checked: dict):
+def _flag_or_setting(
+    ctx: typer.Context, flag: str, value, service: str, key: str, sets: dict, from_file: dict, checked: dict
+):
     """The value of a `valora up` flag that is also a service setting: the flag given on the command
     line, else --set, else --config, else the flag's environment variable or default (`value`). A
     --set that disagrees with the flag given is a SettingsError."""
@@ -143,8 +202,9 @@ def _flag_or_setting(ctx: typer.Context, flag: str, value, service: str, key: st
     flag_value = value.value if isinstance(value, Enum) else value
     if key in sets.get(service, {}) and setting != flag_value:
         prefix = "" if service == "worker" else f"{service}."
-        raise cluster_mod.SettingsError(f"--set {prefix}{key}={sets[service][key]} disagrees with {option} "
-                                        f"{flag_value}")
+        raise cluster_mod.SettingsError(
+            f"--set {prefix}{key}={sets[service][key]} disagrees with {option} {flag_value}"
+        )
     return value
 
 

@@ -45,18 +45,21 @@ from services.scheduler.policies.credit import CreditPolicy
 # The registry: a policy's name (the `policy` setting) → its class and the keyword arguments that
 # make it that policy. The credit policies also take the cost model, θ and the deadline switch
 # (make_policy passes them); the baselines take nothing.
-POLICIES: Mapping[str, tuple[type[SchedulingPolicy], Mapping[str, object]]] = MappingProxyType({
-    "valora": (CreditPolicy, {"mixture": True}),
-    "dlora": (CreditPolicy, {"mixture": False}),
-    "slora": (SLoRAPolicy, {}),
-    "punica": (PunicaPolicy, {}),
-    "affinity": (AffinityLeastLoadedPolicy, {}),
-})
+POLICIES: Mapping[str, tuple[type[SchedulingPolicy], Mapping[str, object]]] = MappingProxyType(
+    {
+        "valora": (CreditPolicy, {"mixture": True}),
+        "dlora": (CreditPolicy, {"mixture": False}),
+        "slora": (SLoRAPolicy, {}),
+        "punica": (PunicaPolicy, {}),
+        "affinity": (AffinityLeastLoadedPolicy, {}),
+    }
+)
 POLICY_NAMES = tuple(POLICIES)
 
 
-def make_policy(name: str, cost: CostModel | None = None, *, theta_s: float = 1.0,
-                deadlines: bool = True) -> SchedulingPolicy:
+def make_policy(
+    name: str, cost: CostModel | None = None, *, theta_s: float = 1.0, deadlines: bool = True
+) -> SchedulingPolicy:
     """A fresh policy by name; `cost` is the default worker profile of the credit policies
     (CPU workers use the cpu-tiny profile); `deadlines` False has them ignore latency objectives.
     The baselines are first come first served whatever the objectives (their papers have none)."""

@@ -64,8 +64,9 @@ class AffinityLeastLoadedPolicy(SchedulingPolicy):
                 decision.mode_commands.append(ModeCommand(target.address, Mode.MIXTURE, target.merged_adapter))
                 modes[target.address] = Mode.MIXTURE
                 fits = [target]
-            best = min(fits, key=lambda w: (_affinity(w, req.adapter), running[w.address] / w.max_batch_size,
-                                            w.address))
+            best = min(
+                fits, key=lambda w: (_affinity(w, req.adapter), running[w.address] / w.max_batch_size, w.address)
+            )
             running[best.address] += 1
             decision.assignments.append(Assignment(req.request_id, best.address))
         return decision

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from services.common.modes import Mode
 
 
-
 @dataclass(frozen=True)
 class WaitingRequest:
     """A queued request as the policy sees it."""
@@ -93,7 +92,6 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def decide(self, now_s: float, waiting: Sequence[WaitingRequest], workers: Sequence[WorkerView]) -> Decision:
         """Place some of `waiting` (any order given) on `workers`. Unplaced requests stay queued."""
-
 
 
 def live_workers(workers: Sequence[WorkerView]) -> list[WorkerView]:

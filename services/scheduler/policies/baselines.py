@@ -42,8 +42,7 @@ class UnmergedFCFSPolicy(SchedulingPolicy):
                 decision.mode_commands.append(ModeCommand(w.address, Mode.UNMERGED))
         unplaced: list[WaitingRequest] = []
         for req in sorted(waiting, key=lambda r: (r.arrival_s, r.request_id)):
-            fits = [w for w in live if running[w.address] < w.max_batch_size
-                    and w.address not in req.excluded_workers]
+            fits = [w for w in live if running[w.address] < w.max_batch_size and w.address not in req.excluded_workers]
             if not fits:
                 unplaced.append(req)
                 if not any(running[w.address] < w.max_batch_size for w in live):
@@ -70,8 +69,9 @@ class PunicaPolicy(UnmergedFCFSPolicy):
         return (-running, worker.address)
 
 
-def prefetch_hints(unplaced: Sequence[WaitingRequest], live: Sequence[WorkerView], running: dict[str, int],
-                   per_worker: int = 1) -> list[PrefetchHint]:
+def prefetch_hints(
+    unplaced: Sequence[WaitingRequest], live: Sequence[WorkerView], running: dict[str, int], per_worker: int = 1
+) -> list[PrefetchHint]:
     """For the adapters of requests still waiting (most requested first) that no live worker holds
     on its device: copy each to the least loaded worker, at most `per_worker` per worker."""
     counts: dict[str, int] = {}

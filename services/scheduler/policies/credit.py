@@ -60,8 +60,15 @@ _NO_ADAPTER = ""  # sort key of the base model among adapter names
 
 
 class CreditPolicy(SchedulingPolicy):
-    def __init__(self, cost: CostModel | None = None, *, theta_s: float = 1.0, mixture: bool = True,
-                 profiles: Mapping[str, CostModel] | None = None, deadlines: bool = True) -> None:
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        *,
+        theta_s: float = 1.0,
+        mixture: bool = True,
+        profiles: Mapping[str, CostModel] | None = None,
+        deadlines: bool = True,
+    ) -> None:
         self.cost = cost or CostModel()
         self.theta_s = theta_s
         self.mixture = mixture
@@ -130,12 +137,12 @@ class CreditPolicy(SchedulingPolicy):
                 continue
             # Slots the workers planned after this one still offer: requests this worker leaves
             # behind up to that many do not wait a round.
-            spare = sum(v.free_slots for v in ordered[k + 1:])
+            spare = sum(v.free_slots for v in ordered[k + 1 :])
             mode, target, batch = self._plan(w, eligible, starving_ids, free, spare)
             if mode != Mode.MERGED and spare:
                 # Load balance: a worker serving every adapter takes its share of the queue in
                 # proportion to its free slots; the workers after it take the rest.
-                batch = batch[:max(1, math.ceil(len(eligible) * free / (free + spare)))]
+                batch = batch[: max(1, math.ceil(len(eligible) * free / (free + spare)))]
             if not batch:
                 continue
             if (mode, target) != (_mode_of(w), merged_of(w)):
@@ -148,8 +155,9 @@ class CreditPolicy(SchedulingPolicy):
         return decision
 
     # -- one worker ----------------------------------------------------------------------------
-    def _plan(self, w: WorkerView, eligible: list[WaitingRequest], starving_ids: set[str], free: int,
-              spare: int = 0) -> tuple[Mode, str | None, list[WaitingRequest]]:
+    def _plan(
+        self, w: WorkerView, eligible: list[WaitingRequest], starving_ids: set[str], free: int, spare: int = 0
+    ) -> tuple[Mode, str | None, list[WaitingRequest]]:
         """(mode, merged adapter, requests to place) for worker `w`; `eligible` starving first."""
         starving = [r for r in eligible if r.request_id in starving_ids]
         current = merged_of(w)
@@ -164,8 +172,9 @@ class CreditPolicy(SchedulingPolicy):
             return Mode.MIXTURE, target, ordered[:free]
         return self._best_plan(w, eligible, free, spare)
 
-    def _best_plan(self, w: WorkerView, eligible: list[WaitingRequest], free: int,
-                   spare: int = 0) -> tuple[Mode, str | None, list[WaitingRequest]]:
+    def _best_plan(
+        self, w: WorkerView, eligible: list[WaitingRequest], free: int, spare: int = 0
+    ) -> tuple[Mode, str | None, list[WaitingRequest]]:
         """No request starving: MERGED on the adapter minimizing the estimated latency sum of the
         worker's requests counting the switch, or UNMERGED for everyone when that is lower still
         (a queue of many adapters, where one merged adapter would serve too few)."""
@@ -178,8 +187,12 @@ class CreditPolicy(SchedulingPolicy):
         horizon_steps = max(1, cost.default_new_tokens // 2)
 
         def run_ms(rs: list[WaitingRequest]) -> float:
-            return sum(cost.request_ms(r.prompt_tokens, r.images, r.max_new_tokens, label=r.label, lora=False,
-                                       batch=w.running + len(rs)) for r in rs) / len(rs)
+            return sum(
+                cost.request_ms(
+                    r.prompt_tokens, r.images, r.max_new_tokens, label=r.label, lora=False, batch=w.running + len(rs)
+                )
+                for r in rs
+            ) / len(rs)
 
         total_seen = sum(self._seen.values()) or 1
         # What a request left behind waits for: about one run of what would be served now (the
@@ -208,8 +221,12 @@ class CreditPolicy(SchedulingPolicy):
             elsewhere = min(spare, len(eligible) - len(served))
             left_behind = len(eligible) - len(served) - elsewhere
             extra_elsewhere = cost.lora_ms(elsewhere, elsewhere) * horizon_steps * elsewhere
-            return (switch * population + left_behind * round_ms
-                    + step_extra * horizon_steps * (w.running + len(served)) + extra_elsewhere)
+            return (
+                switch * population
+                + left_behind * round_ms
+                + step_extra * horizon_steps * (w.running + len(served))
+                + extra_elsewhere
+            )
 
         plans: list[tuple[float, int, int, str, Mode, str | None, list[WaitingRequest]]] = []
         for a, rs in by_adapter.items():
@@ -222,8 +239,17 @@ class CreditPolicy(SchedulingPolicy):
             # Only when no other worker has room: otherwise the queue would pile up over there.
             plans.append((latency_sum(current, []), 0, 0, current, Mode.MERGED, current, []))
         served = eligible[:free]
-        plans.append((latency_sum(None, served), 0 if current is None else 1, -len(served), _NO_ADAPTER,
-                      Mode.UNMERGED, None, served))
+        plans.append(
+            (
+                latency_sum(None, served),
+                0 if current is None else 1,
+                -len(served),
+                _NO_ADAPTER,
+                Mode.UNMERGED,
+                None,
+                served,
+            )
+        )
         best = min(plans, key=lambda p: p[:4])
         return best[4], best[5], best[6]
 

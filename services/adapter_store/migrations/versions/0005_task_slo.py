@@ -16,21 +16,21 @@ import sqlalchemy as sa
 from alembic import op
 
 
-revision: str = '0005'
-down_revision: str | None = '0004'
+revision: str = "0005"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('tasks', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('slo_ms', sa.Float(), nullable=False, server_default='0'))
-        batch_op.add_column(sa.Column('slo_class', sa.String(length=63), nullable=False, server_default=''))
-        batch_op.create_index(batch_op.f('ix_tasks_slo_class'), ['slo_class'], unique=False)
+    with op.batch_alter_table("tasks", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("slo_ms", sa.Float(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("slo_class", sa.String(length=63), nullable=False, server_default=""))
+        batch_op.create_index(batch_op.f("ix_tasks_slo_class"), ["slo_class"], unique=False)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('tasks', schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f('ix_tasks_slo_class'))
-        batch_op.drop_column('slo_class')
-        batch_op.drop_column('slo_ms')
+    with op.batch_alter_table("tasks", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_tasks_slo_class"))
+        batch_op.drop_column("slo_class")
+        batch_op.drop_column("slo_ms")

@@ -15,17 +15,17 @@ import sqlalchemy as sa
 from alembic import op
 
 
-revision: str = '0006'
-down_revision: str | None = '0005'
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('tasks', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('adapter_release_fraction', sa.Float(), nullable=False, server_default='0'))
+    with op.batch_alter_table("tasks", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("adapter_release_fraction", sa.Float(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('tasks', schema=None) as batch_op:
-        batch_op.drop_column('adapter_release_fraction')
+    with op.batch_alter_table("tasks", schema=None) as batch_op:
+        batch_op.drop_column("adapter_release_fraction")
