@@ -16,6 +16,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -118,12 +119,45 @@ class StepLora:
         return got
 
 
+class KernelPlan(Protocol):
+    version: int  # bumped at every write of the step's segments to the device
+
+
+class LoraBackend(Protocol):
+    """What the LoRA layers and the planner ask of a kernel backend (atmm_backend.AtmmBackend):
+    a step's multi-LoRA term added into y in place, on the device, launch by launch."""
+
+    plan: KernelPlan
+
+    def begin(self, step: StepLora) -> bool:
+        """Writes the step's plan for the kernels; False: this step runs the torch reference."""
+        ...
+
+    def run(self, key: LayerModule, y: torch.Tensor, x: torch.Tensor, step: StepLora) -> None:
+        """y += the step's term of projection `key` over x (tokens, in_features)."""
+        ...
+
+    def run_group(
+        self, group: LayerModule, parts: tuple[LayerModule, ...], y: torch.Tensor, x: torch.Tensor, step: StepLora
+    ) -> None:
+        """The same for a LoraGroup, into its concatenated output."""
+        ...
+
+    def folded_linear(self, key: LayerModule, x: torch.Tensor, module: nn.Module) -> torch.Tensor | None:
+        """base(x) plus the term with the shrink folded into the base GEMM; None: not folded."""
+        ...
+
+    def launch_key(self) -> tuple:
+        """What a CUDA graph of the step's launches must match (step_graphs.lora_launch_key)."""
+        ...
+
+
 class LoraRuntime:
     """Shared by every LoraLinear of one model: the current step's plan and the op to run."""
 
-    def __init__(self, op: MultiLoraOp = multi_lora_reference_, backend=None) -> None:
+    def __init__(self, op: MultiLoraOp = multi_lora_reference_, backend: LoraBackend | None = None) -> None:
         self.op = op
-        self.backend = backend  # e.g. AtmmBackend: begin(step) -> bool, run(key, y, x, step), run_group(...)
+        self.backend = backend  # None: every step on `op` (the torch reference on CPUs)
         self.step: StepLora | None = None
 
 

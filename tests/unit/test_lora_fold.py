@@ -193,3 +193,20 @@ def test_group_ranks_are_the_largest_summed_rank_over_layers():
     entry = AdapterEntry(a=a, b={k: torch.zeros(v.shape[1], 16) for k, v in a.items()}, scale=1.0)
     assert backend._group_ranks(entry) == {"qkv": 24}
     assert backend._group_ranks(entry) is backend._group_ranks(entry)
+
+
+def test_the_atmm_backend_keeps_the_lora_backend_contract():
+    """lora.LoraBackend is what the layers and the planner call; AtmmBackend (CUDA only, never
+    instantiated here) must offer each method with the same parameters, and the plan's version."""
+    import inspect
+
+    from services.worker.atmm_backend import AtmmBackend
+    from services.worker.lora import LoraBackend
+
+    methods = [n for n, v in vars(LoraBackend).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert set(methods) == {"begin", "run", "run_group", "folded_linear", "launch_key"}
+    for name in methods:
+        got = list(inspect.signature(getattr(AtmmBackend, name)).parameters)
+        assert got == list(inspect.signature(getattr(LoraBackend, name)).parameters), name
+    assert "plan" in LoraBackend.__annotations__
+    assert "self.plan = atmm.AtmmPlan(" in inspect.getsource(AtmmBackend.__init__)
