@@ -199,7 +199,7 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
         else:
             try:
                 builders[m] = [PEERS[m](c) for c, _, _ in sets]
-            except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported
+            except Exception as e:  # a peer that cannot run this shape is reported
                 res[m] = {"error": f"{type(e).__name__}: {e}"[:300]}
     for m, fns in builders.items():
         try:
@@ -214,7 +214,7 @@ def run_case(spec: dict, methods: list[str], dtype=torch.bfloat16, seed: int = 0
             g1 = time_graph(calls[:1], reps=50)
             am = time_graph(calls, reps=20)
             res[m] = {"eager_us": eager, "graph1_us": g1, "amortized_us": am, "rel_err_y": err, "rel_err_delta": derr}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res[m] = {"error": f"{type(e).__name__}: {e}"[:300], "trace": traceback.format_exc()[-600:]}
         torch.cuda.synchronize()
     ours = res.get("atmm", {}).get("amortized_us")

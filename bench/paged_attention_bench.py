@@ -175,11 +175,11 @@ def format_table(cases: list[dict]) -> str:
 
 def _time(fns, reps: int) -> tuple[float, str]:
     """Median µs per call as a CUDA-graph replay; eager (per call, CUDA events) if capture fails."""
-    from kernels.timing import time_eager, time_graph  # noqa: PLC0415
+    from kernels.timing import time_eager, time_graph
 
     try:
         return time_graph(fns, reps=reps), "graph"
-    except Exception as e:  # noqa: BLE001 -- a peer that cannot be captured is still timed, marked
+    except Exception as e:  # a peer that cannot be captured is still timed, marked
         torch.cuda.synchronize()
         us = time_eager(lambda: [f() for f in fns], reps=max(5, reps // 3)) / len(fns)
         return us, f"eager (capture failed: {type(e).__name__}: {str(e).splitlines()[0][:80]})"
@@ -229,14 +229,14 @@ def _varlen():
     """(torch's varlen_attn or None, whether it takes enable_gqa: torch 2.11's does not, and then
     the peer gets K/V with their heads repeated to the query heads, made outside its timing)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, False
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def run_case(batch: int, args: argparse.Namespace) -> dict:
-    from kernels.paged_attention import (  # noqa: PLC0415
+    from kernels.paged_attention import (
         default_num_splits,
         paged_decode_attention,
         paged_decode_attention_reference,
@@ -308,7 +308,7 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
         try:
             got = paged_peer(0)
             _sync(dev)
-        except Exception as e:  # noqa: BLE001 -- not every torch build / block size pages
+        except Exception as e:  # not every torch build / block size pages
             _sync(dev)
             rows.append(
                 {
@@ -373,7 +373,7 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
                     got,
                     "not paged" + ("" if gqa else f", K/V heads repeated x{group} (untimed)"),
                 )
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 _sync(dev)
                 rows.append(
                     {
@@ -403,7 +403,7 @@ def run_case(batch: int, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from kernels import paged_attention  # noqa: PLC0415
+    from kernels import paged_attention
 
     if not args.dry_run and not paged_attention.available("cuda"):
         print("needs CUDA and triton (or --dry-run)", file=sys.stderr)

@@ -123,10 +123,10 @@ def make_loop(c: Case):
 # The kernels are ATMM's Triton backend (kernels/triton_sgmv.py, the one copy); ATMM itself may
 # pick other Triton tiles per shape from its tile table.
 def make_triton_sgmv(c: Case):
-    from kernels import triton_sgmv  # noqa: PLC0415  (triton is optional)
-    from kernels.atmm import AtmmPlan, lora_weights_from_lists  # noqa: PLC0415
-    from kernels.reference import SegmentPlan  # noqa: PLC0415
-    from kernels.tile_table import TileConfig  # noqa: PLC0415
+    from kernels import triton_sgmv  # triton is optional
+    from kernels.atmm import AtmmPlan, lora_weights_from_lists
+    from kernels.reference import SegmentPlan
+    from kernels.tile_table import TileConfig
 
     if not triton_sgmv.available():
         raise RuntimeError("triton is not installed")

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _kernel(backend: str | None):
     if backend is None:
         return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(
         {

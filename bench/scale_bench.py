@@ -50,19 +50,19 @@ from typing import Sequence
 if __package__ in (None, ""):  # `python bench/scale_bench.py`: the repo root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from PIL import Image  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import grpc
+import numpy as np
+import psutil
+from PIL import Image
+from rich.console import Console
+from rich.table import Table
 
-from valora import cluster as cluster_mod  # noqa: E402
-from valora.client import InferResult, ValoraClient  # noqa: E402
-from valora_protos.internal.v1 import worker_service_pb2, worker_service_pb2_grpc  # noqa: E402
-from valora_protos.v1 import inference_service_pb2 as inf_pb  # noqa: E402
-from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc  # noqa: E402
-from valora_protos.v1 import types_pb2  # noqa: E402
+from valora import cluster as cluster_mod
+from valora.client import InferResult, ValoraClient
+from valora_protos.internal.v1 import worker_service_pb2, worker_service_pb2_grpc
+from valora_protos.v1 import inference_service_pb2 as inf_pb
+from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
+from valora_protos.v1 import types_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -662,7 +662,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return model
 
 
-def _raise_on_sigterm(signum, frame):  # noqa: ARG001
+def _raise_on_sigterm(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
     raise SystemExit(128 + signum)  # unwinds through run_one's finally: the cluster is stopped
 
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.scale_bench
                     f"{n_warmup} warm-up + {n_requests} requests…"
                 ):
                     row = run_one(n, args, model, sub, gpu_ids)
-            except Exception as err:  # noqa: BLE001 - reported, the other worker counts still run
+            except Exception as err:  # reported, the other worker counts still run
                 console.print(f"[red]{n} workers failed: {err!r}; logs under {sub / 'logs'}:\n{log_tails(sub)}")
                 failures.append({"workers": n, "error": repr(err)[:2000]})
                 continue

@@ -41,15 +41,15 @@ from typing import Sequence
 if __package__ in (None, ""):  # `python bench/serve_bench.py`: the repo root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-from rich.table import Table  # noqa: E402
+import grpc
+import numpy as np
+from rich.table import Table
 
-from bench import scale_bench as sb  # noqa: E402
-from valora import cluster as cluster_mod  # noqa: E402
-from valora_protos.internal.v1 import worker_service_pb2  # noqa: E402
-from valora_protos.v1 import inference_service_pb2 as inf_pb  # noqa: E402
-from valora_protos.v1 import types_pb2  # noqa: E402
+from bench import scale_bench as sb
+from valora import cluster as cluster_mod
+from valora_protos.internal.v1 import worker_service_pb2
+from valora_protos.v1 import inference_service_pb2 as inf_pb
+from valora_protos.v1 import types_pb2
 
 console = sb.console
 WORKLOAD = "mixed-vision"
@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit) as err:  # SIGINT/SIGTERM: the finally below stops the cluster
         interrupted = err
         failures.append({"run": label, "error": f"interrupted: {err!r}"})
-    except Exception as err:  # noqa: BLE001 - reported with the logs; the rows so far are written
+    except Exception as err:  # reported with the logs; the rows so far are written
         console.print(f"[red]failed: {err!r}; logs under {home / 'logs'}:\n{sb.log_tails(home)}")
         failures.append({"run": label, "error": repr(err)[:2000]})
     finally:

@@ -96,11 +96,11 @@ def default_suffix() -> str:
 def peft_merge_ms(ws, terms, reps: int) -> float | str:
     """PEFT's LoraLayer.merge() over every matrix (timed; unmerge between reps, untimed), or why not."""
     try:
-        import inspect  # noqa: PLC0415
+        import inspect
 
-        from peft import LoraConfig  # noqa: PLC0415
-        from peft.tuners.lora import Linear as PeftLinear  # noqa: PLC0415
-    except Exception as exc:  # noqa: BLE001 - optional peer
+        from peft import LoraConfig
+        from peft.tuners.lora import Linear as PeftLinear
+    except Exception as exc:  # optional peer
         return f"peft not importable: {type(exc).__name__}: {exc}"
     try:
         needs_config = "config" in inspect.signature(PeftLinear.__init__).parameters  # peft >= 0.18
@@ -132,7 +132,7 @@ def peft_merge_ms(ws, terms, reps: int) -> float | str:
                     lay.unmerge()
         torch.cuda.synchronize()
         return statistics.median(out)
-    except Exception as exc:  # noqa: BLE001 - API drift across peft versions: record, do not fail the run
+    except Exception as exc:  # API drift across peft versions: record, do not fail the run
         return f"peft merge failed: {type(exc).__name__}: {exc}"
 
 

@@ -35,13 +35,13 @@ if __package__ in (None, ""):  # `python bench/tp_bench.py`
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # before any NCCL communicator exists; spawned ranks inherit it
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import numpy as np
+import torch
+import torch.multiprocessing as mp
 
-from bench.common import exit_rank  # noqa: E402
-from kernels.results import RESULTS_DIR, git_commit, run_info, write_json  # noqa: E402
-from services.worker.tiny_model import SHAPES  # noqa: E402
+from bench.common import exit_rank
+from kernels.results import RESULTS_DIR, git_commit, run_info, write_json
+from services.worker.tiny_model import SHAPES
 
 # The 13B-like shape of the issue (Llama-2-13B's decoder dimensions, Qwen2-VL's vocab and M-RoPE): the
 # language model of services.worker.tiny_model's "qwen2-vl-13b-like" architecture.

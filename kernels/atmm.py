@@ -62,7 +62,7 @@ def extension():
     capability = unsupported_gpu()
     if capability is not None:
         _ext_failed = True
-        import structlog  # noqa: PLC0415
+        import structlog
 
         structlog.get_logger().warning(
             "kernels_extension_unsupported_gpu",
@@ -73,9 +73,9 @@ def extension():
         return None
     try:
         return load_extension()
-    except Exception as exc:  # noqa: BLE001 - a failed build must not take the CPU path down
+    except Exception as exc:  # a failed build must not take the CPU path down
         _ext_failed = True
-        import structlog  # noqa: PLC0415
+        import structlog
 
         structlog.get_logger().warning("kernels_extension_build_failed", error=repr(exc)[:500])
         return None
@@ -357,10 +357,10 @@ def triton_available() -> bool:
     global _triton_ok
     if _triton_ok is None:
         try:
-            from kernels import triton_sgmv  # noqa: PLC0415  (lazy: triton is optional)
+            from kernels import triton_sgmv  # lazy: triton is optional
 
             _triton_ok = triton_sgmv.available()
-        except Exception:  # noqa: BLE001 - a broken triton install must not take the CUDA path down
+        except Exception:  # a broken triton install must not take the CUDA path down
             _triton_ok = False
     return _triton_ok
 
@@ -417,7 +417,7 @@ def _run_grouped(ext, y, x, plan, weights, config, dtype, pdl):  # CUDA shrink, 
 
 
 def _run_triton(ext, y, x, plan, weights, config, dtype, pdl):
-    from kernels.triton_sgmv import atmm_triton_  # noqa: PLC0415
+    from kernels.triton_sgmv import atmm_triton_
 
     atmm_triton_(y, x, plan, weights, config)
 

@@ -33,7 +33,7 @@ BUILT_FOR = (9, 0)
 def unsupported_gpu() -> tuple[int, int] | None:
     """The current CUDA device's compute capability when the extension's code cannot run on it
     (not BUILT_FOR), else None (also without CUDA: nothing to decide)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     if not torch.cuda.is_available():
         return None
@@ -47,7 +47,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
 def cutlass_include_dir() -> Path | None:
     """Include directory of the nvidia-cutlass wheel's CUTLASS/CuTe headers, or None."""
     try:
-        import cutlass_library  # noqa: PLC0415  (optional dependency)
+        import cutlass_library  # optional dependency
     except ImportError:
         return None
     inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
@@ -87,7 +87,7 @@ def _source_hash() -> str:
 def build_directory() -> Path:
     """Cache directory for the JIT build ($VALORA_KERNELS_CACHE or ~/.cache/valora/kernels)."""
     root = Path(os.environ.get("VALORA_KERNELS_CACHE", Path.home() / ".cache" / "valora" / "kernels"))
-    import torch  # noqa: PLC0415
+    import torch
 
     d = root / f"{EXT_NAME}-torch{torch.__version__.replace('+', '_')}-{_source_hash()}"
     d.mkdir(parents=True, exist_ok=True)
@@ -98,11 +98,11 @@ def build_directory() -> Path:
 def load_extension(verbose: bool = False):
     """The compiled extension module (built on first use, then cached), or None without CUDA or
     nvcc, or on a GPU its code cannot run on (unsupported_gpu)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     if not torch.cuda.is_available() or nvcc_path() is None or unsupported_gpu() is not None:
         return None
-    from torch.utils.cpp_extension import load  # noqa: PLC0415
+    from torch.utils.cpp_extension import load
 
     return load(
         name=EXT_NAME,

@@ -50,7 +50,7 @@ def _driver_version() -> str:
 
 def run_info() -> dict:
     """Date, GPU, torch/CUDA/triton versions, git commit."""
-    import torch  # noqa: PLC0415
+    import torch
 
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -63,7 +63,7 @@ def run_info() -> dict:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm=f"{p.major}{p.minor}", sms=p.multi_processor_count, driver=_driver_version())
     try:
-        import triton  # noqa: PLC0415
+        import triton
 
         info["triton"] = triton.__version__
     except ImportError:

@@ -259,7 +259,7 @@ def search_fused(b: Bench, h_out: int, tokens: int, segments: int, dname: str, s
         tc = TileConfig.fused(c["bt"], c["bn"], c["bm"], groups)  # bm carries the cluster size
         try:
             out.append((tc, b.time_fused(tc, c["id"], h_out), c))
-        except Exception as e:  # noqa: BLE001 - e.g. a cluster that cannot be scheduled: pruned
+        except Exception as e:  # e.g. a cluster that cannot be scheduled: pruned
             errors.append(f"{c['name']} g{groups}: {type(e).__name__}: {e}"[:300])
 
     for c in cfgs:
@@ -369,7 +369,7 @@ def search_triton(b: Bench, h_in: int, h_out: int, tokens: int, segments: int, d
         tc = TileConfig(bm, bk, stages, split, bme, bn, backend="triton", warps=warps)
         try:
             out.append((tc, b.time_pair(tc, dname)))
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory / registers: pruned
+        except Exception as e:  # e.g. out of shared memory / registers: pruned
             errors.append(f"{tc}: {type(e).__name__}: {e}"[:300])
 
     shapes = triton_sgmv.candidates(h_in, h_out, p.rank_stride, tokens, segments)
@@ -385,7 +385,7 @@ def search_triton(b: Bench, h_in: int, h_out: int, tokens: int, segments: int, d
 
 
 def main() -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -62,7 +62,7 @@ class AsyncValoraClient:
         credentials = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
         interceptors = None
         if internal_token:
-            from valora.internal_token import token_interceptors  # noqa: PLC0415 - services only
+            from valora.internal_token import token_interceptors  # services only
 
             interceptors = token_interceptors(internal_token)
         if credentials is not None:

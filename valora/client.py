@@ -269,7 +269,7 @@ class ValoraClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         if internal_token:
-            from valora.internal_token import with_token  # noqa: PLC0415 - services only
+            from valora.internal_token import with_token  # services only
 
             self._channel = with_token(self._channel, internal_token)
         self._inference = inf_grpc.InferenceServiceStub(self._channel)

@@ -62,7 +62,7 @@ class Cluster:
 
     def channel(self, address: str, options=()) -> grpc.Channel:
         """A channel to one of the cluster's internal services (the store, scheduler, a worker)."""
-        from valora.internal_token import with_token  # noqa: PLC0415
+        from valora.internal_token import with_token
 
         return with_token(grpc.insecure_channel(address, options=list(options)), self.internal_token)
 
@@ -205,7 +205,7 @@ def visible_gpus() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         pass
     try:
-        import torch  # noqa: PLC0415 - last resort, only for CUDA workers
+        import torch  # last resort, only for CUDA workers
     except ImportError:
         return []
     return [str(i) for i in range(torch.cuda.device_count())]
@@ -288,7 +288,7 @@ Layer = dict[str, dict[str, str]]
 
 
 def settings_class(service: str) -> type:
-    from valora import server_code  # noqa: PLC0415
+    from valora import server_code
 
     try:
         return server_code.load(SETTINGS_ENTRY_POINTS[service])
@@ -334,7 +334,7 @@ def env_text(value: object) -> str:
 def load_settings_file(path: Path) -> Layer:
     """A TOML file of tables named after the services ([worker], [gateway], [scheduler],
     [adapter_store]), each mapping setting names to values."""
-    import tomllib  # noqa: PLC0415
+    import tomllib
 
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -413,7 +413,7 @@ def check_settings(sets: Layer, config: Layer, environ: Mapping[str, str], confi
 def _validate(service: str, cls: type, env: dict[str, str], sets: Layer, config: Layer, config_path: object):
     """An instance of `cls` read from `env` alone (os.environ swapped for it, then restored), as
     the service reads its environment."""
-    import pydantic  # noqa: PLC0415
+    import pydantic
 
     saved = dict(os.environ)
     os.environ.clear()
@@ -442,7 +442,7 @@ def http_enabled(env: Mapping[str, str]) -> bool:
     """Whether a gateway of this environment serves the OpenAI-compatible HTTP API
     (VALORA_HTTP_ENABLED, read as GatewaySettings reads it; a value it cannot read fails the
     gateway's start, so it counts as on here)."""
-    import pydantic  # noqa: PLC0415
+    import pydantic
 
     try:
         return pydantic.TypeAdapter(bool).validate_python(env.get("VALORA_HTTP_ENABLED", "true"))

@@ -51,51 +51,51 @@ class ValoraRpcError(grpc.RpcError):
 
 
 class InvalidArgument(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class NotFound(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class AlreadyExists(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class FailedPrecondition(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class Aborted(ValoraRpcError):
-    pass  # noqa: E701 - a concurrent change won (e.g. a stale etag): read again
+    pass  # a concurrent change won (e.g. a stale etag): read again
 
 
 class Unauthenticated(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class PermissionDenied(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class ResourceExhausted(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class Unavailable(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class DeadlineExceeded(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class Cancelled(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 class Internal(ValoraRpcError):
-    pass  # noqa: E701
+    pass
 
 
 _BY_CODE = {
@@ -119,7 +119,7 @@ def status_details(err: grpc.RpcError) -> tuple[str, list[tuple[str, str]], floa
     reason, violations, retry = "", [], None
     try:
         status = rpc_status.from_call(err)
-    except Exception:  # noqa: BLE001 - malformed details: the code and message stand alone
+    except Exception:  # malformed details: the code and message stand alone
         status = None
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):

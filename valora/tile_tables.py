@@ -20,8 +20,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 def _stub(address: str):
-    import grpc  # noqa: PLC0415
-    from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc  # noqa: PLC0415
+    import grpc
+    from valora_protos.internal.v1 import adapter_store_service_pb2_grpc as store_grpc
 
     channel = grpc.insecure_channel(
         address,
@@ -36,7 +36,7 @@ def _stub(address: str):
 def push_table_json(address: str, table_json: str, timeout_s: float = 30.0):
     """Uploads a table's JSON text as is (its gpu/arch/dtype are the key); the stored
     valora.internal.v1.TileTable (with its sha256)."""
-    from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb  # noqa: PLC0415
+    from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
 
     d = json.loads(table_json)
     channel, stub = _stub(address)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     push.add_argument("--store", required=True, help="adapter store address, host:port")
     push.add_argument("--timeout-s", type=float, default=30.0)
     args = ap.parse_args(argv)
-    import grpc  # noqa: PLC0415
+    import grpc
 
     try:
         TileTable.load(args.file)  # fail here on a bad file, before the network

@@ -172,7 +172,7 @@ class PageRequest:
             after = json.loads(base64.urlsafe_b64decode(page_token.encode()))["after"]
             if not isinstance(after, (str, int)):
                 raise ValueError(after)
-        except Exception as exc:  # noqa: BLE001 - any garbage token is the client's error
+        except Exception as exc:  # any garbage token is the client's error
             raise invalid_field("page_token", "not a token returned by a previous List call") from exc
         return cls(size, after)
 

@@ -671,5 +671,5 @@ class Registry:
 def _ref_adapter(reference: str) -> str | None:
     try:
         return names.parse_adapter_ref(reference).adapter
-    except Exception:  # noqa: BLE001 - a stored reference is valid by construction
+    except Exception:  # a stored reference is valid by construction
         return None

@@ -71,7 +71,7 @@ async def create_server(settings: StoreSettings) -> Service:
                 report = await loop.run_in_executor(executor, registry.gc, settings.pending_grace_s)
                 if report.pending_removed or report.blobs_removed:
                     log.info("gc", pending_removed=report.pending_removed, blobs_removed=report.blobs_removed)
-            except Exception as exc:  # noqa: BLE001 - GC retries next round; the error is logged
+            except Exception as exc:  # GC retries next round; the error is logged
                 log.warning("gc_failed", error=repr(exc))
 
     async def job_sweep_loop():
@@ -88,7 +88,7 @@ async def create_server(settings: StoreSettings) -> Service:
                         attempts=job.attempts,
                         message=job.message,
                     )
-            except Exception as exc:  # noqa: BLE001 - the next round (or the next claim) retries
+            except Exception as exc:  # the next round (or the next claim) retries
                 log.warning("job_sweep_failed", error=repr(exc))
 
     async def health_loop():
@@ -101,7 +101,7 @@ async def create_server(settings: StoreSettings) -> Service:
             try:
                 await asyncio.wait_for(loop.run_in_executor(None, registry.ping), settings.health_check_timeout_s)
                 ok, why = True, ""
-            except Exception as exc:  # noqa: BLE001 - any failure (or the timeout) is an outage
+            except Exception as exc:  # any failure (or the timeout) is an outage
                 ok, why = False, f"{type(exc).__name__}: {exc}"[:300]
             if ok != healthy and not service.stopping:
                 healthy = ok

@@ -90,7 +90,7 @@ def _lost_connection_underneath(error: BaseException | None) -> bool:
     ping restores autocommit in a `finally`: when the link died mid-command, that raises
     ProgrammingError ("can't change 'autocommit' now: connection in transaction status ACTIVE")
     over the OperationalError that says what happened, which stays in the exception's context."""
-    import psycopg  # noqa: PLC0415
+    import psycopg
 
     seen = 0
     while error is not None and seen < 8:
@@ -451,5 +451,5 @@ async def _drain(request_iterator, limit_bytes: int = 16 << 20) -> None:
             seen += msg.ByteSize()
             if seen > limit_bytes:
                 return
-    except Exception:  # noqa: BLE001 - the client went away: nothing left to drain
+    except Exception:  # the client went away: nothing left to drain
         return

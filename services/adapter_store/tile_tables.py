@@ -49,7 +49,7 @@ def check_key(gpu_name: str, gpu_arch: str, dtype: str) -> None:
 
 def check_table(gpu_name: str, gpu_arch: str, dtype: str, table_json: str) -> None:
     """INVALID_ARGUMENT unless `table_json` is a tile table (within the size bound) for this key."""
-    from kernels.tile_table import TileTable  # noqa: PLC0415 - plain Python, no torch
+    from kernels.tile_table import TileTable  # plain Python, no torch
 
     check_key(gpu_name, gpu_arch, dtype)
     size = len(table_json.encode())

@@ -15,7 +15,7 @@ class Mode(enum.Enum):
     MIXTURE = "mixture"  # one merged, the others through deLoRA terms
 
     def to_pb(self) -> int:
-        from valora_protos.v1 import types_pb2  # noqa: PLC0415
+        from valora_protos.v1 import types_pb2
 
         if self is Mode.UNKNOWN:
             return types_pb2.INFERENCE_MODE_UNSPECIFIED
@@ -24,7 +24,7 @@ class Mode(enum.Enum):
     @classmethod
     def from_pb(cls, value: int) -> "Mode":
         """UNKNOWN for UNSPECIFIED and values this build does not know."""
-        from valora_protos.v1 import types_pb2  # noqa: PLC0415
+        from valora_protos.v1 import types_pb2
 
         try:
             name = types_pb2.InferenceMode.Name(value).removeprefix("INFERENCE_MODE_")

@@ -57,7 +57,7 @@ def _tolerant(deserializer):
     def decode(data: bytes):
         try:
             return deserializer(data)
-        except Exception:  # noqa: BLE001 - any parse failure is the caller's
+        except Exception:  # any parse failure is the caller's
             return _UNDECODABLE
 
     return decode
@@ -115,7 +115,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     return await inner_uu(checked(request), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
-                except Exception as exc:  # noqa: BLE001 - mapped in fail()
+                except Exception as exc:  # mapped in fail()
                     await fail(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
@@ -128,7 +128,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     return await inner_su(checked(request_iterator), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     await fail(context, exc)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, handler.response_serializer)
@@ -144,7 +144,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     yield item
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 await fail(context, exc)
 
         async def streaming_by_writes(request, context):
@@ -153,11 +153,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await inner_stream(checked(request), context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 await fail(context, exc)
 
         if not inspect.isasyncgenfunction(inner_stream):
-            streaming = streaming_by_writes  # noqa: F811
+            streaming = streaming_by_writes
         make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
         return make(streaming, deserializer, handler.response_serializer)
 

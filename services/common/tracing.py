@@ -245,7 +245,7 @@ async def _end_client_span(span: trace.Span, call) -> None:
     try:
         code = await call.code()
         details = await call.details()
-    except Exception:  # noqa: BLE001 - the span must end whatever the call did
+    except Exception:  # the span must end whatever the call did
         code, details = grpc.StatusCode.UNKNOWN, "status unavailable"
     _set_code(span, code, details, server=False)
     span.end()

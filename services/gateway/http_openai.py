@@ -578,7 +578,7 @@ class OpenAIHttpServer:
                 response = _from_valora_error(exc, *request.get(_BODY, (None, True)))
             except web.HTTPException as exc:
                 response = error_response(exc.status, exc.reason, "invalid_request_error")
-            except Exception as exc:  # noqa: BLE001 - a bug: logged, answered as OpenAI's 500
+            except Exception as exc:  # a bug: logged, answered as OpenAI's 500
                 log.error("http_bug", path=request.path, error=repr(exc))
                 span.record_exception(exc)
                 response = error_response(500, f"internal error: {type(exc).__name__}", "server_error")

@@ -232,7 +232,7 @@ def header_pixels(data: bytes) -> int:
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
             return max(0, width) * max(0, height)
-    except Exception:  # noqa: BLE001 - inspect_image says what is wrong with it
+    except Exception:  # inspect_image says what is wrong with it
         return 0
 
 

@@ -535,7 +535,7 @@ class Runner:
             log.info("job_handed_back", job=job.name)
             report.hand_back(f"handed back by {self.name} (stopping) after {time.monotonic() - started:.0f}s")
             return None
-        except Exception as exc:  # noqa: BLE001 - any failure of the job is the job's FAILED outcome
+        except Exception as exc:  # any failure of the job is the job's FAILED outcome
             log.warning("job_failed", job=job.name, error=repr(exc))
             try:
                 return report(0.0, "failed", FAILED, error=f"{type(exc).__name__}: {exc}")

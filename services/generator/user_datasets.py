@@ -106,7 +106,7 @@ def _read_image(path: Path, where: str, problems: list[str]) -> bytes | None:
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
-    except Exception as exc:  # noqa: BLE001 - whatever PIL raises, the file is no usable image
+    except Exception as exc:  # whatever PIL raises, the file is no usable image
         problems.append(f"{where}: unreadable image ({type(exc).__name__}: {exc})")
         return None
     return data

@@ -256,7 +256,7 @@ class Dispatcher:
             self._wake.clear()
             try:
                 self.dispatch_once()
-            except Exception as exc:  # noqa: BLE001 - a policy bug must not stop the loop
+            except Exception as exc:  # a policy bug must not stop the loop
                 log.error("dispatch_bug", error=repr(exc))
 
     async def start(self) -> None:

@@ -449,7 +449,7 @@ class WorkerPool:
             await asyncio.sleep(self._poll_s)
             try:
                 await self.poll_once()
-            except Exception as exc:  # noqa: BLE001 - the poller must outlive one bad round
+            except Exception as exc:  # the poller must outlive one bad round
                 log.error("worker_poll_bug", error=repr(exc))
 
     async def _sweep_loop(self) -> None:
@@ -460,7 +460,7 @@ class WorkerPool:
             try:
                 self.sweep()
                 self._on_change()
-            except Exception as exc:  # noqa: BLE001 - as the poller
+            except Exception as exc:  # as the poller
                 log.error("worker_sweep_bug", error=repr(exc))
 
     async def start(self) -> None:

@@ -67,14 +67,14 @@ class Architecture:
     @property
     def hf_model(self):
         """The transformers model class."""
-        import transformers  # noqa: PLC0415 - the registry itself loads no torch
+        import transformers  # the registry itself loads no torch
 
         return getattr(transformers, self.hf_class)
 
     @property
     def hf_config(self):
         """The transformers config class."""
-        import transformers  # noqa: PLC0415
+        import transformers
 
         return getattr(transformers, self.config_class)
 
@@ -233,7 +233,7 @@ def rope_positions(model, input_ids, mm_token_type_ids, attention_mask, **rope_i
         return model.model.get_rope_index(
             input_ids, mm_token_type_ids=mm_token_type_ids, attention_mask=attention_mask, **rope_inputs
         )
-    import torch  # noqa: PLC0415
+    import torch
 
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
     return positions[None].expand(3, -1, -1), torch.zeros(input_ids.shape[0], dtype=torch.long)

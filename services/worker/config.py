@@ -330,11 +330,11 @@ def check_tp_size(settings: WorkerSettings, model_path: Path) -> None:
     and its heads, KV heads and intermediate size split over tp_size ranks."""
     if settings.tp_size == 1:
         return
-    from transformers import AutoConfig  # noqa: PLC0415
+    from transformers import AutoConfig
 
-    from services.worker.architectures import architecture_of, check_tensor_parallel  # noqa: PLC0415
-    from services.worker.tensor_parallel import TPGroup  # noqa: PLC0415 - torch
-    from services.worker.tp_sharding import check_divisible  # noqa: PLC0415 - torch
+    from services.worker.architectures import architecture_of, check_tensor_parallel
+    from services.worker.tensor_parallel import TPGroup  # torch
+    from services.worker.tp_sharding import check_divisible  # torch
 
     config = AutoConfig.from_pretrained(model_path)
     try:
@@ -367,7 +367,7 @@ def prepare_kernels(settings: WorkerSettings) -> bool | None:
     whether the extension is available (False: the torch reference paths)."""
     if not settings.device.startswith("cuda") or settings.dtype not in ("bfloat16", "float16"):
         return None
-    from kernels.atmm import extension  # noqa: PLC0415 - CUDA workers only
+    from kernels.atmm import extension  # CUDA workers only
 
     t0 = time.perf_counter()
     available = extension() is not None

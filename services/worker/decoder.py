@@ -77,7 +77,7 @@ class Decoder:
         lengths = [s.length for s in rows]
         try:
             tokens, logprobs = self._launch(rows)
-        except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
+        except Exception as exc:  # each row alone; a row alone that fails is failed
             self._isolate(rows, lengths, [], exc)
             return
         if self.holdable(rows):
@@ -123,7 +123,7 @@ class Decoder:
                 s.length += 1
             tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
             out = tokens, self.runner.logprobs(rows, logits, tokens)
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank when tensor parallel
+        except Exception as exc:  # raised below, on every rank when tensor parallel
             error = exc
         self.outputs.agree(error)
         return out
@@ -138,7 +138,7 @@ class Decoder:
         lengths = [s.length for s in rows]
         try:
             launched = self._launch(rows, ids=ids)
-        except Exception as exc:  # noqa: BLE001 - each row alone; a row alone that fails is failed
+        except Exception as exc:  # each row alone; a row alone that fails is failed
             self._isolate(rows, lengths, taken, exc)
             return True
         self.pending.append(self.hold(rows, *launched))

@@ -342,7 +342,7 @@ class Engine:
                     self.beat = time.monotonic()
                     self._step()
                 self.decoder.flush()  # the last launched step's tokens reach their requests before the rest fail
-        except BaseException as exc:  # noqa: BLE001 - the engine is dead; health must say so
+        except BaseException as exc:  # the engine is dead; health must say so
             self._error = exc
             log.error("engine_died", error=repr(exc))
             raise
@@ -414,7 +414,7 @@ class Engine:
         error = result = None
         try:
             result = self.adapters.run(command)
-        except Exception as exc:  # noqa: BLE001 - the ranks agree first
+        except Exception as exc:  # the ranks agree first
             error = exc
         verdict = self.tp.agree(error)
         if verdict.failed and len(verdict.failed) < self.tp.world_size:

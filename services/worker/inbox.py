@@ -61,7 +61,7 @@ class Inbox:
             before()
             try:
                 box["result"] = run(command)
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            except Exception as exc:  # handed back to the caller
                 box["error"] = exc
             except BaseException:  # the engine stops (tensor parallel: GroupBroken): its caller hears now
                 box["error"] = WorkerUnavailable("the worker engine stopped", reason="ENGINE_DOWN")

@@ -143,7 +143,7 @@ def tiny_config(tokenizer, shape: dict, arch):
 
 
 def tiny_generation_config(tokenizer):
-    from transformers import GenerationConfig  # noqa: PLC0415
+    from transformers import GenerationConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return GenerationConfig(
@@ -154,8 +154,8 @@ def tiny_generation_config(tokenizer):
 def tiny_processor(tokenizer, image_size: int, patch_size: int):
     """LlavaProcessor with CLIP's image processing at `image_size` (the PIL backend: torchvision
     does not import here; a checkpoint's CLIPImageProcessor loads as it with AutoProcessor)."""
-    from transformers import LlavaProcessor  # noqa: PLC0415
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: PLC0415
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": image_size},

@@ -80,7 +80,7 @@ class MixedStep:
         self.prefiller.starting(batch)
         try:
             done, out = self.runner.prefill(rows, lambda: self.lora.plan(rows, counts), riders)
-        except Exception as exc:  # noqa: BLE001 - the two forwards apart, each with its row isolation
+        except Exception as exc:  # the two forwards apart, each with its row isolation
             for s, n in zip(running, lengths):
                 s.length = n
             for s, (prefilled, inputs) in zip(batch, before):

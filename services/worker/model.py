@@ -68,8 +68,8 @@ class _Checkpoint(Mapping):
     checkpoint-key renamings applied), each tensor read from its file when asked for."""
 
     def __init__(self, path: Path, model: nn.Module) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
-        from transformers.core_model_loading import WeightConverter, rename_source_key  # noqa: PLC0415
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
 
         transforms = get_model_conversion_mapping(model)
         if any(isinstance(t, WeightConverter) for t in transforms):  # tensors merged/split on load
@@ -101,7 +101,7 @@ def load_sharded_model(path: Path | str, device: str | torch.device, dtype: torc
     model: built on the meta device, sharded (`tp_sharding.shard_model_`), materialised on
     `device`, then filled tensor by tensor from the safetensors files (one full tensor in host
     memory at a time, sliced to the rank's part). Returns (model, shard_model_'s LoRA layers)."""
-    from services.worker.tp_sharding import load_full_state_dict_, shard_model_  # noqa: PLC0415
+    from services.worker.tp_sharding import load_full_state_dict_, shard_model_
 
     path = Path(path).expanduser()
     config = AutoConfig.from_pretrained(str(path))

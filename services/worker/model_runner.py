@@ -233,7 +233,7 @@ class ModelRunner:
         try:
             with self.lockstep(tokens):
                 out = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+        except Exception as exc:  # every rank learns of it below
             error = exc
         verdict = self.tp.agree(error)
         if settle is not None:

@@ -48,7 +48,7 @@ class OutputProcessor:
             return
         try:
             s.sink(event)
-        except Exception as exc:  # noqa: BLE001 - a dead consumer must not kill the engine
+        except Exception as exc:  # a dead consumer must not kill the engine
             log.warning("sink_failed", request_id=s.req.request_id, error=repr(exc))
 
     def guard(self, seqs: list[Sequence], fn, *args) -> bool:
@@ -57,7 +57,7 @@ class OutputProcessor:
         try:
             fn(*args)
             return True
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.error("engine_step_failed", error=repr(exc), requests=[s.req.request_id for s in seqs])
             error = (
                 exc

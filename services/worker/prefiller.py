@@ -54,7 +54,7 @@ class Prefiller:
         before = [(s.prefilled, s.chunk_inputs) for s in rows]
         try:
             done, out = self._prefill(rows)
-        except Exception as exc:  # noqa: BLE001 - retried row by row; a row alone that fails is failed
+        except Exception as exc:  # retried row by row; a row alone that fails is failed
             if len(rows) == 1:
                 raise
             self._isolate(rows, before, exc)

@@ -136,7 +136,7 @@ _pixel_dtype: torch.dtype | None = None
 
 def _init_child(model_path: str, pixel_dtype: torch.dtype | None) -> None:
     global _processor, _pixel_dtype
-    from services.worker.model import load_processor  # noqa: PLC0415
+    from services.worker.model import load_processor
 
     torch.set_num_threads(1)  # one request at a time per process; the pool is the parallelism
     _processor = load_processor(Path(model_path))

@@ -41,10 +41,10 @@ async def install_tile_table(settings: WorkerSettings, fetcher: AdapterFetcher, 
     (nothing CUDA is imported)."""
     if not settings.device.startswith("cuda") or settings.dtype not in ("bfloat16", "float16"):
         return None
-    import torch  # noqa: PLC0415 - CUDA workers only
+    import torch  # CUDA workers only
 
-    from kernels import atmm  # noqa: PLC0415
-    from kernels.tile_table import TABLE_DIR, TileTable, table_filename  # noqa: PLC0415
+    from kernels import atmm
+    from kernels.tile_table import TABLE_DIR, TileTable, table_filename
 
     loop = asyncio.get_running_loop()
     gpu, arch = await loop.run_in_executor(None, atmm.gpu_key, settings.device)
@@ -58,7 +58,7 @@ async def install_tile_table(settings: WorkerSettings, fetcher: AdapterFetcher, 
                 atmm.use_table(settings.device, dtype, table)
                 log.info("tile_table", source="store", sha256=stored.sha256, buckets=len(table.entries), **key)
                 return "store"
-        except Exception as exc:  # noqa: BLE001 - start-up goes on with the committed table
+        except Exception as exc:  # start-up goes on with the committed table
             log.warning("tile_table_fetch_failed", error=f"{type(exc).__name__}: {exc}", **key)
     committed = (TABLE_DIR / table_filename(gpu, arch, settings.dtype)).is_file()
     source = "committed" if committed else "heuristics"
@@ -68,9 +68,9 @@ async def install_tile_table(settings: WorkerSettings, fetcher: AdapterFetcher, 
 
 def store_table_json(settings: WorkerSettings) -> dict:
     """The tile table `install_tile_table` installed from the store, as JSON (for the TP followers)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kernels import atmm  # noqa: PLC0415
+    from kernels import atmm
 
     return atmm.default_table(torch.device(settings.device), getattr(torch, settings.dtype)).to_json()
 
@@ -128,7 +128,7 @@ async def load_engine(
     table_source = None
     try:
         table_source = await install_tile_table(settings, fetcher)
-    except Exception as exc:  # noqa: BLE001 - e.g. no CUDA device: the engine reports that itself
+    except Exception as exc:  # e.g. no CUDA device: the engine reports that itself
         log.warning("tile_table_failed", error=f"{type(exc).__name__}: {exc}")
     servicer.engine = await loop.run_in_executor(None, build_engine, settings, servicer, table_source)
     if settings.preprocess_processes:

@@ -136,7 +136,7 @@ class GraphSet:
         try:
             with torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"):
                 out = forward(e)
-        except Exception as exc:  # noqa: BLE001 - this forward runs without a graph; the key retries
+        except Exception as exc:  # this forward runs without a graph; the key retries
             e.failures += 1
             e.graphless = e.failures >= MAX_CAPTURE_FAILURES
             self.capture_failures += 1

@@ -23,7 +23,7 @@ class StepTrace:
     def __init__(self, path: str, device: torch.device) -> None:
         """`path` empty: tracing off (every call returns at once)."""
         self.on = bool(path)
-        self._file = open(path, "a", buffering=1 << 16) if path else None  # noqa: SIM115 - closed in close()
+        self._file = open(path, "a", buffering=1 << 16) if path else None  # closed in close()
         self._cuda = device.type == "cuda"
         self._done: collections.deque[tuple[dict, list]] = collections.deque()  # steps whose events may be pending
         self._record: dict = {}

@@ -58,7 +58,7 @@ def _factors(dev: DeviceAdapter, key: LayerModule, sign: float) -> tuple[torch.T
 def _term(dev: DeviceAdapter | None, key: LayerModule, sign: float):
     """The adapter's LoraTerm for this projection in ATMM layout (A (in, r), B (r, out)), or None
     (no adapter, the adapter does not target it, or a zero scale)."""
-    from kernels.switch import LoraTerm  # noqa: PLC0415 - kernels stay optional for CPU imports
+    from kernels.switch import LoraTerm  # kernels stay optional for CPU imports
 
     if dev is None or dev.weights.scale == 0:
         return None
@@ -94,7 +94,7 @@ def kernel_available(layers: dict[LayerModule, LoraLinear]) -> bool:
     ws = [lin.base.weight for lin in layers.values()]
     if not ws or not any(w.is_cuda and w.dtype in KERNEL_DTYPES for w in ws):
         return False
-    from kernels.atmm import extension  # noqa: PLC0415
+    from kernels.atmm import extension
 
     return extension() is not None
 
@@ -176,7 +176,7 @@ class Switcher:
     def _kernel_plan(self, target: DeviceAdapter | None, resync: bool):
         """(kernel keys, pristine copies to make first, SwitchPlan or None) of this switch, cached
         per (merged, target) adapter objects (weakly: dead entries are dropped here)."""
-        from kernels.switch import SwitchPlan  # noqa: PLC0415
+        from kernels.switch import SwitchPlan
 
         merged = None if resync else self.merged
         for k in [k for k, v in self._plans.items() if any(r is not None and r() is None for r in v[:2])]:

@@ -129,7 +129,7 @@ class TPGroup:
             for _ in range(remaining):
                 dist.all_reduce(zeros, group=self.group)
                 zeros.zero_()
-        except Exception as exc:  # noqa: BLE001 - the ranks cannot get back in step
+        except Exception as exc:  # the ranks cannot get back in step
             raise GroupBroken(
                 f"tensor-parallel rank {self.rank} could not finish a failed forward's collectives: {describe(exc)}"
             ) from exc
@@ -158,7 +158,7 @@ class TPGroup:
             dist.all_gather_object(
                 everyone, (None if error is None else describe(error), dict(rows or {})), group=group
             )
-        except Exception as exc:  # noqa: BLE001 - the group is gone
+        except Exception as exc:  # the group is gone
             raise GroupBroken(
                 f"tensor-parallel rank {self.rank}: the ranks' agreement failed: {describe(exc)}"
             ) from exc
@@ -185,7 +185,7 @@ class TPGroup:
         src = 0 if group is None else dist.get_global_rank(group, 0)
         try:
             dist.broadcast_object_list(box, src=src, group=group)
-        except Exception as exc:  # noqa: BLE001 - a rank is gone: the engine cannot go on
+        except Exception as exc:  # a rank is gone: the engine cannot go on
             raise GroupBroken(
                 f"tensor-parallel rank {self.rank}: the step's broadcast failed: {describe(exc)}"
             ) from exc

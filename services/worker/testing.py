@@ -195,10 +195,10 @@ async def serve_worker(settings, store: InMemoryAdapterStore):
     """A worker server (`services.worker.server.create_server(settings)`) fetching its adapters
     from `store`, served on loopback first; yields (worker service, its aio channel). The worker is
     stopped on the way out unless the test stopped it."""
-    import grpc  # noqa: PLC0415 - the engine tests import this module without the services
+    import grpc  # the engine tests import this module without the services
 
-    from services.common.server import build_service  # noqa: PLC0415
-    from services.worker.server import create_server  # noqa: PLC0415
+    from services.common.server import build_service
+    from services.worker.server import create_server
 
     store_service = build_service("store", settings, store.register)
     await store_service.start()

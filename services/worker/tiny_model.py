@@ -262,7 +262,7 @@ def _build_processor(tokenizer, pixels: tuple[int, int], arch: Architecture):
 def _family_files(shape: dict, family: Architecture):
     """(tokenizer, config, generation config, processor) of a family's model of `shape`."""
     if family.model_type == "llava":
-        from services.worker import llava  # noqa: PLC0415 - it imports torch
+        from services.worker import llava  # it imports torch
 
         tokenizer = _build_tokenizer(llava.SPECIAL_TOKENS, eos="</s>", pad="<pad>", bos="<s>")
         vision = shape["vision"]

@@ -38,9 +38,9 @@ def rank_device(device: str, rank: int) -> str:
 
 def init_rank(settings, rank: int):
     """Joins the group as `rank` (blocks until every rank joined, up to the group timeout)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from services.worker.tensor_parallel import init_tp_group  # noqa: PLC0415
+    from services.worker.tensor_parallel import init_tp_group
 
     device = torch.device(rank_device(settings.device, rank))
     return init_tp_group(rank, settings.tp_size, settings.tp_port, device=device, timeout_s=settings.tp_timeout_s)
@@ -48,8 +48,8 @@ def init_rank(settings, rank: int):
 
 def build_rank_engine(settings, rank: int, tp, worker_name: str = ""):
     """The rank's Engine (not started): rank_device's device, this rank's TPGroup."""
-    from services.worker.engine import Engine  # noqa: PLC0415
-    from services.worker.config import engine_config, prepare_kernels  # noqa: PLC0415
+    from services.worker.engine import Engine
+    from services.worker.config import engine_config, prepare_kernels
 
     prepare_kernels(settings)
     config = engine_config(settings, worker_name)
@@ -62,17 +62,17 @@ def install_leader_table(settings, rank: int, table_json: dict | None) -> None:
     rank keeps the committed table, as rank 0 did."""
     if table_json is None:
         return
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kernels import atmm  # noqa: PLC0415
-    from kernels.tile_table import TileTable  # noqa: PLC0415
+    from kernels import atmm
+    from kernels.tile_table import TileTable
 
     atmm.use_table(rank_device(settings.device, rank), getattr(torch, settings.dtype), TileTable.from_json(table_json))
 
 
 def _follower(settings, rank: int, conn, table_json: dict | None = None) -> None:
     """A follower process: join, build, report ready (None) or the error (str), run, exit."""
-    from services.common.logging import configure_logging  # noqa: PLC0415
+    from services.common.logging import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

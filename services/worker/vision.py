@@ -236,14 +236,14 @@ class VisionEncoder:
         if self.tp.rank == 0 and not failed:
             try:
                 rows = staged()
-            except Exception as exc:  # noqa: BLE001 - raised once the broadcast the followers wait in ran
+            except Exception as exc:  # raised once the broadcast the followers wait in ran
                 error = exc
         if rows is None:
             try:
                 rows = torch.zeros(
                     (sum(it.end - it.start for _, it in todo), *like.shape[1:]), dtype=like.dtype, device=self.device
                 )
-            except Exception as exc:  # noqa: BLE001 - no buffer for the broadcast: this rank cannot keep up
+            except Exception as exc:  # no buffer for the broadcast: this rank cannot keep up
                 raise GroupBroken(
                     f"tensor-parallel rank {self.tp.rank}: no room for the pixels' broadcast: {describe(exc)}"
                 ) from exc
@@ -292,7 +292,7 @@ class VisionEncoder:
                         self.cache.put(key, feats)
                     else:
                         self._unsettled.append((key, feats))
-            except Exception as exc:  # noqa: BLE001 - raised once every broadcast ran
+            except Exception as exc:  # raised once every broadcast ran
                 if self.tp is None:
                     raise
                 error = error or exc

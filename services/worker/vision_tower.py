@@ -172,7 +172,7 @@ class VisionTower:
                     torch.cuda.graph(graph, pool=self.pool_handle, capture_error_mode="thread_local"),
                 ):
                     out = self._forward(e.pixels, grid, count, e)
-            except Exception as exc:  # noqa: BLE001 - another choice may capture
+            except Exception as exc:  # another choice may capture
                 errors.append(f"{name}: {exc!r}"[:300])
                 torch.cuda.synchronize(self.device)
                 continue

@@ -99,7 +99,7 @@ def test_captures_survive_other_threads_calling_cuda(model_path):
                     host.to("cuda", non_blocking=True).sum()
                 stream.synchronize()
                 calls[0] += 1
-            except Exception as exc:  # noqa: BLE001 - counted, asserted below
+            except Exception as exc:  # counted, asserted below
                 errors.append(repr(exc))
 
     t = threading.Thread(target=other_thread, daemon=True)

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 if not paged_prefill.available("cuda"):
     pytest.skip("needs triton", allow_module_level=True)
 
-from test_paged_attention_gpu import DEV, check, make_pool  # noqa: E402 -- the decode tests' pool and tolerances
+from test_paged_attention_gpu import DEV, check, make_pool  # the decode tests' pool and tolerances
 
 
 def make_rows(seed, n, prefix, block_size, kv_heads, heads, head_dim, dtype, pad=0, max_blocks=None):

@@ -80,7 +80,7 @@ def s3_server(tmp_path_factory):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).read()
             break
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:  # not up yet
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 pytest.fail(f"moto_server did not start (exit {proc.poll()})")

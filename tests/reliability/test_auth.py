@@ -31,7 +31,7 @@ def code_of(fn, req, metadata) -> str:
 def test_keys_are_required_and_never_logged(cluster):
     infer = inf.InferRequest(input=inf.InferenceInput(prompt="hi", params=types_pb2.GenerationParams(max_new_tokens=2)))
     listing = admin.ListAdaptersRequest(page_size=5)
-    auth = lambda k: [("authorization", f"Bearer {k}")]  # noqa: E731
+    auth = lambda k: [("authorization", f"Bearer {k}")]
     with grpc.insecure_channel(cluster.gateway) as ch:
         i, a = inf_grpc.InferenceServiceStub(ch), admin_grpc.AdminServiceStub(ch)
         h = health_pb2_grpc.HealthStub(ch)

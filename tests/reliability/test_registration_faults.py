@@ -102,14 +102,14 @@ def test_registration_survives_cut_connections(proxied):
             outcomes[name] = f"OK {v.state}"
         except ValoraError as exc:
             outcomes[name] = exc.code.name
-        except Exception as exc:  # noqa: BLE001 - would be INTERNAL at the RPC
+        except Exception as exc:  # would be INTERNAL at the RPC
             outcomes[name] = f"INTERNAL ({type(exc).__name__}: {str(exc)[:300]})"  # the cause, in the record
         outcomes[name] += f" in {time.monotonic() - t0:.1f}s"
         for p in (pg, s3):
             p.restore()
         try:
             registry.close()
-        except Exception:  # noqa: BLE001 - its connections were cut
+        except Exception:  # its connections were cut
             pass
 
     registry = build_registry(direct.model_copy(update={"run_migrations": False}))

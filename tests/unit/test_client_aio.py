@@ -86,7 +86,7 @@ async def test_infer_stream_and_admin_reads_through_a_gateway():
     assert status.workers[0].address == "w1" and adapter.name == "adapters/cars"
 
 
-async def test_admin_reads_and_typed_errors_of_a_real_store(store_gateway):  # noqa: F811
+async def test_admin_reads_and_typed_errors_of_a_real_store(store_gateway):  # noqa: F811 - the fixture imported above
     keys = dict(api_key=ADMIN_KEY, admin_key=ADMIN_KEY)  # an admin key is an API key too
     with ValoraClient(store_gateway, **keys, retries=0, timeout_s=30) as sync:
         v1, v2 = upload(sync, "aio-cars", 0), upload(sync, "aio-cars", 1)

@@ -107,7 +107,7 @@ def test_tls_and_mutual_tls_and_every_page_of_versions(tmp_path):
             )
 
     pki = make_pki(tmp_path, "sdk")
-    read = lambda k: open(pki[k], "rb").read()  # noqa: E731
+    read = lambda k: open(pki[k], "rb").read()
     for mutual in (False, True):
         server = grpc.server(futures.ThreadPoolExecutor(2))
         admin_grpc.add_AdminServiceServicer_to_server(Versions(), server)

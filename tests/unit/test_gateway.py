@@ -573,10 +573,8 @@ async def _check_auth():
                 return err.code()
             return grpc.StatusCode.OK
 
-        infer = lambda md=None: env.infer.Infer(request(), metadata=md)  # noqa: E731
-        admin = lambda md=None: env.admin.GetClusterStatus(  # noqa: E731
-            admin_service_pb2.GetClusterStatusRequest(), metadata=md
-        )
+        infer = lambda md=None: env.infer.Infer(request(), metadata=md)
+        admin = lambda md=None: env.admin.GetClusterStatus(admin_service_pb2.GetClusterStatusRequest(), metadata=md)
         assert await code_of(infer()) == grpc.StatusCode.UNAUTHENTICATED
         assert await code_of(infer(bearer("wrong"))) == grpc.StatusCode.UNAUTHENTICATED
         assert await code_of(infer((("authorization", API_KEY),))) == grpc.StatusCode.UNAUTHENTICATED

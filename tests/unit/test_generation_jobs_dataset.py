@@ -15,15 +15,15 @@ from typer.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from services.adapter_store.config import StoreSettings  # noqa: E402
-from services.adapter_store.testing import RunningStore  # noqa: E402
-from services.generator.runner import Runner, RunnerSettings  # noqa: E402
-from services.generator.user_datasets import pack_dataset  # noqa: E402
-from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset  # noqa: E402
-from valora import cli  # noqa: E402
-from valora.client import ValoraClient  # noqa: E402
-from valora_protos.v1 import admin_service_pb2 as admin_pb  # noqa: E402
-from valora_protos.v1 import resources_pb2 as res  # noqa: E402
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.testing import RunningStore
+from services.generator.runner import Runner, RunnerSettings
+from services.generator.user_datasets import pack_dataset
+from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset
+from valora import cli
+from valora.client import ValoraClient
+from valora_protos.v1 import admin_service_pb2 as admin_pb
+from valora_protos.v1 import resources_pb2 as res
 
 
 def _settings(tmp_path, model_path) -> StoreSettings:

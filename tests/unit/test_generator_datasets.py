@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from services.generator.datasets import DEFAULT_TASKS, TASKS, build_task, split_indices  # noqa: E402
+from services.generator.datasets import DEFAULT_TASKS, TASKS, build_task, split_indices
 
 
 def test_at_least_four_distinct_tasks_by_default():

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from services.generator.__main__ import app  # noqa: E402
-from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset  # noqa: E402
+from services.generator.__main__ import app
+from tests.unit.test_generator_user_datasets import image_folder, jsonl_dataset, text_dataset
 
 
 def _generate(model_path, out, *args):

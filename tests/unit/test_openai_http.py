@@ -861,7 +861,7 @@ def test_the_readme_openai_example_is_a_request_the_gateway_takes():
     saved = sys.modules.get("openai")
     sys.modules["openai"] = stand_in
     try:
-        exec(compile(block, "README.md", "exec"), {"print": lambda *a: None})  # noqa: S102 - the README's own code
+        exec(compile(block, "README.md", "exec"), {"print": lambda *a: None})  # the README's own code
     finally:
         sys.modules["openai"] = saved
     remote = []

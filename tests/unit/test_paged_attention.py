@@ -171,7 +171,7 @@ INTERPRETER_CASES = [
 def _interpreter_main() -> None:
     """Runs INTERPRETER_CASES through the Triton path (TRITON_INTERPRET=1 already set) and prints
     one JSON line per case: the max abs error against the reference and whether `out` was reused."""
-    from kernels.paged_attention import paged_decode_attention_triton  # noqa: PLC0415
+    from kernels.paged_attention import paged_decode_attention_triton
 
     for i, (lens, bs, kvh, group, d, dtype, splits, tile) in enumerate(INTERPRETER_CASES):
         q, k, v, bt, lens_t = make_case(100 + i, lens, bs, kvh, group, d, dtype=getattr(torch, dtype))

@@ -173,7 +173,7 @@ def _interpreter_main() -> None:
     """Runs INTERPRETER_CASES through the Triton path (TRITON_INTERPRET=1 already set) and prints
     one JSON line per case: the max abs error against the reference, whether `out` was reused and
     whether the padding rows past cu_q[R] were left alone."""
-    from kernels.paged_prefill import paged_prefill_attention_triton  # noqa: PLC0415
+    from kernels.paged_prefill import paged_prefill_attention_triton
 
     for i, (n, prefix, bs, kvh, group, d, dtype, bm, tn) in enumerate(INTERPRETER_CASES):
         pad = 2 if i == 0 else 0

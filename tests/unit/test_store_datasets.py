@@ -12,12 +12,12 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from services.adapter_store.config import StoreSettings  # noqa: E402
-from services.adapter_store.testing import RunningStore, write_tiny_model  # noqa: E402
-from services.generator.user_datasets import pack_dataset  # noqa: E402
-from tests.unit.test_generator_user_datasets import image_folder  # noqa: E402
-from valora.client import ValoraClient  # noqa: E402
-from valora_protos.v1 import admin_service_pb2 as admin_pb  # noqa: E402
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.testing import RunningStore, write_tiny_model
+from services.generator.user_datasets import pack_dataset
+from tests.unit.test_generator_user_datasets import image_folder
+from valora.client import ValoraClient
+from valora_protos.v1 import admin_service_pb2 as admin_pb
 
 
 def _settings(tmp_path) -> StoreSettings:

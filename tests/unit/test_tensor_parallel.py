@@ -154,7 +154,7 @@ def _tp_checks(tp: tpm.TPGroup, out_dir: Path) -> None:
 
         # Mixture mode: adapter 2 merged into the (sharded) base weights by the switcher; rows of
         # other adapters get x − m deLoRA terms, base rows −m, the merged adapter's rows nothing.
-        adapter_of = lambda w: DeviceAdapter(weights=w, a=w.a, b=w.b)  # noqa: E731
+        adapter_of = lambda w: DeviceAdapter(weights=w, a=w.a, b=w.b)
         Switcher(ref_layers).set(adapter_of(adapters[2]))
         Switcher(tp_layers).set(adapter_of(sharded[2]))
         # The same requests as above (rows: a1, a0, base, a2, a1): a0 → x0 − m, base → −m, a1 → x1 − m,
