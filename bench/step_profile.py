@@ -35,6 +35,7 @@ import torch
 from PIL import Image
 
 from bench.common import RESULTS, run_info, write_json
+from kernels import sampling as sampling_kernel
 from services.worker.model import ensure_shape_model, ensure_tiny_model
 from services.worker.requests import Failed, Finished, WorkRequest
 from services.worker.sampling import SamplingParams
@@ -241,22 +242,21 @@ def main(argv: list[str] | None = None) -> dict:
         time.sleep(1.0)
         if eng.graphs.captures == captures:
             break
-    steps0 = eng.graphs.static_steps
-    with profile(activities=acts) as prof:
-        time.sleep(args.decode_s)
-    decode_steps = eng.graphs.static_steps - steps0
-    dec = kernels(prof)
-    sampler_ab = {}  # the same decode rows under each sampler setting (its kernel is not in the graphs)
-    from kernels import sampling as sampling_kernel
 
+    def decode_phase() -> tuple[dict, int]:
+        """The decode rows' kernels over `decode_s` seconds, and the steps they took."""
+        steps0 = eng.graphs.static_steps
+        with profile(activities=acts) as prof:
+            time.sleep(args.decode_s)
+        return kernels(prof), eng.graphs.static_steps - steps0
+
+    dec, decode_steps = decode_phase()
+    sampler_ab = {}  # the same decode rows under each sampler setting (its kernel is not in the graphs)
     default_tries = sampling_kernel.CANDIDATE_TRIES
     for tries in [int(t) for t in args.sampler_tries.split(",") if t.strip()]:
         sampling_kernel.CANDIDATE_TRIES = tries
         time.sleep(0.2)  # steps launched under the old setting drain
-        steps0 = eng.graphs.static_steps
-        with profile(activities=acts) as prof:
-            time.sleep(args.decode_s)
-        sampler_ab[f"decode@{tries}"] = summarize(kernels(prof), eng.graphs.static_steps - steps0, args.top)
+        sampler_ab[f"decode@{tries}"] = summarize(*decode_phase(), args.top)
     sampling_kernel.CANDIDATE_TRIES = default_tries
     # served-like: the same rows decoding while pairs of new images arrive (a step: a decode step
     # beside a prefill), to compare with the phases' sum
