@@ -16,7 +16,8 @@ decoder.py       the step's decode, pipelined with the host
 mixed_step.py    the running rows' decode riding in the step's prefill forward
 outputs.py       a sequence's tokens to events: stream, stop checks, early release, LABEL answers
 step_scheduler.py the queues, admission, prefill budget and chunking, KV growth, preemption
-model_runner.py  the prefill forward, the decode step, token choice, the KV pool they write
+model_runner.py  the prefill forward and the decode step over the KV pool
+token_choice.py  a forward's next tokens and log-probabilities, on the device
 step_graphs.py   CUDA graphs of the forwards keyed by shape: warm-up, capture, retries
 prefill_graphs.py the packed prefill forward, CUDA graphs keyed by its token bucket
 step_trace.py    where each step's host and device time went (VALORA_STEP_TRACE)

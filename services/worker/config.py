@@ -78,6 +78,21 @@ class EngineConfig:
     tp: TPGroup | None = None
     step_trace: str = ""  # a file: one JSON line per step, where its time went (step_trace.py); "": off
 
+    def __post_init__(self) -> None:
+        """ValueError naming the field for a value no engine can be built with (WorkerSettings
+        checks the same for a worker's environment; this catches tests' and tools' configs)."""
+        for name in ("dtype", "load_format", "decode_graphs", "prefill_graphs", "switch_strategy"):
+            if getattr(self, name) not in _CHOICES[name]:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(_CHOICES[name])}")
+        if not 8 <= self.kv_block_size <= 256 or self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size {self.kv_block_size} is not a power of two in 8..256")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction {self.gpu_memory_fraction} is not in (0, 1]")
+        if self.lora_fold_rows < 0:
+            raise ValueError("lora_fold_rows must be >= 0")
+        if self.max_prefills_per_step < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_prefills_per_step and max_prefill_tokens must be positive")
+
 
 class WorkerSettings(ServiceSettings):
     """Worker settings; every field is also VALORA_<FIELD> (e.g. VALORA_MODEL_PATH)."""

@@ -22,7 +22,7 @@ whose own step raises fails (INTERNAL, ENGINE_STEP_FAILED), the others take the 
 have had (sampled rows too: a token depends on the seed and its position alone), and the next step
 starts from host tokens. Under tensor parallelism every rank does the same, whether the failure
 is the inputs' (every rank raises in the same forward) or one rank's alone: a rank that raised in
-the forward still runs its remaining all-reduces (ModelRunner.lockstep) and the ranks agree on the
+the forward still runs its remaining all-reduces (tensor_parallel.ForwardLockstep) and the ranks agree on the
 step's outcome after it (`_launch`: OutputProcessor.agree), so every rank undoes the same step,
 runs the same rows alone, in the same collectives, and fails the same ones (tensor_parallel.py).
 """
@@ -121,8 +121,9 @@ class Decoder:
             self.observe(len(rows), len(self.lora.last.entries))
             for s in rows:
                 s.length += 1
-            tokens = self.runner.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
-            out = tokens, self.runner.logprobs(rows, logits, tokens)
+            chooser = self.runner.tokens
+            tokens = chooser.choose(rows, greedy, logits, [s.length + s.rope_delta for s in rows], pending=ids)
+            out = tokens, chooser.logprobs(rows, logits, tokens)
         except Exception as exc:  # raised below, on every rank when tensor parallel
             error = exc
         self.outputs.agree(error)

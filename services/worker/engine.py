@@ -68,13 +68,9 @@ from services.common.modes import Mode
 from services.worker.sequence import PreparedRequest, Sequence
 from services.worker.step_scheduler import StepScheduler
 from services.worker.step_trace import StepTrace
-from services.worker.tensor_parallel import GroupBroken
 from services.worker.vision import FeatureCache, VisionEncoder, VisionItem
 
 log = structlog.get_logger()
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:
@@ -83,13 +79,7 @@ class Engine:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
-        if config.lora_fold_rows < 0:
-            raise ValueError("lora_fold_rows must be >= 0")
-        if config.max_prefills_per_step < 1 or config.max_prefill_tokens < 1:
-            raise ValueError("max_prefills_per_step and max_prefill_tokens must be positive")
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = getattr(torch, config.dtype)  # EngineConfig checked the name
         path = Path(config.model_path).expanduser()
         self.arch = architecture_of(path)  # a family the worker does not serve is refused here, by name
         self.processor = load_processor(path)
@@ -99,9 +89,6 @@ class Engine:
         m = load_lora_model(path, config, self.device, self.dtype, self.tp)
         self.model, self.runtime, self.lora_layers, self.shapes = m.model, m.runtime, m.lora_layers, m.shapes
         self.model_config, self.text_config, eos_ids = m.model_config, m.model.config.text_config, m.eos_ids
-        for knob in ("decode_graphs", "prefill_graphs"):
-            if getattr(config, knob) not in ("auto", "static", "off"):
-                raise ValueError(f"{knob} {getattr(config, knob)!r} is not one of auto, static, off")
         self.vision = VisionEncoder(
             self.model,
             FeatureCache(config.image_cache_bytes),
@@ -361,7 +348,7 @@ class Engine:
         if self.tp is not None:
             self.inbox.sync()
         # a command runs between fully processed steps, as without pipelining
-        self.inbox.run_commands(self._command, before=self.decoder.flush)
+        self.inbox.run_commands(self.adapters.run, before=self.decoder.flush)
         if self.tp is not None:
             self.outputs.agree()  # rows failed on one rank since the last step's agreements: on every rank
         now = time.monotonic()
@@ -404,27 +391,6 @@ class Engine:
         self.step_tokens.append(tokens + len(decoded))
         self.steps += 1
         self._update_stats(step_ms=ms)
-
-    def _command(self, command: Command):
-        """Runs an adapter or mode command (LoraManager.run). Tensor parallel: the ranks agree on its
-        outcome; one that failed on some ranks only left their adapters or modes different, which
-        no later step can undo: GroupBroken (the engine stops; the worker goes NOT_SERVING)."""
-        if self.tp is None:
-            return self.adapters.run(command)
-        error = result = None
-        try:
-            result = self.adapters.run(command)
-        except Exception as exc:  # the ranks agree first
-            error = exc
-        verdict = self.tp.agree(error)
-        if verdict.failed and len(verdict.failed) < self.tp.world_size:
-            raise GroupBroken(
-                f"command {command.name} failed on tensor-parallel rank(s) {sorted(verdict.failed)} "
-                f"only, the ranks' adapters or modes now differ: {verdict.failed}"
-            ) from error
-        if error is not None:
-            raise error
-        return result
 
     def _ride(self, batch: list[Sequence], decoded: list[Sequence]) -> bool:
         """Whether the step's prefill and decode ran as one forward (mixed_step.py). An error

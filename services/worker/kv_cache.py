@@ -28,10 +28,12 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+log = structlog.get_logger()
 NULL_BLOCK = 0
 
 
@@ -259,6 +261,42 @@ class BlockManager:
         pos = torch.arange(start, end)
         blocks = torch.tensor(self._blocks[sid], dtype=torch.long)
         return blocks[pos // bs] * bs + pos % bs
+
+
+def make_pool(cfg, text_config, dtype: torch.dtype, device: torch.device, tp=None) -> tuple[KVPool, BlockManager, int]:
+    """The engine's paged KV pool, preallocated now, its block manager and the longest context a
+    sequence may reach, from the engine's config (`cfg`: EngineConfig's kv_* settings). Tensor
+    parallel (`tp`, this rank's TPGroup): every rank gets the smallest rank's block count, so
+    block decisions are the same on every rank."""
+    tc = text_config
+    kv_heads = tc.num_key_value_heads // (tp.world_size if tp is not None else 1)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    block_bytes = cfg.kv_block_size * kv_bytes_per_token(tc, dtype, kv_heads)
+    if cfg.kv_cache_bytes > 0:
+        budget = cfg.kv_cache_bytes
+    elif device.type == "cuda":
+        budget = device_budget(device, cfg.gpu_memory_fraction, cfg.kv_reserve_bytes)
+    else:
+        budget = 256 << 20
+    blocks = pool_blocks(budget, block_bytes)
+    if tp is not None:
+        blocks = tp.min_int(blocks)
+    max_model_len = min(cfg.max_model_len or tc.max_position_embeddings, tc.max_position_embeddings)
+    pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, dtype, device)
+    manager = BlockManager(
+        blocks, cfg.kv_block_size, cfg.max_batch_size, math.ceil(max_model_len / cfg.kv_block_size), device
+    )
+    tokens = (blocks - 1) * cfg.kv_block_size
+    gib = round(blocks * block_bytes / 2**30, 2)
+    log.info("kv_pool", blocks=blocks, block_size=cfg.kv_block_size, gib=gib, tokens=tokens)
+    if tokens < max_model_len:  # requests longer than the pool fail at admission (INVALID_ARGUMENT)
+        log.warning(
+            "kv_pool_small",
+            tokens=tokens,
+            max_model_len=max_model_len,
+            hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION",
+        )
+    return pool, manager, max_model_len
 
 
 @dataclass

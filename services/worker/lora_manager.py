@@ -19,7 +19,7 @@ from services.worker.adapter_pool import AdapterPool
 from services.worker.lora_plans import LoraPlanner
 from services.common.modes import Mode
 from services.worker.switcher import Switcher
-from services.worker.tensor_parallel import TPGroup
+from services.worker.tensor_parallel import GroupBroken, TPGroup
 from services.worker.tp_sharding import shard_adapter
 
 
@@ -56,6 +56,29 @@ class LoraManager:
         return self.planner.merged
 
     def run(self, command: Command):
+        """Applies `command`. Tensor parallel (on the engine thread, every rank at the same step):
+        the ranks agree on its outcome; one that failed on some ranks only left their adapters or
+        modes different, which no later step can undo: GroupBroken (the engine stops; the worker
+        goes NOT_SERVING)."""
+        if self.tp is None:
+            return self.apply(command)
+        error = result = None
+        try:
+            result = self.apply(command)
+        except Exception as exc:  # the ranks agree first
+            error = exc
+        verdict = self.tp.agree(error)
+        if verdict.failed and len(verdict.failed) < self.tp.world_size:
+            raise GroupBroken(
+                f"command {command.name} failed on tensor-parallel rank(s) {sorted(verdict.failed)} "
+                f"only, the ranks' adapters or modes now differ: {verdict.failed}"
+            ) from error
+        if error is not None:
+            raise error
+        return result
+
+    def apply(self, command: Command):
+        """LoraManager.`command.name`(*command.args), here (no agreement)."""
         if command.name not in COMMANDS:
             raise ValueError(f"unknown adapter command {command.name!r}")
         return getattr(self, command.name)(*command.args)

@@ -8,8 +8,6 @@ sequences into device work and hands back tensors (`PrefillOutput`, tokens).
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,17 +15,16 @@ import structlog
 import torch
 
 from kernels import paged_attention, paged_prefill
-from kernels import sampling as sampling_kernels
 from services.worker.architectures import for_model, rope_positions
 from services.worker.decode_graphs import DecodeGraphs, DecodeRow
-from services.worker.kv_cache import BlockManager, KVPool, device_budget, kv_bytes_per_token, pool_blocks
+from services.worker.kv_cache import make_pool
 from services.worker.lora import LoraRuntime, StepLora
 from services.worker.prefill_graphs import PrefillGraphs
 from services.worker.requests import OutputKind
-from services.worker.sampling import RowSampling, sample, token_logprobs
 from services.worker.sequence import Sequence
 from services.worker.step_trace import StepTrace
-from services.worker.tensor_parallel import TPGroup
+from services.worker.tensor_parallel import ForwardLockstep, TPGroup
+from services.worker.token_choice import TokenChooser
 from services.worker.tp_sharding import RowParallelLoraLinear
 from services.worker.vision import VisionEncoder
 
@@ -80,17 +77,23 @@ class ModelRunner:
         self.rope_inputs = for_model(model).rope_inputs  # what the family's get_rope_index takes
         self.text_config = model.config.text_config
         self.device, self.dtype, self.tp = device, dtype, tp
-        # tensor parallel: the all-reduces of one language-model forward (one per row-parallel layer)
-        self.forward_collectives = sum(isinstance(m, RowParallelLoraLinear) for m in model.modules())
-        self.forward_ran = False  # inside `lockstep`: whether its language-model forward returned
-        self.pool, self.blocks = self._make_pool(config, self.text_config, dtype, tp)
+        # tensor parallel: each forward's unit of work in step with the other ranks'
+        # (its all-reduces: one per row-parallel layer)
+        self.lockstep = ForwardLockstep(
+            tp,
+            sum(isinstance(m, RowParallelLoraLinear) for m in model.modules()),
+            self.text_config.hidden_size,
+            dtype,
+            device,
+        )
+        self.pool, self.blocks, self.max_model_len = make_pool(config, self.text_config, dtype, device, tp)
         # The Triton attention kernels, each checked once against its reference on this device;
         # one that fails there is replaced by its reference (correct, slow; decode without graphs).
         heads = self.text_config.num_attention_heads // (tp.world_size if tp is not None else 1)
         shape = (heads, self.pool.kv_heads, self.pool.head_dim, config.kv_block_size)
         attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
         self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
-        self.sampling_kernel = self._sampling_kernel_usable()
+        self.tokens = TokenChooser(device)  # the rows' next tokens from their logits
         self.trace: StepTrace | None = None  # the engine's (its "inputs" phase: embeddings, vision tower)
         # decode and prefill graphs capture into one memory pool: their forwards run one at a time
         handle = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -125,61 +128,6 @@ class ModelRunner:
         log.info("paged_attention", kernel=name, op="triton" if problem is None else "torch_reference")
         return problem is None
 
-    def _sampling_kernel_usable(self) -> bool:
-        """Whether the one-launch sampler (kernels/sampling.py) runs here (its self_check on CUDA)."""
-        if self.device.type != "cuda":
-            return False
-        problem = sampling_kernels.self_check(self.device)
-        if problem is not None:
-            log.warning("sampling_kernel_unusable", reason=problem)
-        log.info("sampling", op="triton" if problem is None else "torch_reference")
-        return problem is None
-
-    def _make_pool(self, cfg, tc, dtype: torch.dtype, tp: TPGroup | None) -> tuple[KVPool, BlockManager]:
-        """The paged KV pool, preallocated now (kv_cache.py); every tensor-parallel rank gets the
-        smallest rank's block count, so block decisions are the same on every rank."""
-        if not 8 <= cfg.kv_block_size <= 256 or cfg.kv_block_size & (cfg.kv_block_size - 1):
-            raise ValueError(f"kv_block_size {cfg.kv_block_size} is not a power of two in 8..256")
-        if not 0 < cfg.gpu_memory_fraction <= 1:
-            raise ValueError("gpu_memory_fraction must be in (0, 1]")
-        kv_heads = tc.num_key_value_heads // (tp.world_size if tp is not None else 1)
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        block_bytes = cfg.kv_block_size * kv_bytes_per_token(tc, dtype, kv_heads)
-        if cfg.kv_cache_bytes > 0:
-            budget = cfg.kv_cache_bytes
-        elif self.device.type == "cuda":
-            budget = device_budget(self.device, cfg.gpu_memory_fraction, cfg.kv_reserve_bytes)
-        else:
-            budget = 256 << 20
-        blocks = pool_blocks(budget, block_bytes)
-        if tp is not None:
-            blocks = tp.min_int(blocks)
-        self.max_model_len = min(cfg.max_model_len or tc.max_position_embeddings, tc.max_position_embeddings)
-        pool = KVPool(tc.num_hidden_layers, blocks, cfg.kv_block_size, kv_heads, head_dim, dtype, self.device)
-        manager = BlockManager(
-            blocks,
-            cfg.kv_block_size,
-            cfg.max_batch_size,
-            math.ceil(self.max_model_len / cfg.kv_block_size),
-            self.device,
-        )
-        tokens = (blocks - 1) * cfg.kv_block_size
-        log.info(
-            "kv_pool",
-            blocks=blocks,
-            block_size=cfg.kv_block_size,
-            gib=round(blocks * block_bytes / 2**30, 2),
-            tokens=tokens,
-        )
-        if tokens < self.max_model_len:  # requests longer than the pool fail at admission (INVALID_ARGUMENT)
-            log.warning(
-                "kv_pool_small",
-                tokens=tokens,
-                max_model_len=self.max_model_len,
-                hint="free device memory, or set VALORA_KV_CACHE_BYTES / VALORA_GPU_MEMORY_FRACTION",
-            )
-        return pool, manager
-
     def prefill(
         self, rows: list[Sequence], plan: Callable[[], StepLora], riders: Riders | None = None
     ) -> tuple[list[Sequence], PrefillOutput]:
@@ -206,11 +154,12 @@ class ModelRunner:
         token as a piece of one (embedded from its last token, at its next position and slot) and
         takes a token chosen with the first tokens, in one sampling call."""
         ride = {s: j for j, s in enumerate(riders.rows)} if riders is not None else {}
-        step, ride_embeds = self.agreed(self._plan_and_embed, plan, rows, riders, ride, settle=self.vision.settle)
+        settle = self.vision.settle
+        step, ride_embeds = self.lockstep.agreed(self._plan_and_embed, plan, rows, riders, ride, settle=settle)
         if self.trace is not None:
             self.trace.mark("inputs")
         tokens = self.prefill_tokens(sum(1 if s in ride else s.prefill_to - s.prefilled for s in rows))
-        return self.agreed(self._prefill_forward, rows, step, riders, ride, ride_embeds, tokens=tokens)
+        return self.lockstep.agreed(self._prefill_forward, rows, step, riders, ride, ride_embeds, tokens=tokens)
 
     def _plan_and_embed(
         self, plan: Callable[[], StepLora], rows: list[Sequence], riders: Riders | None, ride: dict
@@ -219,44 +168,6 @@ class ModelRunner:
         # which a plan raising on this rank alone must not skip (the collectives would mismatch)
         embeds = self._embed_inputs(rows, riders, ride)
         return plan(), embeds
-
-    def agreed(self, fn, *args, tokens: int = 0, settle=None):
-        """fn(*args) as a unit of work every tensor-parallel rank runs, in step whatever raises on
-        one rank only: a forward of `tokens` tokens inside it (0: none) that raised on this rank
-        still runs this rank's remaining all-reduces (`lockstep`), and then the ranks agree: when
-        fn raised on any rank, it raises on every rank (TPStepFailed, or the rank's own error when
-        every rank raised). `settle(ok)`: told, before that, whether every rank's fn ran. One
-        process: fn(*args)."""
-        if self.tp is None:
-            return fn(*args)
-        error, out = None, None
-        try:
-            with self.lockstep(tokens):
-                out = fn(*args)
-        except Exception as exc:  # every rank learns of it below
-            error = exc
-        verdict = self.tp.agree(error)
-        if settle is not None:
-            settle(not verdict.failed)
-        verdict.check(self.tp.world_size, error)
-        return out
-
-    @contextlib.contextmanager
-    def lockstep(self, tokens: int):
-        """Around one language-model forward of `tokens` tokens (0: none) and the host work around
-        it: when it raises on this tensor-parallel rank, the all-reduces the rank still owes its
-        peers for it are run over zeros (TPGroup.drain) before the error goes on."""
-        if self.tp is None or not tokens:
-            yield
-            return
-        before, self.forward_ran = self.tp.ledger.all_reduces, False
-        try:
-            yield
-        except Exception:
-            # a forward replayed from a CUDA graph ran all of them (the ledger counts eager ones)
-            owed = 0 if self.forward_ran else self.forward_collectives - (self.tp.ledger.all_reduces - before)
-            self.tp.drain(owed, tokens * self.text_config.hidden_size, self.dtype, self.device)
-            raise
 
     def _embed_inputs(self, rows: list[Sequence], riders: Riders | None, ride: dict) -> torch.Tensor | None:
         """A prefill's inputs: the riders' embeddings (returned) and each fresh row's whole context
@@ -306,7 +217,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.forward(
                 parts, positions, slots, [self.blocks.row(s.id) for s in rows], lens, wanted, step
             )
-            self.forward_ran = True
+            self.lockstep.forward_ran = True
         finally:
             self.runtime.step = None
         for s in rows:
@@ -395,8 +306,8 @@ class ModelRunner:
             chosen_rows += riders.rows
             counters += [s.length + s.rope_delta for s in riders.rows]
         head_out = self.model.lm_head(head_in)
-        chosen = self.choose(chosen_rows, head_out.argmax(-1), head_out, counters)
-        packed = self.logprobs(chosen_rows, head_out, chosen)
+        chosen = self.tokens.choose(chosen_rows, head_out.argmax(-1), head_out, counters)
+        packed = self.tokens.logprobs(chosen_rows, head_out, chosen)
         k = len(text)
         if riders is not None:
             riders.tokens = chosen[k:]
@@ -422,64 +333,13 @@ class ModelRunner:
         device, else the sequences' own) and returns (greedy tokens, logits) of the batch's
         rows, owned by the step's graph entry."""
         try:
-            with self.lockstep(max(bucket, len(rows))):
+            with self.lockstep.around(max(bucket, len(rows))):
                 step = self.runtime.step = plan()
                 out = self.graphs.step(self.decode_rows(rows), step, bucket, ids=ids)
-                self.forward_ran = True
+                self.lockstep.forward_ran = True
                 return out
         finally:
             self.runtime.step = None
-
-    def choose(
-        self,
-        rows: list[Sequence],
-        greedy: torch.Tensor,
-        logits: torch.Tensor,
-        counters: list[int],
-        pending: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The rows' next tokens on the device: `greedy` (the argmax) when every row is greedy and
-        none has penalties, else sampled in one batched call (sampling.py; `counters`: the
-        positions the tokens take; `pending`: each row's last token when it is still only on the
-        device, a pipelined step's)."""
-        params = [s.req.sampling for s in rows]
-        if all(p.plain_greedy for p in params):
-            return greedy
-        rs = RowSampling.of(params, self.device)
-        history = None if rs.penalties is None else self._history(rows, logits.shape[-1], pending)
-        return sample(
-            logits[: len(rows)], rs, self.upload(torch.tensor(counters)), history, kernel=self.sampling_kernel
-        )
-
-    def _history(
-        self, rows: list[Sequence], vocab: int, pending: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The penalties' inputs on the device: each row's output token counts (rows, vocab) and
-        which tokens its prompt or output holds (bool), from the tokens the host has and `pending`."""
-        n = len(rows)
-        width = max(1, max(len(s.tokens) for s in rows))
-        out = torch.full((n, width), vocab, dtype=torch.long)  # column `vocab`: padding, dropped below
-        for i, s in enumerate(rows):
-            if s.tokens:
-                out[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        counts = torch.zeros(n, vocab + 1, device=self.device)
-        counts.scatter_add_(1, self.upload(out), torch.ones(n, width, device=self.device))
-        if pending is not None:
-            counts[:, :vocab].scatter_add_(1, pending[:n].view(-1, 1).long(), torch.ones(n, 1, device=self.device))
-        prompt_width = max(s.prep.prompt_tokens for s in rows)
-        prompt = torch.full((n, prompt_width), vocab, dtype=torch.long)
-        for i, s in enumerate(rows):
-            prompt[i, : s.prep.prompt_tokens] = s.prep.inputs["input_ids"][0]
-        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=self.device)
-        seen.scatter_(1, self.upload(prompt), True)
-        counts = counts[:, :vocab]
-        return counts, seen[:, :vocab] | (counts > 0)
-
-    def logprobs(self, rows: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
-        """The rows' packed token log-probabilities (sampling.token_logprobs, as many alternatives
-        as the row asking most wants) on the device, or None when no row asks."""
-        top = max(s.req.logprobs for s in rows)
-        return None if top < 0 else token_logprobs(logits[: len(rows)], tokens[: len(rows)], top)
 
     def decode_rows(self, rows: list[Sequence]) -> list[DecodeRow]:
         """Each row's inputs to its next decode step."""

@@ -29,6 +29,7 @@ docs/engine.md ("Tensor parallelism") lists what the ranks agree on, and where.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -219,6 +220,58 @@ class TPGroup:
             return t
         start, size = self.part(t.shape[dim])
         return t.narrow(dim, start, size).clone(memory_format=torch.contiguous_format)
+
+
+class ForwardLockstep:
+    """A rank's units of work in step with its peers' (one process, `tp` None: no-ops). The
+    model runner wraps each unit that holds a language-model forward: `agreed` runs it and the
+    ranks agree on its outcome; `around` settles what a forward that raised on this rank owes.
+    `collectives`: the all-reduces of one forward (one per row-parallel layer); `forward_ran`:
+    set by the runner once a forward returned inside the unit."""
+
+    def __init__(
+        self, tp: TPGroup | None, collectives: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.tp, self.collectives, self.hidden, self.dtype, self.device = tp, collectives, hidden, dtype, device
+        self.forward_ran = False
+
+    def agreed(self, fn, *args, tokens: int = 0, settle=None):
+        """fn(*args) as a unit of work every rank runs, in step whatever raises on one rank only:
+        a forward of `tokens` tokens inside it (0: none) that raised on this rank still runs this
+        rank's remaining all-reduces (`around`), and then the ranks agree: when fn raised on any
+        rank, it raises on every rank (TPStepFailed, or the rank's own error when every rank
+        raised). `settle(ok)`: told, before that, whether every rank's fn ran. One process:
+        fn(*args)."""
+        if self.tp is None:
+            return fn(*args)
+        error, out = None, None
+        try:
+            with self.around(tokens):
+                out = fn(*args)
+        except Exception as exc:  # every rank learns of it below
+            error = exc
+        verdict = self.tp.agree(error)
+        if settle is not None:
+            settle(not verdict.failed)
+        verdict.check(self.tp.world_size, error)
+        return out
+
+    @contextlib.contextmanager
+    def around(self, tokens: int):
+        """Around one language-model forward of `tokens` tokens (0: none) and the host work around
+        it: when it raises on this rank, the all-reduces the rank still owes its peers for it are
+        run over zeros (TPGroup.drain) before the error goes on."""
+        if self.tp is None or not tokens:
+            yield
+            return
+        before, self.forward_ran = self.tp.ledger.all_reduces, False
+        try:
+            yield
+        except Exception:
+            # a forward replayed from a CUDA graph ran all of them (the ledger counts eager ones)
+            owed = 0 if self.forward_ran else self.collectives - (self.tp.ledger.all_reduces - before)
+            self.tp.drain(owed, tokens * self.hidden, self.dtype, self.device)
+            raise
 
 
 def free_loopback_port() -> int:

@@ -39,7 +39,8 @@ def failing_decode(engine, where, fails, after: int = 0):
     calls: list[list[str]] = []
     seen = [0]
     runner = engine.runner
-    decode, choose = runner.decode, runner.choose
+    chooser = runner.tokens
+    decode, choose = runner.decode, chooser.choose
 
     def picked() -> bool:
         if not current or not fails(current):
@@ -72,7 +73,7 @@ def failing_decode(engine, where, fails, after: int = 0):
 
     runner.decode = tracked
     if where == "sampling":
-        runner.choose = choosing
+        chooser.choose = choosing
         hook = None
     else:
         hook = engine.model.model.language_model.layers[-1].register_forward_pre_hook(boom)
@@ -82,7 +83,7 @@ def failing_decode(engine, where, fails, after: int = 0):
         if hook is not None:
             hook.remove()
         del runner.decode
-        runner.__dict__.pop("choose", None)
+        chooser.__dict__.pop("choose", None)
 
 
 def requests() -> list[WorkRequest]:

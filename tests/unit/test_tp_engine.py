@@ -177,7 +177,7 @@ def _failing_on_rank_1(eng: Engine, rank: int):
             raise RuntimeError("injected LoRA plan failure on rank 1 only")
         return plan(seqs, tokens_per_row, pad_rows)
 
-    run_command = eng.adapters.run
+    run_command = eng.adapters.apply
 
     def commanding(command):
         if (command.name, command.args) == FAILING_COMMAND:
@@ -204,7 +204,7 @@ def _failing_on_rank_1(eng: Engine, rank: int):
     layers = eng.model.model.language_model.layers
     runner.prefill, runner.decode = tracked("prefill"), tracked("decode")
     eng.outputs.accept = accepting
-    eng.adapters.run = commanding
+    eng.adapters.apply = commanding
     eng.vision.tower.encode_items = encoding
     eng.lora.plan = planning
     hook = layers[len(layers) // 2].register_forward_pre_hook(boom)
@@ -212,7 +212,7 @@ def _failing_on_rank_1(eng: Engine, rank: int):
         yield
     finally:
         hook.remove()
-        del eng.outputs.accept, eng.adapters.run, eng.vision.tower.encode_items, eng.lora.plan
+        del eng.outputs.accept, eng.adapters.apply, eng.vision.tower.encode_items, eng.lora.plan
         for name, fn in saved.items():
             if fn is None:
                 runner.__dict__.pop(name, None)
