@@ -1,6 +1,6 @@
-"""The import rules docs/CONTRIBUTING.md states, checked: a service imports services/common/, the
-generated stubs (valora_protos, their own package) and its own package, never another service;
-services/common/ imports no service; the stubs import only protobuf and grpc, and nothing imports
+"""The import rules docs/CONTRIBUTING.md states, checked: no import cycles; a service imports
+services/common/, the generated stubs (valora_protos, their own package) and its own package,
+never another service; services/common/ imports no service; the stubs import only protobuf and grpc, and nothing imports
 them from the client package (valora/); kernels/ imports no service, no gRPC and no API stubs;
 gateway, scheduler, adapter_store and the client SDK load no torch (nor transformers, peft). That
 the client and the CLI's client commands run on the base install (pyproject's dependencies, no
@@ -202,3 +202,90 @@ def test_a_missing_entry_point_names_the_install():
 
     with pytest.raises(server_code.ServerCodeMissing, match=r"pip install 'valora\[generator\]'"):
         server_code.load("no-such-entry-point", extra="generator")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def load_time_imports(path: Path) -> list[str]:
+    """The absolute imports a module runs when it is imported: module-level statements (inside
+    try/if blocks too), not those in functions or under `if TYPE_CHECKING:`."""
+    found: list[str] = []
+
+    def walk(body) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.append(node.module)
+                found.extend(f"{node.module}.{a.name}" for a in node.names)  # submodules by name
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    walk(node.body)
+                walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                    walk(block)
+
+    walk(ast.parse(path.read_text(), str(path)).body)
+    return found
+
+
+def import_cycles(files: list[Path]) -> list[list[str]]:
+    """The strongly connected components of more than one module in the load-time import graph
+    of `files` (Tarjan), each sorted."""
+    graph = {module_name(f): {m for m in load_time_imports(f)} for f in files}
+    graph = {m: sorted(d for d in deps if d in graph and d != m) for m, deps in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:  # recursion depth: the longest import chain (tens)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No two of our modules import each other at load time, directly or through others (a cycle
+    makes import order matter and half-initialised modules possible)."""
+    files = [f for d in CODE for f in sorted((REPO / d).rglob("*.py"))]
+    assert not import_cycles(files)
+
+
+def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
+    pkg = tmp_path / "cyc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cyc import b\n")
+    (pkg / "b.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    import cyc.c\nimport cyc.c\n")
+    (pkg / "c.py").write_text("def f():\n    import cyc.a\n")  # function-level: no load-time edge
+    (pkg / "d.py").write_text("try:\n    import cyc.e\nexcept ImportError:\n    pass\n")
+    (pkg / "e.py").write_text("from cyc.d import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert import_cycles(sorted(pkg.glob("*.py"))) == [["cyc.d", "cyc.e"]]
