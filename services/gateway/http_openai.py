@@ -188,14 +188,21 @@ def http_param(field: str, body: Any, chat: bool) -> str | None:
     return "messages"
 
 
+def _is_image(part_type: str | None) -> bool:
+    """Whether a content part of this `type` is one of the request's images: every part that is
+    not text, counted in order over every message (the one rule _message_parts, which converts
+    the typed body, and _image_part, which names a part of the raw JSON, both count by)."""
+    return part_type != "text"
+
+
 def _image_part(messages: list, k: int) -> str | None:
-    """`messages[i].content[j]`: the body's k-th image part, counted as _message_parts counts
-    them (every non-text part of every message, in order); None when there are fewer."""
+    """`messages[i].content[j]`: the body's k-th image part (`_is_image`), None when there are
+    fewer."""
     n = 0
     for i, msg in enumerate(messages):
         content = msg.get("content") if isinstance(msg, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") != "text":
+            if isinstance(part, dict) and _is_image(part.get("type")):
                 if n == k:
                     return f"messages[{i}].content[{j}]"
                 n += 1
@@ -264,7 +271,7 @@ def _message_parts(
         texts, before = [], len(images)
         for j, part in enumerate(content):
             param = f"messages[{i}].content[{j}]"
-            if part.type == "text":
+            if not _is_image(part.type):
                 texts.append(part.text)
                 continue
             url = part.url
