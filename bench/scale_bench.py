@@ -45,7 +45,7 @@ import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 if __package__ in (None, ""):  # `python bench/scale_bench.py`: the repo root is not on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -234,37 +234,55 @@ def random_png(rng: np.random.Generator, size: int) -> bytes:
     return buf.getvalue()
 
 
-def _random_bundle(shapes, rank: int, seed: int) -> tuple[bytes, str]:
+def _random_bundle(shapes, rank: int, seed: int, head_sizes: dict[str, int] | None = None) -> tuple[bytes, str]:
     from services.common.adapter_format import make_random_bundle
 
-    return make_random_bundle(shapes, rank=rank, seed=seed, lora_alpha=2 * rank)
+    return make_random_bundle(shapes, rank=rank, seed=seed, lora_alpha=2 * rank, heads=head_sizes)
 
 
-def random_bundles(model_path: Path, ranks: Sequence[int], seed: int) -> list[tuple[bytes, str]]:
+def random_bundles(
+    model_path: Path,
+    ranks: Sequence[int],
+    seed: int,
+    heads: Sequence[Mapping[str, Sequence[str]] | None] | None = None,
+) -> list[tuple[bytes, str]]:
     """Random PEFT bundles (LoRA on all seven projections of every layer), one per rank: bundle i
-    seeded seed + i, lora_alpha 2 x its rank. A 7B rank-64 one is ~650 MB of float32 (~2 s to draw),
-    so large sets are drawn in a process pool, before the cluster starts."""
+    seeded seed + i, lora_alpha 2 x its rank, with a random task head per entry of heads[i]
+    ({head name: its labels}; none: no heads). A 7B rank-64 one is ~650 MB of float32 (~2 s to
+    draw), so large sets are drawn in a process pool, before the cluster starts."""
     from services.common.adapter_format import TARGET_MODULES, BaseModelShapes
 
     shapes = BaseModelShapes.from_config(json.loads((model_path / "config.json").read_text()))
     seeds = [seed + i for i in range(len(ranks))]
+    head_sizes = [{h: len(labels) for h, labels in (hs or {}).items()} for hs in (heads or [None] * len(ranks))]
+    if len(head_sizes) != len(ranks):
+        raise ValueError(f"{len(head_sizes)} head sets for {len(ranks)} bundles")
     floats = sum(ranks) * shapes.num_layers * sum(sum(shapes.features[m]) for m in TARGET_MODULES)
     procs = min(os.cpu_count() or 1, len(ranks), 8)  # each holds a bundle twice (arrays + bytes)
     if floats < 1 << 28 or procs < 2:  # (a 7B set of 4 rank-8 ones: 81 M, ~1.5 s here)
-        return [_random_bundle(shapes, r, s) for r, s in zip(ranks, seeds, strict=True)]
+        return [_random_bundle(shapes, r, s, h) for r, s, h in zip(ranks, seeds, head_sizes, strict=True)]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_random_bundle, itertools.repeat(shapes), ranks, seeds))
+        return list(pool.map(_random_bundle, itertools.repeat(shapes), ranks, seeds, head_sizes))
 
 
 def register_adapters(
-    gateway: str, bundles: Sequence[tuple[bytes, str]], seed: int, prefix: str = "scale"
+    gateway: str,
+    bundles: Sequence[tuple[bytes, str]],
+    seed: int,
+    prefix: str = "scale",
+    heads: Sequence[Mapping[str, Sequence[str]] | None] | None = None,
 ) -> list[str]:
     """Registers (bundle, adapter_config_json) pairs (random_bundles) through the admin API as
-    adapters/{prefix}-{i}, alias `bench`; returns their `adapters/{prefix}-{i}@bench` references."""
+    adapters/{prefix}-{i}, alias `bench`, version i declaring the task heads heads[i] ({head name:
+    its labels}, as its bundle was drawn with); returns their `adapters/{prefix}-{i}@bench`
+    references."""
     refs = []
     with ValoraClient(gateway) as client:
         for i, (bundle, cfg) in enumerate(bundles):
-            version = client.upload_adapter_version(f"{prefix}-{i}", bundle, cfg, request_id=f"{prefix}-{seed}-{i}")
+            declared = {h: list(labels) for h, labels in ((heads[i] if heads else None) or {}).items()}
+            version = client.upload_adapter_version(
+                f"{prefix}-{i}", bundle, cfg, heads=declared, request_id=f"{prefix}-{seed}-{i}"
+            )
             client.set_alias(f"adapters/{prefix}-{i}", "bench", version.name)
             refs.append(f"adapters/{prefix}-{i}@bench")
     return refs
@@ -327,9 +345,20 @@ class Outcome:
 
 
 async def drive(
-    gateway: str, requests: list[inf_pb.InferRequest], concurrency: int, rate: float, timeout_s: float, seed: int
+    gateway: str,
+    requests: list[inf_pb.InferRequest],
+    concurrency: int,
+    rate: float,
+    timeout_s: float,
+    seed: int,
+    arrivals_s: Sequence[float] | None = None,
 ) -> list[Outcome]:
-    """Sends every request once through InferenceService.Infer (no retries: a failure is counted)."""
+    """Sends every request once through InferenceService.Infer (no retries: a failure is counted);
+    the outcomes in the requests' order. Open loop, none waiting for another: request i at
+    arrivals_s[i] seconds from the start when given (a trace's schedule), else Poisson arrivals at
+    `rate` req/s when rate > 0; otherwise a closed loop of `concurrency` requests in flight."""
+    if not requests:
+        return []
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(gateway, options=options) as channel:
         stub = inf_grpc.InferenceServiceStub(channel)
@@ -342,16 +371,16 @@ async def drive(
             except grpc.aio.AioRpcError as err:
                 return Outcome(t0, time.perf_counter(), code=err.code().name, error=err.details() or "")
 
-        if rate > 0:  # open loop
+        if arrivals_s is None and rate > 0:  # Poisson: exponential gaps from the seed
             rng = random.Random(seed)
+            arrivals_s = list(itertools.accumulate((rng.expovariate(rate) for _ in requests[1:]), initial=0.0))
+        if arrivals_s is not None:  # open loop
             tasks, start = [], time.perf_counter()
-            at = 0.0
-            for req in requests:
+            for req, at in zip(requests, arrivals_s, strict=True):
                 delay = start + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(req)))
-                at += rng.expovariate(rate)
             return list(await asyncio.gather(*tasks))
 
         pending = iter(requests)

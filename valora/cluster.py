@@ -651,6 +651,64 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def process_env(pid: int) -> dict[str, str]:
+    """The environment process `pid` was started with (Linux: /proc/<pid>/environ)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
+
+def restart_process(
+    cluster: Cluster,
+    name: str,
+    env: Mapping[str, str] | None = None,
+    grace_s: float = 15.0,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> ProcessInfo:
+    """Stops the cluster's live process `name` (SIGTERM, SIGKILL after `grace_s`) and starts its
+    service again on the same ports, log and environment, `env` over that environment (e.g. the
+    scheduler under another VALORA_POLICY, the other services and their state untouched); returns
+    its new ProcessInfo, saved in the state file, once it is SERVING (else a StartupError). The
+    environment is read from /proc before the stop (Linux). A scheduler that lists its workers
+    statically (VALORA_WORKER_ADDRESSES) sees them again at its first status round."""
+    old = next((p for p in cluster.processes if p.name == name), None)
+    if old is None:
+        raise ValueError(f"no process {name!r} in the cluster; it has {', '.join(p.name for p in cluster.processes)}")
+    if not _alive(old.pid):
+        raise RuntimeError(f"{name} (pid {old.pid}) is not running")
+    started_env = {**process_env(old.pid), **(env or {})}
+    _signal(old.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _alive(old.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(old.pid):
+        _signal(old.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0  # the port is free once the kernel has closed its sockets
+        while _alive(old.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    with open(old.log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{old.service}"],
+            env=started_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    new = ProcessInfo(**{**asdict(old), "pid": proc.pid})
+    cluster.processes[cluster.processes.index(old)] = new
+    cluster.save()
+    try:
+        wait_healthy(new.address, startup_timeout_s, proc, new.log)
+    except TimeoutError:
+        raise StartupError(
+            old.service, name, new.log, f"{name} did not become healthy within {startup_timeout_s:g} s (log: {new.log})"
+        ) from None
+    except RuntimeError as exc:
+        raise StartupError(
+            old.service, name, new.log, f"{name} exited with {proc.returncode} before it became healthy"
+        ) from exc
+    return new
+
+
 def stop_cluster(home: Path = DEFAULT_HOME, grace_s: float = 15.0) -> list[str]:
     """SIGTERM every process (gateway first; consecutive processes of one service, the workers,
     together), SIGKILL what is left of each group after the grace period."""

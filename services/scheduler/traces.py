@@ -36,6 +36,11 @@ def adapter_names(n: int) -> list[str]:
     return [f"adapters/a{i:03d}/versions/1" for i in range(n)]
 
 
+def video_adapter_names(n: int) -> list[str]:
+    """The task-head adapters of `two_app_trace`'s video streams (stream i uses name i mod n)."""
+    return [f"adapters/video{i}/versions/1" for i in range(n)]
+
+
 def zipf_weights(n: int, alpha: float) -> list[float]:
     """Popularity of ranks 1..n under Zipf(α): p_i ∝ i^-α (α = 0: uniform)."""
     w = [1.0 / (i**alpha) for i in range(1, n + 1)]
@@ -116,7 +121,7 @@ def two_app_trace(
     Here the class names the application even without an objective (the simulator reports per
     class); the store keeps a class only with an objective."""
     rng = random.Random(seed)
-    video_names = [f"adapters/video{i}/versions/1" for i in range(video_tasks)]
+    video_names = video_adapter_names(video_tasks)
     out: list[TraceRequest] = []
     for s in range(streams):
         t = rng.random()  # phase
