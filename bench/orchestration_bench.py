@@ -423,6 +423,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="The workers' VALORA_MAX_BATCH_SIZE (-1: 64 on cuda, the worker's default on cpu).",
     )
     p.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=1,
+        help="CPU workers' torch threads (OMP_NUM_THREADS); 0: torch's default, one per core, which on a "
+        "machine shared with other work spins in OpenMP barriers (the tiny model's latencies 100x longer).",
+    )
+    p.add_argument(
         "--home",
         type=Path,
         default=None,
@@ -442,6 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--duration, --rate and --video-slo-ms must be > 0, --warmup-s and --retrieval-slo-ms >= 0")
     if min(args.workers, args.streams, args.frames, args.video_tasks, args.retrieval_adapters, args.rank) < 1:
         p.error("--workers, --streams, --frames, --video-tasks, --retrieval-adapters and --rank must be >= 1")
+    if args.threads_per_worker < 0:
+        p.error("--threads-per-worker must be >= 0")
     if len(args.prompt_tokens) != 2 or args.prompt_tokens[0] > args.prompt_tokens[1]:
         p.error("--prompt-tokens: min,max")
     if args.image_size <= 0:
@@ -491,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     inputs = make_inputs(args, model)
     gpu_ids = cluster_mod.visible_gpus() if args.device == "cuda" else []
-    gpus, worker_env = sb.gpu_plan(args.device, args.workers, gpu_ids, args.dtype)
+    gpus, worker_env = sb.gpu_plan(args.device, args.workers, gpu_ids, args.dtype, args.threads_per_worker)
     temp_home = args.home is None
     home = Path(tempfile.mkdtemp(prefix="valora-orchestration-")) if temp_home else args.home.resolve()
     adapters = args.video_tasks + args.retrieval_adapters
