@@ -20,8 +20,12 @@
 #                                                     # bench.step_profile once per environment (STEP_ARGS: its options)
 #   SUF=<commit> bash bench/h200_session.sh paged     # paged KV: GPU tests, paged decode/prefill attention benches, §3 engine bench
 #                                                     # (valora only) and its 32-adapter r8 batch-32 variant
+#   SUF=<commit> LOADS="8:8" bash bench/h200_session.sh orchestration  # issue 23, docs/workloads.md two-app: the 7B
+#                                                     # worker under valora, slora, punica, dlora; per "streams:rate" load
+#   (orchestration: ORCH_ARGS adds orchestration_bench options; ORCH_S bounds each load, 420 s; DURATION (60) and
+#    WARMUP_S (10) are seconds per policy: at the defaults one load fills a call)
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|steps|paged}
+MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|steps|paged|orchestration}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -168,6 +172,21 @@ elif [ "$MODE" = serve-ab ]; then  # several worker settings in one call, each a
     OUT="$OUT/${c%%:*}" SUF="$SUF-${c%%:*}" SERVE_ARGS="${SERVE_ARGS:-} ${c#*:}" bash "$0" serve
     say "serve ${c%%:*}"
   done
+elif [ "$MODE" = orchestration ]; then  # issue 23: video analytics + visual retrieval under every policy
+  # ~20 s start + adapters, then per policy: scheduler restart (~2 s), ~3000 images drawn, warm-up (WARMUP_S + every task
+  # once), the DURATION s schedule; SIGTERM at ORCH_S still writes the rows of the policies done
+  for load in ${LOADS:-8:8}; do
+    streams=${load%%:*}; rate=${load#*:}
+    OUT="$OUT" timeout -s TERM "${ORCH_S:-420}" python3 -m bench.orchestration_bench --device cuda --arch qwen2-vl-7b \
+      --atmm --dtype bfloat16 --streams "$streams" --rate "$rate" --duration "${DURATION:-60}" --warmup-s "${WARMUP_S:-10}" \
+      --out "bench/results/orchestration-h200-$SUF-s${streams}r${rate}.json" ${ORCH_ARGS:-} 2>&1 | grep -v "━" | tail -24 \
+      | tee -a "$LOG"
+    say "orchestration_bench $load"
+  done
+  # the services' warnings and errors, counted by event (a failed run keeps its home: /tmp/valora-orchestration-*)
+  cat /tmp/valora-orchestration-*/logs/*.log 2>/dev/null | grep -E "warning|error" | sed -E 's/^[0-9 :-]+//' \
+    | cut -c1-300 | sort | uniq -c | sort -rn | head -60 > "$OUT/service-warnings.txt"
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = long ]; then  # issue "Engine v2": 31 streams beside one 16k-token request at batch 32
   timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-h200-$SUF" 2>&1 \
     | grep -v -E "Loading|Writing" | tail -120 | tee -a "$LOG"
