@@ -55,7 +55,7 @@ class Riders:
     (a pipelined step's pending tokens), else None (the host's). After the forward their tokens
     (rows,) and packed log-probabilities (or None) are on the device, as a decode step's."""
 
-    rows: list[Sequence]
+    rows: list[Sequence]  # in the order they take among the forward's rows
     ids: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -154,6 +154,8 @@ class ModelRunner:
         token as a piece of one (embedded from its last token, at its next position and slot) and
         takes a token chosen with the first tokens, in one sampling call."""
         ride = {s: j for j, s in enumerate(riders.rows)} if riders is not None else {}
+        if [ride[s] for s in rows if s in ride] != list(range(len(ride))):
+            raise ValueError("riders must be listed in the order they take among the rows")
         settle = self.vision.settle
         step, ride_embeds = self.lockstep.agreed(self._plan_and_embed, plan, rows, riders, ride, settle=settle)
         if self.trace is not None:
@@ -187,35 +189,49 @@ class ModelRunner:
     def _prefill_forward(
         self, rows: list[Sequence], step: StepLora, riders: Riders | None, ride: dict, ride_embeds: torch.Tensor | None
     ) -> tuple[list[Sequence], PrefillOutput]:
-        """The prefill's packed forward over the rows' inputs and the completed rows' first tokens."""
-        parts, positions, slots, lens = [], [], [], []
+        """The prefill's packed forward over the rows' inputs and the completed rows' first tokens.
+        Consecutive riders' inputs are built as one chunk from host integers (per-row tensors
+        cost ~25 µs a rider on the host, ~2.7 ms a step of 105 riders on a 2-core host)."""
+        parts, positions, slots, counts, lens = [], [], [], [], []
         wanted, at, end = [], {}, 0  # each completed row's last token; each rider's token
+        run: list[Sequence] = []  # consecutive riders not yet in the chunks
+
+        def flush() -> None:
+            if not run:
+                return
+            j = ride[run[0]]  # riders come in the rows' order (Riders), so a run's embeddings are a slice
+            parts.append(ride_embeds[j : j + len(run)])
+            positions.append(torch.tensor([s.length + s.rope_delta for s in run]).expand(3, -1))
+            slots.append(torch.tensor([self.blocks.slot(s.id, s.length) for s in run]))
+            run.clear()
+
         for s in rows:
-            j = ride.get(s)
-            if j is not None:
-                parts.append(ride_embeds[j : j + 1])
-                positions.append(torch.full((3, 1), s.length + s.rope_delta, dtype=torch.long))
-                slots.append(self.blocks.slots(s.id, s.length, s.length + 1))
+            if s in ride:
+                run.append(s)
+                counts.append(1)
                 lens.append(s.length + 1)
                 at[s] = end
                 end += 1
                 continue
+            flush()
             e, pos, _ = s.chunk_inputs
             a, b = s.prefilled, s.prefill_to
             parts.append(e[a:b])
             positions.append(pos[:, a:b])
             slots.append(self.blocks.slots(s.id, a, b))
+            counts.append(b - a)
             lens.append(b)
             end += b - a
             if b == s.context:
                 wanted.append(end - 1)
+        flush()
         completed = [s for s in rows if s not in ride and s.prefill_to == s.context]
         if ride:
             wanted += [at[s] for s in riders.rows]
         self.runtime.step = step
         try:
             hidden = self.prefill_graphs.forward(
-                parts, positions, slots, [self.blocks.row(s.id) for s in rows], lens, wanted, step
+                parts, positions, slots, counts, [self.blocks.row(s.id) for s in rows], lens, wanted, step
             )
             self.lockstep.forward_ran = True
         finally:

@@ -103,17 +103,19 @@ class PrefillGraphs(GraphSet):
         embeds: list[torch.Tensor],
         positions: list[torch.Tensor],
         slots: list[torch.Tensor],
+        counts: list[int],
         table_rows: list[int],
         seq_lens: list[int],
         wanted: list[int],
         step: StepLora,
     ) -> torch.Tensor:
-        """The language model over the rows' pieces packed (`embeds` (n_i, hidden) device,
-        `positions` (3, n_i) and `slots` (n_i,) long host tensors a row; each row's block-table
-        row and context length with its piece), `step` planned for `tokens(sum n_i)` tokens.
-        Every piece's keys and values are written to its slots. Returns the hidden states of
-        the packed tokens `wanted` (len(wanted), hidden), owned by the entry."""
-        counts = [e.shape[0] for e in embeds]
+        """The language model over the rows' pieces packed: `counts` (n_i) tokens a row, their
+        inputs in packing order as chunks that concatenate to them (`embeds` (m, hidden) device,
+        `positions` (3, m) and `slots` (m,) long host tensors; a chunk may hold several rows'
+        pieces: decode riders come in runs), each row's block-table row and context length with
+        its piece; `step` planned for `tokens(sum n_i)` tokens. Every piece's keys and values are
+        written to its slots. Returns the hidden states of the packed tokens `wanted`
+        (len(wanted), hidden), owned by the entry."""
         n, r = sum(counts), len(counts)
         t = self.tokens(n)
         if step.plan.num_tokens not in (0, t) and step.active:
