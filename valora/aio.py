@@ -119,6 +119,7 @@ class AsyncValoraClient:
         logit_bias: Mapping[int, float] | None = None,
         prompt_token_ids: Iterable[int] = (),
         adapter_release_fraction: float = 0.0,
+        adapter_release_rule: str = "",
     ) -> InferResult:
         """One request's result; the parameters of ValoraClient.infer."""
         req = _request(
@@ -143,6 +144,7 @@ class AsyncValoraClient:
                 logit_bias,
                 prompt_token_ids,
                 adapter_release_fraction,
+                adapter_release_rule,
             ),
             request_id,
         )
@@ -172,6 +174,7 @@ class AsyncValoraClient:
         logit_bias: Mapping[int, float] | None = None,
         prompt_token_ids: Iterable[int] = (),
         adapter_release_fraction: float = 0.0,
+        adapter_release_rule: str = "",
     ) -> AsyncIterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen). Leaving the loop
@@ -198,6 +201,7 @@ class AsyncValoraClient:
                 logit_bias,
                 prompt_token_ids,
                 adapter_release_fraction,
+                adapter_release_rule,
             ),
             request_id,
         )

@@ -147,6 +147,7 @@ def _input(
     logit_bias: Mapping[int, float] | None = None,
     prompt_token_ids: Iterable[int] = (),
     adapter_release_fraction: float = 0.0,
+    adapter_release_rule: str = "",
 ) -> inf_pb.InferenceInput:
     inp = inf_pb.InferenceInput(
         prompt=prompt,
@@ -168,6 +169,7 @@ def _input(
             repetition_penalty=penalties[2],
             logit_bias=logit_bias or {},
             adapter_release_fraction=adapter_release_fraction,
+            adapter_release_rule=release_rule_value(adapter_release_rule),
         ),
     )
     inp.prompt_token_ids.extend(prompt_token_ids)
@@ -177,6 +179,28 @@ def _input(
     if task:
         inp.task = task
     return inp
+
+
+_RULE_PREFIX = "ADAPTER_RELEASE_RULE_"
+
+
+def release_rule_name(value: int) -> str:
+    """An early adapter release rule (valora.v1.AdapterReleaseRule) by name: "sentence_end", or
+    "none" for UNSPECIFIED."""
+    name = types_pb2.AdapterReleaseRule.Name(value).removeprefix(_RULE_PREFIX).lower()
+    return "none" if name == "unspecified" else name
+
+
+RELEASE_RULES = tuple(release_rule_name(v) for v in types_pb2.AdapterReleaseRule.values())
+
+
+def release_rule_value(name: str) -> int:
+    """The proto value of a rule named as RELEASE_RULES does ("" too: none); ValueError naming them."""
+    if name in ("", "none"):
+        return types_pb2.ADAPTER_RELEASE_RULE_UNSPECIFIED
+    if name not in RELEASE_RULES:
+        raise ValueError(f"adapter_release_rule {name!r} is not one of {', '.join(RELEASE_RULES)}")
+    return types_pb2.AdapterReleaseRule.Value(_RULE_PREFIX + name.upper())
 
 
 def _request(kind, inp: inf_pb.InferenceInput, request_id: str):
@@ -331,6 +355,7 @@ class ValoraClient:
         logit_bias: Mapping[int, float] | None = None,
         prompt_token_ids: Iterable[int] = (),
         adapter_release_fraction: float = 0.0,
+        adapter_release_rule: str = "",
     ) -> InferResult:
         """One request's result. `raw_prompt`: `prompt` is the model's whole input text (no chat
         template; then no images); `prompt_token_ids`: that input as token ids instead (no
@@ -338,8 +363,9 @@ class ValoraClient:
         result, with the `top_logprobs` (<= 20) most likely tokens at its position. Penalties as
         OpenAI's (presence, frequency) and vLLM's (repetition; 0 = off); `logit_bias` as OpenAI's
         (token id -> a bias in [-100, 100] added to its logit). `adapter_release_fraction`: early
-        adapter release after that share of max_new_tokens, in [0, 1] (0: the task's policy, if
-        any, else never)."""
+        adapter release after that share of max_new_tokens, in [0, 1]; `adapter_release_rule`:
+        "sentence_end" releases it after the answer's first sentence or line instead (the fraction
+        then the least share before it counts). Neither set: the task's policy, if any, else never."""
         req = _request(
             inf_pb.InferRequest,
             _input(
@@ -362,6 +388,7 @@ class ValoraClient:
                 logit_bias,
                 prompt_token_ids,
                 adapter_release_fraction,
+                adapter_release_rule,
             ),
             request_id,
         )
@@ -391,6 +418,7 @@ class ValoraClient:
         logit_bias: Mapping[int, float] | None = None,
         prompt_token_ids: Iterable[int] = (),
         adapter_release_fraction: float = 0.0,
+        adapter_release_rule: str = "",
     ) -> Iterator[str | InferResult]:
         """Yields text deltas, then the final InferResult. Retried like `infer` until its first
         message; after that an error is raised (the output may have been seen)."""
@@ -416,6 +444,7 @@ class ValoraClient:
                 logit_bias,
                 prompt_token_ids,
                 adapter_release_fraction,
+                adapter_release_rule,
             ),
             request_id,
         )

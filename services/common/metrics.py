@@ -83,7 +83,7 @@ REQUEST_INFERENCE_TIME = Histogram(
 ADAPTER_RELEASES = Counter(
     "valora:adapter_releases_total",
     "Finished requests whose adapter was released early "
-    "(GenerationParams.adapter_release_fraction, or their task's default).",
+    "(GenerationParams.adapter_release_fraction or adapter_release_rule, or their task's default).",
     ["worker"],
 )
 RELEASED_TOKENS = Counter(

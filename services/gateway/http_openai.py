@@ -10,11 +10,13 @@
   `data: [DONE]`), `stream_options.include_usage`. Extension: `output_kind: "label"` with a task
   runs its head; the label is the message content and its scores come back under
   `valora.scores`. Extension: `adapter_release_fraction` (GenerationParams', [0, 1]: after that
-  share of the output the request goes on without its adapter; 0 or omitted: the task's own
-  policy, else never). Bodies are parsed through openai_models.py's typed models: a parameter the
-  engine does not implement (`tools`, `response_format`, …; `UNSUPPORTED`) is a 400 naming it
-  unless it has its neutral value, never silently ignored; an unknown one (`temprature`) is
-  OpenAI's `Unrecognized request argument supplied: temprature`; a mistyped one names its field.
+  share of the output the request goes on without its adapter) and `adapter_release_rule`
+  (`"sentence_end"`: after the answer's first sentence, the fraction then the least share before
+  it counts); neither set: the task's own policy, else never. Bodies are parsed through
+  openai_models.py's typed models: a parameter the engine does not implement (`tools`,
+  `response_format`, …; `UNSUPPORTED`) is a 400 naming it unless it has its neutral value, never
+  silently ignored; an unknown one (`temprature`) is OpenAI's `Unrecognized request argument
+  supplied: temprature`; a mistyped one names its field.
 - `POST /v1/completions`: `prompt` (a string, or a list of one) tokenized as is, without the chat
   template (`raw_prompt`), or token ids (a list of ints, or a list of one such list) sent on as
   they are (`prompt_token_ids`); a batch of several prompts is a 400. Special tokens in either
@@ -68,6 +70,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import errors
+from services.common.release_rules import RULE_NAMES, ReleaseRule
 from services.common.server import REQUEST_ID_KEY, new_request_id
 from services.gateway.auth import AUTHORIZATION_KEY, INFERENCE_PREFIX, ApiKeyAuthInterceptor
 from services.gateway.config import GatewaySettings
@@ -142,6 +145,7 @@ _HTTP_PARAMS: dict[str, str | tuple[str, str]] = {
     "params.frequency_penalty": "frequency_penalty",
     "params.repetition_penalty": "repetition_penalty",
     "params.adapter_release_fraction": "adapter_release_fraction",
+    "params.adapter_release_rule": "adapter_release_rule",
     "params.logprobs": "logprobs",
     "params.top_logprobs": ("top_logprobs", "logprobs"),  # the legacy API's logprobs is the count
     "params.logit_bias": "logit_bias",
@@ -452,6 +456,14 @@ def _request_options(
         value = getattr(req, name)
         if value is not None:
             _assign(p, name, value, name)
+    if req.adapter_release_rule is not None:
+        try:
+            p.adapter_release_rule = ReleaseRule(req.adapter_release_rule).to_pb()
+        except ValueError:
+            raise RequestError(
+                f"adapter_release_rule {req.adapter_release_rule!r} is not one of {', '.join(RULE_NAMES)}",
+                "adapter_release_rule",
+            ) from None
     _logit_bias(req.logit_bias, p)
     if isinstance(req.stop, str):
         p.stop.append(req.stop)

@@ -12,9 +12,10 @@
 
 The fields here are OpenAI's (openai's `CompletionCreateParams` types) plus valora's and vLLM's
 extensions, sent with the SDK's `extra_body`: `top_k`, `min_p`, `repetition_penalty` (vLLM's) and
-`output_kind` (`"label"`: a task's head), `adapter_release_fraction` (early adapter release, as
-GenerationParams'). `user`, `safety_identifier` and `prompt_cache_key` are
-identifiers or hints that change no output: accepted, not used. Ranges are the gateway's
+`output_kind` (`"label"`: a task's head), `adapter_release_fraction` and `adapter_release_rule`
+(early adapter release, as GenerationParams'; the rule by name, `"sentence_end"`). `user`,
+`safety_identifier` and `prompt_cache_key` are identifiers or hints that change no output:
+accepted, not used. Ranges are the gateway's
 validation's business (validation.py), after the request becomes gRPC; custom checks that keep
 their own messages (model, messages, prompt, n, logit_bias keys) are http_openai.py's.
 """
@@ -115,6 +116,7 @@ class _Common(_Strict):
     repetition_penalty: Number | None = None
     output_kind: Literal["text", "label"] | None = None
     adapter_release_fraction: Number | None = None
+    adapter_release_rule: StrictStr | None = None  # a release_rules.ReleaseRule's name: http_openai checks it
 
 
 class ChatCompletionRequest(_Common):

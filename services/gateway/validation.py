@@ -167,6 +167,13 @@ def check_input(
     f = p.adapter_release_fraction
     if not math.isfinite(f) or not 0.0 <= f <= 1.0:
         out.append(FieldViolation(f"{pp}.adapter_release_fraction", f"{f} not in [0, 1] (0 = never)"))
+    if p.adapter_release_rule not in types_pb2.AdapterReleaseRule.values():
+        out.append(
+            FieldViolation(
+                f"{pp}.adapter_release_rule",
+                f"unknown rule {p.adapter_release_rule} (known: {', '.join(types_pb2.AdapterReleaseRule.keys())})",
+            )
+        )
     if p.top_k < 0:
         out.append(FieldViolation(f"{pp}.top_k", f"{p.top_k} is negative (0 disables top-k)"))
     if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:

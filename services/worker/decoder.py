@@ -241,7 +241,7 @@ class Decoder:
             if s.finished:
                 continue
             n = len(s.tokens) + 1  # its tokens once this one is taken
-            if s.prep.release_after and not s.released and n >= s.prep.release_after:
+            if not s.released and s.release_watch.comes_with(n):
                 return False
             goes_on = goes_on or n < s.prep.max_new_tokens
         return goes_on

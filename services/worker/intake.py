@@ -16,6 +16,7 @@ from services.common.errors import invalid_field
 from services.worker.kv_cache import BlockManager
 from services.worker.preprocess import process_request
 from services.worker.llava import IMAGE_TOKEN
+from services.worker.release import ReleasePolicy
 from services.worker.processor import IMAGE_PAD, VIDEO_PAD, chat_skeleton, placeholder_counts, special_tokens
 from services.worker.requests import OutputKind, WorkRequest
 from services.common.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_LOGPROBS
@@ -79,10 +80,9 @@ class RequestIntake:
                 f"token id {request.prompt_token_ids[bad]} is not in the model's vocabulary [0, {self.vocab_size})",
                 reason="TOKEN_NOT_IN_VOCABULARY",
             )
-        fraction = request.adapter_release_fraction
-        if not math.isfinite(fraction) or not 0 <= fraction <= 1:
-            raise invalid_field("item.params.adapter_release_fraction", f"{fraction} is not in [0, 1]")
-        release_after = math.ceil(fraction * n) if request.adapter and fraction > 0 else 0
+        release = ReleasePolicy.of(
+            request.adapter_release_fraction, request.adapter_release_rule, n, bool(request.adapter)
+        )
         seeded = sp.seeded()  # seed 0: a random seed, drawn once here (every TP rank alike)
         if seeded is not sp:
             request = dataclasses.replace(request, sampling=seeded)
@@ -112,7 +112,7 @@ class RequestIntake:
             image_tokens=image_tokens,
             prompt_tokens=int(ids.shape[1]),
             vision=vision,
-            release_after=release_after,
+            release=release,
         )
 
     def _check_placeholders(self, request: WorkRequest, inputs: dict) -> None:

@@ -2,7 +2,8 @@
 
 `OutputProcessor.accept` takes one new token of a sequence: it detokenizes and streams it, checks
 EOS, stop sequences and max_new_tokens, releases the adapter early where the request asked for it
-(LoRazor), and finishes the sequence (through the step scheduler) with its GenerationResult.
+(LoRazor: at its release point, or where its rule sets one from the text, release.py), and
+finishes the sequence (through the step scheduler) with its GenerationResult.
 Events go to the request's sink on the engine thread; a tensor-parallel follower's copy of a
 request has no sink and emits nothing.
 
@@ -115,7 +116,7 @@ class OutputProcessor:
         if reason is None and len(s.tokens) >= s.prep.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is None:
-            if s.prep.release_after and not s.released and len(s.tokens) >= s.prep.release_after:
+            if not s.released and s.release_watch.due(len(s.tokens), s.detok.text):
                 self.release_adapter(s)
             return
         tail = s.detok.finish()
@@ -172,6 +173,6 @@ class OutputProcessor:
             mode=s.mode,
             adapter=s.req.adapter or "",
             token_times=list(s.token_times),
-            released_after_tokens=s.prep.release_after if s.released else 0,
+            released_after_tokens=s.release_watch.at if s.released else 0,
             **kw,
         )

@@ -25,6 +25,7 @@ import torch
 
 from services.common.errors import ValoraError, invalid_field
 from services.worker.processor import build_inputs, decode_image, typed_special_token, typed_vision_token, vision_tokens
+from services.common.release_rules import ReleaseRule
 from services.worker.requests import OutputKind, WorkRequest
 from services.worker.sampling import SamplingParams
 from services.worker.vision import VisionItem, cast_pixels, vision_items
@@ -32,6 +33,14 @@ from valora_protos.internal.v1 import work_pb2
 from valora_protos.v1 import types_pb2
 
 log = structlog.get_logger()
+
+
+def release_rule(value: int) -> ReleaseRule:
+    """GenerationParams.adapter_release_rule; INVALID_ARGUMENT for a value this worker does not know."""
+    try:
+        return ReleaseRule.from_pb(value)
+    except ValueError:
+        raise invalid_field("item.params.adapter_release_rule", f"unknown rule {value}") from None
 
 
 def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
@@ -65,6 +74,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         ),
         stop=list(p.stop),
         adapter_release_fraction=p.adapter_release_fraction,
+        adapter_release_rule=release_rule(p.adapter_release_rule),
         system=item.system,
         history=[(t.role, t.text, t.images) for t in item.history],
         raw_prompt=item.raw_prompt,

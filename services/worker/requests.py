@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from services.common.modes import Mode
+from services.common.release_rules import ReleaseRule
 from services.worker.sampling import SamplingParams
 from services.worker.vision import CacheStats
 
@@ -37,9 +38,11 @@ class WorkRequest:
     max_new_tokens: int = 0  # 0: the engine's default
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
-    # LoRazor-style early release: after ceil(fraction * max_new_tokens) tokens the request
-    # continues on the base model (KV cache kept). 0 = never.
+    # LoRazor-style early release (release.py): after ceil(fraction * max_new_tokens) tokens the
+    # request continues on the base model (KV cache kept). 0 = never. With the rule SENTENCE_END,
+    # after the answer's first sentence (the fraction's tokens the least before it counts).
     adapter_release_fraction: float = 0.0
+    adapter_release_rule: ReleaseRule = ReleaseRule.NONE
     # The conversation around the prompt: a system prompt replacing the model's default, and the
     # earlier turns (role, text, how many of `images` they show, in order).
     system: str = ""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.release import ReleasePolicy, ReleaseWatch
 from services.worker.requests import RequestHandle, WorkRequest
 from services.common.modes import Mode
 from services.worker.vision import VisionItem
@@ -22,7 +23,7 @@ class PreparedRequest:
     image_tokens: int
     prompt_tokens: int
     vision: list[VisionItem] = field(default_factory=list)  # images then videos, with content keys
-    release_after: int = 0  # tokens generated with the adapter before it is released (0: never)
+    release: ReleasePolicy = ReleasePolicy()  # early adapter release (none by default)
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -43,6 +44,7 @@ class Sequence:
     t_first: float = 0.0
     mode: Mode = Mode.BASE
     released: bool = False  # early adapter release: decodes on the base path from now on
+    release_watch: ReleaseWatch = field(init=False)  # when it comes (release.py)
     # Prefill: context tokens already in the KV cache; where this step's piece of the context
     # ends (StepScheduler.take_prefills); and, while a context is prefilled in chunks, its
     # embeddings (context, hidden), M-RoPE positions (3, context) and delta for the next chunks.
@@ -53,6 +55,9 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (when asked)
     logprobs_sent: int = 0  # how many of them went out with a TextDelta
     token_times: list[float] = field(default_factory=list)  # time.monotonic() each token was accepted
+
+    def __post_init__(self) -> None:
+        self.release_watch = ReleaseWatch(self.prep.release)
 
     @property
     def req(self) -> WorkRequest:

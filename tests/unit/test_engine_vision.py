@@ -244,7 +244,7 @@ def test_video_patches_follow_qwen2vl_video_layout(model_path):
 
 
 def test_gateway_validates_video_frames_like_images():
-    """(And the new GenerationParams.adapter_release_fraction.)"""
+    """(And GenerationParams' adapter_release_fraction and adapter_release_rule.)"""
     import asyncio
     import io
 
@@ -269,7 +269,7 @@ def test_gateway_validates_video_frames_like_images():
     asyncio.run(validate(good, "r", limits))
     bad = inference_service_pb2.InferenceInput(
         prompt="hi",
-        params=types_pb2.GenerationParams(adapter_release_fraction=float("nan")),
+        params=types_pb2.GenerationParams(adapter_release_fraction=float("nan"), adapter_release_rule=7),
         videos=[
             types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")]),
             types_pb2.Video(),
@@ -284,6 +284,7 @@ def test_gateway_validates_video_frames_like_images():
         "input.videos[1].frames",
         "input.videos[2].frames[1].mime_type",
         "input.params.adapter_release_fraction",
+        "input.params.adapter_release_rule",
     }
     bad = inference_service_pb2.InferenceInput(videos=[types_pb2.Video(frames=[ok, types_pb2.Image(data=b"nope")])])
     with pytest.raises(InvalidArgument) as err:

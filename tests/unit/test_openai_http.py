@@ -774,6 +774,43 @@ async def test_adapter_release_fraction_through_extra_body():
     assert typed.value.body["param"] == "adapter_release_fraction"
 
 
+async def test_adapter_release_rule_through_extra_body():
+    """The run-time release rule over HTTP: extra_body's adapter_release_rule by name reaches the
+    worker's request as the gRPC field (with a fraction, the least share before it counts);
+    "none" is no rule; a name it does not know, or not a string, is a 400 naming the field."""
+    async with http_stack() as (worker, client, _):
+        await client.chat.completions.create(
+            model="adapters/cars@prod",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"adapter_release_rule": "sentence_end"},
+        )
+        await client.completions.create(
+            model="adapters/cars@prod",
+            prompt="x",
+            extra_body={"adapter_release_rule": "sentence_end", "adapter_release_fraction": 0.5},
+        )
+        await client.completions.create(
+            model="adapters/cars@prod", prompt="x", extra_body={"adapter_release_rule": "none"}
+        )
+        errs = []
+        for value in ("sentence-end", 1):
+            with pytest.raises(openai.BadRequestError) as exc:
+                await client.chat.completions.create(
+                    model="adapters/cars@prod",
+                    messages=[{"role": "user", "content": "x"}],
+                    extra_body={"adapter_release_rule": value},
+                )
+            errs.append(exc.value)
+    assert [(i.params.adapter_release_rule, i.params.adapter_release_fraction) for i in worker.items] == [
+        (types_pb2.ADAPTER_RELEASE_RULE_SENTENCE_END, 0.0),
+        (types_pb2.ADAPTER_RELEASE_RULE_SENTENCE_END, 0.5),
+        (types_pb2.ADAPTER_RELEASE_RULE_UNSPECIFIED, 0.0),
+    ]
+    for err in errs:
+        assert err.status_code == 400 and err.body["param"] == "adapter_release_rule", err.body
+    assert "not one of none, sentence_end" in errs[0].body["message"]
+
+
 def test_every_openai_parameter_is_typed_or_refused():
     """Each parameter of the openai package's request types is either a typed field of ours or
     in UNSUPPORTED, where a value other than its neutral one is a 400 naming it."""

@@ -161,6 +161,53 @@ def test_rows_finishing_at_different_steps(model_path, merged):
     )
 
 
+def rule_release_point(tokenizer, tokens: list[int], least: int) -> int:
+    """Where the SENTENCE_END rule releases a request that would decode `tokens` with its adapter
+    (the first token that ends a sentence at or past `least` tokens, then one more; 0: never
+    before the last token), from the text the worker streams."""
+    from services.worker.detokenizer import IncrementalDetokenizer
+    from services.worker.release import SentenceEnds
+
+    detok, ends = IncrementalDetokenizer(tokenizer), SentenceEnds()
+    for k, token in enumerate(tokens, 1):
+        detok.push(token)
+        if ends.ended(detok.text) and k >= least:
+            return k + 1 if k + 1 < len(tokens) else 0
+    return 0
+
+
+def test_sentence_end_rule_releases_at_one_position_pipelined_or_not(model_path):
+    """The SENTENCE_END rule decides from the streamed text, which the host sees one step late
+    when pipelined: its release point (one token past the sentence end) is the same position
+    either way — every event equal with pipelining on and off — and up to it the tokens are
+    the adapter's (the run without release); a least share (0.25 of 24: 6 tokens) moves it on.
+    The tiny model's text has no punctuation of its own: a small bias on "." gives it some."""
+    from services.worker.model import load_processor
+    from services.common.release_rules import ReleaseRule
+
+    tokenizer = load_processor(model_path).tokenizer
+    n, adapters = 24, [A, B, A, B, None, A]
+    dots = SamplingParams(logit_bias=((tokenizer.convert_tokens_to_ids("."), 0.7),))
+    plain = run(model_path, [req(i, n, adapter=a, sampling=dots) for i, a in enumerate(adapters)], False)
+    ruled = [
+        req(i, n, adapter=a, sampling=dots, adapter_release_rule=ReleaseRule.SENTENCE_END)
+        for i, a in enumerate(adapters)
+    ]
+    ruled[2].adapter_release_fraction = ruled[3].adapter_release_fraction = 0.25
+    on, off = same_both_ways(model_path, ruled)
+    released = 0
+    for q in ruled:
+        full = plain.out[q.request_id].terminal.result.token_ids
+        want = rule_release_point(tokenizer, full, 6 if q.adapter_release_fraction else 0) if q.adapter else 0
+        got = [r.out[q.request_id].terminal.result for r in (on, off)]
+        assert [g.released_after_tokens for g in got] == [want, want], q.request_id
+        if want:
+            assert got[0].token_ids[:want] == full[:want] and got[0].token_ids != full, q.request_id
+            released += 1
+    assert released >= 2, "the tiny model's text ended no sentence: the test has no teeth"
+    assert on.eng.decoder.pipelined_steps >= 15
+
+
 def test_stop_sequences(model_path):
     base = run(model_path, [req(i, 16) for i in range(4)], False)
     texts = {rid: o.terminal.result.text for rid, o in base.out.items()}

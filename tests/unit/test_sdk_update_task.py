@@ -1,7 +1,8 @@
 """ValoraClient.update_task against a real adapter store (SQLite) behind a real gateway over
 loopback gRPC: only the fields given change, the etag guards the update, and bad values and
-unknown tasks come back as typed errors; and the SDK's requests' own adapter_release_fraction
-(test_gateway's gateway, in front of its in-test store and scheduler)."""
+unknown tasks come back as typed errors; and the SDK's requests' own release policy
+(adapter_release_fraction and adapter_release_rule; test_gateway's gateway, in front of its
+in-test store and scheduler)."""
 
 from __future__ import annotations
 
@@ -73,19 +74,33 @@ def test_sdk_update_task(client):
 
 
 @pytest.mark.anyio
-async def test_sdk_requests_carry_their_own_release_fraction():
-    """infer / infer_stream (sync and asyncio) send adapter_release_fraction; 0 leaves it to the
-    task's policy, filled in by the gateway."""
+async def test_sdk_requests_carry_their_own_release_policy():
+    """infer / infer_stream (sync and asyncio) send adapter_release_fraction and the rule by name
+    (adapter_release_rule); 0 and none leave it to the task's policy, filled in by the gateway;
+    a rule the SDK does not know is a ValueError naming the known ones, before any call."""
     port = free_port()
+    rule = "sentence_end"
     async with gateway(port=port) as env:
         address = f"127.0.0.1:{port}"
         async with AsyncValoraClient(address, retries=0, timeout_s=30) as c:
             await c.infer("a car?", adapter="adapters/cars", adapter_release_fraction=0.5)
             [_ async for _ in c.infer_stream("a car?", task="tasks/caption", adapter_release_fraction=0.25)]
+            await c.infer("a car?", adapter="adapters/cars", adapter_release_rule=rule)
         with ValoraClient(address, retries=0, timeout_s=30) as sync:  # in a thread: this loop serves the gateway
             await asyncio.to_thread(sync.infer, "a car?", adapter="adapters/cars", adapter_release_fraction=0.75)
             await asyncio.to_thread(
                 lambda: list(sync.infer_stream("a car?", adapter="adapters/cars", adapter_release_fraction=1.0))
             )
             await asyncio.to_thread(sync.infer, "a car?", adapter="adapters/cars")
-    assert [i.params.adapter_release_fraction for i in env.scheduler.items] == [0.5, 0.25, 0.75, 1.0, 0.0]
+            await asyncio.to_thread(
+                lambda: list(
+                    sync.infer_stream(
+                        "a car?", adapter="adapters/cars", adapter_release_fraction=0.5, adapter_release_rule=rule
+                    )
+                )
+            )
+            with pytest.raises(ValueError, match="none, sentence_end"):
+                sync.infer("a car?", adapter="adapters/cars", adapter_release_rule="sentence-end")
+    items = env.scheduler.items
+    assert [i.params.adapter_release_fraction for i in items] == [0.5, 0.25, 0.0, 0.75, 1.0, 0.0, 0.5]
+    assert [i.params.adapter_release_rule for i in items] == [0, 0, 1, 0, 0, 0, 1]

@@ -308,6 +308,15 @@ async def test_errors_map_to_status_codes(cluster):
             params=types_pb2.GenerationParams(adapter_release_fraction=1.5),
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_release_fraction" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # a rule this worker does not know
+        await generate(
+            stub,
+            request_id="rule",
+            prompt="hi",
+            adapter=ref(A, store),
+            params=types_pb2.GenerationParams(adapter_release_rule=7),
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_release_rule" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # a token id past the model's vocabulary: only the worker knows it
         await generate(stub, request_id="bias", prompt="hi", params=types_pb2.GenerationParams(logit_bias={10**6: 1.0}))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias[1000000]" in err.value.details()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15valora/v1/types.proto\x12\tvalora.v1\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\")\n\x05Video\x12 \n\x06\x66rames\x18\x01 \x03(\x0b\x32\x10.valora.v1.Image\"6\n\x08\x43hatTurn\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06images\x18\x03 \x01(\x05\"\x95\x03\n\x10GenerationParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12 \n\x18\x61\x64\x61pter_release_fraction\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.valora.v1.GenerationParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.valora.v1.TokenLogprob\"*\n\nLabelScore\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"K\n\x05Usage\x12\x14\n\x0cimage_tokens\x18\x01 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\"D\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01*\x9c\x01\n\rInferenceMode\x12\x1e\n\x1aINFERENCE_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13INFERENCE_MODE_BASE\x10\x01\x12\x19\n\x15INFERENCE_MODE_MERGED\x10\x02\x12\x1b\n\x17INFERENCE_MODE_UNMERGED\x10\x03\x12\x1a\n\x16INFERENCE_MODE_MIXTURE\x10\x04*V\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10OUTPUT_KIND_TEXT\x10\x01\x12\x15\n\x11OUTPUT_KIND_LABEL\x10\x02*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x17\n\x13\x46INISH_REASON_LABEL\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15valora/v1/types.proto\x12\tvalora.v1\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\")\n\x05Video\x12 \n\x06\x66rames\x18\x01 \x03(\x0b\x32\x10.valora.v1.Image\"6\n\x08\x43hatTurn\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06images\x18\x03 \x01(\x05\"\xd2\x03\n\x10GenerationParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12 \n\x18\x61\x64\x61pter_release_fraction\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.valora.v1.GenerationParams.LogitBiasEntry\x12;\n\x14\x61\x64\x61pter_release_rule\x18\x0f \x01(\x0e\x32\x1d.valora.v1.AdapterReleaseRule\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.valora.v1.TokenLogprob\"*\n\nLabelScore\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"K\n\x05Usage\x12\x14\n\x0cimage_tokens\x18\x01 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\"D\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01*\x9c\x01\n\rInferenceMode\x12\x1e\n\x1aINFERENCE_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13INFERENCE_MODE_BASE\x10\x01\x12\x19\n\x15INFERENCE_MODE_MERGED\x10\x02\x12\x1b\n\x17INFERENCE_MODE_UNMERGED\x10\x03\x12\x1a\n\x16INFERENCE_MODE_MIXTURE\x10\x04*V\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10OUTPUT_KIND_TEXT\x10\x01\x12\x15\n\x11OUTPUT_KIND_LABEL\x10\x02*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x17\n\x13\x46INISH_REASON_LABEL\x10\x04*a\n\x12\x41\x64\x61pterReleaseRule\x12$\n ADAPTER_RELEASE_RULE_UNSPECIFIED\x10\x00\x12%\n!ADAPTER_RELEASE_RULE_SENTENCE_END\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_INFERENCEMODE']._serialized_start=905
-  _globals['_INFERENCEMODE']._serialized_end=1061
-  _globals['_OUTPUTKIND']._serialized_start=1063
-  _globals['_OUTPUTKIND']._serialized_end=1149
-  _globals['_FINISHREASON']._serialized_start=1152
-  _globals['_FINISHREASON']._serialized_end=1304
+  _globals['_INFERENCEMODE']._serialized_start=966
+  _globals['_INFERENCEMODE']._serialized_end=1122
+  _globals['_OUTPUTKIND']._serialized_start=1124
+  _globals['_OUTPUTKIND']._serialized_end=1210
+  _globals['_FINISHREASON']._serialized_start=1213
+  _globals['_FINISHREASON']._serialized_end=1365
+  _globals['_ADAPTERRELEASERULE']._serialized_start=1367
+  _globals['_ADAPTERRELEASERULE']._serialized_end=1464
   _globals['_IMAGE']._serialized_start=36
   _globals['_IMAGE']._serialized_end=76
   _globals['_VIDEO']._serialized_start=78
@@ -46,15 +48,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATTURN']._serialized_start=121
   _globals['_CHATTURN']._serialized_end=175
   _globals['_GENERATIONPARAMS']._serialized_start=178
-  _globals['_GENERATIONPARAMS']._serialized_end=583
-  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=535
-  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=583
-  _globals['_TOKENLOGPROB']._serialized_start=585
-  _globals['_TOKENLOGPROB']._serialized_end=711
-  _globals['_LABELSCORE']._serialized_start=713
-  _globals['_LABELSCORE']._serialized_end=755
-  _globals['_USAGE']._serialized_start=757
-  _globals['_USAGE']._serialized_end=832
-  _globals['_TIMING']._serialized_start=834
-  _globals['_TIMING']._serialized_end=902
+  _globals['_GENERATIONPARAMS']._serialized_end=644
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=596
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=644
+  _globals['_TOKENLOGPROB']._serialized_start=646
+  _globals['_TOKENLOGPROB']._serialized_end=772
+  _globals['_LABELSCORE']._serialized_start=774
+  _globals['_LABELSCORE']._serialized_end=816
+  _globals['_USAGE']._serialized_start=818
+  _globals['_USAGE']._serialized_end=893
+  _globals['_TIMING']._serialized_start=895
+  _globals['_TIMING']._serialized_end=963
 # @@protoc_insertion_point(module_scope)

@@ -28,6 +28,11 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
     FINISH_REASON_LABEL: _ClassVar[FinishReason]
+
+class AdapterReleaseRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_RELEASE_RULE_UNSPECIFIED: _ClassVar[AdapterReleaseRule]
+    ADAPTER_RELEASE_RULE_SENTENCE_END: _ClassVar[AdapterReleaseRule]
 INFERENCE_MODE_UNSPECIFIED: InferenceMode
 INFERENCE_MODE_BASE: InferenceMode
 INFERENCE_MODE_MERGED: InferenceMode
@@ -41,6 +46,8 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 FINISH_REASON_LABEL: FinishReason
+ADAPTER_RELEASE_RULE_UNSPECIFIED: AdapterReleaseRule
+ADAPTER_RELEASE_RULE_SENTENCE_END: AdapterReleaseRule
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type")
@@ -67,7 +74,7 @@ class ChatTurn(_message.Message):
     def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., images: _Optional[int] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "adapter_release_fraction", "min_p", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "adapter_release_fraction", "min_p", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "adapter_release_rule")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +96,7 @@ class GenerationParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RELEASE_RULE_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -103,7 +111,8 @@ class GenerationParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., adapter_release_fraction: _Optional[float] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    adapter_release_rule: AdapterReleaseRule
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., adapter_release_fraction: _Optional[float] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., adapter_release_rule: _Optional[_Union[AdapterReleaseRule, str]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "bytes", "top_logprobs")
