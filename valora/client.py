@@ -588,10 +588,12 @@ class ValoraClient:
         slo_ms: float = 0.0,
         slo_class: str = "",
         adapter_release_fraction: float = 0.0,
+        adapter_release_rule: str = "",
     ) -> resources_pb2.Task:
         """`slo_ms`: the latency objective of the task's requests (0: none); `slo_class`: the
-        application it counts under (empty: the task's id); `adapter_release_fraction`: the early
-        adapter release of its requests that set none of their own (0: off)."""
+        application it counts under (empty: the task's id); `adapter_release_fraction` and
+        `adapter_release_rule` ("sentence_end"; "" or "none": no rule): the early adapter release
+        of its requests that set none of their own (as infer's; 0 and no rule: off)."""
         r = self._call(
             self._admin.CreateTask,
             admin_pb.CreateTaskRequest(
@@ -605,6 +607,7 @@ class ValoraClient:
                     slo_ms=slo_ms,
                     slo_class=slo_class,
                     adapter_release_fraction=adapter_release_fraction,
+                    adapter_release_rule=release_rule_value(adapter_release_rule),
                 ),
             ),
             self._admin_key,
@@ -624,20 +627,24 @@ class ValoraClient:
         slo_ms: float | None = None,
         slo_class: str | None = None,
         adapter_release_fraction: float | None = None,
+        adapter_release_rule: str | None = None,
         etag: str = "",
     ) -> resources_pb2.Task:
         """Changes the fields given (the others stay as they are); returns the task as it is now.
-        `slo_ms=0` alone clears the class too. `etag` (get_task(...).etag): only if the task has
+        `slo_ms=0` alone clears the class too; `adapter_release_rule="none"` clears the rule (the
+        fraction stays). `etag` (get_task(...).etag): only if the task has
         not changed since, else ABORTED (reason ETAG_MISMATCH). INVALID_ARGUMENT for bad values
         or no field given, NOT_FOUND for no such task."""
         name = name if name.startswith("tasks/") else f"tasks/{name}"
         task = resources_pb2.Task(name=name)
+        rule = None if adapter_release_rule is None else release_rule_value(adapter_release_rule)
         paths = []
         for path, value in (
             ("description", description),
             ("slo_ms", slo_ms),
             ("slo_class", slo_class),
             ("adapter_release_fraction", adapter_release_fraction),
+            ("adapter_release_rule", rule),
         ):
             if value is not None:
                 setattr(task, path, value)

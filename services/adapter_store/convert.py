@@ -21,6 +21,7 @@ from services.adapter_store.domain import (
     Task,
     Version,
     check_release_fraction,
+    check_release_rule,
     check_slo,
 )
 from services.adapter_store.jobs import (
@@ -88,6 +89,7 @@ def task_to_pb(t: Task) -> res_pb.Task:
         slo_class=t.slo_class,
         etag=t.etag,
         adapter_release_fraction=t.adapter_release_fraction,
+        adapter_release_rule=t.adapter_release_rule.to_pb(),
     )
 
 
@@ -113,6 +115,7 @@ def task_from_pb(task_id: str, t: res_pb.Task) -> Task:
         slo_ms=t.slo_ms,
         slo_class=slo_class,
         adapter_release_fraction=check_release_fraction(t.adapter_release_fraction),
+        adapter_release_rule=check_release_rule(t.adapter_release_rule),
     )
 
 
@@ -127,7 +130,8 @@ def task_update_from_pb(r: admin_pb.UpdateTaskRequest) -> tuple[str, dict[str, o
     for path in paths:
         if path not in MUTABLE_TASK_FIELDS:
             raise invalid_field("update_mask", f"{path!r} cannot be updated (only {', '.join(MUTABLE_TASK_FIELDS)})")
-        changes[path] = getattr(r.task, path)
+        value = getattr(r.task, path)
+        changes[path] = check_release_rule(value) if path == "adapter_release_rule" else value
     return task_id, changes
 
 

@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 
 from services.common import names
 from services.common.errors import invalid_field
+from services.common.release_rules import ReleaseRule
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -91,8 +92,10 @@ class Task:
     # Latency objective in ms (0 = none) and its SLO class (the task's id unless named).
     slo_ms: float = 0.0
     slo_class: str = ""
-    # Default GenerationParams.adapter_release_fraction of the task's requests (0 = off).
+    # Default early adapter release of the task's requests (GenerationParams'
+    # adapter_release_fraction and adapter_release_rule; 0 and NONE = off).
     adapter_release_fraction: float = 0.0
+    adapter_release_rule: ReleaseRule = ReleaseRule.NONE
 
     @property
     def name(self) -> str:
@@ -114,13 +117,15 @@ class Task:
             self.slo_class,
             self.adapter_release_fraction,
         ]
+        if self.adapter_release_rule is not ReleaseRule.NONE:  # (tasks without one keep their etags)
+            content.append(self.adapter_release_rule.value)
         return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:32]
 
 
 # Longest latency objective a task may carry: past an hour it no longer orders a queue.
 MAX_SLO_MS = 3_600_000.0
 # The Task fields UpdateTask may change (paths of its update_mask).
-MUTABLE_TASK_FIELDS = ("description", "slo_ms", "slo_class", "adapter_release_fraction")
+MUTABLE_TASK_FIELDS = ("description", "slo_ms", "slo_class", "adapter_release_fraction", "adapter_release_rule")
 
 
 def check_slo(task_id: str, slo_ms: float, slo_class: str) -> str:
@@ -140,6 +145,15 @@ def check_release_fraction(fraction: float) -> float:
     if not 0.0 <= fraction <= 1.0:  # NaN fails both comparisons
         raise invalid_field("task.adapter_release_fraction", f"{fraction} is not in [0, 1] (0: never released)")
     return fraction
+
+
+def check_release_rule(value: int) -> ReleaseRule:
+    """Task.adapter_release_rule (valora.v1.AdapterReleaseRule); INVALID_ARGUMENT for one this
+    build does not know."""
+    try:
+        return ReleaseRule.from_pb(value)
+    except ValueError:
+        raise invalid_field("task.adapter_release_rule", f"unknown rule {value}") from None
 
 
 @dataclass(frozen=True)

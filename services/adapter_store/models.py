@@ -35,6 +35,7 @@ NAMING = {
 }
 
 ID_LEN = 63
+RULE_LEN = 32  # a release rule's name (tasks.adapter_release_rule)
 SHA_LEN = 64
 
 
@@ -130,8 +131,10 @@ class TaskRow(Base):
     # Latency objective (0 = none) and the SLO class it belongs to (valora.v1.Task.slo_ms).
     slo_ms: Mapped[float] = mapped_column(Float, default=0.0)
     slo_class: Mapped[str] = mapped_column(String(ID_LEN), default="", index=True)
-    # Default early adapter release of the task's requests, in [0, 1] (0 = off).
+    # Default early adapter release of the task's requests, in [0, 1] (0 = off), and its run-time
+    # rule by name (release_rules.ReleaseRule's value; "none": the fraction alone).
     adapter_release_fraction: Mapped[float] = mapped_column(Float, default=0.0)
+    adapter_release_rule: Mapped[str] = mapped_column(String(RULE_LEN), default="none")
 
 
 class FusedMemberRow(Base):

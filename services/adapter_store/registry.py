@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import names
+from services.common.release_rules import ReleaseRule
 from services.common.errors import (
     Aborted,
     AdapterNotFound,
@@ -93,6 +94,7 @@ def _task(row: TaskRow) -> Task:
         row.slo_ms,
         row.slo_class,
         row.adapter_release_fraction,
+        ReleaseRule(row.adapter_release_rule),
     )
 
 
@@ -506,6 +508,7 @@ class Registry:
                 slo_ms=task.slo_ms,
                 slo_class=task.slo_class,
                 adapter_release_fraction=task.adapter_release_fraction,
+                adapter_release_rule=task.adapter_release_rule.value,
             )
             s.add(new)
             s.flush()
@@ -548,16 +551,19 @@ class Registry:
             else:  # the class follows the objective: none without one, the task's own id by default
                 slo_class = current.slo_class if slo_ms > 0 else ""
             fraction = float(changes.get("adapter_release_fraction", current.adapter_release_fraction))
+            rule = changes.get("adapter_release_rule", current.adapter_release_rule)
             updated = replace(
                 current,
                 description=str(changes.get("description", current.description)),
                 slo_ms=slo_ms,
                 slo_class=check_slo(task_id, slo_ms, slo_class),
                 adapter_release_fraction=check_release_fraction(fraction),
+                adapter_release_rule=ReleaseRule(rule),
             )
             self._check_slo_class(s, updated)
             row.description, row.slo_ms, row.slo_class = updated.description, updated.slo_ms, updated.slo_class
             row.adapter_release_fraction = updated.adapter_release_fraction
+            row.adapter_release_rule = updated.adapter_release_rule.value
             s.flush()
             return _task(row)
 

@@ -45,8 +45,10 @@ class Target:
     # The named task's latency objective (0 = none) and SLO class, for the scheduler.
     slo_ms: float = 0.0
     slo_class: str = ""
-    # The named task's early adapter release policy (0 = off): the request's own value wins.
+    # The named task's early adapter release policy (0 and UNSPECIFIED: off): a request that sets
+    # its own (either field) keeps it.
     adapter_release_fraction: float = 0.0
+    adapter_release_rule: int = types_pb2.ADAPTER_RELEASE_RULE_UNSPECIFIED
 
 
 class ResolutionCache:
@@ -229,6 +231,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             slo_ms=task.slo_ms,
             slo_class=task.slo_class,
             adapter_release_fraction=task.adapter_release_fraction,
+            adapter_release_rule=task.adapter_release_rule,
         )
 
     def _work_item(self, inp: inference_service_pb2.InferenceInput, rid: str, target: Target) -> work_pb2.WorkItem:
@@ -251,6 +254,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         item.params.CopyFrom(inp.params)
         if item.params.max_new_tokens == 0:
             item.params.max_new_tokens = self.settings.default_max_new_tokens
-        if item.params.adapter_release_fraction == 0:  # the task's policy, unless the request set its own
-            item.params.adapter_release_fraction = target.adapter_release_fraction
+        p = item.params
+        if p.adapter_release_fraction == 0 and p.adapter_release_rule == types_pb2.ADAPTER_RELEASE_RULE_UNSPECIFIED:
+            # the task's policy, as a whole, unless the request set its own
+            p.adapter_release_fraction = target.adapter_release_fraction
+            p.adapter_release_rule = target.adapter_release_rule
         return item

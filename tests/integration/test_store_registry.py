@@ -4,6 +4,7 @@ PostgreSQL + S3 (moto_server) — see conftest.store_env."""
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ from grpc_status import rpc_status
 from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
 from valora_protos.v1 import admin_service_pb2 as admin_pb
 from valora_protos.v1 import resources_pb2 as res_pb
+from valora_protos.v1 import types_pb2
 
 from services.adapter_store import db
 from services.adapter_store.models import Base, utcnow
@@ -696,3 +698,60 @@ def test_task_release_policy_round_trips_and_updates(store):
         )
     )
     assert off.task.adapter_release_fraction == 0.0
+
+
+def test_task_release_rule_round_trips_and_updates(store):
+    """A task's release rule is stored, resolved with its fraction (what the gateway applies as
+    one policy), updated on its own (the fraction kept), cleared, and refused naming
+    task.adapter_release_rule when this build does not know it; a task without a rule keeps the
+    etag it had before rules existed."""
+    from services.adapter_store.domain import Task
+
+    sentence_end = types_pb2.ADAPTER_RELEASE_RULE_SENTENCE_END
+    upload(store, data=make_bundle(seed=29))
+    created = store.admin.CreateTask(
+        admin_pb.CreateTaskRequest(
+            task_id="say",
+            task=res_pb.Task(adapter="adapters/demo", adapter_release_fraction=0.25, adapter_release_rule=sentence_end),
+        )
+    ).task
+    assert (created.adapter_release_fraction, created.adapter_release_rule) == (0.25, sentence_end)
+    r = store.store.ResolveReference(store_pb.ResolveReferenceRequest(reference="tasks/say"))
+    assert (r.task.adapter_release_fraction, r.task.adapter_release_rule) == (0.25, sentence_end)
+
+    def update(**fields):
+        return store.admin.UpdateTask(
+            admin_pb.UpdateTaskRequest(
+                task=res_pb.Task(name="tasks/say", **fields),
+                update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_rule"]),
+            )
+        ).task
+
+    cleared = update()
+    assert (cleared.adapter_release_fraction, cleared.adapter_release_rule) == (0.25, 0)
+    assert cleared.etag != created.etag
+    again = update(adapter_release_rule=sentence_end)
+    assert again.adapter_release_rule == sentence_end and again.etag == created.etag
+    got = store.admin.GetTask(admin_pb.GetTaskRequest(name="tasks/say")).task
+    assert got.adapter_release_rule == sentence_end
+    for call, req in (
+        (
+            store.admin.CreateTask,
+            admin_pb.CreateTaskRequest(
+                task_id="bad", task=res_pb.Task(adapter="adapters/demo", adapter_release_rule=9)
+            ),
+        ),
+        (
+            store.admin.UpdateTask,
+            admin_pb.UpdateTaskRequest(
+                task=res_pb.Task(name="tasks/say", adapter_release_rule=9),
+                update_mask=field_mask_pb2.FieldMask(paths=["adapter_release_rule"]),
+            ),
+        ),
+    ):
+        code, _, fields, _ = error_of(call, req)
+        assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["task.adapter_release_rule"])
+    # without a rule, the digest of the fields it had before (a client's etag stays good)
+    plain = Task("t", "adapters/demo", "", "", 0.5, 0.5, None, 10.0, "t", 0.5)
+    old = ["t", "adapters/demo", "", "", 0.5, 0.5, "", 10.0, "t", 0.5]
+    assert plain.etag == hashlib.sha256(json.dumps(old).encode()).hexdigest()[:32]

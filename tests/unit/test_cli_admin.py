@@ -19,6 +19,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.server import create_server as create_gateway
 from valora import cli, errors
 from valora.client import ValoraClient
+from valora_protos.v1 import types_pb2
 
 ADMIN_KEY = "admin-key-cli"
 
@@ -315,8 +316,21 @@ def test_cli_tasks_update(client, invoke, capsys):
     assert client.get_task("cli-upd").adapter_release_fraction == 0.25  # not changed
     r = invoke("tasks", "update", "cli-upd", "--release-fraction", "0")  # no etag: unconditional; 0 turns it off
     assert r.exit_code == 0 and " release=- " in r.output, r.output
+    # the run-time rule: alone, with a least share, cleared
+    r = invoke("tasks", "update", "cli-upd", "--release-rule", "sentence_end")
+    assert r.exit_code == 0 and " release=sentence_end " in r.output, r.output
+    assert client.get_task("cli-upd").adapter_release_rule == types_pb2.ADAPTER_RELEASE_RULE_SENTENCE_END
+    r = invoke("tasks", "update", "cli-upd", "--release-fraction", "0.25")
+    assert r.exit_code == 0 and " release=sentence_end>=0.25 " in r.output, r.output
+    r = invoke("tasks", "list")
+    assert "sentence_end>=0.25" in r.output, r.output
+    r = invoke("tasks", "update", "cli-upd", "--release-rule", "none")
+    assert r.exit_code == 0 and " release=0.25 " in r.output, r.output
+    r = invoke("tasks", "create", "cli-rule", "--adapter", "adapters/cli-upd", "--release-rule", "sentence_end")
+    assert r.exit_code == 0 and " release=sentence_end " in r.output, r.output
+    client.delete_task("cli-rule")
     before = client.get_task("cli-upd").etag
-    for args in (("--release-fraction", "1.5"), ("--slo-ms", "-1"), ()):
+    for args in (("--release-fraction", "1.5"), ("--slo-ms", "-1"), ("--release-rule", "sentence-end"), ()):
         r = invoke("tasks", "update", "cli-upd", *args)
         assert r.exit_code == 2, (args, r.output)  # a usage error, refused before any call
     assert client.get_task("cli-upd").etag == before

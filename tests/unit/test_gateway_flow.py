@@ -57,6 +57,13 @@ TASKS = {
     "tasks/describe": resources_pb2.Task(
         name="tasks/describe", adapter="adapters/cars@prod", adapter_release_fraction=0.5
     ),
+    # One that releases it after the answer's first sentence, past a quarter of the tokens.
+    "tasks/answer": resources_pb2.Task(
+        name="tasks/answer",
+        adapter="adapters/cars@prod",
+        adapter_release_fraction=0.25,
+        adapter_release_rule=types_pb2.ADAPTER_RELEASE_RULE_SENTENCE_END,
+    ),
 }
 
 
@@ -222,15 +229,17 @@ async def test_an_updated_task_objective_reaches_the_scheduler_within_the_resolv
 
 
 async def test_a_task_release_policy_is_the_default_of_its_requests():
-    """The gateway fills in params.adapter_release_fraction from the task it resolved, for a
-    request that sets none; a request's own value wins; a request without the task gets none."""
+    """The gateway fills in params.adapter_release_fraction and adapter_release_rule from the
+    task it resolved, together, for a request that sets neither; a request that sets either
+    keeps its own policy as a whole; a request without the task gets none."""
+    rule = types_pb2.ADAPTER_RELEASE_RULE_SENTENCE_END
     async with stack() as (worker, infer, admin):
 
-        async def describe(**params):
+        async def describe(task="tasks/describe", **params):
             await infer.Infer(
                 inference_service_pb2.InferRequest(
                     input=inference_service_pb2.InferenceInput(
-                        prompt="describe the cars", task="tasks/describe", params=types_pb2.GenerationParams(**params)
+                        prompt="describe the cars", task=task, params=types_pb2.GenerationParams(**params)
                     )
                 )
             )
@@ -245,7 +254,18 @@ async def test_a_task_release_policy_is_the_default_of_its_requests():
             )
         )
         await describe()
-    assert [i.params.adapter_release_fraction for i in worker.items] == [0.5, 0.25, 0.0, 0.75]
+        await describe("tasks/answer")
+        await describe("tasks/answer", adapter_release_fraction=0.5)  # the fraction alone, no rule
+        await describe(adapter_release_rule=rule)  # the rule alone, from the first sentence
+    assert [(i.params.adapter_release_fraction, i.params.adapter_release_rule) for i in worker.items] == [
+        (0.5, 0),
+        (0.25, 0),
+        (0.0, 0),
+        (0.75, 0),
+        (0.25, rule),
+        (0.5, 0),
+        (0.0, rule),
+    ]
 
 
 async def test_worker_error_passes_through_both_hops():

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, console, gateway_address, iso_time
-from valora.client import ValoraClient
+from valora.client import RELEASE_RULES, ValoraClient, release_rule_name
 
 tasks_app = typer.Typer(
     help="Tasks: named adapter references with a head and an accuracy threshold.", no_args_is_help=True
@@ -22,8 +22,19 @@ def _slo(t) -> str:
 
 
 def _release(t) -> str:
-    """The task's early adapter release policy (its requests' default fraction), "-" when off."""
-    return f"{t.adapter_release_fraction:g}" if t.adapter_release_fraction else "-"
+    """The task's early adapter release policy (its requests' default): the fraction, the rule,
+    or the rule with its least share (`sentence_end>=0.25`); "-" when off."""
+    fraction = f"{t.adapter_release_fraction:g}" if t.adapter_release_fraction else ""
+    if not t.adapter_release_rule:
+        return fraction or "-"
+    return release_rule_name(t.adapter_release_rule) + (f">={fraction}" if fraction else "")
+
+
+def _rule(name: str | None) -> str | None:
+    """--release-rule checked before any call."""
+    if name is not None and name not in ("none", *RELEASE_RULES):
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(RELEASE_RULES)}", param_hint="--release-rule")
+    return name
 
 
 def _task_line(t) -> str:
@@ -36,14 +47,19 @@ def _task_line(t) -> str:
 
 RELEASE_HELP = (
     "Early adapter release of the task's requests that set none of their own: after this share of "
-    "max_new_tokens a request goes on without the adapter (0: never)."
+    "max_new_tokens a request goes on without the adapter (0: never); with --release-rule, the least share "
+    "before the rule may release it."
+)
+RULE_HELP = (
+    "Early adapter release decided at run time for the task's requests that set none of their own: "
+    "sentence_end releases it after the answer's first sentence or line (none: no rule)."
 )
 
 
 @tasks_app.command("list")
 def tasks_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List tasks with their adapter, head, threshold, measured accuracy, latency objective and
-    early adapter release fraction."""
+    early adapter release policy."""
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         tasks = client.list_tasks()
     table = Table(title="tasks")
@@ -97,11 +113,13 @@ def tasks_create(
         "", help="Application the objective belongs to; tasks of one class share it (empty: the task's id)."
     ),
     release_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=RELEASE_HELP),
+    release_rule: str = typer.Option("none", help=RULE_HELP),
     home: Path = HOME,
     address: str = ADDRESS,
     admin_key: str = ADMIN_KEY,
 ):
     """Create a task naming an adapter (and head) so requests can say tasks/{t}."""
+    _rule(release_rule)
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         t = client.create_task(
             task_id,
@@ -113,6 +131,7 @@ def tasks_create(
             slo_ms=slo_ms,
             slo_class=slo_class,
             adapter_release_fraction=release_fraction,
+            adapter_release_rule=release_rule,
         )
     console.print(_task_line(t), markup=False)
 
@@ -126,6 +145,7 @@ def tasks_update(
     ),
     slo_class: str = typer.Option(None, help="Application the objective belongs to (empty: the task's id)."),
     release_fraction: float = typer.Option(None, min=0.0, max=1.0, help=RELEASE_HELP),
+    release_rule: str = typer.Option(None, help=RULE_HELP),
     etag: str = typer.Option("", help="Update only if the task still has this etag (`valora tasks get` shows it)."),
     home: Path = HOME,
     address: str = ADDRESS,
@@ -133,8 +153,11 @@ def tasks_update(
 ):
     """Change a task's description, latency objective, SLO class or release policy (the options
     given; the rest stay). Its adapter, head and threshold are fixed: create a new task for those."""
-    if description is None and slo_ms is None and slo_class is None and release_fraction is None:
-        raise typer.BadParameter("give at least one of --description, --slo-ms, --slo-class, --release-fraction")
+    given = (description, slo_ms, slo_class, release_fraction, _rule(release_rule))
+    if all(v is None for v in given):
+        raise typer.BadParameter(
+            "give at least one of --description, --slo-ms, --slo-class, --release-fraction, --release-rule"
+        )
     with ValoraClient(gateway_address(home, address), admin_key=admin_key) as client:
         t = client.update_task(
             name,
@@ -142,6 +165,7 @@ def tasks_update(
             slo_ms=slo_ms,
             slo_class=slo_class,
             adapter_release_fraction=release_fraction,
+            adapter_release_rule=release_rule,
             etag=etag,
         )
     console.print(_task_line(t), markup=False)

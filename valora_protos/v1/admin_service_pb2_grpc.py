@@ -228,8 +228,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateTask(self, request, context):
-        """Changes the task's fields named in update_mask (only description, slo_ms, slo_class and
-        adapter_release_fraction may change); the result shows the whole task. Requests see the
+        """Changes the task's fields named in update_mask (only description, slo_ms, slo_class,
+        adapter_release_fraction and adapter_release_rule may change); the result shows the whole task. Requests see the
         change within the gateways' resolve_cache_s (at once through the gateway that served this
         call).
         """

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from valora_protos.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19valora/v1/resources.proto\x12\tvalora.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe5\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12/\n\x0b\x63reate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x07\x61liases\x18\x04 \x03(\x0b\x32\x1f.valora.v1.Adapter.AliasesEntry\x12\x16\n\x0elatest_version\x18\x05 \x01(\x03\x12\x0c\n\x04\x65tag\x18\x06 \x01(\t\x1a.\n\x0c\x41liasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x02\n\x0e\x41\x64\x61pterVersion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nlora_alpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x12\n\nbase_model\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12-\n\x05state\x18\x08 \x01(\x0e\x32\x1e.valora.v1.AdapterVersionState\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x05heads\x18\n \x03(\x0b\x32\x13.valora.v1.TaskHead\"(\n\x08TaskHead\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\"\x83\x02\n\x04Task\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04head\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x1a\n\x12\x61\x63\x63uracy_threshold\x18\x05 \x01(\x02\x12\x19\n\x11measured_accuracy\x18\x06 \x01(\x02\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06slo_ms\x18\x08 \x01(\x01\x12\x11\n\tslo_class\x18\t \x01(\t\x12\x0c\n\x04\x65tag\x18\n \x01(\t\x12 \n\x18\x61\x64\x61pter_release_fraction\x18\x0b \x01(\x02\"M\n\x10GenerationSource\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63uracy_threshold\x18\x02 \x01(\x02\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\";\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"t\n\x14GenerationTaskResult\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x63\x63uracy_threshold\x18\x03 \x01(\x02\x12\x19\n\x11measured_accuracy\x18\x04 \x01(\x02\"_\n\x13GenerationJobResult\x12\x18\n\x10\x61\x64\x61pter_versions\x18\x01 \x03(\t\x12.\n\x05tasks\x18\x02 \x03(\x0b\x32\x1f.valora.v1.GenerationTaskResult\"\x9c\x03\n\rGenerationJob\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12,\n\x07sources\x18\x03 \x03(\x0b\x32\x1b.valora.v1.GenerationSource\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x05 \x01(\x05\x12\x16\n\x0e\x61\x64\x61pter_prefix\x18\x06 \x01(\t\x12,\n\x05state\x18\x07 \x01(\x0e\x32\x1d.valora.v1.GenerationJobState\x12\x10\n\x08progress\x18\x08 \x01(\x02\x12\x0f\n\x07message\x18\t \x01(\t\x12.\n\x06result\x18\n \x01(\x0b\x32\x1e.valora.v1.GenerationJobResult\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bsplit_limit\x18\x0e \x01(\x05*\xa3\x01\n\x13\x41\x64\x61pterVersionState\x12%\n!ADAPTER_VERSION_STATE_UNSPECIFIED\x10\x00\x12!\n\x1d\x41\x44\x41PTER_VERSION_STATE_PENDING\x10\x01\x12\x1f\n\x1b\x41\x44\x41PTER_VERSION_STATE_READY\x10\x02\x12!\n\x1d\x41\x44\x41PTER_VERSION_STATE_RETIRED\x10\x03*\xe7\x01\n\x12GenerationJobState\x12$\n GENERATION_JOB_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cGENERATION_JOB_STATE_PENDING\x10\x01\x12 \n\x1cGENERATION_JOB_STATE_RUNNING\x10\x02\x12\"\n\x1eGENERATION_JOB_STATE_SUCCEEDED\x10\x03\x12\x1f\n\x1bGENERATION_JOB_STATE_FAILED\x10\x04\x12\"\n\x1eGENERATION_JOB_STATE_CANCELLED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19valora/v1/resources.proto\x12\tvalora.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15valora/v1/types.proto\"\xe5\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12/\n\x0b\x63reate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x07\x61liases\x18\x04 \x03(\x0b\x32\x1f.valora.v1.Adapter.AliasesEntry\x12\x16\n\x0elatest_version\x18\x05 \x01(\x03\x12\x0c\n\x04\x65tag\x18\x06 \x01(\t\x1a.\n\x0c\x41liasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x02\n\x0e\x41\x64\x61pterVersion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nlora_alpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x12\n\nbase_model\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12-\n\x05state\x18\x08 \x01(\x0e\x32\x1e.valora.v1.AdapterVersionState\x12/\n\x0b\x63reate_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x05heads\x18\n \x03(\x0b\x32\x13.valora.v1.TaskHead\"(\n\x08TaskHead\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\"\xc0\x02\n\x04Task\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04head\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x1a\n\x12\x61\x63\x63uracy_threshold\x18\x05 \x01(\x02\x12\x19\n\x11measured_accuracy\x18\x06 \x01(\x02\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06slo_ms\x18\x08 \x01(\x01\x12\x11\n\tslo_class\x18\t \x01(\t\x12\x0c\n\x04\x65tag\x18\n \x01(\t\x12 \n\x18\x61\x64\x61pter_release_fraction\x18\x0b \x01(\x02\x12;\n\x14\x61\x64\x61pter_release_rule\x18\x0c \x01(\x0e\x32\x1d.valora.v1.AdapterReleaseRule\"M\n\x10GenerationSource\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63uracy_threshold\x18\x02 \x01(\x02\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\";\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"t\n\x14GenerationTaskResult\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x63\x63uracy_threshold\x18\x03 \x01(\x02\x12\x19\n\x11measured_accuracy\x18\x04 \x01(\x02\"_\n\x13GenerationJobResult\x12\x18\n\x10\x61\x64\x61pter_versions\x18\x01 \x03(\t\x12.\n\x05tasks\x18\x02 \x03(\x0b\x32\x1f.valora.v1.GenerationTaskResult\"\x9c\x03\n\rGenerationJob\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12,\n\x07sources\x18\x03 \x03(\x0b\x32\x1b.valora.v1.GenerationSource\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x05 \x01(\x05\x12\x16\n\x0e\x61\x64\x61pter_prefix\x18\x06 \x01(\t\x12,\n\x05state\x18\x07 \x01(\x0e\x32\x1d.valora.v1.GenerationJobState\x12\x10\n\x08progress\x18\x08 \x01(\x02\x12\x0f\n\x07message\x18\t \x01(\t\x12.\n\x06result\x18\n \x01(\x0b\x32\x1e.valora.v1.GenerationJobResult\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bsplit_limit\x18\x0e \x01(\x05*\xa3\x01\n\x13\x41\x64\x61pterVersionState\x12%\n!ADAPTER_VERSION_STATE_UNSPECIFIED\x10\x00\x12!\n\x1d\x41\x44\x41PTER_VERSION_STATE_PENDING\x10\x01\x12\x1f\n\x1b\x41\x44\x41PTER_VERSION_STATE_READY\x10\x02\x12!\n\x1d\x41\x44\x41PTER_VERSION_STATE_RETIRED\x10\x03*\xe7\x01\n\x12GenerationJobState\x12$\n GENERATION_JOB_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cGENERATION_JOB_STATE_PENDING\x10\x01\x12 \n\x1cGENERATION_JOB_STATE_RUNNING\x10\x02\x12\"\n\x1eGENERATION_JOB_STATE_SUCCEEDED\x10\x03\x12\x1f\n\x1bGENERATION_JOB_STATE_FAILED\x10\x04\x12\"\n\x1eGENERATION_JOB_STATE_CANCELLED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +35,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADAPTER_ALIASESENTRY']._loaded_options = None
   _globals['_ADAPTER_ALIASESENTRY']._serialized_options = b'8\001'
-  _globals['_ADAPTERVERSIONSTATE']._serialized_start=1659
-  _globals['_ADAPTERVERSIONSTATE']._serialized_end=1822
-  _globals['_GENERATIONJOBSTATE']._serialized_start=1825
-  _globals['_GENERATIONJOBSTATE']._serialized_end=2056
-  _globals['_ADAPTER']._serialized_start=74
-  _globals['_ADAPTER']._serialized_end=303
-  _globals['_ADAPTER_ALIASESENTRY']._serialized_start=257
-  _globals['_ADAPTER_ALIASESENTRY']._serialized_end=303
-  _globals['_ADAPTERVERSION']._serialized_start=306
-  _globals['_ADAPTERVERSION']._serialized_end=582
-  _globals['_TASKHEAD']._serialized_start=584
-  _globals['_TASKHEAD']._serialized_end=624
-  _globals['_TASK']._serialized_start=627
-  _globals['_TASK']._serialized_end=886
-  _globals['_GENERATIONSOURCE']._serialized_start=888
-  _globals['_GENERATIONSOURCE']._serialized_end=965
-  _globals['_DATASET']._serialized_start=967
-  _globals['_DATASET']._serialized_end=1026
-  _globals['_GENERATIONTASKRESULT']._serialized_start=1028
-  _globals['_GENERATIONTASKRESULT']._serialized_end=1144
-  _globals['_GENERATIONJOBRESULT']._serialized_start=1146
-  _globals['_GENERATIONJOBRESULT']._serialized_end=1241
-  _globals['_GENERATIONJOB']._serialized_start=1244
-  _globals['_GENERATIONJOB']._serialized_end=1656
+  _globals['_ADAPTERVERSIONSTATE']._serialized_start=1743
+  _globals['_ADAPTERVERSIONSTATE']._serialized_end=1906
+  _globals['_GENERATIONJOBSTATE']._serialized_start=1909
+  _globals['_GENERATIONJOBSTATE']._serialized_end=2140
+  _globals['_ADAPTER']._serialized_start=97
+  _globals['_ADAPTER']._serialized_end=326
+  _globals['_ADAPTER_ALIASESENTRY']._serialized_start=280
+  _globals['_ADAPTER_ALIASESENTRY']._serialized_end=326
+  _globals['_ADAPTERVERSION']._serialized_start=329
+  _globals['_ADAPTERVERSION']._serialized_end=605
+  _globals['_TASKHEAD']._serialized_start=607
+  _globals['_TASKHEAD']._serialized_end=647
+  _globals['_TASK']._serialized_start=650
+  _globals['_TASK']._serialized_end=970
+  _globals['_GENERATIONSOURCE']._serialized_start=972
+  _globals['_GENERATIONSOURCE']._serialized_end=1049
+  _globals['_DATASET']._serialized_start=1051
+  _globals['_DATASET']._serialized_end=1110
+  _globals['_GENERATIONTASKRESULT']._serialized_start=1112
+  _globals['_GENERATIONTASKRESULT']._serialized_end=1228
+  _globals['_GENERATIONJOBRESULT']._serialized_start=1230
+  _globals['_GENERATIONJOBRESULT']._serialized_end=1325
+  _globals['_GENERATIONJOB']._serialized_start=1328
+  _globals['_GENERATIONJOB']._serialized_end=1740
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from valora_protos.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -92,7 +93,7 @@ class TaskHead(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time", "slo_ms", "slo_class", "etag", "adapter_release_fraction")
+    __slots__ = ("name", "adapter", "head", "description", "accuracy_threshold", "measured_accuracy", "create_time", "slo_ms", "slo_class", "etag", "adapter_release_fraction", "adapter_release_rule")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +105,7 @@ class Task(_message.Message):
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_RELEASE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RELEASE_RULE_FIELD_NUMBER: _ClassVar[int]
     name: str
     adapter: str
     head: str
@@ -115,7 +117,8 @@ class Task(_message.Message):
     slo_class: str
     etag: str
     adapter_release_fraction: float
-    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., etag: _Optional[str] = ..., adapter_release_fraction: _Optional[float] = ...) -> None: ...
+    adapter_release_rule: _types_pb2.AdapterReleaseRule
+    def __init__(self, name: _Optional[str] = ..., adapter: _Optional[str] = ..., head: _Optional[str] = ..., description: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., etag: _Optional[str] = ..., adapter_release_fraction: _Optional[float] = ..., adapter_release_rule: _Optional[_Union[_types_pb2.AdapterReleaseRule, str]] = ...) -> None: ...
 
 class GenerationSource(_message.Message):
     __slots__ = ("task", "accuracy_threshold", "dataset")
