@@ -6,7 +6,8 @@
     training.py   TorchTrainer: LoRA + per-task heads trained jointly on cached image features;
                   text tasks (no head) on their answer tokens
     answers.py    a text task's score: SQuAD/VQA-normalised exact match of generated answers
-    fusion.py     the greedy fusion algorithm with rollback (pure; `Trainer` protocol)
+    fusion.py     the greedy fusion algorithm with rollback, and the fusion order chosen from
+                  interference probes (pure; `Trainer` protocol)
     bundle.py     export to the valora bundle format (services/common/adapter_format.py)
     pipeline.py   strategies compared, thresholds, registration through the SDK, results file
     __main__.py   `python -m services.generator generate ...`

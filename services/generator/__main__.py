@@ -11,7 +11,9 @@
                                          # VALORA_PORT > 0 serves gRPC health there, VALORA_METRICS_PORT /metrics)
 
 `generate` measures one adapter per task (for thresholds = single-task val accuracy - margin,
-unless --threshold task=acc is given for every task), runs the greedy fusion, writes the bundles
+unless --threshold task=acc is given for every task), runs the greedy fusion (in the given order,
+or with --fusion-order probed in one chosen from interference probes; with --compare, the given
+order's fusion is measured too), writes the bundles
 and a manifest to --out, optionally registers them through the gateway (adapter versions + one
 task per head, with threshold and measured accuracy), and with --compare also measures the
 no-adapter and all-in-one baselines and writes bench/results/generation-<date>.json.
@@ -33,6 +35,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from services.generator.fusion import FUSION_ORDERS, PROBE_BATCHES, PROBE_EPOCHS
 
 app = typer.Typer(add_completion=False, help="Accuracy-aware LoRA adapter generation (VaLoRA §4.2).")
 console = Console()
@@ -109,6 +113,16 @@ def generate(
     order: str = typer.Option(
         "", help="Comma-separated tasks in fusion order (default: the datasets' tasks, else the built-in order)."
     ),
+    fusion_order: str = typer.Option(
+        "given",
+        help="given: fuse in --order (or the datasets') order; probed: in an order chosen from "
+        "interference probes (each task alone and each pair together, briefly trained; "
+        "services/generator/fusion.py), recorded with the probe matrix in the manifest and results.",
+    ),
+    probe_epochs: int = typer.Option(PROBE_EPOCHS, min=1, help="--fusion-order probed: epochs per probe."),
+    probe_batches: int = typer.Option(
+        PROBE_BATCHES, min=1, help="--fusion-order probed: batches per task per probe epoch."
+    ),
     dataset: list[Path] = typer.Option(
         [],
         help="A dataset of yours: an image folder (one sub-folder per label) "
@@ -154,6 +168,8 @@ def generate(
         raise typer.Exit(2) from None
     except ValueError as exc:
         raise typer.BadParameter(f"{exc}; see `python -m services.generator tasks`") from None
+    if fusion_order not in FUSION_ORDERS:
+        raise typer.BadParameter(f"--fusion-order {fusion_order!r}: expected one of {', '.join(FUSION_ORDERS)}")
     extra = sorted(set(given) - set(names))
     if extra:
         raise typer.BadParameter(f"--threshold names tasks not generated: {extra} (tasks: {names})")
@@ -191,8 +207,25 @@ def generate(
                 f"val {acc})" + (f" failing {list(step.failing)}" if step.failing else "")
             )
 
-        greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step)
+        def on_probe(group, acc) -> None:
+            progress.console.print(f"  probe {'+'.join(group)}: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+
+        fused, record = pipeline.fusion_order(
+            trainer, names, thresholds, fusion_order, probe_epochs, probe_batches, on_probe=on_probe
+        )
+        if fusion_order != "given":
+            progress.console.print(
+                f"{fusion_order} order: {', '.join(fused)} "
+                f"({record['probe']['trainings']} probes in {record['probe']['seconds']:.0f}s)"
+            )
+        greedy_result, fusion = pipeline.greedy(
+            trainer, fused, thresholds, prefix, on_step=on_step, order_record=record
+        )
         strategies = [greedy_result]
+        if compare and fused != names:  # the given order's fusion, on the same tasks and thresholds
+            phase("greedy fusion, given order")
+            given_result, _ = pipeline.greedy(trainer, names, thresholds, f"{prefix}-given", on_step=on_step)
+            strategies.insert(0, given_result)
         if compare:
             phase("no-adapter heads")
             base_rows = pipeline.head_only(trainer, names, thresholds)
@@ -202,7 +235,7 @@ def generate(
                 per_rows[t] = pipeline._row(thresholds[t], test, single[t]["val"], f"single-{t}")
             per_task_result = pipeline.StrategyResult("adapter-per-task", [[t] for t in names], per_rows)
             all_result = pipeline.all_in_one(trainer, names, thresholds)
-            strategies = [base_rows, per_task_result, all_result, greedy_result]
+            strategies = [base_rows, per_task_result, all_result, *strategies]
 
     bundles = pipeline.bundles_of(fusion, tasks, rank, alpha, prefix, base_model=str(model_path))
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +245,7 @@ def generate(
     manifest = pipeline.manifest(
         str(model_path),
         tasks,
-        names,
+        fused,
         thresholds,
         margin,
         rank,
@@ -237,15 +270,17 @@ def generate(
         )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
-    table = Table("strategy", "adapters", *names, title="test accuracy (threshold)")
+    table = Table("strategy", "adapters", *names, "min margin", title="test accuracy (threshold)")
     for r in strategies:
         cells = []
         for t in names:
             row = r.tasks[t]
             ok = row["accuracy"] >= row["threshold"]
             cells.append(f"{'' if ok else '[red]'}{row['accuracy']:.3f}{'' if ok else '[/red]'}")
-        table.add_row(r.strategy, str(len(r.adapters)), *cells)
-    table.add_row("threshold", "", *[f"{thresholds[t]:.3f}" for t in names])
+        rule = r.extra.get("fusion_order", {}).get("rule")
+        label = f"{r.strategy} ({rule} order)" if rule and fusion_order != "given" else r.strategy
+        table.add_row(label, str(len(r.adapters)), *cells, f"{r.min_margin():+.3f}")
+    table.add_row("threshold", "", *[f"{thresholds[t]:.3f}" for t in names], "")
     console.print(table)
     if compare:
         provenance = Path(model_path).expanduser() / "valora_pretrain.json"
@@ -261,6 +296,7 @@ def generate(
             "clip_norm": cfg.clip_norm,
             "head_lr": head_lr,
             "margin": margin,
+            "fusion_order": fusion_order,
             "seed": seed,
             "split_sizes": {t: {s: tasks[t].size(s) for s in ("train", "val", "test")} for t in names},
             "wall_s": round(time.time() - started, 1),

@@ -9,12 +9,23 @@ pre-fusion adapter is kept unchanged), that adapter is sealed, and a new, empty 
 started with the current source. A source that misses a threshold even in a fresh adapter of its
 own still gets that adapter (nothing better exists), marked `meets_thresholds=False`.
 
-The algorithm is pure: all training and measuring goes through a `Trainer`, so it is tested
+Which order (the paper's open problem): greedy packing keeps each adapter a run of consecutive
+sources, so an order that puts mutually compatible sources next to each other, the largest such
+group first, and a source that conflicts with many others last, packs into fewer adapters.
+`probe_interference` measures pairwise interference cheaply: every source trained alone and
+every pair of sources trained together, by a trainer with a small budget (a few batches per
+task), each task's validation accuracy recorded. `probed_order` turns that matrix into an order
+(its docstring gives the rule); `greedy_fusion` then packs that order, validating every fusion
+for real as before, so a wrong prediction costs adapters, never a threshold.
+
+The algorithms are pure: all training and measuring goes through a `Trainer`, so they are tested
 with a scripted fake trainer and run for real with `training.TorchTrainer`.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
@@ -145,3 +156,127 @@ def greedy_fusion(
     if current is not None:
         result.adapters.append(current)
     return result
+
+
+FUSION_ORDERS = ("given", "probed")  # the sources' order as given, or `probed_order`'s
+# A probe's default budget (TorchTrainer): PROBE_EPOCHS epochs of at most PROBE_BATCHES batches per task.
+PROBE_EPOCHS, PROBE_BATCHES = 2, 8
+
+
+@dataclass
+class Interference:
+    """What the probes measured (validation accuracy at the probe budget): `alone[s][t]`, task t of
+    source s trained in an adapter of its own; `paired[a][b][t]`, task t of source a trained in one
+    adapter with source b (one training per pair gives both directions). `seconds`: the probes'
+    wall time; `trainings`: how many adapters they trained."""
+
+    sources: tuple[str, ...]
+    alone: dict[str, dict[str, float]]
+    paired: dict[str, dict[str, dict[str, float]]]
+    seconds: float = 0.0
+    trainings: int = 0
+
+    def drop(self, source: str, partner: str) -> dict[str, float]:
+        """How much each task of `source` loses when trained with `partner` (negative: gains)."""
+        return {t: a - self.paired[source][partner][t] for t, a in self.alone[source].items()}
+
+    def to_json(self) -> dict:
+        return {
+            "sources": list(self.sources),
+            "alone": {s: _rounded(acc) for s, acc in self.alone.items()},
+            "paired": {a: {b: _rounded(acc) for b, acc in row.items()} for a, row in self.paired.items()},
+            "seconds": round(self.seconds, 1),
+            "trainings": self.trainings,
+        }
+
+
+def _rounded(accuracy: Mapping[str, float]) -> dict[str, float]:
+    return {t: round(v, 4) for t, v in accuracy.items()}
+
+
+def probe_interference(
+    sources: Sequence[Source],
+    trainer: Trainer[StateT],
+    on_probe: Callable[[tuple[str, ...], Mapping[str, float]], None] | None = None,
+) -> Interference:
+    """Trains every source alone and every pair of sources together in fresh adapters with
+    `trainer` (give it a small budget: n + n(n-1)/2 trainings) and validates each of their tasks.
+    `on_probe(source names, accuracies)` after each training."""
+    started = time.perf_counter()
+    alone: dict[str, dict[str, float]] = {}
+    paired: dict[str, dict[str, dict[str, float]]] = {s.name: {} for s in sources}
+    trainings = 0
+
+    def probe(group: Sequence[Source]) -> dict[str, float]:
+        nonlocal trainings
+        tasks = [t for s in group for t in s.tasks]
+        acc = dict(trainer.validate(trainer.fuse(trainer.empty(), tasks), tasks))
+        trainings += 1
+        if on_probe is not None:
+            on_probe(tuple(s.name for s in group), acc)
+        return acc
+
+    for s in sources:
+        alone[s.name] = probe([s])
+    for a, b in itertools.combinations(sources, 2):
+        acc = probe([a, b])
+        paired[a.name][b.name] = {t: acc[t] for t in a.tasks}
+        paired[b.name][a.name] = {t: acc[t] for t in b.tasks}
+    return Interference(tuple(s.name for s in sources), alone, paired, time.perf_counter() - started, trainings)
+
+
+def predicted_margins(
+    group: Sequence[Source], thresholds: Mapping[str, float], interference: Interference
+) -> dict[str, float]:
+    """Each task's predicted margin over its threshold in one adapter holding `group`: its probe
+    accuracy alone, less its drop with each other source of the group (drops add; a gain counts
+    as no drop), less its threshold. At the probe's budget a task that learns slowly is still
+    below its threshold alone: predicted to fail, it is planned last (`probed_order`), where a
+    task that needs an adapter of its own breaks no group."""
+    out = {}
+    for s in group:
+        for t, acc in interference.alone[s.name].items():
+            for other in group:
+                if other.name != s.name:
+                    acc -= max(0.0, interference.drop(s.name, other.name)[t])
+            out[t] = acc - thresholds.get(t, 0.0)
+    return out
+
+
+def probed_order(
+    sources: Sequence[Source], thresholds: Mapping[str, float], interference: Interference
+) -> list[Source]:
+    """An order for `greedy_fusion` from the probes: planned adapters one after another.
+
+    A planned adapter is feasible when every task's predicted margin (`predicted_margins`) is >= 0.
+    Each is seeded with the source that fits (a feasible pair) with the most sources still
+    unplaced, so a source that conflicts with many waits, and one predicted to miss its threshold
+    even alone comes last; then, while some unplaced source keeps it feasible, the one leaving the
+    largest minimum margin joins it. Ties go to the larger own margin, then to the given order:
+    the order is a function of the probe matrix, the thresholds and the given order."""
+    index = {s.name: i for i, s in enumerate(sources)}
+
+    def min_margin(group: Sequence[Source]) -> float:
+        return min(predicted_margins(group, thresholds, interference).values())
+
+    def fits(group: Sequence[Source]) -> bool:
+        return min_margin(group) >= 0.0
+
+    remaining = list(sources)
+    order: list[Source] = []
+    while remaining:
+        seed = max(
+            remaining,
+            key=lambda s: (sum(fits([s, o]) for o in remaining if o is not s), min_margin([s]), -index[s.name]),
+        )
+        group = [seed]
+        remaining.remove(seed)
+        while True:
+            candidates = [c for c in remaining if fits(group + [c])]
+            if not candidates:
+                break
+            best = max(candidates, key=lambda c: (min_margin(group + [c]), -index[c.name]))
+            group.append(best)
+            remaining.remove(best)
+        order.extend(group)
+    return order

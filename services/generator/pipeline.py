@@ -10,6 +10,10 @@ Strategies compared (all on the same base model, data splits and training settin
 Thresholds, unless given, are measured: each task's single-adapter *validation* accuracy minus
 `margin`. Fusion decides on validation accuracy; reported accuracies are on the test split.
 
+The fusion order (`fusion_order`) is the given one, or ("probed") one chosen from cheap
+interference probes (fusion.probe_interference: every task alone and every pair together, a few
+batches each); the result records the rule, the order and the probe matrix with its time.
+
 A text task (datasets.TEXT) is fused beside head tasks by the same algorithm; its accuracy is the
 normalised exact match of its greedy-decoded answers, its prediction per test image is that
 answer, and it is registered as a task without a head (served as plain TEXT generation with its
@@ -24,6 +28,7 @@ measured on other images: `binomial_interval` says how far a sample of n may fal
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -35,7 +40,17 @@ from typing import Callable, Mapping, Sequence
 from services.generator.answers import exact_match
 from services.generator.bundle import Bundle, export_bundle
 from services.generator.datasets import TEXT, TaskData, build_task
-from services.generator.fusion import FusionResult, FusionStep, Source, greedy_fusion
+from services.generator.fusion import (
+    FUSION_ORDERS,
+    PROBE_BATCHES,
+    PROBE_EPOCHS,
+    FusionResult,
+    FusionStep,
+    Source,
+    greedy_fusion,
+    probe_interference,
+    probed_order,
+)
 from services.generator.training import AdapterState, TorchTrainer, TrainConfig
 
 Log = Callable[[str], None]
@@ -55,6 +70,11 @@ class StrategyResult:
 
     def meets_thresholds(self) -> bool:
         return all(v["accuracy"] >= v["threshold"] for v in self.tasks.values())
+
+    def min_margin(self, key: str = "accuracy") -> float:
+        """The smallest margin over the thresholds: min over tasks of accuracy (`key`: "accuracy",
+        test; "val_accuracy") minus threshold."""
+        return round(min(v[key] - v["threshold"] for v in self.tasks.values()), 4)
 
 
 def _row(threshold: float, test: float, val: float, adapter: str | None) -> dict:
@@ -96,15 +116,47 @@ def all_in_one(trainer: TorchTrainer, order: Sequence[str], thresholds: Mapping[
     )
 
 
+def fusion_order(
+    trainer: TorchTrainer,
+    order: Sequence[str],
+    thresholds: Mapping[str, float],
+    rule: str = "given",
+    epochs: int = PROBE_EPOCHS,
+    batches: int = PROBE_BATCHES,
+    on_probe: Callable[[tuple[str, ...], Mapping[str, float]], None] | None = None,
+) -> tuple[list[str], dict]:
+    """The order to fuse `order`'s tasks in under `rule`, and what decided it (kept in the
+    result as `fusion_order`): "given", `order` itself; "probed", `fusion.probed_order` on
+    interference probes trained by `trainer` with a budget of `epochs` x `batches` batches per
+    task (the probe matrix, its wall time and its trainings are in the record)."""
+    if rule not in FUSION_ORDERS:
+        raise ValueError(f"fusion order {rule!r}: expected one of {FUSION_ORDERS}")
+    if rule == "given":
+        return list(order), {"rule": "given", "order": list(order)}
+    probe = trainer.with_config(dataclasses.replace(trainer.config, epochs=epochs, batches_per_epoch=batches))
+    sources = [Source.single(t) for t in order]
+    interference = probe_interference(sources, probe, on_probe)
+    chosen = [s.name for s in probed_order(sources, thresholds, interference)]
+    return chosen, {
+        "rule": "probed",
+        "given": list(order),
+        "order": chosen,
+        "probe_budget": {"epochs": epochs, "batches_per_epoch": batches, "batch_size": trainer.config.batch_size},
+        "probe": interference.to_json(),
+    }
+
+
 def greedy(
     trainer: TorchTrainer,
     order: Sequence[str],
     thresholds: Mapping[str, float],
     prefix: str,
     on_step: Callable[[FusionStep], None] | None = None,
+    order_record: dict | None = None,
 ) -> tuple[StrategyResult, FusionResult]:
     """The greedy fusion of `order`; its rows' test accuracies come from the same per-image test
-    predictions the result keeps (`StrategyResult.predictions`, label names)."""
+    predictions the result keeps (`StrategyResult.predictions`, label names). `order_record`:
+    how `order` was chosen (`fusion_order`'s record; default: given)."""
     res = greedy_fusion([Source.single(t) for t in order], thresholds, trainer, on_step=on_step)
     rows, predictions = {}, {}
     for a in res.adapters:
@@ -134,7 +186,7 @@ def greedy(
         "greedy-fusion",
         [a.tasks for a in res.adapters],
         {t: rows[t] for t in order},
-        {"steps": steps},
+        {"fusion_order": order_record or {"rule": "given", "order": list(order)}, "steps": steps},
         {t: predictions[t] for t in order},
     ), res
 

@@ -64,6 +64,9 @@ class TrainConfig:
     head_only_steps: int = 400  # full-batch steps for the frozen-base (no adapter) baseline
     augment: int = 0  # extra shifted copies of each head task's train split (datasets.shifted_copies)
     max_new_tokens: int = 16  # cap on a text task's greedy decoding (tokens, the stop token included)
+    # Cap on each task's batches per epoch, drawn at random from its whole train split (0: every
+    # batch). Interference probes (fusion.probe_interference) train with a few.
+    batches_per_epoch: int = 0
 
 
 Progress = Callable[[str, int, int], None]  # (what is training, done steps, total steps)
@@ -88,7 +91,18 @@ class TorchTrainer:
         self._features: dict[tuple[str, str], torch.Tensor] = {}
         self._grids: dict[str, tuple[int, int, int]] = {}
         self._answer_ids: dict[str, list[list[int]]] = {}
+        # A linear probe fitted on a fresh adapter (B = 0: the base model's features) is the same
+        # for every fresh adapter: fitted once per (task, what it depends on).
+        self._first_heads: dict[tuple, tuple] = {}
         self._fresh = 0
+
+    def with_config(self, config: TrainConfig) -> "TorchTrainer":
+        """A trainer with other settings over the same base, tasks and cached features (an
+        interference probe's smaller budget)."""
+        other = TorchTrainer(self.base, self.tasks, config, self.progress)
+        other._features, other._grids, other._answer_ids = self._features, self._grids, self._answer_ids
+        other._first_heads = self._first_heads
+        return other
 
     # -- data --------------------------------------------------------------------------------
 
@@ -190,6 +204,11 @@ class TorchTrainer:
             # features (LP-FT); the LoRA weights and every head then train jointly.
             if t in state.heads:
                 w, b = state.heads[t]
+            elif not state.tasks:  # a fresh adapter: the base model's features
+                key = (t, cfg.seed, cfg.head_only_steps, cfg.augment)
+                if key not in self._first_heads:
+                    self._first_heads[key] = self.fit_head(t)
+                w, b, norms[t] = self._first_heads[key]
             else:
                 w, b, norms[t] = self.fit_head(t)
             mu, sd = norms[t]
@@ -202,14 +221,20 @@ class TorchTrainer:
         for _ in range(cfg.epochs):
             epoch = []
             for t in tasks:
+                batches = []
                 if t in text:  # a text task's batch asks one question (one prompt template)
                     for q, group in self.question_groups(t, "train").items():
                         perm = group[rng.permutation(len(group))]
-                        epoch.extend((t, perm[i : i + cfg.batch_size], q) for i in range(0, len(perm), cfg.batch_size))
-                    continue
-                n = len(self.tasks[t].targets["train"]) * (1 + cfg.augment)
-                perm = rng.permutation(n)
-                epoch.extend((t, perm[i : i + cfg.batch_size], None) for i in range(0, n, cfg.batch_size))
+                        bs = cfg.batch_size
+                        batches.extend((t, perm[i : i + bs], q) for i in range(0, len(perm), bs))
+                else:
+                    n = len(self.tasks[t].targets["train"]) * (1 + cfg.augment)
+                    perm = rng.permutation(n)
+                    batches.extend((t, perm[i : i + cfg.batch_size], None) for i in range(0, n, cfg.batch_size))
+                if 0 < cfg.batches_per_epoch < len(batches):
+                    keep = np.sort(rng.choice(len(batches), cfg.batches_per_epoch, replace=False))
+                    batches = [batches[i] for i in keep]
+                epoch.extend(batches)
             order = rng.permutation(len(epoch))
             plan.extend(epoch[i] for i in order)
         # Training on n tasks is n times longer; a fixed LoRA learning rate that suits one task

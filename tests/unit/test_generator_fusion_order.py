@@ -1,0 +1,89 @@
+"""The probed fusion order on the real trainer (tiny model, a few images): a probe's budget caps
+each task's batches, a probe trainer shares the features and the fresh adapter's first heads (and
+trains exactly what the full trainer would from the same start), and `generate --fusion-order
+probed` records the order, the probe matrix and its time in the manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+N = 16  # images per split
+
+
+@pytest.fixture(scope="module")
+def trainer(model_path):
+    from services.generator.datasets import build_tasks
+    from services.generator.model import BaseModel
+    from services.generator.training import TorchTrainer, TrainConfig
+
+    tasks = build_tasks(["digit", "count"], limit=N)
+    base = BaseModel.load(model_path, rank=2, lora_alpha=4.0)
+    return TorchTrainer(base, tasks, TrainConfig(epochs=1, batch_size=4, head_only_steps=20))
+
+
+def test_a_probe_budget_caps_each_tasks_batches_per_epoch(trainer):
+    import dataclasses
+
+    steps = []
+    probe = trainer.with_config(dataclasses.replace(trainer.config, epochs=2, batches_per_epoch=1))
+    probe.progress = lambda what, done, total: steps.append(total)
+    probe.fuse(probe.empty(), ["digit", "count"])
+    assert steps and set(steps) == {2 * 2 * 1}  # epochs x tasks x batches
+    assert probe.features("digit", "train") is trainer.features("digit", "train")
+
+
+def test_a_fresh_adapters_cached_first_head_trains_the_same_weights(trainer):
+    # Two trainers at the same adapter count: the first fits digit's head, the second reuses it.
+    a = trainer.with_config(trainer.config)
+    a._first_heads = {}
+    first = a.fuse(a.empty(), ["digit"])
+    b = a.with_config(a.config)
+    assert len(b._first_heads) == 1
+    second = b.fuse(b.empty(), ["digit"])
+    for k, (wa, wb) in first.lora.items():
+        assert torch.equal(wa, second.lora[k][0]) and torch.equal(wb, second.lora[k][1])
+    assert all(torch.equal(x, y) for x, y in zip(first.heads["digit"], second.heads["digit"]))
+
+
+def test_fusion_order_records_the_probe(trainer):
+    from services.generator import pipeline
+
+    with pytest.raises(ValueError):
+        pipeline.fusion_order(trainer, ["digit", "count"], {}, "sorted")
+    order, record = pipeline.fusion_order(trainer, ["digit", "count"], {"digit": 0.0, "count": 0.0}, "given")
+    assert order == ["digit", "count"] and record == {"rule": "given", "order": order}
+    probes = []
+    thresholds = {"digit": 0.0, "count": 2.0}
+    order, record = pipeline.fusion_order(
+        trainer, ["count", "digit"], thresholds, "probed", 1, 1, on_probe=lambda g, a: probes.append(g)
+    )
+    assert probes == [("count",), ("digit",), ("count", "digit")]
+    assert order == ["digit", "count"]  # count misses its threshold even alone: last
+    assert record["rule"] == "probed" and record["given"] == ["count", "digit"] and record["order"] == order
+    assert record["probe_budget"] == {"epochs": 1, "batches_per_epoch": 1, "batch_size": 4}
+    probe = record["probe"]
+    assert probe["trainings"] == 3 and probe["seconds"] >= 0
+    assert set(probe["paired"]["digit"]["count"]) == {"digit"} and set(probe["alone"]["count"]) == {"count"}
+
+
+def test_generate_with_the_probed_order(model_path, tmp_path):
+    from services.generator.__main__ import app
+
+    out = tmp_path / "gen"
+    args = ["generate", "--model-path", str(model_path), "--out", str(out), "--order", "count,digit"]
+    args += ["--limit", "8", "--rank", "2", "--epochs", "1", "--batch-size", "4", "--threads", "1"]
+    args += ["--threshold", "count=0", "--threshold", "digit=0", "--probe-epochs", "1", "--probe-batches", "1"]
+    bad = CliRunner().invoke(app, [*args, "--fusion-order", "best"])
+    assert bad.exit_code == 2 and "given, probed" in bad.output
+    result = CliRunner().invoke(app, [*args, "--fusion-order", "probed"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    record = manifest["greedy"]["fusion_order"]
+    assert record["rule"] == "probed" and record["given"] == ["count", "digit"]
+    assert manifest["order"] == record["order"] and sorted(record["order"]) == ["count", "digit"]
+    assert record["probe"]["trainings"] == 3 and "probed order:" in result.output
