@@ -685,9 +685,11 @@ class ValoraClient:
         split_limit: int = 0,
         job_id: str = "",
         request_id: str = "",
+        fusion_order: str = "",
     ) -> resources_pb2.GenerationJob:
         """Queues accuracy-aware adapter generation: `sources` maps task -> accuracy threshold, in
-        fusion order; a (task, threshold, "datasets/{sha256}") item names a task of a dataset
+        fusion order (`fusion_order` "probed": in an order the runner chooses from interference
+        probes); a (task, threshold, "datasets/{sha256}") item names a task of a dataset
         uploaded with `upload_dataset`. Idempotent per request_id (one is made up when not given)."""
         items = sources.items() if isinstance(sources, dict) else sources
         job = resources_pb2.GenerationJob(
@@ -696,6 +698,7 @@ class ValoraClient:
             epochs=epochs,
             adapter_prefix=adapter_prefix,
             split_limit=split_limit,
+            fusion_order=fusion_order,
             sources=[
                 resources_pb2.GenerationSource(
                     task=item[0], accuracy_threshold=item[1], dataset=item[2] if len(item) > 2 else ""

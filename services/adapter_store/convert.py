@@ -25,6 +25,7 @@ from services.adapter_store.domain import (
     check_slo,
 )
 from services.adapter_store.jobs import (
+    FUSION_ORDERS,
     Job,
     JobResult,
     JobSource,
@@ -178,6 +179,7 @@ def job_to_pb(j: Job) -> res_pb.GenerationJob:
         epochs=j.spec.epochs,
         adapter_prefix=j.spec.adapter_prefix,
         split_limit=j.spec.split_limit,
+        fusion_order=j.spec.fusion_order,
         state=_JOB_STATES[j.state],
         progress=j.progress,
         message=j.message,
@@ -200,6 +202,7 @@ def job_result_to_pb(r: JobResult) -> res_pb.GenerationJobResult:
             )
             for t in r.tasks
         ],
+        fused_order=list(r.fused_order),
     )
 
 
@@ -207,6 +210,7 @@ def job_result_from_pb(r: res_pb.GenerationJobResult) -> JobResult:
     return JobResult(
         tuple(r.adapter_versions),
         tuple(TaskOutcome(t.task, t.adapter_version, t.accuracy_threshold, t.measured_accuracy) for t in r.tasks),
+        tuple(r.fused_order),
     )
 
 
@@ -241,6 +245,8 @@ def job_spec_from_pb(job_id: str, j: res_pb.GenerationJob) -> JobSpec:
         raise invalid_field("job.epochs" if j.epochs < 0 else "job.split_limit", "must not be negative")
     if j.adapter_prefix:
         names.check_id(j.adapter_prefix, "job.adapter_prefix")
+    if j.fusion_order not in FUSION_ORDERS:
+        raise invalid_field("job.fusion_order", 'must be "given" (or empty) or "probed"')
     return JobSpec(
         j.base_model,
         tuple(JobSource(s.task, s.accuracy_threshold, s.dataset) for s in j.sources),
@@ -248,6 +254,7 @@ def job_spec_from_pb(job_id: str, j: res_pb.GenerationJob) -> JobSpec:
         j.epochs or 4,
         j.adapter_prefix,
         j.split_limit,
+        j.fusion_order or "given",
     )
 
 

@@ -89,6 +89,10 @@ def datasets_of(spec_json: str) -> set[str]:
     }
 
 
+# A job's fusion orders (the runner's services/generator/fusion.py FUSION_ORDERS; "" means given).
+FUSION_ORDERS = ("", "given", "probed")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What to generate (the job's input, stored as spec_json)."""
@@ -99,6 +103,7 @@ class JobSpec:
     epochs: int = 4
     adapter_prefix: str = ""
     split_limit: int = 0
+    fusion_order: str = "given"  # "given" | "probed" (services/generator/fusion.py)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "sources": [asdict(s) for s in self.sources]})
@@ -113,6 +118,7 @@ class JobSpec:
             d.get("epochs", 4),
             d.get("adapter_prefix", ""),
             d.get("split_limit", 0),
+            d.get("fusion_order", "given"),
         )
 
 
@@ -128,14 +134,25 @@ class TaskOutcome:
 class JobResult:
     adapter_versions: tuple[str, ...] = ()
     tasks: tuple[TaskOutcome, ...] = ()
+    fused_order: tuple[str, ...] = ()  # the sources' tasks in the order they were fused
 
     def to_json(self) -> str:
-        return json.dumps({"adapter_versions": list(self.adapter_versions), "tasks": [asdict(t) for t in self.tasks]})
+        return json.dumps(
+            {
+                "adapter_versions": list(self.adapter_versions),
+                "tasks": [asdict(t) for t in self.tasks],
+                "fused_order": list(self.fused_order),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "JobResult":
         d = json.loads(text or "{}")
-        return cls(tuple(d.get("adapter_versions", [])), tuple(TaskOutcome(**t) for t in d.get("tasks", [])))
+        return cls(
+            tuple(d.get("adapter_versions", [])),
+            tuple(TaskOutcome(**t) for t in d.get("tasks", [])),
+            tuple(d.get("fused_order", [])),
+        )
 
 
 @dataclass(frozen=True)

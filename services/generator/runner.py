@@ -23,8 +23,12 @@ Registration goes through the SDK (valora/client.py) to `admin_address`: the gat
 admin key), or the store itself, which serves the registry part of AdminService. The runner is
 a blocking process (torch training), so it talks over synchronous channels.
 
-Progress: 5% once the model and data are loaded, up to 85% as sources are fused (one step per
-source), 90% once test accuracy is measured and bundles exported, 100% when registered.
+A job whose fusion_order is "probed" first trains the interference probes (each source alone and
+each pair together, briefly: services/generator/fusion.py) and fuses in the order they suggest;
+its result's fused_order says the order the sources were fused in.
+
+Progress: 5% once the model and data are loaded (and probed), up to 85% as sources are fused (one
+step per source), 90% once test accuracy is measured and bundles exported, 100% when registered.
 """
 
 from __future__ import annotations
@@ -274,7 +278,18 @@ def run_job(
         TrainConfig(epochs=epochs, batch_size=batch_size),
         progress=(lambda *_: check()) if check is not None else None,
     )
-    report(0.05, "fusing " + ", ".join(names))
+    record = None
+    if job.fusion_order == "probed":  # the store accepts "", "given" and "probed"
+        n = len(names)
+        report(0.05, f"probing interference: {n + n * (n - 1) // 2} brief trainings of {', '.join(names)}")
+        names, record = pipeline.fusion_order(trainer, names, thresholds, "probed")
+        probe = record["probe"]
+        report(
+            0.05,
+            f"fusing in the probed order {', '.join(names)} ({probe['trainings']} probes, {probe['seconds']:.0f}s)",
+        )
+    else:
+        report(0.05, "fusing " + ", ".join(names))
 
     done = 0
 
@@ -287,12 +302,12 @@ def run_job(
             f"{step.source}: {step.decision} (adapter {prefix}-{step.adapter_index}; val {acc})",
         )
 
-    greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step)
+    greedy_result, fusion = pipeline.greedy(trainer, names, thresholds, prefix, on_step=on_step, order_record=record)
     bundles = pipeline.bundles_of(fusion, tasks, rank, alpha, prefix, base_model=job.base_model)
     report(0.9, f"registering {len(bundles)} adapters")
     if check is not None:
         check(stopping=False)  # cancelled or lost in the last step: register nothing; stopping: finish
-    return register(
+    result = register(
         admin_address,
         job_id,
         prefix,
@@ -304,6 +319,8 @@ def run_job(
         internal_token=internal_token,
         max_new_tokens=pipeline.text_budgets(trainer, names),
     )
+    result.fused_order.extend(names)
+    return result
 
 
 def job_tasks(job: res.GenerationJob, report: Reporter) -> dict:

@@ -87,3 +87,38 @@ def test_generate_with_the_probed_order(model_path, tmp_path):
     assert record["rule"] == "probed" and record["given"] == ["count", "digit"]
     assert manifest["order"] == record["order"] and sorted(record["order"]) == ["count", "digit"]
     assert record["probe"]["trainings"] == 3 and "probed order:" in result.output
+
+
+def test_a_job_with_the_probed_order_records_the_order_it_fused_in(model_path, tmp_path):
+    from services.adapter_store.config import StoreSettings
+    from services.adapter_store.testing import RunningStore
+    from services.generator.runner import Runner, RunnerSettings
+    from valora import cli
+    from valora_protos.v1 import admin_service_pb2 as admin_pb
+    from valora_protos.v1 import resources_pb2 as res
+
+    settings = StoreSettings(
+        database_url=f"sqlite:///{tmp_path / 'd.db'}",
+        blob_dir=str(tmp_path / "blobs"),
+        model_path=str(model_path),
+        gc_interval_s=0,
+        port=0,
+    )
+    with RunningStore(settings) as rs:
+        args = ["generate", "--address", rs.address, "--base-model", str(model_path), "--rank", "2", "--epochs", "1"]
+        args += ["--limit", "8", "--source", "count:0.99", "--source", "digit:0", "--job-id", "po"]
+        bad = CliRunner().invoke(cli.app, [*args, "--fusion-order", "best"])
+        assert bad.exit_code != 0 and "job.fusion_order" in bad.output
+        result = CliRunner().invoke(cli.app, [*args, "--fusion-order", "probed"])
+        assert result.exit_code == 0, result.output
+        job = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name="generationJobs/po")).job
+        assert job.fusion_order == "probed"
+        runner = Runner(RunnerSettings(adapter_store_address=rs.address, runner_name="t", poll_s=0.01, batch_size=4))
+        try:
+            final = runner.run_once()
+        finally:
+            runner.close()
+    assert final is not None and final.state == res.GENERATION_JOB_STATE_SUCCEEDED, final
+    # count (threshold 0.99) is below its threshold even after its brief probe: fused last
+    assert list(final.result.fused_order) == ["digit", "count"]
+    assert sorted(t.task for t in final.result.tasks) == ["tasks/po-count", "tasks/po-digit"]

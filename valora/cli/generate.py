@@ -49,6 +49,11 @@ def generate(
     rank: int = typer.Option(8, min=1, max=256),
     epochs: int = typer.Option(4, min=1),
     limit: int = typer.Option(0, min=0, help="Cap on each split's size (0: full splits)."),
+    fusion_order: str = typer.Option(
+        "given",
+        help="given: fuse the sources in their order; probed: in an order the runner chooses from "
+        "interference probes (each source alone and each pair together, briefly trained).",
+    ),
     prefix: str = typer.Option("", help="Adapter/task id prefix (default: the job id)."),
     job_id: str = typer.Option("", help="Job id (default: the store picks one)."),
     wait: bool = typer.Option(False, "--wait", help="Poll the job with a progress bar until it ends."),
@@ -72,7 +77,14 @@ def generate(
             except datasets.DatasetError as exc:
                 refuse(str(exc))
         job = client.create_generation_job(
-            model, sources, rank=rank, epochs=epochs, adapter_prefix=prefix, split_limit=limit, job_id=job_id
+            model,
+            sources,
+            rank=rank,
+            epochs=epochs,
+            adapter_prefix=prefix,
+            split_limit=limit,
+            job_id=job_id,
+            fusion_order=fusion_order,
         )
         console.print(f"{job.name}: {job_state(job)}")
         if not wait:

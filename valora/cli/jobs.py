@@ -31,6 +31,8 @@ def job_result_table(job) -> Table:
             f"{t.accuracy_threshold:.3f}",
             f"{'' if ok else '[red]'}{t.measured_accuracy:.3f}{'' if ok else '[/red]'}",
         )
+    if job.result.fused_order:
+        table.caption = f"fused in order ({job.fusion_order or 'given'}): " + ", ".join(job.result.fused_order)
     return table
 
 

@@ -153,15 +153,17 @@ class GenerationTaskResult(_message.Message):
     def __init__(self, task: _Optional[str] = ..., adapter_version: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ...) -> None: ...
 
 class GenerationJobResult(_message.Message):
-    __slots__ = ("adapter_versions", "tasks")
+    __slots__ = ("adapter_versions", "tasks", "fused_order")
     ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    FUSED_ORDER_FIELD_NUMBER: _ClassVar[int]
     adapter_versions: _containers.RepeatedScalarFieldContainer[str]
     tasks: _containers.RepeatedCompositeFieldContainer[GenerationTaskResult]
-    def __init__(self, adapter_versions: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[GenerationTaskResult, _Mapping]]] = ...) -> None: ...
+    fused_order: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter_versions: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[GenerationTaskResult, _Mapping]]] = ..., fused_order: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerationJob(_message.Message):
-    __slots__ = ("name", "base_model", "sources", "rank", "epochs", "adapter_prefix", "state", "progress", "message", "result", "error", "create_time", "update_time", "split_limit")
+    __slots__ = ("name", "base_model", "sources", "rank", "epochs", "adapter_prefix", "state", "progress", "message", "result", "error", "create_time", "update_time", "split_limit", "fusion_order")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +178,7 @@ class GenerationJob(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    FUSION_ORDER_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_model: str
     sources: _containers.RepeatedCompositeFieldContainer[GenerationSource]
@@ -190,4 +193,5 @@ class GenerationJob(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     split_limit: int
-    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[GenerationSource, _Mapping]]] = ..., rank: _Optional[int] = ..., epochs: _Optional[int] = ..., adapter_prefix: _Optional[str] = ..., state: _Optional[_Union[GenerationJobState, str]] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., result: _Optional[_Union[GenerationJobResult, _Mapping]] = ..., error: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split_limit: _Optional[int] = ...) -> None: ...
+    fusion_order: str
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[GenerationSource, _Mapping]]] = ..., rank: _Optional[int] = ..., epochs: _Optional[int] = ..., adapter_prefix: _Optional[str] = ..., state: _Optional[_Union[GenerationJobState, str]] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., result: _Optional[_Union[GenerationJobResult, _Mapping]] = ..., error: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split_limit: _Optional[int] = ..., fusion_order: _Optional[str] = ...) -> None: ...
