@@ -146,6 +146,12 @@ def generate(
     batch_size: int = typer.Option(16, min=1, help="Batch size (each batch holds one task)."),
     seed: int = typer.Option(0, help="Training seed (splits use a fixed seed of their own)."),
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
+    device: str = typer.Option(
+        "cpu", help="Where training runs: cpu, cuda or cuda:N (the LoRA weights train in float32 either way)."
+    ),
+    dtype: str = typer.Option(
+        "float32", help="The frozen model's and activations' dtype: float32, or bfloat16 (on a GPU)."
+    ),
     api_key: Optional[str] = typer.Option(None, envvar="VALORA_API_KEY", help="API key for the gateway."),
     admin_key: Optional[str] = typer.Option(None, envvar="VALORA_ADMIN_KEY", help="Admin key for the gateway."),
 ) -> None:
@@ -153,7 +159,7 @@ def generate(
     import torch
 
     from services.generator import pipeline
-    from services.generator.model import BaseModel
+    from services.generator.model import BaseModel, training_device
     from services.generator.training import TorchTrainer, TrainConfig
     from services.generator.user_datasets import DatasetError, tasks_for
 
@@ -173,7 +179,11 @@ def generate(
     extra = sorted(set(given) - set(names))
     if extra:
         raise typer.BadParameter(f"--threshold names tasks not generated: {extra} (tasks: {names})")
-    base = BaseModel.load(model_path, rank=rank, lora_alpha=alpha)
+    try:
+        placement = training_device(device, dtype)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    base = BaseModel.load(model_path, rank=rank, lora_alpha=alpha, **placement)
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr=head_lr, seed=seed)
 
     with Progress(

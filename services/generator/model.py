@@ -10,6 +10,12 @@ fed to `logits = heads.{name}.weight @ h + heads.{name}.bias`.
 Training never changes the vision tower, so image features are computed once per image
 (`encode_images`) and the language model runs on cached embeddings (`head_features`); a test
 checks this equals the full model run on pixel values.
+
+The model runs on `device` in `dtype` (a GPU in bfloat16 for real training; the CPU in float32 for
+the tests): the frozen weights, cached features and activations take `dtype`, while the LoRA
+factors stay float32 parameters on the device (master weights, cast to the activations' dtype in
+the forward) and everything the caller keeps — LoRA weights read back, heads, hidden states fed to
+heads — is float32; adapters read back (`read_lora`) are host tensors.
 """
 
 from __future__ import annotations
@@ -54,8 +60,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.enabled:
-            y = y + self.scale * ((x @ self.lora_A.t()) @ self.lora_B.t())
+        if self.enabled:  # float32 factors, the activations' dtype for the product (bf16 training)
+            y = y + self.scale * ((x @ self.lora_A.to(x.dtype).t()) @ self.lora_B.to(x.dtype).t())
         return y
 
 
@@ -76,6 +82,25 @@ class PromptTemplate:
     mm_token_type_ids: torch.Tensor  # (L,) 1 at image tokens
 
 
+TRAINING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def training_device(device: str, dtype: str) -> dict:
+    """BaseModel.load's device and dtype from their names; ValueError naming the bad one (a CUDA
+    device this machine lacks, a dtype training does not take)."""
+    if dtype not in TRAINING_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(TRAINING_DTYPES)}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device here")
+    return {"device": dev, "dtype": TRAINING_DTYPES[dtype]}
+
+
 class BaseModel:
     """A frozen Qwen2-VL from a local path, with LoRA slots on the language model."""
 
@@ -87,8 +112,11 @@ class BaseModel:
         rank: int,
         lora_alpha: float,
         target_modules: tuple[str, ...] = TARGET_MODULES,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ):
-        self.model = model.eval().float()
+        self.device, self.dtype = torch.device(device), dtype
+        self.model = model.eval().to(device=self.device, dtype=dtype)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = tokenizer
@@ -101,7 +129,7 @@ class BaseModel:
         for i, layer in enumerate(self.language_model.layers):
             for module in self.target_modules:
                 parent = layer.self_attn if module in ATTENTION_MODULES else layer.mlp
-                wrapped = LoRALinear(getattr(parent, module), rank, self.scale)
+                wrapped = LoRALinear(getattr(parent, module), rank, self.scale).to(self.device)
                 setattr(parent, module, wrapped)
                 self.lora[(i, module)] = wrapped
         self._templates: dict[tuple[str, tuple[int, ...]], PromptTemplate] = {}
@@ -113,6 +141,8 @@ class BaseModel:
         rank: int = 8,
         lora_alpha: float | None = None,
         target_modules: tuple[str, ...] = TARGET_MODULES,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> "BaseModel":
         from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -128,6 +158,8 @@ class BaseModel:
             rank,
             lora_alpha if lora_alpha is not None else 2.0 * rank,
             target_modules,
+            device,
+            dtype,
         )
 
     @property
@@ -155,7 +187,10 @@ class BaseModel:
                 m.lora_B.copy_(b)
 
     def read_lora(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-        return {k: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for k, m in self.lora.items()}
+        return {
+            k: (m.lora_A.detach().to("cpu", copy=True), m.lora_B.detach().to("cpu", copy=True))
+            for k, m in self.lora.items()
+        }
 
     def fresh_lora(self, seed: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator().manual_seed(seed)
@@ -164,9 +199,10 @@ class BaseModel:
     # -- inputs ---------------------------------------------------------------------------
 
     def pixel_inputs(self, images) -> tuple[torch.Tensor, torch.Tensor]:
-        """Images -> (pixel_values (sum patches, D), image_grid_thw (N, 3)) via the model's processor."""
+        """Images -> (pixel_values (sum patches, D), image_grid_thw (N, 3)) on the model's device,
+        via the model's processor."""
         out = self.image_processor(images=list(images), return_tensors="pt")
-        return out["pixel_values"].float(), out["image_grid_thw"]
+        return out["pixel_values"].to(self.device, self.dtype), out["image_grid_thw"].to(self.device)
 
     @torch.no_grad()
     def encode_images(self, images, chunk: int = 256) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -197,7 +233,9 @@ class BaseModel:
             pos, _ = self.model.model.get_rope_index(
                 ids[None], mm_token_type_ids=mm[None], image_grid_thw=torch.tensor([grid])
             )
-            self._templates[key] = PromptTemplate(ids, torch.nonzero(mm).flatten(), pos, mm)
+            dev = self.device
+            image_positions = torch.nonzero(mm).flatten()
+            self._templates[key] = PromptTemplate(ids.to(dev), image_positions.to(dev), pos.to(dev), mm.to(dev))
         return self._templates[key]
 
     def head_features(self, template: PromptTemplate, image_features: torch.Tensor) -> torch.Tensor:
@@ -207,7 +245,7 @@ class BaseModel:
         embeds = self.language_model.embed_tokens(template.input_ids)[None].expand(b, -1, -1).clone()
         embeds[:, template.image_positions] = image_features.to(embeds.dtype)
         out = self.language_model(inputs_embeds=embeds, position_ids=template.position_ids.expand(-1, b, -1))
-        return out.last_hidden_state[:, -1]
+        return out.last_hidden_state[:, -1].float()
 
     def _embeds(self, template: PromptTemplate, image_features: torch.Tensor, answer_ids: torch.Tensor):
         """Embeddings and M-RoPE positions of prompt + image features + `answer_ids` (B, T): text
@@ -221,7 +259,8 @@ class BaseModel:
         if t:
             embeds = torch.cat([embeds, emb(answer_ids)], dim=1)
             start = int(template.position_ids.max()) + 1
-            more = (start + torch.arange(t, dtype=pos.dtype)).view(1, 1, t).expand(pos.shape[0], b, t)
+            more = torch.arange(start, start + t, dtype=pos.dtype, device=pos.device)
+            more = more.view(1, 1, t).expand(pos.shape[0], b, t)
             pos = torch.cat([pos, more], dim=-1)
         return embeds, pos
 
@@ -234,7 +273,7 @@ class BaseModel:
         embeds, pos = self._embeds(template, image_features, answer_ids)
         h = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state
         n = len(template.input_ids)
-        return self.model.lm_head(h[:, n - 1 : n - 1 + answer_ids.shape[1]])
+        return self.model.lm_head(h[:, n - 1 : n - 1 + answer_ids.shape[1]]).float()
 
     def stop_ids(self) -> set[int]:
         """Tokens that end a generated answer: <|im_end|> and the tokenizer's eos / pad."""
@@ -251,9 +290,9 @@ class BaseModel:
         each image; stops at a stop token (`stop_ids`); the decoded text without special tokens,
         what a worker answers a TEXT request with temperature 0."""
         b = image_features.shape[0]
-        stops = torch.tensor(sorted(self.stop_ids()))
-        out = torch.zeros(b, 0, dtype=torch.long)
-        done = torch.zeros(b, dtype=torch.bool)
+        stops = torch.tensor(sorted(self.stop_ids()), device=self.device)
+        out = torch.zeros(b, 0, dtype=torch.long, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
         for _ in range(max_new_tokens):
             embeds, pos = self._embeds(template, image_features, out)
             h = self.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state[:, -1]
@@ -282,4 +321,4 @@ class BaseModel:
             image_grid_thw=thw,
             mm_token_type_ids=t.mm_token_type_ids[None].expand(b, -1),
         )
-        return out.last_hidden_state[:, -1]
+        return out.last_hidden_state[:, -1].float()

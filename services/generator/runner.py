@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import grpc
 import structlog
@@ -75,6 +75,14 @@ class RunnerSettings(ServiceSettings):
     runner_name: str = Field("", description="Name recorded on claimed jobs; empty means <hostname>-<pid>.")
     poll_s: float = Field(2.0, gt=0, description="Seconds between claims while no job is pending.")
     threads: int = Field(1, ge=1, description="torch CPU threads.")
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="Where jobs train: cpu, cuda or cuda:N (LoRA weights in float32 either way).",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The frozen model's dtype in training: float32, or bfloat16 (a GPU)."
+    )
     batch_size: int = Field(16, ge=1, description="Training batch size (each batch holds one task).")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of each call to the store.")
     heartbeat_s: float = Field(
@@ -251,13 +259,15 @@ def run_job(
     threads: int = 1,
     batch_size: int = 16,
     internal_token: str = "",
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> res.GenerationJobResult:
     """Greedy fusion of the job's sources, registration, and the result (the caller reports it).
     `internal_token`: sent when `admin_address` is the adapter store itself."""
     import torch
 
     from services.generator import pipeline
-    from services.generator.model import BaseModel
+    from services.generator.model import BaseModel, training_device
     from services.generator.training import TorchTrainer, TrainConfig
 
     names = [s.task for s in job.sources]
@@ -270,7 +280,7 @@ def run_job(
     torch.set_num_threads(threads)
     report(0.01, f"loading {job.base_model} and {len(names)} task datasets")
     tasks = job_tasks(job, report)
-    base = BaseModel.load(job.base_model, rank=rank, lora_alpha=alpha)
+    base = BaseModel.load(job.base_model, rank=rank, lora_alpha=alpha, **training_device(device, dtype))
     check = getattr(report, "check", None)  # stops training at the next step once the job must stop
     trainer = TorchTrainer(
         base,
@@ -533,6 +543,8 @@ class Runner:
                     s.threads,
                     s.batch_size,
                     internal_token="" if s.admin_address else self.token,
+                    device=s.device,
+                    dtype=s.dtype,
                 )
             finally:
                 report.stop_heartbeat()

@@ -115,7 +115,7 @@ class TorchTrainer:
         return self._features[key]
 
     def targets(self, task: str, split: str) -> torch.Tensor:
-        return torch.as_tensor(self.tasks[task].targets[split], dtype=torch.long)
+        return torch.as_tensor(self.tasks[task].targets[split], dtype=torch.long, device=self.base.device)
 
     def train_set(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Train features and targets, with `config.augment` shifted copies appended."""
@@ -176,7 +176,9 @@ class TorchTrainer:
         for i, a in enumerate(seqs):
             inputs[i, : len(a)] = torch.tensor(a)
             labels[i, : len(a)] = torch.tensor(a)
-        logits = self.base.answer_logits(self.template(task, question), feats, inputs)
+        dev = self.base.device
+        logits = self.base.answer_logits(self.template(task, question), feats, inputs.to(dev))
+        labels = labels.to(dev)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
     # -- the Trainer protocol ------------------------------------------------------------------
@@ -199,7 +201,7 @@ class TorchTrainer:
         for t in tasks:
             if t in text:
                 continue
-            head = nn.Linear(self.base.hidden_size, len(self.tasks[t].labels))
+            head = nn.Linear(self.base.hidden_size, len(self.tasks[t].labels)).to(self.base.device)
             # A task new to this adapter starts from a linear probe on the adapter's current
             # features (LP-FT); the LoRA weights and every head then train jointly.
             if t in state.heads:
@@ -250,6 +252,8 @@ class TorchTrainer:
             opt,
             lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))),
         )
+        dev = self.base.device
+        on_device = {t: (mu.to(dev), sd.to(dev)) for t, (mu, sd) in norms.items() if t in heads}
         templates = {t: self.template(t) for t in tasks}
         train = {t: self.train_set(t) for t in tasks if t not in text}
         feats = {t: f for t, (f, _) in train.items()}
@@ -259,7 +263,7 @@ class TorchTrainer:
             if question is not None:
                 loss = self.text_loss(t, question, idx_t)
             else:
-                h = (self.base.head_features(templates[t], feats[t][idx_t]) - norms[t][0]) / norms[t][1]
+                h = (self.base.head_features(templates[t], feats[t][idx_t]) - on_device[t][0]) / on_device[t][1]
                 loss = F.cross_entropy(heads[t](h), ys[t][idx_t])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -271,10 +275,10 @@ class TorchTrainer:
                 self.progress("+".join(tasks), step + 1, total)
         new_heads = dict(state.heads)
         with torch.no_grad():
-            for t in heads:
-                mu, sd = norms[t]
+            for t in heads:  # kept on the host, as the LoRA weights
+                mu, sd = on_device[t]
                 w = heads[t].weight / sd
-                new_heads[t] = (w.clone(), (heads[t].bias - w @ mu).clone())
+                new_heads[t] = (w.cpu(), (heads[t].bias - w @ mu).cpu())
         held_text = state.text + tuple(t for t in text if t not in state.text)
         return AdapterState(lora=self.base.read_lora(), heads=new_heads, norms=norms, text=held_text)
 
@@ -337,7 +341,8 @@ class TorchTrainer:
 
     @torch.no_grad()
     def _predict(self, task: str, split: str, head: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return (self._hidden(task, split) @ head[0].t() + head[1]).argmax(-1)
+        h = self._hidden(task, split)
+        return (h @ head[0].to(h.device).t() + head[1].to(h.device)).argmax(-1)
 
     def _accuracy(self, task: str, split: str, head: tuple[torch.Tensor, torch.Tensor]) -> float:
         return float((self._predict(task, split, head) == self.targets(task, split)).float().mean())
@@ -346,7 +351,8 @@ class TorchTrainer:
         self.base.set_lora_enabled(True)
         self.base.load_lora(state.lora)
         w, b = state.heads[task]
-        return self._hidden(task, split) @ w.t() + b
+        h = self._hidden(task, split)
+        return h @ w.to(h.device).t() + b.to(h.device)
 
     def fit_head(self, task: str):
         """A linear probe: a head trained alone (full batch, standardised inputs, folded back)
@@ -358,17 +364,17 @@ class TorchTrainer:
         mu, sd = x.mean(0), x.std(0) + 1e-6  # standardise for the optimiser, fold back after
         xs = (x - mu) / sd
         torch.manual_seed(_task_seed(cfg.seed, (task, "head")))
-        head = nn.Linear(x.shape[1], len(self.tasks[task].labels))
+        head = nn.Linear(x.shape[1], len(self.tasks[task].labels)).to(x.device)
         opt = torch.optim.Adam(head.parameters(), lr=1e-2)
         for _ in range(cfg.head_only_steps):
             loss = F.cross_entropy(head(xs), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        with torch.no_grad():
+        with torch.no_grad():  # on the host, as the adapter states that keep them
             w = head.weight / sd
             b = head.bias - (w * mu).sum(-1)
-        return w.detach().clone(), b.detach().clone(), (mu.detach().clone(), sd.detach().clone())
+        return w.cpu(), b.cpu(), (mu.cpu(), sd.cpu())
 
     def head_only(self, task: str) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, dict[str, float]]:
         """The "no adapter" baseline: a linear head trained alone on the frozen base model's

@@ -155,3 +155,44 @@ def test_pretrained_base_is_a_loadable_model_directory(tiny_model_dir, tmp_path)
     w1 = base.model.model.language_model.layers[0].mlp.up_proj.base.weight
     assert not torch.equal(w0, w1)
     assert base.image_processor.merge_size == 2
+
+
+def test_bfloat16_training_keeps_float32_lora_and_host_results(tiny_model_dir, trained):
+    """The GPU path's precision on the CPU: frozen weights and activations in bfloat16, LoRA
+    factors float32 parameters that learn (B leaves zero), heads and read-back weights float32 on
+    the host, bundles that validate, and accuracy near the float32 run's on the same tasks."""
+    from services.common.adapter_format import BaseModelShapes, validate_bundle
+    from services.generator.bundle import export_bundle
+    from services.generator.model import BaseModel, training_device
+    from services.generator.training import TorchTrainer, TrainConfig
+
+    tasks, _, fp32_trainer, fp32_state = trained
+    torch.manual_seed(0)
+    base = BaseModel.load(tiny_model_dir, rank=4, lora_alpha=8.0, **training_device("cpu", "bfloat16"))
+    assert base.model.lm_head.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in base.lora_parameters())
+    trainer = TorchTrainer(base, tasks, TrainConfig(epochs=2, batch_size=16, lr=3e-3, head_only_steps=30))
+    state = trainer.fuse(trainer.empty(), ["digit", "count"])
+    a, b = state.lora[(0, "q_proj")]
+    assert a.dtype == b.dtype == torch.float32 and a.device.type == "cpu" and float(b.abs().sum()) > 0
+    w, bias = state.heads["digit"]
+    assert w.dtype == bias.dtype == torch.float32
+    shapes = BaseModelShapes.from_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    bundle = export_bundle("bf16-0", state, {t: d.labels for t, d in tasks.items()}, rank=4, lora_alpha=8.0)
+    validate_bundle(bundle.data, bundle.config_json, shapes, max_rank=64)
+    bf16 = trainer.validate(state, ["digit", "count"], "test")
+    fp32 = fp32_trainer.validate(fp32_state, ["digit", "count"], "test")
+    for t in ("digit", "count"):
+        assert abs(bf16[t] - fp32[t]) <= 0.25, (t, bf16, fp32)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, match",
+    [("tpu", "float32", "device"), ("cpu", "float16", "dtype"), ("cuda:7", "bfloat16", "CUDA")],
+)
+def test_a_training_device_this_machine_cannot_use_is_refused_by_name(device, dtype, match, monkeypatch):
+    from services.generator.model import training_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=match):
+        training_device(device, dtype)
