@@ -352,13 +352,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sb.add_cluster_options(p)
     p.add_argument("--settings", type=parse_settings, default=parse_settings(SETTINGS), help="Release policies.")
     p.add_argument("--rounds", type=int, default=1, help="Rounds of every setting (interleaved); medians reported.")
-    p.add_argument("--concurrency", type=int, default=8, help="Closed loops: requests in flight.")
+    p.add_argument("--concurrency", type=int, default=-1, help="Closed loops: requests in flight (-1: 64 on cuda, 8).")
     p.add_argument("--test-images", type=int, default=0, help="Test examples per task (0: the whole test split).")
     p.add_argument(
         "--answer-tokens", type=int, default=0, help="Answers run: max_new_tokens (0: each task's generation budget)."
     )
-    p.add_argument("--fixed-requests", type=int, default=64, help="Requests of the fixed run (0: none).")
-    p.add_argument("--fixed-tokens", type=int, default=32, help="Tokens of every fixed-run request (EOS banned).")
+    p.add_argument(
+        "--fixed-requests", type=int, default=-1, help="Requests of the fixed run (0: none; -1: 512 on cuda, 64)."
+    )
+    p.add_argument(
+        "--fixed-tokens", type=int, default=-1, help="Tokens of a fixed-run request, EOS banned (-1: 128 on cuda, 32)."
+    )
     p.add_argument("--warmup", type=int, default=-1, help="Unmeasured requests first (-1: 2 x concurrency).")
     p.add_argument(
         "--generated", type=Path, default=None, help="A generated directory with text tasks (its base model served)."
@@ -388,6 +392,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     sb.check_cluster_options(p, args)
     args.policy = args.policy or "slora"
+    cuda = args.device == "cuda"
+    for name, gpu, cpu in (("concurrency", 64, 8), ("fixed_requests", 512, 64), ("fixed_tokens", 128, 32)):
+        if getattr(args, name) < 0:
+            setattr(args, name, gpu if cuda else cpu)
     if args.arch and args.generated is not None:
         p.error("--arch serves random adapters: no --generated")
     if min(args.rounds, args.concurrency, args.fixed_tokens, args.rank, args.random_adapters) < 1:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_scale_bench import processes_of  # the same VALORA_HOME scan (tests/e2e is on sys.path)
 
-from bench.release_bench import Setting, parse_settings
+from bench.release_bench import Setting, parse_args, parse_settings
 from valora.cluster import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +31,15 @@ def test_settings_parse_as_tasks_show_them():
     for bad in ("0.5,sentence_end", "none,none", "none,1.5", "none,sentence-end"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_settings(bad)
+
+
+def test_defaults_per_device():
+    """The CPU smoke run's loads, and the H200's: a batch where the LoRA term weighs."""
+    cpu = parse_args([])
+    assert (cpu.concurrency, cpu.fixed_requests, cpu.fixed_tokens, cpu.policy) == (8, 64, 32, "slora")
+    gpu = parse_args(["--device", "cuda", "--arch", "qwen2-vl-7b", "--atmm"])
+    assert (gpu.concurrency, gpu.fixed_requests, gpu.fixed_tokens, gpu.dtype) == (64, 512, 128, "bfloat16")
+    assert [s.name for s in gpu.settings] == ["none", "0.25", "0.5", "0.75", "sentence_end"]
 
 
 @pytest.fixture
