@@ -24,8 +24,12 @@
 #                                                     # worker under valora, slora, punica, dlora; per "streams:rate" load
 #   (orchestration: ORCH_ARGS adds orchestration_bench options; ORCH_S bounds each load, 420 s; DURATION (60) and
 #    WARMUP_S (10) are seconds per policy: at the defaults one load fills a call)
+#   SUF=<commit> bash bench/h200_session.sh release   # issue 23: early release's throughput x per setting (random 7B
+#                                                     # adapters: accuracy needs trained ones), bench/release_bench.py
+#   SUF=<commit> bash bench/h200_session.sh generation  # issue 24: the generator's LoRA training on the GPU in bf16
+#                                                     # (tiny base pretrained here, the built-in tasks, --compare)
 set -uo pipefail
-MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|steps|paged|orchestration}
+MODE=${1:?kernels|engine|profile|layers|multigpu|serve|serve-ab|long|steps|paged|orchestration|release|generation}
 SUF=${SUF:-run}
 OUT=${OUT:-/tmp/valora_out}
 mkdir -p "$OUT"
@@ -186,6 +190,21 @@ elif [ "$MODE" = orchestration ]; then  # issue 23: video analytics + visual ret
   # the services' warnings and errors, counted by event (a failed run keeps its home: /tmp/valora-orchestration-*)
   cat /tmp/valora-orchestration-*/logs/*.log 2>/dev/null | grep -E "warning|error" | sed -E 's/^[0-9 :-]+//' \
     | cut -c1-300 | sort | uniq -c | sort -rn | head -60 > "$OUT/service-warnings.txt"
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+elif [ "$MODE" = release ]; then  # issue 23: early adapter release measured on the 7B worker
+  OUT="$OUT" timeout -s TERM "${RELEASE_S:-420}" python3 -m bench.release_bench --device cuda --arch qwen2-vl-7b --atmm \
+    --dtype bfloat16 --out "bench/results/release-h200-$SUF.json" ${RELEASE_ARGS:-} 2>&1 | grep -v "━" | tail -24 | tee -a "$LOG"
+  say release_bench
+  tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
+elif [ "$MODE" = generation ]; then  # issue 24: training on the GPU (bf16 weights, float32 LoRA)
+  M=/tmp/tiny-qwen2-vl
+  python3 -m services.worker.tiny_model "$M" >> "$LOG" 2>&1 && python3 -m services.generator pretrain --model-path "$M" \
+    --out /tmp/tiny-pretrained >> "$LOG" 2>&1
+  say pretrain
+  timeout "${GEN_S:-420}" python3 -m services.generator generate --model-path /tmp/tiny-pretrained --out /tmp/gen-out \
+    --device cuda --dtype bfloat16 --compare --results "bench/results/generation-h200-$SUF.json" ${GEN_ARGS:-} 2>&1 \
+    | grep -v "━" | tail -30 | tee -a "$LOG"
+  say generate
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = long ]; then  # issue "Engine v2": 31 streams beside one 16k-token request at batch 32
   timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-h200-$SUF" 2>&1 \
