@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import collections
 import itertools
-import os
 import shutil
 import signal
 import statistics
@@ -460,12 +459,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_out(device: str) -> Path:
-    from kernels.results import git_commit
-
-    return sb.RESULTS / f"orchestration-{device}-{git_commit()[:7]}.json"
-
-
 def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None:
     table = Table(
         title=f"orchestration {WORKLOAD}: {args.device} {args.dtype}, {model.name}, {args.streams} streams x "
@@ -574,29 +567,13 @@ def main(argv: list[str] | None = None) -> int:
         **times,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    paths = write(args.out or default_out(args.device), rows, failures, args, model, extra)
+    out = args.out or sb.default_out(args.device, "orchestration")
+    info = {"workload": WORKLOAD, "device": args.device, "targets": TARGETS, **extra}
+    paths = sb.write_bench_results(out, "orchestration", args, model, {"rows": rows, "failures": failures}, **info)
     console.print(f"results: {', '.join(map(str, paths))}")
     if interrupted is not None:
         raise interrupted
     return 1 if failed else 0
-
-
-def write(path: Path, rows: list[dict], failures: list[dict], args, model: Path, extra: dict) -> list[Path]:
-    from kernels.results import run_info, write_json  # torch: device/version metadata
-
-    info = {
-        **run_info(),
-        "bench": "orchestration",
-        "workload": WORKLOAD,
-        "device": args.device,
-        "model": str(model),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())},
-        "targets": TARGETS,
-        "cpu_count": os.cpu_count(),
-        **extra,
-    }
-    info["args"]["env"] = dict(args.env)
-    return write_json(path.with_suffix("").name, {"info": info, "rows": rows, "failures": failures}, path.parent)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -413,12 +412,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_out(device: str) -> Path:
-    from kernels.results import git_commit
-
-    return sb.RESULTS / f"release-{device}-{git_commit()[:7]}.json"
-
-
 def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None:
     table = Table(title=f"early release: {args.device} {args.dtype}, {model.name}, {args.concurrency} in flight")
     cols = ("setting", "accuracy", "Δ acc", "released", "base tok", "tok/s", "×", "fixed tok/s", "×", "base tok")
@@ -558,30 +551,14 @@ def main(argv: list[str] | None = None) -> int:
         **times,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    paths = write(args.out or default_out(args.device), rows, failures, args, model, extra)
+    out = args.out or sb.default_out(args.device, "release")
+    recorded = argparse.Namespace(**{**vars(args), "settings": [x.name for x in args.settings]})
+    payload = {"rows": rows, "failures": failures}
+    paths = sb.write_bench_results(out, "release", recorded, model, payload, device=args.device, **extra)
     console.print(f"results: {', '.join(map(str, paths))}")
     if interrupted is not None:
         raise interrupted
     return 1 if failed else 0
-
-
-def write(path: Path, rows: list[dict], failures: list[dict], args, model: Path, extra: dict) -> list[Path]:
-    from kernels.results import run_info, write_json  # torch: device/version metadata
-
-    info = {
-        **run_info(),
-        "bench": "release",
-        "device": args.device,
-        "model": str(model),
-        "args": {
-            k: [s.name for s in v] if k == "settings" else str(v) if isinstance(v, Path) else v
-            for k, v in sorted(vars(args).items())
-        },
-        "cpu_count": os.cpu_count(),
-        **extra,
-    }
-    info["args"]["env"] = dict(args.env)
-    return write_json(path.with_suffix("").name, {"info": info, "rows": rows, "failures": failures}, path.parent)
 
 
 if __name__ == "__main__":

@@ -627,10 +627,31 @@ def print_table(rows: list[dict], args: argparse.Namespace, model: Path) -> None
     )
 
 
-def default_out(device: str) -> Path:
+def default_out(device: str, bench: str = "scale") -> Path:
+    """bench/results/<bench>-<device>-<commit>.json: where a cluster bench's results go by default."""
     from kernels.results import git_commit
 
-    return RESULTS / f"scale-{device}-{git_commit()[:7]}.json"
+    return RESULTS / f"{bench}-{device}-{git_commit()[:7]}.json"
+
+
+def write_bench_results(
+    path: Path, bench: str, args: argparse.Namespace, model: Path, payload: dict, **info
+) -> list[Path]:
+    """A cluster bench's results (serve, orchestration, release): {"info": run metadata, the bench,
+    the model, its arguments (env included), the machine's cores and `info`; then `payload`'s
+    keys (rows, failures, ...)} at `path` (and $OUT when set)."""
+    from kernels.results import run_info, write_json  # torch: device/version metadata
+
+    meta = {
+        **run_info(),
+        "bench": bench,
+        "model": str(model),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())},
+        "cpu_count": os.cpu_count(),
+        **info,
+    }
+    meta["args"]["env"] = dict(args.env)
+    return write_json(path.with_suffix("").name, {"info": meta, **payload}, path.parent)
 
 
 def write_results(

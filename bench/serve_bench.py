@@ -447,12 +447,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_out(device: str) -> Path:
-    from kernels.results import git_commit
-
-    return sb.RESULTS / f"serve-{device}-{git_commit()[:7]}.json"
-
-
 def print_table(rows: list[dict], spreads: list[dict], args: argparse.Namespace, model: Path) -> None:
     table = Table(
         title=f"serve {WORKLOAD}: {args.device} {args.dtype}, {model.name}, {args.adapters} adapters "
@@ -649,52 +643,24 @@ def main(argv: list[str] | None = None) -> int:
     spreads = spread(rows)
     if rows:
         print_table(rows, spreads, args, model)
-    paths = write(
-        args.out or default_out(args.device),
-        rows,
-        spreads,
-        failures,
+    paths = sb.write_bench_results(
+        args.out or sb.default_out(args.device, "serve"),
+        "serve",
         args,
         model,
-        {
-            "gpus": gpus,
-            "mix": mix_summary(inputs.specs),
-            "warmup_mix": mix_summary(inputs.warm_specs),
-            **times,
-            "wall_s": round(time.perf_counter() - t_start, 1),
-        },
+        {"rows": rows, "spread": spreads, "failures": failures},
+        workload=WORKLOAD,
+        targets=TARGETS,
+        gpus=gpus,
+        mix=mix_summary(inputs.specs),
+        warmup_mix=mix_summary(inputs.warm_specs),
+        **times,
+        wall_s=round(time.perf_counter() - t_start, 1),
     )
     console.print(f"results: {', '.join(map(str, paths))}")
     if interrupted is not None:
         raise interrupted
     return 1 if failed else 0
-
-
-def write(
-    path: Path,
-    rows: list[dict],
-    spreads: list[dict],
-    failures: list[dict],
-    args: argparse.Namespace,
-    model: Path,
-    extra: dict,
-) -> list[Path]:
-    from kernels.results import run_info, write_json  # torch: device/version metadata
-
-    info = {
-        **run_info(),
-        "bench": "serve",
-        "workload": WORKLOAD,
-        "model": str(model),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())},
-        "targets": TARGETS,
-        "cpu_count": os.cpu_count(),
-        **extra,
-    }
-    info["args"]["env"] = dict(args.env)
-    return write_json(
-        path.with_suffix("").name, {"info": info, "rows": rows, "spread": spreads, "failures": failures}, path.parent
-    )
 
 
 if __name__ == "__main__":
