@@ -10,6 +10,14 @@ import sys
 from pathlib import Path
 
 
+def label(r: dict) -> str:
+    """A row's strategy, with the fusion order's rule (and label, when it has one) for greedy fusion."""
+    order = r.get("fusion_order")
+    if not order:
+        return r["strategy"]
+    return f"{r['strategy']} ({order.get('label', order['rule'])} order)"
+
+
 def render(rows: list[dict]) -> str:
     groups: dict[str, list[dict]] = {}
     for r in rows:
@@ -27,22 +35,29 @@ def render(rows: list[dict]) -> str:
     for key, rs in groups.items():
         tasks = list(rs[0]["tasks"])
         out.append(f"### {key}\n")
-        out.append("| strategy | adapters | " + " | ".join(tasks) + " | all >= threshold |")
-        out.append("|---|---|" + "---|" * len(tasks) + "---|")
+        out.append("| strategy | adapters | " + " | ".join(tasks) + " | all >= threshold | min margin |")
+        out.append("|---|---|" + "---|" * len(tasks) + "---|---|")
         for r in rs:
             cells = [f"{r['tasks'][t]['accuracy']:.3f}" for t in tasks]
-            ok = all(r["tasks"][t]["accuracy"] >= r["tasks"][t]["threshold"] for t in tasks)
+            margin = min(r["tasks"][t]["accuracy"] - r["tasks"][t]["threshold"] for t in tasks)
             out.append(
-                f"| {r['strategy']} | {r['n_adapters']} | " + " | ".join(cells) + f" | {'yes' if ok else 'no'} |"
+                f"| {label(r)} | {r['n_adapters']} | "
+                + " | ".join(cells)
+                + f" | {'yes' if margin >= 0 else 'no'} | {margin:+.3f} |"
             )
-        out.append("| threshold | | " + " | ".join(f"{rs[0]['tasks'][t]['threshold']:.3f}" for t in tasks) + " | |")
-        greedy = next((r for r in rs if r["strategy"] == "greedy-fusion"), None)
-        if greedy:
-            packs = {}
-            for t in tasks:
-                packs.setdefault(greedy["tasks"][t]["adapter"], []).append(t)
-            out.append("\ngreedy packing: " + "; ".join(f"{a}: {', '.join(ts)}" for a, ts in packs.items()))
+        out.append("| threshold | | " + " | ".join(f"{rs[0]['tasks'][t]['threshold']:.3f}" for t in tasks) + " | | |")
         out.append("")
+        for r in rs:
+            if r["strategy"] != "greedy-fusion":
+                continue
+            packs = {}
+            for t in r.get("fusion_order", {}).get("order", tasks):
+                packs.setdefault(r["tasks"][t]["adapter"], []).append(t)
+            out.append(f"{label(r)} packing: " + "; ".join(f"{a}: {', '.join(ts)}" for a, ts in packs.items()))
+            probe = r.get("fusion_order", {}).get("probe")
+            if probe:
+                out.append(f"(probes: {probe['trainings']} trainings in {probe['seconds']:.0f} s)")
+            out.append("")
     return "\n".join(out)
 
 

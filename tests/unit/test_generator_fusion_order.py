@@ -122,3 +122,25 @@ def test_a_job_with_the_probed_order_records_the_order_it_fused_in(model_path, t
     # count (threshold 0.99) is below its threshold even after its brief probe: fused last
     assert list(final.result.fused_order) == ["digit", "count"]
     assert sorted(t.task for t in final.result.tasks) == ["tasks/po-count", "tasks/po-digit"]
+
+
+def test_the_report_labels_each_order_and_its_min_margin():
+    from bench.generation_order import given_orders
+    from bench.generation_report import render
+
+    assert given_orders(["a", "b", "c"], ["default", "reversed", "c,a,b"]) == {
+        "default": ["a", "b", "c"],
+        "reversed": ["c", "b", "a"],
+        "c,a,b": ["c", "a", "b"],
+    }
+    row = lambda label, acc, probe=None: {
+        "strategy": "greedy-fusion",
+        "n_adapters": 1,
+        "tasks": {"a": {"accuracy": acc, "threshold": 0.5, "adapter": "fused-0"}},
+        "fusion_order": {"rule": "probed" if probe else "given", "label": label, "order": ["a"], "probe": probe},
+        "setup": {"margin": 0.03},
+    }
+    text = render([row("default", 0.6), row("probed", 0.45, {"trainings": 1, "seconds": 2.0})])
+    assert "| greedy-fusion (default order) | 1 | 0.600 | yes | +0.100 |" in text
+    assert "| greedy-fusion (probed order) | 1 | 0.450 | no | -0.050 |" in text
+    assert "(probes: 1 trainings in 2 s)" in text
