@@ -93,7 +93,7 @@ class ModelRunner:
         shape = (heads, self.pool.kv_heads, self.pool.head_dim, config.kv_block_size)
         attention_kernel = self._kernel_usable("decode", paged_attention, dtype, shape)
         self.prefill_kernel = self._kernel_usable("prefill", paged_prefill, dtype, shape)
-        self.tokens = TokenChooser(device)  # the rows' next tokens from their logits
+        self.tokens = TokenChooser(device, self.upload)  # the rows' next tokens from their logits
         self.trace: StepTrace | None = None  # the engine's (its "inputs" phase: embeddings, vision tower)
         # decode and prefill graphs capture into one memory pool: their forwards run one at a time
         handle = torch.cuda.graph_pool_handle() if device.type == "cuda" else None

@@ -5,6 +5,8 @@ parameters, penalties' histories and seeds' counters; and their log-probabilitie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 import torch
 
@@ -29,15 +31,10 @@ def sampling_kernel_usable(device: torch.device) -> bool:
 class TokenChooser:
     """Next tokens and log-probabilities of a forward's rows, from their logits, on `device`."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, upload: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`upload`: a small host tensor on the device without a wait (ModelRunner.upload)."""
+        self.device, self.upload = device, upload
         self.kernel = sampling_kernel_usable(device)
-
-    def upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device, without waiting for the stream's queued work (torch's
-        blocking host-to-device copy synchronizes the stream). Pageable memory is staged at once,
-        so the host tensor may be dropped right after."""
-        return t.to(self.device, non_blocking=True)
 
     def choose(
         self,
