@@ -428,18 +428,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU workers' torch threads (OMP_NUM_THREADS); 0: torch's default, one per core, which on a "
         "machine shared with other work spins in OpenMP barriers (the tiny model's latencies 100x longer).",
     )
-    p.add_argument(
-        "--home",
-        type=Path,
-        default=None,
-        help="Cluster state + logs (default: a temporary directory, removed unless a run fails).",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Results JSON (default bench/results/orchestration-<device>-<commit>.json; a copy goes to $OUT when set).",
-    )
+    sb.add_output_options(p, "orchestration")
     args = p.parse_args(argv)
     sb.check_cluster_options(p, args)
     if args.policy:

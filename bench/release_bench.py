@@ -381,13 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=0, help="--arch: side of the random images; 0: 448.")
     p.add_argument("--max-batch-size", type=int, default=-1, help="VALORA_MAX_BATCH_SIZE (-1: 64 on cuda, default).")
     p.add_argument("--threads-per-worker", type=int, default=1, help="CPU worker's torch threads (0: torch's default).")
-    p.add_argument("--home", type=Path, default=None, help="Cluster state + logs (default: a temporary directory).")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Results JSON (default bench/results/release-<device>-<commit>.json; a copy goes to $OUT when set).",
-    )
+    sb.add_output_options(p, "release")
     args = p.parse_args(argv)
     sb.check_cluster_options(p, args)
     args.policy = args.policy or "slora"

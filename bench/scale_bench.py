@@ -132,6 +132,22 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def add_output_options(p: argparse.ArgumentParser, bench: str) -> None:
+    """--home and --out of a cluster bench whose results default to default_out(device, bench)."""
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="Cluster state + logs (default: a temporary directory, removed unless a run fails).",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"Results JSON (default bench/results/{bench}-<device>-<commit>.json; a copy goes to $OUT when set).",
+    )
+
+
 def check_cluster_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """add_cluster_options' checks and defaults, after parsing."""
     if args.dtype == "auto":

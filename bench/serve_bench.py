@@ -421,18 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="The worker's VALORA_MAX_BATCH_SIZE (-1: 64 on "
         "cuda, the worker's default on cpu; 0: the worker's default).",
     )
-    p.add_argument(
-        "--home",
-        type=Path,
-        default=None,
-        help="Cluster state + logs (default: a temporary directory, removed unless a run fails).",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Results JSON (default bench/results/serve-<device>-<commit>.json; a copy goes to $OUT when set).",
-    )
+    sb.add_output_options(p, "serve")
     args = p.parse_args(argv)
     sb.check_cluster_options(p, args)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
