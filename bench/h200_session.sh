@@ -38,6 +38,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # lent hosts: multicast off
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VALORA_KERNELS_CACHE=/tmp/valora_kernels MAX_JOBS=16 VALORA_GIT_COMMIT=$SUF
 LOG=$OUT/run.log
+# results are named by the card that ran them (the device tool lends H100s as well as H200s)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "h100|h200|a100|l40s" | tr A-Z a-z)
+GPU=${GPU:-gpu}
 t0=$(date +%s)
 say() { echo "== $* ($(( $(date +%s) - t0 )) s)" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$LOG" 2>&1
@@ -158,7 +161,7 @@ elif [ "$MODE" = serve ]; then  # issue "Engine v2": the 7B worker (random weigh
     [ -n "${PYSPY:-}" ] || { MARK=/tmp/serve_marks; rm -rf "$MARK"; mkdir -p "$MARK"; export SERVE_BENCH_MARK_DIR=$MARK; }; }
   OUT="$OUT" timeout -s TERM "${SERVE_S:-420}" python3 -m bench.serve_bench --device cuda --arch qwen2-vl-7b --atmm \
     --dtype bfloat16 --concurrency "${CONC:-128}" --rate "${RATE:-30}" --requests "${REQUESTS:-1024}" --repeat 2 \
-    --out "bench/results/serve-h200-$SUF.json" $TRACE_ARGS ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
+    --out "bench/results/serve-$GPU-$SUF.json" $TRACE_ARGS ${SERVE_ARGS:-} 2>&1 | grep -v "━" | tail -30 | tee -a "$LOG"
   say serve_bench
   [ -z "${TRACE:-}" ] || { python3 -m bench.step_trace_summary /tmp/steps.jsonl --duration "${TRACE_S:-30}" \
     --start "$(stat -c %Y "$MARK/measuring-${PYSPY_RUN:-1}")" --json "$OUT/steps-summary.json" | tee -a "$LOG"
@@ -183,7 +186,7 @@ elif [ "$MODE" = orchestration ]; then  # issue 23: video analytics + visual ret
     streams=${load%%:*}; rate=${load#*:}
     OUT="$OUT" timeout -s TERM "${ORCH_S:-420}" python3 -m bench.orchestration_bench --device cuda --arch qwen2-vl-7b \
       --atmm --dtype bfloat16 --streams "$streams" --rate "$rate" --duration "${DURATION:-60}" --warmup-s "${WARMUP_S:-10}" \
-      --out "bench/results/orchestration-h200-$SUF-s${streams}r${rate}.json" ${ORCH_ARGS:-} 2>&1 | grep -v "━" | tail -24 \
+      --out "bench/results/orchestration-$GPU-$SUF-s${streams}r${rate}.json" ${ORCH_ARGS:-} 2>&1 | grep -v "━" | tail -24 \
       | tee -a "$LOG"
     say "orchestration_bench $load"
   done
@@ -193,7 +196,7 @@ elif [ "$MODE" = orchestration ]; then  # issue 23: video analytics + visual ret
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = release ]; then  # issue 23: early adapter release measured on the 7B worker
   OUT="$OUT" timeout -s TERM "${RELEASE_S:-420}" python3 -m bench.release_bench --device cuda --arch qwen2-vl-7b --atmm \
-    --dtype bfloat16 --out "bench/results/release-h200-$SUF.json" ${RELEASE_ARGS:-} 2>&1 | grep -v "━" | tail -24 | tee -a "$LOG"
+    --dtype bfloat16 --out "bench/results/release-$GPU-$SUF.json" ${RELEASE_ARGS:-} 2>&1 | grep -v "━" | tail -24 | tee -a "$LOG"
   say release_bench
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = generation ]; then  # issue 24: training on the GPU (bf16 weights, float32 LoRA)
@@ -202,12 +205,12 @@ elif [ "$MODE" = generation ]; then  # issue 24: training on the GPU (bf16 weigh
     --out /tmp/tiny-pretrained >> "$LOG" 2>&1
   say pretrain
   timeout "${GEN_S:-420}" python3 -m services.generator generate --model-path /tmp/tiny-pretrained --out /tmp/gen-out \
-    --device cuda --dtype bfloat16 --compare --results "bench/results/generation-h200-$SUF.json" ${GEN_ARGS:-} 2>&1 \
+    --device cuda --dtype bfloat16 --compare --results "bench/results/generation-$GPU-$SUF.json" ${GEN_ARGS:-} 2>&1 \
     | grep -v "━" | tail -30 | tee -a "$LOG"
   say generate
   tar czf "$OUT/results.tgz" bench/results/*"$SUF"* 2>/dev/null
 elif [ "$MODE" = long ]; then  # issue "Engine v2": 31 streams beside one 16k-token request at batch 32
-  timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-h200-$SUF" 2>&1 \
+  timeout "${LONG_S:-300}" python3 -m bench.long_context_bench --name "long-context-$GPU-$SUF" 2>&1 \
     | grep -v -E "Loading|Writing" | tail -120 | tee -a "$LOG"
   say long_context_bench
 elif [ "$MODE" = steps ]; then  # where a served step's device time goes, per worker environment
