@@ -22,7 +22,7 @@ that fails scores below the threshold, so every kept token scores above it: the 
 the best noisy score above the failed one's, found in the same pass that tests it. A test is one
 pass over the row; a sample from the whole distribution falls inside top-p 0.9 nine times in ten,
 so a top-p row takes about three passes (max, mass + candidate, its test). After `tries` failed
-candidates (a small top-k over a flat distribution; CANDIDATE_TRIES, 0 by default: no walk) the
+candidates (a small top-k over a flat distribution; CANDIDATE_TRIES, WALK_TRIES by default) the
 thresholds come by bisection over
 the 32-bit keys of the float scores (a key orders like its float, so 32 halvings end on an exact
 score), each halving one pass accumulating the mass and the count above its two midpoints. A
@@ -48,14 +48,13 @@ MIN_TEMPERATURE = 1e-5
 _MASK31 = (1 << 31) - 1
 BLOCK = 2048  # vocabulary entries a program reads per iteration
 SEARCH_STEPS = 32  # bisection halvings: a 32-bit key range
-# Candidates tested against the filters before the bisection (module doc). 0 (the bisection
-# alone) until the walk is measured in serving: on the H200 it samples 4.2x faster in isolation
-# (bench/results/sampling-2dbd430.json) but the served mixed-vision load ran 28.0 req/s with it
-# against 30.9 without in one call (bench/results/serve-h200-2dbd430-walk.json and
-# serve-h200-219bdd4-bisection.json); the serve A/B is
-# `--env VALORA_SAMPLER_TRIES=6` (read at import).
-CANDIDATE_TRIES = int(os.environ.get("VALORA_SAMPLER_TRIES", "0"))
+# Candidates tested against the filters before the bisection (module doc). The walk (6) by
+# default: in one process over the same served rows it took the sampler from 1.09 to 0.42 device
+# ms a decode step on an H100 (bench/results/step-profile-4a466e1-default.json, phases decode@0
+# and decode@6), 0.45 against 1.73 ms in isolation (sampling-4a466e1.json). `VALORA_SAMPLER_TRIES=0`
+# (read at import) runs the bisection alone.
 WALK_TRIES = 6  # what the tests and bench/sampling_bench.py run the walk with
+CANDIDATE_TRIES = int(os.environ.get("VALORA_SAMPLER_TRIES", str(WALK_TRIES)))
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
