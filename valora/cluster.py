@@ -632,7 +632,8 @@ def start_cluster(
     return cluster
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a child that exited is reaped here)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -667,28 +668,38 @@ def restart_process(
     """Stops the cluster's live process `name` (SIGTERM, SIGKILL after `grace_s`) and starts its
     service again on the same ports, log and environment, `env` over that environment (e.g. the
     scheduler under another VALORA_POLICY, the other services and their state untouched); returns
-    its new ProcessInfo, saved in the state file, once it is SERVING (else a StartupError). The
-    environment is read from /proc before the stop (Linux). A scheduler that lists its workers
-    statically (VALORA_WORKER_ADDRESSES) sees them again at its first status round."""
-    old = next((p for p in cluster.processes if p.name == name), None)
-    if old is None:
-        raise ValueError(f"no process {name!r} in the cluster; it has {', '.join(p.name for p in cluster.processes)}")
-    if not _alive(old.pid):
+    its new ProcessInfo (respawn_process). The environment is read from /proc before the stop
+    (Linux). A scheduler that lists its workers statically (VALORA_WORKER_ADDRESSES) sees them
+    again at its first status round."""
+    old = _process(cluster, name)
+    if not alive(old.pid):
         raise RuntimeError(f"{name} (pid {old.pid}) is not running")
     started_env = {**process_env(old.pid), **(env or {})}
     _signal(old.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _alive(old.pid) and time.monotonic() < deadline:
+    while alive(old.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(old.pid):
+    if alive(old.pid):
         _signal(old.pid, signal.SIGKILL)
         deadline = time.monotonic() + 5.0  # the port is free once the kernel has closed its sockets
-        while _alive(old.pid) and time.monotonic() < deadline:
+        while alive(old.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
+    return respawn_process(cluster, name, started_env, startup_timeout_s)
+
+
+def respawn_process(
+    cluster: Cluster, name: str, env: Mapping[str, str], startup_timeout_s: float = STARTUP_TIMEOUT_S
+) -> ProcessInfo:
+    """Starts the cluster's exited process `name` again on its ports and log with environment
+    `env` (what process_env read before it stopped); returns its new ProcessInfo, saved in the
+    state file, once it is SERVING (else a StartupError)."""
+    old = _process(cluster, name)
+    if alive(old.pid):
+        raise RuntimeError(f"{name} (pid {old.pid}) is still running")
     with open(old.log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{old.service}"],
-            env=started_env,
+            env=dict(env),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -709,6 +720,13 @@ def restart_process(
     return new
 
 
+def _process(cluster: Cluster, name: str) -> ProcessInfo:
+    old = next((p for p in cluster.processes if p.name == name), None)
+    if old is None:
+        raise ValueError(f"no process {name!r} in the cluster; it has {', '.join(p.name for p in cluster.processes)}")
+    return old
+
+
 def stop_cluster(home: Path = DEFAULT_HOME, grace_s: float = 15.0) -> list[str]:
     """SIGTERM every process (gateway first; consecutive processes of one service, the workers,
     together), SIGKILL what is left of each group after the grace period."""
@@ -717,14 +735,14 @@ def stop_cluster(home: Path = DEFAULT_HOME, grace_s: float = 15.0) -> list[str]:
         return []
     stopped = []
     for _, group in itertools.groupby(reversed(cluster.processes), key=lambda p: p.service):
-        live = [p for p in group if _alive(p.pid)]
+        live = [p for p in group if alive(p.pid)]
         for p in live:
             _signal(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while any(_alive(p.pid) for p in live) and time.monotonic() < deadline:
+        while any(alive(p.pid) for p in live) and time.monotonic() < deadline:
             time.sleep(0.1)
         for p in live:
-            if _alive(p.pid):
+            if alive(p.pid):
                 _signal(p.pid, signal.SIGKILL)
         stopped.extend(p.name for p in live)
     Path(home, STATE_FILE).unlink(missing_ok=True)

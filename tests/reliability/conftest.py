@@ -4,7 +4,8 @@
   (to refresh the committed figures), else in a temporary directory (a plain test run leaves the
   checkout as it was).
 - `cluster`: the four services as processes (valora.cluster), 2 workers, auth on, small limits,
-  started once per session; `restart_worker()` brings a killed/stopped worker back on its port.
+  started once per session; `valora.cluster.respawn_process()` brings a killed/stopped worker back
+  on its port.
 - `InProcessStack`: worker + scheduler + gateway servers in this process (own event loop thread,
   real loopback ports), for tests that must look inside the engine (tokens after a deadline,
   KV cache bytes after cancellations).
@@ -13,12 +14,9 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from valora.cluster import Cluster, ProcessInfo, ensure_model, start_cluster, stop_cluster, wait_healthy
+from valora.cluster import Cluster, alive, ensure_model, start_cluster, stop_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 # Hypothesis keeps a cache directory (constants, examples); not in the checkout.
@@ -100,21 +98,14 @@ def cluster(tmp_path_factory, model_path):
     stop_cluster(home)
 
 
-def process_env(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
 
 
 def wait_exit(pid: int, timeout_s: float) -> bool:
@@ -124,35 +115,6 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def restart_worker(cluster: Cluster, name: str, env: dict[str, str]) -> ProcessInfo:
-    """Starts worker `name` again on its port with the environment it had (from process_env)."""
-    old = next(p for p in cluster.processes if p.name == name)
-    assert not alive(old.pid), f"{name} still running"
-    with open(old.log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.worker"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    new = dataclasses.replace(old, pid=proc.pid)
-    cluster.processes[cluster.processes.index(old)] = new
-    cluster.save()
-    wait_healthy(new.address, 120, proc, new.log)
-    return new
-
-
-def kill(pid: int, sig: int = signal.SIGKILL) -> None:
-    os.kill(pid, sig)
-
-
-def rss_bytes(pid: int) -> int:
-    import psutil
-
-    return psutil.Process(pid).memory_info().rss
 
 
 def wait_scheduler_sees(cluster: Cluster, address: str, healthy: bool, timeout_s: float = 15.0) -> float:

@@ -12,13 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from valora.cluster import process_env, respawn_process
 from tests.reliability.conftest import (
     API_KEY,
     kill,
     md,
-    process_env,
     record,
-    restart_worker,
     wait_exit,
     wait_scheduler_sees,
 )
@@ -67,7 +66,7 @@ def test_rolling_restart_fails_no_request(cluster):
             seen_down = wait_scheduler_sees(cluster, proc.address, False, 20)
             assert wait_exit(proc.pid, 30), f"{name} did not exit after SIGTERM"
             exit_s = time.monotonic() - t0
-            new = restart_worker(cluster, name, env)
+            new = respawn_process(cluster, name, env)
             wait_scheduler_sees(cluster, new.address, True, 30)
             drains[name] = {
                 "scheduler_saw_not_serving_ms": round(seen_down * 1e3, 1),

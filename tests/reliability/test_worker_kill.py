@@ -13,13 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from valora.cluster import process_env, respawn_process
 from tests.reliability.conftest import (
     API_KEY,
     kill,
     md,
-    process_env,
     record,
-    restart_worker,
     wait_exit,
     wait_scheduler_sees,
 )
@@ -126,7 +125,7 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
         "retried_on_other_worker": retried,
         "served_by": sorted({w for c, w in before if c == "OK"}),
     }
-    workers["worker-0"] = restart_worker(cluster, "worker-0", env)
+    workers["worker-0"] = respawn_process(cluster, "worker-0", env)
     wait_scheduler_sees(cluster, workers["worker-0"].address, True, 20)
 
     # -- after the first token: a long stream; kill the worker running it.
@@ -155,7 +154,7 @@ def test_worker_sigkill_before_and_after_first_token(cluster):
         "client_error_after_kill_ms": round(client_detect_s * 1e3, 1),
         "scheduler_marks_down_after_kill_ms": round(sched_detect_s * 1e3, 1),
     }
-    restart_worker(cluster, name, env)
+    respawn_process(cluster, name, env)
     wait_scheduler_sees(cluster, workers[name].address, True, 20)
 
     b, a = figures["before_first_token"], figures["after_first_token"]
