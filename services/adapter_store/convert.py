@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from google.protobuf import timestamp_pb2
+from google.protobuf import json_format, timestamp_pb2
 
 from valora_protos.internal.v1 import adapter_store_service_pb2 as store_pb
 from valora_protos.v1 import admin_service_pb2 as admin_pb
@@ -203,6 +203,7 @@ def job_result_to_pb(r: JobResult) -> res_pb.GenerationJobResult:
             for t in r.tasks
         ],
         fused_order=list(r.fused_order),
+        probe=json_format.ParseDict(r.probe, res_pb.GenerationProbe(), ignore_unknown_fields=True) if r.probe else None,
     )
 
 
@@ -211,6 +212,7 @@ def job_result_from_pb(r: res_pb.GenerationJobResult) -> JobResult:
         tuple(r.adapter_versions),
         tuple(TaskOutcome(t.task, t.adapter_version, t.accuracy_threshold, t.measured_accuracy) for t in r.tasks),
         tuple(r.fused_order),
+        json_format.MessageToDict(r.probe, preserving_proto_field_name=True) if r.HasField("probe") else {},
     )
 
 

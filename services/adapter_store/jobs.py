@@ -135,6 +135,9 @@ class JobResult:
     adapter_versions: tuple[str, ...] = ()
     tasks: tuple[TaskOutcome, ...] = ()
     fused_order: tuple[str, ...] = ()  # the sources' tasks in the order they were fused
+    # A probed order's interference probes, as valora.v1.GenerationProbe's JSON (convert.py);
+    # empty for the given order. Kept as the runner reported it: the store only stores it.
+    probe: dict = field(default_factory=dict, hash=False, compare=True)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -142,6 +145,7 @@ class JobResult:
                 "adapter_versions": list(self.adapter_versions),
                 "tasks": [asdict(t) for t in self.tasks],
                 "fused_order": list(self.fused_order),
+                **({"probe": self.probe} if self.probe else {}),
             }
         )
 
@@ -152,6 +156,7 @@ class JobResult:
             tuple(d.get("adapter_versions", [])),
             tuple(TaskOutcome(**t) for t in d.get("tasks", [])),
             tuple(d.get("fused_order", [])),
+            d.get("probe", {}),
         )
 
 

@@ -224,9 +224,16 @@ def generate(
             trainer, names, thresholds, fusion_order, probe_epochs, probe_batches, on_probe=on_probe
         )
         if fusion_order != "given":
+            for pair in record["pairs"]:
+                drops = ", ".join(f"{t} {d:+.3f}" for t, d in pair["drop"].items())
+                progress.console.print(f"  drop {'+'.join(pair['sources'])}: {drops}")
+            planned = " / ".join(
+                f"{', '.join(a['tasks'])} ({min(a['predicted_margins'].values()):+.3f})" for a in record["planned"]
+            )
             progress.console.print(
                 f"{fusion_order} order: {', '.join(fused)} "
-                f"({record['probe']['trainings']} probes in {record['probe']['seconds']:.0f}s)"
+                f"({record['probe']['trainings']} probes in {record['probe']['seconds']:.0f}s; "
+                f"planned adapters, smallest predicted margin: {planned})"
             )
         greedy_result, fusion = pipeline.greedy(
             trainer, fused, thresholds, prefix, on_step=on_step, order_record=record

@@ -14,9 +14,10 @@ sources, so an order that puts mutually compatible sources next to each other, t
 group first, and a source that conflicts with many others last, packs into fewer adapters.
 `probe_interference` measures pairwise interference cheaply: every source trained alone and
 every pair of sources trained together, by a trainer with a small budget (a few batches per
-task), each task's validation accuracy recorded. `probed_order` turns that matrix into an order
-(its docstring gives the rule); `greedy_fusion` then packs that order, validating every fusion
-for real as before, so a wrong prediction costs adapters, never a threshold.
+task), each task's validation accuracy recorded. `planned_adapters` plans adapters from that
+matrix (its docstring gives the rule) and `probed_order` puts them one after another;
+`greedy_fusion` then packs that order, validating every fusion for real as before, so a wrong
+prediction costs adapters, never a threshold.
 
 The algorithms are pure: all training and measuring goes through a `Trainer`, so they are tested
 with a scripted fake trainer and run for real with `training.TorchTrainer`.
@@ -161,6 +162,12 @@ def greedy_fusion(
 FUSION_ORDERS = ("given", "probed")  # the sources' order as given, or `probed_order`'s
 # A probe's default budget (TorchTrainer): PROBE_EPOCHS epochs of at most PROBE_BATCHES batches per task.
 PROBE_EPOCHS, PROBE_BATCHES = 2, 8
+# `planned_adapters`' rule in a sentence, for the reports that show an order it chose.
+PROBED_RULE = (
+    "predicted margin = accuracy alone - drops with the adapter's other tasks - threshold; each "
+    "adapter is seeded with the task that fits (margin >= 0) beside the most unplaced others, then "
+    "grows by the task keeping the largest minimum margin while one fits"
+)
 
 
 @dataclass
@@ -179,6 +186,17 @@ class Interference:
     def drop(self, source: str, partner: str) -> dict[str, float]:
         """How much each task of `source` loses when trained with `partner` (negative: gains)."""
         return {t: a - self.paired[source][partner][t] for t, a in self.alone[source].items()}
+
+    def pairs(self) -> list[dict]:
+        """One entry per probed pair, in the sources' pair order: {"sources": [a, b], "accuracy":
+        {task: accuracy in the pair's adapter}, "drop": {task: accuracy alone less that}}, over
+        both sources' tasks."""
+        out = []
+        for a, b in itertools.combinations(self.sources, 2):
+            acc = {**self.paired[a][b], **self.paired[b][a]}
+            drop = {**self.drop(a, b), **self.drop(b, a)}
+            out.append({"sources": [a, b], "accuracy": _rounded(acc), "drop": _rounded(drop)})
+        return out
 
     def to_json(self) -> dict:
         return {
@@ -246,7 +264,14 @@ def predicted_margins(
 def probed_order(
     sources: Sequence[Source], thresholds: Mapping[str, float], interference: Interference
 ) -> list[Source]:
-    """An order for `greedy_fusion` from the probes: planned adapters one after another.
+    """An order for `greedy_fusion` from the probes: `planned_adapters`, one after another."""
+    return [s for group in planned_adapters(sources, thresholds, interference) for s in group]
+
+
+def planned_adapters(
+    sources: Sequence[Source], thresholds: Mapping[str, float], interference: Interference
+) -> list[list[Source]]:
+    """The adapters the probes predict, in the order `probed_order` puts them.
 
     A planned adapter is feasible when every task's predicted margin (`predicted_margins`) is >= 0.
     Each is seeded with the source that fits (a feasible pair) with the most sources still
@@ -263,7 +288,7 @@ def probed_order(
         return min_margin(group) >= 0.0
 
     remaining = list(sources)
-    order: list[Source] = []
+    planned: list[list[Source]] = []
     while remaining:
         seed = max(
             remaining,
@@ -278,5 +303,5 @@ def probed_order(
             best = max(candidates, key=lambda c: (min_margin(group + [c]), -index[c.name]))
             group.append(best)
             remaining.remove(best)
-        order.extend(group)
-    return order
+        planned.append(group)
+    return planned

@@ -12,7 +12,8 @@ Thresholds, unless given, are measured: each task's single-adapter *validation* 
 
 The fusion order (`fusion_order`) is the given one, or ("probed") one chosen from cheap
 interference probes (fusion.probe_interference: every task alone and every pair together, a few
-batches each); the result records the rule, the order and the probe matrix with its time.
+batches each); the result records the rule, the order, the probe matrix with its time, each
+pair's accuracy drops and the adapters the order was planned as.
 
 A text task (datasets.TEXT) is fused beside head tasks by the same algorithm; its accuracy is the
 normalised exact match of its greedy-decoded answers, its prediction per test image is that
@@ -44,12 +45,14 @@ from services.generator.fusion import (
     FUSION_ORDERS,
     PROBE_BATCHES,
     PROBE_EPOCHS,
+    PROBED_RULE,
     FusionResult,
     FusionStep,
     Source,
     greedy_fusion,
+    planned_adapters,
+    predicted_margins,
     probe_interference,
-    probed_order,
 )
 from services.generator.training import AdapterState, TorchTrainer, TrainConfig
 
@@ -128,7 +131,9 @@ def fusion_order(
     """The order to fuse `order`'s tasks in under `rule`, and what decided it (kept in the
     result as `fusion_order`): "given", `order` itself; "probed", `fusion.probed_order` on
     interference probes trained by `trainer` with a budget of `epochs` x `batches` batches per
-    task (the probe matrix, its wall time and its trainings are in the record)."""
+    task (the probe matrix, its wall time and its trainings are in the record, with `pairs`,
+    one entry per probed pair with each task's accuracy in it and drop from alone, and
+    `planned`, the adapters the order was planned as with each task's predicted margin)."""
     if rule not in FUSION_ORDERS:
         raise ValueError(f"fusion order {rule!r}: expected one of {FUSION_ORDERS}")
     if rule == "given":
@@ -136,13 +141,25 @@ def fusion_order(
     probe = trainer.with_config(dataclasses.replace(trainer.config, epochs=epochs, batches_per_epoch=batches))
     sources = [Source.single(t) for t in order]
     interference = probe_interference(sources, probe, on_probe)
-    chosen = [s.name for s in probed_order(sources, thresholds, interference)]
+    planned = planned_adapters(sources, thresholds, interference)
+    chosen = [s.name for group in planned for s in group]
     return chosen, {
         "rule": "probed",
         "given": list(order),
         "order": chosen,
         "probe_budget": {"epochs": epochs, "batches_per_epoch": batches, "batch_size": trainer.config.batch_size},
         "probe": interference.to_json(),
+        "pairs": interference.pairs(),
+        "planned": [
+            {
+                "tasks": [s.name for s in group],
+                "predicted_margins": {
+                    t: round(m, 4) for t, m in predicted_margins(group, thresholds, interference).items()
+                },
+            }
+            for group in planned
+        ],
+        "how": PROBED_RULE,
     }
 
 

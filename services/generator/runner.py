@@ -25,7 +25,8 @@ a blocking process (torch training), so it talks over synchronous channels.
 
 A job whose fusion_order is "probed" first trains the interference probes (each source alone and
 each pair together, briefly: services/generator/fusion.py) and fuses in the order they suggest;
-its result's fused_order says the order the sources were fused in.
+its result's fused_order says the order the sources were fused in, and its probe what the order
+was chosen from (`probe_result`: each pair's accuracy drops, the planned adapters).
 
 Progress: 5% once the model and data are loaded (and probed), up to 85% as sources are fused (one
 step per source), 90% once test accuracy is measured and bundles exported, 100% when registered.
@@ -330,7 +331,40 @@ def run_job(
         max_new_tokens=pipeline.text_budgets(trainer, names),
     )
     result.fused_order.extend(names)
+    if record is not None:
+        result.probe.CopyFrom(probe_result(record))
     return result
+
+
+def probe_result(record: dict) -> res.GenerationProbe:
+    """A probed order's record (pipeline.fusion_order) as the job result's `probe`: each task's
+    accuracy alone, one entry per probed pair (both tasks' accuracy in the pair and drop from
+    alone), the adapters planned from them with their predicted margins, the rule and budget."""
+    probe, budget = record["probe"], record["probe_budget"]
+    out = res.GenerationProbe(
+        given_order=record["given"],
+        rule=record.get("how", ""),
+        epochs=budget["epochs"],
+        batches_per_epoch=budget["batches_per_epoch"],
+        batch_size=budget["batch_size"],
+        trainings=probe["trainings"],
+        seconds=probe["seconds"],
+    )
+    for acc in probe["alone"].values():
+        out.alone.update(acc)
+    for pair in record["pairs"]:
+        (a, b), acc, drop = pair["sources"], pair["accuracy"], pair["drop"]
+        out.pairs.add(
+            first=a,
+            second=b,
+            first_accuracy=acc[a],
+            second_accuracy=acc[b],
+            first_drop=drop[a],
+            second_drop=drop[b],
+        )
+    for planned in record["planned"]:
+        out.planned.add(tasks=planned["tasks"], predicted_margins=planned["predicted_margins"])
+    return out
 
 
 def job_tasks(job: res.GenerationJob, report: Reporter) -> dict:

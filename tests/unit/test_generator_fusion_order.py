@@ -144,3 +144,67 @@ def test_the_report_labels_each_order_and_its_min_margin():
     assert "| greedy-fusion (default order) | 1 | 0.600 | yes | +0.100 |" in text
     assert "| greedy-fusion (probed order) | 1 | 0.450 | no | -0.050 |" in text
     assert "(probes: 1 trainings in 2 s)" in text
+
+
+def test_a_probed_jobs_result_holds_the_probe_matrix_it_chose_from(model_path, tmp_path, monkeypatch):
+    import itertools
+
+    from services.adapter_store.config import StoreSettings
+    from services.adapter_store.testing import RunningStore
+    from services.generator import pipeline
+    from services.generator.runner import Runner, RunnerSettings
+    from valora import cli
+    from valora_protos.v1 import admin_service_pb2 as admin_pb
+    from valora_protos.v1 import resources_pb2 as res
+
+    measured = []
+
+    def probe_interference(*args, **kw):
+        measured.append(real(*args, **kw))
+        return measured[-1]
+
+    real = pipeline.probe_interference
+    monkeypatch.setattr(pipeline, "probe_interference", probe_interference)
+    settings = StoreSettings(
+        database_url=f"sqlite:///{tmp_path / 'd.db'}",
+        blob_dir=str(tmp_path / "blobs"),
+        model_path=str(model_path),
+        gc_interval_s=0,
+        port=0,
+    )
+    sources = ["count:0.99", "digit:0", "parity:0"]
+    with RunningStore(settings) as rs:
+        args = ["generate", "--address", rs.address, "--base-model", str(model_path), "--rank", "2", "--epochs", "1"]
+        args += ["--limit", "8", "--job-id", "pm", "--fusion-order", "probed"]
+        args += [a for s in sources for a in ("--source", s)]
+        assert CliRunner().invoke(cli.app, args).exit_code == 0
+        runner = Runner(RunnerSettings(adapter_store_address=rs.address, runner_name="t", poll_s=0.01, batch_size=4))
+        try:
+            final = runner.run_once()
+        finally:
+            runner.close()
+        assert final is not None and final.state == res.GENERATION_JOB_STATE_SUCCEEDED, final
+        # what the admin API returns: the result as the store kept it
+        job = rs.admin.GetGenerationJob(admin_pb.GetGenerationJobRequest(name="generationJobs/pm")).job
+        shown = CliRunner().invoke(cli.app, ["jobs", "get", "pm", "--address", rs.address])
+    assert shown.exit_code == 0, shown.output
+    [inter] = measured
+    probe = job.result.probe
+    assert list(probe.given_order) == ["count", "digit", "parity"]
+    pairs = [(p.first, p.second) for p in probe.pairs]
+    assert pairs == list(itertools.combinations(["count", "digit", "parity"], 2))  # one entry per probed pair
+    for p in probe.pairs:
+        a, b = p.first, p.second
+        assert p.first_accuracy == pytest.approx(inter.paired[a][b][a], abs=1e-4)
+        assert p.second_accuracy == pytest.approx(inter.paired[b][a][b], abs=1e-4)
+        assert p.first_drop == pytest.approx(inter.alone[a][a] - inter.paired[a][b][a], abs=1e-4)
+        assert p.second_drop == pytest.approx(inter.alone[b][b] - inter.paired[b][a][b], abs=1e-4)
+    assert dict(probe.alone) == pytest.approx({t: acc[t] for t, acc in inter.alone.items()}, abs=1e-4)
+    assert probe.trainings == inter.trainings == 6 and probe.epochs == 2 and probe.rule
+    # the order is the planned adapters one after another; count (threshold .99) is planned last
+    assert [t for a in probe.planned for t in a.tasks] == list(job.result.fused_order)
+    assert list(probe.planned[-1].tasks) == ["count"] and probe.planned[-1].predicted_margins["count"] < 0
+    # and `valora jobs get` shows the matrix
+    assert "interference probes" in shown.output and "planned adapters" in shown.output
+    drop = next(p for p in probe.pairs if (p.first, p.second) == ("digit", "parity")).first_drop
+    assert f"{drop:+.3f}" in shown.output

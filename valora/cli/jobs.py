@@ -36,6 +36,39 @@ def job_result_table(job) -> Table:
     return table
 
 
+def job_probe_table(job) -> Table | None:
+    """A probed job's interference probes (its result's probe; None without one): each task's
+    validation accuracy alone and its drop when trained with each other task, then the adapters
+    the order was planned as, with their smallest predicted margin, and the probes' budget."""
+    if not job.result.HasField("probe"):
+        return None
+    probe = job.result.probe
+    tasks = list(probe.given_order)
+    drop = {t: {} for t in tasks}
+    for p in probe.pairs:
+        drop[p.first][p.second] = p.first_drop
+        drop[p.second][p.first] = p.second_drop
+    table = Table(
+        "task",
+        "alone",
+        *[f"drop with {t}" for t in tasks],
+        title="interference probes: each task's val accuracy alone, and what it drops trained with another",
+    )
+    for t in tasks:
+        cells = [f"{drop[t][o]:+.3f}" if o in drop[t] else "" for o in tasks]
+        table.add_row(t, f"{probe.alone[t]:.3f}", *cells)
+    planned = " / ".join(
+        ", ".join(a.tasks) + (f" ({min(a.predicted_margins.values()):+.3f})" if a.predicted_margins else "")
+        for a in probe.planned
+    )
+    table.caption = (
+        f"planned adapters (smallest predicted margin): {planned}\n"
+        f"{probe.trainings} probes of {probe.epochs} epochs x {probe.batches_per_epoch} batches of "
+        f"{probe.batch_size} per task, {probe.seconds:.0f} s; {probe.rule}"
+    )
+    return table
+
+
 @jobs_app.command("list")
 def jobs_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List generation jobs, newest first."""
@@ -80,6 +113,9 @@ def jobs_get(
         console.print(j.error or j.message, markup=False, highlight=False)
     if job_state(j) == "SUCCEEDED":
         console.print(job_result_table(j))
+        probes = job_probe_table(j)
+        if probes is not None:
+            console.print(probes)
 
 
 @jobs_app.command("cancel")

@@ -152,15 +152,79 @@ class GenerationTaskResult(_message.Message):
     measured_accuracy: float
     def __init__(self, task: _Optional[str] = ..., adapter_version: _Optional[str] = ..., accuracy_threshold: _Optional[float] = ..., measured_accuracy: _Optional[float] = ...) -> None: ...
 
+class GenerationProbePair(_message.Message):
+    __slots__ = ("first", "second", "first_accuracy", "second_accuracy", "first_drop", "second_drop")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    SECOND_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    SECOND_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DROP_FIELD_NUMBER: _ClassVar[int]
+    SECOND_DROP_FIELD_NUMBER: _ClassVar[int]
+    first: str
+    second: str
+    first_accuracy: float
+    second_accuracy: float
+    first_drop: float
+    second_drop: float
+    def __init__(self, first: _Optional[str] = ..., second: _Optional[str] = ..., first_accuracy: _Optional[float] = ..., second_accuracy: _Optional[float] = ..., first_drop: _Optional[float] = ..., second_drop: _Optional[float] = ...) -> None: ...
+
+class GenerationPlannedAdapter(_message.Message):
+    __slots__ = ("tasks", "predicted_margins")
+    class PredictedMarginsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MARGINS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    predicted_margins: _containers.ScalarMap[str, float]
+    def __init__(self, tasks: _Optional[_Iterable[str]] = ..., predicted_margins: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class GenerationProbe(_message.Message):
+    __slots__ = ("given_order", "alone", "pairs", "planned", "rule", "epochs", "batches_per_epoch", "batch_size", "trainings", "seconds")
+    class AloneEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    GIVEN_ORDER_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAININGS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    given_order: _containers.RepeatedScalarFieldContainer[str]
+    alone: _containers.ScalarMap[str, float]
+    pairs: _containers.RepeatedCompositeFieldContainer[GenerationProbePair]
+    planned: _containers.RepeatedCompositeFieldContainer[GenerationPlannedAdapter]
+    rule: str
+    epochs: int
+    batches_per_epoch: int
+    batch_size: int
+    trainings: int
+    seconds: float
+    def __init__(self, given_order: _Optional[_Iterable[str]] = ..., alone: _Optional[_Mapping[str, float]] = ..., pairs: _Optional[_Iterable[_Union[GenerationProbePair, _Mapping]]] = ..., planned: _Optional[_Iterable[_Union[GenerationPlannedAdapter, _Mapping]]] = ..., rule: _Optional[str] = ..., epochs: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., batch_size: _Optional[int] = ..., trainings: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class GenerationJobResult(_message.Message):
-    __slots__ = ("adapter_versions", "tasks", "fused_order")
+    __slots__ = ("adapter_versions", "tasks", "fused_order", "probe")
     ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     FUSED_ORDER_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     adapter_versions: _containers.RepeatedScalarFieldContainer[str]
     tasks: _containers.RepeatedCompositeFieldContainer[GenerationTaskResult]
     fused_order: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adapter_versions: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[GenerationTaskResult, _Mapping]]] = ..., fused_order: _Optional[_Iterable[str]] = ...) -> None: ...
+    probe: GenerationProbe
+    def __init__(self, adapter_versions: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[GenerationTaskResult, _Mapping]]] = ..., fused_order: _Optional[_Iterable[str]] = ..., probe: _Optional[_Union[GenerationProbe, _Mapping]] = ...) -> None: ...
 
 class GenerationJob(_message.Message):
     __slots__ = ("name", "base_model", "sources", "rank", "epochs", "adapter_prefix", "state", "progress", "message", "result", "error", "create_time", "update_time", "split_limit", "fusion_order")
