@@ -111,6 +111,8 @@ class SchedulerServicer(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 raise errors.DeadlineExceeded(
                     f"request {item.request_id} expired before dispatch", reason="QUEUE_TIMEOUT"
                 )
+            if self.dispatcher.policy.orders_workers and pending.slo_s > 0:
+                item.slo_left_ms = (pending.slo_s - (clock() - pending.arrival_s)) * 1000.0
             call = handle.stub.Generate(
                 worker_service_pb2.GenerateRequest(item=item),
                 timeout=timeout,

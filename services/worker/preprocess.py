@@ -80,6 +80,7 @@ def work_request_from_pb(item, adapter: str | None) -> WorkRequest:
         raw_prompt=item.raw_prompt,
         prompt_token_ids=list(item.prompt_token_ids),
         logprobs=p.top_logprobs if p.logprobs else -1,
+        slo_left_s=item.slo_left_ms / 1000.0 if item.HasField("slo_left_ms") else None,
     )
 
 

@@ -53,6 +53,10 @@ class WorkRequest:
     # Log-probabilities of the generated tokens: -1 none; 0 each token's own; k (<= 20) and the k
     # most likely tokens at its position. From the model's distribution (before temperature).
     logprobs: int = -1
+    # What is left of the request's latency objective, seconds, when the scheduler dispatched it
+    # (WorkItem.slo_left_ms; None: no objective, or a first-come-first-served policy): the engine
+    # admits and prefills the earliest due first (PreparedRequest.due).
+    slo_left_s: float | None = None
 
 
 @dataclass(frozen=True)

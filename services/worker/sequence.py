@@ -14,6 +14,10 @@ from services.worker.requests import RequestHandle, WorkRequest
 from services.common.modes import Mode
 from services.worker.vision import VisionItem
 
+# A request without a latency objective orders as one due this long after it arrived, beside
+# requests with one (step_scheduler.py): it yields to them, but never for ever.
+NO_OBJECTIVE_S = 30.0
+
 
 @dataclass
 class PreparedRequest:
@@ -25,6 +29,13 @@ class PreparedRequest:
     vision: list[VisionItem] = field(default_factory=list)  # images then videos, with content keys
     release: ReleasePolicy = ReleasePolicy()  # early adapter release (none by default)
     arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def due(self) -> float:
+        """When (time.monotonic()) its latency objective runs out; without one, NO_OBJECTIVE_S after
+        it arrived: it yields to requests with an objective, but not for ever."""
+        left = self.request.slo_left_s
+        return self.arrived + (NO_OBJECTIVE_S if left is None else left)
 
 
 @dataclass(eq=False)

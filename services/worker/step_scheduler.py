@@ -3,9 +3,11 @@ and preemption.
 
 A request moves incoming (submitted, under the engine's lock) -> waiting (queued on the engine
 thread) -> prefill (admitted: holds its adapter's device slot and its context's KV blocks) ->
-running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size, except
-that a request whose adapter finds no free device slot (every slot held by running requests)
-lets the ones behind it in and keeps its place; a request whose context finds too few free KV
+running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size — earliest
+due first when requests carry what is left of a latency objective (`earliest_due_first`; the
+valora policy's workers), and so is the prefill queue's order — except that a request whose
+adapter finds no free device slot (every slot held by running requests) lets the ones behind it
+in and keeps its place; a request whose context finds too few free KV
 blocks stops admission (the blocks running sequences free go to it first); resident adapters no
 running request holds give their blocks back first (they live in the same pool). A step prefills
 pieces of contexts within max_prefill_tokens tokens in all: whole contexts, and the next chunk
@@ -93,7 +95,8 @@ class StepScheduler:
                     fail(s, None)
                 else:
                     kept.append(s)
-            self.waiting = kept
+            # the preempted (at the head) first, to be recomputed
+            self.waiting = earliest_due_first(kept, lambda s: s.preemptions > 0 and s.prefilled == 0)
         blocked: collections.deque[Sequence] = collections.deque()
         while self.waiting and len(self.prefill) + len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
@@ -126,6 +129,7 @@ class StepScheduler:
         behind it that fit). A chunk shorter than MIN_CHUNK (or a quarter of the budget) behind
         other pieces waits for the next step. Sequences stay in the queue until prefilled
         (StepScheduler.prefilled)."""
+        self.prefill = earliest_due_first(self.prefill, lambda s: s.prefilled > 0)  # a chunked one leads
         batch: list[Sequence] = []
         left = self.config.max_prefill_tokens
         for s in self.prefill:
@@ -229,3 +233,14 @@ class StepScheduler:
         if s.pinned:
             self.pool.release(s.pinned)
             s.pinned = None
+
+
+def earliest_due_first(
+    queue: collections.deque[Sequence], ahead: Callable[[Sequence], bool]
+) -> collections.deque[Sequence]:
+    """`queue` earliest due first (PreparedRequest.due), the sequences `ahead` picks before the
+    rest, when some request in it has a latency objective; else as it is (first come, first
+    served: no request has one, or the scheduler's policy does not order workers)."""
+    if not any(s.req.slo_left_s is not None for s in queue):
+        return queue
+    return collections.deque(sorted(queue, key=lambda s: (not ahead(s), s.prep.due)))

@@ -6,6 +6,7 @@ bound; a failing batched forward fails only the rows whose own forward fails."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -204,6 +205,31 @@ def test_prefill_bound_counts_tokens_and_keeps_fifo(engine, prefills):
         _, ev = results[r.request_id]
         assert isinstance(ev, Finished) and ev.result.output_tokens == 3
         assert ev.result.token_ids == engine.generate(r)[1].token_ids, r.request_id
+
+
+def test_objectives_are_admitted_and_prefilled_earliest_due_first(engine, prefills):
+    """Requests carrying what is left of a latency objective (the valora policy's workers) are
+    prefilled earliest due first, a request without one as due 30 s after it arrived; the same
+    requests without objectives stay first come, first served. The tokens do not change."""
+    left = {"bulk": None, "loose": 20.0, "video-b": 0.4, "video-a": 0.2}
+    reqs = [
+        WorkRequest(rid, "Hi.", [random_image(60 + i)], adapter=A, max_new_tokens=2, slo_left_s=s)
+        for i, (rid, s) in enumerate(left.items())
+    ]
+    old = engine.config.max_prefills_per_step
+    engine.config.max_prefills_per_step = 1  # a prefill a step: the order is the queue's
+    try:
+        with_objectives = {rid: outcome(q) for rid, q in submit_together(engine, reqs).items()}
+        order = [b[0] for b in prefills]
+        prefills.clear()
+        plain = [dataclasses.replace(r, slo_left_s=None) for r in reqs]
+        without = {rid: outcome(q) for rid, q in submit_together(engine, plain).items()}
+    finally:
+        engine.config.max_prefills_per_step = old
+    assert order == ["video-a", "video-b", "loose", "bulk"]
+    assert [b[0] for b in prefills] == list(left)
+    for rid in left:
+        assert with_objectives[rid][1].result.token_ids == without[rid][1].result.token_ids, rid
 
 
 def test_rows_of_different_lengths_share_the_budget_unpadded(engine, prefills):

@@ -189,7 +189,8 @@ def test_padding_filled_beside_riders_stays_in_the_bucket():
         max_prefills_per_step=4, max_prefill_tokens=1000, prefill_fill_padding=True, mixed_steps=True
     )
     sched = StepScheduler(config, None, None, threading.Condition(), padded=bucket_tokens)
-    sched.prefill.extend(SimpleNamespace(context=n, prefilled=0, prefill_to=0) for n in (900, 600))
+    plain = SimpleNamespace(slo_left_s=None)  # no latency objective: the queue's order
+    sched.prefill.extend(SimpleNamespace(context=n, prefilled=0, prefill_to=0, req=plain) for n in (900, 600))
     sched.running.extend(object() for _ in range(100))
     batch = sched.take_prefills()
     tokens = sum(s.prefill_to - s.prefilled for s in batch) + len(sched.running)

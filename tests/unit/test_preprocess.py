@@ -382,3 +382,13 @@ def test_placeholder_tokens_must_match_the_requests_media(model):
         with pytest.raises(InvalidArgument) as exc:
             eng.prepare(request, (bent, vision))
         assert exc.value.field_violations[0].field == "item.prompt" and "<|image_pad|>" in str(exc.value)
+
+
+@pytest.mark.parametrize(("left_ms", "want_s"), [(None, None), (250.0, 0.25), (-40.0, -0.04), (0.0, 0.0)])
+def test_what_is_left_of_the_objective_reaches_the_engine_in_seconds(left_ms, want_s):
+    """WorkItem.slo_left_ms (set by the valora policy; negative: already over) -> slo_left_s; unset
+    (no objective, or a first-come-first-served policy) -> None."""
+    item = work_pb2.WorkItem(request_id="r", prompt="hi")
+    if left_ms is not None:
+        item.slo_left_ms = left_ms
+    assert work_request_from_pb(item, None).slo_left_s == want_s

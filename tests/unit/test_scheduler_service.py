@@ -57,12 +57,15 @@ class FakeWorker(worker_service_pb2_grpc.WorkerServiceServicer):
         self.fail_before_first, self.fail_after_first, self.hang = fail_before_first, fail_after_first, hang
         self.stall_after_first = stall_after_first  # a stopped process: the stream goes silent
         self.calls: list[tuple[str, str]] = []  # (item.request_id, x-request-id metadata)
+        self.slo_left: dict[str, float | None] = {}  # request id -> WorkItem.slo_left_ms (None: unset)
         self.cancelled = asyncio.Event()
         self.address = ""
 
     async def Generate(self, request, context):
         md = dict(context.invocation_metadata())
         self.calls.append((request.item.request_id, md.get(REQUEST_ID_KEY, "")))
+        item = request.item
+        self.slo_left[item.request_id] = item.slo_left_ms if item.HasField("slo_left_ms") else None
         self.events.append(f"generate {request.item.adapter.version}")
         self.remaining = context.time_remaining()
         if self.hold_first is not None and len(self.calls) == 1:
@@ -399,8 +402,13 @@ async def test_under_contention_tighter_objectives_run_first_and_attainment_is_c
     order = [rid for rid, _ in w.calls[1:]]
     if deadlines:
         assert order == ["video-1", "video-2", "bulk-1", "bulk-2", "loose-1"]
+        # the worker learns what is left of each objective (it orders its own queues by it)
+        assert w.slo_left["bulk-1"] is None and w.slo_left["bulk-2"] is None
+        assert w.slo_left["tight-0"] < 1.0 and w.slo_left["video-2"] < w.slo_left["video-1"] < 800.0
+        assert 59_000.0 < w.slo_left["loose-1"] < 60_000.0
     else:
         assert order == [rid for rid, _, _ in queued]
+        assert set(w.slo_left.values()) == {None}  # first come, first served on the worker too
     moved = {k: slo_count(*k) - v for k, v in before.items()}
     assert moved == {
         ("t-video", "within"): 2,
@@ -410,6 +418,16 @@ async def test_under_contention_tighter_objectives_run_first_and_attainment_is_c
         ("t-tight", "within"): 0,
         ("t-tight", "over"): 1,
     }
+
+
+@pytest.mark.parametrize("policy", ["slora", "punica", "dlora"])
+async def test_baseline_policies_leave_the_workers_first_come_first_served(policy):
+    """Only valora tells a worker what is left of a request's objective (WorkItem.slo_left_ms):
+    the baselines' engines have no objectives."""
+    w = FakeWorker()
+    async with cluster(w, policy=policy) as stub:
+        out = await collect(stub, submit_request("video-1", slo_ms=800.0, slo_class="t-video"))
+    assert out[-1].result.text == "hello" and w.slo_left == {"video-1": None}
 
 
 def test_worker_addresses_from_env(monkeypatch):

@@ -21,7 +21,7 @@ VALORA_POLICY, picks one):
   stays, starving requests run through the deLoRA term); more than half of max batch starving →
   UNMERGED. Requests with a latency objective (per-application SLO classes) are taken earliest
   deadline first and starve earlier (half their objective), which is what moves a worker to
-  mixture for them.
+  mixture for them; the workers too admit and prefill them earliest due first (`orders_workers`).
 - `dlora` — `CreditPolicy(mixture=False)`: the same credits and merged choice, but starvation
   switches to UNMERGED (dLoRA's merge/unmerge switching, no mixture).
 - `slora` — UNMERGED only, first come first served, adapter affinity (resident first) then least
@@ -47,7 +47,7 @@ from services.scheduler.policies.credit import CreditPolicy
 # (make_policy passes them); the baselines take nothing.
 POLICIES: Mapping[str, tuple[type[SchedulingPolicy], Mapping[str, object]]] = MappingProxyType(
     {
-        "valora": (CreditPolicy, {"mixture": True}),
+        "valora": (CreditPolicy, {"mixture": True, "orders_workers": True}),
         "dlora": (CreditPolicy, {"mixture": False}),
         "slora": (SLoRAPolicy, {}),
         "punica": (PunicaPolicy, {}),

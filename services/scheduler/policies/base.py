@@ -89,6 +89,11 @@ class Decision:
 
 
 class SchedulingPolicy(ABC):
+    # Whether workers learn what is left of each request's latency objective (WorkItem.slo_left_ms)
+    # and so admit and prefill the earliest due first; False: they serve first come, first served
+    # (as S-LoRA's, Punica's and dLoRA's engines do).
+    orders_workers: bool = False
+
     @abstractmethod
     def decide(self, now_s: float, waiting: Sequence[WaitingRequest], workers: Sequence[WorkerView]) -> Decision:
         """Place some of `waiting` (any order given) on `workers`. Unplaced requests stay queued."""

@@ -68,12 +68,14 @@ class CreditPolicy(SchedulingPolicy):
         mixture: bool = True,
         profiles: Mapping[str, CostModel] | None = None,
         deadlines: bool = True,
+        orders_workers: bool = False,
     ) -> None:
         self.cost = cost or CostModel()
         self.theta_s = theta_s
         self.mixture = mixture
         # False: latency objectives are ignored (Alg. 1 as the paper has it), for comparisons.
         self.deadlines = deadlines
+        self.orders_workers = orders_workers and deadlines  # SchedulingPolicy.orders_workers
         self.profiles = dict(profiles or {})
         # Requests seen per adapter (popularity), and the ids already counted.
         self._seen: dict[str | None, int] = {}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from valora_protos.v1 import types_pb2 as valora_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dvalora/internal/v1/work.proto\x12\x12valora.internal.v1\x1a\x15valora/v1/types.proto\"-\n\nAdapterRef\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\x91\x03\n\x08WorkItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.valora.v1.Image\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12/\n\x07\x61\x64\x61pter\x18\x04 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12*\n\x0boutput_kind\x18\x05 \x01(\x0e\x32\x15.valora.v1.OutputKind\x12\x0c\n\x04head\x18\x06 \x01(\t\x12+\n\x06params\x18\x07 \x01(\x0b\x32\x1b.valora.v1.GenerationParams\x12 \n\x06videos\x18\x08 \x03(\x0b\x32\x10.valora.v1.Video\x12\x0e\n\x06system\x18\t \x01(\t\x12$\n\x07history\x18\n \x03(\x0b\x32\x13.valora.v1.ChatTurn\x12\x12\n\nraw_prompt\x18\x0b \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\x05\x12\x0e\n\x06slo_ms\x18\r \x01(\x01\x12\x11\n\tslo_class\x18\x0e \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dvalora/internal/v1/work.proto\x12\x12valora.internal.v1\x1a\x15valora/v1/types.proto\"-\n\nAdapterRef\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xbb\x03\n\x08WorkItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.valora.v1.Image\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12/\n\x07\x61\x64\x61pter\x18\x04 \x01(\x0b\x32\x1e.valora.internal.v1.AdapterRef\x12*\n\x0boutput_kind\x18\x05 \x01(\x0e\x32\x15.valora.v1.OutputKind\x12\x0c\n\x04head\x18\x06 \x01(\t\x12+\n\x06params\x18\x07 \x01(\x0b\x32\x1b.valora.v1.GenerationParams\x12 \n\x06videos\x18\x08 \x03(\x0b\x32\x10.valora.v1.Video\x12\x0e\n\x06system\x18\t \x01(\t\x12$\n\x07history\x18\n \x03(\x0b\x32\x13.valora.v1.ChatTurn\x12\x12\n\nraw_prompt\x18\x0b \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\x05\x12\x0e\n\x06slo_ms\x18\r \x01(\x01\x12\x11\n\tslo_class\x18\x0e \x01(\t\x12\x18\n\x0bslo_left_ms\x18\x0f \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_slo_left_msb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,5 +35,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADAPTERREF']._serialized_start=76
   _globals['_ADAPTERREF']._serialized_end=121
   _globals['_WORKITEM']._serialized_start=124
-  _globals['_WORKITEM']._serialized_end=525
+  _globals['_WORKITEM']._serialized_end=567
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class AdapterRef(_message.Message):
     def __init__(self, version: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "images", "prompt", "adapter", "output_kind", "head", "params", "videos", "system", "history", "raw_prompt", "prompt_token_ids", "slo_ms", "slo_class")
+    __slots__ = ("request_id", "images", "prompt", "adapter", "output_kind", "head", "params", "videos", "system", "history", "raw_prompt", "prompt_token_ids", "slo_ms", "slo_class", "slo_left_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class WorkItem(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SLO_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SLO_LEFT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[_types_pb2.Image]
     prompt: str
@@ -45,4 +46,5 @@ class WorkItem(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     slo_ms: float
     slo_class: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., head: _Optional[str] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ..., system: _Optional[str] = ..., history: _Optional[_Iterable[_Union[_types_pb2.ChatTurn, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ...) -> None: ...
+    slo_left_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_types_pb2.Image, _Mapping]]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., output_kind: _Optional[_Union[_types_pb2.OutputKind, str]] = ..., head: _Optional[str] = ..., params: _Optional[_Union[_types_pb2.GenerationParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_types_pb2.Video, _Mapping]]] = ..., system: _Optional[str] = ..., history: _Optional[_Iterable[_Union[_types_pb2.ChatTurn, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., slo_ms: _Optional[float] = ..., slo_class: _Optional[str] = ..., slo_left_ms: _Optional[float] = ...) -> None: ...
