@@ -4,8 +4,8 @@ and preemption.
 A request moves incoming (submitted, under the engine's lock) -> waiting (queued on the engine
 thread) -> prefill (admitted: holds its adapter's device slot and its context's KV blocks) ->
 running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size — earliest
-due first when requests carry what is left of a latency objective (`earliest_due_first`; the
-valora policy's workers), and so is the prefill queue's order — except that a request whose
+due first when requests carry what is left of a latency objective (`earliest_due_first`: the
+late ones last; the valora policy's workers), and so is the prefill queue's order — except that a request whose
 adapter finds no free device slot (every slot held by running requests) lets the ones behind it
 in and keeps its place; a request whose context finds too few free KV
 blocks stops admission (the blocks running sequences free go to it first); resident adapters no
@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -238,9 +239,13 @@ class StepScheduler:
 def earliest_due_first(
     queue: collections.deque[Sequence], ahead: Callable[[Sequence], bool]
 ) -> collections.deque[Sequence]:
-    """`queue` earliest due first (PreparedRequest.due), the sequences `ahead` picks before the
-    rest, when some request in it has a latency objective; else as it is (first come, first
-    served: no request has one, or the scheduler's policy does not order workers)."""
+    """`queue` earliest due first (PreparedRequest.due) among the requests that can still meet
+    their objective, then the late ones oldest due first — the sequences `ahead` picks before all
+    — when some request in it has a latency objective; else as it is (first come, first served:
+    no request has one, or the scheduler's policy does not order workers). The late go last as the
+    scheduler's starving requests do (credits.claims_deadline): under overload plain EDF serves
+    requests that are late anyway and makes every one behind them late too."""
     if not any(s.req.slo_left_s is not None for s in queue):
         return queue
-    return collections.deque(sorted(queue, key=lambda s: (not ahead(s), s.prep.due)))
+    now = time.monotonic()
+    return collections.deque(sorted(queue, key=lambda s: (not ahead(s), s.prep.due <= now, s.prep.due)))

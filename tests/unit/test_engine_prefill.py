@@ -209,9 +209,10 @@ def test_prefill_bound_counts_tokens_and_keeps_fifo(engine, prefills):
 
 def test_objectives_are_admitted_and_prefilled_earliest_due_first(engine, prefills):
     """Requests carrying what is left of a latency objective (the valora policy's workers) are
-    prefilled earliest due first, a request without one as due 30 s after it arrived; the same
-    requests without objectives stay first come, first served. The tokens do not change."""
-    left = {"bulk": None, "loose": 20.0, "video-b": 0.4, "video-a": 0.2}
+    prefilled earliest due first, a request without one as due 30 s after it arrived, one already
+    over its objective last; the same requests without objectives stay first come, first served.
+    The tokens do not change."""
+    left = {"late": -1.0, "bulk": None, "loose": 20.0, "video-b": 8.0, "video-a": 5.0}
     reqs = [
         WorkRequest(rid, "Hi.", [random_image(60 + i)], adapter=A, max_new_tokens=2, slo_left_s=s)
         for i, (rid, s) in enumerate(left.items())
@@ -226,7 +227,7 @@ def test_objectives_are_admitted_and_prefilled_earliest_due_first(engine, prefil
         without = {rid: outcome(q) for rid, q in submit_together(engine, plain).items()}
     finally:
         engine.config.max_prefills_per_step = old
-    assert order == ["video-a", "video-b", "loose", "bulk"]
+    assert order == ["video-a", "video-b", "loose", "bulk", "late"]
     assert [b[0] for b in prefills] == list(left)
     for rid in left:
         assert with_objectives[rid][1].result.token_ids == without[rid][1].result.token_ids, rid
