@@ -351,8 +351,8 @@ class Engine:
         self.inbox.run_commands(self.adapters.run, before=self.decoder.flush)
         if self.tp is not None:
             self.outputs.agree()  # rows failed on one rank since the last step's agreements: on every rank
-        now = time.monotonic()
-        self.sched.admit(lambda s: self.inbox.halted(s, now), self._fail_waiting, take_incoming=self.tp is None)
+        now = self.inbox.step_time()
+        self.sched.admit(lambda s: self.inbox.halted(s, now), self._fail_waiting, now, take_incoming=self.tp is None)
         self._drop_cancelled()
         if not self.sched.active():
             self._update_stats()

@@ -30,6 +30,12 @@ class Inbox:
         self._step_commands: collections.deque = collections.deque()
         self._halts: dict[int, bool] = {}
         self._tp_stop = False
+        self._tp_clock = 0.0  # rank 0's time.monotonic() at this step's start
+
+    def step_time(self) -> float:
+        """The step's time (time.monotonic()): what orders requests by their objectives (tensor
+        parallel: rank 0's at the step's start, so every rank takes the same order)."""
+        return self._tp_clock if self.tp is not None else time.monotonic()
 
     @property
     def stopping(self) -> bool:
@@ -108,6 +114,7 @@ class Inbox:
                 [command for command, _, _ in commands],
                 halts,
                 self.stop.is_set(),
+                now,
             )
         got = self.tp.broadcast_object(msg)
         if not self.leader:
@@ -116,7 +123,7 @@ class Inbox:
                 handle = RequestHandle(prep.request.request_id, self.wake)  # never cancelled: halts say
                 new.append(Sequence(id=sid, prep=prep, sink=None, handle=handle))
             commands = [(command, None, {}) for command in got[1]]
-        _, _, self._halts, self._tp_stop = got
+        _, _, self._halts, self._tp_stop, self._tp_clock = got
         with self.wake:
             self.sched.waiting.extend(new)
         self._step_commands.extend(commands)

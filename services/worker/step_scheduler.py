@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-import time
 from collections.abc import Callable
 
 import structlog
@@ -57,6 +56,7 @@ class StepScheduler:
         self.prefill: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # sequences whose blocks were taken back (recomputed later)
+        self.now = 0.0  # the step's time, as the last admit was given it
 
     def queued(self) -> int:
         with self.lock:
@@ -81,11 +81,14 @@ class StepScheduler:
         self,
         halted: Callable[[Sequence], bool],
         fail: Callable[[Sequence, ValoraError | None], None],
+        now: float,
         take_incoming: bool = True,
     ) -> None:
         """Queues the submitted requests (`take_incoming`; tensor parallel: the engine's broadcast
         queued them), drops the waiting ones `halted` says stopped (`fail(s, None)`: the engine
-        says why) and admits what fits."""
+        says why) and admits what fits. `now`: the step's time (Inbox.step_time), which orders
+        requests by their objectives here and in take_prefills."""
+        self.now = now
         with self.lock:
             if take_incoming:
                 self.waiting.extend(self.incoming)
@@ -97,7 +100,7 @@ class StepScheduler:
                 else:
                     kept.append(s)
             # the preempted (at the head) first, to be recomputed
-            self.waiting = earliest_due_first(kept, lambda s: s.preemptions > 0 and s.prefilled == 0)
+            self.waiting = earliest_due_first(kept, lambda s: s.preemptions > 0 and s.prefilled == 0, now)
         blocked: collections.deque[Sequence] = collections.deque()
         while self.waiting and len(self.prefill) + len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
@@ -130,7 +133,7 @@ class StepScheduler:
         behind it that fit). A chunk shorter than MIN_CHUNK (or a quarter of the budget) behind
         other pieces waits for the next step. Sequences stay in the queue until prefilled
         (StepScheduler.prefilled)."""
-        self.prefill = earliest_due_first(self.prefill, lambda s: s.prefilled > 0)  # a chunked one leads
+        self.prefill = earliest_due_first(self.prefill, lambda s: s.prefilled > 0, self.now)  # a chunk leads
         batch: list[Sequence] = []
         left = self.config.max_prefill_tokens
         for s in self.prefill:
@@ -237,7 +240,7 @@ class StepScheduler:
 
 
 def earliest_due_first(
-    queue: collections.deque[Sequence], ahead: Callable[[Sequence], bool]
+    queue: collections.deque[Sequence], ahead: Callable[[Sequence], bool], now: float
 ) -> collections.deque[Sequence]:
     """`queue` earliest due first (PreparedRequest.due) among the requests that can still meet
     their objective, then the late ones oldest due first — the sequences `ahead` picks before all
@@ -247,5 +250,4 @@ def earliest_due_first(
     requests that are late anyway and makes every one behind them late too."""
     if not any(s.req.slo_left_s is not None for s in queue):
         return queue
-    now = time.monotonic()
     return collections.deque(sorted(queue, key=lambda s: (not ahead(s), s.prep.due <= now, s.prep.due)))

@@ -417,3 +417,26 @@ def check_tp2_against_single_process(model_path, tmp_path, device: str) -> None:
         got = lead["outcomes"][rid]
         # Tokens and finish reason; the mode a request reports depends on when the switch landed.
         assert got[:3] == want[:3], rid
+
+
+def test_a_follower_orders_requests_by_rank_0s_clock():
+    """Requests with latency objectives are ordered by which ones are already late at the step's
+    time (step_scheduler.earliest_due_first): a follower takes rank 0's broadcast clock, never its
+    own, so every rank builds the same prefill batches."""
+    import collections
+    import threading
+    from types import SimpleNamespace
+
+    from services.worker.inbox import Inbox
+
+    class FollowerGroup:
+        rank, world_size = 1, 2
+
+        def broadcast_object(self, msg):
+            assert msg is None  # a follower sends nothing
+            return ([], [], {}, False, 123.5)  # new requests, commands, halts, stop, rank 0's clock
+
+    sched = SimpleNamespace(waiting=collections.deque(), incoming=collections.deque())
+    inbox = Inbox(sched, threading.Condition(), FollowerGroup())
+    inbox.sync()
+    assert inbox.step_time() == 123.5
