@@ -10,6 +10,15 @@ counter over the same cached features), so orders differ only in the order. Per 
 keeps the adapters, each task's test and val accuracy, threshold and margin, the minimum margins
 and the fusion's wall time; the probed row also keeps the probe matrix, its budget and time.
 `bench/generation_report.py FILE` prints it as tables.
+
+    python bench/generation_order.py --model-path <base> --task-set conflict --full-pairs --seed 0 \
+        --given default --given grouped --out bench/results/generation-order-conflict-cpu2-<date>.json
+
+`--task-set conflict` (`TASK_SETS`) fuses tasks whose pairwise interference is larger than the
+run-to-run noise, listed so that conflicting ones alternate; `--full-pairs` also measures every
+pair's interference at the fusion's own budget (not the probes'), kept in the setup with the
+probes' agreement with it; `--seed` varies the LoRA initialisation and batch order (two seeds
+give the noise).
 """
 
 from __future__ import annotations
@@ -22,13 +31,34 @@ import time
 from pathlib import Path
 
 
-def given_orders(names: list[str], specs: list[str], seed: int = 0) -> dict[str, list[str]]:
-    """{label: order} for each spec: "default" (as listed), "reversed", "shuffled" (seeded), or a
-    comma-separated order of the same tasks."""
+# Named task sets (--task-set), each in its listed (default) order, and named given orders of it.
+# "conflict": count loses accuracy trained beside the digit-shape tasks (at the fusion's budget,
+# seeds 0 and 1: .113/.083 beside digit-noisy, .083/.053 beside digit-inverted, where a pair's
+# drop differs between the seeds by .017 in the median; bench/results/
+# generation-order-conflict-cpu2-2026-12-08.json), colour a little (.03 beside digit-inverted),
+# while the digit-shape tasks barely interfere with each other; listed so that they alternate,
+# and in its "grouped" order each kind together. (Labelings that contradict each other on the
+# same images do not conflict in this generator: each task has a head of its own, so the shared
+# LoRA only has to keep what both heads read.)
+TASK_SETS = {
+    "conflict": ("digit", "count", "digit-noisy", "colour", "digit-inverted"),
+}
+NAMED_ORDERS = {
+    "conflict": {"grouped": ("digit", "digit-noisy", "digit-inverted", "colour", "count")},
+}
+
+
+def given_orders(
+    names: list[str], specs: list[str], seed: int = 0, named: dict[str, tuple[str, ...]] | None = None
+) -> dict[str, list[str]]:
+    """{label: order} for each spec: "default" (as listed), "reversed", "shuffled" (seeded), a
+    name in `named` (the task set's own orders), or a comma-separated order of the same tasks."""
     out = {}
     for spec in specs:
         if spec == "default":
             out[spec] = list(names)
+        elif named and spec in named:
+            out[spec] = list(named[spec])
         elif spec == "reversed":
             out[spec] = list(reversed(names))
         elif spec == "shuffled":
@@ -43,14 +73,67 @@ def given_orders(names: list[str], specs: list[str], seed: int = 0) -> dict[str,
     return out
 
 
+def drops(interference) -> dict[str, float]:
+    """{"task|partner": task's accuracy alone less with partner} over every ordered pair."""
+    return {
+        f"{a}|{b}": round(d, 4)
+        for a in interference.sources
+        for b in interference.sources
+        if a != b
+        for d in interference.drop(a, b).values()
+    }
+
+
+def correlation(x: list[float], y: list[float]) -> float | None:
+    n = len(x)
+    if n < 2:
+        return None
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return round(sxy / (sxx * syy) ** 0.5, 3) if sxx and syy else None
+
+
+def full_pairs(trainer, names: list[str], record: dict) -> dict:
+    """Every task alone and every pair at `trainer`'s own (the fusion's) budget: the interference
+    the probes stand in for, its largest drops, and the probes' drops' correlation with it."""
+    from services.generator.fusion import Source, probe_interference
+
+    inter = probe_interference([Source.single(t) for t in names], trainer)
+    full = drops(inter)
+    probe = record["probe"]
+    probed = {f"{a}|{b}": probe["alone"][a][a] - probe["paired"][a][b][a] for a in names for b in names if a != b}
+    keys = sorted(full)
+    out = {
+        "budget": {"epochs": trainer.config.epochs, "batches_per_epoch": 0, "batch_size": trainer.config.batch_size},
+        "probe": inter.to_json(),
+        "drops": dict(sorted(full.items(), key=lambda kv: -kv[1])),
+        "probe_drop_correlation": correlation([probed[k] for k in keys], [full[k] for k in keys]),
+    }
+    top = ", ".join(f"{k} {v:+.3f}" for k, v in list(out["drops"].items())[:6])
+    r = out["probe_drop_correlation"]
+    print(f"full-budget pairs ({inter.seconds:.0f}s): largest drops {top}; probe correlation {r}", flush=True)
+    return out
+
+
 def main() -> None:
     from services.generator.datasets import DEFAULT_TASKS
     from services.generator.fusion import PROBE_BATCHES, PROBE_EPOCHS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True, type=Path)
-    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="Comma-separated tasks (the default order).")
-    ap.add_argument("--given", action="append", default=[], help="default | reversed | shuffled | t1,t2,...")
+    ap.add_argument("--tasks", default=None, help="Comma-separated tasks (the default order; default: the built-in 7).")
+    ap.add_argument(
+        "--task-set", choices=sorted(TASK_SETS), default=None, help="A named task set instead of --tasks (TASK_SETS)."
+    )
+    ap.add_argument(
+        "--given", action="append", default=[], help="default | reversed | shuffled | a task set's order | t1,t2,..."
+    )
+    ap.add_argument(
+        "--full-pairs",
+        action="store_true",
+        help="Also train every task alone and every pair at the fusion's budget (the interference the probes predict).",
+    )
     ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--limit", type=int, default=None)
@@ -73,8 +156,11 @@ def main() -> None:
     from services.generator.training import TorchTrainer, TrainConfig
 
     torch.set_num_threads(args.threads)
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    orders = given_orders(names, args.given or ["default"], args.seed)
+    if args.task_set and args.tasks:
+        raise SystemExit("give --tasks or --task-set, not both")
+    names = list(TASK_SETS[args.task_set]) if args.task_set else [t.strip() for t in (args.tasks or "").split(",")]
+    names = [t for t in names if t] or list(DEFAULT_TASKS)
+    orders = given_orders(names, args.given or ["default"], args.seed, NAMED_ORDERS.get(args.task_set))
     started = time.perf_counter()
     tasks = build_tasks(names, limit=args.limit)
     base = BaseModel.load(args.model_path, rank=args.rank, lora_alpha=2.0 * args.rank)
@@ -114,10 +200,12 @@ def main() -> None:
     )
     print(f"probed order ({record['probe']['seconds']:.0f}s): {probed}", flush=True)
     run("probed", probed, record)
+    full = full_pairs(trainer.with_config(cfg), names, record) if args.full_pairs else None
 
     provenance = args.model_path.expanduser() / "valora_pretrain.json"
     meta = {
         "what": "fusion order: the same tasks and thresholds, fused in given orders and the probed one",
+        "task_set": args.task_set,
         "base_model": os.path.basename(str(args.model_path).rstrip("/")),
         "base_pretraining": json.loads(provenance.read_text()) if provenance.exists() else None,
         "rank": args.rank,
@@ -136,6 +224,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if full is not None:
+        meta["full_budget_interference"] = full
     out = args.out or Path("bench/results") / f"generation-order-cpu{os.cpu_count()}-{dt.date.today().isoformat()}.json"
     path = pipeline.write_results(results, out, meta, append=args.append)
     print(f"results -> {path}")

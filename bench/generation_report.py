@@ -29,6 +29,7 @@ def render(rows: list[dict]) -> str:
                 f", r={setup.get('rank', '?')}, lr {setup.get('lr', '?')} ({setup.get('lr_rule', '?')}), "
                 f"margin {setup.get('margin', '?')}"
             )
+            + (f", seed {setup['seed']}" if "seed" in setup else "")  # seeds apart: their thresholds differ
         )
         groups.setdefault(key, []).append(r)
     out = []

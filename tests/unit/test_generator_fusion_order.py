@@ -208,3 +208,20 @@ def test_a_probed_jobs_result_holds_the_probe_matrix_it_chose_from(model_path, t
     assert "interference probes" in shown.output and "planned adapters" in shown.output
     drop = next(p for p in probe.pairs if (p.first, p.second) == ("digit", "parity")).first_drop
     assert f"{drop:+.3f}" in shown.output
+
+
+def test_the_conflict_task_set_its_orders_and_the_full_budget_drops():
+    from bench.generation_order import NAMED_ORDERS, TASK_SETS, correlation, drops, given_orders
+    from services.generator.datasets import TASKS
+    from services.generator.fusion import Interference
+
+    names = list(TASK_SETS["conflict"])
+    assert set(names) <= set(TASKS)
+    orders = given_orders(names, ["default", "grouped", "reversed"], named=NAMED_ORDERS["conflict"])
+    assert orders["default"] == names and sorted(orders["grouped"]) == sorted(names)
+    assert orders["reversed"] == names[::-1]
+    inter = Interference(
+        ("a", "b"), {"a": {"a": 0.9}, "b": {"b": 0.8}}, {"a": {"b": {"a": 0.7}}, "b": {"a": {"b": 0.85}}}
+    )
+    assert drops(inter) == {"a|b": pytest.approx(0.2), "b|a": pytest.approx(-0.05)}
+    assert correlation([0.0, 1.0, 2.0], [1.0, 3.0, 5.0]) == 1.0 and correlation([1.0], [2.0]) is None
