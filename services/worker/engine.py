@@ -361,7 +361,7 @@ class Engine:
             self.inbox.idle()
             return
         t0 = time.perf_counter()
-        batch = self.sched.take_prefills()
+        batch = self.sched.take_prefills(now)
         tokens = sum(s.prefill_to - s.prefilled for s in batch)  # this step's prefill pieces (before they run)
         self.trace.taken(batch)
         decoding = len(self.sched.running)

@@ -3,12 +3,12 @@ and preemption.
 
 A request moves incoming (submitted, under the engine's lock) -> waiting (queued on the engine
 thread) -> prefill (admitted: holds its adapter's device slot and its context's KV blocks) ->
-running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size — earliest
-due first when requests carry what is left of a latency objective (`earliest_due_first`: the
-late ones last; the valora policy's workers), and so is the prefill queue's order — except that a request whose
-adapter finds no free device slot (every slot held by running requests) lets the ones behind it
-in and keeps its place; a request whose context finds too few free KV
-blocks stops admission (the blocks running sequences free go to it first); resident adapters no
+running (decoding), and leaves through `finish`. Admission is FIFO within max_batch_size —
+earliest due first when requests carry what is left of a latency objective (`earliest_due_first`:
+the late ones last; the valora policy's workers), and so is the prefill queue's order — except
+that a request whose adapter finds no free device slot (every slot held by running requests) lets
+the ones behind it in and keeps its place; a request whose context finds too few free KV blocks
+stops admission (the blocks running sequences free go to it first); resident adapters no
 running request holds give their blocks back first (they live in the same pool). A step prefills
 pieces of contexts within max_prefill_tokens tokens in all: whole contexts, and the next chunk
 of one that does not fit (chunked prefill), packed into one forward. Before a decode step every running sequence
@@ -56,7 +56,6 @@ class StepScheduler:
         self.prefill: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # sequences whose blocks were taken back (recomputed later)
-        self.now = 0.0  # the step's time, as the last admit was given it
 
     def queued(self) -> int:
         with self.lock:
@@ -87,8 +86,7 @@ class StepScheduler:
         """Queues the submitted requests (`take_incoming`; tensor parallel: the engine's broadcast
         queued them), drops the waiting ones `halted` says stopped (`fail(s, None)`: the engine
         says why) and admits what fits. `now`: the step's time (Inbox.step_time), which orders
-        requests by their objectives here and in take_prefills."""
-        self.now = now
+        requests by their objectives."""
         with self.lock:
             if take_incoming:
                 self.waiting.extend(self.incoming)
@@ -125,15 +123,16 @@ class StepScheduler:
         self.waiting = blocked
 
     # -- prefill -----------------------------------------------------------------------------
-    def take_prefills(self) -> list[Sequence]:
-        """This step's prefill pieces, FIFO over the prefill queue: at most max_prefills_per_step
+    def take_prefills(self, now: float) -> list[Sequence]:
+        """This step's prefill pieces, FIFO over the prefill queue (earliest due first at `now`
+        when requests carry objectives: `earliest_due_first`): at most max_prefills_per_step
         sequences and max_prefill_tokens tokens in all, each sequence's `prefill_to` set to where
         its piece ends — the rest of its context, or as much as the budget has left (a chunk: the
         batch ends with it, and its next chunk leads the next step's batch, beside the requests
         behind it that fit). A chunk shorter than MIN_CHUNK (or a quarter of the budget) behind
         other pieces waits for the next step. Sequences stay in the queue until prefilled
         (StepScheduler.prefilled)."""
-        self.prefill = earliest_due_first(self.prefill, lambda s: s.prefilled > 0, self.now)  # a chunk leads
+        self.prefill = earliest_due_first(self.prefill, lambda s: s.prefilled > 0, now)  # a chunk leads
         batch: list[Sequence] = []
         left = self.config.max_prefill_tokens
         for s in self.prefill:

@@ -71,8 +71,8 @@ def prefills(engine):
     batches: list[list[str]] = []
     take = engine.sched.take_prefills
 
-    def record():
-        seqs = take()
+    def record(now):
+        seqs = take(now)
         if seqs:
             batches.append([s.req.request_id for s in seqs])
         return seqs

@@ -192,10 +192,10 @@ def test_padding_filled_beside_riders_stays_in_the_bucket():
     plain = SimpleNamespace(slo_left_s=None)  # no latency objective: the queue's order
     sched.prefill.extend(SimpleNamespace(context=n, prefilled=0, prefill_to=0, req=plain) for n in (900, 600))
     sched.running.extend(object() for _ in range(100))
-    batch = sched.take_prefills()
+    batch = sched.take_prefills(0.0)
     tokens = sum(s.prefill_to - s.prefilled for s in batch) + len(sched.running)
     assert len(batch) == 2 and tokens == bucket_tokens(900 + 100) == 1024
     config.mixed_steps = False  # nobody rides: the pieces fill the bucket alone
     sched.prefill[0].prefill_to = sched.prefill[1].prefill_to = 0
-    batch = sched.take_prefills()
+    batch = sched.take_prefills(0.0)
     assert sum(s.prefill_to - s.prefilled for s in batch) == 1024
