@@ -21,6 +21,7 @@ from services.worker.prefill_graphs import bucket_tokens
 from services.worker.step_scheduler import StepScheduler
 
 IMAGE_TOKENS = {448: 256, 640: 529}  # Qwen2-VL: (side rounded to 28 px / 28)^2 tokens an image
+NO_OBJECTIVE = SimpleNamespace(slo_left_s=None)  # the requests' WorkRequest: no latency objective
 TEMPLATE = 28  # chat template and system turn tokens, plus 2 vision markers an image (below)
 
 
@@ -39,16 +40,18 @@ def contexts(n: int) -> list[int]:
 
 
 def simulate(rows: int, budget: int, fill: bool, requests: int) -> dict:
-    config = SimpleNamespace(max_prefills_per_step=rows, max_prefill_tokens=budget, prefill_fill_padding=fill)
+    config = SimpleNamespace(
+        max_prefills_per_step=rows, max_prefill_tokens=budget, prefill_fill_padding=fill, mixed_steps=False
+    )
     sched = StepScheduler(config, None, None, threading.Condition(), padded=bucket_tokens)
     pending = collections.deque(
-        SimpleNamespace(context=c, prefilled=0, prefill_to=0, steps=0) for c in contexts(requests)
+        SimpleNamespace(context=c, prefilled=0, prefill_to=0, steps=0, req=NO_OBJECTIVE) for c in contexts(requests)
     )
     done, steps, tokens, run = [], 0, 0, 0
     while pending or sched.prefill:
         while pending and len(sched.prefill) < 4 * rows:  # a closed loop keeps the queue full
             sched.prefill.append(pending.popleft())
-        batch = sched.take_prefills()
+        batch = sched.take_prefills(0.0)
         n = sum(s.prefill_to - s.prefilled for s in batch)
         steps, tokens, run = steps + 1, tokens + n, run + bucket_tokens(n)
         for s in batch:
