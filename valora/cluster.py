@@ -645,6 +645,16 @@ def alive(pid: int) -> bool:
         return True
 
 
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """Waits up to `timeout_s` for process `pid` to exit; whether it did."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -676,14 +686,9 @@ def restart_process(
         raise RuntimeError(f"{name} (pid {old.pid}) is not running")
     started_env = {**process_env(old.pid), **(env or {})}
     _signal(old.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while alive(old.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if alive(old.pid):
+    if not wait_exit(old.pid, grace_s):
         _signal(old.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0  # the port is free once the kernel has closed its sockets
-        while alive(old.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_exit(old.pid, 5.0)  # the port is free once the kernel has closed its sockets
     return respawn_process(cluster, name, started_env, startup_timeout_s)
 
 

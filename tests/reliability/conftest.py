@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from valora.cluster import Cluster, alive, ensure_model, start_cluster, stop_cluster
+from valora.cluster import Cluster, ensure_model, start_cluster, stop_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 # Hypothesis keeps a cache directory (constants, examples); not in the checkout.
@@ -106,15 +106,6 @@ def rss_bytes(pid: int) -> int:
     import psutil
 
     return psutil.Process(pid).memory_info().rss
-
-
-def wait_exit(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def wait_scheduler_sees(cluster: Cluster, address: str, healthy: bool, timeout_s: float = 15.0) -> float:

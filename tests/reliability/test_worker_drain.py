@@ -12,13 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from valora.cluster import process_env, respawn_process
+from valora.cluster import process_env, respawn_process, wait_exit
 from tests.reliability.conftest import (
     API_KEY,
     kill,
     md,
     record,
-    wait_exit,
     wait_scheduler_sees,
 )
 from valora_protos.v1 import inference_service_pb2 as inf
