@@ -9,7 +9,7 @@ import typer
 
 from valora import cluster as cluster_mod
 from valora.cli.common import ADDRESS, ADMIN_KEY, HOME, app, console, gateway_address, refuse, server_code
-from valora.cli.jobs import job_probe_table, job_result_table, job_state
+from valora.cli.jobs import job_state, print_job_result
 from valora.client import ValoraClient
 
 
@@ -106,7 +106,4 @@ def generate(
     if state != "SUCCEEDED":
         console.print(f"[red]{job.name} {state}[/red] {job.error or job.message}")
         raise typer.Exit(1)
-    console.print(job_result_table(job))
-    probes = job_probe_table(job)
-    if probes is not None:
-        console.print(probes)
+    print_job_result(job)

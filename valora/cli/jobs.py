@@ -69,6 +69,14 @@ def job_probe_table(job) -> Table | None:
     return table
 
 
+def print_job_result(job) -> None:
+    """A succeeded job's result table, and its probe table when it has one."""
+    console.print(job_result_table(job))
+    probes = job_probe_table(job)
+    if probes is not None:
+        console.print(probes)
+
+
 @jobs_app.command("list")
 def jobs_list(home: Path = HOME, address: str = ADDRESS, admin_key: str = ADMIN_KEY):
     """List generation jobs, newest first."""
@@ -112,10 +120,7 @@ def jobs_get(
     if j.error or j.message:
         console.print(j.error or j.message, markup=False, highlight=False)
     if job_state(j) == "SUCCEEDED":
-        console.print(job_result_table(j))
-        probes = job_probe_table(j)
-        if probes is not None:
-            console.print(probes)
+        print_job_result(j)
 
 
 @jobs_app.command("cancel")
