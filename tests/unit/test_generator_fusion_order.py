@@ -89,21 +89,27 @@ def test_generate_with_the_probed_order(model_path, tmp_path):
     assert record["probe"]["trainings"] == 3 and "probed order:" in result.output
 
 
-def test_a_job_with_the_probed_order_records_the_order_it_fused_in(model_path, tmp_path):
+def store_settings(tmp_path, model_path):
+    """A store on SQLite and a blob directory under tmp_path, on a free port."""
     from services.adapter_store.config import StoreSettings
-    from services.adapter_store.testing import RunningStore
-    from services.generator.runner import Runner, RunnerSettings
-    from valora import cli
-    from valora_protos.v1 import admin_service_pb2 as admin_pb
-    from valora_protos.v1 import resources_pb2 as res
 
-    settings = StoreSettings(
+    return StoreSettings(
         database_url=f"sqlite:///{tmp_path / 'd.db'}",
         blob_dir=str(tmp_path / "blobs"),
         model_path=str(model_path),
         gc_interval_s=0,
         port=0,
     )
+
+
+def test_a_job_with_the_probed_order_records_the_order_it_fused_in(model_path, tmp_path):
+    from services.adapter_store.testing import RunningStore
+    from services.generator.runner import Runner, RunnerSettings
+    from valora import cli
+    from valora_protos.v1 import admin_service_pb2 as admin_pb
+    from valora_protos.v1 import resources_pb2 as res
+
+    settings = store_settings(tmp_path, model_path)
     with RunningStore(settings) as rs:
         args = ["generate", "--address", rs.address, "--base-model", str(model_path), "--rank", "2", "--epochs", "1"]
         args += ["--limit", "8", "--source", "count:0.99", "--source", "digit:0", "--job-id", "po"]
@@ -149,7 +155,6 @@ def test_the_report_labels_each_order_and_its_min_margin():
 def test_a_probed_jobs_result_holds_the_probe_matrix_it_chose_from(model_path, tmp_path, monkeypatch):
     import itertools
 
-    from services.adapter_store.config import StoreSettings
     from services.adapter_store.testing import RunningStore
     from services.generator import pipeline
     from services.generator.runner import Runner, RunnerSettings
@@ -165,13 +170,7 @@ def test_a_probed_jobs_result_holds_the_probe_matrix_it_chose_from(model_path, t
 
     real = pipeline.probe_interference
     monkeypatch.setattr(pipeline, "probe_interference", probe_interference)
-    settings = StoreSettings(
-        database_url=f"sqlite:///{tmp_path / 'd.db'}",
-        blob_dir=str(tmp_path / "blobs"),
-        model_path=str(model_path),
-        gc_interval_s=0,
-        port=0,
-    )
+    settings = store_settings(tmp_path, model_path)
     sources = ["count:0.99", "digit:0", "parity:0"]
     with RunningStore(settings) as rs:
         args = ["generate", "--address", rs.address, "--base-model", str(model_path), "--rank", "2", "--epochs", "1"]
