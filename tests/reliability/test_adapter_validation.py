@@ -12,7 +12,8 @@ import pytest
 
 from services.common.adapter_format import BaseModelShapes, make_random_bundle
 from tests.reliability.bundles import corpus
-from tests.reliability.conftest import ADMIN_KEY, alive, md, record
+from tests.reliability.conftest import ADMIN_KEY, md, record
+from valora.cluster import alive
 from valora_protos.v1 import admin_service_pb2 as admin
 from valora_protos.v1 import admin_service_pb2_grpc as admin_grpc
 

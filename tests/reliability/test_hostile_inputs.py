@@ -8,7 +8,8 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from tests.reliability.conftest import API_KEY, MAX_MESSAGE_BYTES, alive, md, record, rss_bytes
+from tests.reliability.conftest import API_KEY, MAX_MESSAGE_BYTES, md, record, rss_bytes
+from valora.cluster import alive
 from tests.reliability.images import png, png_bomb, png_claiming
 from valora_protos.v1 import inference_service_pb2 as inf
 from valora_protos.v1 import inference_service_pb2_grpc as inf_grpc
